@@ -1,0 +1,29 @@
+"""ckptfmt: a distributed checkpoint format. The manifest is the commit.
+
+The core imports numpy, tensorstore and msgpack only; framework bridges live in ``bridges``.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ._types import Box as Box
+from ._types import LocalShard as LocalShard
+from ._types import TensorSharding as TensorSharding
+from .coord import Coordinator as Coordinator
+from .coord import LocalCoordinator as LocalCoordinator
+from .coord import TcpCoordinator as TcpCoordinator
+from .errors import *  # noqa: F401,F403  (every name is listed in errors.__all__)
+from .errors import __all__ as _error_names
+from .manifest import Manifest as Manifest
+from .manifest import TensorEntry as TensorEntry
+from .manifest import parse_manifest as parse_manifest
+from .reader import Checkpoint as Checkpoint
+from .reader import ReadStats as ReadStats
+from .repository import GcReport as GcReport
+from .repository import Repository as Repository
+from .session import SaveOptions as SaveOptions
+from .session import save as save
+
+__all__ = ["__version__", "Box", "LocalShard", "TensorSharding", "Coordinator", "LocalCoordinator",
+           "TcpCoordinator", "Manifest", "TensorEntry", "parse_manifest", "Checkpoint", "ReadStats",
+           "GcReport", "Repository", "SaveOptions", "save", *_error_names]

@@ -1,0 +1,110 @@
+"""Values that cross layers: boxes, sharding descriptions, local shards."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
+
+import numpy as np
+
+__all__ = ["Box", "TensorSharding", "LocalShard"]
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangular region of a tensor in global coordinates: ``offset`` and ``shape`` per dimension."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offset", tuple(int(x) for x in self.offset))
+        object.__setattr__(self, "shape", tuple(int(x) for x in self.shape))
+        if len(self.offset) != len(self.shape):
+            raise ValueError(f"box offset {self.offset} and shape {self.shape} differ in rank")
+
+    @classmethod
+    def full(cls, shape: tuple[int, ...]) -> "Box":
+        return cls((0,) * len(shape), tuple(shape))
+
+    @property
+    def stop(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offset, self.shape))
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def is_empty(self) -> bool:
+        return any(s == 0 for s in self.shape)
+
+    def intersect(self, other: "Box") -> "Box | None":
+        """The overlap of two boxes, or None when they do not overlap (or either is empty)."""
+        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
+        hi = tuple(min(a, b) for a, b in zip(self.stop, other.stop))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None if self.ndim else Box((), ())
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def slices(self, origin: tuple[int, ...] | None = None) -> tuple[slice, ...]:
+        """Slices selecting this box inside an array whose first element sits at ``origin``."""
+        origin = origin or (0,) * self.ndim
+        return tuple(slice(o - g, o - g + s) for o, s, g in zip(self.offset, self.shape, origin))
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"offset": list(self.offset), "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class TensorSharding:
+    """A framework-neutral description of how a tensor was sharded at save time (informative only).
+
+    ``partition[d]`` lists the mesh axes that split tensor dimension ``d`` (None: not split).
+    ``replicated_axes`` are mesh axes over which the tensor is replicated.
+    """
+
+    framework: str = ""
+    mesh_shape: tuple[int, ...] = ()
+    axis_names: tuple[str, ...] = ()
+    partition: tuple[tuple[str, ...] | None, ...] = ()
+    replicated_axes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"framework": self.framework, "mesh_shape": list(self.mesh_shape),
+                "axis_names": list(self.axis_names),
+                "partition": [None if p is None else list(p) for p in self.partition],
+                "replicated_axes": list(self.replicated_axes)}
+
+
+ArrayLike = Union[np.ndarray, Callable[[], np.ndarray]]
+
+
+@dataclass(frozen=True, eq=False)
+class LocalShard:
+    """One block of a global tensor held by this process.
+
+    ``data`` is a host array of shape ``box.shape`` or a zero-argument callable returning one
+    (for lazy device-to-host copies). Only ``replica_id == 0`` blocks are written; the others
+    only prove that the region is held.
+    """
+
+    key: str
+    global_shape: tuple[int, ...]
+    dtype: Any
+    box: Box
+    data: ArrayLike | None = None
+    replica_id: int = 0
+    sharding: TensorSharding | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(x) for x in self.global_shape))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    def materialize(self) -> np.ndarray:
+        d = self.data() if callable(self.data) else self.data
+        if d is None:
+            raise ValueError(f"shard of {self.key!r} at {self.box} has no data")
+        return np.asarray(d)

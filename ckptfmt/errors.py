@@ -1,0 +1,125 @@
+"""Typed errors. Every error raised for a bad checkpoint derives from CheckpointError.
+
+Each error names the tensor key path (``key``), the storage object (``object``),
+and what was expected against what was found.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CheckpointError", "InvalidManifestError", "UnsupportedVersionError", "ManifestTooLargeError",
+    "StepNotFoundError", "MissingShardError", "SizeMismatchError", "ChecksumMismatchError",
+    "DuplicateShardError", "StepAlreadyCommittedError", "StepMismatchError", "IncompleteSaveError",
+    "CoordinatorTimeoutError", "CoordinatorLostError", "StorageError", "InvalidStateError",
+    "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error ckptfmt raises for a bad or unusable checkpoint."""
+
+    def __init__(self, message: str, *, key: str | None = None, object: str | None = None,
+                 expected: Any = None, found: Any = None) -> None:
+        self.message = message
+        self.key = key
+        self.object = object
+        self.expected = expected
+        self.found = found
+        parts = [message]
+        if key is not None:
+            parts.append(f"tensor={key!r}")
+        if object is not None:
+            parts.append(f"object={object!r}")
+        if expected is not None or found is not None:
+            parts.append(f"expected={expected!r} found={found!r}")
+        super().__init__("; ".join(parts))
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-friendly description (for the CLI's --json output and receipts)."""
+        return {"error": type(self).__name__, "message": self.message, "key": self.key,
+                "object": self.object, "expected": _plain(self.expected), "found": _plain(self.found)}
+
+
+def _plain(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return str(v)
+
+
+class InvalidManifestError(CheckpointError):
+    """The manifest is not valid JSON, violates the schema, or breaks a format rule."""
+
+
+class UnsupportedVersionError(InvalidManifestError):
+    """The manifest has a format version or a must_understand extension this reader does not know."""
+
+
+class ManifestTooLargeError(InvalidManifestError):
+    """The manifest is larger than the reader's size cap."""
+
+
+class StepNotFoundError(CheckpointError):
+    """No committed manifest exists for the requested step."""
+
+
+class MissingShardError(CheckpointError):
+    """An object that a committed manifest references is absent."""
+
+
+class SizeMismatchError(CheckpointError):
+    """An object is shorter or longer than the manifest records (truncated or appended)."""
+
+
+class ChecksumMismatchError(CheckpointError):
+    """Bytes read do not match the crc32c recorded in the manifest (corrupt or stale)."""
+
+
+class DuplicateShardError(InvalidManifestError):
+    """Two shards claim the same region of a tensor, or an object is referenced twice."""
+
+
+class StepAlreadyCommittedError(CheckpointError):
+    """Another save already committed this step; the manifest was not overwritten."""
+
+
+class StepMismatchError(CheckpointError):
+    """Ranks disagree on the step, the tensor inventory, or the ownership of a save."""
+
+
+class IncompleteSaveError(CheckpointError):
+    """A writer failed or did not acknowledge; nothing was committed."""
+
+
+class CoordinatorTimeoutError(CheckpointError):
+    """A collective wait ran past its timeout; some rank did not arrive."""
+
+
+class CoordinatorLostError(CheckpointError):
+    """The connection to the coordinator or a peer was lost."""
+
+
+class StorageError(CheckpointError):
+    """The storage layer failed (I/O error, disk full, permission)."""
+
+
+class InvalidStateError(CheckpointError):
+    """Non-tensor state cannot be encoded, or stored state is hostile or malformed."""
+
+
+class ShapeMismatchError(CheckpointError):
+    """A restore target's shape or dtype does not match the checkpoint."""
+
+
+class KeyMismatchError(CheckpointError):
+    """A restore target has keys missing from the checkpoint, or the checkpoint has unexpected keys."""
+
+
+class TopologyChangedError(CheckpointError):
+    """Per-rank state cannot be restored on a different topology without an explicit policy."""
+
+
+class SaveInProgressError(CheckpointError):
+    """A save was started while an earlier asynchronous save is still in flight."""

@@ -1,0 +1,233 @@
+"""Pure planning: global boxes in, write and read items out. No I/O, no framework imports.
+
+Save planning (:func:`plan_save`) picks, for each tensor, the shard grid (the zarr
+regular chunk grid), the inner chunk shape, and which writer writes each shard.
+Read planning (:func:`plan_reads`) maps requested global boxes onto the stored inner
+chunks and the byte ranges that hold them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import product
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ._types import Box
+from .errors import ShapeMismatchError, StepMismatchError
+
+__all__ = [
+    "TensorGeometry", "WriteItem", "TensorWritePlan", "ReadItem", "shard_grid", "chunk_shape_for",
+    "plan_save", "plan_reads", "cell_key", "stored_chunk_counts",
+]
+
+DEFAULT_CHUNK_TARGET_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class TensorGeometry:
+    """The storage geometry of one tensor: global shape, shard shape, inner chunk shape."""
+
+    shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Number of shards along each dimension (0 along a zero-length dimension)."""
+        return tuple(-(-n // s) for n, s in zip(self.shape, self.shard_shape))
+
+    @property
+    def inner(self) -> tuple[int, ...]:
+        """Inner chunks per shard along each dimension (the shard index covers all of them)."""
+        return tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Stored bytes of one inner chunk with the raw codec: data plus the 4-byte crc32c."""
+        return math.prod(self.chunk_shape) * self.itemsize + 4
+
+    @property
+    def index_nbytes(self) -> int:
+        """Bytes of a shard index: 16 per inner chunk plus the 4-byte crc32c."""
+        return math.prod(self.inner) * 16 + 4
+
+    def shard_box(self, cell: tuple[int, ...]) -> Box:
+        off = tuple(c * s for c, s in zip(cell, self.shard_shape))
+        return Box(off, tuple(min(s, n - o) for s, n, o in zip(self.shard_shape, self.shape, off)))
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One shard object to write: the grid cell, its global box and its writer."""
+
+    cell: tuple[int, ...]
+    box: Box
+    writer: int
+
+
+@dataclass(frozen=True)
+class TensorWritePlan:
+    key: str
+    index: int
+    dtype: str
+    geometry: TensorGeometry
+    items: tuple[WriteItem, ...]
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Read one stored inner chunk and copy part of it into a requested box.
+
+    ``shard`` indexes the tensor's shard table, ``chunk`` its chunk table.
+    ``src`` selects inside the decoded chunk (full chunk_shape); ``dst`` inside the request.
+    """
+
+    request: int
+    shard: int
+    chunk: int
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+
+
+def cell_key(cell: tuple[int, ...]) -> str:
+    """The zarr v3 "default" chunk key of a grid cell, relative to the array path."""
+    return "c" if not cell else "c/" + "/".join(str(c) for c in cell)
+
+
+def shard_grid(shape: tuple[int, ...], boxes: Iterable[Box]) -> tuple[int, ...]:
+    """The shard shape: per dimension, the gcd of every interior box boundary.
+
+    Regular splits (including torch.chunk-style uneven tails) give the block size itself.
+    A dimension with no interior boundary gets one shard spanning it.
+    """
+    bounds: list[set[int]] = [set() for _ in shape]
+    for b in boxes:
+        if b.is_empty():
+            continue
+        for d, (o, s) in enumerate(zip(b.offset, b.shape)):
+            for x in (o, o + s):
+                if 0 < x < shape[d]:
+                    bounds[d].add(x)
+    out = []
+    for d, n in enumerate(shape):
+        g = 0
+        for x in bounds[d]:
+            g = math.gcd(g, x)
+        out.append(g if g else max(n, 1))
+    return tuple(out)
+
+
+def chunk_shape_for(shard_shape: tuple[int, ...], itemsize: int,
+                    target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES) -> tuple[int, ...]:
+    """Inner chunk shape: divisors of the shard shape, near-cubic, at most ``target_bytes``.
+
+    Repeatedly splits the largest dimension by its smallest prime factor until the chunk fits.
+    """
+    chunk = list(shard_shape)
+    while math.prod(chunk) * itemsize > target_bytes:
+        order = sorted(range(len(chunk)), key=lambda d: -chunk[d])
+        for d in order:
+            p = _smallest_factor(chunk[d])
+            if p:
+                chunk[d] //= p
+                break
+        else:
+            break
+    return tuple(chunk)
+
+
+def _smallest_factor(n: int) -> int:
+    if n < 2:
+        return 0
+    for p in range(2, int(math.isqrt(n)) + 1):
+        if n % p == 0:
+            return p
+    return n
+
+
+def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
+              rank_boxes: Sequence[Mapping[str, Sequence[tuple[Box, int]]]],
+              chunk_target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES) -> list[TensorWritePlan]:
+    """Plan a save from every rank's held boxes.
+
+    ``inventory`` maps key -> (global shape, dtype name, itemsize); ``rank_boxes[r]`` maps
+    key -> [(box, replica_id), ...] held by rank r. Each shard goes to the holder with the
+    lowest (replica_id, rank). Every rank computes the same plan from the same inputs.
+
+    Raises StepMismatchError when a box falls outside its tensor, a rank names an unknown
+    tensor, or part of a tensor is held by no rank.
+    """
+    plans: list[TensorWritePlan] = []
+    for r, held in enumerate(rank_boxes):
+        for key in held:
+            if key not in inventory:
+                raise StepMismatchError("a rank holds a tensor the inventory does not list",
+                                        key=key, expected="a key of rank 0's inventory", found=f"rank {r}")
+    for index, key in enumerate(sorted(inventory)):
+        shape, dtype, itemsize = inventory[key]
+        shape = tuple(shape)
+        held = [(r, b, rep) for r, hb in enumerate(rank_boxes) for b, rep in hb.get(key, ())]
+        for r, b, _ in held:
+            if b.ndim != len(shape) or any(o < 0 or o + s > n for o, s, n in zip(b.offset, b.shape, shape)):
+                raise StepMismatchError("a held box lies outside its tensor", key=key,
+                                        expected=f"inside {shape}", found=f"{b} on rank {r}")
+        shard_shape = shard_grid(shape, (b for _, b, _ in held))
+        geom = TensorGeometry(shape, shard_shape, chunk_shape_for(shard_shape, itemsize, chunk_target_bytes), itemsize)
+        owner: dict[tuple[int, ...], tuple[int, int]] = {}
+        for r, b, rep in held:
+            if b.is_empty():
+                continue
+            ranges = [range(o // s, -(-(o + n) // s)) for o, n, s in zip(b.offset, b.shape, shard_shape)]
+            for cell in product(*ranges):
+                cand = (rep, r)
+                if cell not in owner or cand < owner[cell]:
+                    owner[cell] = cand
+        cells = list(product(*(range(g) for g in geom.grid)))
+        missing = [c for c in cells if c not in owner]
+        if missing:
+            raise StepMismatchError("part of a tensor is held by no rank", key=key,
+                                    expected="every shard held", found=f"{len(missing)} unheld shard(s), first {geom.shard_box(missing[0])}")
+        items = tuple(WriteItem(c, geom.shard_box(c), owner[c][1]) for c in cells)
+        plans.append(TensorWritePlan(key, index, dtype, geom, items))
+    return plans
+
+
+def stored_chunk_counts(geom: TensorGeometry, shard_offset: tuple[int, ...]) -> tuple[int, ...]:
+    """Per dimension, how many inner chunks of the shard at ``shard_offset`` intersect the array."""
+    return tuple(-(-min(s, n - o) // c) for s, n, o, c in zip(geom.shard_shape, geom.shape, shard_offset, geom.chunk_shape))
+
+
+def plan_reads(geom: TensorGeometry, shard_offsets: np.ndarray, chunk_start: np.ndarray,
+               requests: Sequence[Box]) -> list[ReadItem]:
+    """Map requested boxes to stored inner chunks.
+
+    ``shard_offsets`` is the (S, ndim) table of shard offsets; ``chunk_start[s]`` is where
+    shard s's entries begin in the chunk table. Raises ShapeMismatchError for a request
+    outside the tensor. Pure: no I/O.
+    """
+    ndim = len(geom.shape)
+    cell_to_shard: dict[tuple[int, ...], int] = {}
+    for s, off in enumerate(shard_offsets.reshape(-1, ndim) if ndim else [()] * len(shard_offsets)):
+        cell_to_shard[tuple(int(o) // sh for o, sh in zip(off, geom.shard_shape))] = s
+    items: list[ReadItem] = []
+    for ri, req in enumerate(requests):
+        if req.ndim != ndim or any(o < 0 or o + s > n for o, s, n in zip(req.offset, req.shape, geom.shape)):
+            raise ShapeMismatchError("requested box lies outside the tensor", expected=f"inside {geom.shape}", found=str(req))
+        if req.is_empty():
+            continue
+        ranges = [range(o // c, -(-(o + n) // c)) for o, n, c in zip(req.offset, req.shape, geom.chunk_shape)]
+        for gchunk in product(*ranges):
+            cell = tuple(g * c // s for g, c, s in zip(gchunk, geom.chunk_shape, geom.shard_shape))
+            s = cell_to_shard[cell]
+            shard_off = tuple(ce * sh for ce, sh in zip(cell, geom.shard_shape))
+            local = tuple(g - ce * (sh // c) for g, ce, sh, c in zip(gchunk, cell, geom.shard_shape, geom.chunk_shape))
+            counts = stored_chunk_counts(geom, shard_off)
+            flat = int(np.ravel_multi_index(local, counts)) if ndim else 0
+            cbox = Box(tuple(g * c for g, c in zip(gchunk, geom.chunk_shape)), geom.chunk_shape)
+            inter = cbox.intersect(req)
+            assert inter is not None
+            items.append(ReadItem(ri, s, int(chunk_start[s]) + flat, inter.slices(cbox.offset), inter.slices(req.offset)))
+    return items

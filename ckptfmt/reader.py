@@ -1,0 +1,276 @@
+"""The restore side: plan by global coordinates, read only the needed byte ranges, verify
+every block against the manifest, and hand nothing back until everything is verified."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from ._types import Box
+from .checksum import crc32c
+from .dtypes import numpy_dtype
+from .errors import (ChecksumMismatchError, KeyMismatchError, MissingShardError, SizeMismatchError,
+                     TopologyChangedError)
+from .manifest import Manifest, TensorEntry
+from .plan import ReadItem, plan_reads
+from .storage import Storage
+
+__all__ = ["Checkpoint", "ReadStats"]
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class ReadStats:
+    """What a reader did: bytes and requests, and seconds per phase."""
+
+    bytes_read: int = 0
+    requests: int = 0
+    objects: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
+
+class Checkpoint:
+    """One committed step, opened for reading. Create it with :meth:`Repository.open`."""
+
+    def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = 512 << 20,
+                 stats: ReadStats | None = None) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self.max_inflight_bytes = max_inflight_bytes
+        self.stats = stats or ReadStats()
+        self._chunk_start: dict[str, np.ndarray] = {}
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    @property
+    def saved_world(self) -> int:
+        return self.manifest.writers
+
+    def keys(self) -> list[str]:
+        return sorted(self.manifest.tensors)
+
+    def tensor(self, key: str) -> TensorEntry:
+        try:
+            return self.manifest.tensors[key]
+        except KeyError:
+            raise KeyMismatchError("tensor is not in the checkpoint", key=key, object=f"step {self.step}",
+                                   expected="a saved key", found="missing") from None
+
+    # ------------------------------------------------------------------ tensors
+    def read(self, key: str, box: Box | None = None) -> np.ndarray:
+        """Read one box (default: the whole tensor), verified. Raises a CheckpointError on any fault."""
+        t = self.tensor(key)
+        return self.read_boxes([(key, box if box is not None else Box.full(t.shape))])[0]
+
+    def read_boxes(self, requests: Sequence[tuple[str, Box]]) -> list[np.ndarray]:
+        """Read many boxes of many tensors at once.
+
+        Reads only the inner chunks each box touches, verifies each against the manifest's crc32c
+        (and each touched object's size and index checksum), and returns fresh arrays only after
+        every byte has been verified. On any fault it raises and returns nothing.
+        """
+        t0 = time.perf_counter()
+        by_key: dict[str, list[int]] = {}
+        for i, (key, box) in enumerate(requests):
+            by_key.setdefault(key, []).append(i)
+        outs: list[np.ndarray | None] = [None] * len(requests)
+        work: dict[tuple[str, int], list[ReadItem]] = {}
+        for key, idxs in by_key.items():
+            t = self.tensor(key)
+            dt = numpy_dtype(t.dtype)
+            boxes = [requests[i][1] for i in idxs]
+            for i, b in zip(idxs, boxes):
+                outs[i] = np.empty(b.shape, dtype=dt)
+            for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
+                work.setdefault((key, item.shard), []).append(
+                    ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))
+        self.stats.add_time("plan", time.perf_counter() - t0)
+        batch: list[tuple[str, int, list[ReadItem]]] = []
+        size = 0
+        for (key, s), items in work.items():
+            batch.append((key, s, items))
+            size += len({it.chunk for it in items}) * self.manifest.tensors[key].geometry.chunk_nbytes
+            if size >= self.max_inflight_bytes:
+                self._run_batch(batch, outs)
+                batch, size = [], 0
+        if batch:
+            self._run_batch(batch, outs)
+        return outs  # type: ignore[return-value]  # every entry was allocated above
+
+    def _starts(self, t: TensorEntry) -> np.ndarray:
+        cs = self._chunk_start.get(t.key)
+        if cs is None:
+            cs = self._chunk_start[t.key] = t.chunk_start
+        return cs
+
+    def _run_batch(self, batch: list[tuple[str, int, list[ReadItem]]], outs: list[np.ndarray | None]) -> None:
+        t0 = time.perf_counter()
+        issued = []
+        for key, s, items in batch:
+            t = self.manifest.tensors[key]
+            g = t.geometry
+            obj = t.object_key(s)
+            starts = self._starts(t)
+            total_chunks = int(starts[s + 1] - starts[s])
+            chunks = sorted({it.chunk for it in items})
+            nbytes = int(t.shards.nbytes[s])
+            if len(chunks) == total_chunks:
+                issued.append((key, s, items, obj, True, [self.storage.read_range_future(obj, 0, None)]))
+                self.stats.requests += 1
+            else:
+                futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, None)]
+                for c in chunks:
+                    o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+                    futs.append(self.storage.read_range_future(obj, o, o + n))
+                issued.append((key, s, items, obj, False, futs))
+                self.stats.requests += len(futs)
+            self.stats.objects += 1
+        for key, s, items, obj, whole, futs in issued:
+            t = self.manifest.tensors[key]
+            g = t.geometry
+            nbytes = int(t.shards.nbytes[s])
+            tw = time.perf_counter()
+            raw = [Storage.range_result(f, obj, 0, None, tensor=key) for f in futs]
+            self.stats.add_time("read", time.perf_counter() - tw)
+            self.stats.bytes_read += sum(len(r) for r in raw)
+            tv = time.perf_counter()
+            chunk_bytes: dict[int, memoryview] = {}
+            if whole:
+                buf = raw[0]
+                if len(buf) != nbytes:
+                    raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
+                                            expected=nbytes, found=len(buf))
+                index = memoryview(buf)[nbytes - g.index_nbytes:]
+                for c in {it.chunk for it in items}:
+                    o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+                    chunk_bytes[c] = memoryview(buf)[o:o + n]
+            else:
+                index = memoryview(raw[0])
+                if len(index) != g.index_nbytes:
+                    raise SizeMismatchError("shard object is longer than the manifest records", key=key, object=obj,
+                                            expected=nbytes, found=nbytes - g.index_nbytes + len(index))
+                for c, r in zip(sorted({it.chunk for it in items}), raw[1:]):
+                    chunk_bytes[c] = memoryview(r)
+            self._check_index(t, s, obj, index)
+            for c, mv in chunk_bytes.items():
+                self._check_chunk(t, c, obj, mv)
+            self.stats.add_time("verify", time.perf_counter() - tv)
+            ta = time.perf_counter()
+            dt = numpy_dtype(t.dtype)
+            decoded = {c: np.frombuffer(mv[:-4], dtype=dt).reshape(g.chunk_shape) for c, mv in chunk_bytes.items()}
+            for it in items:
+                outs[it.request][it.dst or ...] = decoded[it.chunk][it.src or ...]  # type: ignore[index]
+            self.stats.add_time("assemble", time.perf_counter() - ta)
+        self.stats.add_time("batch", time.perf_counter() - t0)
+
+    @staticmethod
+    def _check_index(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
+        want = int(t.shards.index_crc32c[s])
+        got = crc32c(index[:-4])
+        stored = int.from_bytes(index[-4:], "little")
+        if got != want or stored != want:
+            raise ChecksumMismatchError("shard index checksum differs from the manifest (corrupt or stale)",
+                                        key=t.key, object=obj, expected=want, found=got if got != want else stored)
+
+    @staticmethod
+    def _check_chunk(t: TensorEntry, c: int, obj: str, mv: memoryview) -> None:
+        want = int(t.chunks.crc32c[c])
+        if len(mv) != int(t.chunks.nbytes[c]):
+            raise SizeMismatchError("chunk byte range is short", key=t.key, object=obj,
+                                    expected=int(t.chunks.nbytes[c]), found=len(mv))
+        got = crc32c(mv[:-4])
+        stored = int.from_bytes(mv[-4:], "little")
+        if got != want or stored != want:
+            raise ChecksumMismatchError("chunk checksum differs from the manifest (corrupt or stale data)",
+                                        key=t.key, object=f"{obj} bytes [{int(t.chunks.offset[c])}, +{len(mv)})",
+                                        expected=want, found=got if got != want else stored)
+
+    # ------------------------------------------------------------------ non-tensor state
+    def _state_object(self, name: str) -> Any:
+        from .state import decode_state
+        e = self.manifest.state.get(name)
+        if e is None:
+            return None
+        data = self.storage.read(e.key)
+        if data is None:
+            raise MissingShardError("state object is missing", key=name, object=e.key, expected="present", found="missing")
+        if len(data) != e.nbytes:
+            raise SizeMismatchError("state object size differs from the manifest", key=name, object=e.key,
+                                    expected=e.nbytes, found=len(data))
+        if crc32c(data) != e.crc32c:
+            raise ChecksumMismatchError("state object checksum differs from the manifest", key=name, object=e.key,
+                                        expected=e.crc32c, found=crc32c(data))
+        self.stats.bytes_read += len(data)
+        return decode_state(data)
+
+    def state(self) -> Any:
+        """The global non-tensor state (decoded msgpack, verified), or None if none was saved."""
+        return self._state_object("global")
+
+    def rank_state(self, rank: int, *, world: int | None = None, policy: str | None = None) -> Any:
+        """Per-rank state saved by ``rank``.
+
+        When restoring on a different number of ranks (``world`` != saved writers) this raises
+        TopologyChangedError unless ``policy`` is given: "drop" returns None, "rank0" returns
+        rank 0's state for every rank, "same-rank" returns rank ``rank``'s state when it exists.
+        """
+        if world is not None and world != self.saved_world:
+            if policy is None:
+                raise TopologyChangedError("per-rank state saved on a different topology needs a policy",
+                                           object=f"step {self.step}", expected=f"world {self.saved_world}",
+                                           found=f"world {world}")
+            if policy == "drop":
+                return None
+            if policy == "rank0":
+                rank = 0
+            elif policy != "same-rank":
+                raise TopologyChangedError("unknown topology policy", expected="drop, rank0, same-rank", found=policy)
+        return self._state_object(f"rank/{rank}")
+
+    # ------------------------------------------------------------------ verify
+    def verify(self, progress: Progress | None = None) -> int:
+        """Read every object fully and check it against the manifest. Returns bytes verified.
+
+        Raises the first MissingShardError / SizeMismatchError / ChecksumMismatchError found.
+        """
+        total = self.manifest.nbytes
+        done = 0
+        for key in self.keys():
+            t = self.manifest.tensors[key]
+            starts = self._starts(t)
+            S = len(t.shards)
+            step = max(1, self.max_inflight_bytes // max(1, int(t.shards.nbytes.max()) if S else 1))
+            for lo in range(0, S, step):
+                idx = list(range(lo, min(S, lo + step)))
+                futs = [self.storage.read_range_future(t.object_key(s), 0, None) for s in idx]
+                for s, f in zip(idx, futs):
+                    obj = t.object_key(s)
+                    buf = Storage.range_result(f, obj, 0, None, tensor=key)
+                    nbytes = int(t.shards.nbytes[s])
+                    if len(buf) != nbytes:
+                        raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
+                                                expected=nbytes, found=len(buf))
+                    mv = memoryview(buf)
+                    self._check_index(t, s, obj, mv[nbytes - t.geometry.index_nbytes:])
+                    for c in range(int(starts[s]), int(starts[s + 1])):
+                        o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+                        self._check_chunk(t, c, obj, mv[o:o + n])
+                    done += nbytes
+                    self.stats.bytes_read += nbytes
+                    if progress:
+                        progress(done, total)
+        for name, e in sorted(self.manifest.state.items()):
+            self._state_object(name)
+            done += e.nbytes
+            if progress:
+                progress(done, total)
+        return done

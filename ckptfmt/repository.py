@@ -1,0 +1,145 @@
+"""A checkpoint repository: committed steps, opening, verification, deletion and gc."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import CheckpointError, InvalidManifestError, StepNotFoundError
+from .manifest import MAX_MANIFEST_BYTES, Manifest, manifest_key, parse_manifest
+from .reader import Checkpoint, Progress, ReadStats
+from .storage import Storage
+
+__all__ = ["Repository", "GcReport"]
+
+_MANIFEST_RE = re.compile(r"^manifests/(\d{20})\.json$")
+
+
+@dataclass
+class GcReport:
+    """What gc did: steps removed by retention, private saves removed, saves left alone."""
+
+    removed_steps: list[int] = field(default_factory=list)
+    removed_saves: list[str] = field(default_factory=list)
+    in_progress: list[str] = field(default_factory=list)
+    objects_removed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"removed_steps": self.removed_steps, "removed_saves": self.removed_saves,
+                "in_progress": self.in_progress, "objects_removed": self.objects_removed}
+
+
+class Repository:
+    """A ckptfmt repository at ``url`` (local path, file://, memory://, s3://, gs://).
+
+    Only committed manifests are visible: a save that has not committed is never listed.
+    """
+
+    def __init__(self, url: str, *, options: Mapping[str, Any] | None = None,
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
+        self.url = str(url)
+        self.storage = Storage(self.url, options)
+        self.max_manifest_bytes = max_manifest_bytes
+
+    def __repr__(self) -> str:
+        return f"Repository({self.url!r})"
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return sorted(int(m.group(1)) for k in self.storage.list("manifests/") if (m := _MANIFEST_RE.match(k)))
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        s = self.steps()
+        return s[-1] if s else None
+
+    def manifest(self, step: int) -> Manifest:
+        """The validated manifest of a committed step. StepNotFoundError / InvalidManifestError on failure."""
+        key = manifest_key(int(step))
+        data = self.storage.read(key)
+        if data is None:
+            raise StepNotFoundError("step is not committed", object=key, expected="a committed manifest", found="none")
+        try:
+            m = parse_manifest(data, max_bytes=self.max_manifest_bytes)
+        except CheckpointError as e:
+            e.object = e.object or key
+            raise
+        if m.step != int(step):
+            raise InvalidManifestError("manifest names a different step than its key", object=key,
+                                       expected=int(step), found=m.step)
+        return m
+
+    def open(self, step: int | None = None) -> Checkpoint:
+        """Open a committed step for reading (default: the latest)."""
+        t0 = time.perf_counter()
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise StepNotFoundError("repository has no committed step", object=self.url, expected=">= 1 step", found=0)
+        stats = ReadStats()
+        m = self.manifest(step)
+        stats.add_time("manifest", time.perf_counter() - t0)
+        return Checkpoint(self.storage, m, stats=stats)
+
+    def verify(self, step: int | None = None, progress: Progress | None = None) -> int:
+        """Check every byte of a step against its manifest; raise on the first fault. Returns bytes checked."""
+        return self.open(step).verify(progress)
+
+    def delete(self, step: int) -> None:
+        """Un-commit a step (its manifest goes first, atomically), then remove its objects."""
+        m = self.manifest(step)
+        self.storage.delete(manifest_key(step))
+        self.storage.delete_prefix(f"saves/{m.save_id}/")
+
+    def gc(self, *, grace_s: float = 600.0, keep_last: int | None = None, keep_every: int | None = None) -> GcReport:
+        """Apply retention, then remove private objects of saves that no committed manifest references.
+
+        Retention keeps the newest ``keep_last`` steps (and every step divisible by ``keep_every``);
+        it only ever removes steps older than a committed newer one. A save whose lease was
+        refreshed within ``grace_s`` seconds is in progress and is never touched. Nothing a
+        committed manifest references is removed, even when that manifest is unreadable.
+        """
+        report = GcReport()
+        steps = self.steps()
+        if keep_last is not None and keep_last >= 1 and len(steps) > keep_last:
+            for s in steps[:-keep_last]:
+                if keep_every and s % keep_every == 0:
+                    continue
+                self.delete(s)
+                report.removed_steps.append(s)
+            steps = self.steps()
+        referenced: set[str] = set()
+        raw_manifests: list[bytes] = []
+        for s in steps:
+            try:
+                referenced.add(self.manifest(s).save_id)
+            except CheckpointError:
+                data = self.storage.read(manifest_key(s))
+                if data:
+                    raw_manifests.append(data)
+        keys = self.storage.list("saves/")
+        by_save: dict[str, int] = {}
+        for k in keys:
+            parts = k.split("/")
+            if len(parts) >= 3:
+                by_save[parts[1]] = by_save.get(parts[1], 0) + 1
+        now = time.time()
+        for sid, count in sorted(by_save.items()):
+            if sid in referenced or any(sid.encode() in raw for raw in raw_manifests):
+                continue
+            lease = self.storage.read(f"saves/{sid}/LEASE")
+            if lease is not None:
+                try:
+                    beat = float(json.loads(lease)["heartbeat_unix"])
+                except (ValueError, KeyError, TypeError):
+                    beat = 0.0
+                if now - beat < grace_s:
+                    report.in_progress.append(sid)
+                    continue
+                self.storage.delete(f"saves/{sid}/LEASE")
+            self.storage.delete_prefix(f"saves/{sid}/")
+            report.removed_saves.append(sid)
+            report.objects_removed += count
+        return report

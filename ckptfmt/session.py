@@ -1,0 +1,445 @@
+"""The save protocol: freeze, write privately, verify, acknowledge, commit.
+
+Call order on every rank (all collectives are named and bounded by ``timeout_s``):
+
+1. rank 0 picks the save id and writes ``saves/<id>/LEASE``; ``broadcast("save/begin")``.
+2. ``allgather("save/freeze")`` of (step, inventory digest, held boxes). Every rank computes the
+   same pure plan (:func:`ckptfmt.plan.plan_save`); any disagreement raises StepMismatchError on
+   every rank before a byte of tensor data is written.
+3. each rank writes the shards it owns (rank 0 also every ``zarr.json`` and the global state;
+   each rank its own per-rank state) and verifies them: object size, index checksum, and every
+   inner chunk's stored crc32c against the crc32c computed from the source bytes.
+4. ``allgather("save/ack")`` of the shard records, or of the writer's error.
+5. rank 0 builds and validates the manifest and publishes it with one conditional create of
+   ``manifests/<step>.json``; ``broadcast("save/commit")`` of the outcome.
+
+On failure before the commit no manifest exists, so the step is never listed; rank 0 removes
+the save's private objects when it can, and ``Repository.gc`` removes them otherwise.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import platform
+import secrets
+import threading
+import time
+from dataclasses import dataclass, replace
+from itertools import product
+from typing import Any, Iterable, Mapping
+
+import msgpack
+import numpy as np
+
+from . import errors as _errors
+from ._types import Box, LocalShard
+from .checksum import crc32c
+from .coord import Coordinator, LocalCoordinator
+from .dtypes import dtype_name, numpy_dtype
+from .errors import (CheckpointError, IncompleteSaveError, InvalidManifestError, StepAlreadyCommittedError,
+                     StepMismatchError, StorageError)
+from .manifest import (ArraySpec, ChunkTable, Manifest, ShardTable, StateEntry, TensorEntry, manifest_key,
+                       parse_manifest)
+from .plan import DEFAULT_CHUNK_TARGET_BYTES, TensorWritePlan, cell_key, plan_save, stored_chunk_counts
+from .storage import Storage
+
+__all__ = ["SaveOptions", "save", "lease_key", "new_save_id"]
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Tuning and test knobs of a save. ``save_id``/``created_unix`` exist for reproducible examples."""
+
+    timeout_s: float = 300.0
+    chunk_target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES
+    max_inflight_bytes: int = 512 << 20
+    heartbeat_s: float = 10.0
+    save_id: str | None = None
+    created_unix: float | None = None
+
+
+def lease_key(save_id: str) -> str:
+    return f"saves/{save_id}/LEASE"
+
+
+def new_save_id(step: int) -> str:
+    return f"{step:012d}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(b: bytes) -> Any:
+    return msgpack.unpackb(b, raw=False, strict_map_key=False)
+
+
+def _versions(extra: Mapping[str, str] | None) -> dict[str, str]:
+    import tensorstore
+    from . import __version__
+    v = {"ckptfmt": __version__, "python": platform.python_version(), "numpy": np.__version__,
+         "tensorstore": getattr(tensorstore, "__version__", "unknown")}
+    try:
+        from importlib.metadata import version
+        v["tensorstore"] = version("tensorstore")
+    except Exception:
+        pass
+    v.update({str(k): str(x) for k, x in (extra or {}).items()})
+    return v
+
+
+class _Heartbeat:
+    """Rank 0 refreshes the lease so gc can tell a live save from an abandoned one."""
+
+    def __init__(self, storage: Storage, key: str, body: dict[str, Any], every_s: float) -> None:
+        self.storage, self.key, self.body, self.every_s = storage, key, body, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptfmt-lease", daemon=True)
+
+    def beat(self) -> None:
+        self.storage.write(self.key, _lease_bytes(self.body))
+
+    def start(self) -> "_Heartbeat":
+        self.beat()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.beat()
+            except CheckpointError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+def _lease_bytes(body: Mapping[str, Any]) -> bytes:
+    import json
+    return json.dumps(dict(body, heartbeat_unix=time.time()), sort_keys=True).encode()
+
+
+def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = None, rank_state: Any = None,
+         metadata: Mapping[str, Any] | None = None, coordinator: Coordinator | None = None,
+         versions: Mapping[str, str] | None = None, options: SaveOptions | None = None) -> Manifest:
+    """Save one logical step from every rank, and return the committed manifest.
+
+    Every rank calls this with the same ``step`` and the blocks it holds. Returns only after the
+    manifest is committed. On any failure every rank raises a CheckpointError subclass and no
+    manifest is published: the step is not listed and earlier steps are untouched.
+    """
+    from .repository import Repository
+    repository = repo if isinstance(repo, Repository) else Repository(str(repo))
+    storage = repository.storage
+    coord = coordinator or LocalCoordinator()
+    opts = options or SaveOptions()
+    rank, world = coord.rank, coord.world
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise StepMismatchError("step must be a non-negative integer", expected=">= 0", found=repr(step))
+    step = int(step)
+    local = _index_shards(shards)
+
+    # 1. begin: save id and lease (rank 0), before any rank writes anything.
+    heartbeat = None
+    begin: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            if storage.read(manifest_key(step)) is not None:
+                raise StepAlreadyCommittedError("step is already committed", object=manifest_key(step),
+                                                expected="no manifest", found="committed manifest")
+            save_id = opts.save_id or new_save_id(step)
+            heartbeat = _Heartbeat(storage, lease_key(save_id), {"save_id": save_id, "step": step, "world": world},
+                                   opts.heartbeat_s).start()
+            begin = {"save_id": save_id}
+        except CheckpointError as e:
+            begin = {"error": _err_json(e)}
+    begin = _unpack(coord.broadcast("save/begin", _pack(begin) if rank == 0 else None, 0, opts.timeout_s))
+    if "error" in begin:
+        raise _err_from(begin["error"])
+    save_id = begin["save_id"]
+    try:
+        return _run(repository, storage, coord, opts, step, save_id, local, state, rank_state, metadata, versions)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+            try:
+                storage.delete(lease_key(save_id))
+            except CheckpointError:
+                pass
+
+
+def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:
+    out: dict[str, list[LocalShard]] = {}
+    for s in shards:
+        if not isinstance(s, LocalShard):
+            raise TypeError(f"expected LocalShard, got {type(s).__name__}")
+        dtype_name(s.dtype, key=s.key)
+        prev = out.get(s.key)
+        if prev and (prev[0].global_shape != s.global_shape or prev[0].dtype != s.dtype):
+            raise StepMismatchError("one tensor key has two shapes or dtypes on this rank", key=s.key,
+                                    expected=(prev[0].global_shape, str(prev[0].dtype)), found=(s.global_shape, str(s.dtype)))
+        out.setdefault(s.key, []).append(s)
+    return out
+
+
+def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
+         local: dict[str, list[LocalShard]], state: Any, rank_state: Any, metadata: Mapping[str, Any] | None,
+         versions: Mapping[str, str] | None) -> Manifest:
+    rank, world = coord.rank, coord.world
+    # 2. freeze: agree on step, inventory and ownership before any write.
+    inventory = {k: (list(v[0].global_shape), dtype_name(v[0].dtype)) for k, v in sorted(local.items())}
+    digest = hashlib.sha256(_pack(sorted(inventory.items()))).hexdigest()
+    boxes = {k: [[list(s.box.offset), list(s.box.shape), int(s.replica_id)] for s in v] for k, v in local.items()}
+    gathered = [_unpack(b) for b in coord.allgather("save/freeze", _pack(
+        {"step": step, "digest": digest, "save_id": save_id, "boxes": boxes}), opts.timeout_s)]
+    for r, g in enumerate(gathered):
+        if g["step"] != step or g["save_id"] != save_id:
+            raise StepMismatchError("ranks disagree on the step being saved", expected=f"step {step} everywhere",
+                                    found=f"rank {r} saves step {g['step']}")
+        if g["digest"] != digest:
+            raise StepMismatchError("ranks disagree on the tensor inventory (keys, shapes or dtypes)",
+                                    expected=f"digest {digest[:12]}", found=f"rank {r} digest {g['digest'][:12]}")
+    inv = {k: (tuple(shape), dt, numpy_dtype(dt).itemsize) for k, (shape, dt) in inventory.items()}
+    rank_boxes = [{k: [(Box(o, s), rep) for o, s, rep in v] for k, v in g["boxes"].items()} for g in gathered]
+    plans = plan_save(inv, rank_boxes, opts.chunk_target_bytes)
+
+    # 3. write privately and verify; 4. acknowledge (records or the error).
+    try:
+        records = _write_and_verify(storage, plans, local, save_id, rank, opts)
+        state_recs = _write_state(storage, save_id, rank, state, rank_state)
+        ack: dict[str, Any] = {"records": records, "state": state_recs}
+    except CheckpointError as e:
+        ack = {"error": _err_json(e)}
+    except Exception as e:  # a writer bug must still reach every rank, not hang them
+        ack = {"error": _err_json(IncompleteSaveError(f"writer failed: {type(e).__name__}: {e}"))}
+    acks = [_unpack(b) for b in coord.allgather("save/ack", _pack(ack), opts.timeout_s)]
+    failed = [(r, a["error"]) for r, a in enumerate(acks) if "error" in a]
+
+    # 5. commit (rank 0), then tell everyone.
+    outcome: dict[str, Any] = {}
+    if rank == 0:
+        if failed:
+            r, e = failed[0]
+            outcome = {"error": _err_json(IncompleteSaveError(
+                f"writer rank {r} failed ({e['error']}: {e['message']}); nothing was committed",
+                key=e.get("key"), object=e.get("object"), expected=e.get("expected"), found=e.get("found")))}
+        else:
+            try:
+                shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
+                manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
+                data = manifest.to_bytes()
+                parse_manifest(data, max_bytes=repository.max_manifest_bytes)
+                if not storage.create_if_absent(manifest_key(step), data):
+                    raise StepAlreadyCommittedError("another save committed this step first", object=manifest_key(step),
+                                                    expected="no manifest", found="a manifest from another save")
+                outcome = {"ok": True, "manifest": data}
+            except CheckpointError as e:
+                outcome = {"error": _err_json(e)}
+        if "error" in outcome:
+            try:
+                storage.delete_prefix(f"saves/{save_id}/t/")
+                storage.delete_prefix(f"saves/{save_id}/state/")
+            except CheckpointError:
+                pass  # gc will collect them
+    outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
+    if "error" in outcome:
+        raise _err_from(outcome["error"])
+    return parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
+
+
+def _err_json(e: CheckpointError) -> dict[str, Any]:
+    return e.to_json()
+
+
+def _err_from(d: Mapping[str, Any]) -> CheckpointError:
+    cls = getattr(_errors, str(d.get("error")), None)
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+        cls = IncompleteSaveError
+    return cls(str(d.get("message")), key=d.get("key"), object=d.get("object"),
+               expected=d.get("expected"), found=d.get("found"))
+
+
+def _find_holder(shards: list[LocalShard], box: Box) -> LocalShard:
+    for s in shards:
+        inter = s.box.intersect(box)
+        if inter is not None and inter.shape == box.shape:
+            return s
+    raise StepMismatchError("this rank was assigned a shard it does not hold", key=shards[0].key if shards else None,
+                            found=str(box))
+
+
+def _write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
+                      save_id: str, rank: int, opts: SaveOptions) -> dict[str, Any]:
+    """Write this rank's shards through tensorstore, then verify them. Returns per-tensor records."""
+    opened: dict[int, Any] = {}
+    pending: list[tuple[Any, int]] = []
+    inflight = 0
+    crcs: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    mine: list[tuple[TensorWritePlan, Any]] = []
+    cache: dict[int, np.ndarray] = {}
+    for p in plans:
+        items = [it for it in p.items if it.writer == rank]
+        path = f"saves/{save_id}/t/{p.index:06d}"
+        if rank == 0 or items:
+            spec = storage.array_spec(path, p.geometry.shape, p.dtype, p.geometry.shard_shape, p.geometry.chunk_shape)
+            opened[p.index] = storage.open_array(spec, create=(rank == 0))
+        for it in items:
+            mine.append((p, it))
+    handles: dict[int, Any] = {}
+    for idx, fut in opened.items():
+        try:
+            handles[idx] = fut.result()
+        except Exception as e:
+            raise StorageError("cannot create the tensor array", key=plans[idx].key, object=f"saves/{save_id}/t/{idx:06d}",
+                               found=str(e)[:300]) from None
+    dt_cache: dict[str, np.dtype] = {}
+    for p, it in mine:
+        holder = _find_holder(local[p.key], it.box)
+        src = cache.get(id(holder))
+        if src is None:
+            src = holder.materialize()
+            if src.shape != holder.box.shape:
+                raise StepMismatchError("shard data shape differs from its box", key=p.key,
+                                        expected=holder.box.shape, found=src.shape)
+            cache[id(holder)] = src
+        dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
+        sl = it.box.slices(holder.box.offset)
+        block = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
+        crcs[(p.index, it.cell)] = _chunk_crcs(block, p.geometry.chunk_shape, dt)
+        try:
+            fut = handles[p.index][it.box.slices()].write(block, can_reference_source_data_indefinitely=True)
+        except Exception as e:
+            raise StorageError("write failed", key=p.key, object=f"{it.cell}", found=str(e)[:300]) from None
+        pending.append((fut, p.index))
+        inflight += block.nbytes
+        if inflight > opts.max_inflight_bytes:
+            _drain(pending, plans, save_id)
+            inflight = 0
+    _drain(pending, plans, save_id)
+    cache.clear()
+    return _verify_written(storage, plans, mine, crcs, save_id)
+
+
+def _drain(pending: list[tuple[Any, int]], plans: list[TensorWritePlan], save_id: str) -> None:
+    for fut, idx in pending:
+        try:
+            fut.result()
+        except Exception as e:
+            msg = str(e)
+            raise StorageError("write failed" + (" (disk full)" if "space" in msg.lower() else ""), key=plans[idx].key,
+                               object=f"saves/{save_id}/t/{idx:06d}", found=msg[:300]) from None
+    pending.clear()
+
+
+def _chunk_crcs(block: np.ndarray, chunk_shape: tuple[int, ...], dt: np.dtype) -> list[int]:
+    """crc32c of each stored inner chunk of a shard block, in C order; edge chunks zero-padded."""
+    counts = tuple(-(-n // c) for n, c in zip(block.shape, chunk_shape))
+    out = []
+    for idx in product(*(range(k) for k in counts)):
+        sl = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunk_shape))
+        part = block[sl] if sl else block
+        if part.shape != tuple(chunk_shape):
+            pad = np.zeros(chunk_shape, dtype=dt)
+            pad[tuple(slice(0, n) for n in part.shape)] = part
+            part = pad
+        out.append(crc32c(part))
+    return out
+
+
+def _verify_written(storage: Storage, plans: list[TensorWritePlan], mine: list[tuple[TensorWritePlan, Any]],
+                    crcs: dict[tuple[int, tuple[int, ...]], list[int]], save_id: str) -> dict[str, Any]:
+    """Read back each written shard's index and every chunk trailer; compare with the source crc32c."""
+    reads = []
+    for p, it in mine:
+        g = p.geometry
+        key = f"saves/{save_id}/t/{p.index:06d}/{cell_key(it.cell)}"
+        n_chunks = len(crcs[(p.index, it.cell)])
+        total = n_chunks * g.chunk_nbytes + g.index_nbytes
+        reads.append((p, it, key, total, storage.read_range_future(key, total - g.index_nbytes, None)))
+    records: dict[str, list[Any]] = {}
+    trailer_reads = []
+    for p, it, key, total, fut in reads:
+        g = p.geometry
+        index = Storage.range_result(fut, key, total - g.index_nbytes, None, tensor=p.key)
+        if len(index) != g.index_nbytes:
+            raise IncompleteSaveError("written shard has an unexpected size", key=p.key, object=key,
+                                      expected=total, found=total - g.index_nbytes + len(index))
+        body, stored = index[:-4], int.from_bytes(index[-4:], "little")
+        if crc32c(body) != stored:
+            raise IncompleteSaveError("written shard index fails its checksum", key=p.key, object=key)
+        entries = np.frombuffer(body, "<u8").reshape(-1, 2)
+        counts = stored_chunk_counts(g, it.box.offset)
+        offs, lens = [], []
+        for local in product(*(range(k) for k in counts)):
+            flat = int(np.ravel_multi_index(local, g.inner)) if g.inner else 0
+            off, nb = (int(x) for x in entries[flat])
+            if nb != g.chunk_nbytes or off + nb > total - g.index_nbytes:
+                raise IncompleteSaveError("written shard index points at an unexpected byte range", key=p.key,
+                                          object=key, expected=f"{g.chunk_nbytes} bytes inside the data section",
+                                          found=f"[{off}, {off + nb})")
+            offs.append(off)
+            lens.append(nb)
+        want = crcs[(p.index, it.cell)]
+        trailer_reads.append((p, key, want, [storage.read_range_future(key, o + n - 4, o + n) for o, n in zip(offs, lens)]))
+        records.setdefault(str(p.index), []).append([list(it.cell), total, stored, offs, want])
+    for p, key, want, futs in trailer_reads:
+        for i, (c, f) in enumerate(zip(want, futs)):
+            got = int.from_bytes(Storage.range_result(f, key, 0, None, tensor=p.key), "little")
+            if got != c:
+                raise IncompleteSaveError("written chunk does not match the source bytes", key=p.key, object=key,
+                                          expected=f"crc32c {c} (chunk {i})", found=f"crc32c {got}")
+    return records
+
+
+def _write_state(storage: Storage, save_id: str, rank: int, state: Any, rank_state: Any) -> list[list[Any]]:
+    from .state import encode_state
+    out = []
+    items = []
+    if rank == 0 and state is not None:
+        items.append(("global", f"saves/{save_id}/state/global.msgpack", encode_state(state), None))
+    if rank_state is not None:
+        items.append((f"rank/{rank}", f"saves/{save_id}/state/rank-{rank:05d}.msgpack", encode_state(rank_state), rank))
+    storage.write_many((k, b) for _, k, b, _ in items)
+    for name, key, data, r in items:
+        back = storage.read(key)
+        if back != data:
+            raise IncompleteSaveError("written state object does not read back identically", object=key)
+        out.append([name, key, len(data), crc32c(data), r])
+    return out
+
+
+def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWritePlan], acks: list[dict[str, Any]],
+                    shardings: Mapping[str, Any], metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None, opts: SaveOptions) -> Manifest:
+    by_cell: dict[tuple[int, tuple[int, ...]], list[Any]] = {}
+    for a in acks:
+        for idx, recs in a["records"].items():
+            for cell, total, icrc, offs, cr in recs:
+                by_cell[(int(idx), tuple(cell))] = [total, icrc, offs, cr]
+    tensors: dict[str, TensorEntry] = {}
+    for p in plans:
+        g = p.geometry
+        nd = len(g.shape)
+        offsets, writers, keys, nbytes, icrcs, coff, cnb, ccrc = [], [], [], [], [], [], [], []
+        for it in p.items:
+            rec = by_cell.get((p.index, it.cell))
+            if rec is None:
+                raise IncompleteSaveError("a planned shard was not acknowledged", key=p.key,
+                                          object=cell_key(it.cell), expected=f"ack from rank {it.writer}", found="none")
+            total, icrc, offs, cr = rec
+            offsets.append(list(it.box.offset)); writers.append(it.writer); keys.append(cell_key(it.cell))
+            nbytes.append(total); icrcs.append(icrc); coff.extend(offs); cnb.extend([g.chunk_nbytes] * len(offs)); ccrc.extend(cr)
+        tensors[p.key] = TensorEntry(
+            p.key, g.shape, p.dtype, shardings.get(p.key),
+            ArraySpec(f"saves/{save_id}/t/{p.index:06d}", g.shard_shape, g.chunk_shape, "raw"),
+            ShardTable(np.asarray(offsets, np.int64).reshape(len(offsets), nd), np.asarray(writers, np.int64), tuple(keys),
+                       np.asarray(nbytes, np.int64), np.asarray(icrcs, np.uint32)),
+            ChunkTable(np.asarray(coff, np.int64), np.asarray(cnb, np.int64), np.asarray(ccrc, np.uint32)))
+    state: dict[str, StateEntry] = {}
+    for a in acks:
+        for name, key, n, c, r in a["state"]:
+            state[name] = StateEntry(name, key, n, c, "global" if r is None else "rank", r)
+    return Manifest(save_id=save_id, step=step, created_unix=opts.created_unix if opts.created_unix is not None else time.time(),
+                    writers=world, tensors=tensors, state=state, versions=_versions(versions), metadata=dict(metadata or {}))

@@ -1,0 +1,166 @@
+"""Storage: tensorstore I/O only. No planning, no format rules.
+
+One :class:`Storage` wraps a tensorstore kvstore opened from a repository URL, plus the
+zarr v3 array specs used to write tensors. Every call either returns or raises
+StorageError (a CheckpointError) naming the object.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Mapping, Sequence
+
+import tensorstore as ts
+
+from ._kvurl import kvstore_spec
+from .errors import MissingShardError, SizeMismatchError, StorageError
+
+__all__ = ["Storage", "NO_VALUE"]
+
+NO_VALUE = b"\x02"  # tensorstore's StorageGeneration::NoValue(): "write only if absent"
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_context(name: str) -> ts.Context:
+    # memory:// repositories of one name share their bytes within this process.
+    return ts.Context()
+
+
+def _context(spec: Mapping[str, Any], options: Mapping[str, Any]) -> ts.Context:
+    if spec.get("driver") == "memory":
+        return _memory_context(spec.get("path", ""))
+    cfg: dict[str, Any] = {"cache_pool": {"total_bytes_limit": 0},
+                           "file_io_concurrency": {"limit": int(options.get("io_concurrency", 32))},
+                           "data_copy_concurrency": {"limit": int(options.get("copy_concurrency", 8))}}
+    if spec.get("driver") == "file":
+        cfg["file_io_sync"] = bool(options.get("fsync", True))
+    return ts.Context(cfg)
+
+
+class Storage:
+    """A repository's kvstore. Keys are relative to the repository root."""
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        self.url = url
+        self.options = dict(options or {})
+        self.spec = kvstore_spec(url, self.options.get("kvstore"))
+        self.context = _context(self.spec, self.options)
+        try:
+            self.kv = ts.KvStore.open(self.spec, context=self.context).result()
+        except Exception as e:  # tensorstore raises plain exceptions
+            raise StorageError("cannot open repository", object=url, found=str(e)[:300]) from None
+
+    # ------------------------------------------------------------------ whole objects
+    def read(self, key: str) -> bytes | None:
+        """The object's bytes, or None when it is absent."""
+        try:
+            r = self.kv.read(key).result()
+        except Exception as e:
+            raise StorageError("read failed", object=key, found=str(e)[:300]) from None
+        return r.value if r.state == "value" else None
+
+    def read_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        futs = [self.kv.read(k) for k in keys]
+        out: list[bytes | None] = []
+        for k, f in zip(keys, futs):
+            try:
+                r = f.result()
+            except Exception as e:
+                raise StorageError("read failed", object=k, found=str(e)[:300]) from None
+            out.append(r.value if r.state == "value" else None)
+        return out
+
+    def read_range_future(self, key: str, start: int, stop: int | None) -> Any:
+        return self.kv.read(key, byte_range=slice(start, stop))
+
+    @staticmethod
+    def range_result(fut: Any, key: str, start: int, stop: int | None, *, tensor: str | None = None) -> bytes:
+        """Resolve a byte-range read; MissingShardError / SizeMismatchError / StorageError on failure."""
+        try:
+            r = fut.result()
+        except Exception as e:
+            msg = str(e)
+            if "OUT_OF_RANGE" in msg:
+                raise SizeMismatchError("object is shorter than the manifest records", key=tensor, object=key,
+                                        expected=f"bytes [{start}, {stop})", found=msg[:200]) from None
+            raise StorageError("read failed", key=tensor, object=key, found=msg[:300]) from None
+        if r.state != "value":
+            raise MissingShardError("object is missing", key=tensor, object=key, expected="present", found="missing")
+        return r.value
+
+    def write(self, key: str, data: bytes) -> None:
+        try:
+            self.kv.write(key, data).result()
+        except Exception as e:
+            raise StorageError("write failed", object=key, found=str(e)[:300]) from None
+
+    def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
+        futs = [(k, self.kv.write(k, v)) for k, v in items]
+        for k, f in futs:
+            try:
+                f.result()
+            except Exception as e:
+                raise StorageError("write failed", object=k, found=str(e)[:300]) from None
+
+    def create_if_absent(self, key: str, data: bytes) -> bool:
+        """Atomically create ``key``; False if it already exists (the commit primitive)."""
+        try:
+            r = self.kv.write(key, data, if_equal=NO_VALUE).result()
+        except Exception as e:
+            raise StorageError("conditional write failed", object=key, found=str(e)[:300]) from None
+        return bool(r.generation)
+
+    def delete(self, key: str) -> None:
+        try:
+            self.kv.write(key, None).result()
+        except Exception as e:
+            raise StorageError("delete failed", object=key, found=str(e)[:300]) from None
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object whose key starts with ``prefix`` (which must end with "/")."""
+        assert prefix.endswith("/") and prefix != "/"
+        try:
+            self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord("/") + 1))).result()
+        except Exception as e:
+            raise StorageError("delete failed", object=prefix, found=str(e)[:300]) from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under ``prefix``, sorted."""
+        try:
+            if prefix:
+                end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+                keys = self.kv.list(ts.KvStore.KeyRange(prefix, end)).result()
+            else:
+                keys = self.kv.list().result()
+        except Exception as e:
+            raise StorageError("list failed", object=prefix or "/", found=str(e)[:300]) from None
+        return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
+
+    # ------------------------------------------------------------------ zarr arrays
+    def array_spec(self, path: str, shape: Sequence[int], dtype: str, shard_shape: Sequence[int],
+                   chunk_shape: Sequence[int]) -> dict[str, Any]:
+        """The tensorstore zarr3 spec of one tensor's array (sharding_indexed, crc32c, no compression)."""
+        kv = dict(self.spec)
+        kv["path"] = self.spec.get("path", "") + path + "/"
+        bytes_codec = {"name": "bytes", "configuration": {"endian": "little"}} if dtype not in ("bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2") else {"name": "bytes"}
+        return {
+            "driver": "zarr3", "kvstore": kv,
+            "metadata": {
+                "shape": list(shape), "data_type": dtype, "fill_value": False if dtype == "bool" else 0,
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shard_shape)}},
+                "chunk_key_encoding": {"name": "default"},
+                "codecs": [{"name": "sharding_indexed", "configuration": {
+                    "chunk_shape": list(chunk_shape),
+                    "codecs": [bytes_codec, {"name": "crc32c"}],
+                    "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                    "index_location": "end"}}],
+            },
+        }
+
+    def open_array(self, spec: Mapping[str, Any], *, create: bool) -> Any:
+        """Future of an open zarr3 TensorStore. ``create`` writes zarr.json; otherwise metadata is assumed."""
+        kwargs: dict[str, Any] = {"context": self.context}
+        if create:
+            kwargs.update(create=True)
+        else:
+            kwargs.update(open=True, assume_metadata=True)
+        return ts.open(dict(spec, store_data_equal_to_fill_value=True), **kwargs)
