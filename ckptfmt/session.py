@@ -160,13 +160,19 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
     if "error" in begin:
         raise _err_from(begin["error"])
     save_id = begin["save_id"]
+    committed = False
     try:
-        return _run(repository, storage, coord, opts, step, save_id, local, state, rank_state, metadata, versions)
+        manifest = _run(repository, storage, coord, opts, step, save_id, local, state, rank_state, metadata, versions)
+        committed = True
+        return manifest
     finally:
         if heartbeat is not None:
             heartbeat.stop()
             try:
-                storage.delete(lease_key(save_id))
+                if committed:
+                    storage.delete(lease_key(save_id))
+                else:  # best effort; gc collects whatever a slow peer writes later
+                    storage.delete_prefix(f"saves/{save_id}/")
             except CheckpointError:
                 pass
 
@@ -238,12 +244,6 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
                 outcome = {"ok": True, "manifest": data}
             except CheckpointError as e:
                 outcome = {"error": _err_json(e)}
-        if "error" in outcome:
-            try:
-                storage.delete_prefix(f"saves/{save_id}/t/")
-                storage.delete_prefix(f"saves/{save_id}/state/")
-            except CheckpointError:
-                pass  # gc will collect them
     outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
     if "error" in outcome:
         raise _err_from(outcome["error"])

@@ -122,6 +122,20 @@ class Storage:
             self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord("/") + 1))).result()
         except Exception as e:
             raise StorageError("delete failed", object=prefix, found=str(e)[:300]) from None
+        if self.spec.get("driver") == "file":
+            self._prune_dirs(self.spec["path"] + prefix)
+
+    @staticmethod
+    def _prune_dirs(top: str) -> None:
+        # The file driver deletes objects but leaves their directories behind.
+        import os
+        if not os.path.isdir(top):
+            return
+        for root, _dirs, _files in os.walk(top, topdown=False):
+            try:
+                os.rmdir(root)
+            except OSError:
+                pass  # not empty: something was written after the delete; gc will see it
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix``, sorted."""

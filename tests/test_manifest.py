@@ -1,0 +1,89 @@
+"""Manifest validation: each rule has a broken control next to an accepted good manifest."""
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from ckptfmt import (Box, DuplicateShardError, InvalidManifestError, LocalShard, ManifestTooLargeError,
+                     UnsupportedVersionError, parse_manifest, save)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("m") / "repo")
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    shards = [LocalShard("w", x.shape, x.dtype, Box((r * 3, 0), (min(3, 10 - r * 3), 4)), x[r * 3:r * 3 + 3]) for r in range(4)]
+    shards.append(LocalShard("s", (), np.int32, Box((), ()), np.asarray(7, np.int32)))
+    m = save(d, 1, shards, state={"k": 1})
+    return json.loads(m.to_bytes())
+
+
+def enc(doc):
+    return json.dumps(doc).encode()
+
+
+def test_good_manifest_parses(good):
+    m = parse_manifest(enc(good))
+    assert m.step == 1 and set(m.tensors) == {"w", "s"}
+    assert parse_manifest(m.to_bytes()).to_bytes() == m.to_bytes()  # canonical round trip
+
+
+def mutate(good, fn):
+    d = copy.deepcopy(good)
+    fn(d)
+    return enc(d)
+
+
+W = lambda d: d["tensors"]["w"]  # noqa: E731
+
+BROKEN = {
+    "not_json": (lambda g: b"{not json", InvalidManifestError),
+    "not_utf8": (lambda g: b"\xff\xfe", InvalidManifestError),
+    "array_top": (lambda g: b"[]", InvalidManifestError),
+    "future_version": (lambda g: mutate(g, lambda d: d.update(format_version=2)), UnsupportedVersionError),
+    "bool_version": (lambda g: mutate(g, lambda d: d.update(format_version=True)), UnsupportedVersionError),
+    "must_understand": (lambda g: mutate(g, lambda d: d.update(must_understand=["zstd"])), UnsupportedVersionError),
+    "wrong_format": (lambda g: mutate(g, lambda d: d.update(format="orbax")), InvalidManifestError),
+    "missing_field": (lambda g: mutate(g, lambda d: d.pop("tensors")), InvalidManifestError),
+    "negative_step": (lambda g: mutate(g, lambda d: d.update(step=-1)), InvalidManifestError),
+    "float_step": (lambda g: mutate(g, lambda d: d.update(step=1.5)), InvalidManifestError),
+    "bad_save_id": (lambda g: mutate(g, lambda d: d.update(save_id="../x")), InvalidManifestError),
+    "nan": (lambda g: enc(g).replace(b'"created_unix":', b'"created_unix":NaN,"x":'), InvalidManifestError),
+    "unknown_dtype": (lambda g: mutate(g, lambda d: W(d).update(dtype="object")), InvalidManifestError),
+    "huge_shape_overflow": (lambda g: mutate(g, lambda d: W(d).update(shape=[2 ** 61, 2 ** 61])), InvalidManifestError),
+    "dotdot_path": (lambda g: mutate(g, lambda d: W(d)["array"].update(path=f"saves/{d['save_id']}/t/../../../etc")), InvalidManifestError),
+    "absolute_path": (lambda g: mutate(g, lambda d: W(d)["array"].update(path="/etc/passwd")), InvalidManifestError),
+    "url_path": (lambda g: mutate(g, lambda d: W(d)["array"].update(path="s3://other/bucket")), InvalidManifestError),
+    "other_save_path": (lambda g: mutate(g, lambda d: W(d)["array"].update(path="saves/other/t/000001")), InvalidManifestError),
+    "state_escape": (lambda g: mutate(g, lambda d: d["state"]["global"].update(key="../../x")), InvalidManifestError),
+    "shard_key_escape": (lambda g: mutate(g, lambda d: W(d)["shards"]["key"].__setitem__(0, "../../c/0/0")), InvalidManifestError),
+    "gap": (lambda g: mutate(g, lambda d: [W(d)["shards"][f].pop() for f in ("offset", "writer", "key", "nbytes", "index_crc32c")]), InvalidManifestError),
+    "duplicate_box": (lambda g: mutate(g, lambda d: W(d)["shards"]["offset"].__setitem__(1, [0, 0])), DuplicateShardError),
+    "extra_shard": (lambda g: mutate(g, lambda d: [W(d)["shards"][f].append(W(d)["shards"][f][0]) for f in ("offset", "writer", "key", "nbytes", "index_crc32c")]), DuplicateShardError),
+    "off_grid": (lambda g: mutate(g, lambda d: W(d)["shards"]["offset"].__setitem__(1, [4, 0])), InvalidManifestError),
+    "out_of_bounds": (lambda g: mutate(g, lambda d: W(d)["shards"]["offset"].__setitem__(3, [12, 0])), InvalidManifestError),
+    "writer_out_of_range": (lambda g: mutate(g, lambda d: W(d)["shards"]["writer"].__setitem__(0, 5)), InvalidManifestError),
+    "chunk_past_data": (lambda g: mutate(g, lambda d: W(d)["chunks"]["offset"].__setitem__(0, 10 ** 6)), InvalidManifestError),
+    "chunk_count": (lambda g: mutate(g, lambda d: W(d)["chunks"]["crc32c"].pop()), InvalidManifestError),
+    "crc_range": (lambda g: mutate(g, lambda d: W(d)["chunks"]["crc32c"].__setitem__(0, 2 ** 32)), InvalidManifestError),
+    "bool_in_ints": (lambda g: mutate(g, lambda d: W(d)["shards"]["writer"].__setitem__(0, True)), InvalidManifestError),
+    "chunk_not_divisor": (lambda g: mutate(g, lambda d: W(d)["array"].update(chunk_shape=[2, 4])), InvalidManifestError),
+    "codec": (lambda g: mutate(g, lambda d: W(d)["array"].update(codec="zstd")), UnsupportedVersionError),
+    "two_tensors_one_array": (lambda g: mutate(g, lambda d: d["tensors"]["s"]["array"].update(path=W(d)["array"]["path"])), InvalidManifestError),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_manifest_rejected(good, name):
+    make, err = BROKEN[name]
+    parse_manifest(enc(good))  # the control: the unmutated manifest is accepted
+    with pytest.raises(err):
+        parse_manifest(make(good))
+
+
+def test_size_cap(good):
+    data = enc(good)
+    assert parse_manifest(data, max_bytes=len(data)).step == 1
+    with pytest.raises(ManifestTooLargeError):
+        parse_manifest(data, max_bytes=len(data) - 1)
