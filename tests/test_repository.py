@@ -1,0 +1,93 @@
+"""Repository conformance, run on the file and memory kvstores."""
+import threading
+
+import numpy as np
+import pytest
+
+from ckptfmt import (Box, LocalShard, Repository, StepAlreadyCommittedError, StepMismatchError, StepNotFoundError,
+                     TopologyChangedError, save)
+
+
+def shards(step, n=12):
+    x = (np.arange(n * 4, dtype=np.float32) + step).reshape(n, 4)
+    return [LocalShard("x", x.shape, x.dtype, Box((0, 0), x.shape), x)], x
+
+
+def test_empty_repository(repo_url):
+    repo = Repository(repo_url)
+    assert repo.steps() == [] and repo.latest() is None
+    with pytest.raises(StepNotFoundError):
+        repo.open()
+    with pytest.raises(StepNotFoundError):
+        repo.manifest(3)
+
+
+def test_steps_latest_delete(repo_url):
+    repo = Repository(repo_url)
+    for s in (5, 1, 30):
+        save(repo, s, shards(s)[0])
+    assert repo.steps() == [1, 5, 30] and repo.latest() == 30
+    repo.delete(30)
+    assert repo.steps() == [1, 5] and repo.latest() == 5
+    assert np.array_equal(repo.open().read("x"), shards(5)[1])
+    assert not [k for k in repo.storage.list("saves/") if k.startswith("saves/000000000030")]
+
+
+def test_same_step_twice_is_rejected(repo_url):
+    repo = Repository(repo_url)
+    save(repo, 2, shards(2)[0])
+    with pytest.raises(StepAlreadyCommittedError):
+        save(repo, 2, shards(99)[0])
+    assert np.array_equal(repo.open(2).read("x"), shards(2)[1])  # the first commit is untouched
+
+
+def test_concurrent_saves_of_one_step_exactly_one_wins(repo_url):
+    repo = Repository(repo_url)
+    results = []
+
+    def run(seed):
+        try:
+            results.append(save(repo_url, 4, shards(seed)[0]))
+        except StepAlreadyCommittedError as e:
+            results.append(e)
+
+    ts = [threading.Thread(target=run, args=(s,)) for s in (100, 200, 300)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wins = [r for r in results if not isinstance(r, Exception)]
+    assert len(wins) == 1 and len(results) == 3
+    got = repo.open(4).read("x")
+    assert any(np.array_equal(got, shards(s)[1]) for s in (100, 200, 300))
+    repo.gc(grace_s=0)
+    assert len({k.split("/")[1] for k in repo.storage.list("saves/")}) == 1  # losers' objects are gone
+    repo.verify(4)
+
+
+def test_retention(repo_url):
+    repo = Repository(repo_url)
+    for s in range(1, 7):
+        save(repo, s, shards(s)[0])
+    rep = repo.gc(keep_last=2, keep_every=3, grace_s=0)
+    assert repo.steps() == [3, 5, 6] and sorted(rep.removed_steps) == [1, 2, 4]
+    for s in repo.steps():
+        repo.verify(s)
+
+
+def test_step_must_be_valid(repo_url):
+    with pytest.raises(StepMismatchError):
+        save(repo_url, -1, shards(0)[0])
+    save(repo_url, 0, shards(0)[0])  # control
+
+
+def test_state_and_rank_state_policy(repo_url):
+    repo = Repository(repo_url)
+    save(repo, 1, shards(1)[0], state={"cursor": {"pos": 128, "epoch": 0}}, rank_state={"np_rng": [1, 2, 3]})
+    ck = repo.open()
+    assert ck.state() == {"cursor": {"pos": 128, "epoch": 0}}
+    assert ck.rank_state(0, world=1) == {"np_rng": [1, 2, 3]}
+    with pytest.raises(TopologyChangedError):
+        ck.rank_state(0, world=4)
+    assert ck.rank_state(3, world=4, policy="drop") is None
+    assert ck.rank_state(3, world=4, policy="rank0") == {"np_rng": [1, 2, 3]}
