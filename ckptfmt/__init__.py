@@ -23,7 +23,9 @@ from .repository import GcReport as GcReport
 from .repository import Repository as Repository
 from .session import SaveOptions as SaveOptions
 from .session import save as save
+from .asyncsave import SaveHandle as SaveHandle
+from .asyncsave import save_async as save_async
 
 __all__ = ["__version__", "Box", "LocalShard", "TensorSharding", "Coordinator", "LocalCoordinator",
            "TcpCoordinator", "Manifest", "TensorEntry", "parse_manifest", "Checkpoint", "ReadStats",
-           "GcReport", "Repository", "SaveOptions", "save", *_error_names]
+           "GcReport", "Repository", "SaveOptions", "save", "save_async", "SaveHandle", *_error_names]

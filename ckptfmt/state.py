@@ -1,0 +1,244 @@
+"""Non-tensor training state (step counters, RNG state, data-loader position) as msgpack.
+
+Never pickle: a checkpoint is untrusted input, and decoding it must not be able to run code.
+The encoding is plain msgpack (``use_bin_type=True``) plus three extension types:
+
+====  ==============  ==========================================================================
+ext   name            payload
+====  ==============  ==========================================================================
+1     big int         two's-complement, big-endian, minimal length; only for ints outside int64
+2     ndarray         msgpack ``[dtype name, shape (list of int), raw little-endian C-order bytes]``
+3     numpy scalar    same payload as 2, with shape ``[]``
+====  ==============  ==========================================================================
+
+Allowed values: ``None``, ``bool``, ``int`` (any size), ``float``, ``str``, ``bytes``, ``list``,
+``tuple``, ``dict`` with ``str`` keys, numpy arrays and numpy scalars of a numeric dtype
+(``bool``, signed/unsigned ints, floats, complex, and the ml_dtypes types such as ``bfloat16``
+and ``float8_e4m3fn``). Tuples come back as lists and dict subclasses as plain dicts, so
+``random.getstate()`` round-trips as nested lists (``random.setstate`` needs it converted
+back to tuples). Every failure raises :class:`InvalidStateError` naming the key path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from ckptfmt.errors import InvalidStateError
+
+__all__ = ["encode_state", "decode_state", "MAX_DEPTH", "ALLOWED_DTYPES"]
+
+EXT_BIGINT = 1
+EXT_NDARRAY = 2
+EXT_NPSCALAR = 3
+
+#: Containers deeper than this are rejected on both encode and decode.
+MAX_DEPTH = 64
+#: At most this many array dimensions (numpy's own limit is 64).
+MAX_NDIM = 32
+
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+
+_NUMPY_NAMES = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+)
+# Only types whose every byte pattern is a value; sub-byte types (int4, float4_e2m1fn, ...) pad
+# each element to a byte, and arbitrary padding bits are not something to hand back.
+_ML_DTYPES_NAMES = (
+    "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu",
+)
+
+
+def _allowed_dtypes() -> dict[str, np.dtype]:
+    # Names are looked up in this table only; an untrusted string never reaches np.dtype().
+    table = {name: np.dtype(name) for name in _NUMPY_NAMES}
+    for name in _ML_DTYPES_NAMES:
+        scalar_type = getattr(ml_dtypes, name, None)
+        if scalar_type is not None:
+            table[name] = np.dtype(scalar_type)
+    return table
+
+
+#: dtype name (as written in the encoding) -> numpy dtype (native byte order).
+ALLOWED_DTYPES: dict[str, np.dtype] = _allowed_dtypes()
+
+
+def _path_str(path: tuple[str, ...]) -> str:
+    return "/".join(path) if path else "<root>"
+
+
+def _fail(path: tuple[str, ...], message: str, *, found: Any = None) -> InvalidStateError:
+    where = _path_str(path)
+    return InvalidStateError(f"state at {where!r}: {message}", key=where, found=found)
+
+
+# ----------------------------------------------------------------------------------- encode
+
+
+def _int_to_ext(value: int) -> msgpack.ExtType:
+    length = (value + (value < 0)).bit_length() // 8 + 1
+    return msgpack.ExtType(EXT_BIGINT, value.to_bytes(length, "big", signed=True))
+
+
+def _array_to_ext(array: np.ndarray, code: int, path: tuple[str, ...]) -> msgpack.ExtType:
+    name = array.dtype.name
+    if ALLOWED_DTYPES.get(name) != array.dtype.newbyteorder("="):
+        raise _fail(path, f"numpy dtype {array.dtype!s} is not allowed", found=str(array.dtype))
+    if array.ndim > MAX_NDIM:
+        raise _fail(path, f"array has {array.ndim} dimensions, more than {MAX_NDIM}")
+    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    payload = msgpack.packb([name, list(array.shape), little.tobytes()], use_bin_type=True)
+    return msgpack.ExtType(code, payload)
+
+
+def _to_packable(obj: Any, path: tuple[str, ...], depth: int) -> Any:
+    """Return a fresh msgpack-ready copy of ``obj``; the input is never modified."""
+    if obj is None:
+        return None
+    if type(obj) in (np.ndarray, np.memmap):  # not subclasses: a masked array would lose its mask
+        return _array_to_ext(obj, EXT_NDARRAY, path)
+    if isinstance(obj, np.generic) and not isinstance(obj, (str, bytes)):
+        return _array_to_ext(np.asarray(obj), EXT_NPSCALAR, path)
+    if isinstance(obj, bool):
+        return bool(obj)
+    if isinstance(obj, int):
+        value = int(obj)
+        return value if _INT64_MIN <= value <= _INT64_MAX else _int_to_ext(value)
+    if isinstance(obj, float):
+        return float(obj)
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    if isinstance(obj, (bytes, bytearray)):
+        return bytes(obj)
+    if depth >= MAX_DEPTH:
+        raise _fail(path, f"nesting deeper than {MAX_DEPTH} levels (or a reference cycle)")
+    if isinstance(obj, (list, tuple)):
+        return [_to_packable(item, path + (str(i),), depth + 1) for i, item in enumerate(obj)]
+    if isinstance(obj, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise _fail(path, f"dict key {key!r} has type {type(key).__name__}, expected str",
+                            found=type(key).__name__)
+            out[str(key)] = _to_packable(value, path + (key,), depth + 1)
+        return out
+    raise _fail(path, f"type {type(obj).__module__}.{type(obj).__qualname__} is not allowed",
+                found=type(obj).__qualname__)
+
+
+def encode_state(obj: object, *, max_bytes: int = 64 << 20) -> bytes:
+    """Encode ``obj`` as msgpack bytes.
+
+    Raises :class:`InvalidStateError` naming the key path of the first value whose type is not
+    allowed, or if the encoding would be larger than ``max_bytes`` (so that a save never writes
+    state that :func:`decode_state` would refuse with its default limit). ``obj`` is not modified.
+    """
+    data = msgpack.packb(_to_packable(obj, (), 0), use_bin_type=True)
+    if len(data) > max_bytes:
+        raise InvalidStateError(f"encoded state is {len(data)} bytes, more than max_bytes={max_bytes}",
+                                expected=max_bytes, found=len(data))
+    return data
+
+
+# ----------------------------------------------------------------------------------- decode
+
+
+def _unpack(data: bytes, ext_hook: Any) -> Any:
+    # unpackb has no max_buffer_size: the caller has already capped len(data). Each limit below
+    # is what the input can hold at most, so a declared length larger than the input fails fast.
+    n = len(data)
+    return msgpack.unpackb(
+        data, raw=False, use_list=True, strict_map_key=True, ext_hook=ext_hook,
+        max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n,
+    )
+
+
+def _reject_inner_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"extension type {code} is not allowed inside an array payload")
+
+
+def _decode_array(payload: bytes, want_scalar: bool) -> Any:
+    fields = _unpack(payload, _reject_inner_ext)
+    if not (isinstance(fields, list) and len(fields) == 3):
+        raise ValueError("array payload must be [dtype, shape, data]")
+    name, shape, raw = fields
+    if not isinstance(name, str) or name not in ALLOWED_DTYPES:
+        raise ValueError(f"array dtype {name!r} is not allowed")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise ValueError(f"array shape must be a list of at most {MAX_NDIM} ints")
+    if not all(type(d) is int and 0 <= d <= _INT64_MAX for d in shape):
+        raise ValueError(f"array shape {shape!r} must hold non-negative int64 values")
+    if want_scalar and shape:
+        raise ValueError(f"numpy scalar must have shape [], found {shape!r}")
+    if not isinstance(raw, bytes):
+        raise ValueError("array data must be bytes")
+    dtype = ALLOWED_DTYPES[name]
+    # Python ints do not overflow; still refuse shapes numpy cannot index (e.g. [0, 2**62, 2**62]).
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize > _INT64_MAX:
+        raise ValueError(f"array shape {shape!r} is too large")
+    count = math.prod(shape)
+    if count * dtype.itemsize != len(raw):
+        raise ValueError(f"array of shape {shape} and dtype {name} needs {count * dtype.itemsize} "
+                         f"bytes, found {len(raw)}")
+    array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape).astype(dtype)
+    if dtype.kind == "b" and np.any(np.frombuffer(raw, dtype=np.uint8) > 1):
+        raise ValueError("bool array holds bytes other than 0 and 1")
+    return array[()] if want_scalar else array
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == EXT_BIGINT:
+        if not data:
+            raise ValueError("empty big-int extension")
+        return int.from_bytes(data, "big", signed=True)
+    if code in (EXT_NDARRAY, EXT_NPSCALAR):
+        return _decode_array(data, want_scalar=code == EXT_NPSCALAR)
+    raise ValueError(f"unknown msgpack extension type {code}")
+
+
+def _check_tree(obj: Any, path: tuple[str, ...], depth: int) -> None:
+    """Enforce the depth cap and str-only keys on a freshly decoded tree."""
+    if isinstance(obj, (list, dict)) and depth >= MAX_DEPTH:
+        raise _fail(path, f"nesting deeper than {MAX_DEPTH} levels")
+    if isinstance(obj, list):
+        for i, item in enumerate(obj):
+            _check_tree(item, path + (str(i),), depth + 1)
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(key, str):
+                raise _fail(path, f"dict key has type {type(key).__name__}, expected str",
+                            found=type(key).__name__)
+            _check_tree(value, path + (key,), depth + 1)
+
+
+def decode_state(data: bytes, *, max_bytes: int = 64 << 20) -> object:
+    """Decode bytes written by :func:`encode_state`.
+
+    Raises :class:`InvalidStateError`, and nothing else, for any input that is not a valid
+    encoding: oversized input, malformed msgpack, trailing bytes, non-str keys, nesting deeper
+    than :data:`MAX_DEPTH`, unknown extension types, or arrays whose dtype is not allowed or
+    whose byte length does not match their shape. Nothing in the input is ever executed.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidStateError(f"state must be bytes, found {type(data).__name__}",
+                                found=type(data).__name__)
+    if len(data) > max_bytes:
+        raise InvalidStateError(f"state is {len(data)} bytes, more than max_bytes={max_bytes}",
+                                expected=max_bytes, found=len(data))
+    try:
+        obj = _unpack(bytes(data), _ext_hook)
+    except InvalidStateError:
+        raise
+    except Exception as exc:  # msgpack errors, ValueError, RecursionError, MemoryError, ...
+        raise InvalidStateError(f"state is not valid: {type(exc).__name__}: {exc}",
+                                found=type(exc).__name__) from exc
+    _check_tree(obj, (), 0)
+    return obj
