@@ -5,18 +5,22 @@ byte of a checkpoint. Tables are columnar (numpy arrays) so 10^5..10^6 shards st
 """
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import math
 import re
+from itertools import chain
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from .dtypes import DTYPES, itemsize_of
 from .errors import (DuplicateShardError, InvalidManifestError, ManifestTooLargeError,
                      UnsupportedVersionError)
-from .plan import TensorGeometry, cell_key, stored_chunk_counts
+from .plan import TensorGeometry, chunk_count_table
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "ArraySpec", "ShardTable", "ChunkTable",
            "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key", "manifest_key"]
@@ -102,7 +106,7 @@ class TensorEntry:
     shards: ShardTable
     chunks: ChunkTable
 
-    @property
+    @functools.cached_property
     def geometry(self) -> TensorGeometry:
         return TensorGeometry(self.shape, self.array.shard_shape, self.array.chunk_shape, itemsize_of(self.dtype))
 
@@ -110,11 +114,10 @@ class TensorEntry:
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize_of(self.dtype)
 
-    @property
+    @functools.cached_property
     def chunk_start(self) -> np.ndarray:
         """Where each shard's entries begin in the chunk table (length S + 1)."""
-        g = self.geometry
-        counts = [math.prod(stored_chunk_counts(g, tuple(int(x) for x in off))) for off in self.shards.offset.reshape(len(self.shards), -1)] if len(self.shards) else []
+        counts = np.prod(chunk_count_table(self.geometry, self.shards.offset), axis=1, dtype=np.int64)
         return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
     def object_key(self, s: int) -> str:
@@ -180,8 +183,9 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """Canonical encoding: UTF-8 JSON, sorted keys, compact separators, trailing newline."""
-        return (json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                           allow_nan=False) + "\n").encode()
+        with _no_gc():
+            return (json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                               allow_nan=False) + "\n").encode()
 
     def validate(self) -> "Manifest":
         """Re-check every rule (used before commit). Returns self; raises InvalidManifestError."""
@@ -212,16 +216,24 @@ def _int_array(v: Any, n: int, lo: int, hi: int, what: str, key: str, width: int
     _typed(v, list, what, key)
     if len(v) != n:
         _fail(f"{what} has the wrong length", key=key, expected=n, found=len(v))
+    if width is None:
+        types = set(map(type, v))
+    else:
+        if set(map(type, v)) - {list}:
+            _fail(f"{what} must hold lists", key=key, expected="list of lists")
+        if set(map(len, v)) - {width}:
+            _fail(f"{what} rows have the wrong length", key=key, expected=width)
+        types = set(map(type, chain.from_iterable(v)))
+    if types - {int}:  # exactly int: no bool, float or string sneaks through a numpy cast
+        _fail(f"{what} must hold integers", key=key, expected="int", found=sorted(t.__name__ for t in types))
     try:
         a = np.array(v, dtype=np.int64) if n else np.zeros((0,) if width is None else (0, width), np.int64)
-    except (ValueError, TypeError, OverflowError):
-        _fail(f"{what} must hold integers", key=key, expected="integers", found="other values")
-    if a.dtype != np.int64 or (width is None and a.ndim != 1) or (width is not None and a.shape != (n, width)):
-        _fail(f"{what} has the wrong shape", key=key, expected=(n,) if width is None else (n, width), found=a.shape)
+    except OverflowError:
+        _fail(f"{what} out of range", key=key, expected=f"[{lo}, {hi}]", found="beyond int64")
+    if width is not None:
+        a = a.reshape(n, width)
     if a.size and (a.min() < lo or a.max() > hi):
         _fail(f"{what} out of range", key=key, expected=f"[{lo}, {hi}]", found=f"[{a.min()}, {a.max()}]")
-    if n and any(isinstance(x, bool) for x in (v if width is None else (y for row in v for y in row))):
-        _fail(f"{what} must hold integers, not booleans", key=key)
     return a
 
 
@@ -236,6 +248,23 @@ def parse_manifest(data: bytes, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manif
         _fail("manifest must be bytes", found=type(data).__name__)
     if len(data) > max_bytes:
         raise ManifestTooLargeError("manifest exceeds the size cap", expected=f"<= {max_bytes} bytes", found=len(data))
+    with _no_gc():
+        return _parse(data)
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """Millions of small containers (no cycles): cyclic GC passes would dominate encode and parse."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _parse(data: bytes) -> Manifest:
     try:
         doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
     except InvalidManifestError:
@@ -361,17 +390,19 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
         if nd and (np.any(offset % ss) or np.any(offset >= np.asarray(shape_t, np.int64))):
             _fail("a shard box is off the grid or outside the tensor", key=k, expected=f"multiples of {shard_shape} inside {shape_t}")
         cells = offset // ss if nd else np.zeros((n, 0), np.int64)
-        flat = np.ravel_multi_index(cells.T, geom.grid) if nd else np.zeros(n, np.int64)
+        flat = np.ravel_multi_index(tuple(cells.T), geom.grid) if nd else np.zeros(n, np.int64)
         if len(np.unique(flat)) != n:
             raise DuplicateShardError("two shards claim the same box", key=k, expected="each box once", found="duplicate offset")
-        for i, key in enumerate(keys):
-            if key != cell_key(tuple(int(c) for c in cells[i])):
-                check_object_key(key, key=k)
-                _fail("shard object key does not match its box", key=k, object=str(key)[:200],
-                      expected=cell_key(tuple(int(c) for c in cells[i])), found=str(key)[:200])
+        template = "c" + "/{}" * nd
+        expected_keys = list(map(template.format, *cells.T.tolist())) if nd else ["c"] * n
+        if keys != expected_keys:
+            i = next(i for i, (a, b) in enumerate(zip(keys, expected_keys)) if a != b)
+            check_object_key(keys[i], key=k)
+            _fail("shard object key does not match its box", key=k, object=str(keys[i])[:200],
+                  expected=expected_keys[i], found=str(keys[i])[:200])
     ch = _typed(t.get("chunks"), dict, "chunks", k)
-    counts = [math.prod(stored_chunk_counts(geom, tuple(int(x) for x in off))) for off in offset] if n else []
-    total = int(sum(counts))
+    counts = np.prod(chunk_count_table(geom, offset), axis=1, dtype=np.int64) if n else np.zeros(0, np.int64)
+    total = int(counts.sum())
     coff = _int_array(ch.get("offset"), total, 0, MAX_TENSOR_BYTES, "chunks.offset", k)
     cnb = _int_array(ch.get("nbytes"), total, geom.chunk_nbytes, geom.chunk_nbytes, "chunks.nbytes", k)
     ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)

@@ -19,7 +19,7 @@ from .errors import ShapeMismatchError, StepMismatchError
 
 __all__ = [
     "TensorGeometry", "WriteItem", "TensorWritePlan", "ReadItem", "shard_grid", "chunk_shape_for",
-    "plan_save", "plan_reads", "cell_key", "stored_chunk_counts",
+    "plan_save", "plan_reads", "cell_key", "stored_chunk_counts", "chunk_count_table",
 ]
 
 DEFAULT_CHUNK_TARGET_BYTES = 4 << 20
@@ -200,6 +200,16 @@ def stored_chunk_counts(geom: TensorGeometry, shard_offset: tuple[int, ...]) -> 
     return tuple(-(-min(s, n - o) // c) for s, n, o, c in zip(geom.shard_shape, geom.shape, shard_offset, geom.chunk_shape))
 
 
+def chunk_count_table(geom: TensorGeometry, shard_offsets: np.ndarray) -> np.ndarray:
+    """(S, ndim) table of :func:`stored_chunk_counts` for every shard, vectorized."""
+    off = np.asarray(shard_offsets, np.int64)
+    if not len(geom.shape):
+        return np.zeros((len(off), 0), np.int64)
+    off = off.reshape(-1, len(geom.shape))
+    shape = np.asarray(geom.shape, np.int64)
+    return -(-np.minimum(np.asarray(geom.shard_shape, np.int64), shape - off) // np.asarray(geom.chunk_shape, np.int64))
+
+
 def plan_reads(geom: TensorGeometry, shard_offsets: np.ndarray, chunk_start: np.ndarray,
                requests: Sequence[Box]) -> list[ReadItem]:
     """Map requested boxes to stored inner chunks.
@@ -208,26 +218,40 @@ def plan_reads(geom: TensorGeometry, shard_offsets: np.ndarray, chunk_start: np.
     shard s's entries begin in the chunk table. Raises ShapeMismatchError for a request
     outside the tensor. Pure: no I/O.
     """
-    ndim = len(geom.shape)
-    cell_to_shard: dict[tuple[int, ...], int] = {}
-    for s, off in enumerate(shard_offsets.reshape(-1, ndim) if ndim else [()] * len(shard_offsets)):
-        cell_to_shard[tuple(int(o) // sh for o, sh in zip(off, geom.shard_shape))] = s
+    nd = len(geom.shape)
+    offs = np.asarray(shard_offsets, np.int64)
+    offs = offs.reshape(-1, nd) if nd else np.zeros((len(offs), 0), np.int64)
+    grid = geom.grid
+    shard_of = np.full(max(1, math.prod(grid)), -1, np.int64)
+    if len(offs):
+        if nd:
+            cells = offs // np.asarray(geom.shard_shape, np.int64)
+            shard_of[np.ravel_multi_index(tuple(cells.T), grid)] = np.arange(len(offs))
+        else:
+            shard_of[0] = 0
+    per_shard = geom.inner  # inner chunks per full shard, per dimension
     items: list[ReadItem] = []
     for ri, req in enumerate(requests):
-        if req.ndim != ndim or any(o < 0 or o + s > n for o, s, n in zip(req.offset, req.shape, geom.shape)):
+        if req.ndim != nd or any(o < 0 or o + s > n for o, s, n in zip(req.offset, req.shape, geom.shape)):
             raise ShapeMismatchError("requested box lies outside the tensor", expected=f"inside {geom.shape}", found=str(req))
         if req.is_empty():
             continue
-        ranges = [range(o // c, -(-(o + n) // c)) for o, n, c in zip(req.offset, req.shape, geom.chunk_shape)]
-        for gchunk in product(*ranges):
-            cell = tuple(g * c // s for g, c, s in zip(gchunk, geom.chunk_shape, geom.shard_shape))
-            s = cell_to_shard[cell]
-            shard_off = tuple(ce * sh for ce, sh in zip(cell, geom.shard_shape))
-            local = tuple(g - ce * (sh // c) for g, ce, sh, c in zip(gchunk, cell, geom.shard_shape, geom.chunk_shape))
-            counts = stored_chunk_counts(geom, shard_off)
-            flat = int(np.ravel_multi_index(local, counts)) if ndim else 0
-            cbox = Box(tuple(g * c for g, c in zip(gchunk, geom.chunk_shape)), geom.chunk_shape)
-            inter = cbox.intersect(req)
-            assert inter is not None
-            items.append(ReadItem(ri, s, int(chunk_start[s]) + flat, inter.slices(cbox.offset), inter.slices(req.offset)))
+        # Per dimension: (shard cell, local chunk index, stored chunk count of that shard, src slice, dst slice)
+        dims = []
+        for d in range(nd):
+            c, sh, n, o, ln = geom.chunk_shape[d], geom.shard_shape[d], geom.shape[d], req.offset[d], req.shape[d]
+            opts = []
+            for g in range(o // c, -(-(o + ln) // c)):
+                lo, hi = max(o, g * c), min(o + ln, (g + 1) * c)
+                cell = g * c // sh
+                count = -(-min(sh, n - cell * sh) // c)
+                opts.append((cell, g - cell * per_shard[d], count, slice(lo - g * c, hi - g * c), slice(lo - o, hi - o)))
+            dims.append(opts)
+        for combo in product(*dims):
+            cell = tuple(x[0] for x in combo)
+            s = int(shard_of[np.ravel_multi_index(cell, grid)]) if nd else 0
+            flat = 0
+            for x in combo:
+                flat = flat * x[2] + x[1]
+            items.append(ReadItem(ri, s, int(chunk_start[s]) + flat, tuple(x[3] for x in combo), tuple(x[4] for x in combo)))
     return items

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -39,7 +40,7 @@ class ReadStats:
 class Checkpoint:
     """One committed step, opened for reading. Create it with :meth:`Repository.open`."""
 
-    def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = 512 << 20,
+    def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = 64 << 20,
                  stats: ReadStats | None = None) -> None:
         self.storage = storage
         self.manifest = manifest
@@ -94,16 +95,21 @@ class Checkpoint:
                 work.setdefault((key, item.shard), []).append(
                     ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))
         self.stats.add_time("plan", time.perf_counter() - t0)
-        batch: list[tuple[str, int, list[ReadItem]]] = []
-        size = 0
+        # A sliding window: keep up to max_inflight_bytes of reads issued while earlier ones are
+        # verified and copied, so I/O overlaps with checksum and assembly work.
+        queue: deque[Any] = deque()
+        inflight = 0
         for (key, s), items in work.items():
-            batch.append((key, s, items))
-            size += len({it.chunk for it in items}) * self.manifest.tensors[key].geometry.chunk_nbytes
-            if size >= self.max_inflight_bytes:
-                self._run_batch(batch, outs)
-                batch, size = [], 0
-        if batch:
-            self._run_batch(batch, outs)
+            issued = self._issue(key, s, items)
+            queue.append(issued)
+            inflight += issued[-1]
+            while inflight > self.max_inflight_bytes and queue:
+                done = queue.popleft()
+                inflight -= done[-1]
+                self._finish(done, outs)
+        while queue:
+            self._finish(queue.popleft(), outs)
+        self.stats.add_time("total", time.perf_counter() - t0)
         return outs  # type: ignore[return-value]  # every entry was allocated above
 
     def _starts(self, t: TensorEntry) -> np.ndarray:
@@ -112,65 +118,64 @@ class Checkpoint:
             cs = self._chunk_start[t.key] = t.chunk_start
         return cs
 
-    def _run_batch(self, batch: list[tuple[str, int, list[ReadItem]]], outs: list[np.ndarray | None]) -> None:
-        t0 = time.perf_counter()
-        issued = []
-        for key, s, items in batch:
-            t = self.manifest.tensors[key]
-            g = t.geometry
-            obj = t.object_key(s)
-            starts = self._starts(t)
-            total_chunks = int(starts[s + 1] - starts[s])
-            chunks = sorted({it.chunk for it in items})
-            nbytes = int(t.shards.nbytes[s])
-            if len(chunks) == total_chunks:
-                issued.append((key, s, items, obj, True, [self.storage.read_range_future(obj, 0, None)]))
-                self.stats.requests += 1
-            else:
-                futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, None)]
-                for c in chunks:
-                    o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-                    futs.append(self.storage.read_range_future(obj, o, o + n))
-                issued.append((key, s, items, obj, False, futs))
-                self.stats.requests += len(futs)
-            self.stats.objects += 1
-        for key, s, items, obj, whole, futs in issued:
-            t = self.manifest.tensors[key]
-            g = t.geometry
-            nbytes = int(t.shards.nbytes[s])
-            tw = time.perf_counter()
-            raw = [Storage.range_result(f, obj, 0, None, tensor=key) for f in futs]
-            self.stats.add_time("read", time.perf_counter() - tw)
-            self.stats.bytes_read += sum(len(r) for r in raw)
-            tv = time.perf_counter()
-            chunk_bytes: dict[int, memoryview] = {}
-            if whole:
-                buf = raw[0]
-                if len(buf) != nbytes:
-                    raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
-                                            expected=nbytes, found=len(buf))
-                index = memoryview(buf)[nbytes - g.index_nbytes:]
-                for c in {it.chunk for it in items}:
-                    o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-                    chunk_bytes[c] = memoryview(buf)[o:o + n]
-            else:
-                index = memoryview(raw[0])
-                if len(index) != g.index_nbytes:
-                    raise SizeMismatchError("shard object is longer than the manifest records", key=key, object=obj,
-                                            expected=nbytes, found=nbytes - g.index_nbytes + len(index))
-                for c, r in zip(sorted({it.chunk for it in items}), raw[1:]):
-                    chunk_bytes[c] = memoryview(r)
-            self._check_index(t, s, obj, index)
-            for c, mv in chunk_bytes.items():
-                self._check_chunk(t, c, obj, mv)
-            self.stats.add_time("verify", time.perf_counter() - tv)
-            ta = time.perf_counter()
-            dt = numpy_dtype(t.dtype)
-            decoded = {c: np.frombuffer(mv[:-4], dtype=dt).reshape(g.chunk_shape) for c, mv in chunk_bytes.items()}
-            for it in items:
-                outs[it.request][it.dst or ...] = decoded[it.chunk][it.src or ...]  # type: ignore[index]
-            self.stats.add_time("assemble", time.perf_counter() - ta)
-        self.stats.add_time("batch", time.perf_counter() - t0)
+    def _issue(self, key: str, s: int, items: list[ReadItem]) -> tuple[Any, ...]:
+        """Start the reads one shard needs: the whole object, or its index plus the needed chunks."""
+        t = self.manifest.tensors[key]
+        g = t.geometry
+        obj = t.object_key(s)
+        starts = self._starts(t)
+        chunks = sorted({it.chunk for it in items})
+        nbytes = int(t.shards.nbytes[s])
+        self.stats.objects += 1
+        if len(chunks) == int(starts[s + 1] - starts[s]):
+            self.stats.requests += 1
+            return (key, s, items, obj, True, [self.storage.read_range_future(obj, 0, None)], nbytes)
+        futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, None)]
+        for c in chunks:
+            o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+            futs.append(self.storage.read_range_future(obj, o, o + n))
+        self.stats.requests += len(futs)
+        return (key, s, items, obj, False, futs, len(chunks) * g.chunk_nbytes + g.index_nbytes)
+
+    def _finish(self, issued: tuple[Any, ...], outs: list[np.ndarray | None]) -> None:
+        """Wait for one shard's reads, verify every byte against the manifest, copy into the outputs."""
+        key, s, items, obj, whole, futs, _ = issued
+        t = self.manifest.tensors[key]
+        g = t.geometry
+        nbytes = int(t.shards.nbytes[s])
+        tw = time.perf_counter()
+        raw = [Storage.range_result(f, obj, 0, None, tensor=key) for f in futs]
+        self.stats.add_time("read", time.perf_counter() - tw)
+        self.stats.bytes_read += sum(len(r) for r in raw)
+        tv = time.perf_counter()
+        chunks = sorted({it.chunk for it in items})
+        chunk_bytes: dict[int, memoryview] = {}
+        if whole:
+            buf = raw[0]
+            if len(buf) != nbytes:
+                raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
+                                        expected=nbytes, found=len(buf))
+            index = memoryview(buf)[nbytes - g.index_nbytes:]
+            for c in chunks:
+                o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+                chunk_bytes[c] = memoryview(buf)[o:o + n]
+        else:
+            index = memoryview(raw[0])
+            if len(index) != g.index_nbytes:
+                raise SizeMismatchError("shard object is longer than the manifest records", key=key, object=obj,
+                                        expected=nbytes, found=nbytes - g.index_nbytes + len(index))
+            for c, r in zip(chunks, raw[1:]):
+                chunk_bytes[c] = memoryview(r)
+        self._check_index(t, s, obj, index)
+        for c, mv in chunk_bytes.items():
+            self._check_chunk(t, c, obj, mv)
+        self.stats.add_time("verify", time.perf_counter() - tv)
+        ta = time.perf_counter()
+        dt = numpy_dtype(t.dtype)
+        decoded = {c: np.frombuffer(mv[:-4], dtype=dt).reshape(g.chunk_shape) for c, mv in chunk_bytes.items()}
+        for it in items:
+            outs[it.request][it.dst or ...] = decoded[it.chunk][it.src or ...]  # type: ignore[index]
+        self.stats.add_time("assemble", time.perf_counter() - ta)
 
     @staticmethod
     def _check_index(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:

@@ -52,7 +52,7 @@ class SaveOptions:
 
     timeout_s: float = 300.0
     chunk_target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES
-    max_inflight_bytes: int = 512 << 20
+    max_inflight_bytes: int = 128 << 20
     heartbeat_s: float = 10.0
     save_id: str | None = None
     created_unix: float | None = None
