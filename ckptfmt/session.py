@@ -304,6 +304,9 @@ def _write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dic
             if src.shape != holder.box.shape:
                 raise StepMismatchError("shard data shape differs from its box", key=p.key,
                                         expected=holder.box.shape, found=src.shape)
+            if src.dtype != holder.dtype:  # never cast silently: the manifest would lie about the bytes
+                raise StepMismatchError("shard data dtype differs from the declared dtype", key=p.key,
+                                        expected=str(holder.dtype), found=str(src.dtype))
             cache[id(holder)] = src
         dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
         sl = it.box.slices(holder.box.offset)

@@ -91,3 +91,15 @@ def test_state_and_rank_state_policy(repo_url):
         ck.rank_state(0, world=4)
     assert ck.rank_state(3, world=4, policy="drop") is None
     assert ck.rank_state(3, world=4, policy="rank0") == {"np_rng": [1, 2, 3]}
+
+
+def test_wrong_shard_dtype_or_shape_fails_closed(repo_url):
+    from ckptfmt import IncompleteSaveError
+    x = np.ones((4, 4), np.float64)
+    with pytest.raises(IncompleteSaveError, match="dtype"):
+        save(repo_url, 1, [LocalShard("x", x.shape, np.float32, Box((0, 0), x.shape), x)])
+    with pytest.raises(IncompleteSaveError, match="shape"):
+        save(repo_url, 1, [LocalShard("x", (4, 4), x.dtype, Box((0, 0), (4, 4)), x[:2])])
+    assert Repository(repo_url).steps() == []
+    save(repo_url, 1, [LocalShard("x", x.shape, x.dtype, Box((0, 0), x.shape), x)])  # control
+    assert Repository(repo_url).steps() == [1]
