@@ -196,8 +196,8 @@ class Manifest:
 # ----------------------------------------------------------------------------- parsing
 
 
-def _fail(msg: str, *, key: str | None = None, expected: Any = None, found: Any = None) -> None:
-    raise InvalidManifestError(msg, key=key, expected=expected, found=found)
+def _fail(msg: str, *, key: str | None = None, object: str | None = None, expected: Any = None, found: Any = None) -> None:
+    raise InvalidManifestError(msg, key=key, object=object, expected=expected, found=found)
 
 
 def _int(v: Any, lo: int, hi: int, what: str, key: str | None = None) -> int:
@@ -266,7 +266,7 @@ def _no_gc() -> Iterator[None]:
 
 def _parse(data: bytes) -> Manifest:
     try:
-        doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+        doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
     except InvalidManifestError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -279,6 +279,15 @@ def _parse(data: bytes) -> Manifest:
         raise InvalidManifestError("manifest is malformed", found=f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise InvalidManifestError("manifest repeats a JSON member", expected="unique members", found=dup[:200])
+    return d
+
+
 def _reject_constant(c: str) -> Any:
     raise InvalidManifestError("manifest holds a non-finite number", found=c)
 
@@ -287,8 +296,16 @@ _TOP = {"format", "format_version", "must_understand", "extensions", "save_id", 
         "writers", "versions", "metadata", "tensors", "state"}
 
 
+def _members(d: dict[str, Any], allowed: set[str], what: str, key: str | None = None) -> None:
+    """Format v1 is closed: unknown members are errors (new things go in "extensions")."""
+    extra = set(d) - allowed
+    if extra:
+        _fail(f"unknown member(s) in {what}", key=key, expected=sorted(allowed), found=sorted(extra)[:10])
+
+
 def _from_doc(doc: Any) -> Manifest:
     _typed(doc, dict, "manifest")
+    _members(doc, _TOP, "the manifest")
     if doc.get("format") != FORMAT_NAME:
         _fail("not a ckptfmt manifest", expected=FORMAT_NAME, found=repr(doc.get("format"))[:80])
     version = doc.get("format_version")
@@ -329,11 +346,17 @@ def _from_doc(doc: Any) -> Manifest:
     state: dict[str, StateEntry] = {}
     for name, s in state_doc.items():
         _typed(s, dict, "state entry", name)
-        skey = check_object_key(s.get("key"), prefix=prefix + "state/", key=name)
         scope = s.get("scope")
         if scope not in ("global", "rank"):
             _fail("state scope must be 'global' or 'rank'", key=name, found=repr(scope)[:40])
+        _members(s, {"key", "nbytes", "crc32c", "scope"} | ({"rank"} if scope == "rank" else set()), "a state entry", name)
         rank = _int(s.get("rank"), 0, writers - 1, "state rank", name) if scope == "rank" else None
+        want_name, want_key = ("global", "global.msgpack") if scope == "global" else (f"rank/{rank}", f"rank-{rank:05d}.msgpack")
+        if name != want_name:
+            _fail("state entry name does not match its scope", key=name, expected=want_name, found=name)
+        skey = check_object_key(s.get("key"), prefix=prefix + "state/", key=name)
+        if skey != prefix + "state/" + want_key:
+            _fail("state object key does not match its entry", key=name, object=skey, expected=prefix + "state/" + want_key, found=skey)
         state[name] = StateEntry(name, skey, _int(s.get("nbytes"), 0, MAX_TENSOR_BYTES, "state nbytes", name),
                                  _int(s.get("crc32c"), 0, _U32 - 1, "state crc32c", name), scope, rank)
     return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
@@ -343,6 +366,7 @@ def _from_doc(doc: Any) -> Manifest:
 
 def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     _typed(t, dict, "tensor entry", k)
+    _members(t, {"shape", "dtype", "sharding", "array", "shards", "chunks"}, "a tensor entry", k)
     shape = _typed(t.get("shape"), list, "shape", k)
     if len(shape) > MAX_NDIM:
         _fail("too many dimensions", key=k, expected=f"<= {MAX_NDIM}", found=len(shape))
@@ -357,6 +381,7 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     if sharding is not None:
         _typed(sharding, dict, "sharding", k)
     a = _typed(t.get("array"), dict, "array", k)
+    _members(a, {"path", "shard_shape", "chunk_shape", "codec"}, "array", k)
     path = check_object_key(a.get("path"), prefix=prefix + "t/", key=k)
     if a.get("codec") != "raw":
         raise UnsupportedVersionError("unsupported codec", key=k, expected="raw", found=repr(a.get("codec"))[:40])
@@ -373,6 +398,7 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
         _fail("chunk too large", key=k, found=chunk_shape)
     geom = TensorGeometry(shape_t, shard_shape, chunk_shape, item)
     sh = _typed(t.get("shards"), dict, "shards", k)
+    _members(sh, {"offset", "writer", "key", "nbytes", "index_crc32c"}, "shards", k)
     keys = _typed(sh.get("key"), list, "shards.key", k)
     n = len(keys)
     expected_n = math.prod(geom.grid)
@@ -401,6 +427,7 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
             _fail("shard object key does not match its box", key=k, object=str(keys[i])[:200],
                   expected=expected_keys[i], found=str(keys[i])[:200])
     ch = _typed(t.get("chunks"), dict, "chunks", k)
+    _members(ch, {"offset", "nbytes", "crc32c"}, "chunks", k)
     counts = np.prod(chunk_count_table(geom, offset), axis=1, dtype=np.int64) if n else np.zeros(0, np.int64)
     total = int(counts.sum())
     coff = _int_array(ch.get("offset"), total, 0, MAX_TENSOR_BYTES, "chunks.offset", k)

@@ -14,7 +14,7 @@ from .storage import Storage
 
 __all__ = ["Repository", "GcReport"]
 
-_MANIFEST_RE = re.compile(r"^manifests/(\d{20})\.json$")
+_MANIFEST_RE = re.compile(r"^manifests/([0-9]{20})\.json$")
 
 
 @dataclass
@@ -109,27 +109,29 @@ class Repository:
                     continue
                 self.delete(s)
                 report.removed_steps.append(s)
-            steps = self.steps()
+        # Order matters: list private saves and read their leases FIRST, then read the manifests.
+        # A save commits before it drops its lease, so every candidate that committed in between
+        # is seen as referenced below and survives.
+        by_save: dict[str, int] = {}
+        for k in self.storage.list("saves/"):
+            parts = k.split("/")
+            if len(parts) >= 3:
+                by_save[parts[1]] = by_save.get(parts[1], 0) + 1
+        leases = dict(zip(by_save, self.storage.read_many([f"saves/{sid}/LEASE" for sid in by_save])))
         referenced: set[str] = set()
         raw_manifests: list[bytes] = []
-        for s in steps:
+        for s in self.steps():
             try:
                 referenced.add(self.manifest(s).save_id)
             except CheckpointError:
                 data = self.storage.read(manifest_key(s))
                 if data:
                     raw_manifests.append(data)
-        keys = self.storage.list("saves/")
-        by_save: dict[str, int] = {}
-        for k in keys:
-            parts = k.split("/")
-            if len(parts) >= 3:
-                by_save[parts[1]] = by_save.get(parts[1], 0) + 1
         now = time.time()
         for sid, count in sorted(by_save.items()):
             if sid in referenced or any(sid.encode() in raw for raw in raw_manifests):
                 continue
-            lease = self.storage.read(f"saves/{sid}/LEASE")
+            lease = leases.get(sid)
             if lease is not None:
                 try:
                     beat = float(json.loads(lease)["heartbeat_unix"])

@@ -141,6 +141,12 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
         raise StepMismatchError("step must be a non-negative integer", expected=">= 0", found=repr(step))
     step = int(step)
     local = _index_shards(shards)
+    try:  # the manifest is JSON: reject bad metadata on every rank before anything is written
+        import json
+        json.dumps(dict(metadata or {}), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidManifestError("metadata must be plain JSON (str keys, finite numbers)", object="metadata",
+                                   expected="JSON-serializable mapping", found=str(e)[:200]) from None
 
     # 1. begin: save id and lease (rank 0), before any rank writes anything.
     heartbeat = None
@@ -238,12 +244,17 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
                 manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
                 data = manifest.to_bytes()
                 parse_manifest(data, max_bytes=repository.max_manifest_bytes)
+                if storage.read(lease_key(save_id)) is None:
+                    raise IncompleteSaveError("the save's lease was collected by gc (stalled past the grace period)",
+                                              object=lease_key(save_id), expected="lease present", found="missing")
                 if not storage.create_if_absent(manifest_key(step), data):
                     raise StepAlreadyCommittedError("another save committed this step first", object=manifest_key(step),
                                                     expected="no manifest", found="a manifest from another save")
                 outcome = {"ok": True, "manifest": data}
             except CheckpointError as e:
                 outcome = {"error": _err_json(e)}
+            except Exception as e:  # never leave the other ranks waiting on a bug here
+                outcome = {"error": _err_json(IncompleteSaveError(f"commit failed: {type(e).__name__}: {e}"))}
     outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
     if "error" in outcome:
         raise _err_from(outcome["error"])

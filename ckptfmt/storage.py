@@ -159,7 +159,7 @@ class Storage:
         return {
             "driver": "zarr3", "kvstore": kv,
             "metadata": {
-                "shape": list(shape), "data_type": dtype, "fill_value": False if dtype == "bool" else 0,
+                "shape": list(shape), "data_type": dtype, "fill_value": False if dtype == "bool" else [0.0, 0.0] if dtype.startswith("complex") else 0,
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shard_shape)}},
                 "chunk_key_encoding": {"name": "default"},
                 "codecs": [{"name": "sharding_indexed", "configuration": {

@@ -1,0 +1,29 @@
+"""``ckptfmt bench``: ckptfmt side by side with Orbax, torch DCP and the raw disk limit.
+
+Entry point (the CLI's ``bench`` subcommand calls exactly this)::
+
+    from ckptfmt.bench import BenchOptions, run_bench
+    result = run_bench(BenchOptions(size=1 << 30, tensors=16, repetitions=3,
+                                    storage="/mnt/ckpt", output_dir="bench-out"))
+    print(result.table)          # Markdown table, ratios and targets
+    result.json_path, result.plot_path   # bench-out/bench.json, bench-out/bench.png
+
+Command line: ``ckptfmt bench --help`` (the CLI delegates to ``ckptfmt.bench.main(argv)``)
+or standalone ``python -m ckptfmt.bench --help``.
+
+Every measured run (one save, or one restore) happens in a fresh Python
+process (``child.py``); JAX gets its device count through ``XLA_FLAGS`` before
+it is imported, DCP ranks are forked gloo processes. The page cache is dropped
+before every read where the OS allows it (root on Linux), and the result says
+whether reads were cold or warm. A peer that is not installed is skipped and
+named in ``result.skipped``. Modules: ``raw`` (the disk limit), ``ours``
+(ckptfmt), ``peers`` (Orbax, DCP), ``metadata_scale``, ``tailstep``,
+``report`` (medians, ratios, targets, JSON, PNG).
+"""
+
+from .args import main as main
+from .runner import BenchOptions as BenchOptions
+from .runner import BenchResult as BenchResult
+from .runner import run_bench as run_bench
+
+__all__ = ["BenchOptions", "BenchResult", "run_bench", "main"]

@@ -1,0 +1,210 @@
+"""What the CLI shows: plain dicts built from the core API, and their rich renderings."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+from typing import Any, Callable, Iterator
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn,
+                           TimeRemainingColumn, TransferSpeedColumn)
+from rich.table import Table
+from rich.tree import Tree
+
+__all__ = ["step_summary", "describe_step", "verify_with_progress", "plain", "error", "steps_table",
+           "inspect_view", "verify_summary", "gc_view", "fault_list", "fault_progress"]
+
+
+def _when(unix: float | None) -> str:
+    if unix is None:
+        return "-"
+    return _dt.datetime.fromtimestamp(unix, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def plain(obj: Any) -> Any:
+    """A JSON-friendly copy of a report object (``to_json`` when it has one)."""
+    if hasattr(obj, "to_json"):
+        return obj.to_json()
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    return obj
+
+
+# ------------------------------------------------------------------------------- data
+
+
+def step_summary(repo: Any, step: int) -> dict[str, Any]:
+    """One row of ``ls``; a manifest that cannot be read becomes a row with its error."""
+    from ckptfmt.errors import CheckpointError
+
+    try:
+        m = repo.manifest(step)
+    except CheckpointError as exc:
+        return {"step": step, "error": type(exc).__name__, "message": exc.message}
+    return {"step": step, "save_id": m.save_id, "created_unix": m.created_unix, "created": _when(m.created_unix),
+            "bytes": m.nbytes, "tensors": len(m.tensors), "writers": m.writers,
+            "state": sorted(m.state)}
+
+
+def _sharding_text(sh: dict[str, Any] | None) -> str:
+    if not sh:
+        return "-"
+    parts = []
+    if sh.get("framework"):
+        parts.append(sh["framework"])
+    if sh.get("mesh_shape"):
+        names = sh.get("axis_names") or []
+        parts.append("mesh " + "x".join(f"{n}{'=' + str(a) if a else ''}"
+                                        for n, a in zip(sh["mesh_shape"], names or [""] * len(sh["mesh_shape"]))))
+    if sh.get("partition"):
+        parts.append("P(" + ", ".join("None" if p is None else "+".join(p) for p in sh["partition"]) + ")")
+    if sh.get("replicated_axes"):
+        parts.append("replicated over " + ",".join(sh["replicated_axes"]))
+    return " ".join(parts) or "-"
+
+
+def describe_step(repo: Any, step: int | None) -> dict[str, Any]:
+    """Tensors and state keys of one step (``inspect``), from the manifest and the global state."""
+    ckpt = repo.open(step)
+    m = ckpt.manifest
+    tensors = []
+    for key in ckpt.keys():
+        t = ckpt.tensor(key)
+        tensors.append({"key": key, "shape": list(t.shape), "dtype": t.dtype, "sharding": t.sharding,
+                        "sharding_text": _sharding_text(t.sharding), "shards": len(t.shards),
+                        "writers": sorted({int(w) for w in t.shards.writer}),
+                        "shard_shape": list(t.array.shard_shape), "chunk_shape": list(t.array.chunk_shape),
+                        "bytes": t.nbytes, "stored_bytes": int(t.shards.nbytes.sum())})
+    state_keys: list[str] = []
+    if "global" in m.state:
+        g = ckpt.state()
+        state_keys = sorted(g) if isinstance(g, dict) else [f"<{type(g).__name__}>"]
+    return {"step": m.step, "save_id": m.save_id, "created_unix": m.created_unix, "created": _when(m.created_unix),
+            "writers": m.writers, "bytes": m.nbytes, "versions": dict(m.versions), "metadata": dict(m.metadata),
+            "tensors": tensors, "state_keys": state_keys,
+            "state_objects": [{"name": n, "scope": e.scope, "rank": e.rank, "bytes": e.nbytes}
+                              for n, e in sorted(m.state.items())]}
+
+
+def verify_with_progress(repo: Any, step: int, console: Console, *, quiet: bool) -> int:
+    """Verify every byte of ``step`` with a progress bar on ``console``; return bytes checked."""
+    if quiet:
+        return repo.verify(step)
+    with Progress(TextColumn(f"verify step {step}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("verify", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return repo.verify(step, progress=progress)
+
+
+# ---------------------------------------------------------------------------- drawing
+
+
+def error(console: Console, doc: dict[str, Any], *, step: int | None = None) -> None:
+    where = f" (step {step})" if step is not None else ""
+    console.print(f"[bold red]{escape(str(doc['error']))}[/]{where}: {escape(str(doc['message']))}")
+    for field in ("key", "object", "expected", "found"):
+        if doc.get(field) is not None:
+            console.print(f"  {field}: {escape(str(doc[field]))}")
+    if doc.get("untyped"):
+        console.print("  [red]this is not a CheckpointError: please report it as a ckptfmt bug[/]")
+
+
+def steps_table(console: Console, url: str, rows: list[dict[str, Any]]) -> None:
+    t = Table(title=f"committed steps in {escape(url)}")
+    for col, kw in (("step", {"justify": "right"}), ("committed", {}), ("size", {"justify": "right"}),
+                    ("tensors", {"justify": "right"}), ("writers", {"justify": "right"}), ("save id", {})):
+        t.add_column(col, **kw)
+    for r in rows:
+        if r.get("error"):
+            t.add_row(str(r["step"]), f"[red]{escape(r['error'])}[/]", "-", "-", "-", escape(r["message"]))
+        else:
+            t.add_row(str(r["step"]), r["created"], _size(r["bytes"]), str(r["tensors"]), str(r["writers"]),
+                      r["save_id"])
+    if not rows:
+        console.print(f"no committed steps in {escape(url)}")
+        return
+    console.print(t)
+
+
+def inspect_view(console: Console, url: str, doc: dict[str, Any]) -> None:
+    t = Table(title=f"step {doc['step']} of {escape(url)}: {len(doc['tensors'])} tensors, {_size(doc['bytes'])}, "
+                    f"{doc['writers']} writers, committed {doc['created']}")
+    for col, kw in (("key path", {}), ("shape", {}), ("dtype", {}), ("sharding", {"overflow": "fold"}),
+                    ("shards", {"justify": "right"}), ("bytes", {"justify": "right"})):
+        t.add_column(col, **kw)
+    for r in doc["tensors"]:
+        t.add_row(escape(r["key"]), "(" + ", ".join(map(str, r["shape"])) + ")", r["dtype"],
+                  escape(r["sharding_text"]), str(r["shards"]), _size(r["bytes"]))
+    console.print(t)
+    tree = Tree("non-tensor state")
+    g = tree.add("global")
+    for k in doc["state_keys"]:
+        g.add(escape(k))
+    ranks = [o for o in doc["state_objects"] if o["scope"] == "rank"]
+    if ranks:
+        tree.add(f"per-rank: {len(ranks)} objects (ranks {', '.join(str(o['rank']) for o in ranks)})")
+    console.print(tree)
+
+
+def verify_summary(console: Console, results: list[dict[str, Any]]) -> None:
+    t = Table(title="verify")
+    t.add_column("step", justify="right")
+    t.add_column("result")
+    t.add_column("bytes checked", justify="right")
+    for r in results:
+        if r["ok"]:
+            t.add_row(str(r["step"]), "[green]clean[/]", _size(r["bytes"]))
+        else:
+            t.add_row(str(r["step"]), f"[bold red]{escape(r['error'])}[/]: {escape(r['message'])}", "-")
+    console.print(t)
+
+
+def gc_view(console: Console, url: str, doc: dict[str, Any]) -> None:
+    t = Table(title=f"gc of {escape(url)}")
+    t.add_column("what")
+    t.add_column("value", overflow="fold")
+    for k, v in doc.items():
+        t.add_row(k.replace("_", " "), escape(", ".join(map(str, v)) if isinstance(v, list) else str(v)) or "-")
+    console.print(t)
+
+
+def fault_list(console: Console, names: list[dict[str, Any]]) -> None:
+    t = Table(title="fault catalogue")
+    t.add_column("fault")
+    t.add_column("where")
+    t.add_column("expected error")
+    for f in names:
+        t.add_row(f["name"], f["where"], ", ".join(f["expect"]))
+    console.print(t)
+
+
+@contextlib.contextmanager
+def fault_progress(console: Console, *, quiet: bool, total: int) -> Iterator[Callable[[Any], None]]:
+    """A progress bar that counts finished faults (stderr); yields the per-outcome callback."""
+    if quiet:
+        yield lambda o: None
+        return
+    with Progress(TextColumn("faults"), BarColumn(), TaskProgressColumn(), TextColumn("{task.description}"),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("base save by 2 writer processes", total=total)
+
+        def on_outcome(o: Any) -> None:
+            bar.update(task, advance=1, description=f"{o.fault}: {'PASS' if o.passed else 'FAIL'}")
+
+        yield on_outcome

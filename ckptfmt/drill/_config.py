@@ -1,0 +1,125 @@
+"""The drill's inputs: one frozen value, built from the command line, stored in the receipt."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["DrillConfig", "parser", "from_args", "default_mesh"]
+
+
+def default_mesh(devices: int) -> str:
+    """The ``data x model`` mesh used for ``devices`` devices: model parallel 2 when it divides."""
+    if devices >= 4 and devices % 2 == 0:
+        return f"{devices // 2}x2"
+    return f"{devices}x1"
+
+
+@dataclass(frozen=True)
+class DrillConfig:
+    processes: int = 2                 # processes of the training job
+    devices_per_process: int = 4       # CPU devices of each training process
+    replacement_devices: int = 4       # devices of the replacement job (one process)
+    replacement: str = "jax"           # "jax" or "torch"
+    train_mesh: str = ""               # data x model; "" = default_mesh(processes * devices_per_process)
+    replacement_mesh: str = ""         # "" = default_mesh(replacement_devices)
+    cadence: int = 5                   # steps between asynchronous saves
+    step_time_s: float = 0.05          # minimum wall time of one training step (pacing)
+    kill_window: tuple[int, int] = (0, 0)  # steps [lo, hi] the kill is drawn from; (0, 0) = automatic
+    capacity_delay_s: float = 0.0      # extra wait before the replacement starts (a scheduler)
+    monitor_interval_s: float = 0.1    # how often the supervisor polls its processes
+    storage: str = ""                  # repository URL; "" = <out>/repo
+    out: str = ""                      # output directory; "" = a new temporary directory
+    seed: int = 0
+    timeout_s: float = 240.0           # per job; every wait ends
+    control: bool = True               # run the 8 -> 8 control restore
+
+    @property
+    def train_devices(self) -> int:
+        return self.processes * self.devices_per_process
+
+    @property
+    def mesh(self) -> str:
+        return self.train_mesh or default_mesh(self.train_devices)
+
+    @property
+    def new_mesh(self) -> str:
+        return self.replacement_mesh or default_mesh(self.replacement_devices)
+
+    def window(self) -> tuple[int, int]:
+        if self.kill_window != (0, 0):
+            return self.kill_window
+        return (2 * self.cadence + 1, 4 * self.cadence - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(kill_window=list(self.window()), train_mesh=self.mesh, replacement_mesh=self.new_mesh)
+        return d
+
+    def check(self) -> None:
+        lo, hi = self.window()
+        if self.cadence < 1:
+            raise ValueError("--cadence must be >= 1")
+        if not 1 <= lo <= hi:
+            raise ValueError(f"--kill-window must satisfy 1 <= lo <= hi, got {lo}:{hi}")
+        if lo <= self.cadence:
+            raise ValueError(f"the kill window starts at step {lo}, before the first save (step {self.cadence})")
+        if self.cadence > 1 and all(s % self.cadence == 0 for s in range(lo, hi + 1)):
+            raise ValueError("the kill window holds only save steps")
+        for name, mesh, n in (("train", self.mesh, self.train_devices),
+                              ("replacement", self.new_mesh, self.replacement_devices)):
+            d, m = (int(x) for x in mesh.split("x"))
+            if d * m != n:
+                raise ValueError(f"{name} mesh {mesh} does not cover {n} devices")
+        if self.replacement not in ("jax", "torch"):
+            raise ValueError("--replacement must be jax or torch")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="ckptfmt drill",
+        description="The restore gate: train a real multi-process JAX job that saves asynchronously, "
+                    "SIGKILL one process at a random step, bring up a replacement on a new topology, "
+                    "restore the latest committed step, run exactly one step, and check it against the "
+                    "uninterrupted run. Prints the phase table and the guide's table; writes a JSON receipt.")
+    d = DrillConfig()
+    ap.add_argument("--processes", type=int, default=d.processes, help="processes of the training job (%(default)s)")
+    ap.add_argument("--devices-per-process", type=int, default=d.devices_per_process,
+                    help="CPU devices per training process (%(default)s)")
+    ap.add_argument("--replacement-devices", type=int, default=d.replacement_devices,
+                    help="devices of the replacement (%(default)s; torch: ranks)")
+    ap.add_argument("--replacement", choices=["jax", "torch"], default=d.replacement,
+                    help="framework of the replacement job (%(default)s)")
+    ap.add_argument("--train-mesh", default="", help="data x model mesh of the training job (default: N/2 x 2)")
+    ap.add_argument("--replacement-mesh", default="", help="data x model mesh of the replacement")
+    ap.add_argument("--cadence", type=int, default=d.cadence, help="steps between asynchronous saves (%(default)s)")
+    ap.add_argument("--step-time", type=float, default=d.step_time_s,
+                    help="minimum seconds per training step (%(default)s)")
+    ap.add_argument("--kill-window", default="", metavar="LO:HI",
+                    help="steps the kill is drawn from (default: 2*cadence+1 : 4*cadence-1)")
+    ap.add_argument("--capacity-delay", type=float, default=d.capacity_delay_s,
+                    help="seconds to wait for replacement capacity, like a scheduler (%(default)s)")
+    ap.add_argument("--monitor-interval", type=float, default=d.monitor_interval_s,
+                    help="seconds between the supervisor's liveness polls (%(default)s)")
+    ap.add_argument("--storage", default="", help="repository URL (default: <out>/repo); must hold no step")
+    ap.add_argument("--out", default="", help="output directory (default: a new temporary directory)")
+    ap.add_argument("--seed", type=int, default=d.seed, help="seed of the kill step and victim (%(default)s)")
+    ap.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds allowed per job (%(default)s)")
+    ap.add_argument("--no-control", action="store_true", help="skip the same-topology control restore")
+    ap.add_argument("--json", action="store_true", help="print the receipt as JSON instead of tables")
+    return ap
+
+
+def from_args(ns: argparse.Namespace) -> DrillConfig:
+    window = (0, 0)
+    if ns.kill_window:
+        lo, _, hi = ns.kill_window.partition(":")
+        window = (int(lo), int(hi or lo))
+    cfg = DrillConfig(processes=ns.processes, devices_per_process=ns.devices_per_process,
+                      replacement_devices=ns.replacement_devices, replacement=ns.replacement,
+                      train_mesh=ns.train_mesh, replacement_mesh=ns.replacement_mesh, cadence=ns.cadence,
+                      step_time_s=ns.step_time, kill_window=window, capacity_delay_s=ns.capacity_delay,
+                      monitor_interval_s=ns.monitor_interval, storage=ns.storage, out=ns.out, seed=ns.seed,
+                      timeout_s=ns.timeout, control=not ns.no_control)
+    cfg.check()
+    return cfg

@@ -1,0 +1,71 @@
+"""Rich tables of a drill receipt: the phase table, the guide's table, the continuation checks."""
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["print_report", "phase_table", "guide_table"]
+
+
+def phase_table(receipt: dict[str, Any]) -> Table:
+    out = receipt["outputs"]
+    r = receipt["replacement"]
+    t = Table(title=f"Recovery phases: kill at step {out['kill']['step']} (rank {out['kill']['rank']}, SIGKILL) → "
+                    f"{r['topology']} restores step {r['restored_step']} and runs step {r['step']}",
+              title_justify="left")
+    t.add_column("phase")
+    t.add_column("seconds", justify="right")
+    t.add_column("share", justify="right")
+    t.add_column("what")
+    total = out["recovery_s"]
+    for row in out["phases"]:
+        if row.get("total"):
+            t.add_section()
+            t.add_row(f"[bold]{row['phase']}[/]", f"[bold]{row['seconds']:.3f}[/]", "100%", row["note"])
+        else:
+            share = 100.0 * row["seconds"] / total if total > 0 else 0.0
+            t.add_row(row["phase"], f"{row['seconds']:.3f}", f"{share:.0f}%", row["note"])
+    return t
+
+
+def guide_table(receipt: dict[str, Any]) -> Table:
+    t = Table(title="Restore gate (the guide's table, figures from this run)", title_justify="left")
+    t.add_column("Signal")
+    t.add_column("Choice")
+    t.add_column("Evidence")
+    t.add_column("Detail", style="dim")
+    for row in receipt["outputs"]["guide_table"]:
+        t.add_row(row["signal"], row["choice"], row["evidence"], row["detail"])
+    return t
+
+
+def checks_table(receipt: dict[str, Any]) -> Table:
+    t = Table(title="Continuation receipt", title_justify="left")
+    t.add_column("job")
+    t.add_column("check")
+    t.add_column("ok")
+    t.add_column("detail")
+    out = receipt["outputs"]
+    jobs = [("replacement", out["continuation"]), ("control", out.get("control")),
+            ("missing shard", receipt["rejected_control"].get("verdict"))]
+    for name, verdict in jobs:
+        if not verdict:
+            continue
+        for check, (ok, detail) in verdict["checks"].items():
+            t.add_row(name, check, "[green]yes[/]" if ok else "[red]NO[/]", str(detail))
+        name = ""
+    return t
+
+
+def print_report(receipt: dict[str, Any], console: Console | None = None) -> None:
+    c = console or Console(highlight=False)
+    facts = receipt["outputs"]["repository"]
+    c.print(f"committed steps: {facts['committed_steps']}; saves started but never committed (torn by the kill): "
+            f"{facts['torn_save_steps'] or 'none'}; private leftovers: {len(facts['uncommitted_saves'])}")
+    c.print(phase_table(receipt))
+    c.print(guide_table(receipt))
+    c.print(checks_table(receipt))
+    verdict = "[bold green]PASS[/]" if receipt["pass"] else "[bold red]FAIL[/]"
+    c.print(f"receipt: {receipt['receipt_path']}  {verdict}")

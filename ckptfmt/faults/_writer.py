@@ -1,0 +1,182 @@
+"""A writer process: ``python -m ckptfmt.faults._writer '<json task>'``.
+
+It saves one or more steps of the deterministic state in :mod:`ckptfmt.faults._data` as one
+rank of a real multi-process save (TcpCoordinator; LocalCoordinator when world is 1), and
+prints one JSON line per step: ``{"rank", "step", "ok", "save_id"}`` or the typed error.
+
+Kill points (the process SIGKILLs itself, so the kill lands at a known protocol moment):
+
+``"during_write"``   while the save materializes this rank's second tensor block, i.e. after
+                     the plan was agreed and possibly after some of its shards were written,
+                     before its acknowledgement (so before publication);
+``"before_commit"``  right after the acknowledgement all-gather returns on this rank, i.e.
+                     every writer has written and acknowledged, and the commit is next.
+
+``go_file``: wait until this file exists before saving (to start concurrent saves together).
+``fsize_limit``: set RLIMIT_FSIZE (the ENOSPC fallback when a tmpfs cannot be mounted).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+__all__ = ["main", "KillingCoordinator", "WEAKEN"]
+
+#: Broken controls (tests only): each name disables one guarantee of the core in this process.
+WEAKEN = {
+    # The commit becomes a plain write: a second save of the same step overwrites the first.
+    "no_conditional_create": "ckptfmt.storage.Storage.create_if_absent -> unconditional write",
+}
+
+
+def _weaken(name: str) -> None:
+    if name == "no_conditional_create":
+        from ckptfmt.storage import Storage
+
+        def create_if_absent(self, key: str, data: bytes) -> bool:
+            self.write(key, data)
+            return True
+
+        Storage.create_if_absent = create_if_absent
+    else:
+        raise ValueError(f"unknown weakening {name!r}; known: {sorted(WEAKEN)}")
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillingCoordinator:
+    """Delegates to a real coordinator; SIGKILLs this process after the all-gather of the acks."""
+
+    def __init__(self, inner: Any, ack_name: str = "save/ack") -> None:
+        self._inner = inner
+        self._ack = ack_name
+        self.rank, self.world = inner.rank, inner.world
+
+    def barrier(self, name: str, timeout_s: float | None = None) -> None:
+        self._inner.barrier(name, timeout_s)
+
+    def allgather(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
+        out = self._inner.allgather(name, payload, timeout_s)
+        if name == self._ack:
+            _die()
+        return out
+
+    def broadcast(self, name: str, payload: bytes | None, root: int = 0,
+                  timeout_s: float | None = None) -> bytes:
+        return self._inner.broadcast(name, payload, root, timeout_s)
+
+    def close(self) -> None:
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            close()
+
+
+def _publish_first(url: str, step: int, shards: list, seed: int, options: Any) -> Any:
+    """Broken control for the soak: a commit protocol that publishes the manifest first.
+
+    It saves correctly into a private scratch repository, then copies into ``url`` in the wrong
+    order: the manifest, then the objects one by one (so a kill in between leaves a listed,
+    partial step). Single writer only.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import ckptfmt
+    from ckptfmt.faults import _data
+
+    with tempfile.TemporaryDirectory() as scratch:
+        m = ckptfmt.save(scratch, step, shards, state=_data.global_state(seed, step),
+                         rank_state=_data.rank_state(seed, step, 0), metadata={"seed": seed}, options=options)
+        src, dst = Path(scratch), Path(url)
+        (dst / "manifests").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / "manifests" / f"{step:020d}.json", dst / "manifests" / f"{step:020d}.json")
+        for p in sorted((src / "saves").rglob("*")):
+            if p.is_file():
+                out = dst / p.relative_to(src)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(p, out)
+                time.sleep(0.03)
+    return m
+
+
+def run(task: dict[str, Any]) -> list[dict[str, Any]]:
+    import ckptfmt
+    from ckptfmt import LocalCoordinator, SaveOptions, TcpCoordinator
+    from ckptfmt.errors import CheckpointError
+    from ckptfmt.faults import _data
+
+    rank, world, seed = task["rank"], task["world"], task["seed"]
+    if task.get("weaken"):
+        _weaken(task["weaken"])
+    kill = task.get("kill") if task.get("kill_rank", 0) == rank else None
+    if task.get("fsize_limit"):
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write(), not a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (task["fsize_limit"], task["fsize_limit"]))
+    if task.get("go_file"):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(task["go_file"]) and time.monotonic() < deadline:
+            time.sleep(0.002)
+    timeout_s = float(task.get("timeout_s", 30))
+    if world == 1:
+        coord: Any = LocalCoordinator()
+    else:
+        coord = TcpCoordinator(task["address"], rank, world, timeout_s=timeout_s)
+    if kill == "before_commit":
+        coord = KillingCoordinator(coord)
+
+    def hook(i: int, block):
+        if kill == "during_write" and i >= 1:
+            def data():
+                _die()
+            return data
+        return block
+
+    results = []
+    options = SaveOptions(timeout_s=timeout_s, chunk_target_bytes=_data.CHUNK_TARGET_BYTES)
+    try:
+        for step in task["steps"]:
+            shards = _data.local_shards(seed, step, rank, world, data_hook=hook)
+            if task.get("announce"):
+                print(json.dumps({"event": "start", "rank": rank, "step": step, "t": time.time()}), flush=True)
+            t0 = time.perf_counter()
+            try:
+                if task.get("publish_first"):
+                    m = _publish_first(task["url"], step, shards, seed, options)
+                else:
+                    m = ckptfmt.save(task["url"], step, shards,
+                                 state=_data.global_state(seed, step) if rank == 0 else None,
+                                 rank_state=_data.rank_state(seed, step, rank),
+                                 metadata={"seed": seed}, coordinator=coord, options=options)
+                results.append({"rank": rank, "step": step, "ok": True, "save_id": m.save_id,
+                                "seconds": time.perf_counter() - t0})
+            except CheckpointError as exc:
+                results.append({"rank": rank, "step": step, "ok": False, **exc.to_json()})
+            except BaseException as exc:  # an untyped error is a finding, report it as such
+                results.append({"rank": rank, "step": step, "ok": False, "error": type(exc).__name__,
+                                "message": str(exc)[:500], "untyped": True})
+            print(json.dumps(results[-1], default=str), flush=True)
+    finally:
+        close = getattr(coord, "close", None)
+        if close is not None:
+            close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    results = run(json.loads(argv[0]))
+    return 0 if all(r["ok"] for r in results) else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Regenerate the worked example of spec/FORMAT.md section 12, deterministically.
+
+    .venv/bin/python spec/examples/make_example.py            # rewrites spec/examples/repo/
+    .venv/bin/python spec/examples/make_example.py --out DIR  # writes a fresh repository at DIR
+
+Two writers (two threads, each with its own TcpCoordinator on 127.0.0.1) save step 7:
+
+  opt/count      int32    []     replicated on both writers; written once, by rank 0
+  params/b       bfloat16 [3]    rank 0 holds [0:2], rank 1 holds [2:3]   (padded edge chunk)
+  params/w       float32  [5, 3] rank 0 holds rows [0:3], rank 1 rows [3:5] (torch.chunk split;
+                                 one inner chunk lies wholly outside the tensor)
+
+plus a small global msgpack state. The save id, creation time, versions and chunk target
+are fixed, so every byte of the output is reproducible; tests/test_golden.py regenerates it
+and compares it with the committed files byte for byte.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a plain checkout
+import ckptfmt  # noqa: E402
+from ckptfmt import Box, LocalShard, SaveOptions, TcpCoordinator, TensorSharding  # noqa: E402
+from ckptfmt.coord import free_port  # noqa: E402
+
+STEP = 7
+SAVE_ID = "000000000007-20260101T000000-0badcafe"
+CREATED_UNIX = 1767225600.0  # 2026-01-01T00:00:00Z, the time in SAVE_ID
+CHUNK_TARGET_BYTES = 12      # small on purpose: gives params/w inner chunks of one row
+# Fixed, so that the manifest does not change with the interpreter or library patch level.
+VERSIONS = {"ckptfmt": "0.1.0", "python": "3.11", "numpy": "2.4.6", "tensorstore": "0.1.86"}
+METADATA = {"note": "ckptfmt spec/FORMAT.md worked example"}
+WORLD = 2
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "repo"
+
+
+def tensors() -> dict[str, np.ndarray]:
+    """The global values of the example's tensors."""
+    return {
+        "opt/count": np.array(7, dtype=np.int32),
+        "params/b": np.array([1.0, -2.0, 0.5], dtype=ml_dtypes.bfloat16),
+        "params/w": np.arange(15, dtype=np.float32).reshape(5, 3),
+    }
+
+
+def global_state() -> dict:
+    return {"epoch": 1, "data_cursor": 640, "rng_key": np.array([0, 42], dtype=np.uint32)}
+
+
+# The informative sharding description: a 1-d mesh of the two writers, axis "data".
+SPLIT = TensorSharding(framework="numpy", mesh_shape=(2,), axis_names=("data",), partition=(("data",),))
+SPLIT_ROWS = TensorSharding(framework="numpy", mesh_shape=(2,), axis_names=("data",), partition=(("data",), None))
+REPLICATED = TensorSharding(framework="numpy", mesh_shape=(2,), axis_names=("data",), partition=(),
+                            replicated_axes=("data",))
+
+
+def local_shards(rank: int) -> list[LocalShard]:
+    """What each writer holds: boxes in global coordinates, plus replica ids."""
+    t = tensors()
+    rows = {0: (0, 3), 1: (3, 5)}[rank]     # torch.chunk(5 rows, 2) -> 3, 2
+    bias = {0: (0, 2), 1: (2, 3)}[rank]
+    return [
+        LocalShard("opt/count", (), np.int32, Box((), ()), t["opt/count"], replica_id=rank, sharding=REPLICATED),
+        LocalShard("params/b", (3,), ml_dtypes.bfloat16, Box((bias[0],), (bias[1] - bias[0],)),
+                   t["params/b"][bias[0]:bias[1]], sharding=SPLIT),
+        LocalShard("params/w", (5, 3), np.float32, Box((rows[0], 0), (rows[1] - rows[0], 3)),
+                   t["params/w"][rows[0]:rows[1]], sharding=SPLIT_ROWS),
+    ]
+
+
+def generate(out: str | os.PathLike[str]) -> ckptfmt.Manifest:
+    """Write the example repository at ``out`` (which must not exist yet) and return its manifest."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; pass a fresh directory")
+    out.mkdir(parents=True)
+    options = SaveOptions(save_id=SAVE_ID, created_unix=CREATED_UNIX, chunk_target_bytes=CHUNK_TARGET_BYTES,
+                          timeout_s=60.0)
+    address = f"127.0.0.1:{free_port()}"
+    results: dict[int, object] = {}
+
+    def writer(rank: int, coord: TcpCoordinator) -> None:
+        try:
+            with coord:
+                results[rank] = ckptfmt.save(str(out), STEP, local_shards(rank), state=global_state(),
+                                             metadata=METADATA, coordinator=coord, versions=VERSIONS,
+                                             options=options)
+        except BaseException as e:  # reported below, on the main thread
+            results[rank] = e
+
+    coord0 = TcpCoordinator(address, 0, WORLD, timeout_s=60.0)   # rank 0 listens first
+    t0 = threading.Thread(target=writer, args=(0, coord0))
+    t0.start()
+    t1 = threading.Thread(target=lambda: writer(1, TcpCoordinator(address, 1, WORLD, timeout_s=60.0)))
+    t1.start()
+    t0.join()
+    t1.join()
+    for rank in range(WORLD):
+        if isinstance(results.get(rank), BaseException):
+            raise results[rank]  # type: ignore[misc]
+    return results[0]  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="a fresh directory (default: rewrite spec/examples/repo)")
+    args = ap.parse_args(argv)
+    if args.out is None:
+        if DEFAULT_OUT.exists():
+            shutil.rmtree(DEFAULT_OUT)
+        out = DEFAULT_OUT
+    else:
+        out = Path(args.out)
+    m = generate(out)
+    for p in sorted(out.rglob("*")):
+        if p.is_file():
+            print(f"{p.stat().st_size:6d}  {p.relative_to(out)}")
+    print(f"committed step {m.step}, save id {m.save_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
