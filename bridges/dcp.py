@@ -1,0 +1,156 @@
+"""A ``torch.distributed.checkpoint`` StorageReader over a ckptfmt checkpoint.
+
+``dcp.load(state_dict, storage_reader=CkptfmtStorageReader(url))`` loads a ckptfmt checkpoint
+through DCP's own planner, which computes the resharding (DTensor, ShardedTensor, plain tensors).
+
+Call order (DCP drives it, every rank): ``reset`` -> ``read_metadata`` -> ``set_up_storage_reader``
+-> ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan`` -> ``read_data``.
+
+* ``read_metadata`` translates our manifest into DCP's :class:`Metadata`: one
+  ``TensorStorageMetadata`` per tensor with one ``ChunkStorageMetadata`` per stored shard (its
+  true extent, not the padded edge). Nothing is unpickled or pickled; DCP's ``.metadata`` file is
+  never read or written.
+* ``read_data`` turns every ``ReadItem`` (a box inside a stored chunk) into one global box and
+  reads them all with one verified core ``read_boxes`` call; nothing is copied into the state
+  dict until every byte has passed its checksum.
+* Keys: checkpoint key paths use ``/``; DCP flattens nested dicts with ``.``. By default ``/``
+  becomes ``.`` (``model/fc.weight`` -> ``model.fc.weight``); pass ``fqn=`` to change that.
+* Only tensors are served. Non-tensor leaves (DCP ``BYTE_IO`` items) would require torch.save
+  pickles; load those with :func:`bridges.torch.load`, or use ``DefaultLoadPlanner(
+  allow_partial_load=True)`` and leave them out of the DCP state dict.
+
+There is no StorageWriter: see ``bridges/MAPPING.md`` ("DCP") for why it does not fit cleanly.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+
+import ckptfmt
+from ckptfmt._types import Box
+from ckptfmt.errors import CheckpointError, KeyMismatchError
+
+from .torch import _BY_NAME, from_numpy
+
+__all__ = ["CkptfmtStorageReader"]
+
+
+def _default_fqn(key: str) -> str:
+    return key.replace("/", ".")
+
+
+class CkptfmtStorageReader(StorageReader):
+    """Serve ckptfmt checkpoint ``step`` (default: latest) of repository ``url`` to DCP."""
+
+    def __init__(self, url: str | os.PathLike | None = None, step: int | None = None, *,
+                 fqn: Callable[[str], str] = _default_fqn) -> None:
+        super().__init__()
+        self.url = None if url is None else os.fspath(url)
+        self.step = step
+        self.fqn = fqn
+        self._ckpt: Any = None
+        self._keys: dict[str, str] = {}  # DCP fqn -> checkpoint key
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = os.fspath(checkpoint_id)
+        self._ckpt = None
+        self._keys = {}
+
+    def _open(self) -> Any:
+        if self._ckpt is None:
+            if self.url is None:
+                raise ValueError("CkptfmtStorageReader needs a repository url (or checkpoint_id)")
+            from .torch import _agreed_step
+            repo = ckptfmt.Repository(self.url)
+            self._ckpt = repo.open(_agreed_step(repo, self.step))  # every rank: the same step
+        return self._ckpt
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        ckpt = self._open()
+        md: dict[str, Any] = {}
+        keys: dict[str, str] = {}
+        for key in sorted(ckpt.keys()):
+            e = ckpt.tensor(key)
+            name = self.fqn(key)
+            if name in keys:
+                raise KeyMismatchError("two checkpoint keys map to one DCP fqn", key=key,
+                                       expected="distinct fqns", found=f"{keys[name]!r} and {key!r} -> {name!r}")
+            keys[name] = key
+            dtype = _BY_NAME.get(e.dtype)
+            if dtype is None:  # pragma: no cover - every format dtype has a torch dtype
+                raise CheckpointError("dtype has no torch equivalent", key=key, found=e.dtype)
+            shape = tuple(int(n) for n in e.shape)
+            shard_shape = tuple(e.array.shard_shape)
+            offsets = e.shards.offset.reshape(len(e.shards), len(shape))
+            chunks = []
+            for off in offsets:
+                off = tuple(int(o) for o in off)
+                size = tuple(min(s, n - o) for s, n, o in zip(shard_shape, shape, off))
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)))
+            if not shape:
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(()), sizes=torch.Size(()))]
+            md[name] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype),
+                                             size=torch.Size(shape), chunks=chunks)
+        self._keys = keys
+        return Metadata(state_dict_metadata=md,
+                        storage_meta=StorageMeta(checkpoint_id=self.url, load_id=None))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        if not self._keys:  # read_metadata ran on another rank only
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        ckpt = self._open()
+        requests: list[tuple[str, Box]] = []
+        for item in plan.items:
+            if item.type != LoadItemType.TENSOR:
+                raise KeyMismatchError("non-tensor DCP entries are not served by ckptfmt; load "
+                                       "them with bridges.torch.load", key=item.storage_index.fqn)
+            key = self._keys[item.storage_index.fqn]
+            base = tuple(item.storage_index.offset or ())
+            off = tuple(int(b) + int(s) for b, s in zip(base, item.storage_offsets))
+            requests.append((key, Box(off, tuple(int(n) for n in item.lengths))))
+        before = _bytes(ckpt)
+        blocks = ckpt.read_boxes(requests) if requests else []  # every byte verified first
+        self.bytes_read += _bytes(ckpt) - before
+        for item, block in zip(plan.items, blocks):
+            dest = planner.resolve_tensor(item).detach()
+            if tuple(dest.shape) != tuple(block.shape):
+                raise CheckpointError("DCP destination does not match the read box",
+                                      key=item.storage_index.fqn, expected=tuple(block.shape),
+                                      found=tuple(dest.shape))
+            dest.copy_(from_numpy(block, dest.dtype))
+            planner.commit_tensor(item, dest)
+        fut: Future[None] = Future()  # reads are synchronous and already verified
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            return ckptfmt.Repository(os.fspath(checkpoint_id)).latest() is not None
+        except Exception:
+            return False
+
+
+def _bytes(ckpt: Any) -> int:
+    stats = getattr(ckpt, "stats", None)
+    if stats is None:
+        return 0
+    return int(stats.get("bytes_read", 0) if isinstance(stats, dict) else getattr(stats, "bytes_read", 0))

@@ -1,0 +1,480 @@
+"""The PyTorch bridge: save a state dict of tensors / DTensors, load one at any topology.
+
+Verbs (same as every bridge): :func:`save` and :func:`load`.
+
+Key paths: nested dicts are flattened with ``/`` (``{"model": {"fc.weight": t}}`` ->
+``model/fc.weight``); torch FQNs keep their dots. A tensor (``torch.Tensor`` or ``DTensor``)
+becomes a checkpoint tensor; any other leaf (ints, floats, lists such as optimizer
+``param_groups``) is non-tensor state, stored as msgpack in the global state under
+``torch/objects`` — never pickle.
+
+Sharding: a DTensor's local block is its global box, from
+``compute_local_shape_and_global_offset`` (``Shard(d)`` incl. uneven and empty torch.chunk
+shards, ``Replicate()``, 1-D and N-D meshes). ``replica_id`` is the rank's linear coordinate on
+the replicated mesh dims, so the copy at the lowest coordinate is written once. A plain tensor
+on a multi-rank world is treated as replicated over all ranks (rank 0's copy is written).
+
+Load is target-driven: every rank asks the core reader for exactly the boxes its target values
+hold locally, in the checkpoint's coordinates (through a :mod:`bridges.mapping` permutation when
+the layouts differ), and permutes the blocks locally. The core verifies every byte before
+returning, and the target is never modified.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Iterator, Mapping as TMapping
+
+import numpy as np
+import torch
+
+import ckptfmt
+from ckptfmt._types import Box, LocalShard, TensorSharding
+from ckptfmt.dtypes import numpy_dtype
+from ckptfmt.errors import KeyMismatchError, SaveInProgressError, ShapeMismatchError
+from ckptfmt.state import decode_state, encode_state
+
+from .mapping import IDENTITY, Mapping, Resolved
+
+__all__ = ["save", "load", "Loaded", "rng_state", "set_rng_state", "local_box", "to_numpy",
+           "from_numpy", "layer_kinds"]
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+    compute_local_shape_and_global_offset = None  # type: ignore[assignment]
+
+_OBJECTS = ("torch", "objects")
+
+# torch dtype <-> format dtype name; the ml_dtypes ones travel as same-width integers.
+_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "bool", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
+    torch.int64: "int64", torch.uint8: "uint8", torch.float16: "float16", torch.float32: "float32",
+    torch.float64: "float64", torch.complex64: "complex64", torch.complex128: "complex128",
+    torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
+}
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _name
+_BY_NAME = {v: k for k, v in _DTYPES.items()}
+_VIA_INT = {"bfloat16": (torch.int16, np.int16), "float8_e4m3fn": (torch.int8, np.int8),
+            "float8_e5m2": (torch.int8, np.int8)}
+
+
+# ----------------------------------------------------------------------------- conversions
+
+
+def dtype_name(dtype: torch.dtype, key: str | None = None) -> str:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ShapeMismatchError("torch dtype is not supported by the format", key=key,
+                                 expected=sorted(_BY_NAME), found=str(dtype)) from None
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A host numpy view (or copy, for non-CPU tensors) of a plain tensor, any dtype we store."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg()
+    name = dtype_name(t.dtype)
+    if name in _VIA_INT:
+        return t.view(_VIA_INT[name][0]).numpy().view(numpy_dtype(name))
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A torch tensor of ``dtype`` holding ``a`` (cast if needed), contiguous, on ``device``."""
+    name = dtype_name(dtype)
+    want = numpy_dtype(name)
+    if a.dtype != want:
+        a = a.astype(want)  # a fresh C-contiguous array
+    elif not a.flags.c_contiguous:
+        a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into 1-d
+    t = torch.from_numpy(a.view(_VIA_INT[name][1])).view(dtype) if name in _VIA_INT else torch.from_numpy(a)
+    return t.to(device) if torch.device(device).type != "cpu" else t
+
+
+# ----------------------------------------------------------------------------- flattening
+
+
+def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(key path, leaf) pairs; dicts recurse, everything else is a leaf."""
+    if isinstance(tree, TMapping):
+        for k, v in tree.items():
+            part = str(k)
+            if not part or "/" in part:
+                raise ValueError(f"state dict key {k!r} under {prefix or '<root>'!r} cannot be part "
+                                 "of a key path (empty or contains '/')")
+            yield from _flatten(v, f"{prefix}/{part}" if prefix else part)
+    else:
+        if not prefix:
+            raise ValueError("the state is a single leaf; wrap it in a dict, e.g. {'x': tensor}")
+        yield prefix, tree
+
+
+def _rebuild(tree: Any, values: dict[str, Any], prefix: str = "") -> Any:
+    if isinstance(tree, TMapping):
+        out = {}
+        for k, v in tree.items():
+            p = f"{prefix}/{k}" if prefix else str(k)
+            out[k] = _rebuild(v, values, p)
+        return out
+    return values[prefix]
+
+
+# ----------------------------------------------------------------------------- boxes
+
+
+def local_box(t: torch.Tensor) -> tuple[Box | None, int, TensorSharding | None]:
+    """This rank's (global box, replica_id, sharding description) of ``t``.
+
+    The box is None when this rank is not part of the DTensor's mesh. Plain tensors: the full
+    box, replica_id = this rank (rank 0 writes). Raises ValueError for placements other than
+    ``Shard`` and ``Replicate`` (a ``Partial`` must be reduced first).
+    """
+    if DTensor is not None and isinstance(t, DTensor):
+        mesh, placements = t.device_mesh, t.placements
+        coord = mesh.get_coordinate()
+        if coord is None:
+            return None, 0, None
+        names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
+        partition: list[list[str]] = [[] for _ in range(t.ndim)]
+        replicated: list[int] = []
+        for i, p in enumerate(placements):
+            if type(p) is Shard:
+                partition[p.dim % max(t.ndim, 1)].append(names[i])
+            elif type(p) is Replicate:
+                replicated.append(i)
+            else:
+                raise ValueError(f"placement {p} on mesh dim {i} is not supported; redistribute "
+                                 "to Shard/Replicate before saving")
+        shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        rid = 0
+        for i in replicated:
+            rid = rid * mesh.size(i) + coord[i]
+        sharding = TensorSharding("torch", tuple(mesh.shape), names,
+                                  tuple(tuple(p) if p else None for p in partition),
+                                  tuple(names[i] for i in replicated))
+        return Box(offset, shape), rid, sharding
+    return Box.full(tuple(t.shape)), _rank(), None
+
+
+def _rank() -> int:
+    d = torch.distributed
+    return d.get_rank() if d.is_available() and d.is_initialized() else 0
+
+
+def _world() -> int:
+    d = torch.distributed
+    return d.get_world_size() if d.is_available() and d.is_initialized() else 1
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def layer_kinds(module: torch.nn.Module) -> dict[str, str]:
+    """Module path -> layer kind for :func:`bridges.mapping.flax_nnx_to_torch` (``layers=``)."""
+    nn = torch.nn
+    kinds: list[tuple[type, str]] = [
+        (nn.Linear, "linear"), (nn.modules.conv._ConvNd, "conv"), (nn.Embedding, "embedding"),
+        (nn.modules.batchnorm._BatchNorm, "batchnorm"), (nn.LayerNorm, "norm"), (nn.GroupNorm, "norm")]
+    if hasattr(nn, "RMSNorm"):
+        kinds.append((nn.RMSNorm, "norm"))
+    out: dict[str, str] = {}
+    for name, m in module.named_modules():
+        for cls, kind in kinds:
+            if name and isinstance(m, cls):
+                out[name] = kind
+                break
+    return out
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch RNG states: CPU, and every CUDA device when CUDA is initialized."""
+    out: dict[str, Any] = {"cpu": torch.get_rng_state().numpy().copy()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [s.numpy().copy() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: TMapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned (CUDA states only when CUDA is present)."""
+    torch.set_rng_state(torch.from_numpy(np.asarray(state["cpu"], dtype=np.uint8).copy()))
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.from_numpy(np.asarray(s, dtype=np.uint8).copy())
+                                      for s in state["cuda"]])
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _coordinator(coordinator: Any) -> Any:
+    if coordinator is not None:
+        return coordinator
+    if _world() > 1:
+        from ._torchcoord import for_group
+        return for_group()
+    return ckptfmt.LocalCoordinator()
+
+
+def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None
+            ) -> tuple[list[LocalShard], dict[str, Any]]:
+    shards: list[LocalShard] = []
+    objects: dict[str, Any] = {}
+    written: dict[str, tuple[str, Any]] = {}  # checkpoint key -> (state key, local block)
+    for key, v in _flatten(state_dict):
+        if not isinstance(v, torch.Tensor):
+            objects[key] = v
+            continue
+        box, rid, sharding = local_box(v)
+        local = _local(v)
+        if box is not None and tuple(local.shape) != box.shape:
+            raise ValueError(f"{key!r}: local tensor shape {tuple(local.shape)} != computed box {box}")
+        data = to_numpy(local) if box is not None else None
+        res = mapping.resolve_unique(key, v.ndim) if mapping is not None else Resolved(key, key)
+        ckey, gshape = res.source_key, res.source_shape(tuple(v.shape))
+        if ckey in written:
+            # Several state keys map to one checkpoint key (torch's per-parameter AdamW `step`
+            # -> optax's single `count`): written once, and only if the copies agree.
+            first, other = written[ckey]
+            if data is not None and (other is None or other.shape != data.shape or other.dtype != data.dtype
+                                     or other.tobytes() != data.tobytes()):
+                raise ValueError(f"{key!r} and {first!r} both map to {ckey!r} but differ")
+            continue
+        written[ckey] = (key, data)
+        if box is None:
+            continue
+        if res.axes is not None:  # store in the checkpoint's layout: a permuted box and view
+            off, shp = res.source_box(box.offset, box.shape)
+            box = Box(off, shp)
+            data = data.transpose(tuple(res.axes.index(d) for d in range(len(res.axes))))
+            sharding = None
+        if copy and rid == 0:
+            data = data.copy()
+        shards.append(LocalShard(ckey, gshape, numpy_dtype(dtype_name(v.dtype, key)),
+                                 box, data, replica_id=rid, sharding=sharding))
+    return shards, objects
+
+
+def save(url: str, state_dict: TMapping[str, Any], *, step: int, extra: Any = None,
+         rank_extra: Any = None, blocking: bool = True, coordinator: Any = None,
+         save_rng: bool = True, metadata: TMapping[str, Any] | None = None,
+         mapping: Mapping | None = None, options: Any = None) -> Any:
+    """Save ``state_dict`` (nested dicts of tensors, DTensors and msgpack-able values) as ``step``.
+
+    Every rank of the process group must call it with the same keys. ``extra`` goes to the global
+    state (rank 0's copy), ``rank_extra`` (e.g. the data sampler cursor) and, with ``save_rng``,
+    this rank's torch RNG states to the per-rank state. Returns the committed manifest, or with
+    ``blocking=False`` a ``concurrent.futures.Future`` of it (tensor data is copied to host
+    memory before this returns, so training may continue and mutate the tensors).
+
+    On failure nothing is committed and every rank raises the same CheckpointError
+    (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError, ...); a non-tensor leaf
+    msgpack cannot encode raises InvalidStateError naming its key path before anything is written.
+
+    ``mapping`` (the same object :func:`load` takes, e.g. ``flax_nnx_to_torch()``) writes tensors
+    under the checkpoint-side names and layouts, so that ``bridges.jax.restore`` can read a torch
+    save directly; each rank's block is stored as the permuted box (a strided view, no gather).
+    """
+    global _pending
+    if _pending is not None and not _pending.done():
+        raise SaveInProgressError("an earlier save(blocking=False) is still in flight; wait for its result first")
+    shards, objects = _shards(state_dict, copy=not blocking, mapping=mapping)
+    state = {"torch": {"objects": objects}, "extra": extra}
+    rank_state = {"torch": {"rng": rng_state() if save_rng else None}, "extra": rank_extra}
+    # InvalidStateError here, before any collective; async saves keep a snapshot, not references.
+    blobs = encode_state(state), encode_state(rank_state)
+    if not blocking:
+        state, rank_state = decode_state(blobs[0]), decode_state(blobs[1])
+    kw = dict(state=state, rank_state=rank_state, metadata=dict(metadata or {}),
+              coordinator=_coordinator(coordinator), versions={"torch": torch.__version__})
+    if options is not None:
+        kw["options"] = options
+    if blocking:
+        return ckptfmt.save(url, step, shards, **kw)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptfmt-torch-save")
+    _pending = pool.submit(ckptfmt.save, url, step, shards, **kw)
+    pool.shutdown(wait=False)
+    return _pending
+
+
+_pending: concurrent.futures.Future | None = None
+
+
+def _agreed_step(repo: Any, step: int | None) -> int | None:
+    """``step``, or the latest step as rank 0 sees it, agreed by every rank (None: no step)."""
+    if step is not None or _world() == 1:
+        return step
+    from ._torchcoord import for_group
+    coord = for_group()
+    latest = repo.latest() if coord.rank == 0 else None
+    got = int(coord.broadcast("torch-load/latest-step", str(-1 if latest is None else latest).encode()
+                              if coord.rank == 0 else None).decode())
+    return None if got < 0 else got
+
+
+# ----------------------------------------------------------------------------- load
+
+
+class Loaded(dict):
+    """The loaded state dict (same nesting as the target) plus what the load found.
+
+    ``missing_keys`` / ``unexpected_keys``: only non-empty with ``strict=False``.
+    ``extra``: the global ``extra`` saved with the checkpoint. ``rank_extra`` / ``rng``: this
+    rank's saved per-rank state (at another world size: per ``rank_policy``, default None). ``bytes_read``: tensor bytes this rank read.
+    """
+
+    step: int
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    extra: Any
+    rank_extra: Any
+    rng: Any
+    saved_world: int
+    bytes_read: int
+
+
+def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
+    try:
+        return bool(np.can_cast(src, dst, "same_kind"))
+    except TypeError:
+        return False
+
+
+def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
+         mapping: Mapping | None = None, strict: bool = True, rank_policy: str = "drop") -> Loaded:
+    """Load checkpoint ``step`` (default: the latest) into new tensors shaped like ``target``.
+
+    With ``step=None`` on several ranks, every rank must call ``load``: rank 0 picks the latest
+    step and broadcasts it, so all ranks read the same one.
+
+    ``target``'s values say what is wanted: global shape, dtype (values are cast when the
+    checkpoint's dtype is of the same kind or narrower kind, e.g. int32 -> float32), device,
+    and for DTensors the mesh and placements. ``mapping`` renames keys and permutes layouts;
+    without one, keys must be equal. Each rank reads only the boxes its target values hold.
+
+    Fails closed: missing or unexpected keys raise KeyMismatchError naming them (``strict=False``
+    reports them in ``missing_keys`` / ``unexpected_keys`` and keeps the target's value for a
+    missing key); a shape or dtype that does not match raises ShapeMismatchError naming the key;
+    corrupt data raises the core's CheckpointError. Per-rank state (``rank_extra``, ``rng``) saved
+    at another world size follows ``rank_policy`` ("drop": None; "rank0"; "same-rank"; None:
+    raise TopologyChangedError). All checks and reads happen before any value
+    is built, and ``target`` is never modified.
+    """
+    mapping = mapping or IDENTITY
+    repo = ckptfmt.Repository(url)
+    ckpt = repo.open(_agreed_step(repo, step))
+    src_keys = set(ckpt.keys())
+    gstate = ckpt.state() or {}
+    saved_objects = ((gstate.get(_OBJECTS[0]) or {}).get(_OBJECTS[1]) or {}) if isinstance(gstate, dict) else {}
+
+    flat = list(_flatten(target))
+    missing: list[str] = []
+    used: set[str] = set()
+    mismatches: list[ShapeMismatchError] = []
+    requests: list[tuple[str, Box]] = []
+    plan: dict[str, tuple[Resolved, Box, int] | None] = {}
+    values: dict[str, Any] = {}
+    for key, v in flat:
+        if not isinstance(v, torch.Tensor):
+            if key in saved_objects:
+                values[key] = saved_objects[key]
+                used.add(key)
+            else:
+                if not mapping.is_kept(key):
+                    missing.append(key)
+                values[key] = v
+            continue
+        res = mapping.resolve(key, v.ndim, src_keys)
+        if res.source_key not in src_keys:
+            if not mapping.is_kept(key):
+                missing.append(key)
+            values[key] = v
+            continue
+        used.add(res.source_key)
+        entry = ckpt.tensor(res.source_key)
+        want_shape = tuple(v.shape)
+        got_shape = res.target_shape(tuple(entry.shape)) if len(entry.shape) == len(want_shape) else tuple(entry.shape)
+        src_dt = numpy_dtype(entry.dtype)
+        dst_dt = numpy_dtype(dtype_name(v.dtype, key))
+        if got_shape != want_shape:
+            mismatches.append(ShapeMismatchError(
+                f"target shape does not match the checkpoint (source {res.source_key!r}"
+                f"{', permuted ' + str(res.axes) if res.axes else ''})",
+                key=key, expected=want_shape, found=got_shape))
+            continue
+        if src_dt != dst_dt and not _can_cast(src_dt, dst_dt):
+            mismatches.append(ShapeMismatchError(f"cannot cast checkpoint dtype to the target's "
+                                                 f"(source {res.source_key!r})", key=key,
+                                                 expected=str(dst_dt), found=entry.dtype))
+            continue
+        box, _, _ = local_box(v)
+        if box is None or box.is_empty():
+            plan[key] = (res, box, -1) if box is not None else None
+            continue
+        off, shp = res.source_box(box.offset, box.shape)
+        plan[key] = (res, box, len(requests))
+        requests.append((res.source_key, Box(off, shp)))
+
+    unexpected = sorted(k for k in (src_keys | set(saved_objects)) - used if not mapping.is_ignored(k))
+    if len(mismatches) == 1:
+        raise mismatches[0]
+    if mismatches:
+        raise ShapeMismatchError(f"{len(mismatches)} target values do not match the checkpoint: "
+                                 + "; ".join(str(m) for m in mismatches),
+                                 key=mismatches[0].key, expected=[m.expected for m in mismatches],
+                                 found=[m.found for m in mismatches])
+    if strict and (missing or unexpected):
+        raise KeyMismatchError(f"target and checkpoint keys differ: missing {missing}, "
+                               f"unexpected {unexpected}", key=(missing or unexpected)[0],
+                               expected=missing, found=unexpected)
+
+    before = _bytes_read(ckpt)
+    blocks = ckpt.read_boxes(requests) if requests else []
+    for key, v in flat:
+        if key not in plan:
+            continue
+        item = plan[key]
+        if item is None:  # this rank holds no part of the DTensor
+            values[key] = v
+            continue
+        res, box, idx = item
+        local = _local(v)
+        if idx < 0:
+            t = torch.empty(tuple(local.shape), dtype=v.dtype, device=local.device)
+        else:
+            t = from_numpy(res.to_target(blocks[idx]), v.dtype, local.device)
+        values[key] = _wrap_like(v, t)
+
+    out = Loaded(_rebuild(target, values))
+    out.step = ckpt.step
+    out.missing_keys, out.unexpected_keys = missing, unexpected
+    out.extra = gstate.get("extra") if isinstance(gstate, dict) else None
+    out.saved_world = int(ckpt.saved_world)
+    rs = ckpt.rank_state(_rank(), world=_world(), policy=rank_policy) or {}
+    out.rank_extra = rs.get("extra") if isinstance(rs, dict) else None
+    out.rng = ((rs.get("torch") or {}).get("rng")) if isinstance(rs, dict) else None
+    out.bytes_read = _bytes_read(ckpt) - before
+    return out
+
+
+def _bytes_read(ckpt: Any) -> int:
+    stats = getattr(ckpt, "stats", None)
+    if stats is None:
+        return 0
+    return int(stats.get("bytes_read", 0) if isinstance(stats, dict) else getattr(stats, "bytes_read", 0))
+
+
+def _wrap_like(v: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if DTensor is not None and isinstance(v, DTensor):
+        return DTensor.from_local(local, v.device_mesh, v.placements, run_check=False,
+                                  shape=v.shape, stride=v.stride())
+    return local
+

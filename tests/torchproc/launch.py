@@ -1,0 +1,61 @@
+"""Run a scenario on ``world`` torch ranks (gloo over TCP on localhost) and collect the results.
+
+One zygote process (worker.py) imports torch once and forks the ranks. A rank that fails or a
+run past ``timeout`` makes :func:`run_world` raise with every rank's log tail.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env.update(extra)
+    return env
+
+
+def run_world(scenario: str, world: int, workdir: Path, args: dict[str, Any] | None = None,
+              timeout: float = 240.0) -> list[dict[str, Any]]:
+    """Run ``scenario`` on ``world`` ranks; return each rank's result dict (index = rank)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = f"{scenario}-w{world}"
+    argfile = workdir / f"{tag}.args.json"
+    argfile.write_text(json.dumps(dict(args or {}, workdir=str(workdir), tag=tag)))
+    with open(workdir / f"{tag}-zygote.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(HERE / "worker.py"), scenario, str(argfile),
+                                 str(world), str(free_port())], env=child_env(), cwd=str(REPO),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    if rc != 0:
+        tails = [f"zygote rc={rc} (None: timed out after {timeout}s)",
+                 (workdir / f"{tag}-zygote.log").read_text(errors="replace")[-2000:]]
+        for r in range(world):
+            p = workdir / f"{tag}-rank{r}.log"
+            text = p.read_text(errors="replace") if p.exists() else "<no log>"
+            tails.append(f"--- rank {r} ---\n{text[-3000:]}")
+        raise AssertionError(f"scenario {scenario!r} at world {world} failed:\n" + "\n".join(tails))
+    return [json.loads((workdir / f"{tag}-result-{r}.json").read_text()) for r in range(world)]

@@ -1,0 +1,364 @@
+"""Scenarios run by each torch rank (see worker.py). Each returns a JSON-able result dict.
+
+Global tensor values are a pure function of (key, shape, dtype), so every rank and every world
+size can rebuild the expected global tensor and check its own local block bit for bit.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from bridges import torch as bt
+
+# key -> (shape, dtype)
+TENSORS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "a": ((10, 6), torch.float32),
+    "b": ((5, 7), torch.bfloat16),
+    "c": ((12,), torch.int64),
+    "d": ((6, 9), torch.float32),
+    "e": ((7, 5), torch.float32),
+    "f": ((4, 4), torch.float64),
+    "g": ((3, 3), torch.float32),
+    "h": ((9, 4, 3), torch.float16),
+    "k": ((4,), torch.bool),
+    "s": ((), torch.float32),
+}
+
+BIG = (64, 48)
+R, S0, S1, S2 = Replicate(), Shard(0), Shard(1), Shard(2)
+# world -> key -> (mesh shape, placements) or None for a plain tensor.
+LAYOUTS: dict[int, dict[str, Any]] = {
+    8: {"a": ((8,), [S0]),          # 2,2,2,2,2,0,0,0: three empty shards
+        "b": ((8,), [S1]),          # 7 columns over 8 ranks
+        "c": ((8,), [R]),
+        "d": ((2, 4), [S0, S1]),    # columns 3,3,3,0
+        "e": ((2, 4), [R, S0]),     # rows 2,2,2,1; replicated over dp
+        "f": ((2, 4), [S1, R]),
+        "g": None, "s": None,
+        "h": ((2, 4), [S2, S0]),    # dim2 2,1; dim0 3,3,3,0
+        "k": ((8,), [S0])},
+    4: {"a": ((4,), [S1]), "b": ((2, 2), [S0, R]), "c": ((4,), [S0]), "d": ((4,), [R]),
+        "e": ((2, 2), [S1, S0]), "f": None, "g": ((4,), [S0]), "s": None,
+        "h": ((4,), [S0]), "k": ((2, 2), [R, S0])},
+    2: {"a": ((2,), [S0]), "b": ((2,), [S1]), "c": ((2,), [R]), "d": ((2,), [S1]),
+        "e": ((2,), [S0]), "f": ((2,), [S0]), "g": None, "s": None, "h": ((2,), [S2]),
+        "k": ((2,), [S0])},
+}
+_MESHES: dict[tuple[int, ...], Any] = {}
+
+
+def mesh(shape: tuple[int, ...]) -> Any:
+    if shape not in _MESHES:
+        names = ("dp", "tp")[: len(shape)] if len(shape) <= 2 else None
+        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[shape]
+
+
+def global_value(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if not dtype.is_floating_point:
+        return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def place(t: torch.Tensor, layout: Any) -> torch.Tensor:
+    if layout is None:
+        return t.clone()
+    shape, placements = layout
+    return distribute_tensor(t, mesh(shape), placements)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return np.ascontiguousarray(bt.to_numpy(t)).tobytes()
+
+
+def same_bits(got: torch.Tensor, want_global: torch.Tensor) -> bool:
+    """``got``'s local block equals ``want_global`` at the same box, bit for bit."""
+    box, _, _ = bt.local_box(got)
+    if box is None:
+        return True
+    local = got.to_local() if isinstance(got, DTensor) else got
+    want = want_global[tuple(slice(o, o + s) for o, s in zip(box.offset, box.shape))]
+    return tuple(local.shape) == tuple(want.shape) and local.dtype == want.dtype and bits(local) == bits(want)
+
+
+# ------------------------------------------------------------------ a small model + optimizer
+
+
+def tiny_net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.LayerNorm(10), torch.nn.Linear(10, 3))
+
+
+def shard_net(net: torch.nn.Module, world: int) -> None:
+    """Parameters become DTensors: Shard(0) on a 1-D mesh (uneven where 10 or 3 rows meet world)."""
+    m = mesh((world,))
+    for mod in net.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.data, m, [S0])))
+
+
+def net_and_optim(seed: int, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    net = tiny_net(seed)
+    shard_net(net, world)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    return net, opt
+
+
+def fake_step(net: torch.nn.Module, opt: torch.optim.Optimizer, world: int) -> None:
+    for name, p in net.named_parameters():
+        g = global_value("grad/" + name, tuple(p.shape), torch.float32)
+        p.grad = distribute_tensor(g, mesh((world,)), [S0])
+    opt.step()
+
+
+def train_state(net: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    return get_state_dict(net, opt)
+
+
+def full_np(sd: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    """Every tensor of a nested state dict as a full numpy array (collective for DTensors)."""
+    out: dict[str, np.ndarray] = {}
+    for k, v in sd.items():
+        key = f"{prefix}/{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(full_np(v, key))
+        elif isinstance(v, torch.Tensor):
+            full = v.full_tensor() if isinstance(v, DTensor) else v
+            out[key] = bt.to_numpy(full).copy()
+    return out
+
+
+# ------------------------------------------------------------------ scenarios
+
+
+def save_world(args: dict[str, Any]) -> dict[str, Any]:
+    """World 8: save DTensors of every layout, plain tensors, a sharded AdamW state, extras."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    state = {"t": {k: place(global_value(k, s, dt), LAYOUTS[world][k]) for k, (s, dt) in TENSORS.items()}}
+    net, opt = net_and_optim(seed=1, world=world)
+    fake_step(net, opt, world)
+    msd, osd = train_state(net, opt)
+    state["net"], state["optim"] = msd, osd
+    torch.manual_seed(1000 + rank)
+    torch.rand(3)
+    # BIG (64, 48) columns split 8 ways: loaded transposed as (48, 64) Shard(0) at world 4.
+    state["big"] = place(global_value("big", BIG, torch.float32), ((world,), [S1]))
+    t0 = time.perf_counter()
+    bt.save(args["url"], state, step=7, extra={"epoch": 3}, rank_extra={"sampler": {"cursor": 100 + rank}})
+    took = time.perf_counter() - t0
+    expect = full_np({"net": msd, "optim": osd})
+    if rank == 0:
+        np.savez(Path(args["workdir"]) / "train_state.npz", **{k.replace("/", "|"): v for k, v in expect.items()})
+    drawn = torch.rand(3)
+    # Same world: per-rank state (sampler cursor, RNG) comes back to the rank that saved it.
+    target = {"t": {k: place(torch.zeros(s, dtype=dt), LAYOUTS[world][k]) for k, (s, dt) in TENSORS.items()}}
+    loaded = bt.load(args["url"], target, strict=False)
+    bt.set_rng_state(loaded.rng)
+    return {"save_s": took, "rng_restored": torch.equal(torch.rand(3), drawn),
+            "rank_extra": loaded.rank_extra, "ok": all(same_bits(loaded["t"][k], global_value(k, s, dt))
+                                                       for k, (s, dt) in TENSORS.items()),
+            "unexpected": loaded.unexpected_keys}
+
+
+def load_world(args: dict[str, Any]) -> dict[str, Any]:
+    """Any world: load with different placements; check every local block bit for bit."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    target = {"t": {k: place(torch.zeros(s, dtype=dt), LAYOUTS[world][k]) for k, (s, dt) in TENSORS.items()}}
+    net, opt = net_and_optim(seed=2, world=world)
+    msd, osd = train_state(net, opt)  # initializes AdamW state (zeros) so it can be a target
+    target["net"], target["optim"] = msd, osd
+    target["big"] = place(torch.zeros(BIG), ((world,), [S0]))
+    before = full_np({"net": msd})
+    t0 = time.perf_counter()
+    loaded = bt.load(args["url"], target)
+    took = time.perf_counter() - t0
+    # the target was not touched
+    untouched = all(np.array_equal(before[k], v) for k, v in full_np({"net": msd}).items())
+    ok = {k: same_bits(loaded["t"][k], global_value(k, s, dt)) for k, (s, dt) in TENSORS.items()}
+    ok["big"] = same_bits(loaded["big"], global_value("big", BIG, torch.float32))
+    placements_kept = all(
+        (isinstance(loaded["t"][k], DTensor) == isinstance(target["t"][k], DTensor))
+        and (not isinstance(target["t"][k], DTensor)
+             or (loaded["t"][k].placements == target["t"][k].placements
+                 and loaded["t"][k].device_mesh == target["t"][k].device_mesh))
+        for k in TENSORS)
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    set_state_dict(net, opt, model_state_dict=loaded["net"], optim_state_dict=loaded["optim"])
+    got = full_np(dict(zip(("net", "optim"), train_state(net, opt))))
+    want = dict(np.load(Path(args["workdir"]) / "train_state.npz"))
+    train_ok = sorted(k.replace("/", "|") for k in got) == sorted(want) and all(
+        got[k].tobytes() == want[k.replace("/", "|")].tobytes() for k in got)
+    local_bytes = sum(_local_nbytes(v) for v in _leaves(target))
+    # A transposed load onto Shard(0) reads only this rank's columns of the stored (64, 48).
+    from bridges.mapping import Mapping, Rule
+    tmap = Mapping((Rule("big", "bigT", {2: (1, 0)}),))
+    tgt = place(torch.zeros(BIG[::-1]), ((world,), [S0]))
+    lt = bt.load(args["url"], {"bigT": tgt}, mapping=tmap, strict=False)
+    transposed = {"ok": same_bits(lt["bigT"], global_value("big", BIG, torch.float32).T.contiguous()),
+                  "bytes_read": lt.bytes_read, "local_bytes": _local_nbytes(tgt),
+                  "total_bytes": BIG[0] * BIG[1] * 4}
+    return {"transposed": transposed, "ok": ok, "placements_kept": placements_kept, "untouched": untouched, "train_ok": train_ok,
+            "load_s": took, "bytes_read": loaded.bytes_read, "local_bytes": local_bytes,
+            "extra": loaded.extra, "rank_extra": loaded.rank_extra, "has_rng": loaded.rng is not None,
+            "lr": opt.param_groups[0]["lr"], "step": loaded.step}
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in _leaves(v)]
+    return [tree] if isinstance(tree, torch.Tensor) else []
+
+
+def _local_nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+from torchproc.accept import accept_load  # noqa: E402,F401  (JAX -> torch acceptance, 4 ranks)
+
+
+# ------------------------------------------------------------------ DCP plug-in
+
+DCP_LOAD_LAYOUT = {"a": ((2, 2), [S0, S1]), "b": ((4,), [S0]), "c": None, "d": ((2, 2), [S1, R]),
+                   "e": ((4,), [R]), "f": ((4,), [S1]), "g": ((4,), [S1]), "s": None,
+                   "h": ((2, 2), [S0, S2]), "k": ((4,), [S0])}
+
+
+def dcp_world(args: dict[str, Any]) -> dict[str, Any]:
+    """World 4: save with bridges.torch, load through dcp.load + CkptfmtStorageReader with other
+    placements (DCP's planner reshards), then a corrupted copy must fail the DCP load."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from bridges.dcp import CkptfmtStorageReader
+
+    coord = coordinator_checks()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    url = args["url"]
+    state = {"t": {k: place(global_value(k, s, dt), LAYOUTS[4][k]) for k, (s, dt) in TENSORS.items()}}
+    bt.save(url, state, step=1, save_rng=False)
+    target = {"t": {k: place(torch.zeros(s, dtype=dt), DCP_LOAD_LAYOUT[k]) for k, (s, dt) in TENSORS.items()}}
+    reader = CkptfmtStorageReader(url)
+    dcp.load(target, storage_reader=reader)
+    ok = {k: same_bits(target["t"][k], global_value(k, s, dt)) for k, (s, dt) in TENSORS.items()}
+
+    bad_url = args["url"] + "-corrupt"
+    if rank == 0:
+        shutil.copytree(url, bad_url)
+        import ckptfmt
+        man = ckptfmt.Repository(bad_url).manifest(1)
+        e = man.tensors["t/d"]
+        obj = Path(bad_url) / e.object_key(0)
+        raw = bytearray(obj.read_bytes())
+        raw[0] ^= 0x01
+        obj.write_bytes(bytes(raw))
+    dist.barrier()
+    fresh = {"t": {"d": place(torch.zeros(TENSORS["d"][0]), DCP_LOAD_LAYOUT["d"])}}
+    try:
+        dcp.load(fresh, storage_reader=CkptfmtStorageReader(bad_url))
+        corrupt = "no error"
+    except BaseException as exc:  # DCP wraps rank errors in CheckpointException(BaseException)
+        corrupt = type(exc).__name__ + ": " + str(exc)[:2000]
+    return {"ok": ok, "bytes_read": reader.bytes_read, "corrupt": corrupt, "coord": coord}
+
+
+def coordinator_checks() -> dict[str, Any]:
+    """TorchCoordinator over the c10d store: collectives, a name mismatch, a missing rank."""
+    from bridges._torchcoord import TorchCoordinator
+    from ckptfmt.errors import CheckpointError, CoordinatorLostError, CoordinatorTimeoutError
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: dict[str, Any] = {}
+    c = TorchCoordinator()
+    for i in range(4):  # exercises the deletion of keys two operations back
+        got = c.allgather(f"g{i}", bytes([rank, i]))
+        assert got == [bytes([r, i]) for r in range(world)], got
+    out["broadcast"] = c.broadcast("b", b"from-2" if rank == 2 else None, root=2).decode()
+    c.barrier("end")
+    m = TorchCoordinator()
+    try:
+        m.allgather(f"name{rank % 2}", b"x", timeout_s=20)
+        out["mismatch"] = "no error"
+    except CheckpointError as e:
+        out["mismatch"] = type(e).__name__
+    try:
+        m.barrier("after")
+        out["after_error"] = "usable"
+    except CoordinatorLostError:
+        out["after_error"] = "unusable"
+    t = TorchCoordinator()
+    if rank != world - 1:
+        try:
+            t.allgather("late", b"x", timeout_s=2)
+            out["timeout"] = "no error"
+        except CoordinatorTimeoutError as e:
+            out["timeout"] = str(e.found)
+    dist.barrier()
+    return out
+
+
+# ------------------------------------------------------------------ figures (bench_load.py)
+
+def _bench_state(world: int, n: int, rows: int, cols: int, zeros: bool = False) -> dict[str, Any]:
+    m = mesh((world,))
+    out = {}
+    for i in range(n):
+        full = torch.zeros(rows, cols) if zeros else global_value(f"bench{i}", (rows, cols), torch.float32)
+        out[f"w{i:02d}"] = distribute_tensor(full, m, [S0])
+    return {"model": out}
+
+
+def bench_save(args: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    state = _bench_state(dist.get_world_size(), args["n"], args["rows"], args["cols"])
+    dist.barrier()
+    t0 = time.perf_counter()
+    bt.save(args["ours"], state, step=1, save_rng=False)
+    t1 = time.perf_counter()
+    dcp.save(state, checkpoint_id=args["dcp"])
+    dist.barrier()
+    return {"ours_save_s": t1 - t0, "dcp_save_s": time.perf_counter() - t1}
+
+
+def bench_load(args: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from bridges.dcp import CkptfmtStorageReader
+
+    world = dist.get_world_size()
+    runs: dict[str, list[float]] = {"ours": [], "dcp_own_format": [], "dcp_with_ckptfmt_reader": []}
+    res: dict[str, Any] = {}
+    for _ in range(args["repeats"]):
+        for name in runs:
+            target = _bench_state(world, args["n"], args["rows"], args["cols"], zeros=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "ours":
+                loaded = bt.load(args["ours"], target)
+                res["bytes_read"] = loaded.bytes_read
+            elif name == "dcp_own_format":
+                dcp.load(target, checkpoint_id=args["dcp"])
+            else:
+                reader = CkptfmtStorageReader(args["ours"])
+                dcp.load(target, storage_reader=reader)
+                res["bytes_read_via_dcp"] = reader.bytes_read
+            dist.barrier()
+            runs[name].append(time.perf_counter() - t0)
+    res["local_bytes"] = sum(_local_nbytes(v) for v in target["model"].values())
+    res["median_s"] = {k: float(np.median(v)) for k, v in runs.items()}
+    res["runs_s"] = runs
+    return res
