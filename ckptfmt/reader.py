@@ -19,7 +19,10 @@ from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
 from .storage import Storage
 
-__all__ = ["Checkpoint", "ReadStats"]
+__all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW"]
+
+#: Bytes of reads kept in flight by one reader: a fixed memory overhead, independent of state size.
+DEFAULT_READ_WINDOW = 256 << 20
 
 Progress = Callable[[int, int], None]
 
@@ -40,7 +43,7 @@ class ReadStats:
 class Checkpoint:
     """One committed step, opened for reading. Create it with :meth:`Repository.open`."""
 
-    def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = 64 << 20,
+    def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = DEFAULT_READ_WINDOW,
                  stats: ReadStats | None = None) -> None:
         self.storage = storage
         self.manifest = manifest

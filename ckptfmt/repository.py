@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from .errors import CheckpointError, InvalidManifestError, StepNotFoundError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, manifest_key, parse_manifest
-from .reader import Checkpoint, Progress, ReadStats
+from .reader import DEFAULT_READ_WINDOW, Checkpoint, Progress, ReadStats
 from .storage import Storage
 
 __all__ = ["Repository", "GcReport"]
@@ -33,6 +33,10 @@ class GcReport:
 
 class Repository:
     """A ckptfmt repository at ``url`` (local path, file://, memory://, s3://, gs://).
+
+    ``options``: ``read_window_bytes`` (bytes of reads in flight per reader, default 256 MiB),
+    ``fsync`` (file driver, default True), ``io_concurrency``, ``copy_concurrency``, and
+    ``kvstore`` (extra kvstore options such as an S3 endpoint).
 
     Only committed manifests are visible: a save that has not committed is never listed.
     """
@@ -81,7 +85,8 @@ class Repository:
         stats = ReadStats()
         m = self.manifest(step)
         stats.add_time("manifest", time.perf_counter() - t0)
-        return Checkpoint(self.storage, m, stats=stats)
+        window = int(self.storage.options.get("read_window_bytes", DEFAULT_READ_WINDOW))
+        return Checkpoint(self.storage, m, stats=stats, max_inflight_bytes=window)
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> int:
         """Check every byte of a step against its manifest; raise on the first fault. Returns bytes checked."""

@@ -17,8 +17,13 @@ it is imported, DCP ranks are forked gloo processes. The page cache is dropped
 before every read where the OS allows it (root on Linux), and the result says
 whether reads were cold or warm. A peer that is not installed is skipped and
 named in ``result.skipped``. Modules: ``raw`` (the disk limit), ``ours``
-(ckptfmt), ``peers`` (Orbax, DCP), ``metadata_scale``, ``tailstep``,
-``report`` (medians, ratios, targets, JSON, PNG).
+(ckptfmt), ``peers`` (Orbax, DCP), ``safety`` (a 64-byte flip, who notices),
+``metadata_scale``, ``tailstep`` (async saves in a training loop), ``report``
+(medians, ratios, targets, JSON, PNG), ``layout``/``jaxstate`` (the state),
+``child`` (fresh processes and per-phase meters), ``args`` (command line).
+
+Run it on a quiet machine: everything is measured against the raw limit of
+the same run, but other load on the disk or CPUs still moves the numbers.
 """
 
 from .args import main as main

@@ -46,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-metadata", dest="metadata", action="store_false", help="skip metadata at scale")
     p.add_argument("--metadata-entries", type=_ints, default=d.metadata_entries, help="shard entry counts to time")
     p.add_argument("--no-tailstep", dest="tailstep", action="store_false", help="skip the training-loop tail-step run")
-    p.add_argument("--tailstep-steps", type=int, default=d.tailstep_steps)
-    p.add_argument("--tailstep-every", type=int, default=d.tailstep_every)
-    p.add_argument("--no-plot", dest="plot", action="store_false")
+    p.add_argument("--tailstep-steps", type=int, default=d.tailstep_steps, help="training steps per loop (default 200)")
+    p.add_argument("--tailstep-every", type=int, default=d.tailstep_every, help="save every N steps (default 20)")
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="no bench.png")
     p.add_argument("--keep-data", action="store_true", help="leave the checkpoints on storage")
     return p
 

@@ -163,6 +163,14 @@ def _ts_file_metrics() -> dict[str, int]:
     return out
 
 
+# kvstore drivers that touch storage; layered drivers (ocdbt, zip, ...) would count the same bytes twice.
+_STORAGE_DRIVERS = ("file", "s3", "gcs", "gcs_grpc", "http")
+
+
+def _storage_sum(delta: dict[str, int], metric: str) -> int:
+    return sum(v for k, v in delta.items() if k.split("/")[0] in _STORAGE_DRIVERS and k.split("/")[1] == metric)
+
+
 class Meter:
     """Wall time, peak RSS, syscall I/O and tensorstore kvstore I/O of one phase.
 
@@ -196,9 +204,9 @@ class Meter:
             "io_wchar": io1.get("wchar", 0) - self._io0.get("wchar", 0),
             "io_read_bytes": io1.get("read_bytes", 0) - self._io0.get("read_bytes", 0),
             "io_write_bytes": io1.get("write_bytes", 0) - self._io0.get("write_bytes", 0),
-            "ts_bytes_read": sum(v for k, v in ts_delta.items() if k.endswith("/bytes_read")),
-            "ts_bytes_written": sum(v for k, v in ts_delta.items() if k.endswith("/bytes_written")),
-            "ts_reads": sum(v for k, v in ts_delta.items() if k.endswith("/read")),
+            "ts_bytes_read": _storage_sum(ts_delta, "bytes_read"),
+            "ts_bytes_written": _storage_sum(ts_delta, "bytes_written"),
+            "ts_reads": _storage_sum(ts_delta, "read"),
         }
 
 

@@ -52,7 +52,8 @@ def storage_stats(url: str) -> dict[str, int | None]:
     return {"objects": len(keys), "bytes_on_disk": None}
 
 
-def _clear(url: str) -> None:
+def clear_repository(url: str) -> None:
+    """Remove everything stored under a repository URL (the bench's own scratch repositories only)."""
     path = local_path(url)
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
@@ -123,7 +124,7 @@ def save(params: dict) -> dict:
         import jax  # noqa: F401  -- imported before the base RSS is taken
 
         from .jaxstate import make_state
-    _clear(url)
+    clear_repository(url)
     rss_base = rss_bytes()
     if api == "bridge":
         state = make_state(layout, devices)
@@ -162,6 +163,7 @@ def restore(params: dict) -> dict:
             jax.block_until_ready(jax.tree.leaves(state))
         reader = bstats.get("reader") or {}
         stats = {k: reader[k] for k in ("bytes_read", "requests", "objects") if k in reader}
+        stats |= {f"t_{k}_s": v for k, v in (reader.get("timings") or {}).items()}
         stats |= {k: bstats[k] for k in ("open_s", "plan_s", "read_s", "build_s") if k in bstats}
         label = "bridges.jax.restore"
     elif api == "core-jax":
@@ -206,7 +208,8 @@ def _stats(ckpt: Any) -> dict[str, Any]:
         return {}
     if isinstance(st, dict):
         return dict(st)
-    return {k: getattr(st, k) for k in ("bytes_read", "requests") if hasattr(st, k)}
+    out = {k: getattr(st, k) for k in ("bytes_read", "requests", "objects") if hasattr(st, k)}
+    return out | {f"t_{k}_s": v for k, v in (getattr(st, "timings", None) or {}).items()}
 
 
 def read_slice(params: dict) -> dict:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from .child import ChildFailed, drop_page_cache, run_child
 from .jaxstate import xla_env
 from .layout import StateLayout
-from .ours import local_path
+from .ours import clear_repository, local_path
 from .peers import PEERS, peer_available
 from .safety import corrupt
 
@@ -103,7 +103,7 @@ def _environment() -> dict[str, Any]:
     return env
 
 
-def _tasks(system: str, common: dict, urls: dict, paths: dict, options: BenchOptions):
+def _tasks(system: str, common: dict, urls: dict, paths: dict, options: BenchOptions) -> tuple[dict, tuple, Callable]:
     """(params, save (task, params, env), restore(m) -> (task, params, env)) of one system."""
     n = options.save_devices
     if system == "ckptfmt":
@@ -119,176 +119,161 @@ def _tasks(system: str, common: dict, urls: dict, paths: dict, options: BenchOpt
         "ckptfmt.bench.peers:dcp_run", p | {"world": m, "mode": "load"}, None)
 
 
-def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], None] | None = _say) -> BenchResult:
-    """Run the whole benchmark and write ``bench.json`` (and ``bench.png``) into ``options.output_dir``.
+class _Session:
+    """The state of one bench run: where things go, what ran, what failed."""
 
-    A peer that is not installed is skipped and named in ``skipped``. A run that
-    fails is recorded in ``errors`` and the rest of the bench goes on; the
-    result is still written.
-    """
-    from . import report
+    def __init__(self, options: BenchOptions, log: Callable[[str], None]):
+        self.o, self.log = options, log
+        self.layout = StateLayout.for_size(options.size, options.tensors, (options.save_devices,) + tuple(options.restore_devices))
+        self.notes: list[str] = []
+        self.skipped: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+        self.out = Path(options.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.storage = options.storage or str((self.out / "data").resolve())
+        if self.storage.startswith("memory://"):
+            raise ValueError("memory:// cannot be benchmarked: each run is a fresh process with its own memory store")
+        local_root, self.scratch = local_path(self.storage), None
+        if local_root is None:
+            local_root = self.scratch = tempfile.mkdtemp(prefix="ckptfmt-bench-local-")
+            self.notes.append(f"raw limit and peers ran on local disk ({local_root}): they cannot write to {self.storage}")
+        self.urls = {"ckptfmt": _join(self.storage, "ckptfmt"), "tailstep": _join(self.storage, "tailstep")}
+        self.paths = {s: os.path.join(local_root, s) for s in ("raw",) + PEERS}
+        self.systems = (["raw"] if options.raw else []) + ["ckptfmt"]
+        for p in options.peers:
+            if p not in PEERS:
+                raise ValueError(f"unknown peer {p!r}; known: {', '.join(PEERS)}")
+            why = peer_available(p)
+            if why:
+                self.skipped[p] = why
+                log(f"skipping {p}: {why}")
+            else:
+                self.systems.append(p)
+        self.cache = "cold" if options.drop_cache and drop_page_cache() else "warm"
+        if options.drop_cache and self.cache == "warm":
+            self.notes.append("page cache could not be dropped (needs root on Linux): every read is warm")
+        self.runs: dict[str, dict[str, list[dict]]] = {s: {} for s in self.systems}
+        self.common = {"layout": self.layout.to_json(), "check": options.check}
 
-    log = log or (lambda _m: None)
-    out = Path(options.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    topologies = (options.save_devices,) + tuple(options.restore_devices)
-    layout = StateLayout.for_size(options.size, options.tensors, topologies)
-    notes: list[str] = []
-    skipped: dict[str, str] = {}
-    errors: dict[str, str] = {}
+    def child(self, task: str, params: dict, env: dict | None = None) -> dict:
+        return run_child(task, params, env=env, timeout_s=self.o.child_timeout_s)
 
-    storage = options.storage or str((out / "data").resolve())
-    local_root = local_path(storage)
-    if storage.startswith("memory://"):
-        raise ValueError("memory:// cannot be benchmarked: each run is a fresh process with its own memory store")
-    if local_root is None:
-        local_root = tempfile.mkdtemp(prefix="ckptfmt-bench-local-")
-        notes.append(f"raw limit and peers ran in {local_root} (local disk): they cannot write to {storage}")
-    urls = {"ckptfmt": _join(storage, "ckptfmt")}
-    paths = {s: os.path.join(local_root, s) for s in ("raw",) + PEERS}
+    def before_read(self) -> None:
+        if self.cache == "cold":
+            drop_page_cache()
 
-    systems = []
-    if options.raw:
-        systems.append("raw")
-    systems.append("ckptfmt")
-    for p in options.peers:
-        if p not in PEERS:
-            raise ValueError(f"unknown peer {p!r}; known: {', '.join(PEERS)}")
-        why = peer_available(p)
-        if why:
-            skipped[p] = why
-            log(f"skipping {p}: {why}")
-        else:
-            systems.append(p)
-
-    cache = "cold"
-    if options.drop_cache and not drop_page_cache():
-        cache = "warm"
-        notes.append("page cache could not be dropped (needs root on Linux): every read is warm")
-    elif not options.drop_cache:
-        cache = "warm"
-    runs: dict[str, dict[str, list[dict]]] = {s: {} for s in systems}
-    common = {"layout": layout.to_json(), "check": options.check}
-    tmo = options.child_timeout_s
-    log(f"state: {layout.tensors} x {layout.rows}x{layout.cols} float32 = {layout.nbytes / 2**20:.0f} MiB; systems: {', '.join(systems)}")
-
-    def record(system: str, phase: str, fn: Callable[[], dict]) -> bool:
-        if system in errors:
+    def record(self, system: str, phase: str, fn: Callable[[], dict]) -> bool:
+        """Run one measured phase; keep its numbers, or the system's first error (then skip the rest of it)."""
+        if system in self.errors:
             return False
         try:
             r = fn()
         except ChildFailed as e:
-            errors[system] = f"{phase}: {e}"
-            log(f"{system} {phase} FAILED: {str(e).splitlines()[0]}")
+            self.errors[system] = f"{phase}: {e}"
+            self.log(f"{system} {phase} FAILED: {str(e).splitlines()[0]}")
             return False
-        ph = r["phase"] | {k: v for k, v in r.get("disk", {}).items()}
-        ph["process_wall_s"] = r.get("process_wall_s")
-        runs[system].setdefault(phase, []).append(ph)
-        log(f"{system:8s} {phase:12s} {ph['wall_s']:8.3f} s  peak RSS {ph['rss_peak'] / 2**20:8.0f} MiB")
+        ph = r["phase"] | dict(r.get("disk", {})) | {"process_wall_s": r.get("process_wall_s")}
+        self.runs[system].setdefault(phase, []).append(ph)
+        self.log(f"{system:8s} {phase:12s} {ph['wall_s']:8.3f} s  peak RSS {ph['rss_peak'] / 2**20:8.0f} MiB")
         return True
 
-    def before_read() -> None:
-        if cache == "cold":
-            drop_page_cache()
-
-    for rep in range(options.repetitions):
-        log(f"repetition {rep + 1}/{options.repetitions}")
-        for system in systems:
-            n = options.save_devices
-            if system == "raw":
-                os.sync()
-                if record("raw", "save", lambda: run_child("ckptfmt.bench.raw:write", common | {"writers": n, "path": paths["raw"]}, timeout_s=tmo)):
-                    before_read()
-                    record("raw", "restore", lambda: run_child("ckptfmt.bench.raw:read", {"path": paths["raw"], "readers": n}, timeout_s=tmo))
-                continue
-            p, (save_task, save_params, save_env), restore_spec = _tasks(system, common, urls, paths, options)
-            save = lambda: run_child(save_task, save_params, env=save_env, timeout_s=tmo)  # noqa: E731
-            restore = lambda m: run_child(*restore_spec(m)[:2], env=restore_spec(m)[2], timeout_s=tmo)  # noqa: E731
+    def repetition(self) -> None:
+        n = self.o.save_devices
+        for system in self.systems:
             os.sync()  # earlier runs' dirty pages must not be flushed on this save's clock
-            if not record(system, "save", save):
+            if system == "raw":
+                if self.record("raw", "save", lambda: self.child("ckptfmt.bench.raw:write", self.common | {"writers": n, "path": self.paths["raw"]})):
+                    self.before_read()
+                    self.record("raw", "restore", lambda: self.child("ckptfmt.bench.raw:read", {"path": self.paths["raw"], "readers": n}))
                 continue
-            for m in options.restore_devices:
-                before_read()
-                record(system, f"restore_{n}to{m}", lambda m=m: restore(m))
+            p, save, restore = _tasks(system, self.common, self.urls, self.paths, self.o)
+            if not self.record(system, "save", lambda: self.child(*save)):
+                continue
+            for m in self.o.restore_devices:
+                self.before_read()
+                self.record(system, f"restore_{n}to{m}", lambda m=m: self.child(*restore(m)))
             if system == "ckptfmt":
-                before_read()
-                record(system, f"slice_1of{n}", lambda: run_child("ckptfmt.bench.ours:read_slice", p | {"parts": n}, timeout_s=tmo))
+                self.before_read()
+                self.record(system, f"slice_1of{n}", lambda: self.child("ckptfmt.bench.ours:read_slice", p | {"parts": n}))
 
-    safety: dict[str, Any] = {}
-    if options.safety:
-        n = options.save_devices
-        m = next((d for d in options.restore_devices if d != n), n)
-        for system in [s_ for s_ in systems if s_ != "raw" and s_ not in errors]:
-            where = local_path(urls["ckptfmt"]) if system == "ckptfmt" else paths[system]
+    def safety(self) -> dict[str, Any]:
+        """Flip bytes in each system's last checkpoint and restore it (see :mod:`ckptfmt.bench.safety`)."""
+        out: dict[str, Any] = {}
+        n = self.o.save_devices
+        m = next((d for d in self.o.restore_devices if d != n), n)
+        for system in [s for s in self.systems if s != "raw" and s not in self.errors]:
+            where = local_path(self.urls["ckptfmt"]) if system == "ckptfmt" else self.paths[system]
             if where is None:
                 continue
             try:
                 flip = corrupt(where, system)
             except Exception as e:  # a probe that cannot run must not sink the results
-                safety[system] = {"outcome": "not run", "detail": f"{type(e).__name__}: {e}"[:300]}
+                out[system] = {"outcome": "not run", "detail": f"{type(e).__name__}: {e}"[:300]}
                 continue
-            before_read()
-            task, params, env = _tasks(system, common, urls, paths, options)[2](m)
+            self.before_read()
+            task, params, env = _tasks(system, self.common, self.urls, self.paths, self.o)[2](m)
             try:
-                safety[system] = flip | run_child("ckptfmt.bench.safety:probe", {"task": task, "inner": params}, env=env, timeout_s=tmo)
+                out[system] = flip | self.child("ckptfmt.bench.safety:probe", {"task": task, "inner": params}, env)
             except ChildFailed as e:
-                safety[system] = flip | {"outcome": "probe failed", "detail": str(e).splitlines()[0]}
-            log(f"{system:8s} 64-byte flip in {flip['object']}: {safety[system]['outcome']} {safety[system].get('error_type', '')}")
+                out[system] = flip | {"outcome": "probe failed", "detail": str(e).splitlines()[0]}
+            self.log(f"{system:8s} 64-byte flip in {flip['object']}: {out[system]['outcome']} {out[system].get('error_type', '')}")
+        return out
 
+    def optional(self, name: str, task: str, params: dict, env: dict | None = None) -> dict | None:
+        self.log(name)
+        try:
+            return self.child(task, params, env)
+        except ChildFailed as e:
+            self.errors[name] = str(e)
+            self.log(f"{name} FAILED: {str(e).splitlines()[0]}")
+            return None
+
+    def cleanup(self) -> None:
+        for path in self.paths.values():
+            shutil.rmtree(path, ignore_errors=True)
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        for url in self.urls.values():
+            try:
+                clear_repository(url)
+            except Exception as e:  # cleanup must not hide the results
+                self.notes.append(f"could not remove {url}: {e}")
+
+
+def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], None] | None = _say) -> BenchResult:
+    """Run the whole benchmark; write ``bench.json``, ``bench.md`` and ``bench.png`` into ``options.output_dir``.
+
+    A peer that is not installed is skipped and named in ``skipped``. A run that
+    fails is recorded in ``errors`` (that system's remaining phases are skipped)
+    and the rest of the bench goes on; the result is still written. Raises
+    ValueError only for options it cannot run (an unknown peer, ``memory://``).
+    """
+    from . import report
+
+    s = _Session(options, log or (lambda _m: None))
+    L = s.layout
+    s.log(f"state: {L.tensors} x {L.rows}x{L.cols} float32 = {L.nbytes / 2**20:.0f} MiB; systems: {', '.join(s.systems)}; reads {s.cache}")
+    for rep in range(options.repetitions):
+        s.log(f"repetition {rep + 1}/{options.repetitions}")
+        s.repetition()
+    safety = s.safety() if options.safety else {}
     metadata = tailstep = None
     if options.metadata:
-        log("metadata at scale")
-        try:
-            metadata = run_child(
-                "ckptfmt.bench.metadata_scale:run",
-                {"entries": list(options.metadata_entries), "dcp_max_entries": options.dcp_metadata_max_entries, "peers": "dcp" in systems},
-                timeout_s=tmo,
-            )
-        except ChildFailed as e:
-            errors["metadata"] = str(e)
-            log(f"metadata FAILED: {str(e).splitlines()[0]}")
+        metadata = s.optional("metadata", "ckptfmt.bench.metadata_scale:run", {
+            "entries": list(options.metadata_entries), "dcp_max_entries": options.dcp_metadata_max_entries,
+            "peers": "dcp" in s.systems})
     if options.tailstep and importlib.util.find_spec("jax") is None:
-        notes.append("tail-step slowdown skipped: jax is not installed")
+        s.notes.append("tail-step slowdown skipped: jax is not installed")
     elif options.tailstep:
-        log("tail-step slowdown")
-        try:
-            tailstep = run_child(
-                "ckptfmt.bench.tailstep:run",
-                {"steps": options.tailstep_steps, "every": options.tailstep_every, "url": _join(storage, "tailstep")},
-                env=xla_env(1),
-                timeout_s=tmo,
-            )
-        except ChildFailed as e:
-            errors["tailstep"] = str(e)
-            log(f"tailstep FAILED: {str(e).splitlines()[0]}")
-
+        tailstep = s.optional("tailstep", "ckptfmt.bench.tailstep:run", {
+            "steps": options.tailstep_steps, "every": options.tailstep_every, "url": s.urls["tailstep"]}, xla_env(1))
     if not options.keep_data:
-        for path in paths.values():
-            shutil.rmtree(path, ignore_errors=True)
-        from .ours import _clear
-
-        for url in (urls["ckptfmt"], _join(storage, "tailstep")):
-            try:
-                _clear(url)
-            except Exception as e:  # cleanup must not hide the results
-                notes.append(f"could not remove {url}: {e}")
-
+        s.cleanup()
     result = BenchResult(
-        options=asdict(options),
-        layout=layout.to_json(),
-        cache=cache,
-        runs=runs,
-        summary={},
-        ratios={},
-        targets=[],
-        notes=notes,
-        skipped=skipped,
-        errors=errors,
-        metadata=metadata,
-        tailstep=tailstep,
-        safety=safety,
+        options=asdict(options), layout=L.to_json(), cache=s.cache, runs=s.runs, summary={}, ratios={}, targets=[],
+        notes=s.notes, skipped=s.skipped, errors=s.errors, metadata=metadata, tailstep=tailstep, safety=safety,
         environment=_environment(),
     )
-    report.finish(result, out, make_plot=options.plot)
-    log(f"wrote {result.json_path}" + (f" and {result.plot_path}" if result.plot_path else ""))
+    report.finish(result, s.out, make_plot=options.plot)
+    s.log(f"wrote {result.json_path}" + (f" and {result.plot_path}" if result.plot_path else ""))
     return result

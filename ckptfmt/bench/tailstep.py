@@ -120,21 +120,21 @@ def run(params: dict) -> dict:
     """Child task: baseline loop, loop with saves, and synchronous saves for reference."""
     import jax
 
-    from .ours import _clear
+    from .ours import clear_repository
 
     steps, every, url = params["steps"], params["every"], params["url"]
     hidden, layers, batch = params.get("hidden", 1024), params.get("layers", 4), params.get("batch", 128)
-    _clear(url)
+    clear_repository(url)
     p, m, step = _loop(hidden, layers, batch)
     state_bytes = sum(a.nbytes for a in jax.tree.leaves((p, m)))
     p, m = step(p, m)  # compile
     jax.block_until_ready(p)
 
-    def timed_loop(with_saves: bool, saver: _Saver | None, first_step: int):
+    def timed_loop(with_saves: bool, saver: _Saver | None, first_step: int, n: int):
         nonlocal p, m
         times, blocked, at_risk = [], [], []
         committed, pending = first_step, []  # pending: [(step, handle)]
-        for t in range(first_step + 1, first_step + steps + 1):
+        for t in range(first_step + 1, first_step + n + 1):
             t0 = time.perf_counter()
             p, m = step(p, m)
             jax.block_until_ready(p)
@@ -154,10 +154,13 @@ def run(params: dict) -> dict:
             _wait(h)
         return times, blocked, at_risk
 
-    base, _, _ = timed_loop(False, None, 0)
+    # The no-save baseline runs in two halves around the loop with saves, so that slow drift of a
+    # shared machine biases neither side.
+    base, _, _ = timed_loop(False, None, 0, steps // 2)
     saver = _Saver(url)
     rss0 = rss_bytes()
-    with_saves, blocked, at_risk = timed_loop(True, saver, 1000)
+    with_saves, blocked, at_risk = timed_loop(True, saver, 1000, steps)
+    base += timed_loop(False, None, 0, steps - steps // 2)[0]
     # Synchronous saves of the same state, for the blocked fraction.
     sync = []
     for k in range(3):
@@ -165,7 +168,7 @@ def run(params: dict) -> dict:
         h = saver.save(10_000 + k, {"params": p, "momentum": m}, blocking=True)
         _wait(h) if saver.is_async else None
         sync.append(time.perf_counter() - t0)
-    _clear(url)
+    clear_repository(url)
     stat = lambda xs: {"p50_ms": _percentile(xs, 50) * 1e3, "p99_ms": _percentile(xs, 99) * 1e3, "mean_ms": statistics.fmean(xs) * 1e3}  # noqa: E731
     blocked_med = statistics.median(blocked) if blocked else 0.0
     sync_med = statistics.median(sync)

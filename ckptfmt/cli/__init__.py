@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from typing import Any, Optional
 
@@ -36,7 +37,9 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout 
 
 
 def _out() -> Console:
-    return Console(highlight=False, soft_wrap=False)
+    # Piped output (README pastes, CI logs) gets a wide page instead of rich's 80-column default.
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, soft_wrap=False, width=200 if wide else None)
 
 
 def _err() -> Console:
@@ -191,6 +194,7 @@ def faults_cmd(as_json: bool = JsonOpt,
                only: Optional[list[str]] = typer.Option(None, "--only", help="Run only these faults "
                                                         "(repeatable; see --list)."),
                list_only: bool = typer.Option(False, "--list", help="List the fault names and exit."),
+               markdown: bool = typer.Option(False, "--markdown", help="Print the table as GitHub markdown."),
                peers: bool = typer.Option(False, "--peers", help="Also measure Orbax and torch DCP "
                                           "for the faults where that is cheap (needs jax/torch).")) -> None:
     """Run every fault of the catalogue, one per fresh repository, and print the outcome table."""
@@ -210,6 +214,8 @@ def faults_cmd(as_json: bool = JsonOpt,
         table = faults.run_all(names=only or None, workdir=workdir, peers=peers, on_outcome=on_outcome)
     if as_json:
         _emit_json(table.to_json())
+    elif markdown:
+        sys.stdout.write(faults.to_markdown(table) + "\n")
     else:
         faults.print_table(table, _out())
     if not table.all_passed:

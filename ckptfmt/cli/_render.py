@@ -127,8 +127,9 @@ def error(console: Console, doc: dict[str, Any], *, step: int | None = None) -> 
 
 def steps_table(console: Console, url: str, rows: list[dict[str, Any]]) -> None:
     t = Table(title=f"committed steps in {escape(url)}")
-    for col, kw in (("step", {"justify": "right"}), ("committed", {}), ("size", {"justify": "right"}),
-                    ("tensors", {"justify": "right"}), ("writers", {"justify": "right"}), ("save id", {})):
+    for col, kw in (("step", {"justify": "right"}), ("committed", {"no_wrap": True}),
+                    ("size", {"justify": "right", "no_wrap": True}), ("tensors", {"justify": "right"}),
+                    ("writers", {"justify": "right"}), ("save id", {"overflow": "fold"})):
         t.add_column(col, **kw)
     for r in rows:
         if r.get("error"):
@@ -149,7 +150,7 @@ def inspect_view(console: Console, url: str, doc: dict[str, Any]) -> None:
                     ("shards", {"justify": "right"}), ("bytes", {"justify": "right"})):
         t.add_column(col, **kw)
     for r in doc["tensors"]:
-        t.add_row(escape(r["key"]), "(" + ", ".join(map(str, r["shape"])) + ")", r["dtype"],
+        t.add_row(escape(r["key"]), str(tuple(r["shape"])), r["dtype"],
                   escape(r["sharding_text"]), str(r["shards"]), _size(r["bytes"]))
     console.print(t)
     tree = Tree("non-tensor state")

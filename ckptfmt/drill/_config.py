@@ -31,6 +31,8 @@ class DrillConfig:
     storage: str = ""                  # repository URL; "" = <out>/repo
     out: str = ""                      # output directory; "" = a new temporary directory
     seed: int = 0
+    d_in: int = 256                    # model input width
+    hidden: int = 2048                 # model hidden width (sets the checkpoint size)
     timeout_s: float = 240.0           # per job; every wait ends
     control: bool = True               # run the 8 -> 8 control restore
 
@@ -71,6 +73,8 @@ class DrillConfig:
             d, m = (int(x) for x in mesh.split("x"))
             if d * m != n:
                 raise ValueError(f"{name} mesh {mesh} does not cover {n} devices")
+        if self.d_in % 8 or self.hidden % 8:
+            raise ValueError("--d-in and --hidden must be multiples of 8 (they are sharded over the mesh)")
         if self.replacement not in ("jax", "torch"):
             raise ValueError("--replacement must be jax or torch")
 
@@ -104,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--storage", default="", help="repository URL (default: <out>/repo); must hold no step")
     ap.add_argument("--out", default="", help="output directory (default: a new temporary directory)")
     ap.add_argument("--seed", type=int, default=d.seed, help="seed of the kill step and victim (%(default)s)")
+    ap.add_argument("--d-in", type=int, default=d.d_in, help="model input width (%(default)s)")
+    ap.add_argument("--hidden", type=int, default=d.hidden,
+                    help="model hidden width; sets the checkpoint size (%(default)s)")
     ap.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds allowed per job (%(default)s)")
     ap.add_argument("--no-control", action="store_true", help="skip the same-topology control restore")
     ap.add_argument("--json", action="store_true", help="print the receipt as JSON instead of tables")
@@ -120,6 +127,7 @@ def from_args(ns: argparse.Namespace) -> DrillConfig:
                       train_mesh=ns.train_mesh, replacement_mesh=ns.replacement_mesh, cadence=ns.cadence,
                       step_time_s=ns.step_time, kill_window=window, capacity_delay_s=ns.capacity_delay,
                       monitor_interval_s=ns.monitor_interval, storage=ns.storage, out=ns.out, seed=ns.seed,
+                      d_in=ns.d_in, hidden=ns.hidden,
                       timeout_s=ns.timeout, control=not ns.no_control)
     cfg.check()
     return cfg

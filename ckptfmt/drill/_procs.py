@@ -86,21 +86,34 @@ def kill_all(procs: list[Proc]) -> None:
         p.poll()
 
 
-def wait_all(procs: list[Proc], timeout_s: float) -> list[str]:
+def wait_all(procs: list[Proc], timeout_s: float, *, result_path: str | None = None,
+             exit_grace_s: float = 15.0) -> list[str]:
     """Wait for every process; returns error descriptions (empty when all exited 0).
 
     On the first failure or at the deadline, the rest are killed: a job whose rank died is over.
+    Once ``result_path`` exists the job's work is done: processes still running ``exit_grace_s``
+    later (a framework's shutdown that does not return) are killed, and a non-zero exit after
+    the result is recorded in ``Proc.extra["after_result"]`` instead of failing the job.
     """
     deadline = time.monotonic() + timeout_s
-    errors: list[str] = []
+    t_result: float | None = None
     while True:
+        if t_result is None and result_path and os.path.exists(result_path):
+            t_result = time.monotonic()
         running = [p for p in procs if p.poll() is None]
         failed = [p for p in procs if p.popen.returncode not in (None, 0)]
-        if failed:
+        if failed and t_result is None:
             errors = [f"{p.name} exited with {p.popen.returncode}:\n{p.tail()}" for p in failed]
             kill_all(procs)
             return errors
         if not running:
+            for p in failed:
+                p.extra["after_result"] = f"exited {p.popen.returncode} after writing the result"
+            return []
+        if t_result is not None and time.monotonic() - t_result > exit_grace_s:
+            for p in running:
+                p.extra["after_result"] = f"still running {exit_grace_s:.0f} s after the result; killed"
+            kill_all(procs)
             return []
         if time.monotonic() > deadline:
             kill_all(procs)

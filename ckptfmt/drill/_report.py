@@ -60,7 +60,11 @@ def checks_table(receipt: dict[str, Any]) -> Table:
 
 
 def print_report(receipt: dict[str, Any], console: Console | None = None) -> None:
-    c = console or Console(highlight=False)
+    c = console
+    if c is None:
+        c = Console(highlight=False)
+        if not c.is_terminal:  # piped or captured: wide enough that the tables do not wrap
+            c = Console(highlight=False, width=132)
     facts = receipt["outputs"]["repository"]
     c.print(f"committed steps: {facts['committed_steps']}; saves started but never committed (torn by the kill): "
             f"{facts['torn_save_steps'] or 'none'}; private leftovers: {len(facts['uncommitted_saves'])}")

@@ -46,6 +46,10 @@ def _env(devices: int) -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
+def _model_args(cfg: DrillConfig) -> list[str]:
+    return ["--d-in", str(cfg.d_in), "--hidden", str(cfg.hidden)]
+
+
 def _read_log(path: str) -> tuple[dict[int, dict[str, Any]], list[int]]:
     steps: dict[int, dict[str, Any]] = {}
     saves: list[int] = []
@@ -123,7 +127,8 @@ def _train(cfg: DrillConfig, work: str, url: str, kill_step: int, victim_rank: i
         argv = ["-m", "ckptfmt.drill._job", "train", "--devices", str(cfg.devices_per_process), "--mesh", cfg.mesh,
                 "--url", url, "--out", os.path.join(work, "train-result.json"), "--log", log,
                 "--nproc", str(cfg.processes), "--rank", str(r), "--port", str(port), "--cadence", str(cfg.cadence),
-                "--max-steps", str(max_steps), "--step-time", str(cfg.step_time_s), "--dropout", str(dropout)]
+                "--max-steps", str(max_steps), "--step-time", str(cfg.step_time_s), "--dropout", str(dropout),
+                *_model_args(cfg)]
         procs.append(launch(f"train-rank{r}", argv, env=_env(cfg.devices_per_process), logdir=work))
     victim = procs[victim_rank]
     stop = threading.Event()
@@ -175,14 +180,16 @@ def _restore_job(name: str, cfg: DrillConfig, work: str, url: str, *, nproc: int
     for r in range(nproc):
         argv = ["-m", "ckptfmt.drill._job", "restore", "--devices", str(devices), "--mesh", mesh, "--url", url,
                 "--out", out, "--nproc", str(nproc), "--rank", str(r), "--port", str(port),
-                "--dropout", str(dropout), "--victim", str(victim)]
+                "--dropout", str(dropout), "--victim", str(victim), *_model_args(cfg)]
         if rejected_control:
             argv += ["--rejected-control", rejected_control]
         procs.append(launch(f"{name}-rank{r}" if nproc > 1 else name, argv, env=_env(devices), logdir=work))
-    errors = wait_all(procs, cfg.timeout_s)
+    errors = wait_all(procs, cfg.timeout_s, result_path=out)
     if errors:
         raise RuntimeError(f"the {name} job failed:\n" + "\n---\n".join(errors))
-    return read_json(out), procs[0].t_launch
+    res = read_json(out)
+    res["exit_notes"] = {p.name: p.extra["after_result"] for p in procs if "after_result" in p.extra}
+    return res, procs[0].t_launch
 
 
 def _torch_job(cfg: DrillConfig, work: str, url: str, rejected_control: str, victim: int) -> tuple[dict[str, Any], float]:

@@ -16,6 +16,7 @@ from ckptfmt.faults._fixture import build_base as build_base
 from ckptfmt.faults._fixture import run_all as run_all
 from ckptfmt.faults._fixture import run_fault as run_fault
 from ckptfmt.faults._table import print_table as print_table
+from ckptfmt.faults._table import to_markdown as to_markdown
 
 __all__ = ["CATALOGUE", "Fault", "by_name", "Context", "Outcome", "OutcomeTable", "build_base", "run_all",
-           "run_fault", "print_table"]
+           "run_fault", "print_table", "to_markdown"]

@@ -165,7 +165,7 @@ def _key_dotdot(s: Scene) -> str:
 def _key_absolute(s: Scene) -> str:
     target = s.state_path(2)
     s.edit_manifest(2, lambda d: d["state"]["global"].update(key=str(target)))
-    return f"state global key -> absolute path {target}"
+    return f"state global key -> absolute path /.../{s.rel(target)} (the real file)"
 
 
 def _key_scheme(s: Scene) -> str:
@@ -249,8 +249,11 @@ def _concurrent(s: Scene, ctx: Any) -> SaveAttempt:
     from ckptfmt.faults._procs import start_writers, wait_writers
 
     go = s.root.parent / "GO"
+    # Both jobs meet inside save() (while materializing their first block), so both are past
+    # the start-of-save check before either can commit: the conditional create decides.
+    meet = str(s.root.parent / "rendezvous")
     runs = [start_writers(s.url, [3], 1, seed, go_file=str(go), timeout_s=ctx.save_timeout_s,
-                          weaken=ctx.writer_weaken)
+                          weaken=ctx.writer_weaken, rendezvous=meet)
             for seed in (s.seed + 1, s.seed + 2)]
     import time
 
@@ -265,7 +268,8 @@ def _concurrent(s: Scene, ctx: Any) -> SaveAttempt:
         hung |= r.hung
         codes += r.returncodes
     winners = [r["seed"] for r in results if r.get("ok")]
-    a = SaveAttempt([r for r in results if not r.get("ok")], "two single-writer jobs save step 3 together",
+    a = SaveAttempt([r for r in results if not r.get("ok")],
+                    "two single-writer jobs save step 3, both past the start of save() before either commits",
                     hung=hung, returncodes=codes, winner_seed=winners[0] if len(winners) == 1 else None)
     if len(winners) != 1:
         a.notes.append(f"{len(winners)} saves reported success; exactly one must")

@@ -107,6 +107,22 @@ def _publish_first(url: str, step: int, shards: list, seed: int, options: Any) -
     return m
 
 
+def _rendezvous(directory: str, n: int, timeout_s: float = 20.0) -> None:
+    """Wait until ``n`` processes reached this point (each leaves a file in ``directory``).
+
+    Called from inside a save (while it materializes its first block), so that every
+    participant is past the save's start before any of them can commit.
+    """
+    from pathlib import Path
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"ready-{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(d.glob("ready-*"))) < n and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 def run(task: dict[str, Any]) -> list[dict[str, Any]]:
     import ckptfmt
     from ckptfmt import LocalCoordinator, SaveOptions, TcpCoordinator
@@ -138,6 +154,11 @@ def run(task: dict[str, Any]) -> list[dict[str, Any]]:
         if kill == "during_write" and i >= 1:
             def data():
                 _die()
+            return data
+        if task.get("rendezvous") and i == 0:
+            def data():
+                _rendezvous(task["rendezvous"], int(task.get("rendezvous_n", 2)))
+                return block
             return data
         return block
 
