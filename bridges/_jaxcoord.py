@@ -1,0 +1,201 @@
+"""A ckptfmt Coordinator over JAX's distributed runtime (the coordination service's key-value store).
+
+Call order and naming follow :mod:`ckptfmt.coord`: every rank makes the same sequence of
+collective calls. Call ``n`` of a coordinator stores rank r's value under
+``ckptfmt/<instance>/<n>/<r>``, so one name may be used many times. When an allgather or a
+barrier completes, every rank has finished all earlier calls, so a rank then deletes its own
+earlier keys; the store stays small.
+
+Every wait has a timeout: a deadline raises CoordinatorTimeoutError; any other runtime failure
+(the service or a peer gone) raises CoordinatorLostError. Neither ever hangs past ``timeout_s``.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import msgpack
+
+from ckptfmt.errors import (CheckpointError, CoordinatorLostError, CoordinatorTimeoutError,
+                            StepMismatchError)
+
+__all__ = ["JaxCoordinator", "default_coordinator"]
+
+_instances = itertools.count()
+
+
+def _client() -> Any:
+    from jax._src import distributed  # the client is not public API in jax 0.10
+
+    client = distributed.global_state.client
+    if client is None:
+        raise CoordinatorLostError("jax.distributed is not initialized; call jax.distributed.initialize() "
+                                   "first, or use LocalCoordinator for a single process")
+    return client
+
+
+def _ms(timeout_s: float) -> int:
+    return max(1, int(timeout_s * 1000))
+
+
+class JaxCoordinator:
+    """Barrier, all-gather and broadcast of bytes over ``jax.distributed``'s key-value store.
+
+    Follows the call-order contract of :mod:`ckptfmt.coord`: each value is stored as
+    msgpack ``[kind, name, root, payload]``, so a rank that called a different operation is
+    detected (StepMismatchError) instead of waiting forever. After any error the coordinator
+    is unusable (CoordinatorLostError); create a new one.
+
+    ``prefix`` separates coordinators that are alive at the same time; ranks must create
+    them in the same order, or pass the same prefix.
+    """
+
+    def __init__(self, *, timeout_s: float = 300.0, prefix: str | None = None) -> None:
+        import jax
+
+        self._client = _client()
+        self.rank = int(jax.process_index())
+        self.world = int(jax.process_count())
+        self.timeout_s = float(timeout_s)
+        self._prefix = f"ckptfmt/{next(_instances) if prefix is None else prefix}"
+        self._seq = 0
+        self._mine: list[str] = []  # this rank's keys of the previous call
+        self._broken: CheckpointError | None = None
+        self._lock = threading.Lock()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _begin(self, name: str) -> str:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"operation name must be a non-empty str, got {name!r}")
+        if self._broken is not None:
+            raise CoordinatorLostError(f"coordinator unusable after an earlier error: {self._broken}")
+        base = f"{self._prefix}/{self._seq}"
+        self._seq += 1
+        return base
+
+    def _end(self, new_keys: list[str], *, synced: bool) -> None:
+        """Record this call's keys; after a call that every rank has entered, drop older ones.
+
+        Completing an allgather or a barrier proves every rank has finished all earlier calls,
+        so no one reads this rank's earlier keys any more. A broadcast proves nothing of the
+        kind (the root returns at once), so its keys wait for the next synchronising call.
+        """
+        if synced:
+            for k in self._mine:
+                try:
+                    self._client.key_value_delete(k)
+                except Exception:  # noqa: BLE001 - cleanup is best effort
+                    pass
+            self._mine = []
+        self._mine.extend(new_keys)
+
+    def _fail(self, exc: CheckpointError) -> CheckpointError:
+        self._broken = exc
+        return exc
+
+    def _wrap(self, exc: Exception, what: str, timeout_s: float) -> CheckpointError:
+        text = str(exc)
+        first = text.splitlines()[0] if text else type(exc).__name__
+        if "DEADLINE_EXCEEDED" in text or "deadline" in text.lower() or "timed out" in text.lower():
+            return self._fail(CoordinatorTimeoutError(
+                f"{what} timed out after {timeout_s:g} s on rank {self.rank} of {self.world}: {first}",
+                expected=f"all {self.world} ranks", found="timeout"))
+        return self._fail(CoordinatorLostError(f"{what} failed on rank {self.rank} of {self.world}: {first}"))
+
+    def _put(self, key: str, header: list[Any], payload: bytes, what: str) -> None:
+        value = msgpack.packb(header + [bytes(payload)], use_bin_type=True)
+        try:
+            self._client.key_value_set_bytes(key, value)
+        except Exception as exc:  # noqa: BLE001 - jaxlib raises its own runtime error type
+            raise self._fail(CoordinatorLostError(f"{what}: writing {key!r} failed on rank {self.rank}: {exc}")) from exc
+
+    def _take(self, key: str, header: list[Any], timeout_s: float, what: str) -> bytes:
+        try:
+            raw = bytes(self._client.blocking_key_value_get_bytes(key, _ms(timeout_s)))
+        except Exception as exc:  # noqa: BLE001
+            raise self._wrap(exc, what, timeout_s) from exc
+        try:
+            got = msgpack.unpackb(raw, raw=False, use_list=True)
+            ok = isinstance(got, list) and len(got) == len(header) + 1 and isinstance(got[-1], bytes)
+        except Exception:  # noqa: BLE001
+            ok = False
+        if not ok:
+            raise self._fail(CoordinatorLostError(f"{what}: malformed value under {key!r}"))
+        if got[:-1] != header:
+            raise self._fail(StepMismatchError(f"{what}: ranks called different collectives",
+                                               expected=header, found=got[:-1]))
+        return got[-1]
+
+    # -- Coordinator protocol ---------------------------------------------------------------
+    def barrier(self, name: str, timeout_s: float | None = None) -> None:
+        """Return once every rank has called ``barrier(name)``; a name mismatch times out."""
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        with self._lock:
+            base = self._begin(name)
+            if self.world > 1:
+                try:
+                    self._client.wait_at_barrier(f"{base}/barrier/{name}", _ms(timeout_s))
+                except Exception as exc:  # noqa: BLE001
+                    raise self._wrap(exc, f"barrier {name!r}", timeout_s) from exc
+            self._end([], synced=True)
+
+    def allgather(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
+        """Every rank's payload, index = rank."""
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        payload = _as_bytes(payload)
+        with self._lock:
+            base = self._begin(name)
+            header = ["allgather", name, 0]
+            mine = f"{base}/{self.rank}"
+            self._put(mine, header, payload, f"allgather {name!r}")
+            deadline = time.monotonic() + timeout_s
+            out = []
+            for r in range(self.world):
+                if r == self.rank:
+                    out.append(payload)
+                    continue
+                left = max(deadline - time.monotonic(), 0.001)
+                out.append(self._take(f"{base}/{r}", header, left, f"allgather {name!r} (waiting for rank {r})"))
+            self._end([mine], synced=True)
+            return out
+
+    def broadcast(self, name: str, payload: bytes | None, root: int = 0,
+                  timeout_s: float | None = None) -> bytes:
+        """``root``'s payload on every rank (ignored on the others)."""
+        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        with self._lock:
+            base = self._begin(name)
+            header = ["broadcast", name, int(root)]
+            key = f"{base}/{root}"
+            if self.rank == root:
+                if payload is None:
+                    raise TypeError("broadcast: the root rank must pass a payload")
+                payload = _as_bytes(payload)
+                self._put(key, header, payload, f"broadcast {name!r}")
+                self._end([key], synced=False)
+                return payload
+            return self._take(key, header, timeout_s, f"broadcast {name!r} (waiting for rank {root})")
+
+    def close(self) -> None:
+        """Forget this rank's remaining keys; they are deleted only if ``barrier`` was the last
+        call, since a peer may still be reading them otherwise (the store dies with the job)."""
+        self._mine = []
+
+
+def _as_bytes(payload: Any) -> bytes:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+    return bytes(payload)
+
+
+def default_coordinator() -> Any:
+    """JaxCoordinator when ``jax.process_count() > 1``, else ckptfmt's LocalCoordinator."""
+    import jax
+
+    if jax.process_count() > 1:
+        return JaxCoordinator()
+    from ckptfmt import LocalCoordinator
+
+    return LocalCoordinator()

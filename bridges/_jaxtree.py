@@ -1,0 +1,160 @@
+"""Pytree <-> ckptfmt vocabulary for the JAX bridge: key paths, boxes, sharding descriptions.
+
+Key path rendering (normative for the JAX bridge; see ``render_path``):
+
+==========================  ==========================================  ===========
+pytree key entry            example                                     component
+==========================  ==========================================  ===========
+``DictKey``                 ``{"params": ...}``, ``{0: ...}``           ``params``, ``0``
+``GetAttrKey``              dataclass / namedtuple field ``mu``         ``mu``
+``SequenceKey``             list or tuple index 3                       ``3``
+``FlattenedIndexKey``       custom node child 1                         ``1``
+==========================  ==========================================  ===========
+
+Components are joined with ``/``. A component must be non-empty and must not contain ``/``;
+dict keys must be ``str`` or ``int``. Two leaves whose paths render to the same string are an
+error (``{0: a, "0": b}``). Violations raise ``ValueError`` naming the offending path, before
+anything is written.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ckptfmt import Box, TensorSharding
+
+__all__ = [
+    "render_path", "flatten_with_keys", "index_to_box", "describe_sharding", "is_prng_key",
+    "physical_sharding", "nest",
+]
+
+
+def _component(entry: Any, so_far: str) -> str:
+    tu = jax.tree_util
+    if isinstance(entry, tu.DictKey):
+        k = entry.key
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (str, int, np.integer)):
+            raise ValueError(f"pytree dict key {k!r} under {so_far or '<root>'!r} has type "
+                             f"{type(k).__name__}; only str and int keys can name a tensor")
+        text = str(operator.index(k)) if not isinstance(k, str) else k
+    elif isinstance(entry, tu.GetAttrKey):
+        text = entry.name
+    elif isinstance(entry, tu.SequenceKey):
+        text = str(entry.idx)
+    elif isinstance(entry, tu.FlattenedIndexKey):
+        text = str(entry.key)
+    else:
+        raise ValueError(f"pytree key entry {entry!r} under {so_far or '<root>'!r} has an "
+                         f"unsupported type {type(entry).__name__}")
+    if not text or "/" in text:
+        raise ValueError(f"pytree key {text!r} under {so_far or '<root>'!r} cannot be part of a "
+                         "key path: components must be non-empty and must not contain '/'")
+    return text
+
+
+def render_path(path: Iterable[Any]) -> str:
+    """Render a pytree key path as a ckptfmt key path (components joined with ``/``)."""
+    out = ""
+    for entry in path:
+        c = _component(entry, out)
+        out = f"{out}/{c}" if out else c
+    return out
+
+
+def flatten_with_keys(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """Flatten ``tree`` to ``[(key path, leaf)]`` in pytree order, plus its treedef.
+
+    Raises ValueError for a bare leaf (no key path), an unrenderable key, or two leaves
+    whose key paths collide.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out: list[tuple[str, Any]] = []
+    seen: set[str] = set()
+    for path, leaf in leaves:
+        key = render_path(path)
+        if not key:
+            raise ValueError("the state is a single leaf; wrap it in a container, e.g. {'x': array}")
+        if key in seen:
+            raise ValueError(f"two pytree leaves render to the same key path {key!r}")
+        seen.add(key)
+        out.append((key, leaf))
+    return out, treedef
+
+
+def index_to_box(index: tuple[Any, ...], shape: tuple[int, ...]) -> Box:
+    """The global box addressed by a shard index (a tuple of slices, as in ``Shard.index``)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    offset, size = [], []
+    for s, n in zip(index, shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"shard index {index} has a strided slice")
+        offset.append(start)
+        size.append(max(stop - start, 0))
+    return Box(tuple(offset), tuple(size))
+
+
+def _spec_entries(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...] | None]:
+    out: list[tuple[str, ...] | None] = []
+    for e in tuple(spec)[:ndim]:
+        if e is None or e is PartitionSpec.UNCONSTRAINED:
+            out.append(None)
+        elif isinstance(e, str):
+            out.append((e,))
+        else:
+            out.append(tuple(e) or None)
+    return out + [None] * (ndim - len(out))
+
+
+def describe_sharding(sharding: Any, ndim: int) -> TensorSharding | None:
+    """A framework-neutral description of a NamedSharding (None for other shardings).
+
+    Informative only: restore never depends on it.
+    """
+    if not isinstance(sharding, NamedSharding):
+        return None
+    mesh = sharding.mesh
+    names = tuple(str(n) for n in mesh.axis_names)
+    partition = _spec_entries(sharding.spec, ndim)
+    used = {a for p in partition if p for a in p}
+    return TensorSharding(
+        framework="jax", mesh_shape=tuple(int(mesh.shape[n]) for n in mesh.axis_names),
+        axis_names=names, partition=tuple(partition),
+        replicated_axes=tuple(n for n in names if n not in used))
+
+
+def is_prng_key(x: Any) -> bool:
+    """True for typed PRNG key arrays (and ShapeDtypeStructs of a key dtype)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def physical_sharding(sharding: Any, logical_shape: tuple[int, ...], dtype: Any) -> Any:
+    """The sharding of ``key_data(keys)`` for typed keys of ``dtype`` laid out with ``sharding``.
+
+    The trailing key-data dimensions are never split.
+    """
+    from jax._src import sharding_impls  # no public equivalent in jax 0.10
+
+    return sharding_impls.physical_sharding(jax.core.ShapedArray(tuple(logical_shape), dtype), sharding)
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Nested dicts from ``{"a/b/c": v}``. Raises ValueError when a path is both a leaf and a prefix."""
+    root: dict[str, Any] = {}
+    for key in sorted(flat):
+        node = root
+        parts = key.split("/")
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"key path {key!r} lies beneath the leaf {p!r}")
+            node = child
+        if parts[-1] in node:
+            raise ValueError(f"key path {key!r} is both a leaf and a prefix of other keys")
+        node[parts[-1]] = flat[key]
+    return root

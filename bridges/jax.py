@@ -1,0 +1,416 @@
+"""JAX bridge: save a pytree of sharded ``jax.Array``s, restore it onto any topology.
+
+Verbs: :func:`save`, :func:`restore`, :func:`load_extra`, :func:`load_rank_state`.
+
+What a checkpoint holds (JAX bridge conventions, on top of format v1):
+
+* Every array leaf (``jax.Array``, ``numpy.ndarray``) is one tensor. Its key path is the pytree
+  path rendered by :func:`bridges._jaxtree.render_path` (dict keys and attribute names as they
+  are, sequence indices in decimal, joined with ``/``). Each process offers the boxes of its
+  addressable shards (``Shard.index``) with their ``replica_id``; only replica 0 of each box is
+  written. A ``numpy.ndarray`` leaf is taken to be the same on every process; one copy is written.
+* Typed PRNG keys (``jax.random.key``) are stored as ``jax.random.key_data`` (a ``uint32``
+  tensor with the key dimensions last), and the implementation name is recorded in the global
+  state under ``bridge.prng_impls[<key path>]``. Raw ``uint32`` keys are ordinary tensors.
+* Every other leaf (Python ``bool``/``int``/``float``/``str``/``bytes``/``None``, numpy scalars)
+  goes into the global msgpack state under ``bridge.leaves[<key path>]``.
+* ``extra`` (any msgpack-able value) is stored beside it in the global state: ``{"bridge":
+  {...}, "extra": extra}``; read it back with :func:`load_extra`.
+* ``rank_state`` is per-process state (numpy/Python RNG state, iterator position), stored as
+  format v1 rank state. **Topology-change policy**: when the number of processes at restore
+  differs from the number that saved, rank state has no owner. :func:`restore` and
+  :func:`load_rank_state` then raise :class:`TopologyChangedError` unless the caller passes
+  ``rank_state_policy``: ``"drop"`` (discard it; every process starts its per-rank state
+  afresh), ``"rank0"`` (every process receives rank 0's state) or ``"same-rank"`` (process ``r``
+  gets rank ``r``'s state where one was saved, None otherwise). With the same process count,
+  process ``r`` gets rank ``r``'s state and no policy is needed.
+
+Restore reads, for each target leaf, only the boxes of its addressable shards (identical boxes on
+several local devices are read once), in one call to ``Checkpoint.read_boxes``, which verifies
+every byte against the manifest before anything is returned. Arrays are then built with
+``jax.make_array_from_callback``; a sharded target is never assembled whole on the host.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+
+from ckptfmt import Box, LocalShard, Repository, SaveOptions
+from ckptfmt import save as _core_save
+from ckptfmt.errors import (CheckpointError, InvalidStateError, KeyMismatchError, SaveInProgressError,
+                            ShapeMismatchError, TopologyChangedError)
+
+from ._jaxcoord import JaxCoordinator, default_coordinator
+from ._jaxtree import (describe_sharding, flatten_with_keys, index_to_box, is_prng_key, nest,
+                       physical_sharding)
+
+__all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "PendingSave",
+           "RANK_STATE_POLICIES"]
+
+#: The accepted values of ``rank_state_policy``.
+RANK_STATE_POLICIES = ("drop", "rank0", "same-rank")
+_BRIDGE_VERSION = 1
+_PLACEHOLDER_REPLICA = 1 << 30
+_SCALAR_TYPES = (bool, int, float, str, bytes, type(None), np.generic)
+
+
+# ------------------------------------------------------------------------------------- save
+
+
+def _versions() -> dict[str, str]:
+    out = {"jax": jax.__version__}
+    for name in ("flax", "optax"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__version__", None):
+            out[name] = str(mod.__version__)
+    return out
+
+
+def _array_shards(key: str, arr: jax.Array, copy: bool) -> list[LocalShard]:
+    shape, dtype = tuple(arr.shape), np.dtype(arr.dtype)
+    desc = describe_sharding(arr.sharding, arr.ndim)
+    out = []
+    for sh in arr.addressable_shards:
+        box = index_to_box(sh.index, shape)
+        data: Any = None
+        if sh.replica_id == 0:  # other replicas only prove the box is held
+            data = np.asarray(sh.data) if copy else (lambda d=sh.data: np.asarray(d))
+        out.append(LocalShard(key, shape, dtype, box, data, replica_id=int(sh.replica_id), sharding=desc))
+    if not out:
+        # Held by other processes only. Every rank must list the same inventory, so declare
+        # the tensor: an empty box holds nothing (a scalar's box cannot be empty, so it claims
+        # a replica id no real holder has and is never chosen to write).
+        empty = Box((0,) * len(shape), (0,) * len(shape))
+        out.append(LocalShard(key, shape, dtype, empty, None, replica_id=_PLACEHOLDER_REPLICA))
+    return out
+
+
+def _to_shards(state: Any, *, copy: bool) -> tuple[list[LocalShard], dict[str, Any]]:
+    flat, _ = flatten_with_keys(state)
+    pid = jax.process_index()
+    shards: list[LocalShard] = []
+    leaves: dict[str, Any] = {}
+    prng: dict[str, str] = {}
+    for key, leaf in flat:
+        if isinstance(leaf, jax.Array):
+            arr = leaf
+            if is_prng_key(leaf):
+                prng[key] = str(jax.random.key_impl(leaf))
+                arr = jax.random.key_data(leaf)
+            shards.extend(_array_shards(key, arr, copy))
+        elif isinstance(leaf, np.ndarray):
+            data = np.array(leaf) if copy else leaf
+            shards.append(LocalShard(key, leaf.shape, leaf.dtype, Box.full(leaf.shape), data, replica_id=pid))
+        elif isinstance(leaf, _SCALAR_TYPES):
+            leaves[key] = leaf
+        else:
+            raise TypeError(f"leaf {key!r} has type {type(leaf).__module__}.{type(leaf).__qualname__}; "
+                            "expected a jax.Array, numpy array, or Python/numpy scalar")
+    return shards, {"name": "jax", "version": _BRIDGE_VERSION, "leaves": leaves, "prng_impls": prng}
+
+
+class PendingSave:
+    """A save running in the background (``save(..., blocking=False)``).
+
+    The device-to-host copies are done before ``save`` returns, so the caller may modify or
+    donate its arrays at once. ``wait()`` returns the committed Manifest or raises the save's error.
+    """
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="ckptfmt-jax-save", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._result = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            self._error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError("the background save has not finished")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+_pending: PendingSave | None = None
+
+
+def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapping[str, Any] | None = None,
+         blocking: bool = True, coordinator: Any = None, options: SaveOptions | None = None) -> Any:
+    """Save the pytree ``state`` as step ``step`` of the repository at ``url``.
+
+    Every process of a ``jax.distributed`` job must call it with the same ``step`` and a
+    state of the same structure; each writes only its addressable replica-0 shards. The
+    coordinator defaults to :class:`bridges._jaxcoord.JaxCoordinator` when
+    ``jax.process_count() > 1`` and to ``LocalCoordinator`` otherwise.
+
+    Returns the committed Manifest once the step is committed (``blocking=True``), or a
+    :class:`PendingSave` whose ``wait()`` returns it. On failure nothing is committed: the
+    core's CheckpointError (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError,
+    StepAlreadyCommittedError, ...) is raised on every process. A leaf of an unsupported type
+    or an unrenderable key raises TypeError/ValueError before anything is written.
+    """
+    global _pending
+    if _pending is not None and not _pending.done():
+        raise SaveInProgressError("an earlier save(blocking=False) is still in flight; wait() for it first")
+    shards, bridge_state = _to_shards(state, copy=not blocking)
+    global_state = {"bridge": bridge_state, "extra": extra}
+    coord = coordinator if coordinator is not None else default_coordinator()
+    opts = options if options is not None else SaveOptions()
+
+    def run() -> Any:
+        manifest = _core_save(url, step, shards, state=global_state, rank_state=rank_state,
+                              coordinator=coord, versions=_versions(), options=opts)
+        if coordinator is None and isinstance(coord, JaxCoordinator):
+            # The commit broadcast's value (the manifest) stays in the coordination service
+            # until a call every rank enters; release it. The step is committed either way.
+            try:
+                coord.barrier("save/release", opts.timeout_s)
+            except CheckpointError:
+                pass
+        return manifest
+
+    if blocking:
+        return run()
+    _pending = PendingSave(run)
+    return _pending
+
+
+# ---------------------------------------------------------------------------------- restore
+
+
+def _resolve_step(repo: Repository, step: int | None) -> int | None:
+    if step is not None or jax.process_count() == 1:
+        return step
+    # Several processes: rank 0 decides which step is latest, so all restore the same one.
+    coord = JaxCoordinator()
+    latest = repo.latest() if coord.rank == 0 else None
+    got = coord.broadcast("restore-latest-step", str(-1 if latest is None else latest).encode())
+    coord.close()
+    value = int(got.decode())
+    return None if value < 0 else value
+
+
+def _open(url: str, step: int | None) -> Any:
+    repo = Repository(url)
+    return repo.open(_resolve_step(repo, step))
+
+
+def _bridge_state(ckpt: Any) -> dict[str, Any]:
+    st = ckpt.state() or {}
+    b = st.get("bridge") if isinstance(st, dict) else None
+    if b is None:
+        return {"leaves": {}, "prng_impls": {}}
+    if not isinstance(b, dict) or not isinstance(b.get("leaves", {}), dict) \
+            or not isinstance(b.get("prng_impls", {}), dict):
+        raise InvalidStateError("the JAX bridge entry of the global state is malformed", key="bridge")
+    return b
+
+
+def _rank_world(ckpt: Any) -> tuple[int, bool]:
+    """(saved process count, whether any rank state was saved)."""
+    entries = getattr(ckpt.manifest, "state", {}) or {}
+    has_rank = any(str(name).startswith("rank/") for name in entries)
+    return int(ckpt.saved_world), has_rank
+
+
+def _check_policy(ckpt: Any, policy: str | None) -> None:
+    if policy is not None and policy not in RANK_STATE_POLICIES:
+        raise ValueError(f"rank_state_policy must be one of {RANK_STATE_POLICIES} or None, got {policy!r}")
+    saved, has_rank = _rank_world(ckpt)
+    now = jax.process_count()
+    if has_rank and saved != now and policy is None:
+        raise TopologyChangedError(
+            f"step {ckpt.step} holds per-rank state of {saved} processes but {now} are restoring; "
+            "pass rank_state_policy='drop' (start per-rank state afresh), 'rank0' (give every "
+            "process rank 0's state) or 'same-rank'", expected=f"{saved} processes", found=f"{now} processes")
+
+
+def _impl_name(dtype: Any) -> str:
+    return str(dtype._impl.name)  # typed key dtypes carry their PRNGImpl
+
+
+def _target_sharding(leaf: Any) -> Any:
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:  # a bare ShapeDtypeStruct: jnp's default placement
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return sharding
+
+
+class _ArrayPlan:
+    __slots__ = ("key", "shape", "sharding", "prng", "boxes", "host")
+
+    def __init__(self, key: str, shape: tuple[int, ...], sharding: Any, prng: str | None,
+                 boxes: list[Box], host: bool) -> None:
+        self.key, self.shape, self.sharding, self.prng, self.boxes, self.host = key, shape, sharding, prng, boxes, host
+
+
+def _plan_leaf(ckpt: Any, keys: set[str], bridge: dict[str, Any], key: str, leaf: Any) -> _ArrayPlan:
+    if key not in keys:
+        raise KeyMismatchError("the restore target has a key the checkpoint does not hold", key=key,
+                               expected="a tensor of the checkpoint", found="missing")
+    entry = ckpt.tensor(key)
+    found = (tuple(int(n) for n in entry.shape), str(entry.dtype))  # a validated format v1 dtype name
+    saved_impl = bridge["prng_impls"].get(key)
+    if is_prng_key(leaf):
+        want_impl = _impl_name(leaf.dtype)
+        logical = tuple(leaf.shape)
+        shape = logical + found[0][len(logical):]
+        if saved_impl != want_impl or found[1] != "uint32" or found[0][:len(logical)] != logical:
+            raise ShapeMismatchError("typed PRNG key does not match the checkpoint", key=key,
+                                     expected=(logical, f"key<{want_impl}>"),
+                                     found=(found[0], f"key<{saved_impl}>" if saved_impl else found[1]))
+        sharding = physical_sharding(_target_sharding(leaf), logical, leaf.dtype)
+        prng = want_impl
+    else:
+        shape = tuple(int(n) for n in leaf.shape)
+        want = (shape, np.dtype(leaf.dtype).name)
+        if want != found or saved_impl is not None:
+            raise ShapeMismatchError("restore target does not match the checkpoint", key=key,
+                                     expected=want, found=found if saved_impl is None else (found[0], f"key<{saved_impl}>"))
+        sharding = None if isinstance(leaf, np.ndarray) else _target_sharding(leaf)
+        prng = None
+    if sharding is None:
+        return _ArrayPlan(key, shape, None, None, [Box.full(shape)], True)
+    boxes = {index_to_box(idx, shape) for idx in sharding.addressable_devices_indices_map(shape).values()}
+    return _ArrayPlan(key, shape, sharding, prng, sorted(boxes, key=lambda b: b.offset), False)
+
+
+def _build(plan: _ArrayPlan, got: dict[tuple[str, Box], np.ndarray]) -> Any:
+    if plan.host:
+        return got.pop((plan.key, plan.boxes[0]))
+
+    def block(index: Any) -> np.ndarray:
+        return got[(plan.key, index_to_box(index, plan.shape))]
+
+    arr = jax.make_array_from_callback(plan.shape, plan.sharding, block)
+    for b in plan.boxes:  # let the host copies go as soon as the device array holds them
+        got.pop((plan.key, b), None)
+    return jax.random.wrap_key_data(arr, impl=plan.prng) if plan.prng else arr
+
+
+def _is_array_target(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+
+
+def restore(url: str, target: Any = None, *, step: int | None = None, rank_state_policy: str | None = None,
+            stats: dict[str, Any] | None = None) -> Any:
+    """Restore step ``step`` (None: the latest committed step) of the repository at ``url``.
+
+    ``target`` is a pytree like the saved state. Leaves that are ``jax.ShapeDtypeStruct`` (with
+    a ``.sharding``; none means the first local device) or ``jax.Array`` (its sharding is used)
+    come back as ``jax.Array`` laid out that way; ``numpy.ndarray`` leaves come back as host
+    numpy arrays; any other leaf takes the saved scalar. Keys of the checkpoint that the target
+    does not name are not read (a partial restore). ``target=None`` returns host numpy arrays in
+    nested dicts keyed by the key-path components (typed PRNG keys come back as key arrays on the
+    default device); custom pytree classes and sequences need a target to come back as themselves.
+
+    ``stats``, if given, is filled with phase timings (``open_s``, ``plan_s``, ``read_s`` -- read
+    and verify --, ``build_s``), ``bytes_restored`` and the reader's counters.
+
+    Fails closed: StepNotFoundError, KeyMismatchError (a target key the checkpoint lacks),
+    ShapeMismatchError (shape, dtype or PRNG implementation differs), TopologyChangedError (see
+    the module docstring), or any verification error of the core reader, all raised before any
+    array is returned.
+    """
+    t0 = time.perf_counter()
+    ckpt = _open(url, step)
+    _check_policy(ckpt, rank_state_policy)
+    bridge = _bridge_state(ckpt)
+    t1 = time.perf_counter()
+    keys = set(ckpt.keys())
+    if target is None:
+        flat_keys = sorted(keys)
+        plans = [_ArrayPlan(k, tuple(ckpt.tensor(k).shape), None, bridge["prng_impls"].get(k),
+                            [Box.full(tuple(ckpt.tensor(k).shape))], True) for k in flat_keys]
+        treedef, flat = None, [(k, None) for k in flat_keys]
+    else:
+        flat, treedef = flatten_with_keys(target)
+        plans = []
+        for key, leaf in flat:
+            if _is_array_target(leaf):
+                plans.append(_plan_leaf(ckpt, keys, bridge, key, leaf))
+            elif key in bridge["leaves"]:
+                plans.append(None)
+            elif key in keys:  # a scalar placeholder for a saved array: host numpy
+                shape = tuple(ckpt.tensor(key).shape)
+                plans.append(_ArrayPlan(key, shape, None, None, [Box.full(shape)], True))
+            else:
+                raise KeyMismatchError("the restore target has a key the checkpoint does not hold", key=key,
+                                       expected="a tensor or scalar of the checkpoint", found="missing")
+    requests = [(p.key, b) for p in plans if p is not None for b in p.boxes]
+    t2 = time.perf_counter()
+    arrays = ckpt.read_boxes(requests)  # verifies everything before returning anything
+    t3 = time.perf_counter()
+    got = {req: a for req, a in zip(requests, arrays)}
+    nbytes = sum(int(a.nbytes) for a in arrays)
+    del arrays
+    out = []
+    for (key, _), plan in zip(flat, plans):
+        if plan is None:
+            out.append(bridge["leaves"][key])
+        elif plan.host and plan.prng:
+            out.append(jax.random.wrap_key_data(_build(plan, got), impl=plan.prng))
+        else:
+            out.append(_build(plan, got))
+    t4 = time.perf_counter()
+    if stats is not None:
+        stats.update(step=ckpt.step, open_s=t1 - t0, plan_s=t2 - t1, read_s=t3 - t2, build_s=t4 - t3,
+                     bytes_restored=nbytes, boxes=len(requests))
+        reader = ckpt.stats
+        stats["reader"] = {"bytes_read": reader.bytes_read, "requests": reader.requests,
+                           "objects": reader.objects, "timings": dict(reader.timings)}
+    if treedef is None:
+        flat_map = {k: v for (k, _), v in zip(flat, out)}
+        flat_map.update(bridge["leaves"])
+        return nest(flat_map)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def load_extra(url: str, step: int | None = None) -> Any:
+    """The ``extra`` value saved with step ``step`` (None: latest); None if none was saved."""
+    st = _open(url, step).state() or {}
+    return st.get("extra") if isinstance(st, dict) else None
+
+
+def load_rank_state(url: str, step: int | None = None, *, rank_state_policy: str | None = None) -> Any:
+    """This process's per-rank state of step ``step``, under the topology-change policy.
+
+    Same process count as the save: rank ``jax.process_index()``'s state. Otherwise
+    TopologyChangedError unless ``rank_state_policy`` is ``"drop"`` (returns None), ``"rank0"``
+    (returns rank 0's state) or ``"same-rank"``. Returns None when no rank state was saved.
+    """
+    ckpt = _open(url, step)
+    _check_policy(ckpt, rank_state_policy)
+    return ckpt.rank_state(jax.process_index(), world=jax.process_count(), policy=rank_state_policy)
+
+
+def abstract_target(tree: Any, sharding: Any = None) -> Any:
+    """A restore target from a live or abstract pytree: arrays become ShapeDtypeStructs.
+
+    ``sharding`` is None (keep each leaf's own), one ``jax.sharding.Sharding`` for every array
+    leaf, or a callable ``(key path, leaf) -> Sharding | None``. Other leaves pass through.
+    """
+    flat, treedef = flatten_with_keys(tree)
+    out = []
+    for key, leaf in flat:
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+            s = sharding(key, leaf) if callable(sharding) else sharding
+            s = s if s is not None else getattr(leaf, "sharding", None)
+            out.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s))
+        else:
+            out.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,95 @@
+"""bridges.jax / bridges.flax unit checks and the jax.distributed coordinator.
+
+JAX needs its device count fixed before it is imported, so every check runs in a fresh
+subprocess with 8 CPU devices (tests/jaxproc/bridge_checks.py runs all of them at once, and
+each is reported here as its own test).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None or importlib.util.find_spec("flax") is None,
+                                reason="needs the [jax] extra: pip install -e '.[jax]'")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROC = os.path.join(ROOT, "tests", "jaxproc")
+CHECKS = [
+    "named_1d", "named_2d", "fully_replicated", "partially_replicated", "single_device", "uneven_shapes",
+    "scalars_and_leaves", "low_precision_dtypes", "typed_and_raw_keys", "missing_key_and_shape_mismatch",
+    "host_structure", "key_paths", "linen_trainstate", "nnx_model_and_optimizer", "extra_rank_state_and_latest",
+    "nonblocking_save", "restore_stats_and_partial",
+]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+@pytest.fixture(scope="module")
+def check_results(tmp_path_factory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("jaxchecks") / "results.json"
+    p = subprocess.run([sys.executable, os.path.join(PROC, "bridge_checks.py"), str(out)], env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_check_list_is_complete(check_results):
+    assert sorted(check_results) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_bridge(check_results, name):
+    result = check_results.get(name, "not run")
+    assert result == "ok", result
+
+
+def test_imports_stay_lazy():
+    """ckptfmt, ckptfmt.demo and the bridges package import no framework."""
+    code = ("import sys, ckptfmt, ckptfmt.demo, bridges, bridges._receipt; "
+            "bad = [m for m in ('jax', 'flax', 'optax', 'torch') if m in sys.modules]; "
+            "assert not bad, bad")
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_jax_coordinator_two_processes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [tmp_path / f"r{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(PROC, "coord_check.py"), str(port), str(r), str(outs[r])],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    errs = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        if p.returncode:
+            errs.append(err[-3000:])
+    assert not errs, errs
+    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    assert r0["default"] == r1["default"] == "JaxCoordinator"
+    assert r0["rank_world"] == [0, 2] and r1["rank_world"] == [1, 2]
+    for i in range(3):  # one name reused: each call is separate
+        assert r0[f"allgather{i}"] == r1[f"allgather{i}"] == [f"r0i{i}", f"r1i{i}"]
+    assert r0["bcast"] == r1["bcast"] == "from1"
+    assert r1["mismatch"] == "StepMismatchError"  # different collectives: detected, not a hang
+    assert r0["timeout"] == "CoordinatorTimeoutError" and r0["timeout_s"] < 10  # bounded wait
+    assert r0["slow_reader"] == r1["slow_reader"] == ["s0", "s1"]  # keys outlive a peer that moved on
+    assert r0["slow_bcast"] == r1["slow_bcast"] == ["x", "x"]
+    # Each process writes its own half; arrays held by rank 0's device only are declared by
+    # rank 1 with an empty box and written by rank 0; numpy leaves are written once.
+    assert r0["save"]["writers"] == {"split": [0, 1], "only0": [0], "scalar0": [0], "np": [0]}, r0["save"]
+    assert r0["save"]["equal"] and r1["save"]["equal"]
