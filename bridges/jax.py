@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from ckptfmt import Box, LocalShard, Repository, SaveOptions
+from ckptfmt.dtypes import numpy_dtype
 from ckptfmt import save as _core_save
 from ckptfmt.errors import (CheckpointError, InvalidStateError, KeyMismatchError, SaveInProgressError,
                             ShapeMismatchError, TopologyChangedError)
@@ -289,6 +290,10 @@ def _plan_leaf(ckpt: Any, keys: set[str], bridge: dict[str, Any], key: str, leaf
     return _ArrayPlan(key, shape, sharding, prng, sorted(boxes, key=lambda b: b.offset), False)
 
 
+#: Host bytes read per batch during restore: bounds the host copies alive at once.
+RESTORE_BATCH_BYTES = 256 << 20
+
+
 def _build(plan: _ArrayPlan, got: dict[tuple[str, Box], np.ndarray]) -> Any:
     if plan.host:
         return got.pop((plan.key, plan.boxes[0]))
@@ -353,19 +358,41 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
                                        expected="a tensor or scalar of the checkpoint", found="missing")
     requests = [(p.key, b) for p in plans if p is not None for b in p.boxes]
     t2 = time.perf_counter()
-    arrays = ckpt.read_boxes(requests)  # verifies everything before returning anything
-    t3 = time.perf_counter()
-    got = {req: a for req, a in zip(requests, arrays)}
-    nbytes = sum(int(a.nbytes) for a in arrays)
-    del arrays
-    out = []
-    for (key, _), plan in zip(flat, plans):
+    # Read in batches of about RESTORE_BATCH_BYTES so at most one batch of host copies exists at a
+    # time. Every batch is verified by the core reader before its arrays are built, and nothing is
+    # returned to the caller until every batch has been read and verified: a fault in a later
+    # batch raises and drops the arrays already built.
+    batches: list[list[int]] = [[]]
+    size = 0
+    for i, plan in enumerate(plans):
         if plan is None:
-            out.append(bridge["leaves"][key])
-        elif plan.host and plan.prng:
-            out.append(jax.random.wrap_key_data(_build(plan, got), impl=plan.prng))
-        else:
-            out.append(_build(plan, got))
+            continue
+        nb = sum(b.size for b in plan.boxes) * np.dtype(numpy_dtype(ckpt.tensor(plan.key).dtype)).itemsize
+        if batches[-1] and size + nb > RESTORE_BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += nb
+    built: dict[int, Any] = {}
+    nbytes = 0
+    t_read = 0.0
+    for batch in batches:
+        reqs = list(dict.fromkeys((plans[i].key, b) for i in batch for b in plans[i].boxes))
+        tr = time.perf_counter()
+        arrays = ckpt.read_boxes(reqs)  # verifies every byte of this batch before returning
+        t_read += time.perf_counter() - tr
+        got = dict(zip(reqs, arrays))
+        nbytes += sum(int(a.nbytes) for a in arrays)
+        del arrays
+        for i in batch:
+            plan = plans[i]
+            if plan.host and plan.prng:
+                built[i] = jax.random.wrap_key_data(_build(plan, got), impl=plan.prng)
+            else:
+                built[i] = _build(plan, got)
+        del got
+    t3 = t2 + t_read
+    out = [bridge["leaves"][key] if plan is None else built.pop(i) for i, ((key, _), plan) in enumerate(zip(flat, plans))]
     t4 = time.perf_counter()
     if stats is not None:
         stats.update(step=ckpt.step, open_s=t1 - t0, plan_s=t2 - t1, read_s=t3 - t2, build_s=t4 - t3,

@@ -15,6 +15,8 @@ from .storage import Storage
 __all__ = ["Repository", "GcReport"]
 
 _MANIFEST_RE = re.compile(r"^manifests/([0-9]{20})\.json$")
+_SAVE_ID_STEP_RE = re.compile(r"^([0-9]{12,})-[0-9]{8}T[0-9]{6}-[0-9a-f]{8}$")
+DEFAULT_LEASE_GRACE_S = 600.0  # FORMAT.md 10.2
 
 
 @dataclass
@@ -98,7 +100,8 @@ class Repository:
         self.storage.delete(manifest_key(step))
         self.storage.delete_prefix(f"saves/{m.save_id}/")
 
-    def gc(self, *, grace_s: float = 600.0, keep_last: int | None = None, keep_every: int | None = None) -> GcReport:
+    def gc(self, *, grace_s: float | None = None, keep_last: int | None = None,
+           keep_every: int | None = None) -> GcReport:
         """Apply retention, then remove private objects of saves that no committed manifest references.
 
         Retention keeps the newest ``keep_last`` steps (and every step divisible by ``keep_every``);
@@ -106,6 +109,7 @@ class Repository:
         refreshed within ``grace_s`` seconds is in progress and is never touched. Nothing a
         committed manifest references is removed, even when that manifest is unreadable.
         """
+        grace_s = DEFAULT_LEASE_GRACE_S if grace_s is None else float(grace_s)
         report = GcReport()
         steps = self.steps()
         if keep_last is not None and keep_last >= 1 and len(steps) > keep_last:
@@ -136,6 +140,14 @@ class Repository:
         for sid, count in sorted(by_save.items()):
             if sid in referenced or any(sid.encode() in raw for raw in raw_manifests):
                 continue
+            m = _SAVE_ID_STEP_RE.match(sid)
+            if m is not None:
+                # Confirm with a point read of the manifest its step would have: on a store whose
+                # LIST lags behind PUT, a save that committed a moment ago may be missing from the
+                # manifests/ listing above (docs/OBJECT_STORAGE.md, "gc and a lagging list").
+                data = self.storage.read(manifest_key(int(m.group(1))))
+                if data is not None and sid.encode() in data:
+                    continue
             lease = leases.get(sid)
             if lease is not None:
                 try:

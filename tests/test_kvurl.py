@@ -1,0 +1,129 @@
+"""kvstore_spec: repository URL + environment + options -> tensorstore kvstore spec. Pure and fast."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import tensorstore as ts
+
+from ckptfmt._kvurl import kvstore_spec
+from ckptfmt.errors import CheckpointError
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "secret",
+          "AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_REGION": "eu-west-1"}
+
+
+# ---------------------------------------------------------------- local schemes
+def test_local_path_is_absolute_file_driver(tmp_path):
+    assert kvstore_spec(str(tmp_path / "repo")) == {"driver": "file", "path": str(tmp_path / "repo") + "/"}
+    rel = kvstore_spec("some/rel/")
+    assert rel["path"] == os.path.abspath("some/rel") + "/"
+
+
+def test_file_url():
+    assert kvstore_spec("file:///data/ckpt/") == {"driver": "file", "path": "/data/ckpt/"}
+    assert kvstore_spec("file:///data/ckpt") == {"driver": "file", "path": "/data/ckpt/"}
+
+
+def test_memory_url():
+    assert kvstore_spec("memory://run1") == {"driver": "memory", "path": "run1/"}
+    assert kvstore_spec("memory://") == {"driver": "memory", "path": ""}
+
+
+def test_unknown_scheme_is_a_checkpoint_error():
+    with pytest.raises(CheckpointError, match="unsupported repository URL scheme"):
+        kvstore_spec("ftp://host/x")
+
+
+def test_options_must_be_a_mapping():
+    with pytest.raises(CheckpointError, match="mapping"):
+        kvstore_spec("s3://b/p", ["endpoint"], environ={})  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- s3
+def test_s3_bare_environment_uses_default_chain():
+    # No AWS_* at all: no endpoint, no region, no credentials member -> tensorstore's defaults
+    # (the default credential chain, the region found from the bucket).
+    assert kvstore_spec("s3://bucket/run/1", environ={}) == {"driver": "s3", "bucket": "bucket", "path": "run/1/"}
+
+
+def test_s3_bucket_only_and_slashes():
+    assert kvstore_spec("s3://bucket", environ={})["path"] == ""
+    assert kvstore_spec("s3://bucket/", environ={})["path"] == ""
+    assert kvstore_spec("s3://bucket/a/b/", environ={})["path"] == "a/b/"
+
+
+def test_s3_without_bucket_is_rejected():
+    with pytest.raises(CheckpointError, match="no bucket"):
+        kvstore_spec("s3:///prefix", environ={})
+
+
+def test_s3_environment_is_read():
+    spec = kvstore_spec("s3://bucket/p", environ=S3_ENV)
+    assert spec == {"driver": "s3", "bucket": "bucket", "path": "p/", "endpoint": "http://127.0.0.1:9000",
+                    "aws_region": "eu-west-1", "aws_credentials": {"type": "environment"}}
+
+
+def test_s3_service_specific_endpoint_wins():
+    env = dict(S3_ENV, AWS_ENDPOINT_URL_S3="http://s3.local:1")
+    assert kvstore_spec("s3://b/p", environ=env)["endpoint"] == "http://s3.local:1"
+
+
+def test_s3_ignore_configured_endpoints():
+    env = dict(S3_ENV, AWS_ENDPOINT_URL_S3="http://s3.local:1", AWS_IGNORE_CONFIGURED_ENDPOINT_URLS="true")
+    assert "endpoint" not in kvstore_spec("s3://b/p", environ=env)
+
+
+def test_s3_region_precedence():
+    assert kvstore_spec("s3://b", environ={"AWS_DEFAULT_REGION": "us-west-2"})["aws_region"] == "us-west-2"
+    env = {"AWS_REGION": "eu-central-1", "AWS_DEFAULT_REGION": "us-west-2"}
+    assert kvstore_spec("s3://b", environ=env)["aws_region"] == "eu-central-1"
+
+
+def test_s3_credentials_only_from_access_key():
+    # A secret without a key id is not a credential set: leave the default chain in charge.
+    assert "aws_credentials" not in kvstore_spec("s3://b", environ={"AWS_SECRET_ACCESS_KEY": "x"})
+    assert "aws_credentials" not in kvstore_spec("s3://b", environ={"AWS_ACCESS_KEY_ID": ""})
+    assert kvstore_spec("s3://b", environ={"AWS_ACCESS_KEY_ID": "k"})["aws_credentials"] == {"type": "environment"}
+
+
+def test_s3_options_override_environment():
+    opts = {"endpoint": "https://minio.internal:9000", "region": "auto", "host_header": "minio.internal",
+            "profile": "ckpt", "requester_pays": True}
+    spec = kvstore_spec("s3://b/p", opts, environ=S3_ENV)
+    assert spec == {"driver": "s3", "bucket": "b", "path": "p/", "endpoint": "https://minio.internal:9000",
+                    "aws_region": "auto", "host_header": "minio.internal", "requester_pays": True,
+                    "aws_credentials": {"type": "profile", "profile": "ckpt"}}
+
+
+def test_s3_option_aliases_and_credentials_forms():
+    spec = kvstore_spec("s3://b", {"endpoint_url": "http://e:1", "aws_region": "r", "credentials": "anonymous"},
+                        environ=S3_ENV)
+    assert (spec["endpoint"], spec["aws_region"], spec["aws_credentials"]) == ("http://e:1", "r", {"type": "anonymous"})
+    full = {"type": "profile", "profile": "p", "credentials_file": "/etc/creds"}
+    assert kvstore_spec("s3://b", {"credentials": full}, environ={})["aws_credentials"] == full
+    # None means "not given": the environment still applies.
+    assert kvstore_spec("s3://b", {"endpoint": None}, environ=S3_ENV)["endpoint"] == S3_ENV["AWS_ENDPOINT_URL"]
+
+
+def test_s3_spec_is_accepted_by_tensorstore():
+    # Spec parsing only (no request is made until an operation runs).
+    spec = kvstore_spec("s3://bucket/p", {"host_header": "h"}, environ=S3_ENV)
+    assert ts.KvStore.Spec(spec).to_json()["bucket"] == "bucket"
+
+
+def test_environ_defaults_to_process_environment(monkeypatch):
+    for k in ("AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://from-env:1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    spec = kvstore_spec("s3://b/p")
+    assert spec["endpoint"] == "http://from-env:1" and spec["aws_credentials"] == {"type": "environment"}
+
+
+# ---------------------------------------------------------------- gcs
+def test_gs_url_same_path_rules_and_ignores_aws_environment():
+    assert kvstore_spec("gs://bucket/a/b", environ=S3_ENV) == {"driver": "gcs", "bucket": "bucket", "path": "a/b/"}
+    assert kvstore_spec("gs://bucket", {"user_project": "proj"}, environ={}) == {
+        "driver": "gcs", "bucket": "bucket", "path": "", "user_project": "proj"}
+    assert ts.KvStore.Spec(kvstore_spec("gs://bucket/x", environ={})).to_json()["driver"] == "gcs"
