@@ -169,6 +169,12 @@ def table(result: Any) -> str:
     sl = summary.get("ckptfmt", {}).get(f"slice_1of{n}")
     if sl:
         lines += ["", f"ckptfmt 1/{n} slice reader: {sl['wall_s']:.3f} s, read {_mib(sl['bytes_read_per_reader'])} MiB for a {_mib(sl['slice_bytes'])} MiB slice."]
+    for phase, ph in summary.get("ckptfmt", {}).items():
+        parts = [(k[len("reader_t_"):-2], v) for k, v in ph.items() if k.startswith("reader_t_") and k != "reader_t_total_s"]
+        if "reader_build_s" in ph:
+            parts.append(("build arrays", ph["reader_build_s"]))
+        if parts:
+            lines.append(f"ckptfmt {phase} inside the reader (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts))
     r = result.ratios
     lines.append("")
     for phase in ["save", same] + [f"restore_{n}to{m}" for m in resharded]:

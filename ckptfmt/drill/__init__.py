@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     err = Console(stderr=True, highlight=False)
+    if not err.is_terminal:
+        err = Console(stderr=True, highlight=False, width=132)
     progress = None if ns.json else (lambda msg: err.print(f"[dim]drill:[/] {msg}"))
     try:
         receipt = run_drill(cfg, progress=progress)

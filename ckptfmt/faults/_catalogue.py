@@ -6,12 +6,9 @@ break a new save (step 3) while it runs. Either way the prior step must stay int
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from ckptfmt import errors as E

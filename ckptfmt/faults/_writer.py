@@ -12,8 +12,12 @@ Kill points (the process SIGKILLs itself, so the kill lands at a known protocol 
 ``"before_commit"``  right after the acknowledgement all-gather returns on this rank, i.e.
                      every writer has written and acknowledged, and the commit is next.
 
-``go_file``: wait until this file exists before saving (to start concurrent saves together).
-``fsize_limit``: set RLIMIT_FSIZE (the ENOSPC fallback when a tmpfs cannot be mounted).
+Other task keys: ``go_file`` (wait until this file exists before saving), ``rendezvous`` (a
+directory: the first block's data callable waits until ``rendezvous_n`` writers reached it, so
+concurrent saves are all past the start of ``save()`` before any commits), ``announce`` (print
+``{"event": "start"}`` right before ``save()``, for the soak's kill timer), ``fsize_limit``
+(RLIMIT_FSIZE, the ENOSPC fallback when a tmpfs cannot be mounted), ``publish_first`` and
+``weaken`` (broken controls, see :data:`WEAKEN` and :func:`_publish_first`).
 """
 from __future__ import annotations
 
