@@ -42,6 +42,10 @@ __all__ = ["kvstore_spec"]
 _S3_ALIASES = {"region": "aws_region", "endpoint_url": "endpoint"}
 
 
+#: Default retry policy for s3:// repositories (override with the ``s3_request_retries`` option).
+S3_DEFAULT_RETRIES = {"max_retries": 6, "initial_delay": "0.1s", "max_delay": "2s"}
+
+
 def kvstore_spec(url: str, options: Mapping[str, Any] | None = None, *,
                  environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Return the tensorstore kvstore spec (a JSON dict) for a repository URL.
@@ -98,6 +102,9 @@ def _s3_spec(bucket: str, path: str, opts: dict[str, Any], env: Mapping[str, str
         spec["aws_credentials"] = {"type": credentials} if isinstance(credentials, str) else dict(credentials)
     elif profile is not None:
         spec["aws_credentials"] = {"type": "profile", "profile": str(profile)}
+    # tensorstore's default (32 attempts, backoff to 32 s) takes ~15 minutes to give up on an
+    # unreachable endpoint; fail closed within seconds instead. Callers may override it.
+    spec["s3_request_retries"] = dict(S3_DEFAULT_RETRIES)
     return _merge(spec, opts)
 
 

@@ -6,7 +6,22 @@ import os
 import pytest
 import tensorstore as ts
 
-from ckptfmt._kvurl import kvstore_spec
+from ckptfmt._kvurl import S3_DEFAULT_RETRIES
+from ckptfmt._kvurl import kvstore_spec as _kvstore_spec
+
+
+def kvstore_spec(*a, **kw):
+    """The spec minus the default S3 retry policy (checked once in test_s3_default_retries)."""
+    spec = _kvstore_spec(*a, **kw)
+    if spec.get("s3_request_retries") == S3_DEFAULT_RETRIES:
+        spec.pop("s3_request_retries")
+    return spec
+
+
+def test_s3_default_retries_bounded_and_overridable():
+    assert _kvstore_spec("s3://b/p", environ={})["s3_request_retries"] == S3_DEFAULT_RETRIES
+    custom = {"max_retries": 1}
+    assert _kvstore_spec("s3://b/p", {"s3_request_retries": custom}, environ={})["s3_request_retries"] == custom
 from ckptfmt.errors import CheckpointError
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "secret",
