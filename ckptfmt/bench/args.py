@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-safety", dest="safety", action="store_false", help="skip the 64-byte-flip probe")
     p.add_argument("--no-metadata", dest="metadata", action="store_false", help="skip metadata at scale")
     p.add_argument("--metadata-entries", type=_ints, default=d.metadata_entries, help="shard entry counts to time")
+    p.add_argument("--dcp-metadata-max-entries", type=int, default=d.dcp_metadata_max_entries,
+                   help="time DCP's pickled metadata up to this many entries (640k takes ~30 s)")
     p.add_argument("--no-tailstep", dest="tailstep", action="store_false", help="skip the training-loop tail-step run")
     p.add_argument("--tailstep-steps", type=int, default=d.tailstep_steps, help="training steps per loop (default 200)")
     p.add_argument("--tailstep-every", type=int, default=d.tailstep_every, help="save every N steps (default 20)")

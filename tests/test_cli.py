@@ -1,0 +1,148 @@
+"""The ckptfmt command line: ls, inspect, verify, gc, faults, and the pass-through commands."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import ckptfmt
+from ckptfmt.cli import app
+from ckptfmt.faults import _data
+from ckptfmt.faults._scene import Scene, flip
+
+runner = CliRunner()
+SEED = 11
+
+
+def _save(url: str, step: int) -> None:
+    ckptfmt.save(url, step, _data.local_shards(SEED, step, 0, 1), state=_data.global_state(SEED, step),
+                 rank_state=_data.rank_state(SEED, step, 0),
+                 options=ckptfmt.SaveOptions(chunk_target_bytes=_data.CHUNK_TARGET_BYTES))
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    root = tmp_path / "repo"
+    for step in (10, 20):
+        _save(str(root), step)
+    return root
+
+
+def _json(args: list[str]) -> tuple[int, dict]:
+    r = runner.invoke(app, args)
+    return r.exit_code, json.loads(r.stdout)
+
+
+def test_ls_table_and_json(repo):
+    r = runner.invoke(app, ["ls", str(repo)])
+    assert r.exit_code == 0, r.output
+    assert "committed steps" in r.stdout and "10" in r.stdout and "20" in r.stdout
+    code, doc = _json(["ls", str(repo), "--json"])
+    assert code == 0 and doc["ok"]
+    assert [s["step"] for s in doc["steps"]] == [10, 20]
+    m = ckptfmt.Repository(str(repo)).manifest(20)
+    assert doc["steps"][1]["bytes"] == m.nbytes and doc["steps"][1]["save_id"] == m.save_id
+    assert doc["steps"][1]["created_unix"] == m.created_unix
+
+
+def test_inspect_lists_tensors_and_state_keys(repo):
+    code, doc = _json(["inspect", str(repo), "--step", "10", "--json"])
+    assert code == 0 and doc["step"] == 10
+    by_key = {t["key"]: t for t in doc["tensors"]}
+    assert set(by_key) == set(_data.TENSORS)
+    k = by_key["params/dense/kernel"]
+    assert k["shape"] == [64, 32] and k["dtype"] == "float32" and k["bytes"] == 64 * 32 * 4 and k["shards"] >= 1
+    assert doc["state_keys"] == sorted(_data.global_state(SEED, 10))
+    r = runner.invoke(app, ["inspect", str(repo)])  # default: latest
+    assert r.exit_code == 0 and "step 20" in r.stdout and "params/dense/kernel" in r.stdout
+    assert "loader" in r.stdout
+
+
+def test_verify_clean_and_all(repo):
+    r = runner.invoke(app, ["verify", str(repo)])
+    assert r.exit_code == 0, r.output
+    code, doc = _json(["verify", str(repo), "--all", "--json"])
+    assert code == 0 and [s["step"] for s in doc["steps"]] == [10, 20] and all(s["ok"] for s in doc["steps"])
+    assert doc["steps"][0]["bytes"] == ckptfmt.Repository(str(repo)).manifest(10).nbytes
+
+
+def test_verify_names_the_typed_error(repo):
+    scene = Scene(repo, SEED)
+    flip(scene.shard_path(20, shard=0), scene.shard_layout(20, shard=0)["chunk0_offset"] + 8, 64)
+    r = runner.invoke(app, ["verify", str(repo), "--step", "20"])
+    assert r.exit_code == 1
+    assert "ChecksumMismatchError" in r.output and "params/dense/kernel" in r.output
+    code, doc = _json(["verify", str(repo), "--all", "--json"])
+    assert code == 1 and not doc["ok"]
+    bad = doc["steps"][1]
+    assert doc["steps"][0]["ok"] and bad["error"] == "ChecksumMismatchError" and bad["key"] == "params/dense/kernel"
+    assert bad["expected"] is not None and bad["found"] is not None and "c/" in bad["object"]
+
+
+def test_verify_missing_step_and_bad_url(tmp_path, repo):
+    code, doc = _json(["verify", str(repo), "--step", "99", "--json"])
+    assert code == 1 and doc["steps"][0]["error"] == "StepNotFoundError"
+    code, doc = _json(["ls", "nosuch://x", "--json"])
+    assert code == 1 and doc["error"] == "InvalidManifestError"
+    r = runner.invoke(app, ["verify", str(repo), "--step", "1", "--all"])
+    assert r.exit_code == 2
+
+
+def test_ls_shows_an_unreadable_manifest(repo):
+    Scene(repo, SEED).manifest_path(20).write_text("{not json")
+    code, doc = _json(["ls", str(repo), "--json"])
+    assert code == 1 and doc["steps"][1]["error"] == "InvalidManifestError" and doc["steps"][0]["step"] == 10
+
+
+def test_gc_retention_and_leftovers(repo):
+    (repo / "saves" / "000000000030-20000101T000000-deadbeef" / "t").mkdir(parents=True)
+    (repo / "saves" / "000000000030-20000101T000000-deadbeef" / "t" / "zarr.json").write_text("{}")
+    code, doc = _json(["gc", str(repo), "--keep-last", "1", "--grace-s", "0", "--json"])
+    assert code == 0
+    assert doc["report"]["removed_steps"] == [10]
+    assert "000000000030-20000101T000000-deadbeef" in doc["report"]["removed_saves"]
+    assert ckptfmt.Repository(str(repo)).steps() == [20]
+    assert runner.invoke(app, ["verify", str(repo)]).exit_code == 0
+
+
+def test_faults_list(repo):
+    code, doc = _json(["faults", "--list", "--json"])
+    assert code == 0 and {f["name"] for f in doc["faults"]} >= {"shard-missing", "disk-full"}
+
+
+def test_faults_one_row_json(tmp_path):
+    code, doc = _json(["faults", "--only", "data-64-bytes", "--workdir", str(tmp_path), "--json"])
+    assert code == 0 and doc["all_passed"]
+    (row,) = doc["outcomes"]
+    assert row["fault"] == "data-64-bytes" and row["raised"][0] == "ChecksumMismatchError"
+    assert row["state_exposed"] is False and row["prior_intact"] is True
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "drill"])
+def test_pass_through_commands(command, monkeypatch):
+    seen = {}
+    fake = types.ModuleType(f"ckptfmt.{command}")
+    fake.main = lambda argv: seen.setdefault("argv", argv) and 0
+    monkeypatch.setitem(sys.modules, f"ckptfmt.{command}", fake)
+    r = runner.invoke(app, [command, "--size", "1G", "--help", "extra"])
+    assert r.exit_code == 0, r.output
+    assert seen["argv"] == ["--size", "1G", "--help", "extra"]
+
+
+def test_pass_through_exit_code(monkeypatch):
+    fake = types.ModuleType("ckptfmt.drill")
+    fake.main = lambda argv: 3
+    monkeypatch.setitem(sys.modules, "ckptfmt.drill", fake)
+    assert runner.invoke(app, ["drill"]).exit_code == 3
+
+
+def test_python_dash_m_entry_point(repo):
+    out = subprocess.run([sys.executable, "-m", "ckptfmt", "ls", str(repo), "--json"], capture_output=True,
+                         text=True, timeout=60, cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr
+    assert [s["step"] for s in json.loads(out.stdout)["steps"]] == [10, 20]
