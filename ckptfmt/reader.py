@@ -13,7 +13,7 @@ import numpy as np
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
-from .errors import (ChecksumMismatchError, KeyMismatchError, MissingShardError, SizeMismatchError,
+from .errors import (ChecksumMismatchError, InvalidStateError, KeyMismatchError, MissingShardError, SizeMismatchError,
                      TopologyChangedError)
 from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
@@ -23,6 +23,8 @@ __all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW"]
 
 #: Bytes of reads kept in flight by one reader: a fixed memory overhead, independent of state size.
 DEFAULT_READ_WINDOW = 256 << 20
+#: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
+MAX_STATE_BYTES = 64 << 20
 
 Progress = Callable[[int, int], None]
 
@@ -208,7 +210,10 @@ class Checkpoint:
         e = self.manifest.state.get(name)
         if e is None:
             return None
-        data = self.storage.read(e.key)
+        if e.nbytes > MAX_STATE_BYTES:  # refuse before reading anything
+            raise InvalidStateError("state object is larger than the state cap", key=name, object=e.key,
+                                    expected=f"<= {MAX_STATE_BYTES} bytes", found=e.nbytes)
+        data = self.storage.read(e.key, max_bytes=e.nbytes)
         if data is None:
             raise MissingShardError("state object is missing", key=name, object=e.key, expected="present", found="missing")
         if len(data) != e.nbytes:

@@ -64,7 +64,7 @@ class Repository:
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of a committed step. StepNotFoundError / InvalidManifestError on failure."""
         key = manifest_key(int(step))
-        data = self.storage.read(key)
+        data = self._read_manifest_bytes(key)
         if data is None:
             raise StepNotFoundError("step is not committed", object=key, expected="a committed manifest", found="none")
         try:
@@ -76,6 +76,10 @@ class Repository:
             raise InvalidManifestError("manifest names a different step than its key", object=key,
                                        expected=int(step), found=m.step)
         return m
+
+    def _read_manifest_bytes(self, key: str) -> bytes | None:
+        # at most cap + 1 bytes: an oversized manifest costs no more memory than the cap
+        return self.storage.read(key, max_bytes=self.max_manifest_bytes)
 
     def open(self, step: int | None = None) -> Checkpoint:
         """Open a committed step for reading (default: the latest)."""
@@ -126,6 +130,8 @@ class Repository:
             parts = k.split("/")
             if len(parts) >= 3:
                 by_save[parts[1]] = by_save.get(parts[1], 0) + 1
+        for sid in self.storage.children("saves/"):  # saves that hold only hidden lock files
+            by_save.setdefault(sid, 0)
         leases = dict(zip(by_save, self.storage.read_many([f"saves/{sid}/LEASE" for sid in by_save])))
         referenced: set[str] = set()
         raw_manifests: list[bytes] = []
@@ -139,7 +145,15 @@ class Repository:
         now = time.time()
         for sid, count in sorted(by_save.items()):
             if sid in referenced or any(sid.encode() in raw for raw in raw_manifests):
+                lease = leases.get(sid)  # a committed save whose writer died before dropping its lease
+                if lease is not None and now - _heartbeat(lease) >= grace_s:
+                    self.storage.delete(f"saves/{sid}/LEASE")
                 continue
+            if count == 0:  # only lock files of interrupted writes: judge by their age
+                newest = self.storage.newest_mtime(f"saves/{sid}/")
+                if newest is not None and now - newest < grace_s:
+                    report.in_progress.append(sid)
+                    continue
             m = _SAVE_ID_STEP_RE.match(sid)
             if m is not None:
                 # Confirm with a point read of the manifest its step would have: on a store whose
@@ -150,11 +164,7 @@ class Repository:
                     continue
             lease = leases.get(sid)
             if lease is not None:
-                try:
-                    beat = float(json.loads(lease)["heartbeat_unix"])
-                except (ValueError, KeyError, TypeError):
-                    beat = 0.0
-                if now - beat < grace_s:
+                if now - _heartbeat(lease) < grace_s:
                     report.in_progress.append(sid)
                     continue
                 self.storage.delete(f"saves/{sid}/LEASE")
@@ -162,3 +172,10 @@ class Repository:
             report.removed_saves.append(sid)
             report.objects_removed += count
         return report
+
+
+def _heartbeat(lease: bytes) -> float:
+    try:
+        return float(json.loads(lease)["heartbeat_unix"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0

@@ -175,7 +175,10 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
         if heartbeat is not None:
             heartbeat.stop()
             try:
-                if committed:
+                # Never delete a save whose manifest was written, even if a later collective failed:
+                # the manifest, not this process's view of the protocol, decides what is committed.
+                published = storage.read(manifest_key(step))
+                if committed or (published is not None and save_id.encode() in published):
                     storage.delete(lease_key(save_id))
                 else:  # best effort; gc collects whatever a slow peer writes later
                     storage.delete_prefix(f"saves/{save_id}/")

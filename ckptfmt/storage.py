@@ -7,6 +7,7 @@ StorageError (a CheckpointError) naming the object.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Iterable, Mapping, Sequence
 
 import tensorstore as ts
@@ -50,10 +51,20 @@ class Storage:
             raise StorageError("cannot open repository", object=url, found=str(e)[:300]) from None
 
     # ------------------------------------------------------------------ whole objects
-    def read(self, key: str) -> bytes | None:
-        """The object's bytes, or None when it is absent."""
+    def read(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        """The object's bytes, or None when it is absent. With ``max_bytes``, at most
+        ``max_bytes + 1`` bytes are read, so a caller can reject an oversized object cheaply."""
         try:
-            r = self.kv.read(key).result()
+            r = None
+            if max_bytes is not None:
+                try:
+                    r = self.kv.read(key, byte_range=slice(0, max_bytes + 1)).result()
+                except ValueError as e:
+                    if "OUT_OF_RANGE" not in str(e):
+                        raise
+                    # shorter than max_bytes + 1: a whole read is bounded
+            if r is None:
+                r = self.kv.read(key).result()
         except Exception as e:
             raise StorageError("read failed", object=key, found=str(e)[:300]) from None
         return r.value if r.state == "value" else None
@@ -127,15 +138,46 @@ class Storage:
 
     @staticmethod
     def _prune_dirs(top: str) -> None:
-        # The file driver deletes objects but leaves their directories behind.
-        import os
+        # The file driver deletes objects but leaves their directories, and the ".__lock" files of
+        # writes that were killed midway (which its listing hides), behind.
         if not os.path.isdir(top):
             return
-        for root, _dirs, _files in os.walk(top, topdown=False):
+        for root, _dirs, files in os.walk(top, topdown=False):
+            for f in files:
+                if f.endswith(".__lock"):
+                    try:
+                        os.unlink(os.path.join(root, f))
+                    except OSError:
+                        pass
             try:
                 os.rmdir(root)
             except OSError:
                 pass  # not empty: something was written after the delete; gc will see it
+
+    def children(self, prefix: str) -> set[str]:
+        """Names directly under ``prefix`` (which ends with "/"), including those that hold only
+        the file driver's hidden lock files."""
+        names = {k[len(prefix):].split("/", 1)[0] for k in self.list(prefix)}
+        if self.spec.get("driver") == "file":
+            try:
+                names |= set(os.listdir(self.spec["path"] + prefix))
+            except OSError:
+                pass
+        return names
+
+    def newest_mtime(self, prefix: str) -> float | None:
+        """Newest modification time of anything under ``prefix`` (file driver only; else None)."""
+        if self.spec.get("driver") != "file":
+            return None
+        newest = None
+        for root, _dirs, files in os.walk(self.spec["path"] + prefix):
+            for f in files:
+                try:
+                    m = os.stat(os.path.join(root, f)).st_mtime
+                except OSError:
+                    continue
+                newest = m if newest is None else max(newest, m)
+        return newest
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix``, sorted."""

@@ -144,6 +144,8 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
     t_step = time.time()
     from bridges._receipt import LOSS_RTOL  # the documented tolerance of the continuation receipt
 
+    # Where the restore's time went: the bridge's phases and the core reader's timings.
+
     r = stats["reader"]["timings"]
     wall = t_restored - t_setup
     mb = stats["reader"]["bytes_read"] / 1e6
@@ -152,17 +154,20 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
             ["data transfer", r.get("read", 0.0), f"{mb:.2f} MB read"],
             ["resharding", r.get("assemble", 0.0) + stats["build_s"], "assemble boxes, place on the new mesh"],
             ["validation: checksums", r.get("verify", 0.0), "crc32c of every byte read vs the manifest"]]
-    rows.append(["restore bookkeeping", max(0.0, wall - sum(x[1] for x in rows)), "inside restore, not attributed above"])
+    rows.append(["restore bookkeeping", max(0.0, wall - sum(x[1] for x in rows)),
+                 "inside restore, not attributed above"])
     rows.append(["validation: state hashes", t_valid - t_restored, f"{len(saved)} leaf sha256 vs saved"])
     out: dict[str, Any] = {
-        "mode": "restore", "framework": "jax", "init_note": "jax import, devices, flax/optax/bridge import", "loss_rtol": LOSS_RTOL, "restore_phases": rows, "topology": f"{args.nproc} process(es) x {args.devices} devices, mesh {args.mesh}",
+        "mode": "restore", "framework": "jax", "init_note": "jax import, devices, flax/optax/bridge import",
+        "loss_rtol": LOSS_RTOL, "restore_phases": rows,
+        "topology": f"{args.nproc} process(es) x {args.devices} devices, mesh {args.mesh}",
         "devices": args.nproc * args.devices, "restored_step": stats["step"], "step": tr.step, "loss": loss,
         "ids": ids, "hashes": {"leaves": len(saved), "differ": diff, "exact": bool(saved) and not diff},
         "restore_stats": stats, "bytes_read": stats["reader"]["bytes_read"],
         "t_setup": t_setup, "t_restored": t_restored, "t_valid": t_valid, "t_step": t_step, **times}
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         import numpy as np
+        from jax.experimental import multihost_utils
 
         per = multihost_utils.process_allgather(np.int64(stats["reader"]["bytes_read"]))
         out["bytes_read_per_process"] = [int(x) for x in np.asarray(per).reshape(-1)]

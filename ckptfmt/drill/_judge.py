@@ -66,7 +66,8 @@ def phase_rows(receipt: dict[str, Any]) -> list[dict[str, Any]]:
         ("replacement capacity wait", cap["t_end"] - cap["t_start"], "--capacity-delay"),
         ("provisioning: process start", r["t_start"] - r["t_launch"], "exec + interpreter"),
         ("provisioning: framework init", r["t_ready"] - r["t_start"], r.get("init_note", "framework import + init")),
-        ("job setup", r.get("job_setup_s", r["t_setup"] - r["t_ready"]), "model, optimizer, restore target on the new topology"),
+        ("job setup", r.get("job_setup_s", r["t_setup"] - r["t_ready"]),
+         "model, optimizer, restore target on the new topology"),
     ]
     rows += [(n, s, note) for n, s, note in r["restore_phases"]]
     rows += [
@@ -132,7 +133,10 @@ def judge(receipt: dict[str, Any]) -> dict[str, Any]:
     tr = receipt["train"]
     # The newest step committed when the job died (the control's later reads change nothing).
     latest = steps[-1] if steps else None
+    m = repo.manifest(latest) if latest is not None else None
     facts = {"committed_steps": steps, "latest": latest, "saves_started": tr["saves_started"],
+             "latest_bytes": int(m.nbytes) if m else 0, "latest_writers": int(m.writers) if m else 0,
+             "latest_tensors": len(m.tensors) if m else 0, "versions": dict(m.versions) if m else {},
              "uncommitted_saves": uncommitted_saves(url),
              "torn_save_steps": sorted(set(tr["saves_started"]) - set(steps))}
     ref = tr["reference"]

@@ -12,9 +12,9 @@ __all__ = ["print_report", "phase_table", "guide_table"]
 def phase_table(receipt: dict[str, Any]) -> Table:
     out = receipt["outputs"]
     r = receipt["replacement"]
-    t = Table(title=f"Recovery phases: kill at step {out['kill']['step']} (rank {out['kill']['rank']}, SIGKILL) → "
-                    f"{r['topology']} restores step {r['restored_step']} and runs step {r['step']}",
-              title_justify="left")
+    t = Table(title=f"Recovery phases, from the SIGKILL of rank {out['kill']['rank']} at step {out['kill']['step']}",
+              caption=f"replacement: {r['topology']}; restored step {r['restored_step']}, ran step {r['step']}",
+              title_justify="left", caption_justify="left")
     t.add_column("phase")
     t.add_column("seconds", justify="right")
     t.add_column("share", justify="right")
@@ -64,7 +64,7 @@ def print_report(receipt: dict[str, Any], console: Console | None = None) -> Non
     if c is None:
         c = Console(highlight=False)
         if not c.is_terminal:  # piped or captured: wide enough that the tables do not wrap
-            c = Console(highlight=False, width=132)
+            c = Console(highlight=False, width=150)
     facts = receipt["outputs"]["repository"]
     c.print(f"committed steps: {facts['committed_steps']}; saves started but never committed (torn by the kill): "
             f"{facts['torn_save_steps'] or 'none'}; private leftovers: {len(facts['uncommitted_saves'])}")

@@ -192,7 +192,8 @@ def _restore_job(name: str, cfg: DrillConfig, work: str, url: str, *, nproc: int
     return res, procs[0].t_launch
 
 
-def _torch_job(cfg: DrillConfig, work: str, url: str, rejected_control: str, victim: int) -> tuple[dict[str, Any], float]:
+def _torch_job(cfg: DrillConfig, work: str, url: str, rejected_control: str,
+               victim: int) -> tuple[dict[str, Any], float]:
     from ._torch_launch import run_torch_replacement
 
     return run_torch_replacement(cfg, work, url, rejected_control, victim)
@@ -202,6 +203,16 @@ def _control_url(url: str, work: str) -> str:
     if "://" not in url or url.startswith("file://"):
         return os.path.join(work, "control-missing-shard")
     return url.rstrip("/") + "-control-missing-shard"
+
+
+def _environment() -> dict[str, Any]:
+    import platform
+    import sys
+
+    from ckptfmt import __version__
+
+    return {"ckptfmt": __version__, "python": platform.python_version(), "platform": platform.platform(),
+            "cpus": os.cpu_count(), "argv": sys.argv}
 
 
 def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
@@ -224,7 +235,8 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
     dropout = 0.0 if cfg.replacement == "torch" else 0.1
     receipt: dict[str, Any] = {"drill": "ckptfmt drill", "version": 1, "work_dir": work,
                                "inputs": {**cfg.to_json(), "storage": url, "kill_step": kill_step,
-                                          "victim_rank": victim, "dropout": dropout}}
+                                          "victim_rank": victim, "dropout": dropout,
+                                          "environment": _environment()}}
     try:
         say(f"training: {cfg.processes} processes x {cfg.devices_per_process} devices (mesh {cfg.mesh}), "
             f"async save every {cfg.cadence} steps; SIGKILL of rank {victim} at step {kill_step}")
@@ -237,7 +249,8 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
             time.sleep(cfg.capacity_delay_s)
         t_cap_end = time.time()
         ctrl_url = _control_url(url, work)
-        say(f"replacement: {cfg.replacement}, {cfg.replacement_devices} devices (mesh {cfg.new_mesh})")
+        say(f"replacement: {cfg.replacement_devices} torch gloo ranks" if cfg.replacement == "torch"
+            else f"replacement: jax, {cfg.replacement_devices} devices (mesh {cfg.new_mesh})")
         if cfg.replacement == "torch":
             repl, t_launch = _torch_job(cfg, work, url, ctrl_url, victim)
         else:
@@ -248,7 +261,8 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
         receipt["replacement"] = repl
         receipt["capacity_wait"] = {"t_start": t_cap, "t_end": t_cap_end}
         if cfg.control:
-            say(f"control: {cfg.processes} x {cfg.devices_per_process} devices (mesh {cfg.mesh}) restores the same step")
+            say(f"control: {cfg.processes} x {cfg.devices_per_process} devices (mesh {cfg.mesh}) "
+                "restores the same step")
             ctrl, t_launch = _restore_job("control", cfg, work, url, nproc=cfg.processes,
                                           devices=cfg.devices_per_process, mesh=cfg.mesh, dropout=dropout)
             ctrl["t_launch"] = t_launch
