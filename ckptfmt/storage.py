@@ -191,6 +191,36 @@ class Storage:
             raise StorageError("list failed", object=prefix or "/", found=str(e)[:300]) from None
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
+    # ------------------------------------------------------------------ local fast path
+    @property
+    def local_root(self) -> str | None:
+        """The directory of a file-driver repository (positional reads go straight into the
+        caller's buffers, without an intermediate copy), or None for other kvstores."""
+        return self.spec["path"] if self.spec.get("driver") == "file" else None
+
+    def open_local(self, key: str, *, tensor: str | None = None) -> tuple[int, int]:
+        """(fd, size) of a local object; MissingShardError if absent. The caller closes fd."""
+        assert self.local_root is not None
+        try:
+            fd = os.open(self.local_root + key, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MissingShardError("object is missing", key=tensor, object=key, expected="present", found="missing") from None
+        except OSError as e:
+            raise StorageError("open failed", key=tensor, object=key, found=str(e)) from None
+        return fd, os.fstat(fd).st_size
+
+    @staticmethod
+    def pread_into(fd: int, buffers: list[Any], offset: int, *, key: str, tensor: str | None = None) -> None:
+        """Fill ``buffers`` from ``offset``; SizeMismatchError if the object ends early."""
+        want = sum(memoryview(b).nbytes for b in buffers)
+        try:
+            got = os.preadv(fd, buffers, offset)
+        except OSError as e:
+            raise StorageError("read failed", key=tensor, object=key, found=str(e)) from None
+        if got != want:
+            raise SizeMismatchError("object is shorter than the manifest records", key=tensor, object=key,
+                                    expected=f"bytes [{offset}, {offset + want})", found=f"{got} bytes")
+
     # ------------------------------------------------------------------ zarr arrays
     def array_spec(self, path: str, shape: Sequence[int], dtype: str, shard_shape: Sequence[int],
                    chunk_shape: Sequence[int]) -> dict[str, Any]:
