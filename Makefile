@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench drill
+.PHONY: demo test venv clean bench drill faults
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,14 +14,24 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# The end-to-end demo: a JAX job saves on 8 devices and resumes exactly on 4 (continuation
+# receipt), then the recovery drill kills a 2-process training job mid-run and restores it on a
+# new topology, printing the phase table and the guide's table.
 demo: $(STAMP)
 	$(BIN)/python -m ckptfmt demo
+	$(BIN)/python -m ckptfmt drill --out drill-out
+
+drill: $(STAMP)
+	$(BIN)/python -m ckptfmt drill --out drill-out
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
 	$(BIN)/python -m ckptfmt bench
+
+faults: $(STAMP)
+	$(BIN)/python -m ckptfmt faults --peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
