@@ -291,7 +291,7 @@ def _plan_leaf(ckpt: Any, keys: set[str], bridge: dict[str, Any], key: str, leaf
 
 
 #: Host bytes read per batch during restore: bounds the host copies alive at once.
-RESTORE_BATCH_BYTES = 256 << 20
+RESTORE_BATCH_BYTES = 64 << 20
 
 
 def _build(plan: _ArrayPlan, got: dict[tuple[str, Box], np.ndarray]) -> Any:

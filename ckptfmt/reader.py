@@ -196,7 +196,7 @@ class Checkpoint:
         jobs = list(work.items())
         if not jobs:
             return
-        threads = max(1, min(len(jobs), int(self.storage.options.get("read_threads", 8))))
+        threads = max(1, min(len(jobs), int(self.storage.options.get("read_threads", 16))))
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
         try:
             futures = [pool.submit(self._read_local_shard, key, s, items, outs) for (key, s), items in jobs]

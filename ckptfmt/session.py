@@ -56,6 +56,11 @@ class SaveOptions:
     heartbeat_s: float = 10.0
     save_id: str | None = None
     created_unix: float | None = None
+    #: Bounding storage pressure: at most this many bytes/s written by this process (None: no limit),
+    max_write_bytes_per_s: float | None = None
+    #: and a random delay in [0, jitter_s) before this rank's first write, so that ranks do not
+    #: burst the storage in lock-step. Both apply after the freeze; neither changes the format.
+    jitter_s: float = 0.0
 
 
 def lease_key(save_id: str) -> str:
@@ -310,6 +315,9 @@ def _write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dic
             raise StorageError("cannot create the tensor array", key=plans[idx].key, object=f"saves/{save_id}/t/{idx:06d}",
                                found=str(e)[:300]) from None
     dt_cache: dict[str, np.dtype] = {}
+    if opts.jitter_s > 0 and mine:
+        time.sleep(secrets.SystemRandom().uniform(0, opts.jitter_s))
+    pace_start, paced = time.monotonic(), 0
     for p, it in mine:
         holder = _find_holder(local[p.key], it.box)
         src = cache.get(id(holder))
@@ -332,6 +340,11 @@ def _write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dic
             raise StorageError("write failed", key=p.key, object=f"{it.cell}", found=str(e)[:300]) from None
         pending.append((fut, p.index))
         inflight += block.nbytes
+        if opts.max_write_bytes_per_s:
+            paced += block.nbytes
+            ahead = paced / opts.max_write_bytes_per_s - (time.monotonic() - pace_start)
+            if ahead > 0:
+                time.sleep(ahead)
         if inflight > opts.max_inflight_bytes:
             _drain(pending, plans, save_id)
             inflight = 0

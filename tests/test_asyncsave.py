@@ -57,3 +57,17 @@ def test_async_error_is_delivered(repo_url):
     with pytest.raises(Exception) as ei:
         h.result(60)
     assert type(ei.value).__name__ == "StepAlreadyCommittedError"
+
+
+def test_write_rate_limit_and_jitter_pace_the_writes(tmp_path):
+    """The rate limit bounds bytes/s: 1 MiB at 4 MiB/s cannot finish in under 0.25 s (a lower bound
+    that only pacing produces; no assert on speed)."""
+    import time
+    from ckptfmt import SaveOptions, save
+    x = np.ones((1024, 256), np.float32)  # 1 MiB in 4 blocks
+    shards = [LocalShard("x", x.shape, x.dtype, Box((r * 256, 0), (256, 256)), x[r * 256:(r + 1) * 256]) for r in range(4)]
+    t = time.monotonic()
+    save(str(tmp_path / "paced"), 1, shards, options=SaveOptions(max_write_bytes_per_s=4 << 20, jitter_s=0.2))
+    paced = time.monotonic() - t
+    assert paced >= 0.25  # 1 MiB at 4 MiB/s cannot take less than 0.25 s
+    assert np.array_equal(Repository(str(tmp_path / "paced")).open().read("x"), x)

@@ -215,8 +215,8 @@ def _stats(ckpt: Any) -> dict[str, Any]:
 def read_slice(params: dict) -> dict:
     """Child task: one reader of ``parts`` reads its row slice of every tensor (core API, host arrays).
 
-    Reports the bytes this reader pulled from storage (tensorstore's kvstore
-    metrics and the reader's own stats) against the bytes of its slice.
+    Reports the bytes this reader pulled from storage (the larger of tensorstore's kvstore
+    metrics and the reader's own count) against the bytes of its slice.
     """
     import ckptfmt
 
@@ -230,7 +230,9 @@ def read_slice(params: dict) -> dict:
         check_rows(layout, i, r0, r1, arr)
     slice_bytes = layout.tensors * (r1 - r0) * layout.cols * 4
     stats = _stats(ckpt)
-    read = m.result["ts_bytes_read"] or stats.get("bytes_read") or m.result["io_rchar"]
+    # The local-file path reads with preadv, outside tensorstore's metrics; the reader's own count
+    # covers both paths (tensorstore's then only holds the manifest read).
+    read = max(m.result["ts_bytes_read"], stats.get("bytes_read", 0)) or m.result["io_rchar"]
     return {
         "phase": m.result
         | {"rss_base": rss_base, "bytes_restored": slice_bytes, "slice_bytes": slice_bytes, "bytes_read_per_reader": read}

@@ -166,6 +166,8 @@ def verify_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
 def gc_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
            keep_last: Optional[int] = typer.Option(None, "--keep-last", min=1,
                                                    help="Delete committed steps older than the newest N."),
+           keep_every: Optional[int] = typer.Option(None, "--keep-every", min=1,
+                                                    help="With --keep-last, also keep every step divisible by N."),
            grace_s: Optional[float] = typer.Option(None, "--grace-s", min=0.0,
                                                    help="Only remove uncommitted saves whose lease is older "
                                                         "than this (default: the repository's lease grace)."),
@@ -174,7 +176,7 @@ def gc_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     from ckptfmt.errors import CheckpointError
 
     try:
-        report = _repo(url).gc(grace_s=grace_s, keep_last=keep_last)
+        report = _repo(url).gc(grace_s=grace_s, keep_last=keep_last, keep_every=keep_every)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     doc = _render.plain(report)
