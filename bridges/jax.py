@@ -376,10 +376,11 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     built: dict[int, Any] = {}
     nbytes = 0
     t_read = 0.0
-    for batch in batches:
-        reqs = list(dict.fromkeys((plans[i].key, b) for i in batch for b in plans[i].boxes))
+    batch_reqs = [list(dict.fromkeys((plans[i].key, b) for i in batch for b in plans[i].boxes)) for batch in batches]
+    reader = ckpt.iter_read_boxes(batch_reqs)  # the next batch is read while this one is built
+    for batch, reqs in zip(batches, batch_reqs):
         tr = time.perf_counter()
-        arrays = ckpt.read_boxes(reqs)  # verifies every byte of this batch before returning
+        arrays = next(reader)  # every byte of this batch is verified before it is yielded
         t_read += time.perf_counter() - tr
         got = dict(zip(reqs, arrays))
         nbytes += sum(int(a.nbytes) for a in arrays)
@@ -391,6 +392,7 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
             else:
                 built[i] = _build(plan, got)
         del got
+    reader.close()
     t3 = t2 + t_read
     out = [bridge["leaves"][key] if plan is None else built.pop(i) for i, ((key, _), plan) in enumerate(zip(flat, plans))]
     t4 = time.perf_counter()

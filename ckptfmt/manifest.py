@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from .dtypes import DTYPES, itemsize_of
-from .errors import (DuplicateShardError, InvalidManifestError, ManifestTooLargeError,
+from .errors import (CheckpointError, DuplicateShardError, InvalidManifestError, ManifestTooLargeError,
                      UnsupportedVersionError)
 from .plan import TensorGeometry, chunk_count_table
 
@@ -188,8 +188,16 @@ class Manifest:
                                allow_nan=False) + "\n").encode()
 
     def validate(self) -> "Manifest":
-        """Re-check every rule (used before commit). Returns self; raises InvalidManifestError."""
-        parse_manifest(self.to_bytes())
+        """Re-check every rule of format v1 on this manifest. Returns self; raises InvalidManifestError.
+
+        (The commit itself parses the exact bytes it publishes with :func:`parse_manifest`.)"""
+        with _no_gc():
+            try:
+                _from_doc(self.to_json())
+            except CheckpointError:
+                raise
+            except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError) as e:
+                raise InvalidManifestError("manifest is malformed", found=f"{type(e).__name__}: {str(e)[:200]}") from None
         return self
 
 

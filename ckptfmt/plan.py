@@ -68,13 +68,28 @@ class WriteItem:
     writer: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TensorWritePlan:
+    """Which writer writes each shard of one tensor: grid cells in C order and their writers."""
+
     key: str
     index: int
     dtype: str
     geometry: TensorGeometry
-    items: tuple[WriteItem, ...]
+    cells: np.ndarray    # (N, ndim) int64, C order over the shard grid
+    writers: np.ndarray  # (N,) int64
+
+    @property
+    def items(self) -> tuple[WriteItem, ...]:
+        return tuple(self._item(i) for i in range(len(self.writers)))
+
+    def items_for(self, rank: int) -> list[WriteItem]:
+        """The shards ``rank`` writes (built on demand: a plan may hold millions of cells)."""
+        return [self._item(int(i)) for i in np.flatnonzero(self.writers == rank)]
+
+    def _item(self, i: int) -> WriteItem:
+        cell = tuple(int(c) for c in self.cells[i])
+        return WriteItem(cell, self.geometry.shard_box(cell), int(self.writers[i]))
 
 
 @dataclass(frozen=True)
@@ -160,39 +175,72 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
     Raises StepMismatchError when a box falls outside its tensor, a rank names an unknown
     tensor, or part of a tensor is held by no rank.
     """
-    plans: list[TensorWritePlan] = []
+    world = max(1, len(rank_boxes))
     for r, held in enumerate(rank_boxes):
         for key in held:
             if key not in inventory:
                 raise StepMismatchError("a rank holds a tensor the inventory does not list",
                                         key=key, expected="a key of rank 0's inventory", found=f"rank {r}")
+    plans: list[TensorWritePlan] = []
     for index, key in enumerate(sorted(inventory)):
         shape, dtype, itemsize = inventory[key]
         shape = tuple(shape)
+        nd = len(shape)
         held = [(r, b, rep) for r, hb in enumerate(rank_boxes) for b, rep in hb.get(key, ())]
-        for r, b, _ in held:
-            if b.ndim != len(shape) or any(o < 0 or o + s > n for o, s, n in zip(b.offset, b.shape, shape)):
-                raise StepMismatchError("a held box lies outside its tensor", key=key,
-                                        expected=f"inside {shape}", found=f"{b} on rank {r}")
-        shard_shape = shard_grid(shape, (b for _, b, _ in held))
+        try:
+            offs = np.array([b.offset for _, b, _ in held], np.int64).reshape(len(held), nd)
+            shps = np.array([b.shape for _, b, _ in held], np.int64).reshape(len(held), nd)
+        except ValueError:  # ragged: some box has the wrong number of dimensions
+            r, b, _ = next(h for h in held if h[1].ndim != nd)
+            raise StepMismatchError("a held box has the wrong rank", key=key, expected=f"{nd} dims",
+                                    found=f"{b} on rank {r}") from None
+        shp = np.asarray(shape, np.int64)
+        bad = np.flatnonzero(np.any((offs < 0) | (shps < 0) | (offs + shps > shp), axis=1)) if held else []
+        if len(bad):
+            r, b, _ = held[int(bad[0])]
+            raise StepMismatchError("a held box lies outside its tensor", key=key,
+                                    expected=f"inside {shape}", found=f"{b} on rank {r}")
+        nonempty = np.all(shps > 0, axis=1) if held else np.zeros(0, bool)
+        shard_shape = _grid_from_arrays(shape, offs[nonempty], shps[nonempty])
         geom = TensorGeometry(shape, shard_shape, chunk_shape_for(shard_shape, itemsize, chunk_target_bytes), itemsize)
-        owner: dict[tuple[int, ...], tuple[int, int]] = {}
-        for r, b, rep in held:
-            if b.is_empty():
-                continue
-            ranges = [range(o // s, -(-(o + n) // s)) for o, n, s in zip(b.offset, b.shape, shard_shape)]
-            for cell in product(*ranges):
-                cand = (rep, r)
-                if cell not in owner or cand < owner[cell]:
-                    owner[cell] = cand
-        cells = list(product(*(range(g) for g in geom.grid)))
-        missing = [c for c in cells if c not in owner]
-        if missing:
-            raise StepMismatchError("part of a tensor is held by no rank", key=key,
-                                    expected="every shard held", found=f"{len(missing)} unheld shard(s), first {geom.shard_box(missing[0])}")
-        items = tuple(WriteItem(c, geom.shard_box(c), owner[c][1]) for c in cells)
-        plans.append(TensorWritePlan(key, index, dtype, geom, items))
+        grid = geom.grid
+        ncells = math.prod(grid)
+        prio = (np.array([rep for _, _, rep in held], np.int64) * world + np.array([r for r, _, _ in held], np.int64))[nonempty] \
+            if held else np.zeros(0, np.int64)
+        owner = np.full(ncells, np.iinfo(np.int64).max, np.int64)
+        if nd == 0:
+            if len(prio):
+                owner[0] = prio.min()
+        elif ncells:
+            ss = np.asarray(shard_shape, np.int64)
+            lo = offs[nonempty] // ss
+            hi = -(-(offs[nonempty] + shps[nonempty]) // ss)
+            single = np.all(hi - lo == 1, axis=1)
+            if len(lo) and single.all():
+                np.minimum.at(owner, np.ravel_multi_index(tuple(lo.T), grid), prio)
+            else:
+                view = owner.reshape(grid)
+                for l, h, pr in zip(lo, hi, prio):
+                    sl = tuple(slice(int(a), int(b)) for a, b in zip(l, h))
+                    view[sl] = np.minimum(view[sl], pr)
+        missing = np.flatnonzero(owner == np.iinfo(np.int64).max)
+        if len(missing):
+            cell = tuple(int(c) for c in np.unravel_index(int(missing[0]), grid)) if nd else ()
+            raise StepMismatchError("part of a tensor is held by no rank", key=key, expected="every shard held",
+                                    found=f"{len(missing)} unheld shard(s), first {geom.shard_box(cell)}")
+        cells = np.indices(grid, dtype=np.int64).reshape(nd, -1).T if nd else np.zeros((ncells, 0), np.int64)
+        plans.append(TensorWritePlan(key, index, dtype, geom, np.ascontiguousarray(cells), owner % world))
     return plans
+
+
+def _grid_from_arrays(shape: tuple[int, ...], offs: np.ndarray, shps: np.ndarray) -> tuple[int, ...]:
+    """Vectorized :func:`shard_grid` over (B, ndim) offset and shape arrays of non-empty boxes."""
+    out = []
+    for d, n in enumerate(shape):
+        b = np.concatenate([offs[:, d], offs[:, d] + shps[:, d]]) if len(offs) else np.zeros(0, np.int64)
+        interior = b[(b > 0) & (b < n)]
+        out.append(int(np.gcd.reduce(interior)) if interior.size else max(n, 1))
+    return tuple(out)
 
 
 def stored_chunk_counts(geom: TensorGeometry, shard_offset: tuple[int, ...]) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -87,21 +87,7 @@ class Checkpoint:
         every byte has been verified. On any fault it raises and returns nothing.
         """
         t0 = time.perf_counter()
-        by_key: dict[str, list[int]] = {}
-        for i, (key, box) in enumerate(requests):
-            by_key.setdefault(key, []).append(i)
-        outs: list[np.ndarray | None] = [None] * len(requests)
-        work: dict[tuple[str, int], list[ReadItem]] = {}
-        for key, idxs in by_key.items():
-            t = self.tensor(key)
-            dt = numpy_dtype(t.dtype)
-            boxes = [requests[i][1] for i in idxs]
-            for i, b in zip(idxs, boxes):
-                outs[i] = np.empty(b.shape, dtype=dt)
-            for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
-                work.setdefault((key, item.shard), []).append(
-                    ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))
-        self.stats.add_time("plan", time.perf_counter() - t0)
+        outs, work = self._plan(requests)
         if self.storage.local_root is not None:
             self._read_local(work, outs)
             self.stats.add_time("total", time.perf_counter() - t0)
@@ -122,6 +108,61 @@ class Checkpoint:
             self._finish(queue.popleft(), outs)
         self.stats.add_time("total", time.perf_counter() - t0)
         return outs  # type: ignore[return-value]  # every entry was allocated above
+
+    def iter_read_boxes(self, batches: Sequence[Sequence[tuple[str, Box]]]) -> Iterator[list[np.ndarray]]:
+        """Read batches of boxes, yielding each batch's arrays in order once every byte of that batch
+        is verified. Reads of the next batch are already running while the caller consumes one, so
+        a restore can bound its host memory to about two batches without losing I/O parallelism.
+        A fault raises from the iterator; the caller must not publish anything it built until the
+        iterator is exhausted.
+        """
+        if self.storage.local_root is None:
+            for batch in batches:
+                yield self.read_boxes(batch)
+            return
+        threads = int(self.storage.options.get("read_threads", 16))
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
+        try:
+            pending: deque[tuple[list[np.ndarray | None], list[Any]]] = deque()
+            it = iter(batches)
+            for batch in it:
+                outs, work = self._plan(batch)
+                pending.append((outs, [pool.submit(self._read_local_shard, k, s, items, outs) for (k, s), items in work.items()]))
+                if len(pending) < 2:
+                    continue
+                yield self._collect(*pending.popleft())
+            while pending:
+                yield self._collect(*pending.popleft())
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _collect(self, outs: list[np.ndarray | None], futures: list[Any]) -> list[np.ndarray]:
+        for f in futures:
+            nbytes, requests = f.result()  # raises the first fault
+            self.stats.bytes_read += nbytes
+            self.stats.requests += requests
+            self.stats.objects += 1
+        return outs  # type: ignore[return-value]
+
+    def _plan(self, requests: Sequence[tuple[str, Box]]) -> tuple[list[np.ndarray | None], dict[tuple[str, int], list[ReadItem]]]:
+        """Allocate fresh outputs and group the read items by (tensor, shard). Pure except allocation."""
+        t0 = time.perf_counter()
+        by_key: dict[str, list[int]] = {}
+        for i, (key, box) in enumerate(requests):
+            by_key.setdefault(key, []).append(i)
+        outs: list[np.ndarray | None] = [None] * len(requests)
+        work: dict[tuple[str, int], list[ReadItem]] = {}
+        for key, idxs in by_key.items():
+            t = self.tensor(key)
+            dt = numpy_dtype(t.dtype)
+            boxes = [requests[i][1] for i in idxs]
+            for i, b in zip(idxs, boxes):
+                outs[i] = np.empty(b.shape, dtype=dt)
+            for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
+                work.setdefault((key, item.shard), []).append(
+                    ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))
+        self.stats.add_time("plan", time.perf_counter() - t0)
+        return outs, work
 
     def _starts(self, t: TensorEntry) -> np.ndarray:
         cs = self._chunk_start.get(t.key)
@@ -199,12 +240,7 @@ class Checkpoint:
         threads = max(1, min(len(jobs), int(self.storage.options.get("read_threads", 16))))
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
         try:
-            futures = [pool.submit(self._read_local_shard, key, s, items, outs) for (key, s), items in jobs]
-            for f in futures:
-                nbytes, requests = f.result()  # raises the first fault
-                self.stats.bytes_read += nbytes
-                self.stats.requests += requests
-                self.stats.objects += 1
+            self._collect(outs, [pool.submit(self._read_local_shard, key, s, items, outs) for (key, s), items in jobs])
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 

@@ -300,7 +300,7 @@ def _write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dic
     mine: list[tuple[TensorWritePlan, Any]] = []
     cache: dict[int, np.ndarray] = {}
     for p in plans:
-        items = [it for it in p.items if it.writer == rank]
+        items = p.items_for(rank)
         path = f"saves/{save_id}/t/{p.index:06d}"
         if rank == 0 or items:
             spec = storage.array_spec(path, p.geometry.shape, p.dtype, p.geometry.shard_shape, p.geometry.chunk_shape)

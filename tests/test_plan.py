@@ -46,6 +46,9 @@ def test_out_of_bounds_box_and_unknown_key_rejected():
         plan_save(inv, [{"w": [(Box((0, 0), (9, 2)), 0)]}])
     with pytest.raises(StepMismatchError):
         plan_save(inv, [{"w": [(Box((0, 0), (8, 2)), 0)], "x": [(Box((0,), (1,)), 0)]}])
+    with pytest.raises(StepMismatchError, match="wrong rank"):
+        plan_save(inv, [{"w": [(Box((0,), (8,)), 0)]}])
+    assert plan_save(inv, [{"w": [(Box((0, 0), (8, 2)), 0)]}])[0].items_for(0)  # control
 
 
 def test_plan_reads_covers_request_exactly():
