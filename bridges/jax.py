@@ -298,10 +298,16 @@ def _build(plan: _ArrayPlan, got: dict[tuple[str, Box], np.ndarray]) -> Any:
     if plan.host:
         return got.pop((plan.key, plan.boxes[0]))
 
-    def block(index: Any) -> np.ndarray:
-        return got[(plan.key, index_to_box(index, plan.shape))]
-
-    arr = jax.make_array_from_callback(plan.shape, plan.sharding, block)
+    # The blocks are fresh arrays this restore owns, so a device may take the host memory as is
+    # (may_alias: no second copy on CPU). A block placed on several devices (replication) is
+    # aliased once and copied for the others, so no two device buffers ever share memory.
+    used: set[Box] = set()
+    per_device = []
+    for device, index in plan.sharding.addressable_devices_indices_map(plan.shape).items():
+        box = index_to_box(index, plan.shape)
+        per_device.append(jax.device_put(got[(plan.key, box)], device, may_alias=box not in used))
+        used.add(box)
+    arr = jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, per_device)
     for b in plan.boxes:  # let the host copies go as soon as the device array holds them
         got.pop((plan.key, b), None)
     return jax.random.wrap_key_data(arr, impl=plan.prng) if plan.prng else arr

@@ -157,7 +157,7 @@ class Checkpoint:
             dt = numpy_dtype(t.dtype)
             boxes = [requests[i][1] for i in idxs]
             for i, b in zip(idxs, boxes):
-                outs[i] = np.empty(b.shape, dtype=dt)
+                outs[i] = _aligned_empty(b.shape, dt)
             for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
                 work.setdefault((key, item.shard), []).append(
                     ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))
@@ -400,3 +400,12 @@ class Checkpoint:
             if progress:
                 progress(done, total)
         return done
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialized array whose data starts on an ``align``-byte boundary, so that frameworks
+    (XLA on CPU) can adopt the buffer without copying it."""
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(n + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + n].view(dtype).reshape(shape)
