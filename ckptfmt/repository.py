@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .errors import CheckpointError, InvalidManifestError, StepNotFoundError
+from .errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, manifest_key, parse_manifest
 from .reader import DEFAULT_READ_WINDOW, Checkpoint, Progress, ReadStats
 from .storage import Storage
@@ -79,7 +79,10 @@ class Repository:
         return m
 
     def _read_manifest_bytes(self, key: str) -> bytes | None:
-        # at most cap + 1 bytes: an oversized manifest costs no more memory than the cap
+        # One byte at the cap first: an oversized manifest is rejected without being read.
+        if self.storage.larger_than(key, self.max_manifest_bytes):
+            raise ManifestTooLargeError("manifest exceeds the size cap", object=key,
+                                        expected=f"<= {self.max_manifest_bytes} bytes", found="larger")
         return self.storage.read(key, max_bytes=self.max_manifest_bytes)
 
     def open(self, step: int | None = None) -> Checkpoint:

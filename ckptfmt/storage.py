@@ -69,6 +69,18 @@ class Storage:
             raise StorageError("read failed", object=key, found=str(e)[:300]) from None
         return r.value if r.state == "value" else None
 
+    def larger_than(self, key: str, limit: int) -> bool | None:
+        """Whether the object holds more than ``limit`` bytes (None when absent), reading one byte."""
+        try:
+            r = self.kv.read(key, byte_range=slice(limit, limit + 1)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" in str(e):
+                return False
+            raise StorageError("read failed", object=key, found=str(e)[:300]) from None
+        except Exception as e:
+            raise StorageError("read failed", object=key, found=str(e)[:300]) from None
+        return True if r.state == "value" else None
+
     def read_many(self, keys: Sequence[str]) -> list[bytes | None]:
         futs = [self.kv.read(k) for k in keys]
         out: list[bytes | None] = []
