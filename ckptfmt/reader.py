@@ -33,7 +33,8 @@ Progress = Callable[[int, int], None]
 
 @dataclass
 class ReadStats:
-    """What a reader did: bytes and requests, and seconds per phase."""
+    """What a reader did: bytes and requests, and seconds per phase (on the local-file path the
+    read/verify/assemble phases are summed over the reader's threads)."""
 
     bytes_read: int = 0
     requests: int = 0
@@ -138,10 +139,12 @@ class Checkpoint:
 
     def _collect(self, outs: list[np.ndarray | None], futures: list[Any]) -> list[np.ndarray]:
         for f in futures:
-            nbytes, requests = f.result()  # raises the first fault
+            nbytes, requests, phases = f.result()  # raises the first fault
             self.stats.bytes_read += nbytes
             self.stats.requests += requests
             self.stats.objects += 1
+            for phase, seconds in phases.items():  # summed over reader threads
+                self.stats.add_time(phase, seconds)
         return outs  # type: ignore[return-value]
 
     def _plan(self, requests: Sequence[tuple[str, Box]]) -> tuple[list[np.ndarray | None], dict[tuple[str, int], list[ReadItem]]]:
@@ -254,6 +257,8 @@ class Checkpoint:
         by_chunk: dict[int, list[ReadItem]] = {}
         for it in items:
             by_chunk.setdefault(it.chunk, []).append(it)
+        phases = {"read": 0.0, "verify": 0.0, "assemble": 0.0}
+        tr = time.perf_counter()
         fd, size = self.storage.open_local(obj, tensor=key)
         nbytes = requests = 0
         try:
@@ -263,7 +268,10 @@ class Checkpoint:
                                         expected=want, found=size)
             index = bytearray(g.index_nbytes)
             self.storage.pread_into(fd, [index], want - g.index_nbytes, key=obj, tensor=key)
+            phases["read"] += time.perf_counter() - tr
+            tv = time.perf_counter()
             self._check_index(t, s, obj, memoryview(index))
+            phases["verify"] += time.perf_counter() - tv
             nbytes, requests = len(index), 1
             trailer = bytearray(4)
             scratch: np.ndarray | None = None
@@ -280,17 +288,23 @@ class Checkpoint:
                     if scratch is None:
                         scratch = np.empty(n - 4, np.uint8)
                     data = scratch
+                tr = time.perf_counter()
                 self.storage.pread_into(fd, [data, trailer], off, key=obj, tensor=key)
+                tv = time.perf_counter()
+                phases["read"] += tv - tr
                 nbytes += n
                 requests += 1
                 self._check_chunk(t, c, obj, data, trailer)
+                ta = time.perf_counter()
+                phases["verify"] += ta - tv
                 if direct is None:
                     chunk = data.view(dt).reshape(g.chunk_shape)
                     for it in its:
                         outs[it.request][it.dst or ...] = chunk[it.src or ...]  # type: ignore[index]
+                    phases["assemble"] += time.perf_counter() - ta
         finally:
             os.close(fd)
-        return nbytes, requests
+        return nbytes, requests, phases
 
     @staticmethod
     def _check_index(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
