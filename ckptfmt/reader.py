@@ -33,8 +33,8 @@ Progress = Callable[[int, int], None]
 
 @dataclass
 class ReadStats:
-    """What a reader did: bytes and requests, and seconds per phase (on the local-file path the
-    read/verify/assemble phases are summed over the reader's threads)."""
+    """What a reader did: bytes and requests, and wall seconds per phase (on the local-file path the
+    threads' read/verify/assemble times are scaled to each batch's wall time)."""
 
     bytes_read: int = 0
     requests: int = 0
@@ -124,11 +124,12 @@ class Checkpoint:
         threads = int(self.storage.options.get("read_threads", 16))
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
         try:
-            pending: deque[tuple[list[np.ndarray | None], list[Any]]] = deque()
+            pending: deque[tuple[list[np.ndarray | None], list[Any], float]] = deque()
             it = iter(batches)
             for batch in it:
                 outs, work = self._plan(batch)
-                pending.append((outs, [pool.submit(self._read_local_shard, k, s, items, outs) for (k, s), items in work.items()]))
+                started = time.perf_counter()
+                pending.append((outs, [pool.submit(self._read_local_shard, k, s, items, outs) for (k, s), items in work.items()], started))
                 if len(pending) < 2:
                     continue
                 yield self._collect(*pending.popleft())
@@ -137,14 +138,19 @@ class Checkpoint:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _collect(self, outs: list[np.ndarray | None], futures: list[Any]) -> list[np.ndarray]:
+    def _collect(self, outs: list[np.ndarray | None], futures: list[Any], started: float) -> list[np.ndarray]:
+        sums: dict[str, float] = {}
         for f in futures:
             nbytes, requests, phases = f.result()  # raises the first fault
             self.stats.bytes_read += nbytes
             self.stats.requests += requests
             self.stats.objects += 1
-            for phase, seconds in phases.items():  # summed over reader threads
-                self.stats.add_time(phase, seconds)
+            for phase, seconds in phases.items():
+                sums[phase] = sums.get(phase, 0.0) + seconds
+        # Threads overlap: share this batch's wall time out in proportion to the per-thread sums.
+        wall, total = time.perf_counter() - started, sum(sums.values())
+        for phase, seconds in sums.items():
+            self.stats.add_time(phase, seconds * min(1.0, wall / total) if total else 0.0)
         return outs  # type: ignore[return-value]
 
     def _plan(self, requests: Sequence[tuple[str, Box]]) -> tuple[list[np.ndarray | None], dict[tuple[str, int], list[ReadItem]]]:
@@ -243,7 +249,8 @@ class Checkpoint:
         threads = max(1, min(len(jobs), int(self.storage.options.get("read_threads", 16))))
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
         try:
-            self._collect(outs, [pool.submit(self._read_local_shard, key, s, items, outs) for (key, s), items in jobs])
+            started = time.perf_counter()
+            self._collect(outs, [pool.submit(self._read_local_shard, key, s, items, outs) for (key, s), items in jobs], started)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
