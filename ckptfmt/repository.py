@@ -152,6 +152,8 @@ class Repository:
                 lease = leases.get(sid)  # a committed save whose writer died before dropping its lease
                 if lease is not None and now - _heartbeat(lease) >= grace_s:
                     self.storage.delete(f"saves/{sid}/LEASE")
+                # ...or died while dropping it: the file driver's lock file of that delete remains
+                report.objects_removed += self.storage.remove_stale_locks(f"saves/{sid}/", now - grace_s)
                 continue
             if count == 0:  # only lock files of interrupted writes: judge by their age
                 newest = self.storage.newest_mtime(f"saves/{sid}/")

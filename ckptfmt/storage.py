@@ -177,6 +177,24 @@ class Storage:
                 pass
         return names
 
+    def remove_stale_locks(self, prefix: str, older_than_unix: float) -> int:
+        """File driver: delete ".__lock" files under ``prefix`` last modified before the cutoff
+        (left by writes or deletes that were killed midway; the listing hides them). Returns the count."""
+        if self.spec.get("driver") != "file":
+            return 0
+        removed = 0
+        for root, _dirs, files in os.walk(self.spec["path"] + prefix):
+            for f in files:
+                if f.endswith(".__lock"):
+                    path = os.path.join(root, f)
+                    try:
+                        if os.stat(path).st_mtime < older_than_unix:
+                            os.unlink(path)
+                            removed += 1
+                    except OSError:
+                        pass
+        return removed
+
     def newest_mtime(self, prefix: str) -> float | None:
         """Newest modification time of anything under ``prefix`` (file driver only; else None)."""
         if self.spec.get("driver") != "file":

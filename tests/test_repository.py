@@ -103,3 +103,19 @@ def test_wrong_shard_dtype_or_shape_fails_closed(repo_url):
     assert Repository(repo_url).steps() == []
     save(repo_url, 1, [LocalShard("x", x.shape, x.dtype, Box((0, 0), x.shape), x)])  # control
     assert Repository(repo_url).steps() == [1]
+
+
+def test_gc_removes_stale_lock_files_of_a_committed_save(tmp_path):
+    """A writer killed while deleting its lease leaves the file driver's hidden LEASE.__lock behind."""
+    import os
+    url = str(tmp_path / "repo")
+    m = save(url, 1, shards(1)[0])
+    lock = tmp_path / "repo" / "saves" / m.save_id / "LEASE.__lock"
+    lock.write_bytes(b"")
+    repo = Repository(url)
+    repo.gc(grace_s=3600)                 # control: a fresh lock may belong to a live write
+    assert lock.exists()
+    os.utime(lock, (1, 1))                # now it is old
+    repo.gc(grace_s=3600)
+    assert not lock.exists()
+    repo.verify(1)

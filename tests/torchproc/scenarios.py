@@ -271,7 +271,10 @@ def dcp_world(args: dict[str, Any]) -> dict[str, Any]:
         dcp.load(fresh, storage_reader=CkptfmtStorageReader(bad_url))
         corrupt = "no error"
     except BaseException as exc:  # DCP wraps rank errors in CheckpointException(BaseException)
-        corrupt = type(exc).__name__ + ": " + str(exc)[:2000]
+        # DCP keeps each rank's original exception in .failures; name those, not a traceback excerpt
+        inner = sorted({type(f[0] if isinstance(f, tuple) else getattr(f, "exception", f)).__name__
+                        for f in getattr(exc, "failures", {}).values()})
+        corrupt = type(exc).__name__ + f" (rank errors: {', '.join(inner)}): " + str(exc)[:2000]
     return {"ok": ok, "bytes_read": reader.bytes_read, "corrupt": corrupt, "coord": coord}
 
 
