@@ -32,6 +32,7 @@ every byte against the manifest before anything is returned. Arrays are then bui
 """
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -43,7 +44,7 @@ import numpy as np
 from ckptfmt import Box, LocalShard, Repository, SaveOptions
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt import save as _core_save
-from ckptfmt.errors import (CheckpointError, InvalidStateError, KeyMismatchError, SaveInProgressError,
+from ckptfmt.errors import (CheckpointError, StepNotFoundError, InvalidStateError, KeyMismatchError, SaveInProgressError,
                             ShapeMismatchError, TopologyChangedError)
 
 from ._jaxcoord import JaxCoordinator, default_coordinator
@@ -196,13 +197,28 @@ def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapp
 def _resolve_step(repo: Repository, step: int | None) -> int | None:
     if step is not None or jax.process_count() == 1:
         return step
-    # Several processes: rank 0 decides which step is latest, so all restore the same one.
+    # Several processes: rank 0 decides which step is latest, so all restore the same one. Its
+    # answer (a step, or the error it hit) reaches every rank, so no rank waits for a timeout.
     coord = JaxCoordinator()
-    latest = repo.latest() if coord.rank == 0 else None
-    got = coord.broadcast("restore-latest-step", str(-1 if latest is None else latest).encode())
-    coord.close()
-    value = int(got.decode())
-    return None if value < 0 else value
+    try:
+        payload = b""
+        if coord.rank == 0:
+            try:
+                latest = repo.latest()
+                payload = b"step:" + str(-1 if latest is None else latest).encode()
+            except CheckpointError as e:
+                payload = b"error:" + json.dumps(e.to_json()).encode()
+        got = coord.broadcast("restore-latest-step", payload)
+    finally:
+        coord.close()
+    if got.startswith(b"error:"):
+        e = json.loads(got[len(b"error:"):])
+        raise StepNotFoundError(f"rank 0 could not list the repository ({e['error']}: {e['message']})",
+                                object=e.get("object"))
+    value = int(got[len(b"step:"):].decode())
+    if value < 0:
+        raise StepNotFoundError("repository has no committed step", object=repo.url, expected=">= 1 step", found=0)
+    return value
 
 
 def _open(url: str, step: int | None) -> Any:
@@ -313,6 +329,27 @@ def _build(plan: _ArrayPlan, got: dict[tuple[str, Box], np.ndarray]) -> Any:
     return jax.random.wrap_key_data(arr, impl=plan.prng) if plan.prng else arr
 
 
+def _restore_batches(reader: Any, batches: list[list[int]], batch_reqs: list[list[tuple[str, Box]]],
+                     plans: list[Any], built: dict[int, Any]) -> tuple[int, float]:
+    """Build each batch's arrays as soon as the reader yields it (verified). Returns (bytes, read s)."""
+    nbytes, t_read = 0, 0.0
+    for batch, reqs in zip(batches, batch_reqs):
+        tr = time.perf_counter()
+        arrays = next(reader)  # every byte of this batch is verified before it is yielded
+        t_read += time.perf_counter() - tr
+        got = dict(zip(reqs, arrays))
+        nbytes += sum(int(a.nbytes) for a in arrays)
+        del arrays
+        for i in batch:
+            plan = plans[i]
+            if plan.host and plan.prng:
+                built[i] = jax.random.wrap_key_data(_build(plan, got), impl=plan.prng)
+            else:
+                built[i] = _build(plan, got)
+        del got
+    return nbytes, t_read
+
+
 def _is_array_target(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
 
@@ -380,25 +417,12 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
         batches[-1].append(i)
         size += nb
     built: dict[int, Any] = {}
-    nbytes = 0
-    t_read = 0.0
     batch_reqs = [list(dict.fromkeys((plans[i].key, b) for i in batch for b in plans[i].boxes)) for batch in batches]
     reader = ckpt.iter_read_boxes(batch_reqs)  # the next batch is read while this one is built
-    for batch, reqs in zip(batches, batch_reqs):
-        tr = time.perf_counter()
-        arrays = next(reader)  # every byte of this batch is verified before it is yielded
-        t_read += time.perf_counter() - tr
-        got = dict(zip(reqs, arrays))
-        nbytes += sum(int(a.nbytes) for a in arrays)
-        del arrays
-        for i in batch:
-            plan = plans[i]
-            if plan.host and plan.prng:
-                built[i] = jax.random.wrap_key_data(_build(plan, got), impl=plan.prng)
-            else:
-                built[i] = _build(plan, got)
-        del got
-    reader.close()
+    try:
+        nbytes, t_read = _restore_batches(reader, batches, batch_reqs, plans, built)
+    finally:
+        reader.close()  # stops the reader's threads on every path
     t3 = t2 + t_read
     out = [bridge["leaves"][key] if plan is None else built.pop(i) for i, ((key, _), plan) in enumerate(zip(flat, plans))]
     t4 = time.perf_counter()

@@ -313,7 +313,6 @@ def _members(d: dict[str, Any], allowed: set[str], what: str, key: str | None = 
 
 def _from_doc(doc: Any) -> Manifest:
     _typed(doc, dict, "manifest")
-    _members(doc, _TOP, "the manifest")
     if doc.get("format") != FORMAT_NAME:
         _fail("not a ckptfmt manifest", expected=FORMAT_NAME, found=repr(doc.get("format"))[:80])
     version = doc.get("format_version")
@@ -324,6 +323,7 @@ def _from_doc(doc: Any) -> Manifest:
     if unknown:
         raise UnsupportedVersionError("manifest requires extensions this reader does not understand",
                                       expected=sorted(KNOWN_EXTENSIONS), found=[str(u)[:80] for u in unknown])
+    _members(doc, _TOP, "the manifest")  # after the version checks: a newer manifest is "unsupported"
     missing = sorted(_TOP - {"must_understand", "extensions"} - set(doc))
     if missing:
         _fail("manifest lacks required fields", expected=sorted(_TOP), found=f"missing {missing}")
@@ -405,6 +405,9 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     if math.prod(chunk_shape) * item > MAX_TENSOR_BYTES or math.prod(shard_shape) > (1 << 40) * max(1, math.prod(chunk_shape)):
         _fail("chunk too large", key=k, found=chunk_shape)
     geom = TensorGeometry(shape_t, shard_shape, chunk_shape, item)
+    if geom.chunk_nbytes > MAX_TENSOR_BYTES or geom.index_nbytes > MAX_TENSOR_BYTES:
+        _fail("encoded chunk or shard index too large", key=k, expected=f"<= {MAX_TENSOR_BYTES} bytes",
+              found=max(geom.chunk_nbytes, geom.index_nbytes))
     sh = _typed(t.get("shards"), dict, "shards", k)
     _members(sh, {"offset", "writer", "key", "nbytes", "index_crc32c"}, "shards", k)
     keys = _typed(sh.get("key"), list, "shards.key", k)
@@ -443,7 +446,7 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)
     if total:
         owner = np.repeat(np.arange(n), counts)
-        if np.any(coff + cnb > nbytes[owner] - geom.index_nbytes):
+        if np.any(coff > (nbytes[owner] - geom.index_nbytes) - cnb):  # written so that nothing can overflow int64
             _fail("a chunk byte range runs past its shard's data section", key=k)
     return TensorEntry(k, shape_t, dtype, sharding, ArraySpec(path, shard_shape, chunk_shape, "raw"),
                        ShardTable(offset, writer, tuple(keys), nbytes, icrc.astype(np.uint32)),

@@ -370,6 +370,8 @@ class Checkpoint:
         TopologyChangedError unless ``policy`` is given: "drop" returns None, "rank0" returns
         rank 0's state for every rank, "same-rank" returns rank ``rank``'s state when it exists.
         """
+        if policy not in (None, "drop", "rank0", "same-rank"):
+            raise TopologyChangedError("unknown topology policy", expected="drop, rank0, same-rank", found=policy)
         if world is not None and world != self.saved_world:
             if policy is None:
                 raise TopologyChangedError("per-rank state saved on a different topology needs a policy",
@@ -379,8 +381,6 @@ class Checkpoint:
                 return None
             if policy == "rank0":
                 rank = 0
-            elif policy != "same-rank":
-                raise TopologyChangedError("unknown topology policy", expected="drop, rank0, same-rank", found=policy)
         return self._state_object(f"rank/{rank}")
 
     # ------------------------------------------------------------------ verify

@@ -55,7 +55,7 @@ class Repository:
 
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
-        return sorted(int(m.group(1)) for k in self.storage.list("manifests/") if (m := _MANIFEST_RE.match(k)))
+        return sorted(int(m.group(1)) for k in self.storage.list("manifests/") if (m := _MANIFEST_RE.fullmatch(k)))
 
     def latest(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -136,7 +136,9 @@ class Repository:
                 by_save[parts[1]] = by_save.get(parts[1], 0) + 1
         for sid in self.storage.children("saves/"):  # saves that hold only hidden lock files
             by_save.setdefault(sid, 0)
-        leases = dict(zip(by_save, self.storage.read_many([f"saves/{sid}/LEASE" for sid in by_save])))
+        lease_keys = [f"saves/{sid}/LEASE" for sid in by_save]
+        leases_gen = dict(zip(by_save, self.storage.read_with_generation(lease_keys)))
+        leases = {sid: value for sid, (value, _gen) in leases_gen.items()}
         referenced: set[str] = set()
         raw_manifests: list[bytes] = []
         for s in self.steps():
@@ -151,7 +153,7 @@ class Repository:
             if sid in referenced or any(sid.encode() in raw for raw in raw_manifests):
                 lease = leases.get(sid)  # a committed save whose writer died before dropping its lease
                 if lease is not None and now - _heartbeat(lease) >= grace_s:
-                    self.storage.delete(f"saves/{sid}/LEASE")
+                    self.storage.write_if(f"saves/{sid}/LEASE", None, leases_gen[sid][1])
                 # ...or died while dropping it: the file driver's lock file of that delete remains
                 report.objects_removed += self.storage.remove_stale_locks(f"saves/{sid}/", now - grace_s)
                 continue
@@ -173,7 +175,11 @@ class Repository:
                 if now - _heartbeat(lease) < grace_s:
                     report.in_progress.append(sid)
                     continue
-                self.storage.delete(f"saves/{sid}/LEASE")
+                # Delete the lease only if it is still the one judged stale: a writer that refreshed it
+                # since keeps its save (and a writer never re-creates a lease gc removed).
+                if not self.storage.write_if(f"saves/{sid}/LEASE", None, leases_gen[sid][1]):
+                    report.in_progress.append(sid)
+                    continue
             self.storage.delete_prefix(f"saves/{sid}/")
             report.removed_saves.append(sid)
             report.objects_removed += count

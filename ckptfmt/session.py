@@ -38,10 +38,10 @@ from .coord import Coordinator, LocalCoordinator
 from .dtypes import dtype_name, numpy_dtype
 from .errors import (CheckpointError, IncompleteSaveError, InvalidManifestError, StepAlreadyCommittedError,
                      StepMismatchError, StorageError)
-from .manifest import (ArraySpec, ChunkTable, Manifest, ShardTable, StateEntry, TensorEntry, manifest_key,
-                       parse_manifest)
+from .manifest import (MAX_STEP, ArraySpec, ChunkTable, Manifest, ShardTable, StateEntry, TensorEntry,
+                       manifest_key, parse_manifest)
 from .plan import DEFAULT_CHUNK_TARGET_BYTES, TensorWritePlan, cell_key, plan_save, stored_chunk_counts
-from .storage import Storage
+from .storage import NO_VALUE, Storage
 
 __all__ = ["SaveOptions", "save", "lease_key", "new_save_id"]
 
@@ -94,18 +94,33 @@ def _versions(extra: Mapping[str, str] | None) -> dict[str, str]:
 
 
 class _Heartbeat:
-    """Rank 0 refreshes the lease so gc can tell a live save from an abandoned one."""
+    """Rank 0 refreshes the lease so gc can tell a live save from an abandoned one.
+
+    Every write is conditional on the generation this save last wrote: a lease that gc removed is
+    never brought back. Once a refresh finds the lease gone or replaced, the save is ``lost`` and
+    must not commit (its objects may already be deleted).
+    """
 
     def __init__(self, storage: Storage, key: str, body: dict[str, Any], every_s: float) -> None:
         self.storage, self.key, self.body, self.every_s = storage, key, body, every_s
+        self.generation: bytes = NO_VALUE
+        self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptfmt-lease", daemon=True)
 
     def beat(self) -> None:
-        self.storage.write(self.key, _lease_bytes(self.body))
+        gen = self.storage.write_if(self.key, _lease_bytes(self.body), self.generation)
+        if not gen:
+            self.lost = True
+            self._stop.set()
+        else:
+            self.generation = gen
 
     def start(self) -> "_Heartbeat":
         self.beat()
+        if self.lost:
+            raise StepMismatchError("a lease for this save id already exists", object=self.key,
+                                    expected="a new save id", found="existing lease")
         self._thread.start()
         return self
 
@@ -114,7 +129,14 @@ class _Heartbeat:
             try:
                 self.beat()
             except CheckpointError:
-                pass
+                pass  # transient; the commit re-checks the lease itself
+
+    def holds(self) -> bool:
+        """True while this save still owns its lease (checked right before the commit)."""
+        if self.lost:
+            return False
+        value, gen = self.storage.read_with_generation([self.key])[0]
+        return value is not None and gen == self.generation
 
     def stop(self) -> None:
         self._stop.set()
@@ -142,22 +164,29 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
     coord = coordinator or LocalCoordinator()
     opts = options or SaveOptions()
     rank, world = coord.rank, coord.world
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise StepMismatchError("step must be a non-negative integer", expected=">= 0", found=repr(step))
-    step = int(step)
-    local = _index_shards(shards)
-    try:  # the manifest is JSON: reject bad metadata on every rank before anything is written
-        import json
-        json.dumps(dict(metadata or {}), allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise InvalidManifestError("metadata must be plain JSON (str keys, finite numbers)", object="metadata",
-                                   expected="JSON-serializable mapping", found=str(e)[:200]) from None
+    # Inputs are checked on every rank before anything is written. A rank whose inputs are bad
+    # still joins the collectives and reports its error there, so that every rank fails the same
+    # way at once instead of the others waiting for a timeout.
+    local_error: CheckpointError | None = None
+    try:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step <= MAX_STEP:
+            raise StepMismatchError("step must be an integer in [0, 2^63)", expected=f"0 <= step <= {MAX_STEP}",
+                                    found=repr(step))
+        step = int(step)
+        _check_metadata(metadata)
+        local: dict[str, list[LocalShard]] = _index_shards(shards)
+    except CheckpointError as e:
+        local_error, local, step = e, {}, int(step) if isinstance(step, (int, np.integer)) and not isinstance(step, bool) else -1
+        if world == 1:
+            raise
 
     # 1. begin: save id and lease (rank 0), before any rank writes anything.
     heartbeat = None
     begin: dict[str, Any] = {}
     if rank == 0:
         try:
+            if local_error is not None:
+                raise local_error
             if storage.read(manifest_key(step)) is not None:
                 raise StepAlreadyCommittedError("step is already committed", object=manifest_key(step),
                                                 expected="no manifest", found="committed manifest")
@@ -167,13 +196,15 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             begin = {"save_id": save_id}
         except CheckpointError as e:
             begin = {"error": _err_json(e)}
-    begin = _unpack(coord.broadcast("save/begin", _pack(begin) if rank == 0 else None, 0, opts.timeout_s))
-    if "error" in begin:
-        raise _err_from(begin["error"])
-    save_id = begin["save_id"]
     committed = False
+    save_id = begin.get("save_id", "")
     try:
-        manifest = _run(repository, storage, coord, opts, step, save_id, local, state, rank_state, metadata, versions)
+        begin = _unpack(coord.broadcast("save/begin", _pack(begin) if rank == 0 else None, 0, opts.timeout_s))
+        if "error" in begin:
+            raise _err_from(begin["error"])
+        save_id = begin["save_id"]
+        manifest = _run(repository, storage, coord, opts, step, save_id, local_error or local, state, rank_state,
+                        metadata, versions, heartbeat)
         committed = True
         return manifest
     finally:
@@ -184,18 +215,38 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
                 # the manifest, not this process's view of the protocol, decides what is committed.
                 published = storage.read(manifest_key(step))
                 if committed or (published is not None and save_id.encode() in published):
-                    storage.delete(lease_key(save_id))
-                else:  # best effort; gc collects whatever a slow peer writes later
+                    storage.write_if(lease_key(save_id), None, heartbeat.generation)
+                elif not heartbeat.lost:  # best effort; gc collects whatever a slow peer writes later
                     storage.delete_prefix(f"saves/{save_id}/")
             except CheckpointError:
                 pass
+
+
+def _check_metadata(metadata: Any, path: str = "metadata") -> None:
+    """User metadata goes into the manifest: plain JSON with str keys and finite numbers only."""
+    if metadata is None:
+        return
+    if isinstance(metadata, Mapping):
+        for k, v in metadata.items():
+            if not isinstance(k, str):
+                raise InvalidManifestError("metadata keys must be strings", object=path, expected="str", found=repr(k)[:80])
+            _check_metadata(v, f"{path}/{k}")
+    elif isinstance(metadata, (list, tuple)):
+        for i, v in enumerate(metadata):
+            _check_metadata(v, f"{path}/{i}")
+    elif isinstance(metadata, float):
+        if not math.isfinite(metadata):
+            raise InvalidManifestError("metadata numbers must be finite", object=path, expected="finite", found=repr(metadata))
+    elif not (metadata is None or isinstance(metadata, (str, int, bool))):
+        raise InvalidManifestError("metadata must be plain JSON", object=path,
+                                   expected="dict, list, str, int, float, bool, None", found=type(metadata).__name__)
 
 
 def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:
     out: dict[str, list[LocalShard]] = {}
     for s in shards:
         if not isinstance(s, LocalShard):
-            raise TypeError(f"expected LocalShard, got {type(s).__name__}")
+            raise StepMismatchError("save() takes LocalShard objects", expected="LocalShard", found=type(s).__name__)
         dtype_name(s.dtype, key=s.key)
         prev = out.get(s.key)
         if prev and (prev[0].global_shape != s.global_shape or prev[0].dtype != s.dtype):
@@ -206,9 +257,13 @@ def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:
 
 
 def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
-         local: dict[str, list[LocalShard]], state: Any, rank_state: Any, metadata: Mapping[str, Any] | None,
-         versions: Mapping[str, str] | None) -> Manifest:
+         local: dict[str, list[LocalShard]] | CheckpointError, state: Any, rank_state: Any,
+         metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None,
+         heartbeat: "_Heartbeat | None") -> Manifest:
     rank, world = coord.rank, coord.world
+    if isinstance(local, CheckpointError):  # this rank's inputs were bad: say so in the freeze, then fail
+        coord.allgather("save/freeze", _pack({"error": _err_json(local)}), opts.timeout_s)
+        raise local
     # 2. freeze: agree on step, inventory and ownership before any write.
     inventory = {k: (list(v[0].global_shape), dtype_name(v[0].dtype)) for k, v in sorted(local.items())}
     digest = hashlib.sha256(_pack(sorted(inventory.items()))).hexdigest()
@@ -216,6 +271,10 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
     gathered = [_unpack(b) for b in coord.allgather("save/freeze", _pack(
         {"step": step, "digest": digest, "save_id": save_id, "boxes": boxes}), opts.timeout_s)]
     for r, g in enumerate(gathered):
+        if "error" in g:
+            e = g["error"]
+            raise StepMismatchError(f"rank {r} rejected its inputs ({e['error']}: {e['message']}); nothing was written",
+                                    key=e.get("key"), object=e.get("object"), expected=e.get("expected"), found=e.get("found"))
         if g["step"] != step or g["save_id"] != save_id:
             raise StepMismatchError("ranks disagree on the step being saved", expected=f"step {step} everywhere",
                                     found=f"rank {r} saves step {g['step']}")
@@ -252,9 +311,10 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
                 manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
                 data = manifest.to_bytes()
                 parse_manifest(data, max_bytes=repository.max_manifest_bytes)
-                if storage.read(lease_key(save_id)) is None:
+                if heartbeat is None or not heartbeat.holds():
                     raise IncompleteSaveError("the save's lease was collected by gc (stalled past the grace period)",
-                                              object=lease_key(save_id), expected="lease present", found="missing")
+                                              object=lease_key(save_id), expected="lease held by this save",
+                                              found="missing or replaced")
                 if not storage.create_if_absent(manifest_key(step), data):
                     raise StepAlreadyCommittedError("another save committed this step first", object=manifest_key(step),
                                                     expected="no manifest", found="a manifest from another save")
@@ -282,7 +342,7 @@ def _err_from(d: Mapping[str, Any]) -> CheckpointError:
 
 
 def _find_holder(shards: list[LocalShard], box: Box) -> LocalShard:
-    for s in shards:
+    for s in sorted(shards, key=lambda s: (s.data is None, s.replica_id)):  # data-bearing main replica first
         inter = s.box.intersect(box)
         if inter is not None and inter.shape == box.shape:
             return s
@@ -333,6 +393,8 @@ def _write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dic
         dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
         sl = it.box.slices(holder.box.offset)
         block = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
+        if dt.kind == "b":  # the format stores bool as 0x00/0x01 only; a reinterpreted byte may hold more
+            block = np.not_equal(block.view(np.uint8), 0)
         crcs[(p.index, it.cell)] = _chunk_crcs(block, p.geometry.chunk_shape, dt)
         try:
             fut = handles[p.index][it.box.slices()].write(block, can_reference_source_data_indefinitely=True)

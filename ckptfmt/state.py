@@ -94,6 +94,8 @@ def _array_to_ext(array: np.ndarray, code: int, path: tuple[str, ...]) -> msgpac
         raise _fail(path, f"numpy dtype {array.dtype!s} is not allowed", found=str(array.dtype))
     if array.ndim > MAX_NDIM:
         raise _fail(path, f"array has {array.ndim} dimensions, more than {MAX_NDIM}")
+    if array.dtype.kind == "b":  # stored as 0x00/0x01 only; a reinterpreted byte may hold more
+        array = np.not_equal(np.asarray(array, order="C").view(np.uint8), 0).reshape(array.shape)
     little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
     payload = msgpack.packb([name, list(array.shape), little.tobytes()], use_bin_type=True)
     return msgpack.ExtType(code, payload)

@@ -124,6 +124,26 @@ class Storage:
             except Exception as e:
                 raise StorageError("write failed", object=k, found=str(e)[:300]) from None
 
+    def write_if(self, key: str, data: bytes | None, if_equal: bytes) -> bytes:
+        """Write (or, with None, delete) ``key`` only if its generation is ``if_equal``
+        (NO_VALUE: only if absent). Returns the new generation, or b"" when the condition failed."""
+        try:
+            return bytes(self.kv.write(key, data, if_equal=if_equal).result().generation)
+        except Exception as e:
+            raise StorageError("conditional write failed", object=key, found=str(e)[:300]) from None
+
+    def read_with_generation(self, keys: Sequence[str]) -> list[tuple[bytes | None, bytes]]:
+        """(value or None, generation) of each key, read concurrently."""
+        futs = [self.kv.read(k) for k in keys]
+        out: list[tuple[bytes | None, bytes]] = []
+        for k, f in zip(keys, futs):
+            try:
+                r = f.result()
+            except Exception as e:
+                raise StorageError("read failed", object=k, found=str(e)[:300]) from None
+            out.append((r.value if r.state == "value" else None, bytes(r.stamp.generation)))
+        return out
+
     def create_if_absent(self, key: str, data: bytes) -> bool:
         """Atomically create ``key``; False if it already exists (the commit primitive)."""
         try:

@@ -70,6 +70,8 @@ BROKEN = {
     "bool_in_ints": (lambda g: mutate(g, lambda d: W(d)["shards"]["writer"].__setitem__(0, True)), InvalidManifestError),
     "chunk_not_divisor": (lambda g: mutate(g, lambda d: W(d)["array"].update(chunk_shape=[2, 4])), InvalidManifestError),
     "codec": (lambda g: mutate(g, lambda d: W(d)["array"].update(codec="zstd")), UnsupportedVersionError),
+    "chunk_range_overflow": (lambda g: mutate(g, lambda d: W(d)["chunks"]["offset"].__setitem__(0, 2 ** 62)), InvalidManifestError),
+    "future_version_with_new_member": (lambda g: mutate(g, lambda d: d.update(format_version=2, new_thing=1)), UnsupportedVersionError),
     "two_tensors_one_array": (lambda g: mutate(g, lambda d: d["tensors"]["s"]["array"].update(path=W(d)["array"]["path"])), InvalidManifestError),
 }
 

@@ -1,0 +1,114 @@
+"""The save protocol's own safety rules: leases are never resurrected, failures reach every rank."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ckptfmt import (Box, CoordinatorTimeoutError, LocalShard, Repository, SaveOptions, StepMismatchError,
+                     TcpCoordinator, TopologyChangedError, save)
+from ckptfmt.coord import free_port
+from ckptfmt.session import _Heartbeat, lease_key
+
+
+def _x():
+    x = np.arange(16, dtype=np.float32).reshape(4, 4)
+    return x, [LocalShard("x", x.shape, x.dtype, Box((0, 0), x.shape), x)]
+
+
+def test_heartbeat_never_resurrects_a_collected_lease(repo_url):
+    repo = Repository(repo_url)
+    hb = _Heartbeat(repo.storage, lease_key("s1"), {"save_id": "s1"}, every_s=3600).start()
+    hb.beat()                                   # control: refreshing our own lease works
+    assert hb.holds() and not hb.lost
+    gen = repo.storage.read_with_generation([lease_key("s1")])[0][1]
+    assert repo.storage.write_if(lease_key("s1"), None, gen)   # gc collects it (conditional delete)
+    hb.beat()
+    assert hb.lost and not hb.holds()
+    assert repo.storage.read(lease_key("s1")) is None          # not brought back
+    hb.stop()
+
+
+def test_gc_keeps_a_lease_refreshed_since_it_was_read(repo_url):
+    repo = Repository(repo_url)
+    hb = _Heartbeat(repo.storage, lease_key("s2"), {"save_id": "s2"}, every_s=3600).start()
+    old_gen = repo.storage.read_with_generation([lease_key("s2")])[0][1]
+    hb.beat()                                   # the writer refreshes between gc's read and delete
+    assert not repo.storage.write_if(lease_key("s2"), None, old_gen)  # gc's conditional delete loses
+    assert hb.holds()
+    hb.stop()
+
+
+def test_failed_begin_stops_the_heartbeat_and_cleans_up(tmp_path):
+    url = str(tmp_path / "repo")
+    x, shards = _x()
+    c0 = TcpCoordinator(f"127.0.0.1:{free_port()}", 0, 2, timeout_s=2)  # rank 1 never comes
+    with pytest.raises(CoordinatorTimeoutError):
+        save(url, 1, shards, coordinator=c0, options=SaveOptions(timeout_s=2))
+    c0.close()
+    time.sleep(0.2)
+    assert not [t for t in threading.enumerate() if t.name == "ckptfmt-lease" and t.is_alive()]
+    assert Repository(url).storage.list("saves/") == []        # nothing left behind, not even a lease
+    save(url, 1, shards)                                        # control: the same save alone commits
+    assert Repository(url).steps() == [1]
+
+
+def test_bad_input_on_one_rank_fails_every_rank_promptly(tmp_path):
+    """Rank 1 passes something that is not a LocalShard: rank 0 learns it in the freeze, not by timeout."""
+    url = str(tmp_path / "repo")
+    x, shards = _x()
+    addr = f"127.0.0.1:{free_port()}"
+    errors = {}
+
+    def run(rank, payload):
+        try:
+            with TcpCoordinator(addr, rank, 2, timeout_s=120) as c:
+                save(url, 1, payload, coordinator=c)
+        except Exception as e:
+            errors[rank] = e
+
+    ts = [threading.Thread(target=run, args=(0, shards)), threading.Thread(target=run, args=(1, ["not a shard"]))]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    assert isinstance(errors.get(0), StepMismatchError) and "rank 1" in str(errors[0])
+    assert isinstance(errors.get(1), StepMismatchError)
+    assert Repository(url).steps() == []
+
+
+def test_data_less_replica_listed_first_is_fine(repo_url):
+    x, _ = _x()
+    full = Box((0, 0), x.shape)
+    save(repo_url, 1, [LocalShard("x", x.shape, x.dtype, full, None, replica_id=1),
+                       LocalShard("x", x.shape, x.dtype, full, x, replica_id=0)])
+    assert np.array_equal(Repository(repo_url).open().read("x"), x)
+
+
+def test_bool_bytes_are_normalized_in_tensors_and_state(repo_url):
+    odd = np.array([0, 2, 1, 255], np.uint8).view(bool)   # reinterpreted bytes: "true" stored as 2 and 255
+    save(repo_url, 1, [LocalShard("m", odd.shape, odd.dtype, Box((0,), odd.shape), odd)], state={"mask": odd})
+    ck = Repository(repo_url).open()
+    assert ck.read("m").view(np.uint8).tolist() == [0, 1, 1, 1]
+    assert ck.state()["mask"].tolist() == [False, True, True, True]
+
+
+def test_metadata_and_step_rejected_before_anything_is_written(repo_url):
+    from ckptfmt import InvalidManifestError
+    x, shards = _x()
+    with pytest.raises(InvalidManifestError):
+        save(repo_url, 1, shards, metadata={1: "int key"})
+    with pytest.raises(InvalidManifestError):
+        save(repo_url, 1, shards, metadata={"v": float("nan")})
+    with pytest.raises(StepMismatchError):
+        save(repo_url, 2 ** 63, shards)
+    assert Repository(repo_url).storage.list("saves/") == []
+    save(repo_url, 1, shards, metadata={"run": "a", "lr": 0.1, "tags": ["x"]})  # control
+    assert Repository(repo_url).manifest(1).metadata["tags"] == ["x"]
+
+
+def test_unknown_rank_state_policy_is_rejected(repo_url):
+    x, shards = _x()
+    save(repo_url, 1, shards, rank_state={"r": 0})
+    ck = Repository(repo_url).open()
+    with pytest.raises(TopologyChangedError):
+        ck.rank_state(0, world=1, policy="bogus")
+    assert ck.rank_state(0, world=1, policy="same-rank") == {"r": 0}  # control
