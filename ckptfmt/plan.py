@@ -116,23 +116,13 @@ def shard_grid(shape: tuple[int, ...], boxes: Iterable[Box]) -> tuple[int, ...]:
     """The shard shape: per dimension, the gcd of every interior box boundary.
 
     Regular splits (including torch.chunk-style uneven tails) give the block size itself.
-    A dimension with no interior boundary gets one shard spanning it.
+    A dimension with no interior boundary gets one shard spanning it. Empty boxes are ignored.
     """
-    bounds: list[set[int]] = [set() for _ in shape]
-    for b in boxes:
-        if b.is_empty():
-            continue
-        for d, (o, s) in enumerate(zip(b.offset, b.shape)):
-            for x in (o, o + s):
-                if 0 < x < shape[d]:
-                    bounds[d].add(x)
-    out = []
-    for d, n in enumerate(shape):
-        g = 0
-        for x in bounds[d]:
-            g = math.gcd(g, x)
-        out.append(g if g else max(n, 1))
-    return tuple(out)
+    held = [b for b in boxes if not b.is_empty()]
+    nd = len(shape)
+    offs = np.array([b.offset for b in held], np.int64).reshape(len(held), nd)
+    shps = np.array([b.shape for b in held], np.int64).reshape(len(held), nd)
+    return _grid_from_arrays(shape, offs, shps)
 
 
 def chunk_shape_for(shard_shape: tuple[int, ...], itemsize: int,
@@ -245,7 +235,7 @@ def _grid_from_arrays(shape: tuple[int, ...], offs: np.ndarray, shps: np.ndarray
 
 def stored_chunk_counts(geom: TensorGeometry, shard_offset: tuple[int, ...]) -> tuple[int, ...]:
     """Per dimension, how many inner chunks of the shard at ``shard_offset`` intersect the array."""
-    return tuple(-(-min(s, n - o) // c) for s, n, o, c in zip(geom.shard_shape, geom.shape, shard_offset, geom.chunk_shape))
+    return tuple(int(x) for x in chunk_count_table(geom, np.asarray([shard_offset], np.int64))[0])
 
 
 def chunk_count_table(geom: TensorGeometry, shard_offsets: np.ndarray) -> np.ndarray:

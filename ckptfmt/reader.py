@@ -212,24 +212,16 @@ class Checkpoint:
         chunks = sorted({it.chunk for it in items})
         chunk_bytes: dict[int, memoryview] = {}
         if whole:
-            buf = raw[0]
-            if len(buf) != nbytes:
-                raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
-                                        expected=nbytes, found=len(buf))
-            index = memoryview(buf)[nbytes - g.index_nbytes:]
-            for c in chunks:
-                o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-                chunk_bytes[c] = memoryview(buf)[o:o + n]
+            chunk_bytes = self._check_whole(t, s, obj, raw[0], chunks)
         else:
             index = memoryview(raw[0])
             if len(index) != g.index_nbytes:
                 raise SizeMismatchError("shard object is longer than the manifest records", key=key, object=obj,
                                         expected=nbytes, found=nbytes - g.index_nbytes + len(index))
+            self._check_index(t, s, obj, index)
             for c, r in zip(chunks, raw[1:]):
                 chunk_bytes[c] = memoryview(r)
-        self._check_index(t, s, obj, index)
-        for c, mv in chunk_bytes.items():
-            self._check_chunk(t, c, obj, mv)
+                self._check_chunk(t, c, obj, chunk_bytes[c])
         self.stats.add_time("verify", time.perf_counter() - tv)
         ta = time.perf_counter()
         dt = numpy_dtype(t.dtype)
@@ -312,6 +304,22 @@ class Checkpoint:
         finally:
             os.close(fd)
         return nbytes, requests, phases
+
+    def _check_whole(self, t: TensorEntry, s: int, obj: str, buf: bytes, chunks: Sequence[int]) -> dict[int, memoryview]:
+        """Check a whole shard object (exact size, index, the given chunks) against the manifest;
+        returns a view of each checked chunk's stored bytes."""
+        nbytes = int(t.shards.nbytes[s])
+        if len(buf) != nbytes:
+            raise SizeMismatchError("shard object size differs from the manifest", key=t.key, object=obj,
+                                    expected=nbytes, found=len(buf))
+        mv = memoryview(buf)
+        self._check_index(t, s, obj, mv[nbytes - t.geometry.index_nbytes:])
+        out = {}
+        for c in chunks:
+            o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+            out[c] = mv[o:o + n]
+            self._check_chunk(t, c, obj, out[c])
+        return out
 
     @staticmethod
     def _check_index(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
@@ -402,15 +410,8 @@ class Checkpoint:
                 for s, f in zip(idx, futs):
                     obj = t.object_key(s)
                     buf = Storage.range_result(f, obj, 0, None, tensor=key)
-                    nbytes = int(t.shards.nbytes[s])
-                    if len(buf) != nbytes:
-                        raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
-                                                expected=nbytes, found=len(buf))
-                    mv = memoryview(buf)
-                    self._check_index(t, s, obj, mv[nbytes - t.geometry.index_nbytes:])
-                    for c in range(int(starts[s]), int(starts[s + 1])):
-                        o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-                        self._check_chunk(t, c, obj, mv[o:o + n])
+                    self._check_whole(t, s, obj, buf, range(int(starts[s]), int(starts[s + 1])))
+                    nbytes = len(buf)
                     done += nbytes
                     self.stats.bytes_read += nbytes
                     if progress:

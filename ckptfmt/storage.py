@@ -81,17 +81,6 @@ class Storage:
             raise StorageError("read failed", object=key, found=str(e)[:300]) from None
         return True if r.state == "value" else None
 
-    def read_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        futs = [self.kv.read(k) for k in keys]
-        out: list[bytes | None] = []
-        for k, f in zip(keys, futs):
-            try:
-                r = f.result()
-            except Exception as e:
-                raise StorageError("read failed", object=k, found=str(e)[:300]) from None
-            out.append(r.value if r.state == "value" else None)
-        return out
-
     def read_range_future(self, key: str, start: int, stop: int | None) -> Any:
         return self.kv.read(key, byte_range=slice(start, stop))
 
