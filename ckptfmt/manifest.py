@@ -20,6 +20,7 @@ import numpy as np
 from .dtypes import DTYPES, itemsize_of
 from .errors import (CheckpointError, DuplicateShardError, InvalidManifestError, ManifestTooLargeError,
                      UnsupportedVersionError)
+from ._manifest_fast import Fallback, count_literals, encode_tensors, tensors_fast
 from .plan import TensorGeometry, chunk_count_table
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "ArraySpec", "ShardTable", "ChunkTable",
@@ -171,21 +172,32 @@ class Manifest:
         """Bytes of every stored object (shards and state) the manifest references."""
         return int(sum(int(t.shards.nbytes.sum()) for t in self.tensors.values()) + sum(s.nbytes for s in self.state.values()))
 
-    def to_json(self) -> dict[str, Any]:
+    def _head(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME, "format_version": self.format_version,
             "must_understand": list(self.must_understand), "extensions": dict(self.extensions),
             "save_id": self.save_id, "step": self.step, "created_unix": self.created_unix,
             "writers": self.writers, "versions": dict(self.versions), "metadata": dict(self.metadata),
-            "tensors": {k: self.tensors[k].to_json() for k in sorted(self.tensors)},
             "state": {k: self.state[k].to_json() for k in sorted(self.state)},
         }
 
+    def to_json(self) -> dict[str, Any]:
+        return self._head() | {"tensors": {k: self.tensors[k].to_json() for k in sorted(self.tensors)}}
+
     def to_bytes(self) -> bytes:
-        """Canonical encoding: UTF-8 JSON, sorted keys, compact separators, trailing newline."""
+        """Canonical encoding: UTF-8 JSON, sorted keys, compact separators, trailing newline.
+
+        Byte for byte ``json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"),
+        ensure_ascii=False, allow_nan=False) + "\n"``; the tensors member is encoded by
+        :func:`encode_tensors`, which reuses the text of repeated columns."""
         with _no_gc():
-            return (json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                               allow_nan=False) + "\n").encode()
+            text = json.dumps(self._head() | {"tensors": {}}, sort_keys=True, separators=(",", ":"),
+                              ensure_ascii=False, allow_nan=False)
+            # Only "versions" (strings) and "writers" (an int) sort after "tensors", so the last
+            # '"tensors":{}' is the top-level member (metadata may hold one of its own).
+            before, sep, after = text.rpartition('"tensors":{}')
+            assert sep, "the tensors member is missing from the encoded head"
+            return (before + '"tensors":' + encode_tensors(self.tensors) + after + "\n").encode()
 
     def validate(self) -> "Manifest":
         """Re-check every rule of format v1 on this manifest. Returns self; raises InvalidManifestError.
@@ -273,14 +285,23 @@ def _no_gc() -> Iterator[None]:
 
 
 def _parse(data: bytes) -> Manifest:
+    floats = [0]
+
+    def _float(text: str) -> float:
+        floats[0] += 1
+        return float(text)
+
+    data = bytes(data)
     try:
-        doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates,
+                         parse_float=_float)
     except InvalidManifestError:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise InvalidManifestError("manifest is not valid UTF-8 JSON", expected="JSON object", found=str(e)[:200]) from None
+    # Every float literal is counted above; every boolean literal is a "true" or "false" in the text.
     try:
-        return _from_doc(doc)
+        return _from_doc(doc, literals=(floats[0], data.count(b"true") + data.count(b"false")))
     except (InvalidManifestError, UnsupportedVersionError):
         raise
     except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError, RecursionError) as e:
@@ -311,7 +332,10 @@ def _members(d: dict[str, Any], allowed: set[str], what: str, key: str | None = 
         _fail(f"unknown member(s) in {what}", key=key, expected=sorted(allowed), found=sorted(extra)[:10])
 
 
-def _from_doc(doc: Any) -> Manifest:
+def _from_doc(doc: Any, literals: tuple[int, int] | None = None) -> Manifest:
+    """Build and check a manifest from its parsed JSON. ``literals``: the document's float count
+    and an upper bound of its boolean count, which lets the fast path skip type checks when
+    neither occurs inside a tensor entry's tables."""
     _typed(doc, dict, "manifest")
     if doc.get("format") != FORMAT_NAME:
         _fail("not a ckptfmt manifest", expected=FORMAT_NAME, found=repr(doc.get("format"))[:80])
@@ -340,16 +364,16 @@ def _from_doc(doc: Any) -> Manifest:
     extensions = _typed(doc.get("extensions", {}), dict, "extensions")
     prefix = f"saves/{save_id}/"
     tensors_doc = _typed(doc["tensors"], dict, "tensors")
-    tensors: dict[str, TensorEntry] = {}
-    paths: set[str] = set()
-    for k, t in tensors_doc.items():
-        if not k or len(k) > MAX_KEY_LEN:
-            _fail("tensor key path is empty or too long", key=k[:200], expected=f"1..{MAX_KEY_LEN} chars", found=len(k))
-        e = _tensor(k, t, prefix, writers)
-        if e.array.path in paths:
-            raise DuplicateShardError("two tensors share one storage array", key=k, object=e.array.path)
-        paths.add(e.array.path)
-        tensors[k] = e
+    clean = False
+    if literals is not None:
+        f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
+        f1, b1 = count_literals([t.get("sharding") for t in tensors_doc.values() if type(t) is dict])
+        clean = literals == (f0 + f1, b0 + b1)
+    try:
+        tensors = tensors_fast(tensors_doc, prefix, writers, exact=_tensor, make=_make_entry, max_key_len=MAX_KEY_LEN,
+                               max_object_key_len=MAX_OBJECT_KEY_LEN, no_float_or_bool=clean)
+    except Fallback:  # something is off: the exact checks find it and name it
+        tensors = _tensors_exact(tensors_doc, prefix, writers)
     state_doc = _typed(doc["state"], dict, "state")
     state: dict[str, StateEntry] = {}
     for name, s in state_doc.items():
@@ -370,6 +394,28 @@ def _from_doc(doc: Any) -> Manifest:
     return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
                     state=state, versions=versions, metadata=metadata, format_version=version,
                     must_understand=tuple(mu), extensions=extensions)
+
+
+def _tensors_exact(tensors_doc: dict[str, Any], prefix: str, writers: int) -> dict[str, TensorEntry]:
+    """Every tensor entry checked one at a time; raises the first broken rule, in document order."""
+    tensors: dict[str, TensorEntry] = {}
+    paths: set[str] = set()
+    for k, t in tensors_doc.items():
+        if not k or len(k) > MAX_KEY_LEN:
+            _fail("tensor key path is empty or too long", key=k[:200], expected=f"1..{MAX_KEY_LEN} chars", found=len(k))
+        e = _tensor(k, t, prefix, writers)
+        if e.array.path in paths:
+            raise DuplicateShardError("two tensors share one storage array", key=k, object=e.array.path)
+        paths.add(e.array.path)
+        tensors[k] = e
+    return tensors
+
+
+def _make_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[str, Any] | None, path: str,
+                geom: TensorGeometry, offset: np.ndarray, keys: tuple[str, ...], writer: np.ndarray,
+                nbytes: np.ndarray, icrc: np.ndarray, coff: np.ndarray, cnb: np.ndarray, ccrc: np.ndarray) -> TensorEntry:
+    return TensorEntry(k, shape, dtype, sharding, ArraySpec(path, geom.shard_shape, geom.chunk_shape, "raw"),
+                       ShardTable(offset, writer, keys, nbytes, icrc), ChunkTable(coff, cnb, ccrc))
 
 
 def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import product
-from typing import Iterable, Mapping, Sequence
+from functools import lru_cache, partial
+from itertools import chain
+from operator import attrgetter, itemgetter
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -92,12 +94,12 @@ class TensorWritePlan:
         return WriteItem(cell, self.geometry.shard_box(cell), int(self.writers[i]))
 
 
-@dataclass(frozen=True)
-class ReadItem:
+class ReadItem(NamedTuple):
     """Read one stored inner chunk and copy part of it into a requested box.
 
     ``shard`` indexes the tensor's shard table, ``chunk`` its chunk table.
     ``src`` selects inside the decoded chunk (full chunk_shape); ``dst`` inside the request.
+    A named tuple, not a dataclass: a large restore plans millions of them.
     """
 
     request: int
@@ -105,6 +107,10 @@ class ReadItem:
     chunk: int
     src: tuple[slice, ...]
     dst: tuple[slice, ...]
+
+
+# ReadItem from a tuple of its five fields, without the keyword-handling constructor (hot loop).
+_read_item = partial(tuple.__new__, ReadItem)
 
 
 def cell_key(cell: tuple[int, ...]) -> str:
@@ -166,61 +172,197 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
     tensor, or part of a tensor is held by no rank.
     """
     world = max(1, len(rank_boxes))
-    for r, held in enumerate(rank_boxes):
-        for key in held:
-            if key not in inventory:
+    keys = sorted(inventory)
+    specs = [inventory[k] for k in keys]
+    shapes = [tuple(s[0]) for s in specs]
+    held = _gather({k: i for i, k in enumerate(keys)}, rank_boxes, max(map(len, shapes), default=0))
+    # Every tensor whose boxes are each exactly one grid cell is planned at once, vectorized;
+    # any other tensor (including every one that fails) takes the per-tensor path, in key order.
+    slow, gcds, base, writers = _regular_owners(shapes, held, world)
+    shared: dict[tuple, tuple[TensorGeometry, np.ndarray]] = {}  # tensors alike share geometry and cells
+    order: np.ndarray | None = None  # held boxes sorted by tensor, for the per-tensor path
+    bounds: list[int] = []
+    plans: list[TensorWritePlan] = []
+    for index, (key, shape, (_, dtype, itemsize), is_slow) in enumerate(zip(keys, shapes, specs, slow.tolist())):
+        if is_slow:
+            if order is None:
+                order = np.argsort(held.tensor, kind="stable")
+                bounds = np.searchsorted(held.tensor[order], np.arange(len(keys) + 1)).tolist()
+            mine = order[bounds[index]:bounds[index + 1]].tolist()
+            boxes = [(int(held.rank[j]), held.boxes[j], held.reps[j]) for j in mine]
+            plans.append(_plan_tensor(index, key, shape, dtype, itemsize, boxes, world, chunk_target_bytes))
+            continue
+        like = shared.get((shape, gcds[index], itemsize))
+        if like is None:
+            shard_shape = tuple(int(g) if g else max(n, 1) for g, n in zip(gcds[index], shape))
+            geom = TensorGeometry(shape, shard_shape, chunk_shape_for(shard_shape, itemsize, chunk_target_bytes), itemsize)
+            like = shared[shape, gcds[index], itemsize] = (geom, _cells(geom.grid))
+            like[1].flags.writeable = False
+        geom, cells = like
+        plans.append(TensorWritePlan(key, index, dtype, geom, cells, writers[base[index]:base[index] + len(cells)]))
+    return plans
+
+
+class _Held(NamedTuple):
+    """Every held box of every rank, flattened in rank order (then each rank's own order)."""
+
+    tensor: np.ndarray  # (N,) index into the sorted keys
+    rank: np.ndarray    # (N,)
+    boxes: list[Box]
+    reps: list[int]
+    ndim: np.ndarray    # (N,) dimensions of each box
+    offs: np.ndarray    # (N, D) offsets, padded with 0 up to the widest tensor or box
+    shps: np.ndarray    # (N, D) shapes, padded with 1
+
+
+def _gather(index: Mapping[str, int], rank_boxes: Sequence[Mapping[str, Sequence[tuple[Box, int]]]],
+            width: int) -> _Held:
+    """One pass over every rank's boxes; raises StepMismatchError for a key not in ``index``."""
+    tensor: list[np.ndarray] = []
+    rank: list[np.ndarray] = []
+    pairs: list[tuple[Box, int]] = []
+    last: list[str] | None = None
+    for r, hb in enumerate(rank_boxes):
+        keys = list(hb)
+        if keys != last:  # ranks usually hold the same keys in the same order
+            if not index.keys() >= hb.keys():
+                key = next(k for k in hb if k not in index)
                 raise StepMismatchError("a rank holds a tensor the inventory does not list",
                                         key=key, expected="a key of rank 0's inventory", found=f"rank {r}")
-    plans: list[TensorWritePlan] = []
-    for index, key in enumerate(sorted(inventory)):
-        shape, dtype, itemsize = inventory[key]
-        shape = tuple(shape)
-        nd = len(shape)
-        held = [(r, b, rep) for r, hb in enumerate(rank_boxes) for b, rep in hb.get(key, ())]
+            tids, last = np.fromiter(map(index.__getitem__, keys), np.int64, count=len(keys)), keys
+        vals = list(hb.values())
         try:
-            offs = np.array([b.offset for _, b, _ in held], np.int64).reshape(len(held), nd)
-            shps = np.array([b.shape for _, b, _ in held], np.int64).reshape(len(held), nd)
-        except ValueError:  # ragged: some box has the wrong number of dimensions
-            r, b, _ = next(h for h in held if h[1].ndim != nd)
-            raise StepMismatchError("a held box has the wrong rank", key=key, expected=f"{nd} dims",
-                                    found=f"{b} on rank {r}") from None
-        shp = np.asarray(shape, np.int64)
-        bad = np.flatnonzero(np.any((offs < 0) | (shps < 0) | (offs + shps > shp), axis=1)) if held else []
-        if len(bad):
-            r, b, _ = held[int(bad[0])]
-            raise StepMismatchError("a held box lies outside its tensor", key=key,
-                                    expected=f"inside {shape}", found=f"{b} on rank {r}")
-        nonempty = np.all(shps > 0, axis=1) if held else np.zeros(0, bool)
-        shard_shape = _grid_from_arrays(shape, offs[nonempty], shps[nonempty])
-        geom = TensorGeometry(shape, shard_shape, chunk_shape_for(shard_shape, itemsize, chunk_target_bytes), itemsize)
-        grid = geom.grid
-        ncells = math.prod(grid)
-        prio = (np.array([rep for _, _, rep in held], np.int64) * world + np.array([r for r, _, _ in held], np.int64))[nonempty] \
-            if held else np.zeros(0, np.int64)
-        owner = np.full(ncells, np.iinfo(np.int64).max, np.int64)
-        if nd == 0:
-            if len(prio):
-                owner[0] = prio.min()
-        elif ncells:
-            ss = np.asarray(shard_shape, np.int64)
-            lo = offs[nonempty] // ss
-            hi = -(-(offs[nonempty] + shps[nonempty]) // ss)
-            single = np.all(hi - lo == 1, axis=1)
-            if len(lo) and single.all():
-                np.minimum.at(owner, np.ravel_multi_index(tuple(lo.T), grid), prio)
-            else:
-                view = owner.reshape(grid)
-                for l, h, pr in zip(lo, hi, prio):
-                    sl = tuple(slice(int(a), int(b)) for a, b in zip(l, h))
-                    view[sl] = np.minimum(view[sl], pr)
-        missing = np.flatnonzero(owner == np.iinfo(np.int64).max)
-        if len(missing):
-            cell = tuple(int(c) for c in np.unravel_index(int(missing[0]), grid)) if nd else ()
-            raise StepMismatchError("part of a tensor is held by no rank", key=key, expected="every shard held",
-                                    found=f"{len(missing)} unheld shard(s), first {geom.shard_box(cell)}")
-        cells = np.indices(grid, dtype=np.int64).reshape(nd, -1).T if nd else np.zeros((ncells, 0), np.int64)
-        plans.append(TensorWritePlan(key, index, dtype, geom, np.ascontiguousarray(cells), owner % world))
-    return plans
+            counts = list(map(len, vals))
+        except TypeError:  # an iterator, not a sequence
+            vals = [list(v) for v in vals]
+            counts = list(map(len, vals))
+        if counts.count(1) == len(counts):  # one box per tensor: the common case
+            pairs.extend(map(itemgetter(0), vals))
+            tensor.append(tids)
+        else:
+            pairs.extend(chain.from_iterable(vals))
+            tensor.append(np.repeat(tids, counts))
+        rank.append(np.full(sum(counts), r, np.int64))
+    boxes = list(map(itemgetter(0), pairs))
+    reps = list(map(itemgetter(1), pairs))
+    offsets = list(map(attrgetter("offset"), boxes))
+    widths = set(map(len, offsets))
+    ndim = np.full(len(boxes), widths.pop(), np.int64) if len(widths) == 1 else \
+        np.fromiter(map(len, offsets), np.int64, count=len(boxes))
+    width = max(width, int(ndim.max(initial=0)))
+    cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
+    return _Held(cat(tensor), cat(rank), boxes, reps, ndim, _padded(offsets, ndim, width, 0),
+                 _padded(list(map(attrgetter("shape"), boxes)), ndim, width, 1))
+
+
+def _padded(rows: Sequence[Sequence[int]], lens: np.ndarray, width: int, fill: int) -> np.ndarray:
+    """(len(rows), width) int64 array of ragged ``rows`` (``lens[i]`` long), padded with ``fill``."""
+    flat = np.fromiter(chain.from_iterable(rows), np.int64, count=int(lens.sum()))
+    if (lens == width).all():
+        return flat.reshape(len(rows), width)
+    out = np.full((len(rows), width), fill, np.int64)
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    out[np.repeat(np.arange(len(rows)), lens), np.arange(len(flat)) - starts] = flat
+    return out
+
+
+def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held,
+                    world: int) -> tuple[np.ndarray, list[tuple[int, ...]], list[int], np.ndarray]:
+    """Vectorized plan of every tensor whose boxes all lie inside it, are non-empty, have its
+    rank and cover exactly one grid cell each, and whose every cell is held.
+
+    Returns (slow, gcds, base, writers): ``slow[t]`` flags the tensors that need the per-tensor
+    path; for the others, ``gcds[t]`` is the per-dimension gcd of interior box boundaries
+    (0: none) and ``writers[base[t]:]`` their writers in C order over the grid.
+    """
+    t, offs, shps = held.tensor, held.offs, held.shps
+    T, D = len(shapes), offs.shape[1]
+    tndim = np.fromiter(map(len, shapes), np.int64, count=T)
+    tshape = _padded(shapes, tndim, D, 1).T  # (D, T)
+    bad = held.ndim != tndim[t]
+    gcds = np.zeros((D, T), np.int64)
+    for d in range(D):  # column by column: D is small, the box count large
+        a, n = offs[:, d], tshape[d].take(t)
+        b = a + shps[:, d]
+        bad |= (a < 0) | (b <= a) | (b > n)
+        # The gcd of interior boundaries (for a box inside its tensor, a == n or b == 0 only when empty).
+        np.gcd.at(gcds[d], t, np.gcd(np.where(a < n, a, 0), np.where(b < n, b, 0)))
+    slow = (np.bincount(t[bad], minlength=T) > 0) | (np.bincount(t, minlength=T) == 0) | np.any(tshape <= 0, axis=0)
+    ss = np.where(gcds > 0, gcds, np.maximum(tshape, 1))
+    grid = -(-tshape // ss)
+    # Offsets are multiples of the shard shape, so a box is one cell iff no wider than one shard.
+    multi = np.zeros(len(t), bool)
+    cell = np.zeros(len(t), np.int64)
+    for d in range(D):
+        sd = ss[d].take(t)
+        multi |= shps[:, d] > sd
+        cell *= grid[d].take(t)
+        cell += offs[:, d] // sd
+    slow |= np.bincount(t[multi], minlength=T) > 0
+    ncells = np.where(slow, 0, np.prod(grid, axis=0))
+    base = np.cumsum(ncells) - ncells
+    good = ~slow[t]
+    owner = np.full(int(ncells.sum()), np.iinfo(np.int64).max, np.int64)
+    prio = np.array(held.reps, np.int64) * world + held.rank
+    np.minimum.at(owner, (cell + base[t])[good], prio[good])
+    slow[np.repeat(np.arange(T), ncells)[owner == np.iinfo(np.int64).max]] = True  # gaps: the slow path raises
+    return slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner % world
+
+
+def _cells(grid: tuple[int, ...]) -> np.ndarray:
+    """(N, ndim) int64 grid cells in C order."""
+    nd = len(grid)
+    if not nd:
+        return np.zeros((math.prod(grid), 0), np.int64)
+    return np.ascontiguousarray(np.indices(grid, dtype=np.int64).reshape(nd, -1).T)
+
+
+def _plan_tensor(index: int, key: str, shape: tuple[int, ...], dtype: str, itemsize: int,
+                 held: list[tuple[int, Box, int]], world: int, chunk_target_bytes: int) -> TensorWritePlan:
+    """The general plan of one tensor from its (rank, box, replica_id) list; raises like plan_save."""
+    nd = len(shape)
+    try:
+        offs = np.array([b.offset for _, b, _ in held], np.int64).reshape(len(held), nd)
+        shps = np.array([b.shape for _, b, _ in held], np.int64).reshape(len(held), nd)
+    except ValueError:  # ragged: some box has the wrong number of dimensions
+        r, b, _ = next(h for h in held if h[1].ndim != nd)
+        raise StepMismatchError("a held box has the wrong rank", key=key, expected=f"{nd} dims",
+                                found=f"{b} on rank {r}") from None
+    shp = np.asarray(shape, np.int64)
+    bad = np.flatnonzero(np.any((offs < 0) | (shps < 0) | (offs + shps > shp), axis=1)) if held else []
+    if len(bad):
+        r, b, _ = held[int(bad[0])]
+        raise StepMismatchError("a held box lies outside its tensor", key=key,
+                                expected=f"inside {shape}", found=f"{b} on rank {r}")
+    nonempty = np.all(shps > 0, axis=1) if held else np.zeros(0, bool)
+    shard_shape = _grid_from_arrays(shape, offs[nonempty], shps[nonempty])
+    geom = TensorGeometry(shape, shard_shape, chunk_shape_for(shard_shape, itemsize, chunk_target_bytes), itemsize)
+    grid = geom.grid
+    ncells = math.prod(grid)
+    prio = (np.array([rep for _, _, rep in held], np.int64) * world + np.array([r for r, _, _ in held], np.int64))[nonempty] \
+        if held else np.zeros(0, np.int64)
+    owner = np.full(ncells, np.iinfo(np.int64).max, np.int64)
+    if nd == 0:
+        if len(prio):
+            owner[0] = prio.min()
+    elif ncells:
+        ss = np.asarray(shard_shape, np.int64)
+        lo = offs[nonempty] // ss
+        hi = -(-(offs[nonempty] + shps[nonempty]) // ss)
+        single = np.all(hi - lo == 1, axis=1)
+        if len(lo) and single.all():
+            np.minimum.at(owner, np.ravel_multi_index(tuple(lo.T), grid), prio)
+        else:
+            view = owner.reshape(grid)
+            for l, h, pr in zip(lo, hi, prio):
+                sl = tuple(slice(int(a), int(b)) for a, b in zip(l, h))
+                view[sl] = np.minimum(view[sl], pr)
+    missing = np.flatnonzero(owner == np.iinfo(np.int64).max)
+    if len(missing):
+        cell = tuple(int(c) for c in np.unravel_index(int(missing[0]), grid)) if nd else ()
+        raise StepMismatchError("part of a tensor is held by no rank", key=key, expected="every shard held",
+                                found=f"{len(missing)} unheld shard(s), first {geom.shard_box(cell)}")
+    return TensorWritePlan(key, index, dtype, geom, _cells(grid), owner % world)
 
 
 def _grid_from_arrays(shape: tuple[int, ...], offs: np.ndarray, shps: np.ndarray) -> tuple[int, ...]:
@@ -256,10 +398,86 @@ def plan_reads(geom: TensorGeometry, shard_offsets: np.ndarray, chunk_start: np.
     shard s's entries begin in the chunk table. Raises ShapeMismatchError for a request
     outside the tensor. Pure: no I/O.
     """
+    shape = geom.shape
+    nd = len(shape)
+    grid, dims = _read_dims(tuple(shape), tuple(geom.shard_shape), tuple(geom.chunk_shape))
+    shard_of = _shard_lookup(geom, shard_offsets, grid)
+    items: list[ReadItem] = []
+    for ri, req in enumerate(requests):
+        ro, rs = req.offset, req.shape
+        if len(rs) != nd or any(o < 0 or o + s > n for o, s, n in zip(ro, rs, shape)):
+            raise ShapeMismatchError("requested box lies outside the tensor", expected=f"inside {shape}", found=str(req))
+        if 0 in rs:  # empty
+            continue
+        if not nd:
+            items.append(ReadItem(ri, 0, int(chunk_start[0]), (), ()))
+            continue
+        # Models repeat a few (geometry, box) pairs over and over: memoize the small ones.
+        chunks = math.prod(-(-(o + n) // c) - o // c for (c, *_), o, n in zip(dims, ro, rs))
+        touched = (_touched_memo if chunks <= _MEMO_CHUNKS else _touched)(dims, ro, rs)
+        if shard_of is None:  # shard s is flat cell s
+            items += [_read_item((ri, t, int(chunk_start[t]) + f, s, d)) for t, f, s, d in touched]
+        else:
+            for t, f, s, d in touched:
+                shard = int(shard_of[t])
+                items.append(ReadItem(ri, shard, int(chunk_start[shard]) + f, s, d))
+    return items
+
+
+_MEMO_CHUNKS = 64  # memoize boxes touching at most this many chunks (bounds the memo's size)
+
+
+@lru_cache(maxsize=256)
+def _read_dims(shape: tuple[int, ...], shard_shape: tuple[int, ...],
+               chunk_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The shard grid, and per dimension (chunk, shard, size, inner chunks per full shard,
+    stored chunks of a full shard, flat-cell stride), all Python ints."""
+    shape, shard_shape, chunk_shape = (tuple(map(int, x)) for x in (shape, shard_shape, chunk_shape))
+    grid = tuple(-(-n // s) for n, s in zip(shape, shard_shape))
+    strides, acc = [], 1
+    for g in reversed(grid):
+        strides.append(acc)
+        acc *= g
+    return grid, tuple(zip(chunk_shape, shard_shape, shape, (s // c for s, c in zip(shard_shape, chunk_shape)),
+                           (-(-s // c) for s, c in zip(shard_shape, chunk_shape)), reversed(strides)))
+
+
+def _touched(dims: tuple[tuple[int, ...], ...], offset: tuple[int, ...],
+             shape: tuple[int, ...]) -> list[tuple[int, int, tuple[slice, ...], tuple[slice, ...]]]:
+    """Every inner chunk a non-empty box inside the tensor touches, in C order, as (flat shard
+    cell, flat chunk index within that shard, src slices, dst slices)."""
+    # Fold the dimensions in C order; per dimension, each chunk touched and its shard's chunk count.
+    acc: list[tuple[int, int, tuple[slice, ...], tuple[slice, ...]]] = [(0, 0, (), ())]
+    for (c, sh, n, inner, full, stride), o, ln in zip(dims, offset, shape):
+        end = o + ln
+        opts = []
+        for g in range(o // c, -(-end // c)):
+            start = g * c
+            lo, hi = (o if o > start else start), (end if end < start + c else start + c)
+            cell = start // sh
+            left = n - cell * sh
+            opts.append((cell * stride, g - cell * inner, full if left >= sh else -(-left // c),
+                         slice(lo - start, hi - start), slice(lo - o, hi - o)))
+        acc = [(t + dt, f * k + x, s + (ds,), d + (dd,)) for t, f, s, d in acc for dt, x, k, ds, dd in opts]
+    return acc
+
+
+@lru_cache(maxsize=256)
+def _touched_memo(dims: tuple[tuple[int, ...], ...], offset: tuple[int, ...],
+                  shape: tuple[int, ...]) -> tuple[tuple[int, int, tuple[slice, ...], tuple[slice, ...]], ...]:
+    """:func:`_touched`, memoized; its result is immutable, so callers may share it."""
+    return tuple(_touched(dims, offset, shape))
+
+
+def _shard_lookup(geom: TensorGeometry, shard_offsets: np.ndarray, grid: tuple[int, ...]) -> np.ndarray | None:
+    """Shard index per flat grid cell (-1: none), or None when shard s is cell s in C order (the
+    layout every save writes)."""
     nd = len(geom.shape)
     offs = np.asarray(shard_offsets, np.int64)
     offs = offs.reshape(-1, nd) if nd else np.zeros((len(offs), 0), np.int64)
-    grid = geom.grid
+    canon = _canonical_offsets(tuple(geom.shape), tuple(geom.shard_shape)) if nd else None
+    if canon is not None and offs.shape == canon.shape and (offs == canon).all():
+        return None
     shard_of = np.full(max(1, math.prod(grid)), -1, np.int64)
     if len(offs):
         if nd:
@@ -267,29 +485,15 @@ def plan_reads(geom: TensorGeometry, shard_offsets: np.ndarray, chunk_start: np.
             shard_of[np.ravel_multi_index(tuple(cells.T), grid)] = np.arange(len(offs))
         else:
             shard_of[0] = 0
-    per_shard = geom.inner  # inner chunks per full shard, per dimension
-    items: list[ReadItem] = []
-    for ri, req in enumerate(requests):
-        if req.ndim != nd or any(o < 0 or o + s > n for o, s, n in zip(req.offset, req.shape, geom.shape)):
-            raise ShapeMismatchError("requested box lies outside the tensor", expected=f"inside {geom.shape}", found=str(req))
-        if req.is_empty():
-            continue
-        # Per dimension: (shard cell, local chunk index, stored chunk count of that shard, src slice, dst slice)
-        dims = []
-        for d in range(nd):
-            c, sh, n, o, ln = geom.chunk_shape[d], geom.shard_shape[d], geom.shape[d], req.offset[d], req.shape[d]
-            opts = []
-            for g in range(o // c, -(-(o + ln) // c)):
-                lo, hi = max(o, g * c), min(o + ln, (g + 1) * c)
-                cell = g * c // sh
-                count = -(-min(sh, n - cell * sh) // c)
-                opts.append((cell, g - cell * per_shard[d], count, slice(lo - g * c, hi - g * c), slice(lo - o, hi - o)))
-            dims.append(opts)
-        for combo in product(*dims):
-            cell = tuple(x[0] for x in combo)
-            s = int(shard_of[np.ravel_multi_index(cell, grid)]) if nd else 0
-            flat = 0
-            for x in combo:
-                flat = flat * x[2] + x[1]
-            items.append(ReadItem(ri, s, int(chunk_start[s]) + flat, tuple(x[3] for x in combo), tuple(x[4] for x in combo)))
-    return items
+    return shard_of
+
+
+@lru_cache(maxsize=64)
+def _canonical_offsets(shape: tuple[int, ...], shard_shape: tuple[int, ...]) -> np.ndarray | None:
+    """Every shard's offset in C order over the grid (read-only), or None for a grid too large to cache."""
+    grid = tuple(-(-n // s) for n, s in zip(shape, shard_shape))
+    if math.prod(grid) > 1 << 16:
+        return None
+    out = _cells(grid) * np.asarray(shard_shape, np.int64)
+    out.flags.writeable = False
+    return out

@@ -3,6 +3,7 @@ every block against the manifest, and hand nothing back until everything is veri
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import time
 from collections import deque
@@ -25,6 +26,12 @@ __all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW"]
 
 #: Bytes of reads kept in flight by one reader: a fixed memory overhead, independent of state size.
 DEFAULT_READ_WINDOW = 256 << 20
+#: Local-file reader threads: enough positional reads in flight to keep a virtual disk's queue full.
+DEFAULT_READ_THREADS = 32
+#: Outputs at least this large get their own anonymous mapping (see _aligned_empty).
+_MMAP_MIN_BYTES = 1 << 20
+#: Most buffers one preadv call takes (Linux IOV_MAX).
+_IOV_MAX = 1024
 #: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
 MAX_STATE_BYTES = 64 << 20
 
@@ -112,31 +119,38 @@ class Checkpoint:
 
     def iter_read_boxes(self, batches: Sequence[Sequence[tuple[str, Box]]]) -> Iterator[list[np.ndarray]]:
         """Read batches of boxes, yielding each batch's arrays in order once every byte of that batch
-        is verified. Reads of the next batch are already running while the caller consumes one, so
-        a restore can bound its host memory to about two batches without losing I/O parallelism.
-        A fault raises from the iterator; the caller must not publish anything it built until the
-        iterator is exhausted.
+        is verified. Later batches are already being read while the caller consumes one: up to
+        ``max_inflight_bytes`` of them (at least the next one), so a restore bounds the host
+        memory it holds at once without losing I/O parallelism. A fault raises from the iterator;
+        the caller must not publish anything it built until the iterator is exhausted.
         """
         if self.storage.local_root is None:
             for batch in batches:
                 yield self.read_boxes(batch)
             return
-        threads = int(self.storage.options.get("read_threads", 16))
-        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
+        pool = ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="ckptfmt-read")
         try:
-            pending: deque[tuple[list[np.ndarray | None], list[Any], float]] = deque()
-            it = iter(batches)
-            for batch in it:
+            pending: deque[tuple[list[np.ndarray | None], list[Any], float, int]] = deque()
+            inflight = 0
+            for batch in batches:
                 outs, work = self._plan(batch)
+                nbytes = sum(int(o.nbytes) for o in outs if o is not None)
+                # Keep the window: hand out the oldest batch before issuing past it.
+                while len(pending) >= 2 and inflight + nbytes > self.max_inflight_bytes:
+                    done = pending.popleft()
+                    inflight -= done[3]
+                    yield self._collect(*done[:3])
                 started = time.perf_counter()
-                pending.append((outs, [pool.submit(self._read_local_shard, k, s, items, outs) for (k, s), items in work.items()], started))
-                if len(pending) < 2:
-                    continue
-                yield self._collect(*pending.popleft())
+                futures = [pool.submit(self._read_local_shard, k, s, items, outs) for (k, s), items in work.items()]
+                pending.append((outs, futures, started, nbytes))
+                inflight += nbytes
             while pending:
-                yield self._collect(*pending.popleft())
+                yield self._collect(*pending.popleft()[:3])
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    def _threads(self) -> int:
+        return max(1, int(self.storage.options.get("read_threads", DEFAULT_READ_THREADS)))
 
     def _collect(self, outs: list[np.ndarray | None], futures: list[Any], started: float) -> list[np.ndarray]:
         sums: dict[str, float] = {}
@@ -238,7 +252,7 @@ class Checkpoint:
         jobs = list(work.items())
         if not jobs:
             return
-        threads = max(1, min(len(jobs), int(self.storage.options.get("read_threads", 16))))
+        threads = min(len(jobs), self._threads())
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
         try:
             started = time.perf_counter()
@@ -247,24 +261,32 @@ class Checkpoint:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _read_local_shard(self, key: str, s: int, items: list[ReadItem],
-                          outs: list[np.ndarray | None]) -> tuple[int, int]:
+                          outs: list[np.ndarray | None]) -> tuple[int, int, dict[str, float]]:
         t = self.manifest.tensors[key]
         g = t.geometry
         obj = t.object_key(s)
-        dt = numpy_dtype(t.dtype)
         full = tuple(slice(0, c) for c in g.chunk_shape)
         by_chunk: dict[int, list[ReadItem]] = {}
         for it in items:
             by_chunk.setdefault(it.chunk, []).append(it)
+        # Chunks that map onto one C-contiguous region of one output are read straight into it.
+        direct: dict[int, np.ndarray] = {}
+        for c, its in by_chunk.items():
+            if len(its) == 1 and (its[0].src or ()) == full:
+                view = outs[its[0].request][its[0].dst or ...]  # type: ignore[index]
+                if view.flags.c_contiguous and view.shape == tuple(g.chunk_shape) and view.size:
+                    direct[c] = view.reshape(-1).view(np.uint8)
         phases = {"read": 0.0, "verify": 0.0, "assemble": 0.0}
         tr = time.perf_counter()
         fd, size = self.storage.open_local(obj, tensor=key)
-        nbytes = requests = 0
         try:
             want = int(t.shards.nbytes[s])
             if size != want:
                 raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
                                         expected=want, found=size)
+            c0, c1 = int(self._starts(t)[s]), int(self._starts(t)[s + 1])
+            if len(direct) == c1 - c0 and self._whole_layout(t, c0, c1, want):
+                return self._read_whole_direct(t, s, obj, fd, c0, c1, direct, phases, tr)
             index = bytearray(g.index_nbytes)
             self.storage.pread_into(fd, [index], want - g.index_nbytes, key=obj, tensor=key)
             phases["read"] += time.perf_counter() - tr
@@ -274,16 +296,11 @@ class Checkpoint:
             nbytes, requests = len(index), 1
             trailer = bytearray(4)
             scratch: np.ndarray | None = None
+            dt = numpy_dtype(t.dtype)
             for c, its in by_chunk.items():
                 off, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-                direct = None
-                if len(its) == 1 and (its[0].src or ()) == full:
-                    view = outs[its[0].request][its[0].dst or ...]  # type: ignore[index]
-                    if view.flags.c_contiguous and view.shape == tuple(g.chunk_shape):
-                        direct = view
-                if direct is not None:
-                    data = direct.reshape(-1).view(np.uint8) if direct.size else np.zeros(0, np.uint8)
-                else:
+                data = direct.get(c)
+                if data is None:
                     if scratch is None:
                         scratch = np.empty(n - 4, np.uint8)
                     data = scratch
@@ -296,7 +313,7 @@ class Checkpoint:
                 self._check_chunk(t, c, obj, data, trailer)
                 ta = time.perf_counter()
                 phases["verify"] += ta - tv
-                if direct is None:
+                if c not in direct:
                     chunk = data.view(dt).reshape(g.chunk_shape)
                     for it in its:
                         outs[it.request][it.dst or ...] = chunk[it.src or ...]  # type: ignore[index]
@@ -304,6 +321,39 @@ class Checkpoint:
         finally:
             os.close(fd)
         return nbytes, requests, phases
+
+    @staticmethod
+    def _whole_layout(t: TensorEntry, c0: int, c1: int, nbytes: int) -> bool:
+        """True when shard chunks c0..c1 lie back to back from offset 0 with the index right after
+        (the layout ckptfmt writes), few enough for one vectored read."""
+        n = c1 - c0
+        if 2 * n + 1 > _IOV_MAX:
+            return False
+        cn = t.geometry.chunk_nbytes
+        offs = t.chunks.offset[c0:c1]
+        return nbytes == n * cn + t.geometry.index_nbytes and bool(np.array_equal(offs, np.arange(n, dtype=np.int64) * cn))
+
+    def _read_whole_direct(self, t: TensorEntry, s: int, obj: str, fd: int, c0: int, c1: int,
+                           direct: dict[int, np.ndarray], phases: dict[str, float], tr: float) -> tuple[int, int, dict[str, float]]:
+        """One positional vectored read of the whole object: every chunk's data lands in its
+        output, its trailer and the index in small buffers; then the index and every chunk are
+        checked against the manifest before the caller may use any output."""
+        n = c1 - c0
+        tails = bytearray(4 * n)
+        tv_ = memoryview(tails)
+        index = bytearray(t.geometry.index_nbytes)
+        iov: list[Any] = []
+        for i in range(n):
+            iov += (direct[c0 + i], tv_[4 * i:4 * i + 4])
+        iov.append(index)
+        self.storage.pread_into(fd, iov, 0, key=obj, tensor=t.key)
+        tv = time.perf_counter()
+        phases["read"] += tv - tr
+        self._check_index(t, s, obj, memoryview(index))
+        for i in range(n):
+            self._check_chunk(t, c0 + i, obj, direct[c0 + i], tv_[4 * i:4 * i + 4])
+        phases["verify"] += time.perf_counter() - tv
+        return int(t.shards.nbytes[s]), 1, phases
 
     def _check_whole(self, t: TensorEntry, s: int, obj: str, buf: bytes, chunks: Sequence[int]) -> dict[int, memoryview]:
         """Check a whole shard object (exact size, index, the given chunks) against the manifest;
@@ -426,8 +476,15 @@ class Checkpoint:
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
     """An uninitialized array whose data starts on an ``align``-byte boundary, so that frameworks
-    (XLA on CPU) can adopt the buffer without copying it."""
+    (XLA on CPU) can adopt the buffer without copying it.
+
+    Large arrays get their own anonymous mapping (page aligned, returned to the OS when the array
+    goes). numpy advises huge pages for large arrays; with the kernel's usual ``defrag=madvise``
+    the reader threads' page faults into those arrays then compact memory while holding the
+    mapping lock, and allocating the next batch waits on them (0.2-0.6 s per GiB restored here)."""
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if n >= _MMAP_MIN_BYTES:
+        return np.frombuffer(mmap.mmap(-1, n), dtype=dtype).reshape(shape)
     raw = np.empty(n + align, np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start:start + n].view(dtype).reshape(shape)

@@ -37,7 +37,7 @@ class Repository:
     """A ckptfmt repository at ``url`` (local path, file://, memory://, s3://, gs://).
 
     ``options``: ``read_window_bytes`` (bytes of reads in flight per reader, default 256 MiB),
-    ``read_threads`` (local-file reader threads, default 16), ``fsync`` (file driver, default True),
+    ``read_threads`` (local-file reader threads, default 32), ``fsync`` (file driver, default True),
     ``io_concurrency``, ``copy_concurrency``, and
     ``kvstore`` (extra kvstore options such as an S3 endpoint).
 

@@ -250,15 +250,27 @@ class Storage:
 
     @staticmethod
     def pread_into(fd: int, buffers: list[Any], offset: int, *, key: str, tensor: str | None = None) -> None:
-        """Fill ``buffers`` from ``offset``; SizeMismatchError if the object ends early."""
-        want = sum(memoryview(b).nbytes for b in buffers)
-        try:
-            got = os.preadv(fd, buffers, offset)
-        except OSError as e:
-            raise StorageError("read failed", key=tensor, object=key, found=str(e)) from None
-        if got != want:
-            raise SizeMismatchError("object is shorter than the manifest records", key=tensor, object=key,
-                                    expected=f"bytes [{offset}, {offset + want})", found=f"{got} bytes")
+        """Fill ``buffers`` from ``offset``; SizeMismatchError if the object ends early.
+
+        Loops over short reads (Linux moves at most ~2 GiB per call), resuming inside the
+        buffer where the last call stopped."""
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        want = sum(v.nbytes for v in views)
+        got = 0
+        while views:
+            try:
+                n = os.preadv(fd, views, offset + got)
+            except OSError as e:
+                raise StorageError("read failed", key=tensor, object=key, found=str(e)) from None
+            if n == 0:
+                raise SizeMismatchError("object is shorter than the manifest records", key=tensor, object=key,
+                                        expected=f"bytes [{offset}, {offset + want})", found=f"{got} bytes")
+            got += n
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
 
     # ------------------------------------------------------------------ zarr arrays
     def array_spec(self, path: str, shape: Sequence[int], dtype: str, shard_shape: Sequence[int],

@@ -1,0 +1,165 @@
+"""The manifest codec's fast paths agree with the exact, one-tensor-at-a-time checks.
+
+Parsing: tensors that share a geometry are compared by value against a layout derived from the
+first of them, and the remaining columns are checked for all tensors at once. Each broken
+manifest below breaks a *later* tensor of a shared geometry (so the by-value comparison is what
+sees it) and must be rejected with the very error the exact path raises; each valid but unusual
+manifest must be accepted with the same tables. Encoding: ``Manifest.to_bytes`` must equal
+plain ``json.dumps`` of ``to_json``.
+"""
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from ckptfmt import Box, CheckpointError, LocalShard, parse_manifest, save
+from ckptfmt import manifest as mf
+
+WRITERS = 4
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("fast") / "repo")
+    shards = []
+    for i in range(4):  # four tensors of one geometry: 4 row shards of one chunk each
+        x = np.arange(32, dtype=np.float32).reshape(8, 4) + i
+        shards += [LocalShard(f"b/{i}", x.shape, x.dtype, Box((2 * r, 0), (2, 4)), x[2 * r:2 * r + 2]) for r in range(WRITERS)]
+    y = np.arange(12, dtype=np.int32)  # another geometry, and a 0-d tensor (always the exact path)
+    shards += [LocalShard("c", y.shape, y.dtype, Box((6 * r,), (6,)), y[6 * r:6 * r + 6]) for r in range(2)]
+    shards.append(LocalShard("s", (), np.float32, Box((), ()), np.asarray(1.5, np.float32)))
+    m = save(d, 3, shards, metadata={"note": "true or false", "lr": 0.5, "nested": {"tensors": {}}})
+    return json.loads(m.to_bytes())
+
+
+def exact(doc):
+    """The reference: every tensor through the exact per-tensor checks."""
+    return mf._tensors_exact(doc["tensors"], f"saves/{doc['save_id']}/", doc["writers"])
+
+
+def same_tables(a, b):
+    assert list(a) == list(b)
+    for k in a:
+        x, y = a[k], b[k]
+        assert (x.shape, x.dtype, x.sharding, x.array) == (y.shape, y.dtype, y.sharding, y.array), k
+        assert x.shards.key == y.shards.key, k
+        for f in ("offset", "writer", "nbytes", "index_crc32c"):
+            assert np.array_equal(getattr(x.shards, f), getattr(y.shards, f)), (k, f)
+        for f in ("offset", "nbytes", "crc32c"):
+            assert np.array_equal(getattr(x.chunks, f), getattr(y.chunks, f)), (k, f)
+        assert np.array_equal(x.chunk_start, y.chunk_start), k
+
+
+def T(d, i=2):
+    return d["tensors"][f"b/{i}"]
+
+
+def _swap_shards(d):
+    t = T(d)
+    for f in ("offset", "writer", "key", "nbytes", "index_crc32c"):
+        t["shards"][f][0], t["shards"][f][1] = t["shards"][f][1], t["shards"][f][0]
+    for f in ("offset", "nbytes", "crc32c"):
+        t["chunks"][f][0], t["chunks"][f][1] = t["chunks"][f][1], t["chunks"][f][0]
+
+
+def _gap_before_chunk(d):
+    t = T(d)
+    t["shards"]["nbytes"][1] += 64
+    t["chunks"]["offset"][1] += 64
+
+
+VALID = {
+    "as_written": lambda d: None,
+    "shards_out_of_order": _swap_shards,
+    "gap_before_a_chunk": _gap_before_chunk,
+    "bool_in_metadata": lambda d: d["metadata"].update(flag=True),
+    "sharding_dict": lambda d: T(d).update(sharding={"mesh": {"x": 4}, "spec": [["x"], None]}),
+}
+
+BROKEN = {
+    "float_writer": lambda d: T(d)["shards"]["writer"].__setitem__(1, 1.0),
+    "bool_writer": lambda d: T(d)["shards"]["writer"].__setitem__(0, False),
+    "bool_chunk_offset": lambda d: T(d)["chunks"]["offset"].__setitem__(0, False),
+    "float_chunk_nbytes": lambda d: T(d)["chunks"]["nbytes"].__setitem__(0, float(T(d)["chunks"]["nbytes"][0])),
+    "float_shard_offset": lambda d: T(d)["shards"]["offset"].__setitem__(1, [2.0, 0]),
+    "float_shard_nbytes": lambda d: T(d)["shards"]["nbytes"].__setitem__(0, float(T(d)["shards"]["nbytes"][0])),
+    "float_shape": lambda d: T(d).update(shape=[8.0, 4]),
+    "bool_writer_with_bool_metadata": lambda d: (d["metadata"].update(flag=True), T(d)["shards"]["writer"].__setitem__(1, True)),
+    "string_crc": lambda d: T(d)["chunks"]["crc32c"].__setitem__(0, "5"),
+    "crc_range": lambda d: T(d)["shards"]["index_crc32c"].__setitem__(0, 2 ** 32),
+    "negative_crc": lambda d: T(d)["chunks"]["crc32c"].__setitem__(0, -1),
+    "writer_range": lambda d: T(d)["shards"]["writer"].__setitem__(0, WRITERS),
+    "negative_writer": lambda d: T(d)["shards"]["writer"].__setitem__(0, -1),
+    "huge_int": lambda d: T(d)["shards"]["writer"].__setitem__(0, 2 ** 70),
+    "short_column": lambda d: T(d)["chunks"]["crc32c"].pop(),
+    "shard_nbytes": lambda d: T(d)["shards"]["nbytes"].__setitem__(0, T(d)["shards"]["nbytes"][0] - 4),
+    "chunk_offset": lambda d: T(d)["chunks"]["offset"].__setitem__(0, 8),
+    "shard_key": lambda d: T(d)["shards"]["key"].__setitem__(0, "c/9/0"),
+    "duplicate_offset": lambda d: T(d)["shards"]["offset"].__setitem__(1, [0, 0]),
+    "shared_path": lambda d: T(d)["array"].update(path=T(d, 1)["array"]["path"]),
+    "sharding_list": lambda d: T(d).update(sharding=["x"]),
+    "unknown_member": lambda d: T(d)["shards"].update(extra=[]),
+    "null_column": lambda d: T(d)["shards"].update(writer=None),
+    "nested_column": lambda d: T(d)["chunks"]["crc32c"].__setitem__(0, [1]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALID))
+def test_fast_parse_accepts_like_exact(good, name):
+    d = copy.deepcopy(good)
+    VALID[name](d)
+    got = parse_manifest(json.dumps(d).encode())
+    same_tables(got.tensors, exact(d))
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_fast_parse_rejects_like_exact(good, name):
+    parse_manifest(json.dumps(good).encode())  # the control: the untouched manifest is accepted
+    d = copy.deepcopy(good)
+    BROKEN[name](d)
+    with pytest.raises(CheckpointError) as want:
+        exact(d)
+    with pytest.raises(CheckpointError) as got:
+        parse_manifest(json.dumps(d).encode())
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+
+
+def test_validate_rejects_a_bool_the_fast_path_would_compare_by_value(good):
+    m = parse_manifest(json.dumps(good).encode())
+    assert m.validate() is m
+    t = m.tensors["b/2"]
+    bad = mf.TensorEntry(t.key, t.shape, t.dtype, t.sharding, t.array, t.shards,
+                         mf.ChunkTable(t.chunks.offset.astype(bool), t.chunks.nbytes, t.chunks.crc32c))
+    broken = mf.Manifest(m.save_id, m.step, m.created_unix, m.writers, dict(m.tensors) | {"b/2": bad}, m.state,
+                         m.versions, m.metadata)
+    with pytest.raises(CheckpointError, match="integers"):
+        broken.validate()
+
+
+def test_to_bytes_is_plain_json_dumps(good):
+    d = copy.deepcopy(good)
+    d["tensors"]["b/1"]["sharding"] = {"spec": ["é", None], "mesh": {"z": 2, "a": 2}}
+    d["tensors"]["ключ/∑"] = d["tensors"].pop("b/3")
+    m = parse_manifest(json.dumps(d).encode())
+    plain = (json.dumps(m.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False) + "\n").encode()
+    assert m.to_bytes() == plain
+    assert b'"nested":{"tensors":{}}' in plain  # a "tensors" member inside metadata stays where it is
+    assert parse_manifest(plain).to_bytes() == plain
+
+
+def test_parsed_tables_are_read_only(good):
+    t = parse_manifest(json.dumps(good).encode()).tensors["b/2"]
+    with pytest.raises(ValueError):
+        t.shards.writer[0] = 1
+
+
+def test_tensors_of_one_geometry_take_the_fast_path(good):
+    """Tensors after the first of a geometry share its layout's arrays (the by-value path ran);
+    a non-canonical one does not (it went through the exact checks)."""
+    ts = parse_manifest(json.dumps(good).encode()).tensors
+    assert ts["b/2"].shards.offset is ts["b/1"].shards.offset
+    d = copy.deepcopy(good)
+    _swap_shards(d)
+    ts = parse_manifest(json.dumps(d).encode()).tensors
+    assert ts["b/2"].shards.offset is not ts["b/1"].shards.offset and ts["b/3"].shards.offset is ts["b/1"].shards.offset
