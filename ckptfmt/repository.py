@@ -37,7 +37,9 @@ class Repository:
     """A ckptfmt repository at ``url`` (local path, file://, memory://, s3://, gs://).
 
     ``options``: ``read_window_bytes`` (bytes of reads in flight per reader, default 256 MiB),
-    ``read_threads`` (local-file reader threads, default 32), ``fsync`` (file driver, default True),
+    ``read_threads`` (local-file reader threads, default 32), ``positional_reads`` (file driver: read
+    shards with preadv straight into the outputs, default True; False reads through tensorstore's
+    kvstore as on every other store), ``fsync`` (file driver, default True),
     ``io_concurrency``, ``copy_concurrency``, and
     ``kvstore`` (extra kvstore options such as an S3 endpoint).
 

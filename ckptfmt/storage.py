@@ -235,7 +235,9 @@ class Storage:
     def local_root(self) -> str | None:
         """The directory of a file-driver repository (positional reads go straight into the
         caller's buffers, without an intermediate copy), or None for other kvstores."""
-        return self.spec["path"] if self.spec.get("driver") == "file" else None
+        if self.spec.get("driver") != "file" or not self.options.get("positional_reads", True):
+            return None
+        return self.spec["path"]
 
     def open_local(self, key: str, *, tensor: str | None = None) -> tuple[int, int]:
         """(fd, size) of a local object; MissingShardError if absent. The caller closes fd."""

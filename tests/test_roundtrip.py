@@ -104,10 +104,11 @@ def test_any_save_layout_any_restore_layout(data):
 
 
 @pytest.mark.parametrize("where", ["none", "middle-chunk-data", "chunk-trailer", "index"])
-@pytest.mark.parametrize("path", ["whole-object", "per-chunk"])
-def test_both_local_read_paths_verify_every_byte(tmp_path, where, path):
+@pytest.mark.parametrize("path", ["whole-object", "per-chunk", "tensorstore"])
+def test_every_file_read_path_verifies_every_byte(tmp_path, where, path):
     """A whole shard read into its outputs takes one vectored read (one request per object); a
-    partial one reads chunk by chunk. Both reject a flipped byte anywhere, and accept the clean
+    partial one reads chunk by chunk; with positional_reads=False the same file repository is
+    read through tensorstore's kvstore. All reject a flipped byte anywhere, and accept the clean
     object (the control)."""
     from ckptfmt import ChecksumMismatchError, SaveOptions
 
@@ -127,12 +128,14 @@ def test_both_local_read_paths_verify_every_byte(tmp_path, where, path):
     if at is not None:
         raw[at] ^= 0x10
         obj.write_bytes(bytes(raw))
-    box = Box((0, 0), (32, 8)) if path == "whole-object" else Box((0, 0), (32, 4))
-    ck = Repository(url).open()
+    box = Box((0, 0), (32, 8)) if path != "per-chunk" else Box((0, 0), (32, 4))
+    repo = Repository(url, options={"positional_reads": path != "tensorstore"})
+    assert (repo.storage.local_root is None) == (path == "tensorstore")
+    ck = repo.open()
     if at is None:
         got = ck.read("x", box)
         assert np.array_equal(got, x[box.slices()])
-        assert (ck.stats.requests == 1) == (path == "whole-object"), ck.stats.requests
+        assert (ck.stats.requests == 1) == (path != "per-chunk"), ck.stats.requests
     else:
         with pytest.raises(ChecksumMismatchError):
             ck.read("x", box)

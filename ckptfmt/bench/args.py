@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", type=int, default=d.tensors, help="number of tensors (default 16)")
     p.add_argument("--save-devices", type=int, default=d.save_devices, help="writers: JAX devices / DCP ranks (default 8)")
     p.add_argument("--restore-devices", type=_ints, default=d.restore_devices, help="restore topologies (default 8,4)")
-    p.add_argument("--repetitions", "-r", type=int, default=d.repetitions, help="medians over this many runs (default 3)")
+    p.add_argument("--repetitions", "-r", type=int, default=d.repetitions, help="medians over this many runs (default 5: the disk is noisy)")
     p.add_argument("--storage", "--url", dest="storage", default=None,
                    help="repository URL or path for ckptfmt, e.g. s3://bucket/bench (default OUTPUT_DIR/data)")
     p.add_argument("--output-dir", "-o", default=d.output_dir, help="where bench.json, bench.md, bench.png go")

@@ -35,7 +35,7 @@ def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dic
             nbytes = s.get("state_bytes") or s.get("bytes_restored")
             if nbytes and s.get("wall_s"):
                 s["throughput_Bps"] = nbytes / s["wall_s"]
-            for f in ("api",):
+            for f in ("api", "bytes_read_counted_by"):
                 if reps and f in reps[0]:
                     s[f] = reps[0][f]
             out.setdefault(system, {})[phase] = s
@@ -173,7 +173,8 @@ def table(result: Any) -> str:
         lines.append("| " + " | ".join(row) + " |")
     sl = summary.get("ckptfmt", {}).get(f"slice_1of{n}")
     if sl:
-        lines += ["", f"ckptfmt 1/{n} slice reader: {sl['wall_s']:.3f} s, read {_mib(sl['bytes_read_per_reader'])} MiB for a {_mib(sl['slice_bytes'])} MiB slice."]
+        lines += ["", f"ckptfmt 1/{n} slice reader: {sl['wall_s']:.3f} s, read {_mib(sl['bytes_read_per_reader'])} MiB for a "
+                      f"{_mib(sl['slice_bytes'])} MiB slice (counted by {sl.get('bytes_read_counted_by', 'the reader')})."]
     for phase, ph in summary.get("ckptfmt", {}).items():
         parts = [(k[len("reader_t_"):-2], v) for k, v in ph.items() if k.startswith("reader_t_") and k != "reader_t_total_s"]
         if "reader_build_s" in ph:

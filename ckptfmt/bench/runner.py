@@ -36,7 +36,7 @@ class BenchOptions:
     tensors: int = 16
     save_devices: int = 8
     restore_devices: tuple[int, ...] = (8, 4)
-    repetitions: int = 3
+    repetitions: int = 5
     storage: str | None = None  # repository URL or path for ckptfmt; default: <output_dir>/data
     output_dir: str = "bench-out"
     peers: tuple[str, ...] = PEERS
