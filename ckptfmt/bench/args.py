@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", "-o", default=d.output_dir, help="where bench.json, bench.md, bench.png go")
     p.add_argument("--peers", type=_names, default=d.peers, help="comma list of orbax,dcp or 'none'")
     p.add_argument("--no-raw", dest="raw", action="store_false", help="skip the raw disk limit")
+    p.add_argument("--raw-threads", type=int, default=d.raw_threads, help="threads of the raw limit's pool (default 32)")
     p.add_argument("--ckptfmt-api", choices=("auto", "bridge", "core-jax", "core-numpy"), default=d.ckptfmt_api,
                    help="how ckptfmt is driven (auto: bridges.jax if present, else the core API)")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip comparing restored data")

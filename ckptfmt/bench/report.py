@@ -165,7 +165,8 @@ def table(result: Any) -> str:
         sv = ph.get("save", {})
         rd = {m: ph.get(f"restore_{n}to{m}") or (ph.get("restore") if system == "raw" else None) or {} for m in o["restore_devices"]}
         last = rd.get(resharded[0] if resharded else n, {})
-        row = [system, _s(sv.get("wall_s")), f"{sv['throughput_Bps'] / 1e6:,.0f}" if "throughput_Bps" in sv else "-", _s((rd.get(n) or {}).get("wall_s"))]
+        label = f"raw ({o.get('raw_threads', n)} threads)" if system == "raw" else system
+        row = [label, _s(sv.get("wall_s")), f"{sv['throughput_Bps'] / 1e6:,.0f}" if "throughput_Bps" in sv else "-", _s((rd.get(n) or {}).get("wall_s"))]
         row += [_s(rd[m].get("wall_s")) for m in resharded]
         row += [f"{_mib(sv.get('rss_peak'))} (+{_mib(sv.get('rss_extra'))})" if sv else "-"]
         row += [f"{_mib(last.get('rss_peak'))} (+{_mib(last.get('rss_extra'))})" if last else "-"]

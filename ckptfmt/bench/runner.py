@@ -1,9 +1,11 @@
 """``run_bench``: every system saves and restores the same state, each run in a fresh process.
 
-Order within one repetition: raw limit, ckptfmt, then each peer; for each,
-one save and then one restore per target topology, with the page cache
-dropped before each read where the OS allows it. Systems are interleaved per
-repetition so that slow drift of a shared disk hits all of them alike.
+Within one repetition every system (raw limit, ckptfmt, each peer) runs one
+save and then one restore per target topology, with the page cache dropped
+before each read where the OS allows it. Systems are interleaved per
+repetition, and the order rotates from one repetition to the next, so that
+slow drift of a shared disk, and whatever one system leaves the disk doing
+for the next, hit all of them alike.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class BenchOptions:
     output_dir: str = "bench-out"
     peers: tuple[str, ...] = PEERS
     raw: bool = True
+    raw_threads: int = 32  # thread pool of the raw limit (as wide as ckptfmt's reader)
     ckptfmt_api: str = "auto"  # "bridge" (bridges.jax), "core-jax", "core-numpy" (no JAX); auto: the first available
     check: bool = True  # compare every restored block with the generator (outside the timed window)
     drop_cache: bool = True
@@ -177,14 +180,18 @@ class _Session:
         self.log(f"{system:8s} {phase:12s} {ph['wall_s']:8.3f} s  peak RSS {ph['rss_peak'] / 2**20:8.0f} MiB")
         return True
 
-    def repetition(self) -> None:
+    def repetition(self, rep: int = 0) -> None:
         n = self.o.save_devices
-        for system in self.systems:
+        k = rep % len(self.systems)
+        for system in self.systems[k:] + self.systems[:k]:
+            # Remove this system's previous checkpoint here, not in the child: freeing 1 GiB of
+            # blocks must not be committed by the file system's journal on the save's clock.
+            self.clear(system)
             os.sync()  # earlier runs' dirty pages must not be flushed on this save's clock
             if system == "raw":
-                if self.record("raw", "save", lambda: self.child("ckptfmt.bench.raw:write", self.common | {"writers": n, "path": self.paths["raw"]})):
+                if self.record("raw", "save", lambda: self.child("ckptfmt.bench.raw:write", self.common | {"writers": n, "path": self.paths["raw"], "threads": self.o.raw_threads})):
                     self.before_read()
-                    self.record("raw", "restore", lambda: self.child("ckptfmt.bench.raw:read", {"path": self.paths["raw"], "readers": n}))
+                    self.record("raw", "restore", lambda: self.child("ckptfmt.bench.raw:read", {"path": self.paths["raw"], "readers": n, "threads": self.o.raw_threads}))
                 continue
             p, save, restore = _tasks(system, self.common, self.urls, self.paths, self.o)
             if not self.record(system, "save", lambda: self.child(*save)):
@@ -228,6 +235,16 @@ class _Session:
             self.log(f"{name} FAILED: {str(e).splitlines()[0]}")
             return None
 
+    def clear(self, system: str) -> None:
+        """Remove one system's checkpoint (before its next save)."""
+        if system in self.paths:
+            shutil.rmtree(self.paths[system], ignore_errors=True)
+        if system in self.urls:
+            try:
+                clear_repository(self.urls[system])
+            except Exception as e:  # the save itself will report a storage that cannot be written
+                self.notes.append(f"could not clear {self.urls[system]}: {e}")
+
     def cleanup(self) -> None:
         for path in self.paths.values():
             shutil.rmtree(path, ignore_errors=True)
@@ -255,7 +272,7 @@ def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], No
     s.log(f"state: {L.tensors} x {L.rows}x{L.cols} float32 = {L.nbytes / 2**20:.0f} MiB; systems: {', '.join(s.systems)}; reads {s.cache}")
     for rep in range(options.repetitions):
         s.log(f"repetition {rep + 1}/{options.repetitions}")
-        s.repetition()
+        s.repetition(rep)
     safety = s.safety() if options.safety else {}
     metadata = tailstep = None
     if options.metadata:
