@@ -104,7 +104,7 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
     out: list[Any] = []           # per tensor: a finished entry, or the index of a fast record
     recs: list[tuple] = []        # (key, shape, dtype, sharding, path, layout)
     paths: set[str] = set()
-    header: list[Any] = []        # shape / shard_shape / chunk_shape elements: all must be int
+    header: list[Any] = []        # shape / shard_shape / chunk_shape elements, compared as a cache key
     by_value: list[Any] = []      # values compared with a layout: their types still count
     w: list[Any] = []
     ic: list[Any] = []
@@ -139,10 +139,10 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
                         if path in paths:
                             raise Fallback
                         paths.add(path)
-                        header += shape
-                        header += ss
-                        header += cs
-                        if not no_float_or_bool:
+                        if not no_float_or_bool:  # else only ints can equal the cache key's ints
+                            header += shape
+                            header += ss
+                            header += cs
                             by_value.extend(chain.from_iterable(sh["offset"]))
                             by_value += sh["nbytes"]
                             by_value += ch["offset"]
@@ -156,7 +156,7 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
         _take(_exact(exact, k, t, prefix, writers), paths, out)
     if not recs:
         return dict(zip(doc, out))
-    if set(map(type, header)) != {int} or (by_value and set(map(type, by_value)) != {int}):
+    if (header and set(map(type, header)) != {int}) or (by_value and set(map(type, by_value)) != {int}):
         raise Fallback
     w_a, ic_a, cc_a = _ints(w), _ints(ic), _ints(cc)
     if w_a.size and (w_a.min() < 0 or w_a.max() > writers - 1):
