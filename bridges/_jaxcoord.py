@@ -8,6 +8,12 @@ earlier keys; the store stays small.
 
 Every wait has a timeout: a deadline raises CoordinatorTimeoutError; any other runtime failure
 (the service or a peer gone) raises CoordinatorLostError. Neither ever hangs past ``timeout_s``.
+
+A dead peer is noticed well before the timeout: each process refreshes a liveness key
+(``ckptfmt/alive/<rank>``) every second from a daemon thread, started with its first
+JaxCoordinator, and a wait polls in one-second slices; a peer whose key has not changed for
+``dead_after_s`` (default 20 s) is declared lost (CoordinatorLostError). A peer that has not
+started its heartbeat yet is only ever subject to the timeout.
 """
 from __future__ import annotations
 
@@ -24,6 +30,63 @@ from ckptfmt.errors import (CheckpointError, CoordinatorLostError, CoordinatorTi
 __all__ = ["JaxCoordinator", "default_coordinator"]
 
 _instances = itertools.count()
+
+#: Seconds between a process's liveness-key refreshes, and between a waiter's liveness checks.
+HEARTBEAT_S = 1.0
+#: A peer whose liveness key has not changed for this long is presumed dead.
+DEAD_AFTER_S = 20.0
+_beat_lock = threading.Lock()
+_beat: dict[str, Any] = {}  # this process's heartbeat: its client and thread (filled on first use)
+
+
+def _alive_key(rank: int) -> str:
+    return f"ckptfmt/alive/{rank}"
+
+
+def _start_heartbeat(client: Any, rank: int) -> None:
+    """Refresh this process's liveness key every HEARTBEAT_S from a daemon thread (once per client)."""
+    with _beat_lock:
+        if _beat.get("client") is client and _beat["thread"].is_alive():
+            return
+
+        def run() -> None:
+            n = 0
+            while True:
+                n += 1
+                try:
+                    client.key_value_set(_alive_key(rank), str(n), allow_overwrite=True)
+                except Exception:  # noqa: BLE001 - the service is gone or shut down: waiters will see it
+                    return
+                time.sleep(HEARTBEAT_S)
+
+        thread = threading.Thread(target=run, name="ckptfmt-jax-heartbeat", daemon=True)
+        thread.start()
+        _beat.update(client=client, thread=thread)
+
+
+def _is_timeout(exc: Exception) -> bool:
+    text = str(exc)
+    return "DEADLINE_EXCEEDED" in text or "deadline" in text.lower() or "timed out" in text.lower()
+
+
+class _PeerWatch:
+    """How long a peer's liveness key has stayed unchanged, as seen by this waiter."""
+
+    def __init__(self, client: Any, peer: int) -> None:
+        self.client, self.key = client, _alive_key(peer)
+        self.value: str | None = None
+        self.since = time.monotonic()
+
+    def silent_for(self) -> float | None:
+        """Seconds since the key last changed; None while the peer has no key (not started)."""
+        try:
+            value = self.client.key_value_try_get(self.key)
+        except Exception:  # noqa: BLE001 - NOT_FOUND: no heartbeat yet
+            return None
+        now = time.monotonic()
+        if value != self.value:
+            self.value, self.since = value, now
+        return now - self.since
 
 
 def _client() -> Any:
@@ -49,16 +112,21 @@ class JaxCoordinator:
     is unusable (CoordinatorLostError); create a new one.
 
     ``prefix`` separates coordinators that are alive at the same time; ranks must create
-    them in the same order, or pass the same prefix.
+    them in the same order, or pass the same prefix. ``dead_after_s``: a peer silent this long
+    is declared lost (None: only the timeout applies).
     """
 
-    def __init__(self, *, timeout_s: float = 300.0, prefix: str | None = None) -> None:
+    def __init__(self, *, timeout_s: float = 300.0, prefix: str | None = None,
+                 dead_after_s: float | None = DEAD_AFTER_S) -> None:
         import jax
 
         self._client = _client()
         self.rank = int(jax.process_index())
         self.world = int(jax.process_count())
         self.timeout_s = float(timeout_s)
+        self.dead_after_s = None if dead_after_s is None else float(dead_after_s)
+        if self.world > 1:
+            _start_heartbeat(self._client, self.rank)
         self._prefix = f"ckptfmt/{next(_instances) if prefix is None else prefix}"
         self._seq = 0
         self._mine: list[str] = []  # this rank's keys of the previous call
@@ -98,7 +166,7 @@ class JaxCoordinator:
     def _wrap(self, exc: Exception, what: str, timeout_s: float) -> CheckpointError:
         text = str(exc)
         first = text.splitlines()[0] if text else type(exc).__name__
-        if "DEADLINE_EXCEEDED" in text or "deadline" in text.lower() or "timed out" in text.lower():
+        if _is_timeout(exc):
             return self._fail(CoordinatorTimeoutError(
                 f"{what} timed out after {timeout_s:g} s on rank {self.rank} of {self.world}: {first}",
                 expected=f"all {self.world} ranks", found="timeout"))
@@ -111,11 +179,24 @@ class JaxCoordinator:
         except Exception as exc:  # noqa: BLE001 - jaxlib raises its own runtime error type
             raise self._fail(CoordinatorLostError(f"{what}: writing {key!r} failed on rank {self.rank}: {exc}")) from exc
 
-    def _take(self, key: str, header: list[Any], timeout_s: float, what: str) -> bytes:
-        try:
-            raw = bytes(self._client.blocking_key_value_get_bytes(key, _ms(timeout_s)))
-        except Exception as exc:  # noqa: BLE001
-            raise self._wrap(exc, what, timeout_s) from exc
+    def _take(self, key: str, header: list[Any], timeout_s: float, what: str, peer: int) -> bytes:
+        """Wait for ``peer``'s value under ``key``: in HEARTBEAT_S slices, checking between them
+        that the peer is still alive."""
+        deadline = time.monotonic() + timeout_s
+        watch = _PeerWatch(self._client, peer) if self.dead_after_s is not None else None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                raw = bytes(self._client.blocking_key_value_get_bytes(key, _ms(min(HEARTBEAT_S, max(left, 0.001)))))
+                break
+            except Exception as exc:  # noqa: BLE001
+                if not _is_timeout(exc) or time.monotonic() >= deadline:
+                    raise self._wrap(exc, what, timeout_s) from exc
+            silent = watch.silent_for() if watch is not None else None
+            if silent is not None and silent > self.dead_after_s:  # type: ignore[operator]
+                raise self._fail(CoordinatorLostError(
+                    f"{what}: rank {peer} is gone (its liveness key unchanged for {silent:.0f} s) on rank "
+                    f"{self.rank} of {self.world}", expected=f"a heartbeat every {HEARTBEAT_S:g} s", found="none"))
         try:
             got = msgpack.unpackb(raw, raw=False, use_list=True)
             ok = isinstance(got, list) and len(got) == len(header) + 1 and isinstance(got[-1], bytes)
@@ -130,26 +211,22 @@ class JaxCoordinator:
 
     # -- Coordinator protocol ---------------------------------------------------------------
     def barrier(self, name: str, timeout_s: float | None = None) -> None:
-        """Return once every rank has called ``barrier(name)``; a name mismatch times out."""
-        timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
-        with self._lock:
-            base = self._begin(name)
-            if self.world > 1:
-                try:
-                    self._client.wait_at_barrier(f"{base}/barrier/{name}", _ms(timeout_s))
-                except Exception as exc:  # noqa: BLE001
-                    raise self._wrap(exc, f"barrier {name!r}", timeout_s) from exc
-            self._end([], synced=True)
+        """Return once every rank has called ``barrier(name)``; a different call on any rank raises
+        StepMismatchError."""
+        self._gather("barrier", name, b"", timeout_s)
 
     def allgather(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
         """Every rank's payload, index = rank."""
+        return self._gather("allgather", name, _as_bytes(payload), timeout_s)
+
+    def _gather(self, kind: str, name: str, payload: bytes, timeout_s: float | None) -> list[bytes]:
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
-        payload = _as_bytes(payload)
         with self._lock:
             base = self._begin(name)
-            header = ["allgather", name, 0]
+            header = [kind, name, 0]
             mine = f"{base}/{self.rank}"
-            self._put(mine, header, payload, f"allgather {name!r}")
+            if self.world > 1:
+                self._put(mine, header, payload, f"{kind} {name!r}")
             deadline = time.monotonic() + timeout_s
             out = []
             for r in range(self.world):
@@ -157,8 +234,8 @@ class JaxCoordinator:
                     out.append(payload)
                     continue
                 left = max(deadline - time.monotonic(), 0.001)
-                out.append(self._take(f"{base}/{r}", header, left, f"allgather {name!r} (waiting for rank {r})"))
-            self._end([mine], synced=True)
+                out.append(self._take(f"{base}/{r}", header, left, f"{kind} {name!r} (waiting for rank {r})", r))
+            self._end([mine] if self.world > 1 else [], synced=True)
             return out
 
     def broadcast(self, name: str, payload: bytes | None, root: int = 0,
@@ -176,7 +253,7 @@ class JaxCoordinator:
                 self._put(key, header, payload, f"broadcast {name!r}")
                 self._end([key], synced=False)
                 return payload
-            return self._take(key, header, timeout_s, f"broadcast {name!r} (waiting for rank {root})")
+            return self._take(key, header, timeout_s, f"broadcast {name!r} (waiting for rank {root})", int(root))
 
     def close(self) -> None:
         """Forget this rank's remaining keys; they are deleted only if ``barrier`` was the last

@@ -61,6 +61,31 @@ def test_imports_stay_lazy():
 
 
 @pytest.mark.multiprocess
+def test_jax_coordinator_notices_a_killed_peer_before_the_timeout(tmp_path):
+    """Rank 1 SIGKILLs itself between two collectives: rank 0 gets CoordinatorLostError within
+    seconds (timeout 120 s). The control: the same rank 1 arriving 8 s late while alive (twice
+    dead_after_s) is waited for, not declared dead."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [tmp_path / f"r{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(PROC, "dead_peer_check.py"), str(port), str(r), str(outs[r])],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        _, err0 = procs[0].communicate(timeout=150)
+        procs[1].communicate(timeout=30)
+    finally:
+        for q in procs:
+            q.kill()
+    assert procs[0].returncode == 0, err0[-3000:]
+    assert procs[1].returncode == -9  # it really died mid-protocol
+    r0 = json.loads(outs[0].read_text())
+    assert r0["slow_peer"] == ["r0", "r1"] and r0["slow_peer_s"] >= 7, r0  # live but late: waited for
+    assert r0["dead_peer"] == "CoordinatorLostError", r0
+    assert "rank 1 is gone" in r0["dead_peer_message"] and r0["dead_peer_s"] < 30, r0
+
+
+@pytest.mark.multiprocess
 def test_jax_coordinator_two_processes(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
