@@ -28,8 +28,10 @@ __all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW"]
 DEFAULT_READ_WINDOW = 256 << 20
 #: Local-file reader threads: enough positional reads in flight to keep a virtual disk's queue full.
 DEFAULT_READ_THREADS = 32
-#: Outputs at least this large get their own anonymous mapping (see _aligned_empty).
-_MMAP_MIN_BYTES = 1 << 20
+#: Outputs at least this large get their own anonymous mapping (see _aligned_empty). numpy
+#: advises huge pages from 4 MiB up; smaller arrays stay with its allocator (and no process
+#: comes near the kernel's mapping limit, 65,530 by default, from its restore outputs).
+_MMAP_MIN_BYTES = 4 << 20
 #: Most buffers one preadv call takes (Linux IOV_MAX).
 _IOV_MAX = 1024
 #: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
@@ -484,7 +486,10 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
     mapping lock, and allocating the next batch waits on them (0.2-0.6 s per GiB restored here)."""
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if n >= _MMAP_MIN_BYTES:
-        return np.frombuffer(mmap.mmap(-1, n), dtype=dtype).reshape(shape)
+        try:
+            return np.frombuffer(mmap.mmap(-1, n), dtype=dtype).reshape(shape)
+        except OSError:  # out of mappings (vm.max_map_count) or address space: numpy's allocator
+            pass
     raw = np.empty(n + align, np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start:start + n].view(dtype).reshape(shape)
