@@ -13,7 +13,10 @@ A dead peer is noticed well before the timeout: each process refreshes a livenes
 (``ckptfmt/alive/<rank>``) every second from a daemon thread, started with its first
 JaxCoordinator, and a wait polls in one-second slices; a peer whose key has not changed for
 ``dead_after_s`` (default 20 s) is declared lost (CoordinatorLostError). A peer that has not
-started its heartbeat yet is only ever subject to the timeout.
+started its heartbeat yet is only ever subject to the timeout. Liveness means the peer's
+interpreter ran its heartbeat thread: a process that holds the GIL for longer than
+``dead_after_s`` (a long pure-Python loop; JAX and numpy calls release it) looks dead, so raise
+``dead_after_s``, or pass None, for such workloads.
 """
 from __future__ import annotations
 
@@ -43,21 +46,35 @@ def _alive_key(rank: int) -> str:
     return f"ckptfmt/alive/{rank}"
 
 
+def _client_is_current(client: Any) -> bool:
+    from jax._src import distributed
+
+    return distributed.global_state.client is client
+
+
 def _start_heartbeat(client: Any, rank: int) -> None:
-    """Refresh this process's liveness key every HEARTBEAT_S from a daemon thread (once per client)."""
+    """Refresh this process's liveness key every HEARTBEAT_S from a daemon thread (once per client).
+
+    A failed refresh is retried: one transient RPC error must not make this rank look dead to its
+    peers. The thread ends when ``jax.distributed`` shuts this client down (or replaces it)."""
     with _beat_lock:
         if _beat.get("client") is client and _beat["thread"].is_alive():
             return
 
         def run() -> None:
             n = 0
-            while True:
-                n += 1
-                try:
-                    client.key_value_set(_alive_key(rank), str(n), allow_overwrite=True)
-                except Exception:  # noqa: BLE001 - the service is gone or shut down: waiters will see it
-                    return
-                time.sleep(HEARTBEAT_S)
+            try:
+                while _client_is_current(client):
+                    n += 1
+                    try:
+                        client.key_value_set(_alive_key(rank), str(n), allow_overwrite=True)
+                    except Exception:  # noqa: BLE001 - transient, or the service is gone: retry until shut down
+                        pass
+                    time.sleep(HEARTBEAT_S)
+            finally:
+                with _beat_lock:
+                    if _beat.get("client") is client:
+                        _beat.clear()
 
         thread = threading.Thread(target=run, name="ckptfmt-jax-heartbeat", daemon=True)
         thread.start()
@@ -186,12 +203,15 @@ class JaxCoordinator:
         watch = _PeerWatch(self._client, peer) if self.dead_after_s is not None else None
         while True:
             left = deadline - time.monotonic()
+            slice_s = min(HEARTBEAT_S, max(left, 0.001))
+            started = time.monotonic()
             try:
-                raw = bytes(self._client.blocking_key_value_get_bytes(key, _ms(min(HEARTBEAT_S, max(left, 0.001)))))
+                raw = bytes(self._client.blocking_key_value_get_bytes(key, _ms(slice_s)))
                 break
             except Exception as exc:  # noqa: BLE001
                 if not _is_timeout(exc) or time.monotonic() >= deadline:
                     raise self._wrap(exc, what, timeout_s) from exc
+            time.sleep(max(0.0, slice_s - (time.monotonic() - started)))  # a get that gave up early: no spinning
             silent = watch.silent_for() if watch is not None else None
             if silent is not None and silent > self.dead_after_s:  # type: ignore[operator]
                 raise self._fail(CoordinatorLostError(
@@ -256,8 +276,8 @@ class JaxCoordinator:
             return self._take(key, header, timeout_s, f"broadcast {name!r} (waiting for rank {root})", int(root))
 
     def close(self) -> None:
-        """Forget this rank's remaining keys; they are deleted only if ``barrier`` was the last
-        call, since a peer may still be reading them otherwise (the store dies with the job)."""
+        """Forget this rank's remaining keys (those of the last call; a peer may still be reading
+        them, so they stay: one small key per rank per closed coordinator, gone with the job)."""
         self._mine = []
 
 

@@ -25,9 +25,10 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from .errors import InvalidManifestError
 from .plan import TensorGeometry
 
-__all__ = ["Fallback", "tensors_fast", "count_literals", "encode_tensors"]
+__all__ = ["Fallback", "tensors_fast", "count_literals", "check_encodable", "encode_tensors"]
 
 _TENSOR = frozenset({"shape", "dtype", "sharding", "array", "shards", "chunks"})
 _ARRAY = frozenset({"path", "shard_shape", "chunk_shape", "codec"})
@@ -259,3 +260,21 @@ def encode_tensors(tensors: Mapping[str, Any]) -> str:
             f'"shards":{{"index_crc32c":{_dump(sh.index_crc32c.tolist())},"key":{keys},"nbytes":{col(sh.nbytes)},'
             f'"offset":{offset},"writer":{_dump(sh.writer.tolist())}}}}}')
     return "{" + ",".join(parts) + "}"
+
+
+def check_encodable(doc: Any) -> None:
+    """Reject strings (keys or values) that UTF-8 cannot encode: lone surrogates from \\uD800-style escapes."""
+    stack = [doc]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+            stack.extend(v.keys())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidManifestError("manifest holds a string that is not valid Unicode (a lone surrogate)",
+                                           expected="UTF-8 encodable text", found=ascii(v)[:80]) from None

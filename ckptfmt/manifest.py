@@ -20,7 +20,7 @@ import numpy as np
 from .dtypes import DTYPES, itemsize_of
 from .errors import (CheckpointError, DuplicateShardError, InvalidManifestError, ManifestTooLargeError,
                      UnsupportedVersionError)
-from ._manifest_fast import Fallback, count_literals, encode_tensors, tensors_fast
+from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
 from .plan import TensorGeometry, chunk_count_table
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "ArraySpec", "ShardTable", "ChunkTable",
@@ -191,13 +191,17 @@ class Manifest:
         ensure_ascii=False, allow_nan=False) + "\n"``; the tensors member is encoded by
         :func:`encode_tensors`, which reuses the text of repeated columns."""
         with _no_gc():
-            text = json.dumps(self._head() | {"tensors": {}}, sort_keys=True, separators=(",", ":"),
-                              ensure_ascii=False, allow_nan=False)
-            # Only "versions" (strings) and "writers" (an int) sort after "tensors", so the last
-            # '"tensors":{}' is the top-level member (metadata may hold one of its own).
-            before, sep, after = text.rpartition('"tensors":{}')
-            assert sep, "the tensors member is missing from the encoded head"
-            return (before + '"tensors":' + encode_tensors(self.tensors) + after + "\n").encode()
+            try:
+                text = json.dumps(self._head() | {"tensors": {}}, sort_keys=True, separators=(",", ":"),
+                                  ensure_ascii=False, allow_nan=False)
+                # Only "versions" (strings) and "writers" (an int) sort after "tensors", so the last
+                # '"tensors":{}' is the top-level member (metadata may hold one of its own).
+                before, sep, after = text.rpartition('"tensors":{}')
+                assert sep, "the tensors member is missing from the encoded head"
+                return (before + '"tensors":' + encode_tensors(self.tensors) + after + "\n").encode()
+            except (TypeError, ValueError, UnicodeEncodeError) as e:  # NaN, a lone surrogate, a non-JSON value
+                raise InvalidManifestError("manifest cannot be encoded as canonical JSON",
+                                           found=f"{type(e).__name__}: {str(e)[:200]}") from None
 
     def validate(self) -> "Manifest":
         """Re-check every rule of format v1 on this manifest. Returns self; raises InvalidManifestError.
@@ -289,7 +293,11 @@ def _parse(data: bytes) -> Manifest:
 
     def _float(text: str) -> float:
         floats[0] += 1
-        return float(text)
+        value = float(text)
+        if not math.isfinite(value):  # 1e400: JSON allows the literal, the canonical encoding cannot hold it
+            raise InvalidManifestError("manifest holds a number out of float range", expected="a finite number",
+                                       found=text[:40])
+        return value
 
     data = bytes(data)
     try:
@@ -299,6 +307,8 @@ def _parse(data: bytes) -> Manifest:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise InvalidManifestError("manifest is not valid UTF-8 JSON", expected="JSON object", found=str(e)[:200]) from None
+    if b"\\u" in data:  # only escapes can smuggle in a lone surrogate (strict UTF-8 decoding rejects raw ones)
+        check_encodable(doc)
     # Every float literal is counted above; every boolean literal is a "true" or "false" in the text.
     try:
         return _from_doc(doc, literals=(floats[0], data.count(b"true") + data.count(b"false")))
@@ -494,6 +504,7 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
         owner = np.repeat(np.arange(n), counts)
         if np.any(coff > (nbytes[owner] - geom.index_nbytes) - cnb):  # written so that nothing can overflow int64
             _fail("a chunk byte range runs past its shard's data section", key=k)
-    return TensorEntry(k, shape_t, dtype, sharding, ArraySpec(path, shard_shape, chunk_shape, "raw"),
-                       ShardTable(offset, writer, tuple(keys), nbytes, icrc.astype(np.uint32)),
-                       ChunkTable(coff, cnb, ccrc.astype(np.uint32)))
+    tables = (offset, writer, nbytes, icrc.astype(np.uint32), coff, cnb, ccrc.astype(np.uint32))
+    for a in tables:  # a parsed manifest is immutable, whichever path checked it
+        a.flags.writeable = False
+    return _make_entry(k, shape_t, dtype, sharding, path, geom, *tables[:1], tuple(keys), *tables[1:])

@@ -487,7 +487,9 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> 
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if n >= _MMAP_MIN_BYTES:
         try:
-            return np.frombuffer(mmap.mmap(-1, n), dtype=dtype).reshape(shape)
+            # Private, like numpy's own memory: a fork()ed child's writes stay in the child.
+            buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            return np.frombuffer(buf, dtype=dtype).reshape(shape)
         except OSError:  # out of mappings (vm.max_map_count) or address space: numpy's allocator
             pass
     raw = np.empty(n + align, np.uint8)

@@ -148,10 +148,28 @@ def test_to_bytes_is_plain_json_dumps(good):
     assert parse_manifest(plain).to_bytes() == plain
 
 
-def test_parsed_tables_are_read_only(good):
-    t = parse_manifest(json.dumps(good).encode()).tensors["b/2"]
-    with pytest.raises(ValueError):
-        t.shards.writer[0] = 1
+@pytest.mark.parametrize("key", ["b/2", "s"])  # the fast path, and the exact path (0-d)
+def test_parsed_tables_are_read_only(good, key):
+    t = parse_manifest(json.dumps(good).encode()).tensors[key]
+    for table in (t.shards.writer, t.shards.offset, t.chunks.crc32c):
+        with pytest.raises(ValueError):
+            table[...] = 0
+
+
+@pytest.mark.parametrize("text, found", [
+    (b'"created_unix":1e400', "number out of float range"),
+    (b'"note":"\\ud800"', "lone surrogate"),
+])
+def test_values_the_canonical_encoding_cannot_hold_are_rejected(good, text, found):
+    data = json.dumps(good).encode()
+    assert parse_manifest(data).to_bytes()  # the control
+    if text.startswith(b'"created_unix"'):
+        bad = data.replace(b'"created_unix": ' + json.dumps(good["created_unix"]).encode(), text)
+    else:
+        bad = data.replace(b'"note": "true or false"', text)
+    assert bad != data
+    with pytest.raises(CheckpointError, match=found):
+        parse_manifest(bad)
 
 
 def test_tensors_of_one_geometry_take_the_fast_path(good):

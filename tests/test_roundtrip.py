@@ -139,3 +139,26 @@ def test_every_file_read_path_verifies_every_byte(tmp_path, where, path):
     else:
         with pytest.raises(ChecksumMismatchError):
             ck.read("x", box)
+
+
+def test_restored_arrays_are_private_to_the_process(tmp_path):
+    """Large outputs live in their own anonymous mappings: a fork()ed child (a data-loader worker)
+    that writes into one must not change the parent's array. The control: the child sees its
+    own write."""
+    import os
+
+    x = np.arange(2 << 20, dtype=np.float32).reshape(1024, 2048)  # 8 MiB: past the own-mapping threshold
+    url = str(tmp_path / "r")
+    assert not any(isinstance(r, Exception) for r in save_threads(url, 1, {"x": x}, "rows", 2))
+    got = Repository(url).open().read("x")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: write, report what it sees, leave without running any cleanup
+        got[0, 0] = -1.0
+        os.write(w, b"1" if got[0, 0] == -1.0 else b"0")
+        os._exit(0)
+    os.close(w)
+    seen = os.read(r, 1)
+    os.waitpid(pid, 0)
+    assert seen == b"1"  # the control: the write happened in the child
+    assert got[0, 0] == 0.0 and np.array_equal(got, x)  # and stayed there
