@@ -307,7 +307,7 @@ def _parse(data: bytes) -> Manifest:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise InvalidManifestError("manifest is not valid UTF-8 JSON", expected="JSON object", found=str(e)[:200]) from None
-    if b"\\u" in data:  # only escapes can smuggle in a lone surrogate (strict UTF-8 decoding rejects raw ones)
+    if b"\\" in data:  # only \u escapes can smuggle in a lone surrogate (strict UTF-8 decoding rejects raw ones)
         check_encodable(doc)
     # Every float literal is counted above; every boolean literal is a "true" or "false" in the text.
     try:
