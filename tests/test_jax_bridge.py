@@ -60,17 +60,23 @@ def test_imports_stay_lazy():
     assert p.returncode == 0, p.stderr[-2000:]
 
 
+def _two_processes(script: str, tmp_path) -> tuple[list[subprocess.Popen], list]:
+    """Start ``tests/jaxproc/<script> PORT RANK OUT_JSON`` as ranks 0 and 1 of one jax.distributed job."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [tmp_path / f"r{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(PROC, script), str(port), str(r), str(outs[r])],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    return procs, outs
+
+
 @pytest.mark.multiprocess
 def test_jax_coordinator_notices_a_killed_peer_before_the_timeout(tmp_path):
     """Rank 1 SIGKILLs itself between two collectives: rank 0 gets CoordinatorLostError within
     seconds (timeout 120 s). The control: the same rank 1 arriving 8 s late while alive (twice
     dead_after_s) is waited for, not declared dead."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    outs = [tmp_path / f"r{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(PROC, "dead_peer_check.py"), str(port), str(r), str(outs[r])],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs, outs = _two_processes("dead_peer_check.py", tmp_path)
     try:
         _, err0 = procs[0].communicate(timeout=150)
         procs[1].communicate(timeout=30)
@@ -87,12 +93,7 @@ def test_jax_coordinator_notices_a_killed_peer_before_the_timeout(tmp_path):
 
 @pytest.mark.multiprocess
 def test_jax_coordinator_two_processes(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    outs = [tmp_path / f"r{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(PROC, "coord_check.py"), str(port), str(r), str(outs[r])],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs, outs = _two_processes("coord_check.py", tmp_path)
     errs = []
     for p in procs:
         try:
