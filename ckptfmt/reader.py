@@ -286,7 +286,8 @@ class Checkpoint:
             if size != want:
                 raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
                                         expected=want, found=size)
-            c0, c1 = int(self._starts(t)[s]), int(self._starts(t)[s + 1])
+            starts = self._starts(t)
+            c0, c1 = int(starts[s]), int(starts[s + 1])
             if len(direct) == c1 - c0 and self._whole_layout(t, c0, c1, want):
                 return self._read_whole_direct(t, s, obj, fd, c0, c1, direct, phases, tr)
             index = bytearray(g.index_nbytes)

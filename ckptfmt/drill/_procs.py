@@ -14,9 +14,27 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Proc", "launch", "free_port", "wait_all", "kill_all", "read_json", "REPO_ROOT"]
+__all__ = ["Proc", "launch", "free_port", "wait_all", "kill_all", "read_json", "reap_forked", "REPO_ROOT"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def reap_forked(pids: dict[int, int], grace_s: float) -> bool:
+    """Wait for every forked child in ``pids`` (pid -> rank). When one fails, give the others
+    ``grace_s`` to report their own error, then SIGKILL them. True if any child failed."""
+    failed = False
+    while pids:
+        pid, status = os.waitpid(-1, 0)
+        pids.pop(pid, None)
+        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+            failed = True
+            time.sleep(grace_s)
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    return failed
 
 
 def free_port() -> int:

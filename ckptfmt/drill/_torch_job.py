@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     import bridges.torch  # noqa: F401
 
     times = {"t_start": T_START, "t_import": time.time()}
-    from ._procs import free_port
+    from ._procs import free_port, reap_forked
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.world))
     pids = {}
@@ -359,19 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                 sys.stderr.flush()
             os._exit(code)
         pids[pid] = r
-    failed = False
-    while pids:
-        pid, status = os.waitpid(-1, 0)
-        pids.pop(pid, None)
-        if os.waitstatus_to_exitcode(status) != 0 and not failed:
-            failed = True
-            time.sleep(2.0)  # let the others report their own error, then stop them
-            for p in pids:
-                try:
-                    os.kill(p, 9)
-                except ProcessLookupError:
-                    pass
-    sys.exit(1 if failed else 0)
+    sys.exit(1 if reap_forked(pids, grace_s=2.0) else 0)
 
 
 if __name__ == "__main__":

@@ -28,16 +28,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import bridges.jax as bj  # noqa: E402
+from bridges._receipt import _rss_mb as status  # noqa: E402
 from bridges._training import make_mesh  # noqa: E402
 
 
-def status() -> dict[str, float]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmHWM", "VmRSS")):
-                out[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return out
 
 
 n = 8

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -58,25 +56,15 @@ def main() -> None:
     import torch.distributed.tensor  # noqa: F401
     from torchproc import scenarios  # noqa: F401
 
+    from ckptfmt.drill._procs import reap_forked
+
     pids = {}
     for r in range(world):
         pid = os.fork()
         if pid == 0:
             os._exit(_child(r, world, port, scenario, args))
         pids[pid] = r
-    failed = False
-    while pids:
-        pid, status = os.waitpid(-1, 0)
-        pids.pop(pid, None)
-        if os.waitstatus_to_exitcode(status) != 0 and not failed:
-            failed = True
-            time.sleep(3.0)  # let the others report their own error, then stop them
-            for p in pids:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    sys.exit(1 if failed else 0)
+    sys.exit(1 if reap_forked(pids, grace_s=3.0) else 0)
 
 
 if __name__ == "__main__":
