@@ -3,8 +3,9 @@
 ``python -m ckptfmt.faults.soak --runs 200 [--workdir D] [--seed S] [--json]``
 
 Each run starts a new save of a new step in fresh writer processes (one writer, or every third
-run two writers with a TcpCoordinator), waits until the save has begun, sleeps a random time
-drawn across the measured duration of a save, and SIGKILLs the writers (for two writers: one
+run two writers with a TcpCoordinator), waits until the save has begun, and SIGKILLs the
+writers at a random time drawn across the measured duration of a save, counted from the
+writer's own clock stamp of the start of ``save()`` (for two writers: one
 random rank, and the survivor must fail on its own with a typed error). After each kill:
 
 * no listed step is partial: every newly listed step verifies;
@@ -174,7 +175,12 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         started = readers[0].wait_for("start", 60)
         if started is None:
             report.violations.append(f"run {i}: writer never started")
-        time.sleep(rng.uniform(0.0, 1.3 * report.save_seconds))
+        # The kill time is drawn relative to the writer's own clock stamp of the start of ``save()``,
+        # not to when this process read the line: on a loaded machine that read can lag by more
+        # than a whole save, and every kill would land after the commit.
+        kill_at = (float(started["t"]) if started and "t" in started else time.time()) \
+            + rng.uniform(0.0, 1.3 * report.save_seconds)
+        time.sleep(max(0.0, kill_at - time.time()))
         victims = list(range(world)) if world == 1 else [rng.randrange(world)]
         for r in victims:
             try:
