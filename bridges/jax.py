@@ -44,6 +44,7 @@ import numpy as np
 from ckptfmt import Box, LocalShard, Repository, SaveOptions
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt import save as _core_save
+from ckptfmt.reader import RANK_STATE_POLICIES as _CORE_POLICIES, check_rank_state_policy
 from ckptfmt.errors import (CheckpointError, StepNotFoundError, InvalidStateError, KeyMismatchError, SaveInProgressError,
                             ShapeMismatchError, TopologyChangedError)
 
@@ -54,8 +55,8 @@ from ._jaxtree import (describe_sharding, flatten_with_keys, index_to_box, is_pr
 __all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "PendingSave",
            "RANK_STATE_POLICIES"]
 
-#: The accepted values of ``rank_state_policy``.
-RANK_STATE_POLICIES = ("drop", "rank0", "same-rank")
+#: The accepted values of ``rank_state_policy`` (the core's, FORMAT.md 7.4).
+RANK_STATE_POLICIES = _CORE_POLICIES
 _BRIDGE_VERSION = 1
 _PLACEHOLDER_REPLICA = 1 << 30
 _SCALAR_TYPES = (bool, int, float, str, bytes, type(None), np.generic)
@@ -245,8 +246,7 @@ def _rank_world(ckpt: Any) -> tuple[int, bool]:
 
 
 def _check_policy(ckpt: Any, policy: str | None) -> None:
-    if policy is not None and policy not in RANK_STATE_POLICIES:
-        raise ValueError(f"rank_state_policy must be one of {RANK_STATE_POLICIES} or None, got {policy!r}")
+    check_rank_state_policy(policy)
     saved, has_rank = _rank_world(ckpt)
     now = jax.process_count()
     if has_rank and saved != now and policy is None:

@@ -31,6 +31,7 @@ import ckptfmt
 from ckptfmt._types import Box, LocalShard, TensorSharding
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import KeyMismatchError, SaveInProgressError, ShapeMismatchError
+from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.state import decode_state, encode_state
 
 from .mapping import IDENTITY, Mapping, Resolved
@@ -365,9 +366,11 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     missing key); a shape or dtype that does not match raises ShapeMismatchError naming the key;
     corrupt data raises the core's CheckpointError. Per-rank state (``rank_extra``, ``rng``) saved
     at another world size follows ``rank_policy`` ("drop": None; "rank0"; "same-rank"; None:
-    raise TopologyChangedError). All checks and reads happen before any value
+    raise TopologyChangedError); any other ``rank_policy`` raises ValueError naming the accepted
+    ones, before anything is read. All checks and reads happen before any value
     is built, and ``target`` is never modified.
     """
+    check_rank_state_policy(rank_policy)  # a usage error, raised before anything is opened
     mapping = mapping or IDENTITY
     repo = ckptfmt.Repository(url)
     ckpt = repo.open(_agreed_step(repo, step))

@@ -81,6 +81,17 @@ def test_round_trip_dtypes_objects_and_state(tmp_path):
     assert all(float(v.abs().sum()) == 0 for v in target["model"].values())  # target untouched
 
 
+def test_unknown_rank_policy_is_a_usage_error(tmp_path):
+    url = str(tmp_path / "repo")
+    bt.save(url, {"w": torch.ones(2)}, step=1, rank_extra={"cursor": 3})
+    with pytest.raises(ValueError, match="'drop', 'rank0', 'same-rank'"):
+        bt.load(url, {"w": torch.zeros(2)}, rank_policy="bogus")
+    # Refused before anything is opened: an empty repository would otherwise be StepNotFoundError.
+    with pytest.raises(ValueError, match="unknown rank state policy"):
+        bt.load(str(tmp_path / "empty"), {"w": torch.zeros(2)}, rank_policy="bogus")
+    assert bt.load(url, {"w": torch.zeros(2)}, rank_policy="same-rank").rank_extra == {"cursor": 3}  # control
+
+
 def test_missing_and_unexpected_keys(tmp_path):
     url = str(tmp_path / "repo")
     bt.save(url, {"w": torch.ones(2), "b": torch.ones(3)}, step=1)

@@ -347,6 +347,15 @@ def extra_rank_state_and_latest(d):
     g.bit_generator.state = rs["np_rng"]
     assert g.integers(1 << 30) == np.random.default_rng(1).integers(1 << 30)
     assert bj.load_rank_state(d, 1) is None
+    # An unknown policy is a usage error naming the accepted ones (ValueError, not a topology fault).
+    for call in (lambda: bj.restore(d, rank_state_policy="bogus"),
+                 lambda: bj.load_rank_state(d, rank_state_policy="bogus")):
+        try:
+            call()
+            raise AssertionError("unknown policy accepted")
+        except ValueError as e:
+            assert "'drop', 'rank0', 'same-rank'" in str(e), e
+    assert bj.load_rank_state(d, rank_state_policy="same-rank")["np_rng"] == rs["np_rng"]  # control
 
 
 @check
