@@ -359,6 +359,37 @@ def extra_rank_state_and_latest(d):
 
 
 @check
+def profile_record_checked(d):
+    # FORMAT.md 13.1/13.2: a malformed JAX profile record is refused (InvalidStateError), never
+    # guessed at; each bad record sits beside the good one it was derived from (the control).
+    import ckptfmt
+    from ckptfmt import Box, InvalidStateError, LocalShard
+
+    def core_save(url, bridge):
+        x, k = np.arange(3, dtype=np.float32), np.array([0, 42], np.uint32)
+        shards = [LocalShard("x", (3,), x.dtype, Box.full((3,)), x), LocalShard("k", (2,), k.dtype, Box.full((2,)), k)]
+        ckptfmt.save(url, 1, shards, state={"bridge": bridge, "extra": None})
+
+    good = {"name": "jax", "version": 1, "leaves": {"n": 3}, "prng_impls": {"k": "threefry2x32"}}
+    bad = [dict(good, version=2), dict(good, version=True), dict(good, name="flax"), dict(good, leaves=[1]),
+           dict(good, prng_impls={"x": "threefry2x32"}), dict(good, prng_impls={"k": 5}),
+           dict(good, prng_impls={"nope": "threefry2x32"}), dict(good, leaves={"x": 1}), "jax"]
+    for i, b in enumerate(bad):
+        url = os.path.join(d, f"bad{i}")
+        core_save(url, b)
+        try:
+            bj.restore(url)
+            raise AssertionError(f"malformed profile record accepted: {b!r}")
+        except InvalidStateError as e:
+            assert e.key == "bridge", e
+    url = os.path.join(d, "good")
+    core_save(url, good)
+    got = bj.restore(url)
+    assert got["n"] == 3 and str(jax.random.key_impl(got["k"])) == "threefry2x32"
+    assert np.asarray(jax.random.key_data(got["k"])).tolist() == [0, 42]
+
+
+@check
 def nonblocking_save(d):
     a = jnp.arange(8.0)
     pending = bj.save(d, {"a": a}, step=3, blocking=False)
