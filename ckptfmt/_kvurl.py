@@ -92,7 +92,8 @@ def kvstore_spec(url: str, options: Mapping[str, Any] | None = None, *,
         return _merge({"driver": "file", "path": _local_path(url)}, opts)
     scheme, rest = m.group(1).lower(), url[m.end():]
     if scheme not in _SCHEMES:
-        raise InvalidURLError(f"unsupported repository URL scheme {scheme!r}", object=url,
+        hint = "" if rest.startswith("//") else f" (a relative path whose first segment has ':' is written ./{url})"
+        raise InvalidURLError(f"unsupported repository URL scheme {scheme!r}{hint}", object=url,
                               expected=_ANY_FORM, found=f"{scheme}:")
     if not rest.startswith("//"):
         raise InvalidURLError(f"a {scheme}: URL needs '//' after the scheme", object=url,
