@@ -1,6 +1,6 @@
 """Pytree <-> ckptfmt vocabulary for the JAX bridge: key paths, boxes, sharding descriptions.
 
-Key path rendering (normative for the JAX bridge; see ``render_path``):
+Key path rendering (the JAX profile, spec/FORMAT.md 13.2; see ``render_path``):
 
 ==========================  ==========================================  ===========
 pytree key entry            example                                     component

@@ -2,7 +2,7 @@
 
 Verbs: :func:`save`, :func:`restore`, :func:`load_extra`, :func:`load_rank_state`.
 
-What a checkpoint holds (JAX bridge conventions, on top of format v1):
+What a checkpoint holds (the JAX profile, normative in spec/FORMAT.md 13.2; summarised here):
 
 * Every array leaf (``jax.Array``, ``numpy.ndarray``) is one tensor. Its key path is the pytree
   path rendered by :func:`bridges._jaxtree.render_path` (dict keys and attribute names as they
@@ -44,6 +44,7 @@ import numpy as np
 from ckptfmt import Box, LocalShard, Repository, SaveOptions
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt import save as _core_save
+from ckptfmt.reader import RANK_STATE_POLICIES as _CORE_POLICIES, check_rank_state_policy
 from ckptfmt.errors import (CheckpointError, StepNotFoundError, InvalidStateError, KeyMismatchError, SaveInProgressError,
                             ShapeMismatchError, TopologyChangedError)
 
@@ -54,8 +55,8 @@ from ._jaxtree import (describe_sharding, flatten_with_keys, index_to_box, is_pr
 __all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "PendingSave",
            "RANK_STATE_POLICIES"]
 
-#: The accepted values of ``rank_state_policy``.
-RANK_STATE_POLICIES = ("drop", "rank0", "same-rank")
+#: The accepted values of ``rank_state_policy`` (the core's, FORMAT.md 7.4).
+RANK_STATE_POLICIES = _CORE_POLICIES
 _BRIDGE_VERSION = 1
 _PLACEHOLDER_REPLICA = 1 << 30
 _SCALAR_TYPES = (bool, int, float, str, bytes, type(None), np.generic)
@@ -227,13 +228,32 @@ def _open(url: str, step: int | None) -> Any:
 
 
 def _bridge_state(ckpt: Any) -> dict[str, Any]:
+    """The JAX profile's record (FORMAT.md 13.2), checked; empty for a checkpoint of no profile."""
     st = ckpt.state() or {}
     b = st.get("bridge") if isinstance(st, dict) else None
     if b is None:
         return {"leaves": {}, "prng_impls": {}}
-    if not isinstance(b, dict) or not isinstance(b.get("leaves", {}), dict) \
-            or not isinstance(b.get("prng_impls", {}), dict):
-        raise InvalidStateError("the JAX bridge entry of the global state is malformed", key="bridge")
+
+    def bad(what: str, expected: Any, found: Any) -> InvalidStateError:
+        return InvalidStateError(f"the JAX profile record of the global state is malformed: {what}",
+                                 key="bridge", expected=expected, found=found)
+
+    if not isinstance(b, dict) or b.get("name") != "jax" or b.get("version") != _BRIDGE_VERSION \
+            or isinstance(b.get("version"), bool):
+        found = {k: b.get(k) for k in ("name", "version")} if isinstance(b, dict) else type(b).__name__
+        raise bad("name and version", {"name": "jax", "version": _BRIDGE_VERSION}, found)
+    leaves, impls = b.get("leaves", {}), b.get("prng_impls", {})
+    if not isinstance(leaves, dict) or not isinstance(impls, dict):
+        raise bad("leaves and prng_impls must be maps", "map", (type(leaves).__name__, type(impls).__name__))
+    keys = set(ckpt.keys())
+    both = sorted(set(leaves) & keys)
+    if both:
+        raise bad("a key path is both a tensor and a non-array leaf", "distinct key paths", both[:5])
+    for key, impl in impls.items():
+        t = ckpt.tensor(key) if key in keys else None
+        if not isinstance(impl, str) or t is None or t.dtype != "uint32" or not len(t.shape):
+            raise bad("a PRNG key record names no uint32 key-data tensor", "uint32 tensor, ndim >= 1",
+                      {"key path": key, "impl": impl, "tensor": None if t is None else (t.dtype, list(t.shape))})
     return b
 
 
@@ -245,8 +265,7 @@ def _rank_world(ckpt: Any) -> tuple[int, bool]:
 
 
 def _check_policy(ckpt: Any, policy: str | None) -> None:
-    if policy is not None and policy not in RANK_STATE_POLICIES:
-        raise ValueError(f"rank_state_policy must be one of {RANK_STATE_POLICIES} or None, got {policy!r}")
+    check_rank_state_policy(policy)
     saved, has_rank = _rank_world(ckpt)
     now = jax.process_count()
     if has_rank and saved != now and policy is None:

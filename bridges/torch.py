@@ -2,6 +2,8 @@
 
 Verbs (same as every bridge): :func:`save` and :func:`load`.
 
+What a checkpoint holds is the PyTorch profile, normative in spec/FORMAT.md 13.3.
+
 Key paths: nested dicts are flattened with ``/`` (``{"model": {"fc.weight": t}}`` ->
 ``model/fc.weight``); torch FQNs keep their dots. A tensor (``torch.Tensor`` or ``DTensor``)
 becomes a checkpoint tensor; any other leaf (ints, floats, lists such as optimizer
@@ -30,7 +32,8 @@ import torch
 import ckptfmt
 from ckptfmt._types import Box, LocalShard, TensorSharding
 from ckptfmt.dtypes import numpy_dtype
-from ckptfmt.errors import KeyMismatchError, SaveInProgressError, ShapeMismatchError
+from ckptfmt.errors import InvalidStateError, KeyMismatchError, SaveInProgressError, ShapeMismatchError
+from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.state import decode_state, encode_state
 
 from .mapping import IDENTITY, Mapping, Resolved
@@ -365,15 +368,17 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     missing key); a shape or dtype that does not match raises ShapeMismatchError naming the key;
     corrupt data raises the core's CheckpointError. Per-rank state (``rank_extra``, ``rng``) saved
     at another world size follows ``rank_policy`` ("drop": None; "rank0"; "same-rank"; None:
-    raise TopologyChangedError). All checks and reads happen before any value
+    raise TopologyChangedError); any other ``rank_policy`` raises ValueError naming the accepted
+    ones, before anything is read. All checks and reads happen before any value
     is built, and ``target`` is never modified.
     """
+    check_rank_state_policy(rank_policy)  # a usage error, raised before anything is opened
     mapping = mapping or IDENTITY
     repo = ckptfmt.Repository(url)
     ckpt = repo.open(_agreed_step(repo, step))
     src_keys = set(ckpt.keys())
     gstate = ckpt.state() or {}
-    saved_objects = ((gstate.get(_OBJECTS[0]) or {}).get(_OBJECTS[1]) or {}) if isinstance(gstate, dict) else {}
+    saved_objects = _saved_objects(gstate)
 
     flat = list(_flatten(target))
     missing: list[str] = []
@@ -463,6 +468,19 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     out.rng = ((rs.get("torch") or {}).get("rng")) if isinstance(rs, dict) else None
     out.bytes_read = _bytes_read(ckpt) - before
     return out
+
+
+def _saved_objects(gstate: Any) -> dict[str, Any]:
+    """``torch.objects`` of the global state (FORMAT.md 13.3); {} for a checkpoint of no profile."""
+    record = gstate.get(_OBJECTS[0]) if isinstance(gstate, dict) else None
+    if record is None:
+        return {}
+    objects = record.get(_OBJECTS[1]) if isinstance(record, dict) else None
+    if not isinstance(objects, dict):
+        raise InvalidStateError("the torch profile record of the global state is malformed: "
+                                "torch.objects must be a map", key="torch/objects", expected="map",
+                                found=type(objects).__name__ if isinstance(record, dict) else type(record).__name__)
+    return objects
 
 
 def _bytes_read(ckpt: Any) -> int:

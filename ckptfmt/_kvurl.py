@@ -4,15 +4,29 @@ One function, ``kvstore_spec``, turns a repository URL into the JSON spec that
 ``tensorstore.KvStore.open`` takes. Everything above this module works on keys
 relative to that kvstore, so file, memory, S3 and GCS share one code path.
 
-Supported URLs:
+Accepted URLs (spec/FORMAT.md 4.1). A string that begins with ``<scheme>:`` (a letter, then
+letters, digits, ``+``, ``-`` or ``.``) is a URL; anything else is a local path.
 
-=========================  ==============================================
-``/abs/path``, ``rel/path``  local filesystem (``file`` driver)
-``file:///abs/path``        local filesystem
-``memory://name``           in-process memory (tests)
-``s3://bucket[/prefix]``    S3 or any S3-compatible store (``s3`` driver)
-``gs://bucket[/prefix]``    Google Cloud Storage (``gcs`` driver)
-=========================  ==============================================
+==============================  ================================================
+``/abs/path``, ``rel/path``     local filesystem (``file`` driver); a relative path is
+                                resolved against the current directory
+``~/path``, ``~user/path``      local filesystem under that user's home directory
+``file:///abs/path``            local filesystem (empty authority)
+``file://localhost/abs/path``   the same
+``memory://name``, ``memory://``  in-process memory (tests)
+``s3://bucket[/prefix]``        S3 or any S3-compatible store (``s3`` driver)
+``gs://bucket[/prefix]``        Google Cloud Storage (``gcs`` driver)
+==============================  ================================================
+
+Everything else is refused with :class:`~ckptfmt.errors.InvalidURLError` naming the URL and
+the form expected, rather than guessed at. In particular: a scheme without ``//``
+(``file:/abs``, ``file:rel``, ``memory:/x``, ``s3:bucket``), which would otherwise become a
+directory named ``file:`` in the current directory; ``file://host/...`` for any host but
+``localhost`` (``file://rel/dir`` names the host ``rel``, not a relative path); ``file:`` URLs
+with ``%``, ``?`` or ``#`` (not percent-decoded: give such a path as a plain path); an unknown
+scheme; a ``~user`` whose home directory is unknown; an empty URL. A local path whose first
+segment contains ``:`` reads as a scheme: write it as ``./name:x``. Schemes are
+case-insensitive.
 
 S3 settings are read from the environment the way boto3 and the AWS CLI read
 them, and explicit ``options`` win over the environment:
@@ -30,9 +44,10 @@ the gcloud default credentials itself.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Mapping
 
-from .errors import InvalidManifestError
+from .errors import InvalidManifestError, InvalidURLError
 
 __all__ = ["kvstore_spec"]
 
@@ -46,6 +61,14 @@ _S3_ALIASES = {"region": "aws_region", "endpoint_url": "endpoint"}
 S3_DEFAULT_RETRIES = {"max_retries": 6, "initial_delay": "0.1s", "max_delay": "2s"}
 
 
+# RFC 3986 scheme syntax. A one-letter "scheme" is still a scheme: "c:/x" is refused, not a path.
+_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+_SCHEMES = ("file", "memory", "s3", "gs")
+_FORMS = {"file": "file:///absolute/path (or file://localhost/absolute/path)", "memory": "memory://name",
+          "s3": "s3://bucket/prefix", "gs": "gs://bucket/prefix"}
+_ANY_FORM = "a local path, file:///abs/path, memory://name, s3://bucket/prefix or gs://bucket/prefix"
+
+
 def kvstore_spec(url: str, options: Mapping[str, Any] | None = None, *,
                  environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Return the tensorstore kvstore spec (a JSON dict) for a repository URL.
@@ -57,30 +80,64 @@ def kvstore_spec(url: str, options: Mapping[str, Any] | None = None, *,
     ``aws_credentials`` object). ``environ`` defaults to ``os.environ`` (tests pass their own).
 
     The path always ends with "/" (or is empty) so that keys are appended beneath it.
-    Pure: opens nothing. Raises InvalidManifestError (a CheckpointError) for an unknown
-    scheme, a missing bucket, or options that are not a mapping.
+    Pure apart from reading the home directory for ``~``: opens nothing. Raises InvalidURLError
+    (a CheckpointError naming the URL, the form expected and what was found) for a URL that is
+    ambiguous, malformed or of an unknown scheme (see the module docstring), and
+    InvalidManifestError for options that are not a mapping.
     """
     env = os.environ if environ is None else environ
     opts = _check_options(url, options)
-    if "://" not in url:
-        spec: dict[str, Any] = {"driver": "file", "path": os.path.abspath(url).rstrip("/") + "/"}
-        return _merge(spec, opts)
-    scheme, rest = url.split("://", 1)
+    m = _SCHEME_RE.match(url)
+    if m is None:
+        return _merge({"driver": "file", "path": _local_path(url)}, opts)
+    scheme, rest = m.group(1).lower(), url[m.end():]
+    if scheme not in _SCHEMES:
+        hint = "" if rest.startswith("//") else f" (a relative path whose first segment has ':' is written ./{url})"
+        raise InvalidURLError(f"unsupported repository URL scheme {scheme!r}{hint}", object=url,
+                              expected=_ANY_FORM, found=f"{scheme}:")
+    if not rest.startswith("//"):
+        raise InvalidURLError(f"a {scheme}: URL needs '//' after the scheme", object=url,
+                              expected=_FORMS[scheme], found=f"{scheme}:{rest[:2]}")
+    authority, slash, path = rest[2:].partition("/")
     if scheme == "file":
-        return _merge({"driver": "file", "path": "/" + rest.lstrip("/").rstrip("/") + "/"}, opts)
+        return _merge({"driver": "file", "path": _file_path(url, authority, slash + path)}, opts)
     if scheme == "memory":
-        return _merge({"driver": "memory", "path": _prefix(rest)}, opts)
-    if scheme in ("s3", "gs"):
-        bucket, _, prefix = rest.partition("/")
-        if not bucket:
-            raise InvalidManifestError("repository URL names no bucket", object=url,
-                                       expected=f"{scheme}://bucket/prefix", found=url)
-        if scheme == "gs":
-            return _merge({"driver": "gcs", "bucket": bucket, "path": _prefix(prefix)}, opts)
-        return _s3_spec(bucket, _prefix(prefix), opts, env)
-    raise InvalidManifestError(
-        f"unsupported repository URL scheme {scheme!r}", object=url,
-        expected="a local path, file://, memory://, s3:// or gs://", found=scheme)
+        return _merge({"driver": "memory", "path": _prefix(rest[2:])}, opts)
+    if not authority:
+        raise InvalidURLError("repository URL names no bucket", object=url,
+                              expected=_FORMS[scheme], found=url)
+    if scheme == "gs":
+        return _merge({"driver": "gcs", "bucket": authority, "path": _prefix(path)}, opts)
+    return _s3_spec(authority, _prefix(path), opts, env)
+
+
+def _local_path(url: str) -> str:
+    """A plain path: ``~`` expanded, made absolute against the current directory."""
+    if not url:
+        raise InvalidURLError("repository URL is empty", object=url, expected=_ANY_FORM, found="''")
+    if "://" in url:  # "data/run://x": a path, or a URL mistyped? Refuse to guess.
+        raise InvalidURLError("a local path must not contain '://'", object=url, expected=_ANY_FORM,
+                              found=url)
+    path = os.path.expanduser(url) if url.startswith("~") else url
+    if path.startswith("~"):
+        user = url[1:].split("/", 1)[0]
+        raise InvalidURLError(f"no home directory is known for user {user!r}", object=url,
+                              expected="~/path or ~user/path for an existing user", found=f"~{user}")
+    return os.path.abspath(path).rstrip("/") + "/"
+
+
+def _file_path(url: str, authority: str, path: str) -> str:
+    if authority not in ("", "localhost"):
+        raise InvalidURLError(f"file: URL names the host {authority!r}; only local files are supported "
+                              "(a relative path is written without 'file://')", object=url,
+                              expected=_FORMS["file"], found=f"host {authority!r}")
+    if any(c in path for c in "%?#"):
+        raise InvalidURLError("file: URLs are not percent-decoded and take no query or fragment; "
+                              "give this path as a plain path", object=url, expected=_FORMS["file"],
+                              found=next(c for c in path if c in "%?#"))
+    if not path:
+        raise InvalidURLError("file: URL names no path", object=url, expected=_FORMS["file"], found=url)
+    return os.path.normpath("/" + path.lstrip("/")).rstrip("/") + "/"
 
 
 def _s3_spec(bucket: str, path: str, opts: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:

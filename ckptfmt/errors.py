@@ -13,6 +13,7 @@ __all__ = [
     "DuplicateShardError", "StepAlreadyCommittedError", "StepMismatchError", "IncompleteSaveError",
     "CoordinatorTimeoutError", "CoordinatorLostError", "StorageError", "InvalidStateError",
     "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError",
+    "InvalidURLError",
 ]
 
 
@@ -47,6 +48,10 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return str(v)
+
+
+class InvalidURLError(CheckpointError):
+    """A repository URL is ambiguous, malformed or of an unsupported scheme (nothing was opened)."""
 
 
 class InvalidManifestError(CheckpointError):

@@ -22,7 +22,7 @@ from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
 from .storage import Storage
 
-__all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW"]
+__all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy"]
 
 #: Bytes of reads kept in flight by one reader: a fixed memory overhead, independent of state size.
 DEFAULT_READ_WINDOW = 256 << 20
@@ -38,6 +38,20 @@ _IOV_MAX = 1024
 MAX_STATE_BYTES = 64 << 20
 
 Progress = Callable[[int, int], None]
+
+#: The per-rank state policies of FORMAT.md 7.4 (None, the default, means "same world only").
+RANK_STATE_POLICIES = ("drop", "rank0", "same-rank")
+
+
+def check_rank_state_policy(policy: str | None) -> None:
+    """Raise ValueError, naming the accepted policies, unless ``policy`` is None or one of them.
+
+    An unknown policy is a caller's mistake, not a property of the checkpoint, so it is not a
+    CheckpointError (and never a TopologyChangedError).
+    """
+    if policy is not None and policy not in RANK_STATE_POLICIES:
+        raise ValueError(f"unknown rank state policy {policy!r}; expected one of "
+                         f"{', '.join(map(repr, RANK_STATE_POLICIES))} or None")
 
 
 @dataclass
@@ -430,9 +444,9 @@ class Checkpoint:
         When restoring on a different number of ranks (``world`` != saved writers) this raises
         TopologyChangedError unless ``policy`` is given: "drop" returns None, "rank0" returns
         rank 0's state for every rank, "same-rank" returns rank ``rank``'s state when it exists.
+        A policy not in :data:`RANK_STATE_POLICIES` is a usage error: ValueError, before any read.
         """
-        if policy not in (None, "drop", "rank0", "same-rank"):
-            raise TopologyChangedError("unknown topology policy", expected="drop, rank0, same-rank", found=policy)
+        check_rank_state_policy(policy)
         if world is not None and world != self.saved_world:
             if policy is None:
                 raise TopologyChangedError("per-rank state saved on a different topology needs a policy",

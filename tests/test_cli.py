@@ -1,16 +1,19 @@
 """The ckptfmt command line: ls, inspect, verify, gc, faults, and the pass-through commands."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 import ckptfmt
+from ckptfmt._types import Box, LocalShard
 from ckptfmt.cli import app
 from ckptfmt.faults import _data
 from ckptfmt.faults._scene import Scene, flip
@@ -88,7 +91,7 @@ def test_verify_missing_step_and_bad_url(tmp_path, repo):
     code, doc = _json(["verify", str(repo), "--step", "99", "--json"])
     assert code == 1 and doc["steps"][0]["error"] == "StepNotFoundError"
     code, doc = _json(["ls", "nosuch://x", "--json"])
-    assert code == 1 and doc["error"] == "InvalidManifestError"
+    assert code == 1 and doc["error"] == "InvalidURLError" and doc["object"] == "nosuch://x"
     r = runner.invoke(app, ["verify", str(repo), "--step", "1", "--all"])
     assert r.exit_code == 2
 
@@ -146,3 +149,86 @@ def test_python_dash_m_entry_point(repo):
                          text=True, timeout=60, cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stderr
     assert [s["step"] for s in json.loads(out.stdout)["steps"]] == [10, 20]
+
+
+# ------------------------------------------------------------- hostile strings (issue 12, item 15)
+OSC52 = "\x1b]52;c;cm0gLXJmIH4=\x07"      # write "rm -rf ~" to the clipboard
+CLEAR = "\x1b[2J\x1b[H"                   # clear the screen
+BIDI = "\u202e"                           # right-to-left override
+HOSTILE_KEY = f"params/{OSC52}{CLEAR}{BIDI}[bold red]x[/bold red]\x9b/w"
+RAW = ("\x1b", "\x07", "\x9b", BIDI)
+
+
+def _hostile_repo(root: Path) -> Path:
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    shards = [LocalShard(HOSTILE_KEY, (2, 3), x.dtype, Box.full((2, 3)), x)]
+    ckptfmt.save(str(root), 5, shards, state={f"cursor{CLEAR}[link=http://x]y": 1},
+                 metadata={"note": OSC52})
+    return root
+
+
+def test_safe_escapes_controls_bidi_and_markup():
+    from rich.console import Console
+
+    from ckptfmt.cli._render import safe
+
+    def shown(text: str) -> str:
+        c = Console(record=True, width=400, highlight=False, file=io.StringIO())
+        c.print(text)
+        return c.export_text()
+
+    out = shown(safe(HOSTILE_KEY))
+    assert not any(ch in out for ch in RAW)
+    assert "\\x1b]52;c;" in out and "\\x07" in out and "\\x9b" in out and "\\u202e" in out
+    assert "[bold red]x[/bold red]" in out  # printed as text, not as markup
+    assert shown(safe("a\\x1b")) == "a\\\\x1b\n"  # a literal backslash cannot forge an escape
+    assert shown(safe("a\\[red]b")) == "a\\\\[red]b\n"
+    assert shown(safe("naïve 数据 ok")) == "naïve 数据 ok\n"  # printable text is left alone
+    # Broken control: printed as is, the escapes reach the output and the markup is consumed.
+    raw = shown(HOSTILE_KEY)
+    assert "\x1b" in raw and BIDI in raw and "[bold red]" not in raw
+
+
+def test_hostile_key_paths_are_escaped_in_every_human_output(tmp_path):
+    repo = _hostile_repo(tmp_path / "repo")
+    outputs = {}
+    wide = {"COLUMNS": "400"}  # no wrapping inside the strings looked for below
+    for args in (["ls", str(repo)], ["inspect", str(repo)], ["verify", str(repo)]):
+        r = runner.invoke(app, args, env=wide)
+        assert r.exit_code == 0, r.output
+        outputs[args[0]] = r.output
+    scene = Scene(repo, SEED)
+    flip(scene.shard_path(5, HOSTILE_KEY, 0), scene.shard_layout(5, HOSTILE_KEY, 0)["chunk0_offset"] + 1, 1)
+    r = runner.invoke(app, ["verify", str(repo)], env=wide)
+    assert r.exit_code == 1 and "ChecksumMismatchError" in r.output
+    outputs["verify-error"] = r.output
+    for name, out in outputs.items():
+        assert not any(ch in out for ch in RAW), name
+    for name in ("inspect", "verify-error"):
+        assert "\\x1b]52;c;" in outputs[name] and "[bold red]x[/bold red]" in outputs[name], name
+    assert "cursor\\x1b[2J\\x1b[H[link=http://x]y" in outputs["inspect"]
+    # JSON keeps the strings exact (json.dumps escapes them), and ok agrees with the exit code.
+    code, doc = _json(["verify", str(repo), "--json"])
+    assert code == 1 and doc["ok"] is False and doc["steps"][0]["key"] == HOSTILE_KEY
+    code, doc = _json(["inspect", str(repo), "--json"])
+    assert code == 0 and doc["ok"] is True
+    assert doc["tensors"][0]["key"] == HOSTILE_KEY and doc["metadata"] == {"note": OSC52}
+    assert doc["state_keys"] == [f"cursor{CLEAR}[link=http://x]y"]
+    out = runner.invoke(app, ["inspect", str(repo), "--json"]).stdout
+    assert not any(ch in out for ch in RAW)
+
+
+def test_json_ok_agrees_with_the_exit_code(repo, tmp_path):
+    Scene(repo, SEED).manifest_path(20).write_text("{not json")
+    code, doc = _json(["ls", str(repo), "--json"])
+    assert (code, doc["ok"]) == (1, False)
+    code, doc = _json(["verify", str(repo), "--step", "10", "--json"])
+    assert (code, doc["ok"]) == (0, True)  # the control: the same repository, a clean step
+    code, doc = _json(["verify", str(repo), "--step", "20", "--json"])
+    assert (code, doc["ok"]) == (1, False)
+    code, doc = _json(["ls", str(tmp_path / "empty"), "--json"])
+    assert (code, doc["ok"]) == (0, True)
+    code, doc = _json(["faults", "--list", "--json"])
+    assert (code, doc["ok"]) == (0, True)
+    code, doc = _json(["ls", "file:/abs", "--json"])
+    assert (code, doc["ok"], doc["error"]) == (1, False, "InvalidURLError")

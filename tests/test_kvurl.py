@@ -22,7 +22,7 @@ def test_s3_default_retries_bounded_and_overridable():
     assert _kvstore_spec("s3://b/p", environ={})["s3_request_retries"] == S3_DEFAULT_RETRIES
     custom = {"max_retries": 1}
     assert _kvstore_spec("s3://b/p", {"s3_request_retries": custom}, environ={})["s3_request_retries"] == custom
-from ckptfmt.errors import CheckpointError
+from ckptfmt.errors import CheckpointError, InvalidURLError
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "secret",
           "AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_REGION": "eu-west-1"}
@@ -46,8 +46,82 @@ def test_memory_url():
 
 
 def test_unknown_scheme_is_a_checkpoint_error():
-    with pytest.raises(CheckpointError, match="unsupported repository URL scheme"):
+    with pytest.raises(InvalidURLError, match="unsupported repository URL scheme") as e:
         kvstore_spec("ftp://host/x")
+    assert e.value.object == "ftp://host/x" and "file:///" in e.value.expected
+    assert isinstance(e.value, CheckpointError)
+
+
+# Each ambiguous URL next to the accepted spelling of what it probably meant (the broken control:
+# the check refuses the first and accepts the second).
+AMBIGUOUS = [
+    ("file:/abs/dir", "file:///abs/dir", "needs '//'"),          # was the directory ./file:/abs/dir
+    ("file:rel/dir", "rel/dir", "needs '//'"),
+    ("file://rel/dir", "file:///rel/dir", "names the host 'rel'"),  # was /rel/dir: 'rel' is a host
+    ("file://example.com/x", "file://localhost/x", "names the host"),
+    ("file://", "file:///", "names no path"),
+    ("file:///a%20b", "/a%20b", "percent-decoded"),
+    ("file:///a?b", "/a?b", "query or fragment"),
+    ("memory:/x", "memory://x", "needs '//'"),                   # was the directory ./memory:/x
+    ("memory:x", "memory://x", "needs '//'"),
+    ("s3:bucket/p", "s3://bucket/p", "needs '//'"),
+    ("gs:/bucket", "gs://bucket", "needs '//'"),
+    ("ckpt:v1", "./ckpt:v1", r"unsupported repository URL scheme 'ckpt' .*written \./ckpt:v1"),
+    ("c:/data", "/data", "unsupported repository URL scheme 'c'"),
+    ("data/run://x", "data/run/x", "must not contain '://'"),
+    ("", ".", "empty"),
+]
+
+
+@pytest.mark.parametrize("bad,good,match", AMBIGUOUS, ids=[a[0] or "<empty>" for a in AMBIGUOUS])
+def test_ambiguous_urls_are_refused_and_their_plain_spelling_accepted(bad, good, match):
+    with pytest.raises(InvalidURLError, match=match) as e:
+        kvstore_spec(bad, environ={})
+    assert e.value.object == bad and e.value.expected  # names the URL and what was expected
+    assert kvstore_spec(good, environ={})["driver"] in ("file", "memory", "s3", "gcs")
+
+
+def test_file_url_forms():
+    assert kvstore_spec("file://localhost/data/ckpt") == {"driver": "file", "path": "/data/ckpt/"}
+    assert kvstore_spec("FILE:///data/ckpt")["path"] == "/data/ckpt/"  # schemes are case-insensitive
+    assert kvstore_spec("file:///data/./x/../ckpt//")["path"] == "/data/ckpt/"
+    assert kvstore_spec("file:///")["path"] == "/"
+    assert kvstore_spec("./ckpt:v1")["path"] == os.path.abspath("ckpt:v1") + "/"
+
+
+def test_home_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert kvstore_spec("~/ckpt")["path"] == str(tmp_path / "ckpt") + "/"
+    assert kvstore_spec("~")["path"] == str(tmp_path) + "/"
+    import pwd
+    me = pwd.getpwuid(os.getuid())
+    assert kvstore_spec(f"~{me.pw_name}/ckpt")["path"] == os.path.join(me.pw_dir, "ckpt") + "/"
+    with pytest.raises(InvalidURLError, match="no home directory") as e:
+        kvstore_spec("~no-such-user-ckptfmt/x")
+    assert e.value.object == "~no-such-user-ckptfmt/x"
+
+
+def test_ambiguous_urls_create_nothing_in_the_current_directory(monkeypatch, tmp_path):
+    # End to end through Repository and a real save: before the fix each of these wrote a
+    # directory under the current directory (or at /rel/dir).
+    import numpy as np
+
+    import ckptfmt
+    from ckptfmt._types import Box, LocalShard
+
+    work, home = tmp_path / "cwd", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(home))
+    x = np.arange(4, dtype=np.float32)
+    shards = [LocalShard("x", (4,), x.dtype, Box.full((4,)), x)]
+    for bad in (f"file:{tmp_path}/a", "memory:/x", "file://rel/dir"):
+        with pytest.raises(InvalidURLError):
+            ckptfmt.save(bad, 1, shards)
+    assert list(work.iterdir()) == []
+    ckptfmt.save("~/run", 1, shards)  # the control: ~ lands in $HOME
+    assert ckptfmt.Repository(str(home / "run")).steps() == [1] and list(work.iterdir()) == []
 
 
 def test_options_must_be_a_mapping():
@@ -69,8 +143,10 @@ def test_s3_bucket_only_and_slashes():
 
 
 def test_s3_without_bucket_is_rejected():
-    with pytest.raises(CheckpointError, match="no bucket"):
+    with pytest.raises(InvalidURLError, match="no bucket"):
         kvstore_spec("s3:///prefix", environ={})
+    with pytest.raises(InvalidURLError, match="no bucket"):
+        kvstore_spec("gs://", environ={})
 
 
 def test_s3_environment_is_read():

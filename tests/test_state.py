@@ -141,6 +141,21 @@ def test_reference_cycle_and_deep_nesting_rejected_on_encode() -> None:
         encode_state(deep)
 
 
+def test_nesting_limit_counts_the_root() -> None:
+    # FORMAT.md 7.1: the root container is level 1; levels 1..64 are accepted, 65 is rejected.
+    assert MAX_DEPTH == 64
+    assert decode_state(b"\x91" * 64 + b"\xc0") is not None  # control: 64 levels, root included
+    with pytest.raises(InvalidStateError, match="deeper"):
+        decode_state(b"\x91" * 65 + b"\xc0")
+    deep: Any = None
+    for _ in range(64):
+        deep = {"k": deep}
+    assert decode_state(encode_state(deep)) == deep  # the encoder accepts exactly what decoders do
+    with pytest.raises(InvalidStateError, match="deeper"):
+        encode_state([deep])
+    assert decode_state(b"\xc0") is None  # a scalar root has no level
+
+
 def test_encode_refuses_state_that_decode_would_refuse() -> None:
     with pytest.raises(InvalidStateError, match="max_bytes"):
         encode_state(b"x" * 1000, max_bytes=100)

@@ -81,6 +81,33 @@ def test_round_trip_dtypes_objects_and_state(tmp_path):
     assert all(float(v.abs().sum()) == 0 for v in target["model"].values())  # target untouched
 
 
+def test_unknown_rank_policy_is_a_usage_error(tmp_path):
+    url = str(tmp_path / "repo")
+    bt.save(url, {"w": torch.ones(2)}, step=1, rank_extra={"cursor": 3})
+    with pytest.raises(ValueError, match="'drop', 'rank0', 'same-rank'"):
+        bt.load(url, {"w": torch.zeros(2)}, rank_policy="bogus")
+    # Refused before anything is opened: an empty repository would otherwise be StepNotFoundError.
+    with pytest.raises(ValueError, match="unknown rank state policy"):
+        bt.load(str(tmp_path / "empty"), {"w": torch.zeros(2)}, rank_policy="bogus")
+    assert bt.load(url, {"w": torch.zeros(2)}, rank_policy="same-rank").rank_extra == {"cursor": 3}  # control
+
+
+def test_malformed_objects_record_is_refused(tmp_path):
+    # FORMAT.md 13.3: torch.objects must be a map; anything else is InvalidStateError, not an
+    # AttributeError from the bridge. The control differs only in the record.
+    x = np.ones(2, np.float32)
+    shards = [ckptfmt.LocalShard("w", (2,), x.dtype, ckptfmt.Box.full((2,)), x)]
+    for i, record in enumerate(([1], {"objects": [1]}, {"objects": None}, {})):
+        url = str(tmp_path / f"bad{i}")
+        ckptfmt.save(url, 1, shards, state={"torch": record, "extra": None})
+        with pytest.raises(InvalidStateError, match="torch.objects must be a map"):
+            bt.load(url, {"w": torch.zeros(2)})
+    url = str(tmp_path / "good")
+    ckptfmt.save(url, 1, shards, state={"torch": {"objects": {"n": 3}}, "extra": None})
+    out = bt.load(url, {"w": torch.zeros(2), "n": 0})
+    assert out["n"] == 3 and torch.equal(out["w"], torch.ones(2))
+
+
 def test_missing_and_unexpected_keys(tmp_path):
     url = str(tmp_path / "repo")
     bt.save(url, {"w": torch.ones(2), "b": torch.ones(3)}, step=1)

@@ -5,7 +5,11 @@ Commands: ``ls``, ``inspect``, ``verify``, ``gc``, ``faults``, and pass-through 
 
 Exit codes: 0 success; 1 a :class:`~ckptfmt.errors.CheckpointError` (its class name, tensor
 key, object, expected and found are printed, or emitted as JSON with ``--json``); 2 usage.
-Every command takes ``--json`` and then prints exactly one JSON document on stdout.
+Every command takes ``--json`` and then prints exactly one JSON document on stdout, whose
+``"ok"`` is true exactly when the command exits 0.
+
+Human-readable output passes every string through :func:`ckptfmt.cli._render.safe` (terminal
+controls made visible, rich markup escaped); JSON output keeps every string exact.
 """
 from __future__ import annotations
 
@@ -51,6 +55,12 @@ def _emit_json(doc: Any) -> None:
     sys.stdout.flush()
 
 
+def _exit_unless(ok: bool) -> None:
+    """The exit code that goes with the ``"ok"`` a command printed (0 when ok, else 1)."""
+    if not ok:
+        raise typer.Exit(code=1)
+
+
 def _fail(exc: BaseException, as_json: bool) -> "typer.Exit":
     """Report a CheckpointError (or a storage-level OSError) and return the Exit to raise."""
     from ckptfmt.errors import CheckpointError
@@ -87,12 +97,12 @@ def ls_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
         rows = [_render.step_summary(repo, step) for step in repo.steps()]
     except CheckpointError as exc:
         raise _fail(exc, as_json)
+    ok = not any(r.get("error") for r in rows)
     if as_json:
-        _emit_json({"ok": True, "url": url, "steps": rows})
+        _emit_json({"ok": ok, "url": url, "steps": rows})
     else:
         _render.steps_table(_out(), url, rows)
-    if any(r.get("error") for r in rows):
-        raise typer.Exit(code=1)
+    _exit_unless(ok)
 
 
 # ------------------------------------------------------------------------------ inspect
@@ -155,8 +165,7 @@ def verify_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
         _emit_json({"ok": ok, "url": url, "steps": results})
     else:
         _render.verify_summary(_out(), results)
-    if not ok:
-        raise typer.Exit(code=1)
+    _exit_unless(ok)
 
 
 # ----------------------------------------------------------------------------------- gc
@@ -206,7 +215,7 @@ def faults_cmd(as_json: bool = JsonOpt,
         names = [{"name": f.name, "where": f.where, "expect": [e.__name__ for e in f.expect]}
                  for f in faults.CATALOGUE]
         if as_json:
-            _emit_json({"faults": names})
+            _emit_json({"ok": True, "faults": names})
         else:
             _render.fault_list(_out(), names)
         return
@@ -214,14 +223,14 @@ def faults_cmd(as_json: bool = JsonOpt,
     total = len(only) if only else len(faults.CATALOGUE)
     with _render.fault_progress(console, quiet=as_json, total=total) as on_outcome:
         table = faults.run_all(names=only or None, workdir=workdir, peers=peers, on_outcome=on_outcome)
+    ok = bool(table.all_passed)
     if as_json:
-        _emit_json(table.to_json())
+        _emit_json({"ok": ok, **table.to_json()})
     elif markdown:
         sys.stdout.write(faults.to_markdown(table) + "\n")
     else:
         faults.print_table(table, _out())
-    if not table.all_passed:
-        raise typer.Exit(code=1)
+    _exit_unless(ok)
 
 
 # ------------------------------------------------------------------ pass-through commands

@@ -1,9 +1,16 @@
-"""What the CLI shows: plain dicts built from the core API, and their rich renderings."""
+"""What the CLI shows: plain dicts built from the core API, and their rich renderings.
+
+Every string that reaches a human-readable rendering goes through :func:`safe` first: key paths,
+state keys, metadata, save ids, URLs and error messages all come from storage (or the user) and
+may hold terminal escapes or rich markup. JSON output is written with ``json.dumps`` instead and
+keeps every string exact.
+"""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import datetime as _dt
+import re
 from typing import Any, Callable, Iterator
 
 from rich.console import Console
@@ -13,8 +20,40 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColu
 from rich.table import Table
 from rich.tree import Tree
 
-__all__ = ["step_summary", "describe_step", "verify_with_progress", "plain", "error", "steps_table",
+__all__ = ["safe", "visible", "step_summary", "describe_step", "verify_with_progress", "plain", "error", "steps_table",
            "inspect_view", "verify_summary", "gc_view", "fault_list", "fault_progress"]
+
+# A backslash (so that an escape we print cannot be forged by the text itself), and any character
+# Python does not call printable except the ASCII space: C0 and C1 controls, DEL, format characters
+# (bidi overrides and isolates, zero-width characters), line and paragraph separators, other
+# spaces, surrogates, private-use and unassigned code points.
+_UNSAFE = re.compile(r"[^\x20-\x5b\x5d-\x7e]")
+
+
+def _visible(m: re.Match[str]) -> str:
+    c = m.group(0)
+    if c == "\\":
+        return "\\\\"
+    if c.isprintable():
+        return c
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
+def visible(value: Any) -> str:
+    """``value`` as text with every terminal control and invisible character made visible (see
+    :func:`safe`), for plain-text output such as markdown. Never raises."""
+    return _UNSAFE.sub(_visible, value if isinstance(value, str) else str(value))
+
+
+def safe(value: Any) -> str:
+    """``value`` as text that is safe to hand to a rich console: controls made visible, markup escaped.
+
+    Terminal controls (e.g. ``ESC ] 52`` clipboard writes, ``ESC [ 2J``), bidi overrides and other
+    invisible characters become Python-style escapes (``\\x1b``, ``\\u202e``); a backslash becomes
+    ``\\\\``; then rich markup is escaped, so ``[red]`` prints as itself. Never raises.
+    """
+    return escape(visible(value))
 
 
 def _when(unix: float | None) -> str:
@@ -117,46 +156,46 @@ def verify_with_progress(repo: Any, step: int, console: Console, *, quiet: bool)
 
 def error(console: Console, doc: dict[str, Any], *, step: int | None = None) -> None:
     where = f" (step {step})" if step is not None else ""
-    console.print(f"[bold red]{escape(str(doc['error']))}[/]{where}: {escape(str(doc['message']))}")
+    console.print(f"[bold red]{safe(doc['error'])}[/]{where}: {safe(doc['message'])}")
     for field in ("key", "object", "expected", "found"):
         if doc.get(field) is not None:
-            console.print(f"  {field}: {escape(str(doc[field]))}")
+            console.print(f"  {field}: {safe(doc[field])}")
     if doc.get("untyped"):
         console.print("  [red]this is not a CheckpointError: please report it as a ckptfmt bug[/]")
 
 
 def steps_table(console: Console, url: str, rows: list[dict[str, Any]]) -> None:
-    t = Table(title=f"committed steps in {escape(url)}")
+    t = Table(title=f"committed steps in {safe(url)}")
     for col, kw in (("step", {"justify": "right"}), ("committed", {"no_wrap": True}),
                     ("size", {"justify": "right", "no_wrap": True}), ("tensors", {"justify": "right"}),
                     ("writers", {"justify": "right"}), ("save id", {"overflow": "fold"})):
         t.add_column(col, **kw)
     for r in rows:
         if r.get("error"):
-            t.add_row(str(r["step"]), f"[red]{escape(r['error'])}[/]", "-", "-", "-", escape(r["message"]))
+            t.add_row(str(r["step"]), f"[red]{safe(r['error'])}[/]", "-", "-", "-", safe(r["message"]))
         else:
-            t.add_row(str(r["step"]), r["created"], _size(r["bytes"]), str(r["tensors"]), str(r["writers"]),
-                      r["save_id"])
+            t.add_row(str(r["step"]), safe(r["created"]), _size(r["bytes"]), str(r["tensors"]), str(r["writers"]),
+                      safe(r["save_id"]))
     if not rows:
-        console.print(f"no committed steps in {escape(url)}")
+        console.print(f"no committed steps in {safe(url)}")
         return
     console.print(t)
 
 
 def inspect_view(console: Console, url: str, doc: dict[str, Any]) -> None:
-    t = Table(title=f"step {doc['step']} of {escape(url)}: {len(doc['tensors'])} tensors, {_size(doc['bytes'])}, "
-                    f"{doc['writers']} writers, committed {doc['created']}")
+    t = Table(title=f"step {doc['step']} of {safe(url)}: {len(doc['tensors'])} tensors, {_size(doc['bytes'])}, "
+                    f"{doc['writers']} writers, committed {safe(doc['created'])}")
     for col, kw in (("key path", {}), ("shape", {}), ("dtype", {}), ("sharding", {"overflow": "fold"}),
                     ("shards", {"justify": "right"}), ("bytes", {"justify": "right"})):
         t.add_column(col, **kw)
     for r in doc["tensors"]:
-        t.add_row(escape(r["key"]), str(tuple(r["shape"])), r["dtype"],
-                  escape(r["sharding_text"]), str(r["shards"]), _size(r["bytes"]))
+        t.add_row(safe(r["key"]), str(tuple(r["shape"])), safe(r["dtype"]),
+                  safe(r["sharding_text"]), str(r["shards"]), _size(r["bytes"]))
     console.print(t)
     tree = Tree("non-tensor state")
     g = tree.add("global")
     for k in doc["state_keys"]:
-        g.add(escape(k))
+        g.add(safe(k))
     ranks = [o for o in doc["state_objects"] if o["scope"] == "rank"]
     if ranks:
         tree.add(f"per-rank: {len(ranks)} objects (ranks {', '.join(str(o['rank']) for o in ranks)})")
@@ -172,16 +211,16 @@ def verify_summary(console: Console, results: list[dict[str, Any]]) -> None:
         if r["ok"]:
             t.add_row(str(r["step"]), "[green]clean[/]", _size(r["bytes"]))
         else:
-            t.add_row(str(r["step"]), f"[bold red]{escape(r['error'])}[/]: {escape(r['message'])}", "-")
+            t.add_row(str(r["step"]), f"[bold red]{safe(r['error'])}[/]: {safe(r['message'])}", "-")
     console.print(t)
 
 
 def gc_view(console: Console, url: str, doc: dict[str, Any]) -> None:
-    t = Table(title=f"gc of {escape(url)}")
+    t = Table(title=f"gc of {safe(url)}")
     t.add_column("what")
     t.add_column("value", overflow="fold")
     for k, v in doc.items():
-        t.add_row(k.replace("_", " "), escape(", ".join(map(str, v)) if isinstance(v, list) else str(v)) or "-")
+        t.add_row(safe(k.replace("_", " ")), safe(", ".join(map(str, v)) if isinstance(v, list) else str(v)) or "-")
     console.print(t)
 
 
@@ -191,7 +230,7 @@ def fault_list(console: Console, names: list[dict[str, Any]]) -> None:
     t.add_column("where")
     t.add_column("expected error")
     for f in names:
-        t.add_row(f["name"], f["where"], ", ".join(f["expect"]))
+        t.add_row(safe(f["name"]), safe(f["where"]), safe(", ".join(f["expect"])))
     console.print(t)
 
 
@@ -206,6 +245,6 @@ def fault_progress(console: Console, *, quiet: bool, total: int) -> Iterator[Cal
         task = bar.add_task("base save by 2 writer processes", total=total)
 
         def on_outcome(o: Any) -> None:
-            bar.update(task, advance=1, description=f"{o.fault}: {'PASS' if o.passed else 'FAIL'}")
+            bar.update(task, advance=1, description=f"{safe(o.fault)}: {'PASS' if o.passed else 'FAIL'}")
 
         yield on_outcome

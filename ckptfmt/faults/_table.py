@@ -4,8 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+
+from ckptfmt.cli._render import safe, visible
 
 __all__ = ["print_table", "render_table", "to_markdown"]
 
@@ -44,13 +45,13 @@ def render_table(table: Any) -> Table:
         t.add_column("Orbax / DCP (same fault, this machine)", overflow="fold", max_width=40)
     t.add_column("ok", justify="center")
     for o in table.outcomes:
-        raised = _raised(o)
+        raised = safe(_raised(o))
         if not o.typed:
             raised = f"[bold red]{raised}[/]"
-        row = [o.fault, o.where, raised, _yes_no(o.exposed, False), _yes_no(o.prior_intact, True),
+        row = [safe(o.fault), safe(o.where), raised, _yes_no(o.exposed, False), _yes_no(o.prior_intact, True),
                _yes_no(o.gc_clean, True)]
         if peers:
-            row.append(_peers(o))
+            row.append(safe(_peers(o)))
         row.append("[green]PASS[/]" if o.passed else "[bold red]FAIL[/]")
         t.add_row(*row)
     return t
@@ -68,12 +69,12 @@ def to_markdown(table: Any) -> str:
                "yes" if o.gc_clean else "no"]
         row += [_peers(o)] if peers else []
         row += ["PASS" if o.passed else "**FAIL**"]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+        lines.append("| " + " | ".join(visible(c).replace("|", "\\|") for c in row) + " |")
     lines.append("")
     lines.append(f"{sum(o.passed for o in table.outcomes)}/{len(table.outcomes)} faults end terminal and correct.")
     for o in table.outcomes:
         if o.notes:
-            lines.append(f"- `{o.fault}`{'' if o.passed else ' (FAIL)'}: " + "; ".join(o.notes))
+            lines.append(f"- `{visible(o.fault)}`{'' if o.passed else ' (FAIL)'}: " + visible("; ".join(o.notes)))
     return "\n".join(lines)
 
 
@@ -83,4 +84,4 @@ def print_table(table: Any, console: Console | None = None) -> None:
     for o in table.outcomes:
         if o.notes:
             style = "green" if o.passed else "bold red"
-            console.print(f"[{style}]{o.fault}[/]: " + escape("; ".join(o.notes)))
+            console.print(f"[{style}]{safe(o.fault)}[/]: " + safe("; ".join(o.notes)))

@@ -347,6 +347,46 @@ def extra_rank_state_and_latest(d):
     g.bit_generator.state = rs["np_rng"]
     assert g.integers(1 << 30) == np.random.default_rng(1).integers(1 << 30)
     assert bj.load_rank_state(d, 1) is None
+    # An unknown policy is a usage error naming the accepted ones (ValueError, not a topology fault).
+    for call in (lambda: bj.restore(d, rank_state_policy="bogus"),
+                 lambda: bj.load_rank_state(d, rank_state_policy="bogus")):
+        try:
+            call()
+            raise AssertionError("unknown policy accepted")
+        except ValueError as e:
+            assert "'drop', 'rank0', 'same-rank'" in str(e), e
+    assert bj.load_rank_state(d, rank_state_policy="same-rank")["np_rng"] == rs["np_rng"]  # control
+
+
+@check
+def profile_record_checked(d):
+    # FORMAT.md 13.1/13.2: a malformed JAX profile record is refused (InvalidStateError), never
+    # guessed at; each bad record sits beside the good one it was derived from (the control).
+    import ckptfmt
+    from ckptfmt import Box, InvalidStateError, LocalShard
+
+    def core_save(url, bridge):
+        x, k = np.arange(3, dtype=np.float32), np.array([0, 42], np.uint32)
+        shards = [LocalShard("x", (3,), x.dtype, Box.full((3,)), x), LocalShard("k", (2,), k.dtype, Box.full((2,)), k)]
+        ckptfmt.save(url, 1, shards, state={"bridge": bridge, "extra": None})
+
+    good = {"name": "jax", "version": 1, "leaves": {"n": 3}, "prng_impls": {"k": "threefry2x32"}}
+    bad = [dict(good, version=2), dict(good, version=True), dict(good, name="flax"), dict(good, leaves=[1]),
+           dict(good, prng_impls={"x": "threefry2x32"}), dict(good, prng_impls={"k": 5}),
+           dict(good, prng_impls={"nope": "threefry2x32"}), dict(good, leaves={"x": 1}), "jax"]
+    for i, b in enumerate(bad):
+        url = os.path.join(d, f"bad{i}")
+        core_save(url, b)
+        try:
+            bj.restore(url)
+            raise AssertionError(f"malformed profile record accepted: {b!r}")
+        except InvalidStateError as e:
+            assert e.key == "bridge", e
+    url = os.path.join(d, "good")
+    core_save(url, good)
+    got = bj.restore(url)
+    assert got["n"] == 3 and str(jax.random.key_impl(got["k"])) == "threefry2x32"
+    assert np.asarray(jax.random.key_data(got["k"])).tolist() == [0, 42]
 
 
 @check
