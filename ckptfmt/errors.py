@@ -13,6 +13,7 @@ __all__ = [
     "DuplicateShardError", "StepAlreadyCommittedError", "StepMismatchError", "IncompleteSaveError",
     "CoordinatorTimeoutError", "CoordinatorLostError", "StorageError", "InvalidStateError",
     "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError",
+    "NotARepositoryError",
 ]
 
 
@@ -123,3 +124,7 @@ class TopologyChangedError(CheckpointError):
 
 class SaveInProgressError(CheckpointError):
     """A save was started while an earlier asynchronous save is still in flight."""
+
+
+class NotARepositoryError(CheckpointError):
+    """A collector found no ckptfmt repository at the URL (FORMAT.md 4.5), so it deleted nothing."""
