@@ -14,6 +14,7 @@ __all__ = [
     "CoordinatorTimeoutError", "CoordinatorLostError", "StorageError", "InvalidStateError",
     "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError",
     "InvalidURLError",
+    "NotARepositoryError",
 ]
 
 
@@ -128,3 +129,7 @@ class TopologyChangedError(CheckpointError):
 
 class SaveInProgressError(CheckpointError):
     """A save was started while an earlier asynchronous save is still in flight."""
+
+
+class NotARepositoryError(CheckpointError):
+    """A collector found no ckptfmt repository at the URL (FORMAT.md 4.5), so it deleted nothing."""

@@ -24,7 +24,8 @@ from ._manifest_fast import Fallback, check_encodable, count_literals, encode_te
 from .plan import TensorGeometry, chunk_count_table
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "ArraySpec", "ShardTable", "ChunkTable",
-           "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key", "manifest_key"]
+           "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key", "manifest_key",
+           "step_of_manifest_key", "MARKER_KEY", "MARKER_BYTES"]
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
@@ -43,6 +44,24 @@ _U32 = 1 << 32
 def manifest_key(step: int) -> str:
     """The key of the committed manifest of ``step``."""
     return f"manifests/{step:020d}.json"
+
+
+_MANIFEST_KEY_RE = re.compile(r"manifests/([0-9]{20})\.json")
+
+
+def step_of_manifest_key(key: str) -> int | None:
+    """The step a key under ``manifests/`` names, or None when it names none (FORMAT.md 4.2):
+    not exactly 20 digits, or a value above 2^63 - 1."""
+    m = _MANIFEST_KEY_RE.fullmatch(key)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step <= MAX_STEP else None
+
+
+#: The repository marker (FORMAT.md 4.5): written once by the first save's leader.
+MARKER_KEY = "ckptfmt.json"
+MARKER_BYTES = b'{"format":"ckptfmt","format_version":1}\n'
 
 
 def check_object_key(k: Any, *, prefix: str = "", key: str | None = None) -> str:

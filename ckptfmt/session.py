@@ -2,7 +2,8 @@
 
 Call order on every rank (all collectives are named and bounded by ``timeout_s``):
 
-1. rank 0 picks the save id and writes ``saves/<id>/LEASE``; ``broadcast("save/begin")``.
+1. rank 0 creates the repository marker ``ckptfmt.json`` if absent, picks the save id and writes
+   ``saves/<id>/LEASE``; ``broadcast("save/begin")``.
 2. ``allgather("save/freeze")`` of (step, inventory digest, held boxes). Every rank computes the
    same pure plan (:func:`ckptfmt.plan.plan_save`); any disagreement raises StepMismatchError on
    every rank before a byte of tensor data is written.
@@ -10,8 +11,10 @@ Call order on every rank (all collectives are named and bounded by ``timeout_s``
    each rank its own per-rank state) and verifies them: object size, index checksum, and every
    inner chunk's stored crc32c against the crc32c computed from the source bytes.
 4. ``allgather("save/ack")`` of the shard records, or of the writer's error.
-5. rank 0 builds and validates the manifest and publishes it with one conditional create of
-   ``manifests/<step>.json``; ``broadcast("save/commit")`` of the outcome.
+5. rank 0 builds and validates the manifest, switches its lease to ``committing`` (a write
+   conditional on the lease generation it last wrote: the fence against gc, FORMAT.md 8.3), and
+   publishes the manifest with one conditional create of ``manifests/<step>.json``;
+   ``broadcast("save/commit")`` of the outcome.
 
 On failure before the commit no manifest exists, so the step is never listed; rank 0 removes
 the save's private objects when it can, and ``Repository.gc`` removes them otherwise.
@@ -38,8 +41,8 @@ from .coord import Coordinator, LocalCoordinator
 from .dtypes import dtype_name, numpy_dtype
 from .errors import (CheckpointError, IncompleteSaveError, InvalidManifestError, StepAlreadyCommittedError,
                      StepMismatchError, StorageError)
-from .manifest import (MAX_STEP, ArraySpec, ChunkTable, Manifest, ShardTable, StateEntry, TensorEntry,
-                       manifest_key, parse_manifest)
+from .manifest import (MARKER_BYTES, MARKER_KEY, MAX_STEP, ArraySpec, ChunkTable, Manifest, ShardTable, StateEntry,
+                       TensorEntry, manifest_key, parse_manifest)
 from .plan import DEFAULT_CHUNK_TARGET_BYTES, TensorWritePlan, cell_key, plan_save, stored_chunk_counts
 from .storage import NO_VALUE, Storage
 
@@ -96,25 +99,47 @@ def _versions(extra: Mapping[str, str] | None) -> dict[str, str]:
 class _Heartbeat:
     """Rank 0 refreshes the lease so gc can tell a live save from an abandoned one.
 
-    Every write is conditional on the generation this save last wrote: a lease that gc removed is
-    never brought back. Once a refresh finds the lease gone or replaced, the save is ``lost`` and
-    must not commit (its objects may already be deleted).
+    Every write is conditional on the generation this save last wrote: a lease that gc claimed or
+    removed is never brought back. Once a refresh finds the lease gone or replaced, the save is
+    ``lost`` and must not commit (its objects may already be deleted). :meth:`begin_commit` is
+    the last write: it switches the lease to ``committing`` under the same lock as the beats,
+    and no beat follows it (FORMAT.md 10.1).
     """
 
     def __init__(self, storage: Storage, key: str, body: dict[str, Any], every_s: float) -> None:
         self.storage, self.key, self.body, self.every_s = storage, key, body, every_s
         self.generation: bytes = NO_VALUE
         self.lost = False
+        self.committing = False
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptfmt-lease", daemon=True)
 
     def beat(self) -> None:
-        gen = self.storage.write_if(self.key, _lease_bytes(self.body), self.generation)
-        if not gen:
-            self.lost = True
+        with self._lock:
+            if self.committing or self.lost:
+                return
+            gen = self.storage.write_if(self.key, _lease_bytes(self.body), self.generation)
+            if not gen:
+                self.lost = True
+                self._stop.set()
+            else:
+                self.generation = gen
+
+    def begin_commit(self) -> bool:
+        """Switch the lease to ``committing``, conditionally on our last generation. True when
+        this save may now create its manifest; False when a collector claimed the lease first.
+        Raises StorageError when the outcome is unknown (the caller must not commit then)."""
+        with self._lock:
             self._stop.set()
-        else:
-            self.generation = gen
+            if self.lost:
+                return False
+            gen = self.storage.write_if(self.key, _lease_bytes(dict(self.body, state="committing")), self.generation)
+            if not gen:
+                self.lost = True
+                return False
+            self.generation, self.committing = gen, True
+            return True
 
     def start(self) -> "_Heartbeat":
         self.beat()
@@ -190,6 +215,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             if storage.read(manifest_key(step)) is not None:
                 raise StepAlreadyCommittedError("step is already committed", object=manifest_key(step),
                                                 expected="no manifest", found="committed manifest")
+            storage.create_if_absent(MARKER_KEY, MARKER_BYTES)  # FORMAT.md 4.5; False: already there
             save_id = opts.save_id or new_save_id(step)
             heartbeat = _Heartbeat(storage, lease_key(save_id), {"save_id": save_id, "step": step, "world": world},
                                    opts.heartbeat_s).start()
@@ -311,7 +337,9 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
                 manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
                 data = manifest.to_bytes()
                 parse_manifest(data, max_bytes=repository.max_manifest_bytes)
-                if heartbeat is None or not heartbeat.holds():
+                # The fence (FORMAT.md 8.3): only a lease switched to "committing" may commit. A
+                # gc that claimed the stale lease first makes this conditional write fail.
+                if heartbeat is None or not heartbeat.begin_commit():
                     raise IncompleteSaveError("the save's lease was collected by gc (stalled past the grace period)",
                                               object=lease_key(save_id), expected="lease held by this save",
                                               found="missing or replaced")

@@ -2,16 +2,20 @@
 
 One :class:`Storage` wraps a tensorstore kvstore opened from a repository URL, plus the
 zarr v3 array specs used to write tensors. Every call either returns or raises
-StorageError (a CheckpointError) naming the object.
+StorageError (a CheckpointError) naming the object. On the file driver, deletes of a prefix and
+the walks that judge ages go through :mod:`ckptfmt._localfs` instead, which never follows a
+symbolic link (tensorstore's ``delete_range`` does).
 """
 from __future__ import annotations
 
 import functools
 import os
+import stat
 from typing import Any, Iterable, Mapping, Sequence
 
 import tensorstore as ts
 
+from . import _localfs
 from ._kvurl import kvstore_spec
 from .errors import MissingShardError, SizeMismatchError, StorageError
 
@@ -35,6 +39,15 @@ def _context(spec: Mapping[str, Any], options: Mapping[str, Any]) -> ts.Context:
     if spec.get("driver") == "file":
         cfg["file_io_sync"] = bool(options.get("fsync", True))
     return ts.Context(cfg)
+
+
+def _probe(fut: Any) -> str:
+    """What a one-byte range read found: "value", "missing", "out_of_range", or the error text."""
+    try:
+        r = fut.result()
+    except Exception as e:
+        return "out_of_range" if "OUT_OF_RANGE" in str(e) else str(e)[:120]
+    return "value" if r.state == "value" else "missing"
 
 
 class Storage:
@@ -65,6 +78,25 @@ class Storage:
                     # shorter than max_bytes + 1: a whole read is bounded
             if r is None:
                 r = self.kv.read(key).result()
+        except Exception as e:
+            raise StorageError("read failed", object=key, found=str(e)[:300]) from None
+        return r.value if r.state == "value" else None
+
+    def read_upto(self, key: str, start: int, n: int) -> bytes | None:
+        """At most ``n`` bytes of the object from ``start`` (fewer at its end), or None when it is
+        absent. Never reads more than ``n`` bytes of a write-once object."""
+        try:
+            try:
+                r = self.kv.read(key, byte_range=slice(start, start + n)).result()
+            except ValueError as e:
+                if "OUT_OF_RANGE" not in str(e):
+                    raise
+                try:  # the object ends before start + n: the rest is shorter than n
+                    r = self.kv.read(key, byte_range=slice(start, None)).result()
+                except ValueError as e2:
+                    if "OUT_OF_RANGE" not in str(e2):
+                        raise
+                    return b""  # it ends before start
         except Exception as e:
             raise StorageError("read failed", object=key, found=str(e)[:300]) from None
         return r.value if r.state == "value" else None
@@ -133,6 +165,59 @@ class Storage:
             out.append((r.value if r.state == "value" else None, bytes(r.stamp.generation)))
         return out
 
+    def read_each_with_generation(self, keys: Sequence[str], max_bytes: int) -> list[tuple[bytes | None, bytes] | StorageError]:
+        """(value or None, generation) of each key, read concurrently and each bounded: a value
+        holds at most ``max_bytes + 1`` bytes. A key that cannot be read gets its StorageError
+        in its place, so one bad object does not hide the others."""
+        futs = [self.kv.read(k, byte_range=slice(0, max_bytes + 1)) for k in keys]
+        out: list[tuple[bytes | None, bytes] | StorageError] = []
+        for k, f in zip(keys, futs):
+            try:
+                try:
+                    r = f.result()
+                except ValueError as e:
+                    if "OUT_OF_RANGE" not in str(e):
+                        raise
+                    r = self.kv.read(k).result()  # shorter than the bound: a whole read is bounded
+                out.append((r.value if r.state == "value" else None, bytes(r.stamp.generation)))
+            except Exception as e:
+                out.append(StorageError("read failed", object=k, found=str(e)[:300]))
+        return out
+
+    def size_faults(self, objects: Sequence[tuple[str, int]], *, batch: int = 4096) -> list[str]:
+        """Each object of ``(key, nbytes)`` that is missing, not a plain file, or not exactly
+        ``nbytes`` long, described in a few words (at most the first 8). File driver: ``stat``;
+        other stores: two one-byte range reads per object, never reading more."""
+        faults: list[str] = []
+        if self.file_root is not None:
+            for key, n in objects:
+                try:
+                    st = os.stat(self.file_root + key)
+                except OSError as e:
+                    faults.append(f"{key}: {e.strerror or 'missing'}")
+                else:
+                    if not stat.S_ISREG(st.st_mode) or st.st_size != n:
+                        faults.append(f"{key}: {st.st_size if stat.S_ISREG(st.st_mode) else 'not a file'} bytes, expected {n}")
+                if len(faults) >= 8:
+                    break
+            return faults
+        for i in range(0, len(objects), batch):
+            part = objects[i:i + batch]
+            futs = [(k, n, self.kv.read(k, byte_range=slice(n - 1, n)) if n else None,
+                     self.kv.read(k, byte_range=slice(n, n + 1))) for k, n in part]
+            for key, n, last, past in futs:
+                got = _probe(last) if last is not None else "value"
+                if got == "value":  # exactly n bytes: then a byte at offset n is out of range
+                    got = _probe(past)
+                    got = "ok" if got == "out_of_range" else f"longer than {n} bytes" if got == "value" else got
+                elif got == "out_of_range":
+                    got = f"shorter than {n} bytes"
+                if got != "ok":
+                    faults.append(f"{key}: {got}")
+                if len(faults) >= 8:
+                    return faults
+        return faults
+
     def create_if_absent(self, key: str, data: bytes) -> bool:
         """Atomically create ``key``; False if it already exists (the commit primitive)."""
         try:
@@ -148,75 +233,82 @@ class Storage:
             raise StorageError("delete failed", object=key, found=str(e)[:300]) from None
 
     def delete_prefix(self, prefix: str) -> None:
-        """Delete every object whose key starts with ``prefix`` (which must end with "/")."""
-        assert prefix.endswith("/") and prefix != "/"
+        """Delete every object whose key starts with ``prefix`` (which must end with "/").
+
+        On the file driver nothing is followed through a symbolic link: a link is removed
+        itself (tensorstore's ``delete_range`` would empty the directory it points to)."""
+        if not prefix.endswith("/") or prefix == "/":
+            raise StorageError("refusing to delete a prefix that is not a folder", object=prefix,
+                               expected="a prefix ending with '/'", found=prefix)
+        if self.file_root is not None:
+            try:
+                _localfs.remove_tree(self.file_root, prefix)
+            except OSError as e:
+                raise StorageError("delete failed", object=prefix, found=f"{type(e).__name__}: {e}") from None
+            return
         try:
             self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord("/") + 1))).result()
         except Exception as e:
             raise StorageError("delete failed", object=prefix, found=str(e)[:300]) from None
-        if self.spec.get("driver") == "file":
-            self._prune_dirs(self.spec["path"] + prefix)
 
-    @staticmethod
-    def _prune_dirs(top: str) -> None:
-        # The file driver deletes objects but leaves their directories, and the ".__lock" files of
-        # writes that were killed midway (which its listing hides), behind.
-        if not os.path.isdir(top):
-            return
-        for root, _dirs, files in os.walk(top, topdown=False):
-            for f in files:
-                if f.endswith(".__lock"):
-                    try:
-                        os.unlink(os.path.join(root, f))
-                    except OSError:
-                        pass
-            try:
-                os.rmdir(root)
-            except OSError:
-                pass  # not empty: something was written after the delete; gc will see it
+    @property
+    def file_root(self) -> str | None:
+        """The directory of a file-driver repository (ends with "/"), or None for other kvstores."""
+        return self.spec["path"] if self.spec.get("driver") == "file" else None
 
-    def children(self, prefix: str) -> set[str]:
-        """Names directly under ``prefix`` (which ends with "/"), including those that hold only
-        the file driver's hidden lock files."""
-        names = {k[len(prefix):].split("/", 1)[0] for k in self.list(prefix)}
-        if self.spec.get("driver") == "file":
+    def scan_children(self, prefix: str) -> list[_localfs.Entry]:
+        """Every name directly under ``prefix`` (which ends with "/"), each judged without
+        following links. File driver: from ``lstat`` (lock files of killed writes included, which
+        the kvstore listing hides). Other stores: from the listing, with no modification times.
+        Raises StorageError when the prefix cannot be listed, or is itself a link."""
+        if self.file_root is not None:
             try:
-                names |= set(os.listdir(self.spec["path"] + prefix))
-            except OSError:
-                pass
-        return names
+                return _localfs.scan_children(self.file_root, prefix)
+            except FileNotFoundError:
+                return []
+            except OSError as e:
+                raise StorageError("cannot list without following a link", object=prefix,
+                                   expected="a directory", found=f"{type(e).__name__}: {e.strerror or e}") from None
+        counts: dict[str, int] = {}
+        plain: set[str] = set()
+        leases: set[str] = set()
+        for k in self.list(prefix):
+            name, sep, rest = k[len(prefix):].partition("/")
+            if sep:
+                counts[name] = counts.get(name, 0) + 1
+                if rest == "LEASE":
+                    leases.add(name)
+            else:
+                plain.add(name)
+        out = [_localfs.Entry(n, "dir", c, None, "file" if n in leases else None) for n, c in counts.items()]
+        out += [_localfs.Entry(n, "file") for n in plain if n not in counts]
+        return sorted(out, key=lambda e: e.name)
+
+    def plain_dir(self, prefix: str) -> bool:
+        """False when ``prefix`` (or a folder on its way) is a symbolic link or not a folder (file
+        driver); True otherwise, also when absent and on stores without links."""
+        if self.file_root is None:
+            return True
+        return _localfs.plain_dir(self.file_root, prefix) is not False
 
     def remove_stale_locks(self, prefix: str, older_than_unix: float) -> int:
         """File driver: delete ".__lock" files under ``prefix`` last modified before the cutoff
-        (left by writes or deletes that were killed midway; the listing hides them). Returns the count."""
-        if self.spec.get("driver") != "file":
+        (left by writes or deletes that were killed midway; the listing hides them), judged with
+        ``lstat`` and never through a link. Returns the count."""
+        if self.file_root is None or _localfs.plain_dir(self.file_root, prefix) is not True:
             return 0
         removed = 0
-        for root, _dirs, files in os.walk(self.spec["path"] + prefix):
-            for f in files:
-                if f.endswith(".__lock"):
-                    path = os.path.join(root, f)
+        try:
+            for path, st in _localfs.walk(self.file_root + prefix):
+                if path.endswith(".__lock") and stat.S_ISREG(st.st_mode) and st.st_mtime < older_than_unix:
                     try:
-                        if os.stat(path).st_mtime < older_than_unix:
-                            os.unlink(path)
-                            removed += 1
+                        os.unlink(path)
+                        removed += 1
                     except OSError:
                         pass
+        except OSError:
+            pass  # a directory that cannot be listed: nothing more to tidy here
         return removed
-
-    def newest_mtime(self, prefix: str) -> float | None:
-        """Newest modification time of anything under ``prefix`` (file driver only; else None)."""
-        if self.spec.get("driver") != "file":
-            return None
-        newest = None
-        for root, _dirs, files in os.walk(self.spec["path"] + prefix):
-            for f in files:
-                try:
-                    m = os.stat(os.path.join(root, f)).st_mtime
-                except OSError:
-                    continue
-                newest = m if newest is None else max(newest, m)
-        return newest
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix``, sorted."""

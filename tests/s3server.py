@@ -24,7 +24,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 import pytest
@@ -171,10 +171,14 @@ class FaultProxy:
     that ignores conditional headers. moto does not verify SigV4 signatures, so edited
     requests are still accepted. ``reject_conditions=True``: a PUT carrying If-None-Match is
     answered 501 NotImplemented, as by a store that knows no conditional writes.
+    ``before=fn``: ``fn(method, path)`` runs right before each request is forwarded, so a test
+    can make another client's write land at that exact moment (between a client's HEAD and its
+    PUT or DELETE, say).
     """
 
     def __init__(self, upstream: str, *, hide: str | None = None, unlisted: str | None = None,
-                 drop_conditions: bool = False, reject_conditions: bool = False) -> None:
+                 drop_conditions: bool = False, reject_conditions: bool = False,
+                 before: Callable[[str, str], None] | None = None) -> None:
         up = urlsplit(upstream)
         proxy = self
 
@@ -205,6 +209,8 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(msg)
                     return
+                if proxy.before is not None:
+                    proxy.before(self.command, path)
                 if self.command == "PUT" and proxy.drop_conditions:
                     headers = {k: v for k, v in headers.items() if k.lower() not in ("if-none-match", "if-match")}
                 conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
@@ -228,6 +234,7 @@ class FaultProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
         self.hide = hide
+        self.before = before
         self.unlisted = unlisted
         self.drop_conditions = drop_conditions
         self.reject_conditions = reject_conditions

@@ -113,6 +113,44 @@ def test_gc_retention_and_leftovers(repo):
     assert runner.invoke(app, ["verify", str(repo)]).exit_code == 0
 
 
+def test_stray_manifest_names_are_reported_not_listed(repo):
+    """Issue 12, item 12: a 20-digit name above 2^63-1 is not a step; ls/verify name it as foreign."""
+    import shutil
+
+    m = repo / "manifests"
+    shutil.copyfile(m / f"{20:020d}.json", m / "99999999999999999999.json")
+    (m / "notes.txt").write_text("x")
+    code, doc = _json(["ls", str(repo), "--json"])
+    assert code == 0 and [s["step"] for s in doc["steps"]] == [10, 20]
+    assert doc["foreign"] == ["manifests/99999999999999999999.json", "manifests/notes.txt"]
+    code, doc = _json(["verify", str(repo), "--json"])  # verifies the latest: 20, not the stray name
+    assert code == 0 and [s["step"] for s in doc["steps"]] == [20] and len(doc["foreign"]) == 2
+    r = runner.invoke(app, ["ls", str(repo)])
+    assert r.exit_code == 0 and "99999999999999999999" in r.stdout and "not steps" in r.stdout
+    # Control: the same bytes under a valid step name are a step (and fail its step check).
+    shutil.copyfile(m / f"{20:020d}.json", m / f"{30:020d}.json")
+    code, doc = _json(["ls", str(repo), "--json"])
+    assert code == 1 and [s["step"] for s in doc["steps"]] == [10, 20, 30]
+    assert doc["steps"][2]["error"] == "InvalidManifestError"
+
+
+def test_gc_reports_foreign_objects_and_problems(repo):
+    (repo / "saves" / ".DS_Store").write_bytes(b"Bud1")
+    Scene(repo, SEED).manifest_path(10).write_text("{not json")
+    code, doc = _json(["gc", str(repo), "--grace-s", "0", "--json"])
+    assert code == 0 and doc["report"]["foreign"] == ["saves/.DS_Store"]
+    assert (repo / "saves" / ".DS_Store").exists()
+    r = runner.invoke(app, ["gc", str(repo), "--grace-s", "0"])
+    assert r.exit_code == 0 and ".DS_Store" in r.stdout
+    # Not a repository: nothing deleted, exit 1 with the typed error.
+    home = repo.parent / "home"
+    (home / "saves" / "photos").mkdir(parents=True)
+    (home / "saves" / "photos" / "a.jpg").write_bytes(b"jpg")
+    code, doc = _json(["gc", str(home), "--grace-s", "0", "--json"])
+    assert code == 1 and doc["error"] == "NotARepositoryError"
+    assert (home / "saves" / "photos" / "a.jpg").exists()
+
+
 def test_faults_list(repo):
     code, doc = _json(["faults", "--list", "--json"])
     assert code == 0 and {f["name"] for f in doc["faults"]} >= {"shard-missing", "disk-full"}

@@ -25,6 +25,7 @@ from ckptfmt import Box, LocalShard
 from ckptfmt._kvurl import kvstore_spec
 from ckptfmt.errors import (ChecksumMismatchError, CheckpointError, MissingShardError, SizeMismatchError,
                             StepAlreadyCommittedError, StepNotFoundError, StorageError)
+from ckptfmt.manifest import MARKER_BYTES
 from ckptfmt.storage import Storage
 from s3server import FaultProxy, S3Env, s3_env, s3_server  # noqa: F401  (pytest fixtures)
 
@@ -153,6 +154,20 @@ def _inherit_conformance_suite() -> None:
 
 
 _inherit_conformance_suite()
+
+
+def _inherit_gc_suite() -> None:
+    """The storage-neutral gc checks of tests/test_gc.py (those taking ``repo_url``), on S3."""
+    import inspect
+
+    import test_gc
+
+    for name, fn in vars(test_gc).items():
+        if name.startswith("test_") and callable(fn) and "repo_url" in inspect.signature(fn).parameters:
+            globals()["test_gc_" + name[len("test_"):]] = fn
+
+
+_inherit_gc_suite()
 
 
 def _arrays(seed: int = 0) -> dict[str, np.ndarray]:
@@ -447,9 +462,74 @@ def test_gc_with_a_lagging_list_keeps_committed_saves(s3_env):
 
 def test_cli_gc_without_grace_keeps_a_live_save(s3_env):
     sid = "000000000001-20990101T000000-00000001"
+    # The save's leader created the repository marker before its lease (FORMAT.md 4.5).
+    s3_env.client.put_object(Bucket=s3_env.bucket, Key="repo/ckptfmt.json", Body=MARKER_BYTES)
     s3_env.client.put_object(Bucket=s3_env.bucket, Key=f"repo/saves/{sid}/LEASE",
                              Body=json.dumps({"save_id": sid, "step": 1, "world": 1, "heartbeat_unix": time.time()}))
     out = subprocess.run([sys.executable, "-m", "ckptfmt", "gc", s3_env.url(), "--json"], env=_child_env(),
                          cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["report"]["in_progress"] == [sid]
+
+
+# ================================================ the commit fence on S3 (FORMAT.md 8.3, issue 12)
+
+
+def test_gc_claim_is_atomic_where_a_conditional_delete_is_not(s3_env):
+    """The leader's switch to "committing" lands between gc's HEAD and its write. gc's claim (a PUT
+    with If-Match) then loses, enforced by the server. Broken control: tensorstore's conditional
+    DELETE is a HEAD and then an unconditional DELETE, and it deletes the committing lease."""
+    kv, key = _kv(s3_env), "saves/x/LEASE"
+    writing, committing = b'{"state":"writing"}', b'{"state":"committing"}'
+
+    def race(gc_write: bytes | None) -> tuple[bytes, ts.KvStore.ReadResult]:
+        kv.write(key, None).result()
+        gen = kv.write(key, writing, if_equal=NO_VALUE).result().generation
+        fired: list[bool] = []
+
+        def leader_switches(method: str, path: str) -> None:
+            if method in ("PUT", "DELETE") and path.endswith("/" + key) and not fired:
+                fired.append(True)  # the leader's own conditional PUT, right now
+                s3_env.client.put_object(Bucket=s3_env.bucket, Key=f"repo/{key}", Body=committing,
+                                         IfMatch=gen[1:].decode())
+
+        with FaultProxy(s3_env.endpoint, before=leader_switches) as proxy:
+            won = _kv(s3_env, endpoint=proxy.endpoint).write(key, gc_write, if_equal=gen).result().generation
+        assert fired
+        return won, kv.read(key).result()
+
+    won, after = race(b'{"state":"collected"}')
+    assert won == b"" and after.value == committing        # the claim lost; the leader may commit
+    won, after = race(None)
+    assert won != b"" and after.state == "missing"          # control: the delete "won" anyway
+
+
+def _fence_s3(s3_env, freeze: str, gc_grace_s: float | None):
+    from ckptfmt.faults._fence import describe, frozen_commit
+
+    url = s3_env.url()
+    _save(url, 1, _arrays(seed=1))
+    run = frozen_commit(url, 2, 5, freeze=freeze, gc_grace_s=gc_grace_s)
+    assert run.froze and not run.hung and len(run.results) == 1, describe(run)
+    return ckptfmt.Repository(url), run, describe(run)
+
+
+@pytest.mark.multiprocess
+def test_frozen_leader_on_s3_loses_to_gc_and_fails_closed(s3_env):
+    repo, run, why = _fence_s3(s3_env, "before_fence", 1.0)
+    assert run.results[0]["error"] == "IncompleteSaveError" and len(run.report.removed_saves) == 1, why
+    assert repo.steps() == [1] and s3_env.keys("repo/saves/000000000002") == []
+    assert repo.verify(1) > 0
+
+
+@pytest.mark.multiprocess
+def test_leader_frozen_after_the_fence_on_s3_is_kept_and_commits(s3_env):
+    repo, run, why = _fence_s3(s3_env, "before_create", 1.0)
+    assert run.report.removed_saves == [] and len(run.report.uncertain) == 1, why
+    assert run.results[0]["ok"] and repo.steps() == [1, 2] and repo.verify(2) > 0, why
+
+
+@pytest.mark.multiprocess
+def test_frozen_leader_on_s3_without_gc_commits(s3_env):
+    repo, run, why = _fence_s3(s3_env, "before_fence", None)  # control: the pause alone is harmless
+    assert run.results[0]["ok"] and repo.steps() == [1, 2] and repo.verify(2) > 0, why

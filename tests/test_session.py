@@ -117,3 +117,69 @@ def test_unknown_rank_state_policy_is_rejected(repo_url):
     assert ck.rank_state(0, world=1, policy="same-rank") == {"r": 0}  # control
     with pytest.raises(TopologyChangedError):  # control: a real topology change without a policy
         ck.rank_state(0, world=2)
+
+
+# ------------------------------------------------ the commit fence (FORMAT.md 8.3, issue 12 item 4)
+
+
+def _claim(repo, key, gen):
+    """What gc does to a lease it judged stale: a conditional rewrite to "collected"."""
+    import json
+    return repo.storage.write_if(key, json.dumps({"state": "collected", "heartbeat_unix": 0}).encode(), gen)
+
+
+def test_commit_fence_and_gc_claim_exclude_each_other(repo_url):
+    import json
+    repo = Repository(repo_url)
+    # gc claims first: the leader's switch to "committing" fails, so it never creates its manifest.
+    hb = _Heartbeat(repo.storage, lease_key("s3"), {"save_id": "s3"}, every_s=3600).start()
+    gen = repo.storage.read_with_generation([lease_key("s3")])[0][1]
+    assert _claim(repo, lease_key("s3"), gen)
+    assert hb.begin_commit() is False and hb.lost
+    hb.stop()
+    # The leader switches first: gc's claim on the generation it read fails, and the lease stays.
+    hb = _Heartbeat(repo.storage, lease_key("s4"), {"save_id": "s4"}, every_s=3600).start()
+    gen = repo.storage.read_with_generation([lease_key("s4")])[0][1]
+    assert hb.begin_commit() is True
+    assert not _claim(repo, lease_key("s4"), gen)
+    hb.beat()                                    # a heartbeat after the switch must not undo it
+    value, after = repo.storage.read_with_generation([lease_key("s4")])[0]
+    assert json.loads(value)["state"] == "committing" and after == hb.generation
+    hb.stop()
+
+
+def _fence_run(tmp_path, freeze, gc_grace_s):
+    from ckptfmt.faults._fence import describe, frozen_commit
+    from ckptfmt.faults._procs import start_writers, wait_writers
+
+    url = str(tmp_path / "repo")
+    assert all(r["ok"] for r in wait_writers(start_writers(url, [1], 1, 5), 60).results)
+    run = frozen_commit(url, 2, 5, freeze=freeze, gc_grace_s=gc_grace_s)
+    assert run.froze and not run.hung and len(run.results) == 1, describe(run)
+    return Repository(url), run, describe(run)
+
+
+@pytest.mark.multiprocess
+def test_frozen_leader_loses_to_gc_and_fails_closed(tmp_path):
+    """SIGSTOP right before the fence; gc collects the stale save; after SIGCONT the save fails."""
+    repo, run, why = _fence_run(tmp_path, "before_fence", 1.0)
+    assert run.results[0]["error"] == "IncompleteSaveError" and len(run.report.removed_saves) == 1, why
+    assert repo.steps() == [1] and not [k for k in repo.storage.list("saves/") if k.startswith("saves/000000000002")]
+    repo.verify(1)
+
+
+@pytest.mark.multiprocess
+def test_leader_frozen_after_the_fence_is_kept_and_commits(tmp_path):
+    """SIGSTOP after the switch to "committing", right before the create: gc keeps the save."""
+    repo, run, why = _fence_run(tmp_path, "before_create", 1.0)
+    assert run.report.removed_saves == [] and len(run.report.uncertain) == 1, why
+    assert run.results[0]["ok"] and repo.steps() == [1, 2], why
+    repo.verify(2)
+
+
+@pytest.mark.multiprocess
+def test_frozen_leader_without_gc_commits(tmp_path):
+    """Control: the same frozen writer, no gc: the pause alone changes nothing."""
+    repo, run, why = _fence_run(tmp_path, "before_fence", None)
+    assert run.results[0]["ok"] and repo.steps() == [1, 2], why
+    repo.verify(2)

@@ -77,6 +77,14 @@ def _fail(exc: BaseException, as_json: bool) -> "typer.Exit":
     return typer.Exit(code=1)
 
 
+def _print_foreign(keys: list[str]) -> None:
+    """Keys under manifests/ that are not steps (FORMAT.md 4.2): ignored, but worth knowing about."""
+    if keys:
+        shown = ", ".join(_render.safe(k) for k in keys[:20])
+        more = f" and {len(keys) - 20} more" if len(keys) > 20 else ""
+        _out().print(f"[yellow]foreign objects under manifests/ (not steps, ignored):[/] {shown}{more}")
+
+
 def _repo(url: str):
     from ckptfmt import Repository
 
@@ -95,13 +103,15 @@ def ls_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     try:
         repo = _repo(url)
         rows = [_render.step_summary(repo, step) for step in repo.steps()]
+        foreign = repo.foreign_manifests()
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     ok = not any(r.get("error") for r in rows)
     if as_json:
-        _emit_json({"ok": ok, "url": url, "steps": rows})
+        _emit_json({"ok": ok, "url": url, "steps": rows, "foreign": foreign})
     else:
         _render.steps_table(_out(), url, rows)
+        _print_foreign(foreign)
     _exit_unless(ok)
 
 
@@ -142,6 +152,7 @@ def verify_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     results: list[dict[str, Any]] = []
     try:
         repo = _repo(url)
+        foreign = repo.foreign_manifests()
         if all_steps:
             steps = repo.steps()
         else:
@@ -162,9 +173,10 @@ def verify_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                 _render.error(console, exc.to_json(), step=s)
     ok = all(r["ok"] for r in results)
     if as_json:
-        _emit_json({"ok": ok, "url": url, "steps": results})
+        _emit_json({"ok": ok, "url": url, "steps": results, "foreign": foreign})
     else:
         _render.verify_summary(_out(), results)
+        _print_foreign(foreign)
     _exit_unless(ok)
 
 

@@ -2,7 +2,8 @@
 
 Faults of kind ``"disk"`` damage the newest committed step (2) of a two-writer save on disk;
 the check then restores step 2 into live buffers and verifies it. Faults of kind ``"save"``
-break a new save (step 3) while it runs. Either way the prior step must stay intact.
+break a new save (step 3) while it runs. Faults of kind ``"gc"`` make the repository hostile to
+garbage collection (:mod:`ckptfmt.faults._gcfaults`). Either way the prior step must stay intact.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptfmt import errors as E
+from ckptfmt.faults import _gcfaults as G
 from ckptfmt.faults._scene import TARGET_SHARD, TARGET_TENSOR, Scene, flip
 
 __all__ = ["Fault", "CATALOGUE", "SaveAttempt", "by_name"]
@@ -37,8 +39,8 @@ class SaveAttempt:
 class Fault:
     name: str
     where: str
-    kind: str  # "disk" | "save"
-    expect: tuple[type[E.CheckpointError], ...]
+    kind: str  # "disk" | "save" | "gc"
+    expect: tuple[type[E.CheckpointError], ...]  # "gc": what gc must raise; () for "must not raise"
     action: Callable[..., Any]
     names: tuple[str, ...] = ()  # the error's message must contain one of these (when given)
 
@@ -277,6 +279,22 @@ def _concurrent(s: Scene, ctx: Any) -> SaveAttempt:
     return a
 
 
+def _frozen_at_commit(s: Scene, ctx: Any) -> SaveAttempt:
+    """The leader SIGSTOPped at its commit while gc (grace 1 s) judges the lease stale (FORMAT.md 8.3)."""
+    from ckptfmt.faults._fence import frozen_commit
+
+    run = frozen_commit(s.url, 3, s.seed, freeze="before_fence", gc_grace_s=1.0, weaken=ctx.writer_weaken,
+                        timeout_s=ctx.save_timeout_s)
+    removed = run.report.removed_saves if run.report is not None else []
+    a = SaveAttempt(run.results, "single-writer save of step 3, leader SIGSTOPped right before its commit; "
+                    f"gc(grace_s=1) ran meanwhile and removed {len(removed)} save(s); then SIGCONT",
+                    hung=run.hung or not run.froze, returncodes=run.returncodes,
+                    notes=[e.strip().splitlines()[-1] for e in run.stderr if e.strip() and "Traceback" in e])
+    if not run.froze:
+        a.notes.append("the writer never reached its commit")
+    return a
+
+
 def _enospc(s: Scene, ctx: Any) -> SaveAttempt:
     from ckptfmt.faults._enospc import enospc_save
 
@@ -319,6 +337,15 @@ CATALOGUE: list[Fault] = [
     Fault("disk-full", "save of step 3, storage", "save", (E.StorageError, E.IncompleteSaveError), _enospc,
           names=("disk full", "No space left", "ENOSPC", "File too large", "EFBIG")),
     Fault("concurrent-same-step", "two saves of step 3", "save", (E.StepAlreadyCommittedError,), _concurrent),
+    Fault("writer-frozen-at-commit", "save of step 3, rank 0", "save", (E.IncompleteSaveError,), _frozen_at_commit,
+          names=("collected by gc",)),
+    Fault("gc-symlink-escape", "saves/evil -> outside", "gc", (), G.symlink_escape),
+    Fault("gc-not-a-repository", "a home folder", "gc", (E.NotARepositoryError,), G.not_a_repository),
+    Fault("gc-retention-newest-truncated", "manifests/<step 3>.json", "gc", (), G.retention_newest_truncated),
+    Fault("gc-retention-newest-data-missing", "step 3's objects", "gc", (), G.retention_newest_data_missing),
+    Fault("gc-stray-objects", "saves/, manifests/", "gc", (), G.stray_objects),
+    Fault("gc-shared-save-id", "manifests/<step 9>.json", "gc", (), G.shared_save_id),
+    Fault("gc-oversized-manifest", "manifests/<step 1>.json", "gc", (), G.oversized_manifest),
 ]
 
 

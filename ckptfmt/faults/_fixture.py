@@ -367,6 +367,10 @@ def run_fault(fault: Fault | str, base: Path, workdir: Path, ctx: Context | None
     try:
         if fault.kind == "disk":
             _disk_fault(fault, scene, ctx, out)
+        elif fault.kind == "gc":
+            from ckptfmt.faults._gcfaults import judge
+
+            judge(fault, scene, ctx, out, _within)
         else:
             _save_fault(fault, scene, ctx, out)
     except Exception as exc:  # a fixture failure is a failed row, with the reason

@@ -35,7 +35,8 @@ def start_writers(url: str, steps: list[int], world: int, seed: int, *, ranks: l
                   kill: str | None = None, kill_rank: int = 0, go_file: str | None = None,
                   timeout_s: float = 30.0, fsize_limit: int | None = None,
                   weaken: str | None = None, announce: bool = False,
-                  publish_first: bool = False, rendezvous: str | None = None) -> WriterRun:
+                  publish_first: bool = False, rendezvous: str | None = None, freeze: str | None = None,
+                  heartbeat_s: float | None = None) -> WriterRun:
     """Start one process per rank (``ranks`` defaults to all of them) saving ``steps``."""
     address = ""
     if world > 1:
@@ -47,7 +48,8 @@ def start_writers(url: str, steps: list[int], world: int, seed: int, *, ranks: l
         task = {"url": url, "steps": steps, "rank": rank, "world": world, "seed": seed, "address": address,
                 "kill": kill, "kill_rank": kill_rank, "go_file": go_file, "timeout_s": timeout_s,
                 "fsize_limit": fsize_limit, "weaken": weaken, "announce": announce,
-                "publish_first": publish_first, "rendezvous": rendezvous}
+                "publish_first": publish_first, "rendezvous": rendezvous, "freeze": freeze,
+                "heartbeat_s": heartbeat_s}
         procs.append(subprocess.Popen([sys.executable, "-m", "ckptfmt.faults._writer", json.dumps(task)],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), text=True))
     return WriterRun(procs)

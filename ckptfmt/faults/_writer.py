@@ -12,7 +12,15 @@ Kill points (the process SIGKILLs itself, so the kill lands at a known protocol 
 ``"before_commit"``  right after the acknowledgement all-gather returns on this rank, i.e.
                      every writer has written and acknowledged, and the commit is next.
 
-Other task keys: ``go_file`` (wait until this file exists before saving), ``rendezvous`` (a
+Freeze points (the process prints ``{"event": "frozen"}`` and SIGSTOPs itself; the parent
+resumes it with SIGCONT, as a SLURM suspend or a paused VM would):
+
+``"before_fence"``   rank 0, right before its commit fence (the switch of its lease to
+                     ``committing``, FORMAT.md 8.3). With the ``no_commit_fence`` weakening, right
+                     after the old pre-commit lease check, i.e. between the check and the create;
+``"before_create"``  rank 0, right before the conditional create of the manifest (after the fence).
+
+Other task keys: ``heartbeat_s`` (the lease refresh interval), ``go_file`` (wait until this file exists before saving), ``rendezvous`` (a
 directory: the first block's data callable waits until ``rendezvous_n`` writers reached it, so
 concurrent saves are all past the start of ``save()`` before any commits), ``announce`` (print
 ``{"event": "start"}`` right before ``save()``, for the soak's kill timer), ``fsize_limit``
@@ -34,6 +42,8 @@ __all__ = ["main", "KillingCoordinator", "WEAKEN"]
 WEAKEN = {
     # The commit becomes a plain write: a second save of the same step overwrites the first.
     "no_conditional_create": "ckptfmt.storage.Storage.create_if_absent -> unconditional write",
+    # The commit fence becomes the old check-then-create: read the lease, then create the manifest.
+    "no_commit_fence": "ckptfmt.session._Heartbeat.begin_commit -> holds() (a check, not a conditional write)",
 }
 
 
@@ -46,8 +56,53 @@ def _weaken(name: str) -> None:
             return True
 
         Storage.create_if_absent = create_if_absent
+    elif name == "no_commit_fence":
+        from ckptfmt.session import _Heartbeat
+
+        def begin_commit(self) -> bool:
+            self._stop.set()
+            return self.holds()
+
+        _Heartbeat.begin_commit = begin_commit
     else:
         raise ValueError(f"unknown weakening {name!r}; known: {sorted(WEAKEN)}")
+
+
+def _freeze() -> None:
+    print(json.dumps({"event": "frozen", "pid": os.getpid()}), flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _install_freeze(point: str, *, old_protocol: bool) -> None:
+    """Stop this process at a commit moment (see the module docstring). ``old_protocol``: the
+    ``no_commit_fence`` weakening is on, so the fence is the old check."""
+    from ckptfmt.manifest import step_of_manifest_key
+    from ckptfmt.session import _Heartbeat
+    from ckptfmt.storage import Storage
+
+    if point == "before_fence":
+        fence = _Heartbeat.begin_commit
+
+        def begin_commit(self) -> bool:
+            if old_protocol:  # the old protocol: check first, then stall before the create
+                ok = fence(self)
+                _freeze()
+                return ok
+            _freeze()
+            return fence(self)
+
+        _Heartbeat.begin_commit = begin_commit
+    elif point == "before_create":
+        create = Storage.create_if_absent
+
+        def create_if_absent(self, key: str, data: bytes) -> bool:
+            if step_of_manifest_key(key) is not None:
+                _freeze()
+            return create(self, key, data)
+
+        Storage.create_if_absent = create_if_absent
+    else:
+        raise ValueError(f"unknown freeze point {point!r}")
 
 
 def _die() -> None:
@@ -136,6 +191,8 @@ def run(task: dict[str, Any]) -> list[dict[str, Any]]:
     rank, world, seed = task["rank"], task["world"], task["seed"]
     if task.get("weaken"):
         _weaken(task["weaken"])
+    if task.get("freeze") and rank == 0:
+        _install_freeze(task["freeze"], old_protocol=task.get("weaken") == "no_commit_fence")
     kill = task.get("kill") if task.get("kill_rank", 0) == rank else None
     if task.get("fsize_limit"):
         import resource
@@ -167,7 +224,8 @@ def run(task: dict[str, Any]) -> list[dict[str, Any]]:
         return block
 
     results = []
-    options = SaveOptions(timeout_s=timeout_s, chunk_target_bytes=_data.CHUNK_TARGET_BYTES)
+    options = SaveOptions(timeout_s=timeout_s, chunk_target_bytes=_data.CHUNK_TARGET_BYTES,
+                          heartbeat_s=float(task.get("heartbeat_s") or 10.0))
     try:
         for step in task["steps"]:
             shards = _data.local_shards(seed, step, rank, world, data_hook=hook)

@@ -2,6 +2,8 @@
 broken control (a deliberately weakened check) under which the same judgement FAILS."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ckptfmt import errors as E
@@ -15,6 +17,7 @@ CAP = 1 << 20
 
 DISK = [f.name for f in faults.CATALOGUE if f.kind == "disk"]
 SAVE = [f.name for f in faults.CATALOGUE if f.kind == "save"]
+GC = [f.name for f in faults.CATALOGUE if f.kind == "gc"]
 CHECKSUM = ["shard-stale", "shard-duplicate-object", "data-bitflip", "data-64-bytes", "index-bitflip",
             "index-64-bytes"]
 
@@ -47,13 +50,18 @@ def test_catalogue_covers_the_issue():
                      "manifest-missing", "manifest-truncated", "manifest-not-json", "manifest-future-version",
                      "manifest-over-cap", "manifest-key-dotdot", "manifest-key-absolute", "manifest-key-scheme",
                      "state-hostile", "state-oversized", "writer-sigkill", "coordinator-sigkill", "disk-full",
-                     "concurrent-same-step"):
+                     "concurrent-same-step",
+                     # issue 12, part A
+                     "writer-frozen-at-commit", "gc-symlink-escape", "gc-not-a-repository",
+                     "gc-retention-newest-truncated", "gc-retention-newest-data-missing", "gc-stray-objects",
+                     "gc-shared-save-id", "gc-oversized-manifest"):
         assert required in names
     for f in faults.CATALOGUE:
-        assert f.expect and all(issubclass(e, E.CheckpointError) for e in f.expect)
+        assert f.expect or f.kind == "gc"  # a "gc" fault without errors: gc must not raise
+        assert all(issubclass(e, E.CheckpointError) for e in f.expect)
 
 
-@pytest.mark.parametrize("name", DISK + SAVE)
+@pytest.mark.parametrize("name", DISK + SAVE + GC)
 def test_fault_outcome_is_terminal_and_correct(name, base, tmp_path):
     o = faults.run_fault(name, base, tmp_path, _ctx())
     assert o.passed, _explain(o)
@@ -99,6 +107,54 @@ def test_control_disk_not_full(base, tmp_path):
     """The same save with room on the disk commits: the failure above came from the full disk."""
     o = faults.run_fault("disk-full", base, tmp_path, _ctx(enospc_fill=False))
     assert _failed_for_real(o) and "no error" in o.raised, _explain(o)
+
+
+def test_control_commit_without_fence(base, tmp_path):
+    """The old pre-commit lease check instead of the fence: the frozen leader wakes up after gc
+    collected its objects and commits anyway (issue 12, item 4)."""
+    o = faults.run_fault("writer-frozen-at-commit", base, tmp_path, _ctx(writer_weaken="no_commit_fence"))
+    assert _failed_for_real(o) and o.exposed, _explain(o)
+    assert any("not a complete save" in n for n in o.notes), _explain(o)
+
+
+def _tensorstore_delete_prefix(self, prefix):
+    # What Storage.delete_prefix did before: tensorstore's delete_range, which follows links.
+    import tensorstore as ts
+
+    self.kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord("/") + 1))).result()
+
+
+def _links_as_saves():
+    # What gc's listing did before: a link under saves/ counted as a save, its age read through it.
+    import dataclasses
+
+    from ckptfmt.storage import Storage
+
+    scan = Storage.scan_children
+    return lambda self, prefix: [dataclasses.replace(e, kind="dir") if e.kind == "link" else e
+                                 for e in scan(self, prefix)]
+
+
+_NO_ID = re.compile(rb"(?!)(x)")  # a pattern that never matches
+
+
+@pytest.mark.parametrize("name, patches", [
+    ("gc-symlink-escape", [("ckptfmt.storage.Storage.delete_prefix", _tensorstore_delete_prefix),
+                           ("ckptfmt.storage.Storage.scan_children", "links-as-saves")]),
+    ("gc-not-a-repository", [("ckptfmt._gc._recognise", lambda *a: None)]),
+    ("gc-retention-newest-truncated", [("ckptfmt._gc._unrestorable", lambda *a: None)]),
+    ("gc-retention-newest-data-missing", [("ckptfmt._gc._unrestorable", lambda *a: None)]),
+    ("gc-shared-save-id", [("ckptfmt._gc._mentions", lambda data, candidates: set()),
+                           ("ckptfmt._gc._DECLARED", _NO_ID)]),
+])
+def test_control_gc_without_its_check(name, patches, base, tmp_path, monkeypatch):
+    """Each gc fault, with the check that stops it taken out, destroys something or loses the
+    last restorable step."""
+    for target, value in patches:
+        monkeypatch.setattr(target, _links_as_saves() if value == "links-as-saves" else value)
+    o = faults.run_fault(name, base, tmp_path, _ctx())
+    assert not o.passed and not o.hung and not any(n.startswith("fixture error") for n in o.notes), _explain(o)
+    assert o.exposed or not o.prior_intact, _explain(o)
 
 
 def test_disk_full_fallback_without_mount(base, tmp_path):

@@ -1,0 +1,425 @@
+"""Garbage collection and retention (FORMAT.md 4.4, 4.5, 10).
+
+Order of work in :func:`collect` (10.3):
+
+0. Recognise the repository: the marker ``ckptfmt.json``, or a valid committed manifest. Otherwise
+   raise NotARepositoryError before anything is deleted.
+1. Retention (``keep_last``): count restorable steps from the newest down (10.4) and un-commit
+   the older ones, manifest first. Their save ids become candidates below.
+2. List the names under ``saves/`` without following links (file driver: ``lstat``). Links,
+   non-directories and names outside the writer's save-id form are foreign: reported, never
+   touched.
+3. Read the candidates' leases (bounded, with generations); drop the saves in progress.
+4. Only then list ``manifests/`` and read every manifest (one-byte probe, then at most the cap);
+   note every save id each one names or mentions.
+5. For each candidate left: point-read its step's manifest slot, claim its lease by a
+   conditional rewrite to ``collected`` (8.3: this is what a paused leader's commit loses to),
+   then delete its objects without following links.
+
+What cannot be decided is kept and reported (``uncertain``, ``problems``); nothing here raises
+for bad content in the repository.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._localfs import Entry
+from .errors import CheckpointError, NotARepositoryError, StorageError
+from .manifest import MARKER_KEY, SAVE_ID_RE, manifest_key, step_of_manifest_key
+
+__all__ = ["GcReport", "collect", "referenced_elsewhere", "DEFAULT_LEASE_GRACE_S"]
+
+DEFAULT_LEASE_GRACE_S = 600.0  # FORMAT.md 10.2
+LEASE_MAX_BYTES = 64 << 10     # a lease is ~100 bytes; a larger one is not read whole
+MARKER_MAX_BYTES = 4096        # FORMAT.md 4.5
+MAX_LISTED_FOREIGN = 1000      # the report names this many foreign objects, and counts the rest
+SCAN_PIECE = 8 << 20           # gc reads manifests in pieces of this many bytes
+_OVERLAP = 256                 # longer than any "save_id" member or save id, so none falls between pieces
+
+#: The writer's save-id form (FORMAT.md 4.3): the only names gc may collect unless a manifest named them.
+WRITER_SAVE_ID = re.compile(r"([0-9]{12,19})-[0-9]{8}T[0-9]{6}-[0-9a-f]{8}")
+_DECLARED = re.compile(rb'"save_id"\s*:\s*"([0-9A-Za-z][0-9A-Za-z._-]{0,127})"')
+_ID_TAIL = re.compile(rb"T[0-9]{6}-[0-9a-f]{8}")  # starts with a literal: a fast scan
+
+
+@dataclass
+class GcReport:
+    """What gc did, and what it left alone and why.
+
+    ``removed_steps``: committed steps removed by retention. ``removed_saves``: uncommitted saves
+    removed. ``in_progress``: saves kept because they may still be running. ``uncertain``: saves
+    kept because gc could not decide (a damaged manifest of their step, a lease that says
+    ``committing`` past the grace period while the step's manifest slot is empty, an unreadable
+    lease). ``foreign``: keys under ``saves/`` and ``manifests/`` that are not part of the format
+    (links, stray files, names outside the save-id form, manifest names that are not steps):
+    reported, never followed or deleted. ``problems``: one line per thing gc skipped, and why.
+    """
+
+    removed_steps: list[int] = field(default_factory=list)
+    removed_saves: list[str] = field(default_factory=list)
+    in_progress: list[str] = field(default_factory=list)
+    objects_removed: int = 0
+    uncertain: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"removed_steps": self.removed_steps, "removed_saves": self.removed_saves,
+                "in_progress": self.in_progress, "objects_removed": self.objects_removed,
+                "uncertain": self.uncertain, "foreign": self.foreign, "problems": self.problems}
+
+
+@dataclass(frozen=True)
+class _Lease:
+    generation: bytes
+    heartbeat_unix: float  # 0.0 when unreadable: such a lease is stale
+    state: str             # "writing" | "committing" | "collected"
+    step: int | None
+
+
+def _parse_lease(value: bytes, generation: bytes) -> _Lease:
+    try:
+        doc = json.loads(value) if len(value) <= LEASE_MAX_BYTES else None
+        beat = float(doc["heartbeat_unix"])
+        state = doc.get("state", "writing")
+        step = doc.get("step")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return _Lease(generation, 0.0, "writing", None)
+    if state not in ("writing", "committing", "collected"):
+        state = "writing"
+    step = step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 1 << 63 else None
+    return _Lease(generation, beat if beat == beat else 0.0, state, step)
+
+
+def _collected_lease(sid: str) -> bytes:
+    return json.dumps({"heartbeat_unix": time.time(), "save_id": sid, "state": "collected"}, sort_keys=True).encode()
+
+
+def _mentions(data: bytes, candidates: set[str]) -> set[str]:
+    """The candidate save ids that occur anywhere in ``data`` (FORMAT.md 10.2)."""
+    writer = {c for c in candidates if WRITER_SAVE_ID.fullmatch(c)}
+    found = {c for c in candidates - writer if c.encode() in data}
+    if len(writer) <= 32:  # memchr-speed substring searches
+        return found | {c for c in writer if c.encode() in data}
+    for m in _ID_TAIL.finditer(data):  # every writer-form id has "-YYYYMMDD" + this tail
+        dash = m.start() - 9
+        if dash < 12 or data[dash] != 0x2D or not data[dash + 1:m.start()].isdigit():
+            continue
+        first = dash
+        while first > 0 and dash - first < 19 and 0x30 <= data[first - 1] <= 0x39:
+            first -= 1
+        for k in range(first, dash - 11):  # 12 to 19 step digits
+            sid = data[k:m.end()].decode("ascii")
+            if sid in writer:
+                found.add(sid)
+    return found
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """What one manifest names, read in pieces and never past the cap (FORMAT.md 10.2)."""
+
+    status: str                              # "ok" | "absent" | "over_cap" | "unreadable"
+    declared: frozenset[str] = frozenset()   # every save id its "save_id" members name
+    mentions: frozenset[str] = frozenset()   # the watched save ids that occur anywhere in it
+    why: str = ""
+
+
+def _scan_manifest(repo: Any, step: int, watch: set[str]) -> _Scan:
+    # Pieces of SCAN_PIECE bytes with an overlap: memory stays small whatever the manifest's size
+    # (a whole read of a 256 MiB object costs tensorstore three copies).
+    st, cap, key = repo.storage, repo.max_manifest_bytes, manifest_key(step)
+    declared: set[str] = set()
+    mentions: set[str] = set()
+    try:
+        if st.larger_than(key, cap):
+            return _Scan("over_cap", why=f"larger than the {cap}-byte cap; not read")
+        off, tail = 0, b""
+        while True:
+            want = min(SCAN_PIECE, cap + 1 - off)
+            piece = st.read_upto(key, off, want)
+            if piece is None:
+                return _Scan("absent") if off == 0 else _Scan("unreadable", why="unreadable: removed while read")
+            buf = tail + piece
+            declared |= {m.group(1).decode("ascii") for m in _DECLARED.finditer(buf)}
+            mentions |= _mentions(buf, watch - mentions)
+            off += len(piece)
+            if off > cap:  # grew since the probe
+                return _Scan("over_cap", why=f"larger than the {cap}-byte cap; not read")
+            if len(piece) < want:
+                break
+            tail = buf[-_OVERLAP:]
+    except CheckpointError as e:
+        return _Scan("unreadable", why=f"unreadable: {e}")
+    return _Scan("ok", frozenset(declared), frozenset(mentions))
+
+
+def _listed_steps(repo: Any) -> tuple[list[int], list[str]]:
+    """(valid steps, foreign keys) under ``manifests/``."""
+    steps, foreign = [], []
+    for k in repo.storage.list("manifests/"):
+        s = step_of_manifest_key(k)
+        (foreign.append(k) if s is None else steps.append(s))
+    return sorted(steps), foreign
+
+
+def referenced_elsewhere(repo: Any, save_id: str, *, but: int) -> bool:
+    """Whether a committed manifest other than step ``but``'s names or mentions ``save_id``.
+    A manifest that cannot be read is assumed to (FORMAT.md 4.4)."""
+    steps, _ = _listed_steps(repo)
+    for s in steps:
+        if s == but:
+            continue
+        scan = _scan_manifest(repo, s, {save_id})
+        if scan.status == "unreadable" or save_id in scan.declared or save_id in scan.mentions:
+            return True
+    return False
+
+
+def _recognise(repo: Any, steps: list[int]) -> None:
+    """Raise NotARepositoryError unless the URL holds a repository (FORMAT.md 4.5)."""
+    marker = repo.storage.read(MARKER_KEY, max_bytes=MARKER_MAX_BYTES)
+    if marker is not None and len(marker) <= MARKER_MAX_BYTES:
+        try:
+            doc = json.loads(marker)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and doc.get("format") == "ckptfmt":
+            return
+    for s in reversed(steps):  # a repository from before the marker: one valid manifest
+        try:
+            repo.manifest(s)
+            return
+        except CheckpointError:
+            continue
+    raise NotARepositoryError("no ckptfmt repository here; gc deleted nothing", object=repo.url,
+                              expected=f"{MARKER_KEY}, or a valid committed manifest",
+                              found="marker invalid" if marker is not None else
+                              f"no marker, {len(steps)} manifest name(s), none valid")
+
+
+def _unrestorable(repo: Any, step: int) -> str | None:
+    """Why ``step`` cannot be restored, or None (FORMAT.md 10.4: the manifest validates, and every
+    object it references exists with its recorded size)."""
+    try:
+        m = repo.manifest(step)
+    except CheckpointError as e:
+        return f"{type(e).__name__}: {e.message}"
+    objects = [(t.object_key(i), int(t.shards.nbytes[i])) for t in m.tensors.values() for i in range(len(t.shards))]
+    objects += [(se.key, int(se.nbytes)) for se in m.state.values()]
+    try:
+        faults = repo.storage.size_faults(objects)
+    except CheckpointError as e:
+        return f"{type(e).__name__}: {e.message}"
+    return "; ".join(faults[:3]) if faults else None
+
+
+def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport) -> dict[str, int]:
+    """Un-commit the steps older than the newest ``keep_last`` restorable ones; their save ids."""
+    kept, floor = 0, None
+    for s in reversed(steps):
+        why = _unrestorable(repo, s)
+        if why is not None:
+            report.problems.append(f"step {s} is not restorable ({why}); retention does not count it")
+            continue
+        kept += 1
+        if kept == keep_last:
+            floor = s
+            break
+    if floor is None:
+        if len(steps) > keep_last:
+            report.problems.append(f"only {kept} restorable step(s), fewer than --keep-last {keep_last}: "
+                                   "retention removed nothing")
+        return {}
+    retired: dict[str, int] = {}
+    for s in steps:
+        if s >= floor:
+            break
+        if keep_every and s % keep_every == 0:
+            continue
+        try:
+            sid = repo.manifest(s).save_id  # only a valid manifest names its objects reliably
+        except CheckpointError:
+            sid = None
+        try:
+            repo.storage.delete(manifest_key(s))
+        except CheckpointError as e:
+            report.problems.append(f"step {s}: could not delete its manifest ({e.message})")
+            continue
+        report.removed_steps.append(s)
+        if sid is not None:
+            retired[sid] = s
+        else:
+            report.problems.append(f"step {s}: its manifest was damaged; its objects are left to collection")
+    return retired
+
+
+def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_every: int | None) -> GcReport:
+    """Retention, then removal of abandoned saves (see the module docstring for the order).
+
+    Raises NotARepositoryError (deleting nothing) when the URL holds no repository, and
+    StorageError when ``manifests/`` or ``saves/`` cannot be listed at all. Everything else that
+    goes wrong is skipped and reported in the GcReport.
+    """
+    grace_s = DEFAULT_LEASE_GRACE_S if grace_s is None else float(grace_s)
+    st = repo.storage
+    report = GcReport()
+    foreign: list[str] = []
+    steps, _ = _listed_steps(repo)
+    _recognise(repo, steps)
+    retired: dict[str, int] = {}
+    if keep_last is not None and keep_last >= 1:
+        if st.plain_dir("manifests/"):
+            retired = _retention(repo, steps, keep_last, keep_every, report)
+        else:
+            report.problems.append("manifests/ is a symbolic link or not a folder: retention skipped")
+
+    # 2. the names under saves/, judged without following links
+    candidates: dict[str, Entry] = {}
+    custom: dict[str, Entry] = {}  # reader-valid ids outside the writer form: committed, or foreign
+    try:
+        entries = st.scan_children("saves/")
+    except StorageError as e:
+        report.problems.append(f"saves/ was not collected: {e.message} ({e.found})")
+        report.foreign.append("saves/")
+        return report
+    for e in entries:
+        if e.kind != "dir":
+            foreign.append(f"saves/{e.name}" + ("" if e.kind == "file" else f" ({'symbolic link' if e.kind == 'link' else 'special file'})"))
+        elif WRITER_SAVE_ID.fullmatch(e.name) or e.name in retired:
+            candidates[e.name] = e
+        elif SAVE_ID_RE.match(e.name):
+            custom[e.name] = e
+        else:
+            foreign.append(f"saves/{e.name}")
+
+    # 3. leases first (FORMAT.md 10.3 step 2): drop the saves in progress
+    now = time.time()
+    leases: dict[str, _Lease] = {}
+    read = [sid for sid, e in candidates.items() if e.lease == "file"]
+    for sid, e in candidates.items():
+        if e.lease not in (None, "file"):
+            report.problems.append(f"saves/{sid}/LEASE is a {e.lease}, not a file: not read, the save counts as leaseless")
+    for sid, got in zip(read, st.read_each_with_generation([f"saves/{sid}/LEASE" for sid in read], LEASE_MAX_BYTES)):
+        if isinstance(got, StorageError):
+            report.uncertain.append(sid)
+            report.problems.append(f"saves/{sid}: lease unreadable ({got.found}); kept")
+            continue
+        if got[0] is not None:
+            leases[sid] = _parse_lease(got[0], got[1])
+    pending: set[str] = set()
+    fresh: set[str] = set()  # in progress, unless a manifest turns out to name it (then committed)
+    for sid, e in candidates.items():
+        if sid in report.uncertain:
+            continue
+        if e.error is not None:
+            report.uncertain.append(sid)
+            report.problems.append(f"saves/{sid}: could not be walked ({e.error}); kept")
+            continue
+        lease = leases.get(sid)
+        if lease is not None and lease.state == "writing" and now - lease.heartbeat_unix < grace_s:
+            fresh.add(sid)
+        elif (lease is None and sid not in retired and e.newest_mtime is not None
+              and now - e.newest_mtime < grace_s):
+            fresh.add(sid)  # no lease, but written to within the grace period
+        else:
+            pending.add(sid)
+
+    # 4. only then the manifests: every save id they name or mention is committed
+    steps, foreign_manifests = _listed_steps(repo)
+    foreign += foreign_manifests
+    referenced: set[str] = set()
+    damaged: dict[int, str] = {}
+    blind: list[str] = []
+    watch = set(candidates) | set(custom)
+    for s in steps:
+        scan = _scan_manifest(repo, s, (pending | set(custom)) - referenced)
+        if scan.status == "unreadable":
+            blind.append(f"step {s}: {scan.why}")
+        elif scan.status == "over_cap" or (scan.status == "ok" and not scan.declared):
+            damaged[s] = scan.why or "names no save_id"
+        referenced |= (scan.declared & watch) | scan.mentions
+    report.in_progress += sorted(fresh - referenced)
+    for sid in sorted(custom):
+        if sid not in referenced:
+            foreign.append(f"saves/{sid}")
+    for sid in sorted(referenced):  # committed: tidy what their writers left behind
+        lease = leases.get(sid)
+        if lease is not None and now - lease.heartbeat_unix >= grace_s:
+            try:
+                st.write_if(f"saves/{sid}/LEASE", None, lease.generation)
+            except CheckpointError as e:
+                report.problems.append(f"saves/{sid}: stale lease of a committed save not removed ({e.message})")
+        report.objects_removed += st.remove_stale_locks(f"saves/{sid}/", now - grace_s)
+
+    # 5. decide and collect
+    for sid in sorted(pending - referenced):
+        why = _decide(repo, sid, leases.get(sid), retired, damaged, blind, now, grace_s)
+        if why == "in progress":
+            report.in_progress.append(sid)
+        elif why == "committed":
+            continue
+        elif why is not None:
+            report.uncertain.append(sid)
+            report.problems.append(f"saves/{sid}: {why}; kept")
+        else:
+            try:
+                st.delete_prefix(f"saves/{sid}/")
+            except CheckpointError as e:
+                report.problems.append(f"saves/{sid}: could not be deleted ({e.found}); will retry next run")
+                continue
+            report.objects_removed += candidates[sid].objects
+            if sid not in retired:
+                report.removed_saves.append(sid)
+    foreign.sort()
+    if len(foreign) > MAX_LISTED_FOREIGN:
+        report.problems.append(f"{len(foreign) - MAX_LISTED_FOREIGN} more foreign object(s) not listed")
+    report.foreign = foreign[:MAX_LISTED_FOREIGN]
+    report.in_progress.sort()
+    report.uncertain.sort()
+    return report
+
+
+def _decide(repo: Any, sid: str, lease: _Lease | None, retired: dict[str, int],
+            damaged: dict[int, str], blind: list[str], now: float, grace_s: float) -> str | None:
+    """None to collect ``sid`` (its lease, if any, is claimed here); otherwise "in progress",
+    "committed", or why it is kept."""
+    st = repo.storage
+    if blind:
+        return f"a committed manifest could not be read ({blind[0]}), so any save may be referenced"
+    m = WRITER_SAVE_ID.fullmatch(sid)
+    step = retired[sid] if sid in retired else int(m.group(1)) if m else None
+    if lease is not None and lease.state == "committing" and lease.step is not None:
+        step = lease.step
+    if step is not None and step in damaged and sid not in retired:
+        return f"the manifest of step {step} is damaged ({damaged[step]}) and may be this save's"
+    slot = _Scan("absent")
+    if step is not None:  # the point read: a save that committed a moment ago, on a lagging list
+        slot = _scan_manifest(repo, step, {sid})
+        if slot.status in ("unreadable", "over_cap"):
+            return f"the manifest of step {step} cannot be judged ({slot.why})"
+        if sid in slot.declared or sid in slot.mentions:
+            return "committed"
+    if lease is not None and lease.state == "committing":
+        if slot.status == "absent":
+            fresh = now - lease.heartbeat_unix < grace_s
+            return "in progress" if fresh else (
+                f"its lease says committing since {lease.heartbeat_unix:.0f} and the manifest slot of step "
+                f"{step} is empty: its writer may still commit")
+        if not slot.declared:
+            return f"the manifest of step {step} names no save id and may be this save's"
+    if lease is not None and lease.state != "collected":
+        if lease.state == "writing" and now - lease.heartbeat_unix < grace_s:
+            return "in progress"
+        # The claim (FORMAT.md 8.3, 10.3): a conditional rewrite, never a conditional delete.
+        try:
+            won = st.write_if(f"saves/{sid}/LEASE", _collected_lease(sid), lease.generation)
+        except CheckpointError as e:
+            return f"its lease could not be claimed ({e.found})"
+        if not won:
+            return "in progress"  # refreshed or switched to committing since it was read
+    return None

@@ -1,0 +1,188 @@
+"""Local file system walks and deletes that never follow a symbolic link (file driver only).
+
+tensorstore's file kvstore follows links: ``delete_range`` over ``saves/evil/``, where ``evil`` is
+a link to a directory, empties that directory, and ``stat`` judges the age of the link's target.
+Collectors use these functions instead (FORMAT.md 4.4, 10.3). Every walk is iterative, so a
+deeply nested hostile tree raises OSError (too many open files, a path too long) rather than
+RecursionError, and a caller reports it.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir"]
+
+_LOCK_SUFFIX = ".__lock"  # tensorstore's file driver: the temporary file of a write in flight
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One name directly under a prefix, judged with ``lstat``."""
+
+    name: str
+    kind: str                    # "dir" | "link" | "file" | "other" (fifo, socket, device)
+    objects: int = 0             # files below a directory, lock files of writes in flight excluded
+    newest_mtime: float | None = None  # newest lstat mtime of the entry and of everything below it
+    lease: str | None = None     # kind of ``<name>/LEASE`` ("file", "link", ...), None when absent
+    error: str | None = None     # why the walk below this directory stopped early
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISREG(mode):
+        return "file"
+    return "other"
+
+
+def _open_dir(root: str, rel: str) -> int:
+    """An fd of ``root/rel``, opened one component at a time with O_NOFOLLOW below ``root``.
+
+    Raises OSError: ELOOP or ENOTDIR when a component is a link or not a directory."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in (p for p in rel.split("/") if p):
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def plain_dir(root: str, rel: str) -> bool | None:
+    """True when ``root/rel`` is a directory reached without a link, None when it is absent,
+    False when it (or a component on the way) is a link or not a directory."""
+    try:
+        os.close(_open_dir(root, rel))
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    return True
+
+
+def walk(top: str) -> Iterator[tuple[str, os.stat_result]]:
+    """(path, lstat) of ``top`` and of everything below it; links and special files are yielded,
+    never followed or opened. Raises OSError when a directory cannot be listed."""
+    st = os.lstat(top)
+    yield top, st
+    if not stat.S_ISDIR(st.st_mode):
+        return
+    stack = [top]
+    while stack:
+        path = stack.pop()
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    est = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed while we walk
+                yield e.path, est
+                if stat.S_ISDIR(est.st_mode):
+                    stack.append(e.path)
+
+
+def scan_children(root: str, prefix: str) -> list[Entry]:
+    """Every name directly under ``root/prefix``, judged without following links.
+
+    Raises FileNotFoundError when the prefix is absent, and OSError (ELOOP, ENOTDIR) when it or a
+    component on the way is a link or not a directory."""
+    fd = _open_dir(root, prefix)
+    try:
+        with os.scandir(fd) as it:
+            names = sorted(e.name for e in it)
+    finally:
+        os.close(fd)
+    base = os.path.join(root, prefix)
+    out = []
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            kind = _kind(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            continue
+        if kind != "dir":
+            out.append(Entry(name, kind))
+            continue
+        objects, newest, lease, error = 0, None, None, None
+        try:
+            for p, st in walk(path):
+                newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+                if not stat.S_ISDIR(st.st_mode) and not p.endswith(_LOCK_SUFFIX):
+                    objects += 1
+                if p == os.path.join(path, "LEASE"):
+                    lease = _kind(st.st_mode)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e.strerror or e}"
+        out.append(Entry(name, "dir", objects, newest, lease, error))
+    return out
+
+
+def remove_tree(root: str, prefix: str) -> None:
+    """Delete ``root/prefix`` (``saves/<id>/``) without following any link.
+
+    A link is removed itself, never what it points to; nothing below ``root`` is entered through
+    a link. An absent prefix is not an error. Files that appear while it runs (a straggling
+    writer) may leave a directory behind. Raises OSError when something cannot be removed."""
+    parts = [p for p in prefix.split("/") if p]
+    if not parts:
+        raise ValueError("refusing to remove the repository root")
+    try:
+        parent = _open_dir(root, "/".join(parts[:-1]))
+    except FileNotFoundError:
+        return
+    try:
+        name = parts[-1]
+        try:
+            st = os.lstat(name, dir_fd=parent)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=parent)
+            return
+        _rmtree_at(parent, name)
+    finally:
+        os.close(parent)
+
+
+def _rmtree_at(parent: int, name: str) -> None:
+    # Post-order, one open fd per level: each directory is opened with O_NOFOLLOW relative to its
+    # parent's fd, so swapping a directory for a link mid-walk cannot redirect the deletion.
+    stack: list[tuple[int, str, int]] = []
+    try:
+        stack.append((parent, name, os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)))
+        while stack:
+            pfd, nm, fd = stack[-1]
+            sub = None
+            with os.scandir(fd) as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        sub = e.name
+                        break
+                    try:
+                        os.unlink(e.name, dir_fd=fd)  # a file, a link or a fifo: the entry itself
+                    except FileNotFoundError:
+                        pass
+            if sub is not None:
+                stack.append((fd, sub, os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)))
+                continue
+            stack.pop()
+            os.close(fd)
+            try:
+                os.rmdir(nm, dir_fd=pfd)
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
+                    raise
+                if e.errno == errno.ENOTEMPTY:
+                    break  # something was written meanwhile: leave the rest for the next gc
+    finally:
+        for _pfd, _nm, fd in stack:
+            os.close(fd)
