@@ -38,7 +38,8 @@ class CheckpointManager(_CoreManager):
     ``save(step, state, ...)`` takes the pytree ``bridges.jax.save`` takes; ``restore(target)``
     takes the target ``bridges.jax.restore`` takes and returns a RestoreResult whose ``state`` is
     the restored pytree and whose ``stats`` are that restore's phase timings. Every process of a
-    ``jax.distributed`` job constructs the manager, saves and restores.
+    ``jax.distributed`` job constructs the manager (after ``jax.distributed.initialize()``), saves
+    and restores.
     """
 
     def _process(self) -> tuple[int, int]:
@@ -69,10 +70,12 @@ class CheckpointManager(_CoreManager):
         return state, load_extra(self.url, step), stats
 
     def _own_sigterm(self) -> bool:
-        return _sync_manager() is None
+        # Decided once, at construction: a Python handler would replace the notifier's own.
+        self._jax_sync = _sync_manager() is not None
+        return not self._jax_sync
 
     def _agree_preemption(self, step: int, local: bool) -> bool:
-        if _sync_manager() is None:
+        if not self._jax_sync:
             return super()._agree_preemption(step, local)
         from jax.experimental import multihost_utils
 

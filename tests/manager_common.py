@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Callable
 
 from ckptfmt import Repository
@@ -41,11 +42,17 @@ def fork_children(spec_path: str, run: Callable[[list[str]], None]) -> None:
     """Fork one child per entry of the spec (``[{"name", "argv"}]``) that calls ``run(argv)``.
 
     Beside the spec: ``<name>.pid`` (written right after the fork), ``<name>.err`` (the child's
-    output) and ``<name>.rc`` (its exit code, negative for a signal). Returns when all have exited.
+    output) and ``<name>.rc`` (its exit code, negative for a signal). An entry with ``"wait_for":
+    PATH`` is forked once PATH is a non-empty file (at most 120 s later). Returns when all have exited.
     """
     work = os.path.dirname(os.path.abspath(spec_path))
     children = {}
     for child in json.load(open(spec_path)):
+        deadline = time.monotonic() + 120
+        while child.get("wait_for") and time.monotonic() < deadline:
+            if os.path.exists(child["wait_for"]) and os.path.getsize(child["wait_for"]) > 0:
+                break
+            time.sleep(0.05)
         pid = os.fork()
         if pid == 0:
             fd = os.open(os.path.join(work, child["name"] + ".err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -150,9 +150,11 @@ def _acceptance(framework: str, work: Path) -> dict:
     for j in jobs:
         port = _port()
         extra = {"best": ["--keep-best", "--record-at", "40"], "term": [], "kill": ["--slow-after", "5"]}[j.name]
+        # Later jobs start once the first logged a step (JAX: its compiled programs are in the cache).
+        after = {"wait_for": str(jobs[0].log)} if j is not jobs[0] and framework == "jax" else {}
         spec += [{"name": f"{j.name}-{r}", "argv": ["train", "--url", str(j.url), "--out", str(work / f"{j.name}-{r}.json"),
-                                                    "--log", str(j.log), "--port", str(port), "--rank", str(r), *extra]}
-                 for r in range(2)]
+                                                    "--log", str(j.log), "--port", str(port), "--rank", str(r), *extra],
+                  **after} for r in range(2)]
     (work / "spec.json").write_text(json.dumps(spec))
     train_s = _drive([sys.executable, script, "zygote", str(work / "spec.json")], jobs, 240)
     out = {"jobs": {j.name: j for j in jobs}, "train_s": train_s, "work": work,
@@ -170,7 +172,8 @@ def _acceptance(framework: str, work: Path) -> dict:
              {"name": "fallback", "url": str(damaged)},
              {"name": "no_fallback", "url": str(damaged), "fallback": False},
              {"name": "damaged_explicit", "url": str(damaged), "step": term_step},
-             {"name": "missing", "url": str(jobs[1].url), "step": missing}]
+             {"name": "missing", "url": str(jobs[1].url), "step": missing},
+             {"name": "sigterm", "url": str(work / "sigterm")}]
     (work / "tasks.json").write_text(json.dumps(tasks))
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, script, "resume", "--tasks", str(work / "tasks.json"),
@@ -179,8 +182,9 @@ def _acceptance(framework: str, work: Path) -> dict:
     out["resume_s"] = time.monotonic() - t0
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out["resume"] = json.loads((work / "resume.json").read_text())
+    lag = {j.name: (j.termed_after, (out.get(j.name) or [{}])[0].get("preempted_at")) for j in jobs[:2]}
     print(f"\nmanager acceptance ({framework}): seed {SEED}, training jobs {train_s:.1f} s, "
-          f"resume {out['resume_s']:.1f} s")
+          f"resume {out['resume_s']:.1f} s; (SIGTERM after step, preempted at) {lag}")
     return out
 
 
@@ -257,3 +261,8 @@ def test_damaged_newest_falls_back_and_reports(runs):
 
 def test_missing_step_raises(runs):
     assert runs["resume"]["missing"]["error"] == "StepNotFoundError"
+
+
+def test_single_process_sigterm(runs):
+    """Without a process group the manager's own SIGTERM flag decides (control: not before it)."""
+    assert runs["resume"]["sigterm"] == {"before": False, "after": True}

@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -163,6 +164,12 @@ def resume(args: argparse.Namespace) -> dict:
     out = {}
     for task in json.load(open(args.tasks)):
         r: dict = {}
+        if task["name"] == "sigterm":  # one process: the manager's own SIGTERM flag
+            with bt.CheckpointManager(task["url"]) as mgr:
+                before = mgr.reached_preemption(1)
+                os.kill(os.getpid(), signal.SIGTERM)
+                out["sigterm"] = {"before": before, "after": mgr.reached_preemption(2)}
+            continue
         try:
             with bt.CheckpointManager(task["url"], fallback=task.get("fallback", True)) as mgr:
                 got = mgr.restore(job.state_dict(), step=task.get("step"))
