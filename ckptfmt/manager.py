@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 import msgpack
 import numpy as np
 
+from . import errors as _errors
 from ._manager_types import (RestoreResult, SaveRecord, SkippedStep, _check_step, _clean_metrics, _err_from,
                              _err_json, _Job)
 from ._retention import Retention, metric_value
@@ -60,6 +61,12 @@ _DAMAGE = (MissingShardError, SizeMismatchError, ChecksumMismatchError, InvalidM
 #: Seconds between two gc passes of the retention thread (gc's own grace period is 600 s, so
 #: running it more often finds nothing new to collect).
 GC_INTERVAL_S = 600.0
+
+
+def _is_damage(err: Mapping[str, Any]) -> bool:
+    cls = getattr(_errors, str(err.get("error")), None)
+    return (isinstance(cls, type) and issubclass(cls, _DAMAGE)
+            and not issubclass(cls, UnsupportedVersionError))
 
 
 class CheckpointManager:
@@ -103,6 +110,7 @@ class CheckpointManager:
         self._job: _Job | None = None
         self._last_started: int | None = None
         self._last_save_time = time.monotonic()
+        self._due_calls = 0
         self._history: list[SaveRecord] = []
         self._reading: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -112,9 +120,11 @@ class CheckpointManager:
         self._preempted_at: int | None = None
         self._sigterm = threading.Event()
         self._prev_handler: Any = None
+        self._installed = False
         self._closed = False
         if self._own_sigterm() and threading.current_thread() is threading.main_thread():
             self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
 
     # ------------------------------------------------------------------ bridge hooks
     def _process(self) -> tuple[int, int]:
@@ -186,6 +196,9 @@ class CheckpointManager:
         if self.world > 1:
             mine = (b"1" if due else b"0") if self.rank == 0 else None
             due = self._coord.broadcast(f"manager/due/{step}", mine) == b"1"
+            self._due_calls += 1
+            if self._due_calls % 64 == 0:  # a barrier lets a coordinator drop its old broadcast keys
+                self._coord.barrier("manager/due/release")
         return due
 
     def save(self, step: int, state: Any, *, extra: Any = None, metrics: Mapping[str, Any] | None = None,
@@ -278,7 +291,8 @@ class CheckpointManager:
         try:
             self._join(self.close_timeout_s)
         finally:
-            if self._prev_handler is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            # Put back what was there (None: a handler Python cannot name; ours then stays, harmless).
+            if self._installed and self._prev_handler is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                 signal.signal(signal.SIGTERM, self._prev_handler)
             with self._lock:
                 if self._metrics_out is not None:
@@ -397,8 +411,10 @@ class CheckpointManager:
             raise _err_from(payload["error"], 0)
         return [int(s) for s in payload["steps"]]
 
-    def _attempt(self, target: Any, step: int) -> tuple[Any, BaseException | None, CheckpointError | None]:
-        """Restore ``step`` here, then agree with every rank: (value, local error, first error of any rank)."""
+    def _attempt(self, target: Any, step: int) -> tuple[Any, BaseException | None, list[tuple[int, dict[str, Any]]]]:
+        """Restore ``step`` here and agree with every rank: (value, this rank's error, every rank's
+        error as (rank, error JSON), the same list on every rank). A non-CheckpointError raises here
+        once the others know of it."""
         with self._lock:
             self._reading[step] = self._reading.get(step, 0) + 1
         value: Any = None
@@ -411,28 +427,25 @@ class CheckpointManager:
             with self._lock:
                 self._reading[step] -= 1
         if self.world == 1:
-            if local is not None and not isinstance(local, CheckpointError):
-                raise local
-            return value, local, local
-        mine = {"ok": True} if local is None else {"error": _err_json(local)}
-        got = [msgpack.unpackb(b, raw=False) for b in self._coord.allgather(f"manager/restore/{step}", msgpack.packb(mine))]
-        bad = [(r, g["error"]) for r, g in enumerate(got) if "error" in g]
-        if not bad:
-            return value, None, None
+            errs = [] if local is None else [(0, _err_json(local))]
+        else:
+            mine = msgpack.packb({"ok": True} if local is None else {"error": _err_json(local)})
+            got = [msgpack.unpackb(b, raw=False) for b in self._coord.allgather(f"manager/restore/{step}", mine)]
+            errs = [(r, g["error"]) for r, g in enumerate(got) if "error" in g]
         if local is not None and not isinstance(local, CheckpointError):
             raise local
-        return value, local, (local if isinstance(local, CheckpointError) else _err_from(bad[0][1], bad[0][0]))
+        return value, local, errs
 
     def restore(self, target: Any = None, *, step: int | None = None) -> RestoreResult:
         """Restore ``step`` (None: the newest committed step) into ``target``; every process calls it.
 
-        Waits for the save in flight first (and raises its error). With ``step=None`` and ``fallback``, a step that fails
-        verification (a damaged or missing object, a bad manifest) is skipped for the next older
-        one; each skip is logged and listed in the result's ``skipped``. Raises StepNotFoundError
-        for a requested step that is not committed (never starts fresh), the step's own typed error
-        with ``fallback=False`` or an explicit ``step``, and the bridge's error for a target that
-        does not match (no fallback: an older step would not match either). Nothing is returned
-        unless every process restored the same step.
+        Waits for the save in flight first (and raises its error). With ``step=None`` and
+        ``fallback``, a step that fails verification (a damaged or missing object, a bad manifest
+        or state) on any process is skipped for the next older one; each skip is logged and listed
+        in the result's ``skipped``. Raises StepNotFoundError for a requested step that is not
+        committed (never starts fresh), the step's own typed error with ``fallback=False`` or an
+        explicit ``step``, and the bridge's error for a target that does not match (no fallback: an
+        older step would not match either). Every process returns the same step, or raises.
         """
         self._check_open()
         if step is not None:
@@ -441,17 +454,19 @@ class CheckpointManager:
         skipped: list[SkippedStep] = []
         errors: list[CheckpointError] = []
         for s in self._candidates(step):
-            value, _local, err = self._attempt(target, s)
-            if err is None:
+            value, local, errs = self._attempt(target, s)
+            if not errs:
                 state, extra, stats = value
                 if skipped:
                     _log.warning("restored step %d after skipping %s", s, [k.step for k in skipped])
                 self._emit({"event": "restore", "step": s, "skipped": [asdict(k) for k in skipped], "unix": time.time()})
                 return RestoreResult(state, s, tuple(skipped), extra, dict(stats or {}))
-            damaged = isinstance(err, _DAMAGE) and not isinstance(err, UnsupportedVersionError)
-            if step is not None or not self.fallback or not damaged:
+            err = local if local is not None else _err_from(errs[0][1], errs[0][0])
+            # Decided on the gathered errors, which every rank holds: all ranks fall back, or none.
+            if step is not None or not self.fallback or not all(_is_damage(e) for _, e in errs):
                 raise err
-            skipped.append(SkippedStep(s, type(err).__name__, str(err)))
+            agreed = _err_from(errs[0][1], errs[0][0])  # the same on every rank
+            skipped.append(SkippedStep(s, type(agreed).__name__, str(agreed)))
             errors.append(err)
             _log.warning("restore: skipped step %d, it fails verification (%s: %s); falling back to an older step",
                          s, type(err).__name__, err)

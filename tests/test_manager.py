@@ -7,12 +7,13 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from ckptfmt import Repository, SaveOptions
+from ckptfmt import Box, Repository, SaveOptions, TcpCoordinator
 from ckptfmt.errors import (ChecksumMismatchError, IncompleteSaveError, KeyMismatchError, StepAlreadyCommittedError,
                             StepNotFoundError)
 from ckptfmt.manager import METADATA_KEY, CheckpointManager, Retention
@@ -194,7 +195,7 @@ def test_restore_missing_step_never_starts_fresh(tmp_path):
 
 def test_close_is_bounded_and_never_shows_a_partial_step(tmp_path):
     url = str(tmp_path / "r")
-    big = {"w": np.ones((512, 1024), np.float32)}  # 2 MiB at 1 MiB/s: about 2 s
+    big = {"w": np.ones((256, 1024), np.float32)}  # 1 MiB at 1 MiB/s: about 1 s
     m = CheckpointManager(url, close_timeout_s=0.05, options=SaveOptions(max_write_bytes_per_s=1 << 20))
     m.save(1, big, force=True)
     t0 = time.monotonic()
@@ -222,3 +223,94 @@ def test_sigterm_sets_preemption_only(tmp_path):
         assert m.save(2, _state(2), force=True)
     assert signal.getsignal(signal.SIGTERM) == before
     assert Repository(str(tmp_path / "r")).steps() == [2]
+
+
+# ------------------------------------------------------------ two ranks in one process (threads)
+
+
+class _TwoRanks(CheckpointManager):
+    """Rank ``rank`` of 2, over TcpCoordinators (one for the manager, one for saves). Each rank holds
+    and reads rows [4r, 4r+4) of the 8 x 4 tensor "w", so damage can be seen by one rank only."""
+
+    def __init__(self, url, rank, addrs, **kw):
+        self._r, self._addrs = rank, addrs
+        super().__init__(url, async_save=False, **kw)
+        self._save_coord = TcpCoordinator(addrs[1], rank, 2, timeout_s=30)
+
+    def _process(self):
+        return self._r, 2
+
+    def _new_coordinator(self):
+        return TcpCoordinator(self._addrs[0], self._r, 2, timeout_s=30)
+
+    def _save_verb(self, step, state, *, extra, metadata, rank_state, blocking):
+        from ckptfmt import Box, LocalShard, save
+
+        w = state["w"][4 * self._r:4 * self._r + 4]
+        shard = LocalShard("w", (8, 4), w.dtype, Box((4 * self._r, 0), (4, 4)), w)
+        manifest = save(self.repository, step, [shard], metadata=metadata, coordinator=self._save_coord)
+        return lambda: manifest
+
+    def _restore_verb(self, target, step):
+        if target == "wrong" and self._r == 1:
+            raise KeyMismatchError("this rank's target does not match", key="w")
+        ckpt = self.repository.open(step)
+        return {"w": ckpt.read("w", Box((4 * self._r, 0), (4, 4)))}, None, {}
+
+
+def _two_ranks(url, body, **kw):
+    from ckptfmt.coord import free_port
+
+    addrs = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    out, errors = [None, None], [None, None]
+
+    def run(rank):
+        try:
+            with _TwoRanks(url, rank, addrs, **kw) as m:
+                out[rank] = body(m)
+        except BaseException as e:  # noqa: BLE001
+            errors[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out, errors
+
+
+def test_two_ranks_agree_on_cadence_preemption_and_fallback(tmp_path):
+    url = str(tmp_path / "r")
+
+    def train(m):
+        seen = []
+        for s in range(1, 9):
+            if s in ((2, 5) if m.rank == 0 else (3, 6)):
+                time.sleep(0.6)  # rank 0's clock says "due" at 2 and 5, rank 1's would at 3 and 6
+            seen.append((s, m.should_save(s), m.reached_preemption(s)))
+            if seen[-1][1] or s == 8:
+                m.save(s, {"w": np.full((8, 4), s, np.float32)}, force=True)
+            if s == 3 and m.rank == 1:
+                m._sigterm.set()  # what its SIGTERM handler does (handlers are main-thread only)
+        return seen
+
+    out, errors = _two_ranks(url, train, save_every_seconds=0.5)
+    assert errors == [None, None], errors
+    assert out[0] == out[1]  # the same decisions on both ranks, from rank 0's clock and any rank's flag
+    assert [s for s, _, p in out[0] if p] == [4, 5, 6, 7, 8]  # control: not before the flag
+    due = [s for s, d, _ in out[0] if d]
+    assert {2, 5} <= set(due) and Repository(url).steps() == sorted(set(due) | {8})
+
+    flip_one_shard(url, 8, writer=1)  # only rank 1 reads the damaged rows
+    out, errors = _two_ranks(url, lambda m: m.restore("all"))
+    assert errors == [None, None], errors
+    prev = Repository(url).steps()[-2]
+    assert [(r.step, [k.step for k in r.skipped]) for r in out] == [(prev, [8]), (prev, [8])]
+    assert out[0].skipped[0].error == "ChecksumMismatchError" and out[1].state["w"][0, 0] == prev
+
+    # Rank 0 now sees damage too, while rank 1's target is wrong: a fallback would not cure rank 1,
+    # so no rank falls back (each raises its own error) and none waits for the other.
+    flip_one_shard(url, 8, writer=0)
+    out, errors = _two_ranks(url, lambda m: m.restore("wrong"))
+    assert type(errors[0]) is ChecksumMismatchError and type(errors[1]) is KeyMismatchError, errors
