@@ -184,7 +184,8 @@ class CheckpointManager:
         """Whether ``step`` is due under the cadence (and not the step saved last).
 
         With ``save_every_seconds`` on several processes, rank 0's clock decides and every process
-        must call this (or ``save``) at the same steps."""
+        must call this (or ``save``) at the same steps; a process that does not arrive makes the
+        others raise the coordinator's CoordinatorTimeoutError. A bad step raises ValueError."""
         step = _check_step(step)
         if step == self._last_started:
             return False
@@ -329,7 +330,8 @@ class CheckpointManager:
     def reached_preemption(self, step: int) -> bool:
         """True on every process at the same step once any process has received SIGTERM (and at every
         later step). Every process must call it at every step. The loop then saves with
-        ``force=True`` and exits; a SIGKILL that follows never leaves a partial step visible."""
+        ``force=True`` and exits; a SIGKILL that follows never leaves a partial step visible. A
+        process group that fails raises its own error (torch, JAX) or the coordinator's."""
         if self._preempted_at is not None:
             return True
         if self._agree_preemption(_check_step(step), self._sigterm.is_set()):
@@ -380,7 +382,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ resume
     def latest_step(self) -> int | None:
-        """The newest committed step as this process lists it now, or None."""
+        """The newest committed step as this process lists it now, or None. Not a collective; a
+        storage failure raises StorageError."""
         return self.repository.latest()
 
     def _candidates(self, step: int | None) -> list[int]:

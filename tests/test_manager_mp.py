@@ -20,7 +20,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,17 +29,12 @@ from pathlib import Path
 import pytest
 
 from ckptfmt import Repository
+from ckptfmt.coord import free_port
 from manager_common import eval_loss, flip_one_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = int(os.environ.get("CKPTFMT_TEST_SEED", time.time_ns() % 100_000))
 pytestmark = pytest.mark.multiprocess
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -148,7 +142,7 @@ def _acceptance(framework: str, work: Path) -> dict:
     script = str(SCRIPTS[framework])
     spec = []
     for j in jobs:
-        port = _port()
+        port = free_port()
         extra = {"best": ["--keep-best", "--record-at", "40"], "term": [], "kill": ["--slow-after", "5"]}[j.name]
         # Later jobs start once the first logged a step (JAX: its compiled programs are in the cache).
         after = {"wait_for": str(jobs[0].log)} if j is not jobs[0] and framework == "jax" else {}

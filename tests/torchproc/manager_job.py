@@ -26,6 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # repo root, tests/
 
 import numpy as np  # noqa: E402
+from ckptfmt.coord import free_port  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -199,21 +200,13 @@ def run(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     world = 2 if args.mode == "train" else 1
-    port = args.port or _free_port()
+    port = args.port or free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=args.rank, world_size=world,
                             timeout=timedelta(seconds=120))
     res = train(args) if args.mode == "train" else resume(args)
     with open(args.out, "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def zygote(spec_path: str) -> None:
