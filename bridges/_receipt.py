@@ -3,8 +3,8 @@
 Used by tests/test_jax_receipt.py and ``ckptfmt demo``. Importing this module imports no jax:
 :func:`run_side` starts the processes and :func:`judge` compares their JSON results.
 
-save:    train to step K on a (data x model) mesh, save step K, then run steps K+1 and K+2 and
-         record their losses and the batch ids of K+1. Also saves step K+1000 without the
+save:    train to step K on a (data x model) mesh, save step K (through bridges.jax.CheckpointManager),
+         then run steps K+1 and K+2 and record their losses and the batch ids of K+1. Also saves step K+1000 without the
          optimizer state (for a broken control).
 restore: restore step K on another mesh and run steps K+1 and K+2, once per control:
 
@@ -149,6 +149,7 @@ def _do_save(args: argparse.Namespace) -> dict[str, Any]:
 
     import bridges.jax as bjax
     from bridges._training import Config, Trainer, digest_tree, make_mesh
+    from ckptfmt import Repository
 
     cfg = Config()
     tr = Trainer(cfg, make_mesh(tuple(int(x) for x in args.mesh.split("x"))))
@@ -157,13 +158,17 @@ def _do_save(args: argparse.Namespace) -> dict[str, Any]:
     digests = digest_tree(state)
     rng = np.random.default_rng(100 + jax.process_index())  # per-process host RNG: rank state
     rank_state = {"np_rng": rng.bit_generator.state, "rank": jax.process_index()}
-    t = time.perf_counter()
-    manifest = bjax.save(args.ckpt, state, step=args.k, extra={"config": cfg.__dict__, "losses": losses},
-                         rank_state=rank_state)
-    save_s = time.perf_counter() - t
-    bjax.save(args.ckpt, tr.checkpoint_state(with_optimizer=False), step=args.k + 1000)
+    # Saved through the checkpoint manager (asynchronously; save_s runs to the commit).
+    with bjax.CheckpointManager(args.ckpt) as mgr:
+        t = time.perf_counter()
+        mgr.save(args.k, state, extra={"config": cfg.__dict__, "losses": losses}, rank_state=rank_state, force=True)
+        record = mgr.wait()
+        save_s = time.perf_counter() - t
+        mgr.save(args.k + 1000, tr.checkpoint_state(with_optimizer=False), force=True)
+    manifest = Repository(args.ckpt).manifest(args.k)
     res: dict[str, Any] = {
         "topology": _topology(args), "step": args.k, "losses": losses, "digests": digests, "save_s": save_s,
+        "save_blocked_s": record.blocked_s,
         "saved_bytes": int(manifest.nbytes), "writers": int(manifest.writers),
         "tensor_bytes": int(sum(t.nbytes for t in manifest.tensors.values())),
         "writer_lists": {k: [int(w) for w in t.shards.writer] for k, t in manifest.tensors.items()}}

@@ -32,6 +32,7 @@ every byte against the manifest before anything is returned. Arrays are then bui
 """
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import threading
@@ -53,7 +54,7 @@ from ._jaxtree import (describe_sharding, flatten_with_keys, index_to_box, is_pr
                        physical_sharding)
 
 __all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "PendingSave",
-           "RANK_STATE_POLICIES"]
+           "RANK_STATE_POLICIES", "CheckpointManager"]
 
 #: The accepted values of ``rank_state_policy`` (the core's, FORMAT.md 7.4).
 RANK_STATE_POLICIES = _CORE_POLICIES
@@ -152,7 +153,8 @@ _pending: PendingSave | None = None
 
 
 def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapping[str, Any] | None = None,
-         blocking: bool = True, coordinator: Any = None, options: SaveOptions | None = None) -> Any:
+         blocking: bool = True, coordinator: Any = None, options: SaveOptions | None = None,
+         metadata: Mapping[str, Any] | None = None) -> Any:
     """Save the pytree ``state`` as step ``step`` of the repository at ``url``.
 
     Every process of a ``jax.distributed`` job must call it with the same ``step`` and a
@@ -165,6 +167,8 @@ def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapp
     core's CheckpointError (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError,
     StepAlreadyCommittedError, ...) is raised on every process. A leaf of an unsupported type
     or an unrenderable key raises TypeError/ValueError before anything is written.
+
+    ``metadata`` (plain JSON) goes into the manifest's ``metadata`` as rank 0 passes it.
     """
     global _pending
     if _pending is not None and not _pending.done():
@@ -173,10 +177,12 @@ def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapp
     global_state = {"bridge": bridge_state, "extra": extra}
     coord = coordinator if coordinator is not None else default_coordinator()
     opts = options if options is not None else SaveOptions()
+    if metadata is not None and not blocking:  # the save runs later: keep a snapshot, not a reference
+        metadata = copy.deepcopy(dict(metadata))
 
     def run() -> Any:
         manifest = _core_save(url, step, shards, state=global_state, rank_state=rank_state,
-                              coordinator=coord, versions=_versions(), options=opts)
+                              coordinator=coord, versions=_versions(), options=opts, metadata=metadata)
         if coordinator is None and isinstance(coord, JaxCoordinator):
             # The commit broadcast's value (the manifest) stays in the coordination service
             # until a call every rank enters; release it. The step is committed either way.
@@ -492,3 +498,6 @@ def abstract_target(tree: Any, sharding: Any = None) -> Any:
         else:
             out.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+from ._jaxmanager import CheckpointManager as CheckpointManager  # noqa: E402  (it calls the verbs above)

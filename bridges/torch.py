@@ -39,7 +39,7 @@ from ckptfmt.state import decode_state, encode_state
 from .mapping import IDENTITY, Mapping, Resolved
 
 __all__ = ["save", "load", "Loaded", "rng_state", "set_rng_state", "local_box", "to_numpy",
-           "from_numpy", "layer_kinds"]
+           "from_numpy", "layer_kinds", "CheckpointManager"]
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -496,3 +496,5 @@ def _wrap_like(v: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                                   shape=v.shape, stride=v.stride())
     return local
 
+
+from ._torchmanager import CheckpointManager as CheckpointManager  # noqa: E402  (it calls the verbs above)

@@ -25,7 +25,12 @@ from .session import SaveOptions as SaveOptions
 from .session import save as save
 from .asyncsave import SaveHandle as SaveHandle
 from .asyncsave import save_async as save_async
+from .manager import CheckpointManager as CheckpointManager
+from .manager import RestoreResult as RestoreResult
+from .manager import SaveRecord as SaveRecord
+from .manager import SkippedStep as SkippedStep
 
 __all__ = ["__version__", "Box", "LocalShard", "TensorSharding", "Coordinator", "LocalCoordinator",
            "TcpCoordinator", "Manifest", "TensorEntry", "parse_manifest", "Checkpoint", "ReadStats",
-           "GcReport", "Repository", "SaveOptions", "save", "save_async", "SaveHandle", *_error_names]
+           "GcReport", "Repository", "SaveOptions", "save", "save_async", "SaveHandle", "CheckpointManager",
+           "RestoreResult", "SaveRecord", "SkippedStep", *_error_names]

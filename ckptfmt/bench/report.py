@@ -244,9 +244,12 @@ def metadata_lines(md: dict) -> list[str]:
 def tailstep_lines(t: dict) -> list[str]:
     b, s = t.get("baseline", {}), t.get("with_saves", {})
     out = [
-        f"Tail-step slowdown ({t.get('steps')} steps, a save every {t.get('every')} steps, {t.get('save_mode')}; state {_mib(t.get('state_bytes'))} MiB):",
+        f"Training cadence ({t.get('steps')} steps, a save every {t.get('every')} steps, {t.get('save_mode')}; state {_mib(t.get('state_bytes'))} MiB):",
         f"  step time p50 {b.get('p50_ms', 0):.2f} ms -> {s.get('p50_ms', 0):.2f} ms; p99 {b.get('p99_ms', 0):.2f} ms -> {s.get('p99_ms', 0):.2f} ms",
-        f"  caller blocked per save: median {t.get('blocked_ms_median', 0):.1f} ms; sync save: median {t.get('sync_save_ms_median', 0):.1f} ms",
+        f"  caller blocked per save: median {t.get('blocked_ms_median', 0):.1f} ms, max {t.get('blocked_ms_max', 0):.1f} ms"
+        f" ({t.get('blocked_fraction') or 0:.1%} of a sync save: median {t.get('sync_save_ms_median', 0):.1f} ms)",
+        f"  per save: write (to commit) median {t.get('write_ms_median', 0):.1f} ms, {(t.get('bytes_per_save') or 0) / 2**20:.1f} MiB;"
+        f" longest wait for the previous save {t.get('waited_ms_max', 0):.1f} ms; {t.get('committed', '-')}/{t.get('saves', '-')} committed",
         f"  recovery-point objective: {t.get('rpo_steps')} steps at risk at most (median {t.get('rpo_steps_median')})",
     ]
     return out + [f"  note: {x}" for x in t.get("notes", [])]

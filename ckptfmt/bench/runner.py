@@ -53,7 +53,7 @@ class BenchOptions:
     dcp_metadata_max_entries: int = 100_000
     tailstep: bool = True
     tailstep_steps: int = 200
-    tailstep_every: int = 20
+    tailstep_every: int = 10
     plot: bool = True
     keep_data: bool = False
     child_timeout_s: float = 1800.0

@@ -5,10 +5,10 @@ Modes (one process of a job each):
 ``train``     a rank of the training job. Trains the tiny Flax NNX model of
               :mod:`bridges._training` on a ``data x model`` mesh spanning every process, logs each
               step (loss, batch ids, wall time) as one JSON line (rank 0), and every ``cadence``
-              steps starts an asynchronous save (``bridges.jax.save(..., blocking=False)``) whose
+              steps starts an asynchronous save through ``bridges.jax.CheckpointManager`` whose
               ``extra`` holds the sha256 of every leaf (the state hashes the replacement compares).
-``restore``   a rank of a replacement (or control) job: restore the latest committed step onto
-              its own mesh, compare the reconstructed state hashes with the saved ones, run
+``restore``   a rank of a replacement (or control) job: resume through the checkpoint manager
+              (the newest committed step that verifies) onto its own mesh, compare the reconstructed state hashes with the saved ones, run
               exactly one step, and write the result (rank 0). With ``--rejected-control`` it then
               tries to restore a copy of the step with one shard object deleted into the live
               state, and records that the restore raised and the live state did not change.
@@ -81,31 +81,28 @@ def _train(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any]:
     tr = Trainer(cfg, _mesh(args))
     rank0 = jax.process_index() == 0
     log = open(args.log, "a", buffering=1) if rank0 else None
-    pending = None
     saves: list[dict[str, Any]] = []
     stall_s = 0.0
-    for _ in range(args.max_steps):
-        t0 = time.time()
-        loss, ids = tr.train_step()
-        if log is not None:
-            log.write(json.dumps({"step": tr.step, "loss": loss, "ids": ids, "t": time.time()}) + "\n")
-        if tr.step % args.cadence == 0:
-            ts = time.time()
-            if pending is not None:  # one save in flight at a time: wait for the previous one
-                pending.wait()
-            state = tr.checkpoint_state()
-            extra = {"digests": digest_tree(state), "config": cfg.__dict__, "mesh": args.mesh,
-                     "processes": args.nproc, "devices_per_process": args.devices}
-            pending = bjax.save(args.url, state, step=tr.step, extra=extra, blocking=False)
-            stall_s += time.time() - ts
-            saves.append({"step": tr.step, "t_started": ts, "blocked_s": time.time() - ts})
+    # The checkpoint manager keeps one asynchronous save in flight (the next waits for its commit).
+    with bjax.CheckpointManager(args.url, save_every_steps=args.cadence) as mgr:
+        for _ in range(args.max_steps):
+            t0 = time.time()
+            loss, ids = tr.train_step()
             if log is not None:
-                log.write(json.dumps({"save_started": tr.step, "t": ts}) + "\n")
-        rest = args.step_time - (time.time() - t0)
-        if rest > 0:  # pace the job like a heavier model, so that the kill lands on a chosen step
-            time.sleep(rest)
-    if pending is not None:
-        pending.wait()
+                log.write(json.dumps({"step": tr.step, "loss": loss, "ids": ids, "t": time.time()}) + "\n")
+            if mgr.should_save(tr.step):
+                ts = time.time()
+                state = tr.checkpoint_state()
+                extra = {"digests": digest_tree(state), "config": cfg.__dict__, "mesh": args.mesh,
+                         "processes": args.nproc, "devices_per_process": args.devices}
+                mgr.save(tr.step, state, extra=extra)
+                stall_s += time.time() - ts
+                saves.append({"step": tr.step, "t_started": ts, "blocked_s": time.time() - ts})
+                if log is not None:
+                    log.write(json.dumps({"save_started": tr.step, "t": ts}) + "\n")
+            rest = args.step_time - (time.time() - t0)
+            if rest > 0:  # pace the job like a heavier model, so that the kill lands on a chosen step
+                time.sleep(rest)
     return {"mode": "train", "completed": tr.step, "saves": saves, "stall_s": stall_s, **times}
 
 
@@ -127,12 +124,15 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
     target = tr.target()
     t_setup = time.time()
 
-    stats: dict[str, Any] = {}
-    state = bjax.restore(args.url, target, stats=stats)  # step None: the latest committed step
+    # The checkpoint manager resumes from the newest committed step that verifies (every process
+    # of the job restores the same one; a damaged newer step would be skipped and reported).
+    with bjax.CheckpointManager(args.url) as mgr:
+        resumed = mgr.restore(target)
+    state, stats = resumed.state, dict(resumed.stats)
     t_restored = time.time()
 
     # Validation: the reconstructed state hashes against the hashes saved with the step.
-    extra = bjax.load_extra(args.url, stats["step"]) or {}
+    extra = resumed.extra or {}
     saved = extra.get("digests", {})
     got = digest_tree(state)
     diff = _digest_diff(saved, got)
@@ -161,7 +161,8 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
         "mode": "restore", "framework": "jax", "init_note": "jax import, devices, flax/optax/bridge import",
         "loss_rtol": LOSS_RTOL, "restore_phases": rows,
         "topology": f"{args.nproc} process(es) x {args.devices} devices, mesh {args.mesh}",
-        "devices": args.nproc * args.devices, "restored_step": stats["step"], "step": tr.step, "loss": loss,
+        "devices": args.nproc * args.devices, "restored_step": resumed.step, "step": tr.step, "loss": loss,
+        "skipped_steps": [[k.step, k.error] for k in resumed.skipped],
         "ids": ids, "hashes": {"leaves": len(saved), "differ": diff, "exact": bool(saved) and not diff},
         "restore_stats": stats, "bytes_read": stats["reader"]["bytes_read"],
         "t_setup": t_setup, "t_restored": t_restored, "t_valid": t_valid, "t_step": t_step, **times}
@@ -174,7 +175,7 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
     else:
         out["bytes_read_per_process"] = [int(stats["reader"]["bytes_read"])]
     if args.rejected_control:
-        out["rejected_control"] = _rejected_control(args, tr, stats["step"])
+        out["rejected_control"] = _rejected_control(args, tr, resumed.step)
     return out
 
 
