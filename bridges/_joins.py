@@ -161,8 +161,12 @@ class Stack(Join):
 
     axis: int
     over: str
+    size: int | None = None
 
     def join_shape(self, shapes: Sequence[Shape]) -> Shape:
+        if self.size is not None and len(shapes) != self.size:
+            raise NotApplicable(f"Stack over {{{self.over}}} expects {self.size} keys", expected=self.size,
+                                found=len(shapes))
         for s in shapes[1:]:
             if s != shapes[0]:
                 raise NotApplicable(f"Stack over {{{self.over}}} needs equal shapes", expected=shapes[0], found=s)
@@ -189,4 +193,4 @@ class Stack(Join):
         raise NotApplicable("Stack joins several sources")
 
     def inverse(self) -> Select:
-        return Select(self.axis, self.over)
+        return Select(self.axis, self.over, self.size)

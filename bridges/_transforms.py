@@ -207,7 +207,7 @@ class Select(Transform):
         if not isinstance(self.index, str):
             raise ValueError(f"Select(axis={self.axis}, index={self.index}) picks a fixed index; only a "
                              "placeholder index (a key family such as layers.{i}) has an inverse")
-        return Stack(self.axis, self.index)
+        return Stack(self.axis, self.index, self.size)
 
 
 # ---------------------------------------------------------------------------------------- reorder

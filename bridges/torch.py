@@ -400,7 +400,8 @@ class Loaded(dict):
     the notes that explain missing ones). ``missing_keys`` / ``unexpected_keys``: the same lists
     (only non-empty with ``strict=False``). ``extra``: the global ``extra`` saved with the
     checkpoint. ``rank_extra`` / ``rng``: this rank's saved per-rank state (at another world size:
-    per ``rank_policy``, default None). ``bytes_read``: tensor bytes this rank read.
+    per ``rank_policy``, default None). ``bytes_read``: tensor bytes this rank read (chunk data,
+    checksums and shard indexes); ``objects_read``: how many shard objects it read from.
     """
 
     step: int
@@ -412,6 +413,7 @@ class Loaded(dict):
     rng: Any
     saved_world: int
     bytes_read: int
+    objects_read: int
 
 
 def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
@@ -522,7 +524,7 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
                                f"unexpected {unexpected}{why}", key=(missing or unexpected)[0],
                                expected=missing, found=unexpected)
 
-    before = _bytes_read(ckpt)
+    before, objects_before = _bytes_read(ckpt), _stat(ckpt, "objects")
     blocks = ckpt.read_boxes(requests) if requests else []
     for key, v in flat:
         if key not in plan:
@@ -551,6 +553,7 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     out.rank_extra = rs.get("extra") if isinstance(rs, dict) else None
     out.rng = ((rs.get("torch") or {}).get("rng")) if isinstance(rs, dict) else None
     out.bytes_read = _bytes_read(ckpt) - before
+    out.objects_read = _stat(ckpt, "objects") - objects_before
     message = out.report.warning()
     if message:
         warnings.warn(message, KeptValuesWarning, stacklevel=2)
@@ -558,10 +561,14 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
 
 
 def _bytes_read(ckpt: Any) -> int:
+    return _stat(ckpt, "bytes_read")
+
+
+def _stat(ckpt: Any, name: str) -> int:
     stats = getattr(ckpt, "stats", None)
     if stats is None:
         return 0
-    return int(stats.get("bytes_read", 0) if isinstance(stats, dict) else getattr(stats, "bytes_read", 0))
+    return int(stats.get(name, 0) if isinstance(stats, dict) else getattr(stats, name, 0))
 
 
 def _wrap_like(v: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
