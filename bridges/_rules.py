@@ -13,9 +13,10 @@ from ._chain import Chain, split_chain, with_select_size
 from ._joins import Concat, Stack
 from ._transforms import NotApplicable, Select, Transform, Transpose
 
-__all__ = ["Rule", "Mapping", "Resolved", "LoadReport", "KeptValuesWarning"]
+__all__ = ["Rule", "Mapping", "Resolved", "LoadReport", "KeptValuesWarning", "closest_key"]
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_CLOSE_MAX = 4096  # checkpoints with more keys get no "closest key" hint (difflib is slow)
 
 
 class KeptValuesWarning(UserWarning):
@@ -46,6 +47,15 @@ class LoadReport:
         why = ("; " + "; ".join(self.notes[:4])) if self.notes else ""
         return (f"{len(self.missing)} target keys keep their initial values because the checkpoint "
                 f"does not provide them: {shown}{why}")
+
+
+def closest_key(key: str, keys: Iterable[str]) -> str | None:
+    """The checkpoint key most like ``key`` (for error messages), or None; slow: call it for a few."""
+    pool = list(keys)
+    if len(pool) > _CLOSE_MAX:
+        return None
+    close = difflib.get_close_matches(key, pool, n=1)
+    return close[0] if close else None
 
 
 def _placeholders(pattern: str) -> list[str]:
@@ -389,14 +399,11 @@ class Mapping:
             srcs = self._sources(rule, got, keys)
             if srcs is None:
                 continue
-            res = Resolved(target_key, srcs, ops, rule)
             lacking = [] if keys is None else [s for s in srcs if s not in keys]
             if not lacking:
                 return Resolved(target_key, srcs, ops, rule, tuple(notes))
-            close = difflib.get_close_matches(lacking[0], list(keys), n=1) if keys and len(keys) < 20000 else []
-            notes.append(f"{where} matched but the checkpoint lacks {lacking[:3]}"
-                         + (f" (closest checkpoint key: {close[0]!r})" if close else ""))
-            first = first or res
+            notes.append(f"{where} matched but the checkpoint lacks {lacking[:3]}")
+            first = first or Resolved(target_key, srcs, ops, rule)
         if first is not None:
             return Resolved(first.target_key, first.source_keys, first.transforms, first.rule, tuple(notes))
         return Resolved(target_key, (target_key,), (), None, tuple(notes))

@@ -51,7 +51,8 @@ from ckptfmt.errors import (CheckpointError, StepNotFoundError, InvalidStateErro
 
 from ._extra import json_keys
 from ._jaxcoord import JaxCoordinator, default_coordinator
-from .mapping import KeptValuesWarning, LoadReport
+from ._rules import closest_key
+from .mapping import KeptValuesWarning, LoadReport, Mapping as KeyMapping
 from ._jaxtree import (describe_sharding, flatten_with_keys, index_to_box, is_prng_key, nest,
                        physical_sharding)
 
@@ -398,7 +399,7 @@ def _is_array_target(leaf: Any) -> bool:
 
 
 def restore(url: str, target: Any = None, *, step: int | None = None, rank_state_policy: str | None = None,
-            mapping: Any = None, strict: bool = True, stats: dict[str, Any] | None = None) -> Any:
+            mapping: KeyMapping | None = None, strict: bool = True, stats: dict[str, Any] | None = None) -> Any:
     """Restore step ``step`` (None: the latest committed step) of the repository at ``url``.
 
     ``target`` is a pytree like the saved state. Leaves that are ``jax.ShapeDtypeStruct`` (with
@@ -470,7 +471,9 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
             if res is not None and res.notes and key not in notes:
                 notes[key] = "; ".join(res.notes)
             if strict:
-                why = f" ({notes[key]})" if key in notes else ""
+                hint = closest_key(res.source_key if res is not None else key, keys)
+                why = f" ({notes.get(key, 'no rule')}; closest checkpoint key: {hint!r})" if hint else \
+                    (f" ({notes[key]})" if key in notes else "")
                 raise KeyMismatchError(f"the restore target has a key the checkpoint does not hold{why}", key=key,
                                        expected="a tensor or scalar of the checkpoint", found="missing")
             kept[len(plans)] = leaf
@@ -522,7 +525,7 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
 
 
 def _report(flat: list[tuple[str, Any]], plans: list[Any], kept: dict[int, Any], notes: dict[str, str],
-            keys: set[str], mapping: Any) -> LoadReport:
+            keys: set[str], mapping: KeyMapping | None) -> LoadReport:
     used = {r[0] for p in plans if p is not None for r in p.requests()}
     used |= {k for k, _ in flat}
     missing = tuple(flat[i][0] for i in sorted(kept))

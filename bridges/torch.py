@@ -35,6 +35,7 @@ from ckptfmt.errors import KeyMismatchError, SaveInProgressError, ShapeMismatchE
 from ckptfmt.state import decode_state, encode_state
 
 from ._extra import json_keys
+from ._rules import closest_key
 from .mapping import IDENTITY, KeptValuesWarning, LoadReport, Mapping, MappingError, Resolved
 
 __all__ = ["save", "load", "Loaded", "rng_state", "set_rng_state", "local_box", "to_numpy",
@@ -479,8 +480,9 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
             kept.append(key)
             if not mapping.is_kept(key):
                 missing.append(key)
-                notes.append(f"{key}: " + ("; ".join(res.notes) if res.notes else
-                                           f"{res.where}: the checkpoint lacks {lacking[:3]}"))
+                note = "; ".join(res.notes) if res.notes else f"{res.where}: the checkpoint lacks {lacking[:3]}"
+                hint = closest_key(lacking[0], src_keys) if len(missing) <= 3 else None  # slow: a few only
+                notes.append(f"{key}: {note}" + (f" (closest checkpoint key: {hint!r})" if hint else ""))
             values[key] = v
             continue
         used.update(res.source_keys)

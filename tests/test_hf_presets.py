@@ -38,6 +38,9 @@ from torchproc.launch import REPO, child_env, run_world  # noqa: E402
 from torchproc.scenarios import full_np  # noqa: E402
 
 LOGIT_ATOL = 1e-4  # float32 forward, JAX or numpy vs torch
+# 8 CPU devices; XLA's cheapest CPU compile (these models compile in seconds instead of tens of seconds).
+JAX_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+             "--xla_llvm_disable_expensive_passes=true")
 
 
 def _nest(flat: dict[str, np.ndarray]) -> dict:
@@ -178,7 +181,7 @@ def jax_ckpts(tmp_path_factory):
     work = tmp_path_factory.mktemp("hf")
     t0 = time.monotonic()
     subprocess.run([sys.executable, str(REPO / "tests" / "torchproc" / "hf_jax_side.py"), "produce", str(work)],
-                   env=child_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"),
+                   env=child_env(XLA_FLAGS=JAX_FLAGS, JAX_PLATFORMS="cpu"),
                    check=True, timeout=600, cwd=str(REPO))
     print(f"JAX side (train + save both models): {time.monotonic() - t0:.1f} s")
     return work
@@ -297,7 +300,7 @@ def test_torch_jax_torch_round_trip(jax_ckpts, tmp_path):
         bt.save(str(jax_ckpts / f"{name}_mapped"), state, step=TRAIN_STEPS + 1, mapping=preset(name))
         bt.save(str(jax_ckpts / f"{name}_plain"), state, step=TRAIN_STEPS + 1)
     subprocess.run([sys.executable, str(REPO / "tests" / "torchproc" / "hf_jax_side.py"), "roundtrip", str(jax_ckpts)],
-                   env=child_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"),
+                   env=child_env(XLA_FLAGS=JAX_FLAGS, JAX_PLATFORMS="cpu"),
                    check=True, timeout=600, cwd=str(REPO))
     rt = dict(np.load(jax_ckpts / "roundtrip.npz"))
     assert bool(rt["llama_same"]) and bool(rt["gpt2_same"]) and bool(rt["llama_sharded"]) and bool(rt["gpt2_sharded"])
