@@ -472,8 +472,8 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
                 notes[key] = "; ".join(res.notes)
             if strict:
                 hint = closest_key(res.source_key if res is not None else key, keys)
-                why = f" ({notes.get(key, 'no rule')}; closest checkpoint key: {hint!r})" if hint else \
-                    (f" ({notes[key]})" if key in notes else "")
+                parts = ([notes[key]] if key in notes else []) + ([f"closest checkpoint key: {hint!r}"] if hint else [])
+                why = f" ({'; '.join(parts)})" if parts else ""
                 raise KeyMismatchError(f"the restore target has a key the checkpoint does not hold{why}", key=key,
                                        expected="a tensor or scalar of the checkpoint", found="missing")
             kept[len(plans)] = leaf
