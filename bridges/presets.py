@@ -177,7 +177,8 @@ def hf_llama_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"
     ``rotate_half``: no change) or ``"interleaved"`` (pairs (0, 1), (2, 3), ...: rows reordered).
     ``model`` / ``optimizer``: (checkpoint prefix, torch state prefix) of the parameters and of
     optax's ``ScaleByAdamState`` (element 0 of an adamw chain); None for weights only.
-    Raises ValueError for an unknown ``rope``.
+    Raises ValueError for an unknown ``rope`` and KeyError/TypeError for a config without the
+    sizes; a checkpoint whose tensors do not fit raises MappingError at load, naming the rule.
     """
     dims = llama_dims(config)
     table = dict(LLAMA_NNX_NAMES, **(names or {}))
@@ -201,6 +202,8 @@ def hf_llama_from_maxtext(config: Any, *, params: str = "params/params",
     multiplied by ``sqrt(head_dim)`` (MaxText pre-scales it); saving torch -> MaxText divides, which
     is exact only for a power-of-two ``sqrt(head_dim)`` (head_dim 4, 16, 64, 256): otherwise the
     save is refused unless ``allow_inexact_save=True`` accepts the rounding.
+    Raises ValueError for an unknown ``rope`` or ``scan_axis``; a tree that does not fit raises
+    MappingError at load, naming the rule.
     """
     dims = llama_dims(config)
     if scan_axis not in (0, 1):
@@ -274,7 +277,8 @@ def hf_gpt2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model")
     HF's ``Conv1D`` stores weights (in, out), as Flax kernels are: no transposes. Its fused
     ``c_attn`` (d, 3d) is the concatenation of the q, k, v kernels along the output axis (and
     ``c_attn.bias`` of their biases); a torch -> JAX save splits it back. ``lm_head.weight`` is
-    tied to ``wte``: both read ``wte/embedding``.
+    tied to ``wte``: both read ``wte/embedding``. A checkpoint that does not fit raises
+    MappingError at load, naming the rule.
     """
     n = dict(GPT2_NNX_NAMES, **(names or {}))
     L, d = int(_get(config, "n_layer")), int(_get(config, "n_embd"))
