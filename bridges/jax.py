@@ -14,8 +14,9 @@ What a checkpoint holds (the JAX profile, normative in spec/FORMAT.md 13.2; summ
   state under ``bridge.prng_impls[<key path>]``. Raw ``uint32`` keys are ordinary tensors.
 * Every other leaf (Python ``bool``/``int``/``float``/``str``/``bytes``/``None``, numpy scalars)
   goes into the global msgpack state under ``bridge.leaves[<key path>]``.
-* ``extra`` (any msgpack-able value) is stored beside it in the global state: ``{"bridge":
-  {...}, "extra": extra}``; read it back with :func:`load_extra`.
+* ``extra`` (any msgpack-able value, and anything ``json.dumps`` takes: dict keys are stored as
+  JSON writes them, ``1`` -> ``"1"``, see ``bridges/_extra.py``) is stored beside it in the
+  global state: ``{"bridge": {...}, "extra": extra}``; read it back with :func:`load_extra`.
 * ``rank_state`` is per-process state (numpy/Python RNG state, iterator position), stored as
   format v1 rank state. **Topology-change policy**: when the number of processes at restore
   differs from the number that saved, rank state has no owner. :func:`restore` and
@@ -37,6 +38,7 @@ import json
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable, Mapping
 
 import jax
@@ -49,7 +51,10 @@ from ckptfmt.reader import RANK_STATE_POLICIES as _CORE_POLICIES, check_rank_sta
 from ckptfmt.errors import (CheckpointError, StepNotFoundError, InvalidStateError, KeyMismatchError, SaveInProgressError,
                             ShapeMismatchError, TopologyChangedError)
 
+from ._extra import json_keys
 from ._jaxcoord import JaxCoordinator, default_coordinator
+from ._rules import closest_key
+from .mapping import KeptValuesWarning, LoadReport, Mapping as KeyMapping
 from ._jaxtree import (describe_sharding, flatten_with_keys, index_to_box, is_prng_key, nest,
                        physical_sharding)
 
@@ -174,14 +179,14 @@ def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapp
     if _pending is not None and not _pending.done():
         raise SaveInProgressError("an earlier save(blocking=False) is still in flight; wait() for it first")
     shards, bridge_state = _to_shards(state, copy=not blocking)
-    global_state = {"bridge": bridge_state, "extra": extra}
+    global_state = {"bridge": bridge_state, "extra": json_keys(extra, "extra")}
     coord = coordinator if coordinator is not None else default_coordinator()
     opts = options if options is not None else SaveOptions()
     if metadata is not None and not blocking:  # the save runs later: keep a snapshot, not a reference
         metadata = copy.deepcopy(dict(metadata))
 
     def run() -> Any:
-        manifest = _core_save(url, step, shards, state=global_state, rank_state=rank_state,
+        manifest = _core_save(url, step, shards, state=global_state, rank_state=json_keys(rank_state, "rank_state"),
                               coordinator=coord, versions=_versions(), options=opts, metadata=metadata)
         if coordinator is None and isinstance(coord, JaxCoordinator):
             # The commit broadcast's value (the manifest) stays in the coordination service
@@ -293,11 +298,19 @@ def _target_sharding(leaf: Any) -> Any:
 
 
 class _ArrayPlan:
-    __slots__ = ("key", "shape", "sharding", "prng", "boxes", "host")
+    __slots__ = ("key", "shape", "sharding", "prng", "boxes", "host", "chain", "reads")
 
     def __init__(self, key: str, shape: tuple[int, ...], sharding: Any, prng: str | None,
-                 boxes: list[Box], host: bool) -> None:
+                 boxes: list[Box], host: bool, chain: Any = None) -> None:
         self.key, self.shape, self.sharding, self.prng, self.boxes, self.host = key, shape, sharding, prng, boxes, host
+        # A mapped leaf: the boxes are the target's; ``reads`` lists the source boxes of each.
+        self.chain = chain
+        self.reads: dict[Box, list[tuple[str, Box]]] = {b: chain.reads(b) for b in boxes} if chain is not None else {}
+
+    def requests(self) -> list[tuple[str, Box]]:
+        if self.chain is None:
+            return [(self.key, b) for b in self.boxes]
+        return [r for b in self.boxes for r in self.reads[b]]
 
 
 def _plan_leaf(ckpt: Any, keys: set[str], bridge: dict[str, Any], key: str, leaf: Any) -> _ArrayPlan:
@@ -329,6 +342,26 @@ def _plan_leaf(ckpt: Any, keys: set[str], bridge: dict[str, Any], key: str, leaf
         return _ArrayPlan(key, shape, None, None, [Box.full(shape)], True)
     boxes = {index_to_box(idx, shape) for idx in sharding.addressable_devices_indices_map(shape).values()}
     return _ArrayPlan(key, shape, sharding, prng, sorted(boxes, key=lambda b: b.offset), False)
+
+
+def _plan_mapped(ckpt: Any, key: str, leaf: Any, res: Any) -> _ArrayPlan:
+    """A target leaf read through a mapping rule (not the identity)."""
+    entries = [ckpt.tensor(k) for k in res.source_keys]
+    chain = res.chain([tuple(int(n) for n in e.shape) for e in entries], [numpy_dtype(e.dtype) for e in entries])
+    if is_prng_key(leaf):
+        raise ShapeMismatchError("typed PRNG keys are restored under their own key, not through a mapping",
+                                 key=key, expected="an identity mapping", found=res.where)
+    want = (tuple(int(n) for n in leaf.shape), np.dtype(leaf.dtype).name)
+    found = (chain.target_shape, chain.target_dtype.name)
+    if want != found:
+        raise ShapeMismatchError(f"restore target does not match the checkpoint through {res.where}", key=key,
+                                 expected=want, found=found)
+    shape = want[0]
+    sharding = None if isinstance(leaf, np.ndarray) else _target_sharding(leaf)
+    if sharding is None:
+        return _ArrayPlan(key, shape, None, None, [Box.full(shape)], True, chain)
+    boxes = {index_to_box(idx, shape) for idx in sharding.addressable_devices_indices_map(shape).values()}
+    return _ArrayPlan(key, shape, sharding, None, sorted(boxes, key=lambda b: b.offset), False, chain)
 
 
 #: Host bytes read per batch during restore: bounds the host copies alive at once.
@@ -365,9 +398,20 @@ def _restore_batches(reader: Any, batches: list[list[int]], batch_reqs: list[lis
         got = dict(zip(reqs, arrays))
         nbytes += sum(int(a.nbytes) for a in arrays)
         del arrays
+        mapped: dict[int, dict[tuple[str, Box], np.ndarray]] = {}
+        for i in batch:  # every mapped leaf first: several may share a source block (tied weights)
+            plan = plans[i]
+            if plan.chain is not None:
+                blocks = {}
+                for b in plan.boxes:
+                    blk = plan.chain.assemble(b, [got[r] for r in plan.reads[b]])
+                    blocks[(plan.key, b)] = blk if blk.flags.owndata and blk.flags.c_contiguous else np.array(blk)
+                mapped[i] = blocks
         for i in batch:
             plan = plans[i]
-            if plan.host and plan.prng:
+            if i in mapped:
+                built[i] = _build(plan, mapped.pop(i))
+            elif plan.host and plan.prng:
                 built[i] = jax.random.wrap_key_data(_build(plan, got), impl=plan.prng)
             else:
                 built[i] = _build(plan, got)
@@ -380,7 +424,7 @@ def _is_array_target(leaf: Any) -> bool:
 
 
 def restore(url: str, target: Any = None, *, step: int | None = None, rank_state_policy: str | None = None,
-            stats: dict[str, Any] | None = None) -> Any:
+            mapping: KeyMapping | None = None, strict: bool = True, stats: dict[str, Any] | None = None) -> Any:
     """Restore step ``step`` (None: the latest committed step) of the repository at ``url``.
 
     ``target`` is a pytree like the saved state. Leaves that are ``jax.ShapeDtypeStruct`` (with
@@ -391,13 +435,25 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     nested dicts keyed by the key-path components (typed PRNG keys come back as key arrays on the
     default device); custom pytree classes and sequences need a target to come back as themselves.
 
+    ``mapping`` (a :class:`bridges.mapping.Mapping` from checkpoint keys to target keys, e.g.
+    ``bridges.presets.hf_llama_from_nnx(cfg).inverse()`` for a checkpoint saved by
+    ``bridges.torch.save`` from a Hugging Face model) renames keys and transforms layouts; each
+    device's box reads only the source boxes it needs. Dtypes must then match exactly, as without.
+
+    ``strict``: a target key the checkpoint lacks raises KeyMismatchError (with why each matching
+    rule did not apply); with ``strict=False`` that leaf is returned as given (an abstract
+    ShapeDtypeStruct stays abstract: nothing is filled in) and a KeptValuesWarning names it.
+    Checkpoint keys the target does not name are never an error here (a partial restore).
+
     ``stats``, if given, is filled with phase timings (``open_s``, ``plan_s``, ``read_s`` -- read
-    and verify --, ``build_s``), ``bytes_restored`` and the reader's counters.
+    and verify --, ``build_s``), ``bytes_restored``, the reader's counters and ``report`` (a
+    :class:`bridges.mapping.LoadReport`: loaded, kept, missing, unexpected keys).
 
     Fails closed: StepNotFoundError, KeyMismatchError (a target key the checkpoint lacks),
-    ShapeMismatchError (shape, dtype or PRNG implementation differs), TopologyChangedError (see
-    the module docstring), or any verification error of the core reader, all raised before any
-    array is returned.
+    ShapeMismatchError (shape, dtype or PRNG implementation differs; MappingError, a subclass,
+    when a mapping rule matched but does not fit), TopologyChangedError (see the module
+    docstring), or any verification error of the core reader, all raised before any array is
+    returned.
     """
     t0 = time.perf_counter()
     ckpt = _open(url, step)
@@ -405,6 +461,8 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     bridge = _bridge_state(ckpt)
     t1 = time.perf_counter()
     keys = set(ckpt.keys())
+    kept: dict[int, Any] = {}
+    notes: dict[str, str] = {}
     if target is None:
         flat_keys = sorted(keys)
         plans = [_ArrayPlan(k, tuple(ckpt.tensor(k).shape), None, bridge["prng_impls"].get(k),
@@ -414,17 +472,38 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
         flat, treedef = flatten_with_keys(target)
         plans = []
         for key, leaf in flat:
-            if _is_array_target(leaf):
-                plans.append(_plan_leaf(ckpt, keys, bridge, key, leaf))
+            res = mapping.resolve(key, len(getattr(leaf, "shape", ())), keys) if mapping is not None else None
+            if res is not None and (res.transforms or res.source_keys != (key,)):
+                lacking = [k for k in res.source_keys if k not in keys]
+                if not lacking and _is_array_target(leaf):
+                    plans.append(_plan_mapped(ckpt, key, leaf, res))
+                    continue
+                if not lacking:
+                    raise ShapeMismatchError("a mapped key needs an array target (jax.Array, ShapeDtypeStruct or "
+                                             "numpy array)", key=key, expected="an array", found=type(leaf).__name__)
+                notes[key] = "; ".join(res.notes) or f"{res.where}: the checkpoint lacks {lacking[:3]}"
+            elif _is_array_target(leaf):
+                if key in keys:
+                    plans.append(_plan_leaf(ckpt, keys, bridge, key, leaf))
+                    continue
             elif key in bridge["leaves"]:
                 plans.append(None)
+                continue
             elif key in keys:  # a scalar placeholder for a saved array: host numpy
                 shape = tuple(ckpt.tensor(key).shape)
                 plans.append(_ArrayPlan(key, shape, None, None, [Box.full(shape)], True))
-            else:
-                raise KeyMismatchError("the restore target has a key the checkpoint does not hold", key=key,
+                continue
+            if res is not None and res.notes and key not in notes:
+                notes[key] = "; ".join(res.notes)
+            if strict:
+                hint = closest_key(res.source_key if res is not None else key, keys)
+                parts = ([notes[key]] if key in notes else []) + ([f"closest checkpoint key: {hint!r}"] if hint else [])
+                why = f" ({'; '.join(parts)})" if parts else ""
+                raise KeyMismatchError(f"the restore target has a key the checkpoint does not hold{why}", key=key,
                                        expected="a tensor or scalar of the checkpoint", found="missing")
-    requests = [(p.key, b) for p in plans if p is not None for b in p.boxes]
+            kept[len(plans)] = leaf
+            plans.append(None)
+    requests = [r for p in plans if p is not None for r in p.requests()]
     t2 = time.perf_counter()
     # Read in batches of about RESTORE_BATCH_BYTES so at most one batch of host copies exists at a
     # time. Every batch is verified by the core reader before its arrays are built, and nothing is
@@ -435,21 +514,26 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     for i, plan in enumerate(plans):
         if plan is None:
             continue
-        nb = sum(b.size for b in plan.boxes) * np.dtype(numpy_dtype(ckpt.tensor(plan.key).dtype)).itemsize
+        nb = sum(b.size * np.dtype(numpy_dtype(ckpt.tensor(k).dtype)).itemsize for k, b in plan.requests())
         if batches[-1] and size + nb > RESTORE_BATCH_BYTES:
             batches.append([])
             size = 0
         batches[-1].append(i)
         size += nb
     built: dict[int, Any] = {}
-    batch_reqs = [list(dict.fromkeys((plans[i].key, b) for i in batch for b in plans[i].boxes)) for batch in batches]
+    batch_reqs = [list(dict.fromkeys(r for i in batch for r in plans[i].requests())) for batch in batches]
     reader = ckpt.iter_read_boxes(batch_reqs)  # the next batch is read while this one is built
     try:
         nbytes, t_read = _restore_batches(reader, batches, batch_reqs, plans, built)
     finally:
         reader.close()  # stops the reader's threads on every path
     t3 = t2 + t_read
-    out = [bridge["leaves"][key] if plan is None else built.pop(i) for i, ((key, _), plan) in enumerate(zip(flat, plans))]
+    out = [kept[i] if i in kept else bridge["leaves"][key] if plan is None else built.pop(i)
+           for i, ((key, _), plan) in enumerate(zip(flat, plans))]
+    report = _report(flat, plans, kept, notes, keys, mapping)
+    message = report.warning()
+    if message:
+        warnings.warn(message, KeptValuesWarning, stacklevel=2)
     t4 = time.perf_counter()
     if stats is not None:
         stats.update(step=ckpt.step, open_s=t1 - t0, plan_s=t2 - t1, read_s=t3 - t2, build_s=t4 - t3,
@@ -457,11 +541,23 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
         reader = ckpt.stats
         stats["reader"] = {"bytes_read": reader.bytes_read, "requests": reader.requests,
                            "objects": reader.objects, "timings": dict(reader.timings)}
+        stats["report"] = report
     if treedef is None:
         flat_map = {k: v for (k, _), v in zip(flat, out)}
         flat_map.update(bridge["leaves"])
         return nest(flat_map)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _report(flat: list[tuple[str, Any]], plans: list[Any], kept: dict[int, Any], notes: dict[str, str],
+            keys: set[str], mapping: KeyMapping | None) -> LoadReport:
+    used = {r[0] for p in plans if p is not None for r in p.requests()}
+    used |= {k for k, _ in flat}
+    missing = tuple(flat[i][0] for i in sorted(kept))
+    return LoadReport(loaded=tuple(k for i, (k, _) in enumerate(flat) if i not in kept), kept=missing,
+                      missing=missing, unexpected=tuple(sorted(k for k in keys - used
+                                                               if mapping is None or not mapping.is_ignored(k))),
+                      notes=tuple(f"{k}: {notes[k]}" for k in missing if k in notes))
 
 
 def load_extra(url: str, step: int | None = None) -> Any:

@@ -24,6 +24,7 @@ returning, and the target is never modified.
 from __future__ import annotations
 
 import concurrent.futures
+import warnings
 from typing import Any, Iterator, Mapping as TMapping
 
 import numpy as np
@@ -36,7 +37,9 @@ from ckptfmt.errors import InvalidStateError, KeyMismatchError, SaveInProgressEr
 from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.state import decode_state, encode_state
 
-from .mapping import IDENTITY, Mapping, Resolved
+from ._extra import json_keys
+from ._rules import closest_key
+from .mapping import IDENTITY, KeptValuesWarning, LoadReport, Mapping, MappingError, Resolved
 
 __all__ = ["save", "load", "Loaded", "rng_state", "set_rng_state", "local_box", "to_numpy",
            "from_numpy", "layer_kinds", "CheckpointManager"]
@@ -179,8 +182,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
 
 
+def _norm_like(m: torch.nn.Module) -> bool:
+    """A normalization layer by behaviour: a ``*Norm`` class (``LlamaRMSNorm``, ``Qwen2RMSNorm``,
+    ``T5LayerNorm``, ...) whose only parameters are a 1-D ``weight`` (and ``bias``), no running stats."""
+    name = type(m).__name__
+    params = dict(m.named_parameters(recurse=False))
+    return (name.endswith(("RMSNorm", "LayerNorm", "GroupNorm")) and "weight" in params
+            and params["weight"].ndim == 1 and set(params) <= {"weight", "bias"}
+            and not any(True for _ in m.named_buffers(recurse=False)))
+
+
 def layer_kinds(module: torch.nn.Module) -> dict[str, str]:
-    """Module path -> layer kind for :func:`bridges.mapping.flax_nnx_to_torch` (``layers=``)."""
+    """Module path -> layer kind for :func:`bridges.mapping.flax_nnx_to_torch` (``layers=``).
+
+    torch layers by class (``nn.Linear`` -> linear, ``_ConvNd`` -> conv, ``nn.Embedding``,
+    ``_BatchNorm``, ``nn.LayerNorm`` / ``nn.GroupNorm`` / ``nn.RMSNorm`` -> norm); any other
+    ``*RMSNorm`` / ``*LayerNorm`` class with a 1-D weight (transformers' ``LlamaRMSNorm``) -> norm;
+    transformers' ``Conv1D`` (weight stored (in, out)) -> conv1d.
+    """
     nn = torch.nn
     kinds: list[tuple[type, str]] = [
         (nn.Linear, "linear"), (nn.modules.conv._ConvNd, "conv"), (nn.Embedding, "embedding"),
@@ -189,10 +208,17 @@ def layer_kinds(module: torch.nn.Module) -> dict[str, str]:
         kinds.append((nn.RMSNorm, "norm"))
     out: dict[str, str] = {}
     for name, m in module.named_modules():
+        if not name:
+            continue
         for cls, kind in kinds:
-            if name and isinstance(m, cls):
+            if isinstance(m, cls):
                 out[name] = kind
                 break
+        else:
+            if _norm_like(m):
+                out[name] = "norm"
+            elif type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None:
+                out[name] = "conv1d"
     return out
 
 
@@ -227,42 +253,78 @@ def _coordinator(coordinator: Any) -> Any:
     return ckptfmt.LocalCoordinator()
 
 
+def _select_sizes(items: list[tuple[str, Any, Resolved]]) -> dict[tuple[str, ...], int]:
+    """The stacked length of every unsized Select: all of 0..n-1 must be saved (one per layer key)."""
+    seen: dict[tuple[str, ...], set[int]] = {}
+    for _, _, res in items:
+        sel = res.unsized_select
+        if sel is not None:
+            seen.setdefault(res.source_keys, set()).add(int(sel.index))  # type: ignore[arg-type]
+    out = {}
+    for src, idx in seen.items():
+        n = max(idx) + 1
+        if idx != set(range(n)):
+            raise ValueError(f"{src[0]!r} is stacked from keys with indices {sorted(idx)}; every index "
+                             f"0..{n - 1} must be saved (or give Select(size=...))")
+        out[src] = n
+    return out
+
+
 def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None
             ) -> tuple[list[LocalShard], dict[str, Any]]:
     shards: list[LocalShard] = []
     objects: dict[str, Any] = {}
-    written: dict[str, tuple[str, Any]] = {}  # checkpoint key -> (state key, local block)
+    items: list[tuple[str, Any, Resolved]] = []
     for key, v in _flatten(state_dict):
         if not isinstance(v, torch.Tensor):
             objects[key] = v
             continue
+        items.append((key, v, mapping.resolve_unique(key, v.ndim) if mapping is not None else Resolved(key, key)))
+    sizes = _select_sizes(items)
+    written: dict[tuple[str, Box], tuple[str, Any]] = {}  # (checkpoint key, box) -> (state key, block)
+    declared: dict[str, tuple[tuple[int, ...], Any]] = {}  # checkpoint key -> (global shape, dtype)
+    for key, v, res in items:
         box, rid, sharding = local_box(v)
         local = _local(v)
         if box is not None and tuple(local.shape) != box.shape:
             raise ValueError(f"{key!r}: local tensor shape {tuple(local.shape)} != computed box {box}")
         data = to_numpy(local) if box is not None else None
-        res = mapping.resolve_unique(key, v.ndim) if mapping is not None else Resolved(key, key)
-        ckey, gshape = res.source_key, res.source_shape(tuple(v.shape))
-        if ckey in written:
-            # Several state keys map to one checkpoint key (torch's per-parameter AdamW `step`
-            # -> optax's single `count`): written once, and only if the copies agree.
-            first, other = written[ckey]
-            if data is not None and (other is None or other.shape != data.shape or other.dtype != data.dtype
-                                     or other.tobytes() != data.tobytes()):
-                raise ValueError(f"{key!r} and {first!r} both map to {ckey!r} but differ")
-            continue
-        written[ckey] = (key, data)
+        dtype = numpy_dtype(dtype_name(v.dtype, key))
+        if not res.transforms and res.source_keys == (key,):
+            pieces = [] if box is None else [(key, box, data)]
+            gshapes = {key: (tuple(v.shape), dtype)}
+        else:  # store in the checkpoint's layout: each piece is a box of a checkpoint-side tensor
+            chain = res.chain_for_target(tuple(v.shape), dtype, sizes.get(res.source_keys))
+            pieces = [] if box is None else chain.writes(box, data)
+            gshapes = {k: (s, d) for k, s, d in zip(chain.source_keys, chain.source_shapes, chain.source_dtypes)}
+            sharding = None
+        for ckey, spec in gshapes.items():
+            if declared.setdefault(ckey, spec) != spec:
+                raise ValueError(f"{key!r} maps to {ckey!r} as {spec}, another state key as {declared[ckey]}")
         if box is None:
             continue
-        if res.axes is not None:  # store in the checkpoint's layout: a permuted box and view
-            off, shp = res.source_box(box.offset, box.shape)
-            box = Box(off, shp)
-            data = data.transpose(tuple(res.axes.index(d) for d in range(len(res.axes))))
-            sharding = None
-        if copy and rid == 0:
-            data = data.copy()
-        shards.append(LocalShard(ckey, gshape, numpy_dtype(dtype_name(v.dtype, key)),
-                                 box, data, replica_id=rid, sharding=sharding))
+        for ckey in gshapes:  # every rank lists every checkpoint key, even without a piece of it
+            if not any(p[0] == ckey for p in pieces):
+                shape = gshapes[ckey][0]
+                pieces.append((ckey, Box((0,) * len(shape), (0,) * len(shape)), None))
+        for ckey, cbox, block in pieces:
+            if block is not None and block.dtype != gshapes[ckey][1]:
+                block = block.astype(gshapes[ckey][1])
+            if (ckey, cbox) in written and block is not None:
+                # Several state keys map to one checkpoint box (torch's per-parameter AdamW `step`
+                # -> optax's single `count`; tied weights): written once, and only if they agree.
+                first, other = written[ckey, cbox]
+                if other is None or other.shape != block.shape or other.dtype != block.dtype \
+                        or other.tobytes() != block.tobytes():
+                    raise ValueError(f"{key!r} and {first!r} both map to {ckey!r} {cbox} but differ")
+                continue
+            if block is not None:
+                written[ckey, cbox] = (key, block)
+            if copy and rid == 0 and block is not None:
+                block = np.array(block)
+            shape, cdtype = gshapes[ckey]
+            shards.append(LocalShard(ckey, shape, cdtype, cbox, block, replica_id=rid,
+                                     sharding=sharding if ckey == key else None))
     return shards, objects
 
 
@@ -282,16 +344,25 @@ def save(url: str, state_dict: TMapping[str, Any], *, step: int, extra: Any = No
     (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError, ...); a non-tensor leaf
     msgpack cannot encode raises InvalidStateError naming its key path before anything is written.
 
-    ``mapping`` (the same object :func:`load` takes, e.g. ``flax_nnx_to_torch()``) writes tensors
-    under the checkpoint-side names and layouts, so that ``bridges.jax.restore`` can read a torch
-    save directly; each rank's block is stored as the permuted box (a strided view, no gather).
+    ``extra`` / ``rank_extra`` take any value ``json.dumps`` takes (a Hugging Face config dict)
+    plus bytes and numpy arrays; dict keys are stored as JSON writes them (``1`` -> ``"1"``,
+    ``True`` -> ``"true"``, ``None`` -> ``"null"``) and tuples come back as lists, so what
+    :func:`load` returns equals ``json.loads(json.dumps(extra))`` for JSON values (see
+    ``bridges/_extra.py``).
+
+    ``mapping`` (the same object :func:`load` takes, e.g. ``flax_nnx_to_torch()`` or a preset of
+    :mod:`bridges.presets`) writes tensors under the checkpoint-side names and layouts, so that
+    ``bridges.jax.restore`` can read a torch save directly: each rank writes its local block as
+    the box(es) of the checkpoint-side tensor(s) (per-layer keys into one stacked tensor, a fused
+    tensor into its parts), no gather. A transform whose inverse is not exact for the values
+    (a non-power-of-two Scale) raises MappingError before anything is written.
     """
     global _pending
     if _pending is not None and not _pending.done():
         raise SaveInProgressError("an earlier save(blocking=False) is still in flight; wait for its result first")
     shards, objects = _shards(state_dict, copy=not blocking, mapping=mapping)
-    state = {"torch": {"objects": objects}, "extra": extra}
-    rank_state = {"torch": {"rng": rng_state() if save_rng else None}, "extra": rank_extra}
+    state = {"torch": {"objects": objects}, "extra": json_keys(extra, "extra")}
+    rank_state = {"torch": {"rng": rng_state() if save_rng else None}, "extra": json_keys(rank_extra, "rank_extra")}
     # InvalidStateError here, before any collective; async saves keep a snapshot, not references.
     blobs = encode_state(state), encode_state(rank_state)
     if not blocking:
@@ -329,12 +400,16 @@ def _agreed_step(repo: Any, step: int | None) -> int | None:
 class Loaded(dict):
     """The loaded state dict (same nesting as the target) plus what the load found.
 
-    ``missing_keys`` / ``unexpected_keys``: only non-empty with ``strict=False``.
-    ``extra``: the global ``extra`` saved with the checkpoint. ``rank_extra`` / ``rng``: this
-    rank's saved per-rank state (at another world size: per ``rank_policy``, default None). ``bytes_read``: tensor bytes this rank read.
+    ``report``: a :class:`bridges.mapping.LoadReport` (loaded, kept, missing, unexpected keys and
+    the notes that explain missing ones). ``missing_keys`` / ``unexpected_keys``: the same lists
+    (only non-empty with ``strict=False``). ``extra``: the global ``extra`` saved with the
+    checkpoint. ``rank_extra`` / ``rng``: this rank's saved per-rank state (at another world size:
+    per ``rank_policy``, default None). ``bytes_read``: tensor bytes this rank read (chunk data,
+    checksums and shard indexes); ``objects_read``: how many shard objects it read from.
     """
 
     step: int
+    report: LoadReport
     missing_keys: list[str]
     unexpected_keys: list[str]
     extra: Any
@@ -342,6 +417,7 @@ class Loaded(dict):
     rng: Any
     saved_world: int
     bytes_read: int
+    objects_read: int
 
 
 def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
@@ -360,17 +436,20 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
 
     ``target``'s values say what is wanted: global shape, dtype (values are cast when the
     checkpoint's dtype is of the same kind or narrower kind, e.g. int32 -> float32), device,
-    and for DTensors the mesh and placements. ``mapping`` renames keys and permutes layouts;
-    without one, keys must be equal. Each rank reads only the boxes its target values hold.
+    and for DTensors the mesh and placements. ``mapping`` renames keys and transforms layouts
+    (see :mod:`bridges.mapping`, :mod:`bridges.presets`); without one, keys must be equal. Each
+    rank reads only the source boxes its target values need.
 
-    Fails closed: missing or unexpected keys raise KeyMismatchError naming them (``strict=False``
-    reports them in ``missing_keys`` / ``unexpected_keys`` and keeps the target's value for a
-    missing key); a shape or dtype that does not match raises ShapeMismatchError naming the key;
-    corrupt data raises the core's CheckpointError. Per-rank state (``rank_extra``, ``rng``) saved
-    at another world size follows ``rank_policy`` ("drop": None; "rank0"; "same-rank"; None:
-    raise TopologyChangedError); any other ``rank_policy`` raises ValueError naming the accepted
-    ones, before anything is read. All checks and reads happen before any value
-    is built, and ``target`` is never modified.
+    Fails closed: missing or unexpected keys raise KeyMismatchError naming them and, for a
+    missing key, why each matching rule did not apply. ``strict=False`` keeps the target's value
+    for a missing key, reports it (``Loaded.report``) and warns with KeptValuesWarning. A rule that
+    matched but does not fit the tensors raises MappingError (a ShapeMismatchError) naming the
+    rule, the transform and the reason; a shape or dtype that does not match raises
+    ShapeMismatchError naming the key; corrupt data raises the core's CheckpointError. Per-rank
+    state (``rank_extra``, ``rng``) saved at another world size follows ``rank_policy`` ("drop":
+    None; "rank0"; "same-rank"; None: raise TopologyChangedError); any other ``rank_policy``
+    raises ValueError naming the accepted ones, before anything is read. All checks and reads
+    happen before any value is built, and ``target`` is never modified.
     """
     check_rank_state_policy(rank_policy)  # a usage error, raised before anything is opened
     mapping = mapping or IDENTITY
@@ -382,10 +461,12 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
 
     flat = list(_flatten(target))
     missing: list[str] = []
+    kept: list[str] = []
+    notes: list[str] = []
     used: set[str] = set()
     mismatches: list[ShapeMismatchError] = []
     requests: list[tuple[str, Box]] = []
-    plan: dict[str, tuple[Resolved, Box, int] | None] = {}
+    plan: dict[str, tuple[Any, Box, int, int] | None] = {}
     values: dict[str, Any] = {}
     for key, v in flat:
         if not isinstance(v, torch.Tensor):
@@ -393,40 +474,48 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
                 values[key] = saved_objects[key]
                 used.add(key)
             else:
+                kept.append(key)
                 if not mapping.is_kept(key):
                     missing.append(key)
                 values[key] = v
             continue
         res = mapping.resolve(key, v.ndim, src_keys)
-        if res.source_key not in src_keys:
+        lacking = [k for k in res.source_keys if k not in src_keys]
+        if lacking:
+            kept.append(key)
             if not mapping.is_kept(key):
                 missing.append(key)
+                note = "; ".join(res.notes) if res.notes else f"{res.where}: the checkpoint lacks {lacking[:3]}"
+                hint = closest_key(lacking[0], src_keys) if len(missing) <= 3 else None  # slow: a few only
+                notes.append(f"{key}: {note}" + (f" (closest checkpoint key: {hint!r})" if hint else ""))
             values[key] = v
             continue
-        used.add(res.source_key)
-        entry = ckpt.tensor(res.source_key)
-        want_shape = tuple(v.shape)
-        got_shape = res.target_shape(tuple(entry.shape)) if len(entry.shape) == len(want_shape) else tuple(entry.shape)
-        src_dt = numpy_dtype(entry.dtype)
-        dst_dt = numpy_dtype(dtype_name(v.dtype, key))
-        if got_shape != want_shape:
-            mismatches.append(ShapeMismatchError(
-                f"target shape does not match the checkpoint (source {res.source_key!r}"
-                f"{', permuted ' + str(res.axes) if res.axes else ''})",
-                key=key, expected=want_shape, found=got_shape))
+        used.update(res.source_keys)
+        entries = [ckpt.tensor(k) for k in res.source_keys]
+        try:
+            chain = res.chain([tuple(e.shape) for e in entries], [numpy_dtype(e.dtype) for e in entries])
+        except MappingError as e:
+            mismatches.append(e)
             continue
-        if src_dt != dst_dt and not _can_cast(src_dt, dst_dt):
+        want_shape = tuple(v.shape)
+        dst_dt = numpy_dtype(dtype_name(v.dtype, key))
+        if chain.target_shape != want_shape:
+            mismatches.append(ShapeMismatchError(
+                f"target shape does not match the checkpoint (source {list(res.source_keys)[:3]} through "
+                f"{res.where})", key=key, expected=want_shape, found=chain.target_shape))
+            continue
+        if chain.target_dtype != dst_dt and not _can_cast(chain.target_dtype, dst_dt):
             mismatches.append(ShapeMismatchError(f"cannot cast checkpoint dtype to the target's "
                                                  f"(source {res.source_key!r})", key=key,
-                                                 expected=str(dst_dt), found=entry.dtype))
+                                                 expected=str(dst_dt), found=str(chain.target_dtype)))
             continue
         box, _, _ = local_box(v)
         if box is None or box.is_empty():
-            plan[key] = (res, box, -1) if box is not None else None
+            plan[key] = (chain, box, -1, 0) if box is not None else None
             continue
-        off, shp = res.source_box(box.offset, box.shape)
-        plan[key] = (res, box, len(requests))
-        requests.append((res.source_key, Box(off, shp)))
+        reads = chain.reads(box)
+        plan[key] = (chain, box, len(requests), len(reads))
+        requests.extend(reads)
 
     unexpected = sorted(k for k in (src_keys | set(saved_objects)) - used if not mapping.is_ignored(k))
     if len(mismatches) == 1:
@@ -437,11 +526,12 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
                                  key=mismatches[0].key, expected=[m.expected for m in mismatches],
                                  found=[m.found for m in mismatches])
     if strict and (missing or unexpected):
+        why = (" -- " + " | ".join(notes[:6])) if notes else ""
         raise KeyMismatchError(f"target and checkpoint keys differ: missing {missing}, "
-                               f"unexpected {unexpected}", key=(missing or unexpected)[0],
+                               f"unexpected {unexpected}{why}", key=(missing or unexpected)[0],
                                expected=missing, found=unexpected)
 
-    before = _bytes_read(ckpt)
+    before, objects_before = _bytes_read(ckpt), _stat(ckpt, "objects")
     blocks = ckpt.read_boxes(requests) if requests else []
     for key, v in flat:
         if key not in plan:
@@ -450,16 +540,19 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
         if item is None:  # this rank holds no part of the DTensor
             values[key] = v
             continue
-        res, box, idx = item
+        chain, box, idx, n = item
         local = _local(v)
         if idx < 0:
             t = torch.empty(tuple(local.shape), dtype=v.dtype, device=local.device)
         else:
-            t = from_numpy(res.to_target(blocks[idx]), v.dtype, local.device)
+            t = from_numpy(chain.assemble(box, blocks[idx:idx + n]), v.dtype, local.device)
         values[key] = _wrap_like(v, t)
 
     out = Loaded(_rebuild(target, values))
     out.step = ckpt.step
+    kept_set = set(kept)
+    out.report = LoadReport(loaded=tuple(k for k, _ in flat if k not in kept_set), kept=tuple(kept),
+                            missing=tuple(missing), unexpected=tuple(unexpected), notes=tuple(notes))
     out.missing_keys, out.unexpected_keys = missing, unexpected
     out.extra = gstate.get("extra") if isinstance(gstate, dict) else None
     out.saved_world = int(ckpt.saved_world)
@@ -467,6 +560,10 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     out.rank_extra = rs.get("extra") if isinstance(rs, dict) else None
     out.rng = ((rs.get("torch") or {}).get("rng")) if isinstance(rs, dict) else None
     out.bytes_read = _bytes_read(ckpt) - before
+    out.objects_read = _stat(ckpt, "objects") - objects_before
+    message = out.report.warning()
+    if message:
+        warnings.warn(message, KeptValuesWarning, stacklevel=2)
     return out
 
 
@@ -484,10 +581,14 @@ def _saved_objects(gstate: Any) -> dict[str, Any]:
 
 
 def _bytes_read(ckpt: Any) -> int:
+    return _stat(ckpt, "bytes_read")
+
+
+def _stat(ckpt: Any, name: str) -> int:
     stats = getattr(ckpt, "stats", None)
     if stats is None:
         return 0
-    return int(stats.get("bytes_read", 0) if isinstance(stats, dict) else getattr(stats, "bytes_read", 0))
+    return int(stats.get(name, 0) if isinstance(stats, dict) else getattr(stats, name, 0))
 
 
 def _wrap_like(v: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ CHECKS = [
     "named_1d", "named_2d", "fully_replicated", "partially_replicated", "single_device", "uneven_shapes",
     "scalars_and_leaves", "low_precision_dtypes", "typed_and_raw_keys", "missing_key_and_shape_mismatch",
     "host_structure", "key_paths", "linen_trainstate", "nnx_model_and_optimizer", "extra_rank_state_and_latest",
-    "nonblocking_save", "restore_stats_and_partial", "profile_record_checked",
+    "nonblocking_save", "restore_stats_and_partial", "profile_record_checked", "mapping_strict_and_report",
 ]
 
 

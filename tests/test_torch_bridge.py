@@ -114,7 +114,9 @@ def test_missing_and_unexpected_keys(tmp_path):
     with pytest.raises(KeyMismatchError) as e:
         bt.load(url, {"w": torch.zeros(2), "extra": torch.zeros(1)})
     assert "extra" in str(e.value) and "'b'" in str(e.value)
-    out = bt.load(url, {"w": torch.zeros(2), "extra": torch.full((1,), 7.0)}, strict=False)
+    from bridges.mapping import KeptValuesWarning
+    with pytest.warns(KeptValuesWarning, match="keep their initial values"):
+        out = bt.load(url, {"w": torch.zeros(2), "extra": torch.full((1,), 7.0)}, strict=False)
     assert out.missing_keys == ["extra"] and out.unexpected_keys == ["b"]
     assert torch.equal(out["w"], torch.ones(2)) and torch.equal(out["extra"], torch.full((1,), 7.0))
 
@@ -262,3 +264,91 @@ def test_jax_to_torch_acceptance(tmp_path):
     want = dict(np.load(tmp_path / "torch_after.npz"))
     assert bool(back.pop("ok_sharding"))
     assert len(back) == 21 and all(back[k].tobytes() == want[k].tobytes() for k in back)
+
+
+def test_non_strict_load_reports_and_warns_strict_explains(tmp_path):
+    """A rule that matches but whose source is absent: strict raises with the rule and the closest
+    checkpoint key; non-strict returns the report and warns that target keys kept their values."""
+    from bridges.mapping import KeptValuesWarning, Mapping, Rule, Select
+
+    url = str(tmp_path / "repo")
+    bt.save(url, {"p": {"layers": {"w": torch.arange(12.0).reshape(2, 6)}}, "other": torch.ones(1)}, step=1)
+    m = Mapping((Rule("p/layers/wq", "layers.{i}.w", transforms=(Select(0, "i", 2),)),), source_sep="/", target_sep=".")
+    target = {"layers.0.w": torch.zeros(6), "layers.1.w": torch.full((6,), 5.0)}
+    with pytest.raises(KeyMismatchError) as e:
+        bt.load(url, target, mapping=m)
+    assert "lacks ['p/layers/wq']" in str(e.value) and "'p/layers/w'" in str(e.value)  # the closest key
+    with pytest.warns(KeptValuesWarning, match="2 target keys keep their initial values"):
+        out = bt.load(url, target, mapping=m, strict=False)
+    assert out.report.missing == ("layers.0.w", "layers.1.w") and out.report.loaded == ()
+    assert out.report.unexpected == ("other", "p/layers/w") and torch.equal(out["layers.1.w"], torch.full((6,), 5.0))
+    good = Mapping((Rule("p/layers/w", "layers.{i}.w", transforms=(Select(0, "i", 2),)),), ignore=("other",),
+                   source_sep="/", target_sep=".")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KeptValuesWarning)  # control: nothing kept, no warning
+        out = bt.load(url, target, mapping=good)
+    assert out.report.loaded == ("layers.0.w", "layers.1.w") and torch.equal(out["layers.1.w"], torch.arange(6.0, 12.0))
+
+
+def test_save_per_layer_keys_into_one_stacked_tensor(tmp_path):
+    """torch layers.{i} keys are written as boxes of one stacked JAX tensor; all layers required."""
+    from bridges.mapping import Mapping, Rule, Select, Transpose
+
+    m = Mapping((Rule("jax/w", "t/layers.{i}.weight", transforms=(Select(0, "i"), Transpose((1, 0)))),),
+                source_sep="/", target_sep=".")
+    sd = {"t": {f"layers.{i}.weight": torch.randn(3, 5) for i in range(3)}}
+    url = str(tmp_path / "repo")
+    bt.save(url, sd, step=1, mapping=m)
+    stacked = ckptfmt.Repository(url).open().read("jax/w")
+    assert stacked.shape == (3, 5, 3)
+    assert all(np.array_equal(stacked[i], sd["t"][f"layers.{i}.weight"].numpy().T) for i in range(3))
+    out = bt.load(url, {"t": {k: torch.zeros(3, 5) for k in sd["t"]}}, mapping=m)
+    _assert_same(out, sd)
+    with pytest.raises(ValueError, match=r"indices \[0, 2\]"):  # control: a layer missing from the state
+        bt.save(url, {"t": {k: v for k, v in sd["t"].items() if ".1." not in k}}, step=2, mapping=m)
+
+
+def test_layer_kinds_knows_rmsnorm_classes_and_conv1d():
+    class LlamaRMSNorm(torch.nn.Module):  # transformers' own is a plain Module with a 1-D weight
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+            self.variance_epsilon = 1e-6
+
+    class FakeRMSNorm(torch.nn.Module):  # control: a 2-D weight is not a norm scale
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4, 4))
+
+    net = torch.nn.ModuleDict({"norm": LlamaRMSNorm(), "fake": FakeRMSNorm(), "bn": torch.nn.BatchNorm1d(4),
+                               "fc": torch.nn.Linear(4, 4)})
+    kinds = bt.layer_kinds(net)
+    assert kinds == {"norm": "norm", "bn": "batchnorm", "fc": "linear"}
+    tf = pytest.importorskip("transformers")
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8,
+                                            bos_token_id=0, eos_token_id=0))
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=1, hidden_size=8, intermediate_size=16,
+                                               num_attention_heads=2, vocab_size=16))
+    assert bt.layer_kinds(gpt2)["transformer.h.0.attn.c_attn"] == "conv1d"
+    assert bt.layer_kinds(gpt2)["transformer.h.0.ln_1"] == "norm"
+    assert bt.layer_kinds(llama)["model.layers.0.input_layernorm"] == "norm"
+    assert bt.layer_kinds(llama)["model.norm"] == "norm"
+
+
+def test_extra_takes_what_json_takes(tmp_path):
+    """An HF config dict (id2label has int keys) is stored as json.loads(json.dumps(x)) would give it."""
+    import json
+
+    cfg = {"id2label": {0: "NEG", 1: "POS"}, "label2id": {"NEG": 0}, "rope": {"theta": 1e4, "scaling": None},
+           "flags": (True, False), "odd": {True: 1, None: 2, 1.5: 3}}
+    url = str(tmp_path / "repo")
+    bt.save(url, {"w": torch.ones(1)}, step=1, extra=cfg, rank_extra={"cursor": {7: 1}})
+    out = bt.load(url, {"w": torch.zeros(1)})
+    assert out.extra == json.loads(json.dumps(cfg)) and out.extra["id2label"] == {"0": "NEG", "1": "POS"}
+    assert out.rank_extra == {"cursor": {"7": 1}}
+    with pytest.raises(InvalidStateError, match="both stored as '1'"):  # control: keys that collide
+        bt.save(url, {"w": torch.ones(1)}, step=2, extra={1: "a", "1": "b"})
+    with pytest.raises(InvalidStateError, match="tuple"):
+        bt.save(url, {"w": torch.ones(1)}, step=2, extra={(1, 2): "a"})
+    assert ckptfmt.Repository(url).steps() == [1]

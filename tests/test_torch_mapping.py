@@ -123,3 +123,133 @@ def test_adamw_update_rule_matches_optax_formula():
         p.copy_(torch.tensor(p0))
     opt.step()
     np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-12, atol=1e-14)
+
+
+# ------------------------------------------------------------------ transforms (global coordinates)
+
+from ckptfmt import Box  # noqa: E402
+from bridges.mapping import (Cast, Chain, Concat, MappingError, Merge, Part, Reorder, Scale, Select,  # noqa: E402
+                             Stack, Transpose, Unmerge, interleaved_to_halves)
+
+L, D, H, HD = 3, 6, 4, 4
+CHAINS = {
+    "select0-merge-transpose (q kernel)": ((Select(0, 1), Merge(1, (H, HD)), Transpose((1, 0))), [(L, D, H, HD)]),
+    "select1-reorder-merge-scale (MaxText query)": (
+        (Select(1, 2), Reorder(2, interleaved_to_halves(HD)), Merge(1, (H, HD)), Transpose((1, 0)), Scale(0.5)),
+        [(D, L, H, HD)]),
+    "merge-first (o kernel)": ((Select(0, 0), Merge(0, (H, HD)), Transpose((1, 0))), [(L, H, HD, D)]),
+    "concat (fused qkv)": ((Select(0, 2), Concat(1, (5, 5, 5))), [(L, D, 5)] * 3),
+    "unmerge (torch -> JAX heads)": ((Transpose((1, 0)), Unmerge(1, (H, HD))), [(H * HD, D)]),
+    "unmerge 3 axes": ((Unmerge(0, (3, 4, 5)),), [(60, 2)]),
+    "part (fused -> q)": ((Part(1, 1, 3),), [(4, 9)]),
+    "stack (layers.{i} -> stacked)": ((Transpose((1, 0)), Unmerge(1, (H, HD)), Stack(0, "i")), [(H * HD, D)] * L),
+}
+
+
+def _random_box(rng, shape):
+    off = tuple(int(rng.integers(0, n)) for n in shape)
+    return Box(off, tuple(int(rng.integers(1, n - o + 1)) for o, n in zip(off, shape)))
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_transform_boxes_read_assemble_and_write_exactly(name):
+    """For random target boxes: the reads assemble exactly that block of the whole-tensor result,
+    and a save's pieces tile exactly the box's preimage with the source values (the inverse)."""
+    ops, shapes = CHAINS[name]
+    rng = np.random.default_rng(0)
+    srcs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    keys = [f"s{i}" for i in range(len(srcs))]
+    ch = Chain.from_sources("t", keys, ops, shapes, [np.float32] * len(shapes))
+    full = Box.full(ch.target_shape)
+    whole = ch.assemble(full, [srcs[keys.index(k)][b.slices()] for k, b in ch.reads(full)])
+    for _ in range(100):
+        box = _random_box(rng, ch.target_shape)
+        reads = ch.reads(box)
+        got = ch.assemble(box, [srcs[keys.index(k)][b.slices()] for k, b in reads])
+        assert np.array_equal(got, whole[box.slices()]), box
+        cover = [np.zeros(s, np.int64) for s in shapes]
+        for k, b, x in ch.writes(box, whole[box.slices()]):
+            assert np.array_equal(x, srcs[keys.index(k)][b.slices()]), (box, b)
+            cover[keys.index(k)][b.slices()] += 1
+        assert max(c.max() for c in cover) == 1 and sum(int(c.sum()) for c in cover) == box.size
+    # broken control: a read one row off does not give the block
+    box = Box((1,) + (0,) * (len(ch.target_shape) - 1), (1,) + ch.target_shape[1:])
+    k, b = ch.reads(box)[0]
+    shifted = Box(tuple((o + 1) % n for o, n in zip(b.offset, srcs[keys.index(k)].shape)), b.shape)
+    if all(o + s <= n for o, s, n in zip(shifted.offset, shifted.shape, srcs[keys.index(k)].shape)):
+        blocks = [srcs[keys.index(kk)][(shifted if i == 0 else bb).slices()] for i, (kk, bb) in enumerate(ch.reads(box))]
+        assert not np.array_equal(ch.assemble(box, blocks), whole[box.slices()])
+
+
+def test_merge_box_on_and_off_head_boundaries():
+    """(heads*head_dim) rows on whole heads -> one exact source box; half a head -> only its part;
+    a range across a head boundary -> the smallest covering box (both heads, whole)."""
+    ch = Chain.from_sources("t", ["k"], (Merge(1, (4, 16)), Transpose((1, 0))), [(8, 4, 16)], [np.float32])
+    assert ch.reads(Box((16, 0), (32, 8))) == [("k", Box((0, 1, 0), (8, 2, 16)))]  # heads 1, 2 exactly
+    assert ch.reads(Box((24, 0), (8, 8))) == [("k", Box((0, 1, 8), (8, 1, 8)))]    # second half of head 1
+    assert ch.reads(Box((8, 0), (16, 8))) == [("k", Box((0, 0, 0), (8, 2, 16)))]   # covering: heads 0-1
+    # a save of the off-boundary block is split into exact boxes (tail of head 0, head of head 1)
+    pieces = ch.writes(Box((8, 0), (16, 8)), np.zeros((16, 8), np.float32))
+    assert [b for _, b, _ in pieces] == [Box((0, 0, 8), (8, 1, 8)), Box((0, 1, 0), (8, 1, 8))]
+
+
+def test_stacked_index_is_carried_into_the_target_key():
+    m = Mapping((Rule("p/layers/w", "layers.{i}.w", transforms=(Select(0, "i", 2),)),), source_sep="/", target_sep=".")
+    r = m.resolve("layers.1.w", 2, {"p/layers/w"})
+    assert r.source_keys == ("p/layers/w",) and r.transforms == (Select(0, 1, 2),)
+    assert m.resolve("layers.x.w", 2, {"p/layers/w"}).rule is None  # an index matches digits only
+    ch = r.chain([(2, 3, 5)], [np.float32])
+    assert ch.target_shape == (3, 5) and ch.reads(Box((0, 0), (3, 5))) == [("p/layers/w", Box((1, 0, 0), (1, 3, 5)))]
+    with pytest.raises(MappingError, match="out of range"):  # control: layer 5 of 2
+        m.resolve("layers.5.w", 2, {"p/layers/w"}).chain([(2, 3, 5)], [np.float32])
+    # the inverse reads the key family layers.0, layers.1 into one stacked tensor
+    inv = m.inverse().resolve("p/layers/w", 3, {"layers.0.w", "layers.1.w"})
+    assert inv.source_keys == ("layers.0.w", "layers.1.w") and isinstance(inv.transforms[0], Stack)
+    gap = m.inverse().resolve("p/layers/w", 3, {"layers.0.w", "layers.2.w"})
+    assert "layers.1.w" in gap.source_keys and any("lacks ['layers.1.w']" in n for n in gap.notes)
+
+
+def test_rule_that_matches_but_does_not_apply_says_which_and_why():
+    m = Mapping((Rule("ckpt/q", "q.weight", transforms=(Select(0, 0), Merge(1, (4, 16)), Transpose((1, 0)))),),
+                source_sep="/", target_sep=".")
+    r = m.resolve("q.weight", 2, {"ckpt/q"})
+    with pytest.raises(MappingError) as e:
+        r.chain([(2, 64, 8, 8)], [np.float32])  # heads 8 x 8, the rule says 4 x 16
+    msg = str(e.value)
+    assert "'ckpt/q' -> 'q.weight'" in msg and "transform 1 Merge" in msg and "(4, 16)" in msg and e.value.key == "q.weight"
+    assert r.chain([(2, 64, 4, 16)], [np.float32]).target_shape == (64, 64)  # control
+    with pytest.raises(MappingError, match="needs at least 2 dimensions|at least"):
+        r.chain([(64,)], [np.float32])
+    # an old-style permute table without the tensor's ndim: the rule is skipped, and says so
+    p = Mapping((Rule("a/k", "k", {2: (1, 0)}),), source_sep="/", target_sep=".")
+    res = p.resolve("k", 4, {"a/k"})
+    assert res.rule is None and "permute table has no entry for 4 dims" in res.notes[0]
+
+
+def test_inverse_of_concat_and_select_chains():
+    fwd = Rule(("q", "k", "v"), "h.{i}.c_attn", transforms=(Select(0, "i", 2), Concat(1, (4, 4, 4))))
+    inv = fwd.inverses()
+    assert [r.target for r in inv] == ["q", "k", "v"] and all(r.source == "h.{i}.c_attn" for r in inv)
+    assert [type(op).__name__ for op in inv[1].transforms] == ["Part", "Stack"]
+    with pytest.raises(ValueError, match="inverts to 3 rules"):
+        fwd.inverse()
+    one = Rule("q", "l.{i}.w", transforms=(Select(0, "i", 2), Merge(1, (2, 3)), Transpose((1, 0))))
+    assert one.inverse().inverse() == one
+    with pytest.raises(ValueError, match="fixed index"):
+        Rule("q", "w", transforms=(Select(0, 1),)).inverse()
+
+
+def test_scale_and_cast_inverses_are_exact_or_refused():
+    x = np.random.default_rng(3).standard_normal(256).astype(np.float32)
+    box = Box((0,), (256,))
+    exact = Chain.from_target("t", ["s"], (Scale(0.25),), (256,), np.float32)
+    assert np.array_equal(exact.writes(box, x)[0][2] * np.float32(0.25), x)
+    inexact = Chain.from_target("t", ["s"], (Scale(3.0),), (256,), np.float32)
+    with pytest.raises(MappingError, match="not exactly invertible"):
+        inexact.writes(box, x)
+    declared = Chain.from_target("t", ["s"], (Scale(3.0, allow_inexact_inverse=True),), (256,), np.float32)
+    assert declared.writes(box, x)[0][2].dtype == np.float32
+    cast = Chain.from_target("t", ["s"], (Cast("float32", source_dtype="bfloat16"),), (256,), np.float32)
+    with pytest.raises(MappingError, match="loses information"):
+        cast.writes(box, x)
+    assert cast.writes(box, x.astype("bfloat16").astype(np.float32))[0][2].dtype.name == "bfloat16"  # control

@@ -425,6 +425,49 @@ def restore_stats_and_partial(d):
     assert stats["boxes"] == 1 and stats["bytes_restored"] == 64 * 64 * 4, stats  # deduplicated
 
 
+@check
+def mapping_strict_and_report(d):
+    """restore(mapping=...): torch-style per-layer keys into one stacked, transposed, sharded
+    tensor; a rule that does not fit names itself; strict=False keeps a missing leaf as given
+    (abstract stays abstract), reports it and warns; strict=True raises (the control)."""
+    import warnings
+
+    from bridges.mapping import KeptValuesWarning, Mapping, MappingError, Merge, Rule, Select, Transpose
+
+    layers = {f"layers.{i}.w": np.arange(24, dtype=np.float32).reshape(4, 6) + 100 * i for i in range(4)}
+    bj.save(d, layers, step=1)
+    fwd = Mapping((Rule("stacked", "layers.{i}.w", transforms=(Select(0, "i", 4), Transpose((1, 0)))),),
+                  source_sep="/", target_sep=".")
+    m = mesh((4, 2), ("data", "model"))
+    sharding = NamedSharding(m, P("data", "model"))
+    target = {"stacked": jax.ShapeDtypeStruct((4, 6, 4), jnp.float32, sharding=sharding)}
+    stats = {}
+    got = bj.restore(d, target, mapping=fwd.inverse(), stats=stats)
+    assert np.array_equal(np.asarray(got["stacked"]), np.stack([v.T for v in layers.values()]))
+    assert got["stacked"].sharding.is_equivalent_to(sharding, 3)
+    assert stats["report"].loaded == ("stacked",) and stats["report"].missing == (), stats["report"]
+    bad = Mapping((Rule("stacked", "layers.{i}.w", transforms=(Select(0, "i", 4), Merge(0, (2, 3)))),),
+                  source_sep="/", target_sep=".")
+    try:
+        bj.restore(d, target, mapping=bad.inverse())
+        raise AssertionError("a rule that does not fit restored")
+    except MappingError as e:
+        assert "Unmerge" in str(e) and "'layers.{i}.w' -> 'stacked'" in str(e), str(e)
+    absent = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(m, P()))
+    try:
+        bj.restore(d, dict(target, absent=absent), mapping=fwd.inverse())
+        raise AssertionError("strict restore of a missing key")
+    except KeyMismatchError as e:
+        assert e.key == "absent"
+    stats = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = bj.restore(d, dict(target, absent=absent), mapping=fwd.inverse(), strict=False, stats=stats)
+    assert got["absent"] is absent and isinstance(got["stacked"], jax.Array)
+    assert stats["report"].missing == ("absent",) and stats["report"].kept == ("absent",)
+    assert [w.category for w in caught] == [KeptValuesWarning] and "absent" in str(caught[0].message)
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:] or list(CHECKS)
     results = {}

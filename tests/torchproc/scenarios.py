@@ -227,6 +227,7 @@ def _local_nbytes(t: torch.Tensor) -> int:
 
 
 from torchproc.accept import accept_load  # noqa: E402,F401  (JAX -> torch acceptance, 4 ranks)
+from torchproc.hf_side import hf_tp  # noqa: E402,F401  (JAX -> Hugging Face with tensor parallelism, 4 ranks)
 
 
 # ------------------------------------------------------------------ DCP plug-in

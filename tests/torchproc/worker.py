@@ -56,6 +56,9 @@ def main() -> None:
     import torch.distributed.tensor  # noqa: F401
     from torchproc import scenarios  # noqa: F401
 
+    if scenario.startswith("hf_"):
+        import transformers  # noqa: F401  (imported once, before the fork)
+
     from ckptfmt.drill._procs import reap_forked
 
     pids = {}
