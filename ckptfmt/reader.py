@@ -16,7 +16,7 @@ import numpy as np
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
-from .errors import (ChecksumMismatchError, InvalidStateError, KeyMismatchError, MissingShardError, SizeMismatchError,
+from .errors import (ChecksumMismatchError, InvalidStateError, KeyMismatchError, SizeMismatchError,
                      TopologyChangedError)
 from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
@@ -204,24 +204,28 @@ class Checkpoint:
         chunks = sorted({it.chunk for it in items})
         nbytes = int(t.shards.nbytes[s])
         self.stats.objects += 1
+        # Every range ends at or before nbytes; the size is checked apart (stat, or one byte at nbytes).
+        probe = self.storage.start_size_check(obj, nbytes, tensor=key)
+        self.stats.requests += probe is not None
         if len(chunks) == int(starts[s + 1] - starts[s]):
             self.stats.requests += 1
-            return (key, s, items, obj, True, [self.storage.read_range_future(obj, 0, None)], nbytes)
-        futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, None)]
+            return (key, s, items, obj, True, [self.storage.read_range_future(obj, 0, nbytes)], probe, nbytes)
+        futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, nbytes)]
         for c in chunks:
             o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
             futs.append(self.storage.read_range_future(obj, o, o + n))
         self.stats.requests += len(futs)
-        return (key, s, items, obj, False, futs, len(chunks) * g.chunk_nbytes + g.index_nbytes)
+        return (key, s, items, obj, False, futs, probe, len(chunks) * g.chunk_nbytes + g.index_nbytes)
 
     def _finish(self, issued: tuple[Any, ...], outs: list[np.ndarray | None]) -> None:
         """Wait for one shard's reads, verify every byte against the manifest, copy into the outputs."""
-        key, s, items, obj, whole, futs, _ = issued
+        key, s, items, obj, whole, futs, probe, _ = issued
         t = self.manifest.tensors[key]
         g = t.geometry
         nbytes = int(t.shards.nbytes[s])
         tw = time.perf_counter()
-        raw = [Storage.range_result(f, obj, 0, None, tensor=key) for f in futs]
+        Storage.finish_size_check(probe, obj, nbytes, tensor=key)
+        raw = [Storage.range_result(f, obj, 0, nbytes, tensor=key) for f in futs]
         self.stats.add_time("read", time.perf_counter() - tw)
         self.stats.bytes_read += sum(len(r) for r in raw)
         tv = time.perf_counter()
@@ -232,8 +236,8 @@ class Checkpoint:
         else:
             index = memoryview(raw[0])
             if len(index) != g.index_nbytes:
-                raise SizeMismatchError("shard object is longer than the manifest records", key=key, object=obj,
-                                        expected=nbytes, found=nbytes - g.index_nbytes + len(index))
+                raise SizeMismatchError("shard index read differs from its recorded length", key=key, object=obj,
+                                        expected=g.index_nbytes, found=len(index))
             self._check_index(t, s, obj, index)
             for c, r in zip(chunks, raw[1:]):
                 chunk_bytes[c] = memoryview(r)
@@ -408,9 +412,10 @@ class Checkpoint:
         if e.nbytes > MAX_STATE_BYTES:  # refuse before reading anything
             raise InvalidStateError("state object is larger than the state cap", key=name, object=e.key,
                                     expected=f"<= {MAX_STATE_BYTES} bytes", found=e.nbytes)
-        data = self.storage.read(e.key, max_bytes=e.nbytes)
-        if data is None:
-            raise MissingShardError("state object is missing", key=name, object=e.key, expected="present", found="missing")
+        probe = self.storage.start_size_check(e.key, e.nbytes, tensor=name)
+        fut = self.storage.read_range_future(e.key, 0, e.nbytes)
+        Storage.finish_size_check(probe, e.key, e.nbytes, tensor=name)
+        data = Storage.range_result(fut, e.key, 0, e.nbytes, tensor=name)
         if len(data) != e.nbytes:
             raise SizeMismatchError("state object size differs from the manifest", key=name, object=e.key,
                                     expected=e.nbytes, found=len(data))
@@ -459,10 +464,14 @@ class Checkpoint:
             step = max(1, self.max_inflight_bytes // max(1, int(t.shards.nbytes.max()) if S else 1))
             for lo in range(0, S, step):
                 idx = list(range(lo, min(S, lo + step)))
-                futs = [self.storage.read_range_future(t.object_key(s), 0, None) for s in idx]
-                for s, f in zip(idx, futs):
-                    obj = t.object_key(s)
-                    buf = Storage.range_result(f, obj, 0, None, tensor=key)
+                reads = []
+                for s in idx:  # each object read up to its recorded size, its length checked apart
+                    obj, n = t.object_key(s), int(t.shards.nbytes[s])
+                    probe = self.storage.start_size_check(obj, n, tensor=key)
+                    reads.append((s, obj, n, probe, self.storage.read_range_future(obj, 0, n)))
+                for s, obj, n, probe, f in reads:
+                    Storage.finish_size_check(probe, obj, n, tensor=key)
+                    buf = Storage.range_result(f, obj, 0, n, tensor=key)
                     self._check_whole(t, s, obj, buf, range(int(starts[s]), int(starts[s + 1])))
                     nbytes = len(buf)
                     done += nbytes

@@ -65,6 +65,20 @@ def _stale(s: Scene) -> str:
     return f"{s.rel(new)} <- step 1's {s.rel(old)}"
 
 
+def _grown(s: Scene) -> str:
+    p = s.shard_path(2)
+    n = p.stat().st_size
+    os.truncate(p, n + s.grown_bytes)  # sparse: costs no disk, but a reader that reads to the end pays
+    return f"{s.rel(p)} grown from {n} to {n + s.grown_bytes} bytes (sparse)"
+
+
+def _fifo(s: Scene) -> str:
+    p = s.shard_path(2)
+    p.unlink()
+    os.mkfifo(p)  # opening it for reading would wait for a writer forever
+    return f"{s.rel(p)} replaced by a FIFO"
+
+
 def _dup_entry(s: Scene) -> str:
     def edit(doc: dict[str, Any]) -> None:
         t = doc["tensors"][TARGET_TENSOR]
@@ -291,6 +305,8 @@ CATALOGUE: list[Fault] = [
     Fault("shard-missing", _SHARD, "disk", (E.MissingShardError,), _missing),
     Fault("shard-truncated", _SHARD, "disk", (E.SizeMismatchError,), _truncated),
     Fault("shard-stale", _SHARD, "disk", (_STALE,), _stale),
+    Fault("shard-grown", _SHARD, "disk", (E.SizeMismatchError,), _grown),
+    Fault("shard-fifo", _SHARD, "disk", (E.StorageError,), _fifo),
     Fault("shard-duplicate-entry", f"manifest, {TARGET_TENSOR}", "disk", (E.DuplicateShardError,), _dup_entry),
     Fault("shard-duplicate-object", _SHARD, "disk", (E.ChecksumMismatchError,), _dup_object),
     Fault("data-bitflip", _SHARD + " data", "disk", (E.ChecksumMismatchError,), _flip_data(0)),

@@ -1,0 +1,194 @@
+"""The reader against a hostile or unlucky store: what it reads is bounded by the manifest, and
+what it cannot read safely it refuses with a typed error. Every case has its control: the same
+read of the undamaged object succeeds."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptfmt
+from ckptfmt import Box, LocalShard, Repository, SaveOptions
+from ckptfmt.errors import SizeMismatchError, StorageError
+
+X = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+
+
+def _save(url: str) -> ckptfmt.Manifest:
+    shards = [LocalShard("x", X.shape, X.dtype, Box((32 * r, 0), (32, 32)), X[32 * r:32 * r + 32]) for r in range(2)]
+    return ckptfmt.save(url, 1, shards, state={"epoch": 3}, options=SaveOptions(chunk_target_bytes=1024))
+
+
+def _repo(where: str, tmp_path: Path) -> tuple[Repository, str]:
+    url = f"memory://reader-{tmp_path.name}" if where == "memory" else str(tmp_path / "repo")
+    _save(url)
+    return Repository(url, options={"positional_reads": where != "tensorstore"}), url
+
+
+OPS = {
+    "read-one-element": lambda repo: repo.open(1).read("x", Box((40, 3), (1, 1))),
+    "read-whole": lambda repo: repo.open(1).read("x"),
+    "verify": lambda repo: repo.verify(1),
+    "state": lambda repo: repo.open(1).state(),
+}
+
+
+def _target(repo: Repository, op: str) -> tuple[str, int]:
+    m = repo.manifest(1)
+    if op == "state":
+        return m.state["global"].key, m.state["global"].nbytes
+    t = m.tensors["x"]
+    return t.object_key(1), int(t.shards.nbytes[1])
+
+
+# ------------------------------------------------------------------ reads bounded by nbytes (item 6)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("where", ["positional", "tensorstore", "memory"])
+def test_a_grown_object_is_rejected(tmp_path, where, op):
+    repo, url = _repo(where, tmp_path)
+    OPS[op](repo)  # the control: the object as written reads and verifies
+    key, n = _target(repo, op)
+    if where == "memory":
+        repo.storage.write(key, repo.storage.read(key) + bytes(1 << 20))
+    else:
+        os.truncate(os.path.join(url, key), n + (1 << 30))  # sparse
+    with pytest.raises(SizeMismatchError) as info:
+        OPS[op](repo)
+    assert info.value.object == key and info.value.expected == n
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(fn) -> dict:
+    """Run ``fn``; its outcome (the error's class name, or "no error") and by how much the resident
+    set grew at its peak (sampled every 2 ms: a missed peak can only make a bound look looser)."""
+    peak, done = [_rss()], []
+
+    def sample() -> None:
+        while not done:
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.002)
+
+    before = _rss()
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    try:
+        fn()
+        result = "no error"
+    except Exception as e:  # noqa: BLE001 - the caller checks the class
+        result = type(e).__name__
+    done.append(1)
+    th.join()
+    return {"result": result, "grew": max(peak[0], _rss()) - before}
+
+
+@pytest.mark.parametrize("where", ["positional", "tensorstore"])
+def test_a_grown_object_costs_no_more_than_its_recorded_size(tmp_path, where):
+    """Peak RSS while rejecting a shard or state object grown by 256 MiB (sparse) stays far below
+    256 MiB; the broken control (the grown shard's index read to the end of the object, as an
+    unbounded reader reads it) shows that the measurement sees an unbounded read. (memory:// hands
+    out its stored bytes without a copy, so only file and S3 (tests/test_s3.py) can show a cost.)"""
+    grow = 256 << 20
+    repo, url = _repo(where, tmp_path)
+    for op in ("verify", "state"):
+        key, n = _target(repo, op)
+        os.truncate(os.path.join(url, key), n + grow)
+    for op in sorted(OPS):
+        got = measure(lambda: OPS[op](repo))
+        assert got["result"] == "SizeMismatchError" and got["grew"] < 32 << 20, (op, got)
+    key, n = _target(repo, "verify")
+    control = measure(lambda: repo.storage.read_range_future(key, n - 64, None).result())
+    assert control["result"] == "no error" and control["grew"] > grow // 2, control
+
+
+# ------------------------------------------------------------------ special files (item 7)
+
+
+def _within(fn, timeout_s: float = 30.0):
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - classified by the caller
+            box["exc"] = e
+
+    th = threading.Thread(target=target, daemon=True)
+    th.start()
+    th.join(timeout_s)
+    return th, box
+
+
+def _unblock(path: str) -> None:
+    """Let a reader blocked opening the FIFO at ``path`` go (it then reads end-of-file)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def _make_special(path: str, kind: str) -> None:
+    os.unlink(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        os.symlink("/dev/zero", path)
+    else:
+        os.mkdir(path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("where", ["positional", "tensorstore"])
+def test_a_special_file_at_an_object_key_is_an_error_not_a_hang(tmp_path, where, op, kind):
+    repo, url = _repo(where, tmp_path)
+    OPS[op](repo)  # the control: the regular file reads
+    key, _ = _target(repo, op)
+    path = os.path.join(url, key)
+    _make_special(path, kind)
+    th, box = _within(lambda: OPS[op](repo))
+    if th.is_alive():
+        _unblock(path)
+        th.join(10)
+        pytest.fail(f"{op} blocked on a {kind} at {key}")
+    exc = box.get("exc")
+    assert isinstance(exc, StorageError), repr(exc)
+    assert exc.object == key and exc.expected == "a regular file"
+
+
+def test_control_a_fifo_blocks_a_reader_that_opens_it(tmp_path):
+    """What the check prevents: tensorstore's file driver, handed the FIFO's key, waits for a writer."""
+    repo, url = _repo("tensorstore", tmp_path)
+    key, _ = _target(repo, "read-whole")
+    path = os.path.join(url, key)
+    _make_special(path, "fifo")
+    th, _ = _within(lambda: repo.storage.kv.read(key).result(), timeout_s=2.0)
+    blocked = th.is_alive()
+    _unblock(path)
+    th.join(10)
+    assert blocked and not th.is_alive()
+
+
+def test_cli_verify_reports_a_fifo(tmp_path):
+    repo, url = _repo("positional", tmp_path)
+    cmd = [sys.executable, "-m", "ckptfmt", "verify", url, "--json"]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr  # the control
+    key, _ = _target(repo, "verify")
+    _make_special(os.path.join(url, key), "fifo")
+    try:
+        bad = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        _unblock(os.path.join(url, key))
+    assert bad.returncode == 1 and "StorageError" in bad.stdout and "FIFO" in bad.stdout, bad.stdout + bad.stderr
