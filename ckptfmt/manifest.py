@@ -504,6 +504,16 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
         owner = np.repeat(np.arange(n), counts)
         if np.any(coff > (nbytes[owner] - geom.index_nbytes) - cnb):  # written so that nothing can overflow int64
             _fail("a chunk byte range runs past its shard's data section", key=k)
+        # No two chunks of one shard share a byte: sorted by (shard, offset), neighbours lie a whole
+        # chunk apart (every chunk of a tensor has nbytes = chunk_nbytes).
+        order = np.lexsort((coff, owner))
+        so, sw = coff[order], owner[order]
+        clash = np.flatnonzero((sw[1:] == sw[:-1]) & (so[1:] - so[:-1] < geom.chunk_nbytes))
+        if clash.size:
+            a, b = sorted(int(x) for x in order[clash[0]:clash[0] + 2])
+            _fail("two chunks of one shard share bytes", key=k, object=f"{path}/{keys[int(owner[a])]}",
+                  expected=f"disjoint byte ranges of {geom.chunk_nbytes} bytes",
+                  found=f"chunk rows {a} and {b} at offsets {int(coff[a])} and {int(coff[b])}")
     tables = (offset, writer, nbytes, icrc.astype(np.uint32), coff, cnb, ccrc.astype(np.uint32))
     for a in tables:  # a parsed manifest is immutable, whichever path checked it
         a.flags.writeable = False

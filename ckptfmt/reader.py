@@ -36,6 +36,8 @@ _MMAP_MIN_BYTES = 4 << 20
 _IOV_MAX = 1024
 #: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
 MAX_STATE_BYTES = 64 << 20
+#: An index entry of an inner chunk that is not stored: offset and nbytes both 2^64-1.
+_NOT_STORED = np.uint64(2**64 - 1)
 
 Progress = Callable[[int, int], None]
 
@@ -386,6 +388,33 @@ class Checkpoint:
         if got != want or stored != want:
             raise ChecksumMismatchError("shard index checksum differs from the manifest (corrupt or stale)",
                                         key=t.key, object=obj, expected=want, found=got if got != want else stored)
+        Checkpoint._check_entries(t, s, obj, index)
+
+    @staticmethod
+    def _check_entries(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
+        """Every index entry equals the manifest (FORMAT.md 6.4): a stored chunk's entry its chunk-table
+        row, every other entry the not-stored marker. The crc32c values alone do not show that the
+        chunk table describes this index."""
+        g = t.geometry
+        c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
+        if c1 - c0 == math.prod(g.inner):  # every inner chunk stored: the entries are the rows, in order
+            rows = np.empty((c1 - c0, 2), "<u8")
+            rows[:, 0], rows[:, 1] = t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]
+            if index[:-4] == rows.tobytes():
+                return
+        off = t.shards.offset[s]
+        counts = tuple(-(-min(ss, n - int(o)) // c) for ss, n, o, c in zip(g.shard_shape, g.shape, off, g.chunk_shape))
+        want = np.full(g.inner + (2,), _NOT_STORED, np.uint64)
+        want[tuple(slice(0, k) for k in counts)] = np.stack(
+            [t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]], axis=-1).reshape(counts + (2,))
+        got = np.frombuffer(index[:-4], "<u8").reshape(want.shape)
+        if not np.array_equal(got, want):
+            flat = int(np.flatnonzero(np.any((got != want).reshape(-1, 2), axis=1))[0])
+            cell = tuple(int(i) for i in np.unravel_index(flat, g.inner)) if g.inner else ()
+            raise ChecksumMismatchError("shard index entry differs from the manifest's chunk table", key=t.key,
+                                        object=f"{obj} index entry {cell}",
+                                        expected=[int(x) for x in want.reshape(-1, 2)[flat]],
+                                        found=[int(x) for x in got.reshape(-1, 2)[flat]])
 
     @staticmethod
     def _check_chunk(t: TensorEntry, c: int, obj: str, mv: Any, trailer: Any = None) -> None:

@@ -137,6 +137,54 @@ def test_validate_rejects_a_bool_the_fast_path_would_compare_by_value(good):
         broken.validate()
 
 
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    """Four tensors of one geometry whose shards hold four chunks each (offsets 0, 36, 72, 108)."""
+    from ckptfmt import SaveOptions
+
+    d = str(tmp_path_factory.mktemp("multi") / "repo")
+    shards = []
+    for i in range(4):
+        x = np.arange(64, dtype=np.float32).reshape(16, 4) + i
+        shards += [LocalShard(f"m/{i}", x.shape, x.dtype, Box((8 * r, 0), (8, 4)), x[8 * r:8 * r + 8]) for r in range(2)]
+    m = save(d, 1, shards, options=SaveOptions(chunk_target_bytes=32))
+    assert len(m.tensors["m/0"].chunks.offset) == 8
+    return json.loads(m.to_bytes())
+
+
+def _chunk_rows(d, i, edit):
+    ch = d["tensors"][f"m/{i}"]["chunks"]
+    edit(ch["offset"], ch["crc32c"])
+
+
+def _overlap(off, crc):  # issue 12: chunk row 1 given row 0's offset and crc32c
+    off[1], crc[1] = off[0], crc[0]
+
+
+def _reorder(off, crc):  # rows 0 and 1 name each other's bytes: disjoint, so valid
+    off[0], off[1], crc[0], crc[1] = off[1], off[0], crc[1], crc[0]
+
+
+@pytest.mark.parametrize("i", [0, 2])  # the first tensor of its geometry (exact checks) and a later one (by value)
+def test_chunks_sharing_bytes_rejected_like_exact(multi, i):
+    parse_manifest(json.dumps(multi).encode())  # the control
+    d = copy.deepcopy(multi)
+    _chunk_rows(d, i, _overlap)
+    with pytest.raises(CheckpointError) as want:
+        exact(d)
+    with pytest.raises(CheckpointError) as got:
+        parse_manifest(json.dumps(d).encode())
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    assert "share bytes" in str(got.value) and got.value.key == f"m/{i}"
+
+
+@pytest.mark.parametrize("i", [0, 2])
+def test_chunks_out_of_order_accepted_like_exact(multi, i):
+    d = copy.deepcopy(multi)
+    _chunk_rows(d, i, _reorder)
+    same_tables(parse_manifest(json.dumps(d).encode()).tensors, exact(d))
+
+
 def test_to_bytes_is_plain_json_dumps(good):
     d = copy.deepcopy(good)
     d["tensors"]["b/1"]["sharding"] = {"spec": ["é", None], "mesh": {"z": 2, "a": 2}}

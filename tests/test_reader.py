@@ -16,7 +16,8 @@ import pytest
 
 import ckptfmt
 from ckptfmt import Box, LocalShard, Repository, SaveOptions
-from ckptfmt.errors import SizeMismatchError, StorageError
+from ckptfmt.errors import ChecksumMismatchError, InvalidManifestError, SizeMismatchError, StorageError
+from ckptfmt.reader import Checkpoint
 
 X = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
 
@@ -192,3 +193,108 @@ def test_cli_verify_reports_a_fifo(tmp_path):
     finally:
         _unblock(os.path.join(url, key))
     assert bad.returncode == 1 and "StorageError" in bad.stdout and "FIFO" in bad.stdout, bad.stdout + bad.stderr
+
+
+# ------------------------------------------------------------------ index entries vs the chunk table (item 10)
+
+
+def _edit_manifest(url: str, edit) -> None:
+    path = Path(url, "manifests", f"{1:020d}.json")
+    doc = json.loads(path.read_bytes())
+    edit(doc)
+    path.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n")
+
+
+READS = {  # every path that reads an index: whole shard (one vectored read), chunk by chunk, kvstore, verify
+    "positional-whole": ("positional", lambda repo: repo.open(1).read("x", Box((0, 0), (32, 32)))),
+    "positional-chunks": ("positional", lambda repo: repo.open(1).read("x", Box((0, 0), (16, 4)))),
+    "tensorstore": ("tensorstore", lambda repo: repo.open(1).read("x", Box((0, 0), (16, 4)))),
+    "verify": ("positional", lambda repo: repo.verify(1)),
+}
+
+
+def test_chunk_rows_that_share_bytes_are_rejected(tmp_path):
+    """Issue 12's manifest-only edit: chunk row 1 given row 0's offset and crc32c. Every crc32c still
+    matches, and the reader returned row 0's data twice; the manifest is now invalid."""
+    repo, url = _repo("positional", tmp_path)
+    assert np.array_equal(repo.open(1).read("x"), X)  # the control
+
+    def edit(doc):
+        ch = doc["tensors"]["x"]["chunks"]
+        ch["offset"][1], ch["crc32c"][1] = ch["offset"][0], ch["crc32c"][0]
+
+    _edit_manifest(url, edit)
+    with pytest.raises(InvalidManifestError, match="share bytes"):
+        repo.open(1)
+
+
+def _swap_rows(doc):  # rows 0 and 1 of shard 0 name each other's bytes: a valid manifest
+    ch = doc["tensors"]["x"]["chunks"]
+    for col in ("offset", "crc32c"):
+        ch[col][0], ch[col][1] = ch[col][1], ch[col][0]
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_a_chunk_table_that_differs_from_the_index_is_rejected(tmp_path, read, monkeypatch):
+    where, fn = READS[read]
+    repo, url = _repo(where, tmp_path)
+    fn(repo)  # the control: as written, every path reads
+    _edit_manifest(url, _swap_rows)
+    with pytest.raises(ChecksumMismatchError, match="chunk table") as info:
+        fn(repo)
+    assert info.value.key == "x" and "index entry (0, 0)" in info.value.object
+    # Broken control: without the entry check every crc32c passes and the rows come back swapped.
+    monkeypatch.setattr(Checkpoint, "_check_entries", staticmethod(lambda *a, **k: None))
+    if read != "verify":
+        got = fn(repo)
+        assert not np.array_equal(got, X[:got.shape[0], :got.shape[1]])
+    else:
+        fn(repo)
+
+
+def _swap_index_entries(url: str) -> None:
+    """Swap index entries 0 and 1 of shard 0 and recompute the index crc32c in the object and the
+    manifest, as an attacker who controls the repository would."""
+    from ckptfmt.checksum import crc32c
+
+    m = Repository(url).manifest(1)
+    t = m.tensors["x"]
+    path = Path(url, t.object_key(0))
+    raw = bytearray(path.read_bytes())
+    start = len(raw) - t.geometry.index_nbytes
+    raw[start:start + 16], raw[start + 16:start + 32] = raw[start + 16:start + 32], raw[start:start + 16]
+    crc = crc32c(bytes(raw[start:-4]))
+    raw[-4:] = crc.to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    _edit_manifest(url, lambda doc: doc["tensors"]["x"]["shards"]["index_crc32c"].__setitem__(0, crc))
+
+
+def _tensorstore_read(url: str, box: Box) -> np.ndarray:
+    import tensorstore as ts
+
+    t = Repository(url).manifest(1).tensors["x"]
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(url, t.array.path) + "/"},
+                   "fill_missing_data_reads": False}, open=True).result()
+    return arr[box.slices()].read().result()
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_index_entries_swapped_with_both_crcs_recomputed_are_rejected(tmp_path, read, monkeypatch):
+    """Issue 12: two index entries swapped and the index crc32c recomputed in the object and the
+    manifest. tensorstore follows the index, ckptfmt followed the chunk table: different values, no
+    error. ckptfmt now compares the entries with the chunk table."""
+    where, fn = READS[read]
+    repo, url = _repo(where, tmp_path)
+    box = Box((0, 0), (16, 4))
+    assert np.array_equal(_tensorstore_read(url, box), X[box.slices()])  # the control
+    _swap_index_entries(url)
+    assert not np.array_equal(_tensorstore_read(url, box), X[box.slices()])  # zarr readers now see swapped rows
+    with pytest.raises(ChecksumMismatchError, match="chunk table"):
+        fn(repo)
+    # Broken control: without the entry check, ckptfmt returns other values than tensorstore.
+    monkeypatch.setattr(Checkpoint, "_check_entries", staticmethod(lambda *a, **k: None))
+    if read != "verify":
+        got = fn(repo)
+        assert not np.array_equal(got[:16, :4], _tensorstore_read(url, box))
+    else:
+        fn(repo)

@@ -93,6 +93,29 @@ def _dup_entry(s: Scene) -> str:
     return f"manifest: second entry for {TARGET_TENSOR} shard 0 (same box, same object)"
 
 
+def _chunk_overlap(s: Scene) -> str:
+    def edit(doc: dict[str, Any]) -> None:
+        ch = doc["tensors"][TARGET_TENSOR]["chunks"]
+        ch["offset"][1], ch["crc32c"][1] = ch["offset"][0], ch["crc32c"][0]
+
+    s.edit_manifest(2, edit)
+    return f"manifest: {TARGET_TENSOR} chunk row 1 given row 0's offset and crc32c (every crc32c still matches)"
+
+
+def _entries_swapped(s: Scene) -> str:
+    from ckptfmt.checksum import crc32c
+
+    lay, p = s.shard_layout(2), s.shard_path(2)
+    raw = bytearray(p.read_bytes())
+    a = lay["index_start"]
+    raw[a:a + 16], raw[a + 16:a + 32] = raw[a + 16:a + 32], raw[a:a + 16]
+    crc = crc32c(bytes(raw[a:-4]))
+    raw[-4:] = crc.to_bytes(4, "little")
+    p.write_bytes(bytes(raw))
+    s.edit_manifest(2, lambda doc: doc["tensors"][TARGET_TENSOR]["shards"]["index_crc32c"].__setitem__(TARGET_SHARD, crc))
+    return f"{s.rel(p)} index entries 0 and 1 swapped, index crc32c recomputed in the object and the manifest"
+
+
 def _dup_object(s: Scene) -> str:
     src, dst = s.shard_path(2, shard=0), s.shard_path(2, shard=TARGET_SHARD)
     shutil.copyfile(src, dst)
@@ -309,6 +332,8 @@ CATALOGUE: list[Fault] = [
     Fault("shard-fifo", _SHARD, "disk", (E.StorageError,), _fifo),
     Fault("shard-duplicate-entry", f"manifest, {TARGET_TENSOR}", "disk", (E.DuplicateShardError,), _dup_entry),
     Fault("shard-duplicate-object", _SHARD, "disk", (E.ChecksumMismatchError,), _dup_object),
+    Fault("manifest-chunk-overlap", f"manifest, {TARGET_TENSOR}", "disk", (E.InvalidManifestError,), _chunk_overlap),
+    Fault("index-entries-swapped", _SHARD + " index", "disk", (E.ChecksumMismatchError,), _entries_swapped),
     Fault("data-bitflip", _SHARD + " data", "disk", (E.ChecksumMismatchError,), _flip_data(0)),
     Fault("data-64-bytes", _SHARD + " data", "disk", (E.ChecksumMismatchError,), _flip_data(64)),
     Fault("index-bitflip", _SHARD + " index", "disk", (E.ChecksumMismatchError,), _flip_index(0)),
