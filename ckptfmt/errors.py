@@ -13,6 +13,7 @@ __all__ = [
     "DuplicateShardError", "StepAlreadyCommittedError", "StepMismatchError", "IncompleteSaveError",
     "CoordinatorTimeoutError", "CoordinatorLostError", "StorageError", "InvalidStateError",
     "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError",
+    "InvalidDataError",
 ]
 
 
@@ -75,6 +76,11 @@ class SizeMismatchError(CheckpointError):
 
 class ChecksumMismatchError(CheckpointError):
     """Bytes read do not match the crc32c recorded in the manifest (corrupt or stale)."""
+
+
+class InvalidDataError(CheckpointError):
+    """Tensor data passed its checksums but is not a valid encoding of its dtype (a bool byte other
+    than 0x00/0x01)."""
 
 
 class DuplicateShardError(InvalidManifestError):

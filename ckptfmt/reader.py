@@ -16,7 +16,7 @@ import numpy as np
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
-from .errors import (ChecksumMismatchError, InvalidStateError, KeyMismatchError, SizeMismatchError,
+from .errors import (ChecksumMismatchError, InvalidDataError, InvalidStateError, KeyMismatchError, SizeMismatchError,
                      TopologyChangedError)
 from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
@@ -431,6 +431,13 @@ class Checkpoint:
             raise ChecksumMismatchError("chunk checksum differs from the manifest (corrupt or stale data)",
                                         key=t.key, object=f"{obj} bytes [{int(t.chunks.offset[c])}, +{int(t.chunks.nbytes[c])})",
                                         expected=want, found=got if got != want else stored)
+        if t.dtype == "bool":  # FORMAT.md 5.6: 0x00 or 0x01 only; numpy would hand any other byte on as True
+            raw = np.frombuffer(data, np.uint8)
+            if raw.max() > 1:
+                at = int(np.argmax(raw > 1))
+                raise InvalidDataError("bool tensor holds a byte other than 0x00 and 0x01", key=t.key,
+                                       object=f"{obj} byte {int(t.chunks.offset[c]) + at}",
+                                       expected="0x00 or 0x01", found=f"0x{int(raw[at]):02x}")
 
     # ------------------------------------------------------------------ non-tensor state
     def _state_object(self, name: str) -> Any:

@@ -158,9 +158,18 @@ def _unpack(data: bytes, ext_hook: Any) -> Any:
     # is what the input can hold at most, so a declared length larger than the input fails fast.
     n = len(data)
     return msgpack.unpackb(
-        data, raw=False, use_list=True, strict_map_key=True, ext_hook=ext_hook,
+        data, raw=False, use_list=True, strict_map_key=True, ext_hook=ext_hook, object_pairs_hook=_no_duplicates,
         max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n,
     )
+
+
+def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):  # FORMAT.md 7.1: a map holds each key once
+        seen: set[Any] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"map holds the key {str(dup)[:80]!r} twice")
+    return d
 
 
 def _reject_inner_ext(code: int, data: bytes) -> Any:
@@ -200,14 +209,28 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_BIGINT:
         if not data:
             raise ValueError("empty big-int extension")
-        return int.from_bytes(data, "big", signed=True)
+        value = int.from_bytes(data, "big", signed=True)
+        # One encoding per value (FORMAT.md 7.2): minimal length, and only outside int64.
+        if len(data) != (value + (value < 0)).bit_length() // 8 + 1:
+            raise ValueError(f"big-int extension of {len(data)} bytes is not minimal")
+        if _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError("big-int extension holds a value that fits in int64")
+        return value
     if code in (EXT_NDARRAY, EXT_NPSCALAR):
         return _decode_array(data, want_scalar=code == EXT_NPSCALAR)
     raise ValueError(f"unknown msgpack extension type {code}")
 
 
+#: What a decoded tree may hold (anything else came from a msgpack type the format does not allow:
+#: ext type -1 becomes a msgpack.Timestamp without asking the ext hook).
+_DECODED = (type(None), bool, int, float, str, bytes, list, dict, np.ndarray, np.generic)
+
+
 def _check_tree(obj: Any, path: tuple[str, ...], depth: int) -> None:
-    """Enforce the depth cap and str-only keys on a freshly decoded tree."""
+    """Enforce the allowed types, the depth cap and str-only keys on a freshly decoded tree."""
+    if not isinstance(obj, _DECODED):
+        what = "ext type -1 (msgpack timestamp)" if isinstance(obj, msgpack.Timestamp) else type(obj).__name__
+        raise _fail(path, f"{what} is not allowed", found=type(obj).__name__)
     if isinstance(obj, (list, dict)) and depth >= MAX_DEPTH:
         raise _fail(path, f"nesting deeper than {MAX_DEPTH} levels")
     if isinstance(obj, list):
@@ -225,9 +248,11 @@ def decode_state(data: bytes, *, max_bytes: int = 64 << 20) -> object:
     """Decode bytes written by :func:`encode_state`.
 
     Raises :class:`InvalidStateError`, and nothing else, for any input that is not a valid
-    encoding: oversized input, malformed msgpack, trailing bytes, non-str keys, nesting deeper
-    than :data:`MAX_DEPTH`, unknown extension types, or arrays whose dtype is not allowed or
-    whose byte length does not match their shape. Nothing in the input is ever executed.
+    encoding: oversized input, malformed msgpack, trailing bytes, non-str or repeated keys,
+    nesting deeper than :data:`MAX_DEPTH`, unknown extension types (the msgpack timestamp, ext -1,
+    included), a big int that is not minimal or fits in int64, or arrays whose dtype is not
+    allowed, whose byte length does not match their shape, or whose bools are not 0 or 1.
+    Nothing in the input is ever executed.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidStateError(f"state must be bytes, found {type(data).__name__}",

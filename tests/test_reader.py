@@ -16,7 +16,7 @@ import pytest
 
 import ckptfmt
 from ckptfmt import Box, LocalShard, Repository, SaveOptions
-from ckptfmt.errors import ChecksumMismatchError, InvalidManifestError, SizeMismatchError, StorageError
+from ckptfmt.errors import ChecksumMismatchError, InvalidDataError, InvalidManifestError, SizeMismatchError, StorageError
 from ckptfmt.reader import Checkpoint
 
 X = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
@@ -298,3 +298,51 @@ def test_index_entries_swapped_with_both_crcs_recomputed_are_rejected(tmp_path, 
         assert not np.array_equal(got[:16, :4], _tensorstore_read(url, box))
     else:
         fn(repo)
+
+
+# ------------------------------------------------------------------ bool bytes (item 11)
+
+
+def _bool_repo(tmp_path: Path, where: str) -> tuple[Repository, str, np.ndarray]:
+    url = str(tmp_path / "bools")
+    b = (np.arange(64) % 3 == 0).reshape(8, 8)
+    ckptfmt.save(url, 1, [LocalShard("b", b.shape, b.dtype, Box((4 * r, 0), (4, 8)), b[4 * r:4 * r + 4]) for r in range(2)],
+                 options=SaveOptions(chunk_target_bytes=16))
+    return Repository(url, options={"positional_reads": where != "tensorstore"}), url, b
+
+
+def _set_byte(url: str, value: int) -> None:
+    """Byte 5 of shard 1's first chunk becomes ``value``, with the chunk crc32c recomputed in its
+    trailer and in the manifest: only the format's bool rule stands in the way."""
+    from ckptfmt.checksum import crc32c
+
+    t = Repository(url).manifest(1).tensors["b"]
+    c = int(t.chunk_start[1])
+    off, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+    path = Path(url, t.object_key(1))
+    raw = bytearray(path.read_bytes())
+    raw[off + 5] = value
+    crc = crc32c(bytes(raw[off:off + n - 4]))
+    raw[off + n - 4:off + n] = crc.to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    _edit_manifest(url, lambda doc: doc["tensors"]["b"]["chunks"]["crc32c"].__setitem__(c, crc))
+
+
+@pytest.mark.parametrize("read", ["positional-whole", "positional-chunks", "tensorstore", "verify"])
+def test_a_bool_byte_other_than_0_or_1_is_rejected(tmp_path, read, monkeypatch):
+    where = "tensorstore" if read == "tensorstore" else "positional"
+    repo, url, b = _bool_repo(tmp_path, where)
+    fn = {"verify": lambda: repo.verify(1), "positional-chunks": lambda: repo.open(1).read("b", Box((4, 0), (4, 4)))}.get(
+        read, lambda: repo.open(1).read("b"))
+    _set_byte(url, 1 if not b[4:].reshape(-1)[5] else 0)  # the control: a valid byte, crc32c recomputed
+    fn()
+    _set_byte(url, 2)
+    with pytest.raises(InvalidDataError) as info:
+        fn()
+    assert info.value.key == "b" and info.value.found == "0x02"
+    # Broken control: without the chunk checks, the byte 2 reaches the caller as a bool that
+    # compares equal to True but is not the bytes the format stores.
+    monkeypatch.setattr(Checkpoint, "_check_chunk", staticmethod(lambda *a, **k: None))
+    if read != "verify":
+        got = fn()
+        assert 2 in np.frombuffer(np.ascontiguousarray(got).tobytes(), np.uint8)

@@ -253,3 +253,35 @@ def test_pickle_payload_is_rejected_and_never_executed(tmp_path: Path,
             out = None
         assert out is None or out == {"state": payload}  # stays inert bytes at most
         assert not canary.exists()
+
+
+# ------------------------------------------------------------------ one encoding per value (FORMAT.md 7.1, 7.2)
+
+def _timestamp(seconds: int, nanoseconds: int = 0) -> bytes:
+    return msgpack.packb({"t": msgpack.Timestamp(seconds, nanoseconds)})
+
+
+@pytest.mark.parametrize("data, control, match", [
+    # ext -1, the msgpack timestamp (32-, 64- and 96-bit forms): plain msgpack decodes it into a
+    # Timestamp without asking the ext hook.
+    (_timestamp(1), msgpack.packb({"t": 1}), "timestamp"),
+    (_timestamp(1, 5), msgpack.packb({"t": 1}), "timestamp"),
+    (_timestamp(-1), msgpack.packb({"t": -1}), "timestamp"),
+    # A map that holds a key twice: plain msgpack keeps the last value.
+    (b"\x82\xa1a\x01\xa1a\x02", b"\x82\xa1a\x01\xa1b\x02", "twice"),
+    (b"\x81\xa1m\x82\xa1k\xc0\xa1k\xc3", b"\x81\xa1m\x82\xa1k\xc0\xa1j\xc3", "twice"),
+    # ext 1 that is not minimal, or holds a value that fits in int64.
+    (msgpack.packb(msgpack.ExtType(EXT_BIGINT, b"\x00\x00\x80" + b"\x00" * 7)), encode_state(2**63), "not minimal"),
+    (msgpack.packb(msgpack.ExtType(EXT_BIGINT, b"\xff\xff\x7f" + b"\xff" * 7)), encode_state(-(2**63) - 1),
+     "not minimal"),
+    (msgpack.packb(msgpack.ExtType(EXT_BIGINT, b"\x05")), msgpack.packb(5), "fits in int64"),
+    (msgpack.packb(msgpack.ExtType(EXT_BIGINT, b"\x80" + b"\x00" * 7)), msgpack.packb(-(2**63)), "fits in int64"),
+    # A bool byte of 2, in an array and in a numpy scalar.
+    (ndarray_ext("bool", [3], b"\x00\x01\x02"), ndarray_ext("bool", [3], b"\x00\x01\x01"), "other than 0 and 1"),
+    (ndarray_ext("bool", [], b"\x02", code=EXT_NPSCALAR), ndarray_ext("bool", [], b"\x01", code=EXT_NPSCALAR),
+     "other than 0 and 1"),
+])
+def test_values_with_a_second_encoding_are_rejected(data: bytes, control: bytes, match: str) -> None:
+    decode_state(control)  # the control: the one encoding the format allows decodes
+    with pytest.raises(InvalidStateError, match=match):
+        decode_state(data)

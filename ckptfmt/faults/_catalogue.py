@@ -235,6 +235,19 @@ def _state_hostile(s: Scene) -> str:
     return f"{where}: ext type 99 holding a pickle + 100k-deep nesting (manifest size/crc updated)"
 
 
+def _state_timestamp(s: Scene) -> str:
+    # ext -1, the msgpack timestamp: plain msgpack decodes it into a Timestamp on its own.
+    data = b"\x82\xa4step\x02\xa4when" + b"\xd6\xff" + (1767225600).to_bytes(4, "big")
+    where = s.replace_state(2, data)
+    return f"{where}: a msgpack timestamp (ext type -1) in the state (manifest size/crc updated)"
+
+
+def _state_duplicate_key(s: Scene) -> str:
+    # {"step": 2, "step": 7}: plain msgpack keeps the last value.
+    where = s.replace_state(2, b"\x82\xa4step\x02\xa4step\x07")
+    return f"{where}: a map holding the key 'step' twice (manifest size/crc updated)"
+
+
 def _state_oversized(s: Scene) -> str:
     from ckptfmt.state import decode_state
 
@@ -351,6 +364,8 @@ CATALOGUE: list[Fault] = [
     Fault("manifest-key-scheme", "manifest array.path", "disk", (E.InvalidManifestError,), _key_scheme),
     Fault("state-hostile", "global msgpack state", "disk", (E.InvalidStateError,), _state_hostile),
     Fault("state-oversized", "global msgpack state", "disk", (E.InvalidStateError,), _state_oversized),
+    Fault("state-timestamp", "global msgpack state", "disk", (E.InvalidStateError,), _state_timestamp),
+    Fault("state-duplicate-key", "global msgpack state", "disk", (E.InvalidStateError,), _state_duplicate_key),
     Fault("writer-sigkill", "save of step 3, rank 1", "save",
           (E.IncompleteSaveError, E.CoordinatorLostError, E.CoordinatorTimeoutError), _writer_killed),
     Fault("writer-sigkill-after-ack", "save of step 3, rank 1", "save",
