@@ -13,7 +13,7 @@ __all__ = [
     "DuplicateShardError", "StepAlreadyCommittedError", "StepMismatchError", "IncompleteSaveError",
     "CoordinatorTimeoutError", "CoordinatorLostError", "StorageError", "InvalidStateError",
     "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError",
-    "InvalidDataError",
+    "InvalidDataError", "AllocationError",
 ]
 
 
@@ -81,6 +81,10 @@ class ChecksumMismatchError(CheckpointError):
 class InvalidDataError(CheckpointError):
     """Tensor data passed its checksums but is not a valid encoding of its dtype (a bool byte other
     than 0x00/0x01)."""
+
+
+class AllocationError(CheckpointError):
+    """A read's outputs cannot be allocated: larger than this host's memory, or the allocation failed."""
 
 
 class DuplicateShardError(InvalidManifestError):

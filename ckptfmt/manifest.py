@@ -23,7 +23,7 @@ from .errors import (CheckpointError, DuplicateShardError, InvalidManifestError,
 from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
 from .plan import TensorGeometry, chunk_count_table
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "ArraySpec", "ShardTable", "ChunkTable",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec", "ShardTable", "ChunkTable",
            "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key", "manifest_key"]
 
 FORMAT_NAME = "ckptfmt"
@@ -35,6 +35,8 @@ MAX_TENSOR_BYTES = 1 << 62
 MAX_KEY_LEN = 4096
 MAX_OBJECT_KEY_LEN = 1024
 MAX_STEP = (1 << 63) - 1
+#: Nesting of arrays and objects in a manifest: the top-level object is level 1 (FORMAT.md 5.10).
+MAX_NESTING = 64
 SAVE_ID_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,127}$")
 KNOWN_EXTENSIONS: frozenset[str] = frozenset()
 _U32 = 1 << 32
@@ -199,7 +201,7 @@ class Manifest:
                 before, sep, after = text.rpartition('"tensors":{}')
                 assert sep, "the tensors member is missing from the encoded head"
                 return (before + '"tensors":' + encode_tensors(self.tensors) + after + "\n").encode()
-            except (TypeError, ValueError, UnicodeEncodeError) as e:  # NaN, a lone surrogate, a non-JSON value
+            except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as e:  # NaN, a lone surrogate, a non-JSON value
                 raise InvalidManifestError("manifest cannot be encoded as canonical JSON",
                                            found=f"{type(e).__name__}: {str(e)[:200]}") from None
 
@@ -212,7 +214,7 @@ class Manifest:
                 _from_doc(self.to_json())
             except CheckpointError:
                 raise
-            except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError) as e:
+            except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError, RecursionError) as e:
                 raise InvalidManifestError("manifest is malformed", found=f"{type(e).__name__}: {str(e)[:200]}") from None
         return self
 
@@ -318,6 +320,21 @@ def _parse(data: bytes) -> Manifest:
         raise InvalidManifestError("manifest is malformed", found=f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
+def check_nesting(value: Any, level: int, what: str, *, key: str | None = None) -> None:
+    """InvalidManifestError if ``value``, at nesting ``level`` of the manifest (the top-level object
+    is level 1), holds an array or object deeper than level MAX_NESTING. Iterative: no recursion."""
+    stack = [(value, level)]
+    while stack:
+        v, d = stack.pop()
+        if d > MAX_NESTING:
+            _fail(f"{what} nests arrays and objects too deeply", key=key, object=what,
+                  expected=f"<= {MAX_NESTING} levels (the manifest's top-level object is level 1)",
+                  found=f"more than {MAX_NESTING} levels")
+        for c in (v.values() if type(v) is dict else v):
+            if type(c) is dict or type(c) is list:
+                stack.append((c, d + 1))
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     d = dict(pairs)
     if len(d) != len(pairs):
@@ -374,6 +391,12 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None) -> Manifest:
     extensions = _typed(doc.get("extensions", {}), dict, "extensions")
     prefix = f"saves/{save_id}/"
     tensors_doc = _typed(doc["tensors"], dict, "tensors")
+    # The free-form members are the only ones that can nest deeply (the rest is at most 6 levels).
+    check_nesting(metadata, 2, "metadata")
+    check_nesting(extensions, 2, "extensions")
+    for k, t in tensors_doc.items():
+        if type(t) is dict and type(t.get("sharding")) is dict:
+            check_nesting(t["sharding"], 4, "sharding", key=k)
     clean = False
     if literals is not None:
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
@@ -439,7 +462,8 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     if dtype not in DTYPES:
         _fail("unknown dtype", key=k, expected=sorted(DTYPES), found=repr(dtype)[:40])
     item = itemsize_of(dtype)
-    if math.prod(shape_t) * item > MAX_TENSOR_BYTES:
+    # max(n, 1): a zero-length dimension must not lift the bound on the others ([0, 2^62, 2^62]).
+    if math.prod(max(n, 1) for n in shape_t) * item > MAX_TENSOR_BYTES:
         _fail("tensor too large (shape x itemsize overflows)", key=k, expected=f"<= {MAX_TENSOR_BYTES} bytes", found=shape_t)
     sharding = t.get("sharding")
     if sharding is not None:

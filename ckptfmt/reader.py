@@ -16,8 +16,8 @@ import numpy as np
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
-from .errors import (ChecksumMismatchError, InvalidDataError, InvalidStateError, KeyMismatchError, SizeMismatchError,
-                     TopologyChangedError)
+from .errors import (AllocationError, ChecksumMismatchError, InvalidDataError, InvalidStateError, KeyMismatchError,
+                     SizeMismatchError, TopologyChangedError)
 from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
 from .storage import Storage
@@ -179,12 +179,13 @@ class Checkpoint:
             by_key.setdefault(key, []).append(i)
         outs: list[np.ndarray | None] = [None] * len(requests)
         work: dict[tuple[str, int], list[ReadItem]] = {}
+        _check_fits(self, requests)
         for key, idxs in by_key.items():
             t = self.tensor(key)
             dt = numpy_dtype(t.dtype)
             boxes = [requests[i][1] for i in idxs]
             for i, b in zip(idxs, boxes):
-                outs[i] = _aligned_empty(b.shape, dt)
+                outs[i] = _allocate(key, b, dt)
             for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
                 work.setdefault((key, item.shard), []).append(
                     ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))
@@ -210,8 +211,10 @@ class Checkpoint:
         probe = self.storage.start_size_check(obj, nbytes, tensor=key)
         self.stats.requests += probe is not None
         if len(chunks) == int(starts[s + 1] - starts[s]):
+            _require_memory(nbytes, key, obj, "the whole shard")
             self.stats.requests += 1
             return (key, s, items, obj, True, [self.storage.read_range_future(obj, 0, nbytes)], probe, nbytes)
+        _require_memory(len(chunks) * g.chunk_nbytes + g.index_nbytes, key, obj, "the shard's needed chunks")
         futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, nbytes)]
         for c in chunks:
             o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
@@ -311,6 +314,7 @@ class Checkpoint:
                 data = direct.get(c)
                 if data is None:
                     if scratch is None:
+                        _require_memory(n - 4, key, obj, "one chunk")
                         scratch = np.empty(n - 4, np.uint8)
                     data = scratch
                 tr = time.perf_counter()
@@ -493,33 +497,106 @@ class Checkpoint:
         """
         total = self.manifest.nbytes
         done = 0
+
+        def report(nbytes: int) -> None:
+            nonlocal done
+            done += nbytes
+            if progress:
+                progress(done, total)
+
         for key in self.keys():
             t = self.manifest.tensors[key]
             starts = self._starts(t)
-            S = len(t.shards)
-            step = max(1, self.max_inflight_bytes // max(1, int(t.shards.nbytes.max()) if S else 1))
-            for lo in range(0, S, step):
-                idx = list(range(lo, min(S, lo + step)))
-                reads = []
-                for s in idx:  # each object read up to its recorded size, its length checked apart
-                    obj, n = t.object_key(s), int(t.shards.nbytes[s])
-                    probe = self.storage.start_size_check(obj, n, tensor=key)
-                    reads.append((s, obj, n, probe, self.storage.read_range_future(obj, 0, n)))
-                for s, obj, n, probe, f in reads:
-                    Storage.finish_size_check(probe, obj, n, tensor=key)
-                    buf = Storage.range_result(f, obj, 0, n, tensor=key)
-                    self._check_whole(t, s, obj, buf, range(int(starts[s]), int(starts[s + 1])))
-                    nbytes = len(buf)
-                    done += nbytes
-                    self.stats.bytes_read += nbytes
-                    if progress:
-                        progress(done, total)
+            reads: list[tuple[int, str, int, Any, Any]] = []
+            held = 0
+            for s in range(len(t.shards)):
+                obj, n = t.object_key(s), int(t.shards.nbytes[s])
+                if n > self.max_inflight_bytes:  # a shard larger than the window: its index, then its chunks
+                    report(self._verify_in_parts(t, s))
+                    continue
+                if reads and held + n > self.max_inflight_bytes:
+                    report(self._verify_whole(t, reads, starts))
+                    reads, held = [], 0
+                # Each object read up to its recorded size, its length checked apart.
+                probe = self.storage.start_size_check(obj, n, tensor=key)
+                reads.append((s, obj, n, probe, self.storage.read_range_future(obj, 0, n)))
+                held += n
+            report(self._verify_whole(t, reads, starts))
         for name, e in sorted(self.manifest.state.items()):
             self._state_object(name)
             done += e.nbytes
             if progress:
                 progress(done, total)
         return done
+
+
+    def _verify_whole(self, t: TensorEntry, reads: list[tuple[int, str, int, Any, Any]], starts: np.ndarray) -> int:
+        for s, obj, n, probe, f in reads:
+            Storage.finish_size_check(probe, obj, n, tensor=t.key)
+            buf = Storage.range_result(f, obj, 0, n, tensor=t.key)
+            self._check_whole(t, s, obj, buf, range(int(starts[s]), int(starts[s + 1])))
+            self.stats.bytes_read += len(buf)
+        return sum(r[2] for r in reads)
+
+    def _verify_in_parts(self, t: TensorEntry, s: int) -> int:
+        """Verify one shard larger than the read window: its index, then its chunks, a window at a
+        time, so that verify never holds more than the window (or one chunk) of it."""
+        g, obj, n = t.geometry, t.object_key(s), int(t.shards.nbytes[s])
+        _require_memory(max(g.chunk_nbytes, g.index_nbytes), t.key, obj, "one chunk or index")
+        probe = self.storage.start_size_check(obj, n, tensor=t.key)
+        index = self.storage.read_range_future(obj, n - g.index_nbytes, n)
+        Storage.finish_size_check(probe, obj, n, tensor=t.key)
+        self._check_index(t, s, obj, memoryview(Storage.range_result(index, obj, n - g.index_nbytes, n, tensor=t.key)))
+        c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
+        per = max(1, self.max_inflight_bytes // g.chunk_nbytes)
+        for lo in range(c0, c1, per):
+            futs = [(c, int(t.chunks.offset[c])) for c in range(lo, min(c1, lo + per))]
+            futs = [(c, o, self.storage.read_range_future(obj, o, o + g.chunk_nbytes)) for c, o in futs]
+            for c, o, f in futs:
+                self._check_chunk(t, c, obj, memoryview(Storage.range_result(f, obj, o, o + g.chunk_nbytes, tensor=t.key)))
+        self.stats.bytes_read += g.index_nbytes + (c1 - c0) * g.chunk_nbytes
+        return n
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_fits(ckpt: "Checkpoint", requests: Sequence[tuple[str, Box]]) -> None:
+    """AllocationError, before anything is allocated, when the outputs of one read would exceed this
+    host's physical memory: a manifest may declare any size up to 2^62 bytes (FORMAT.md 9, step 3)."""
+    ram = _physical_memory()
+    if ram is None:
+        return
+    total, largest = 0, (0, "")
+    for key, box in requests:
+        t = ckpt.tensor(key)
+        n = math.prod(box.shape) * numpy_dtype(t.dtype).itemsize
+        total += n
+        largest = max(largest, (n, key))
+    if total > ram:
+        raise AllocationError("the read's outputs are larger than this host's memory", key=largest[1],
+                              object=f"step {ckpt.step}", expected=f"<= {ram} bytes (physical memory)",
+                              found=f"{total} bytes ({largest[1]!r}: {largest[0]} bytes)")
+
+
+def _require_memory(nbytes: int, key: str, obj: str, what: str) -> None:
+    """AllocationError when ``nbytes`` (a buffer a read needs at once) exceed this host's memory."""
+    ram = _physical_memory()
+    if ram is not None and nbytes > ram:
+        raise AllocationError(f"a read needs {what} at once, more than this host's memory", key=key, object=obj,
+                              expected=f"<= {ram} bytes (physical memory)", found=f"{nbytes} bytes")
+
+
+def _allocate(key: str, box: Box, dtype: np.dtype) -> np.ndarray:
+    try:
+        return _aligned_empty(box.shape, dtype)
+    except (MemoryError, ValueError, OverflowError) as e:  # ValueError: a shape numpy cannot hold
+        raise AllocationError("cannot allocate the read's output", key=key, expected=f"{box.shape} {dtype}",
+                              found=f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:

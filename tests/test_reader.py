@@ -16,7 +16,7 @@ import pytest
 
 import ckptfmt
 from ckptfmt import Box, LocalShard, Repository, SaveOptions
-from ckptfmt.errors import ChecksumMismatchError, InvalidDataError, InvalidManifestError, SizeMismatchError, StorageError
+from ckptfmt.errors import AllocationError, ChecksumMismatchError, InvalidDataError, InvalidManifestError, SizeMismatchError, StorageError
 from ckptfmt.reader import Checkpoint
 
 X = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
@@ -346,3 +346,113 @@ def test_a_bool_byte_other_than_0_or_1_is_rejected(tmp_path, read, monkeypatch):
     if read != "verify":
         got = fn()
         assert 2 in np.frombuffer(np.ascontiguousarray(got).tobytes(), np.uint8)
+
+
+# ------------------------------------------------------------------ outputs that cannot be allocated (item 13)
+
+
+def _declare(url: str, elements: int) -> None:
+    """Rewrite the manifest so that tensor "v" (one shard of one chunk, float64) declares ``elements``."""
+    def edit(doc):
+        t = doc["tensors"]["v"]
+        t["shape"] = t["array"]["shard_shape"] = t["array"]["chunk_shape"] = [elements]
+        t["shards"]["nbytes"] = [elements * 8 + 4 + 20]
+        t["chunks"]["nbytes"] = [elements * 8 + 4]
+
+    _edit_manifest(url, edit)
+
+
+def _grow_as_declared(url: str) -> None:
+    """Make shard 0 of "v" as long as the manifest says (sparse), with a valid index at its end."""
+    from ckptfmt.checksum import crc32c
+
+    t = Repository(url).manifest(1).tensors["v"]
+    n, cn = int(t.shards.nbytes[0]), int(t.chunks.nbytes[0])
+    entries = (0).to_bytes(8, "little") + cn.to_bytes(8, "little")
+    crc = crc32c(entries)
+    with open(os.path.join(url, t.object_key(0)), "r+b") as f:
+        f.truncate(n)
+        f.seek(n - 20)
+        f.write(entries + crc.to_bytes(4, "little"))
+    _edit_manifest(url, lambda doc: doc["tensors"]["v"]["shards"]["index_crc32c"].__setitem__(0, crc))
+
+
+def _one_vector(url: str) -> np.ndarray:
+    v = np.arange(8, dtype=np.float64)
+    ckptfmt.save(url, 1, [LocalShard("v", v.shape, v.dtype, Box((0,), (8,)), v)])
+    return v
+
+
+def test_a_declared_tensor_larger_than_memory_is_refused_before_allocating(tmp_path):
+    """Issue 12: a manifest declaring a 256 GiB tensor made the reader allocate it first (an untyped
+    MemoryError). What a read needs at once (its outputs, a chunk) is checked against the host's
+    memory before it is allocated, and the error names the tensor."""
+    url = str(tmp_path / "r")
+    v = _one_vector(url)
+    assert np.array_equal(Repository(url).open(1).read("v"), v)  # the control
+    _declare(url, 1 << 35)  # 2^35 float64 = 256 GiB, one shard of one chunk
+    _grow_as_declared(url)  # a sparse object as long as declared, with a valid index
+    ck = Repository(url).open(1)
+    for fn in (lambda: ck.read("v"), lambda: ck.verify()):
+        with pytest.raises(AllocationError) as info:
+            fn()
+        assert info.value.key == "v"
+    # Only what a read needs at once counts: one element allocates 8 bytes for the output, but its
+    # chunk (the whole 256 GiB) must be read and checked whole.
+    with pytest.raises(AllocationError, match="one chunk"):
+        ck.read("v", Box((0,), (1,)))
+
+
+_ALLOC_CHILD = r"""
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+from test_reader import _declare, _one_vector
+from ckptfmt import Box, Repository
+url = sys.argv[2]
+_one_vector(url)
+_declare(url, 1 << 28)  # 2 GiB: below this host's memory, above the address-space limit set here
+ck = Repository(url).open(1)
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (768 << 20), resource.RLIM_INFINITY))
+out = {}
+for name, box in (("whole", None), ("one element", Box((0,), (1,)))):
+    try:
+        ck.read("v", box)
+        out[name] = "no error"
+    except Exception as e:
+        out[name] = [type(e).__name__, getattr(e, "key", None)]
+print(json.dumps(out))
+"""
+
+
+def test_an_allocation_that_fails_is_a_typed_error_naming_the_tensor(tmp_path):
+    """Below the host's memory an allocation can still fail (an address-space limit, a busy host):
+    that failure is an AllocationError naming the tensor, not a MemoryError. The control: a small
+    read under the same limit gets past allocation (to the object's real size)."""
+    out = subprocess.run([sys.executable, "-c", _ALLOC_CHILD, str(Path(__file__).parent), str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"whole": ["AllocationError", "v"], "one element": ["SizeMismatchError", "v"]}, got
+
+
+@pytest.mark.parametrize("where", ["positional", "tensorstore"])
+def test_verify_of_shards_larger_than_the_window_checks_every_byte(tmp_path, where):
+    """verify reads a shard larger than its window as its index and then its chunks (never the whole
+    object at once), and still finds every fault."""
+    url = str(tmp_path / "repo")
+    _save(url)
+    repo = Repository(url, options={"positional_reads": where != "tensorstore", "read_window_bytes": 2048})
+    assert repo.verify(1) > 0  # the control
+    t = repo.manifest(1).tensors["x"]
+    path = Path(url, t.object_key(1))
+    clean = path.read_bytes()
+    for damage, err in [(lambda b: b[:1500] + bytes([b[1500] ^ 1]) + b[1501:], ChecksumMismatchError),
+                        (lambda b: b + b"\0", SizeMismatchError), (lambda b: b[:-1], SizeMismatchError)]:
+        path.write_bytes(damage(clean))
+        with pytest.raises(err):
+            repo.verify(1)
+    path.write_bytes(clean)
+    _swap_index_entries(url)
+    with pytest.raises(ChecksumMismatchError, match="chunk table"):
+        repo.verify(1)

@@ -185,6 +185,14 @@ def _manifest_over_cap(s: Scene) -> str:
     return f"{s.rel(p)} grown to {cap + 1} bytes (cap + 1, sparse)"
 
 
+def _metadata_too_deep(s: Scene) -> str:
+    deep: list[Any] = []
+    for _ in range(100):
+        deep = [deep]
+    s.edit_manifest(2, lambda d: d["metadata"].update(deep=deep))
+    return "manifest metadata nested to level 103 (the manifest's top-level object is level 1; the cap is 64)"
+
+
 def _key_dotdot(s: Scene) -> str:
     outside = s.root.parent / "outside"
     shutil.copytree(s.root / s.manifest_doc(2)["tensors"][TARGET_TENSOR]["array"]["path"], outside)
@@ -359,6 +367,7 @@ CATALOGUE: list[Fault] = [
     Fault("manifest-future-version", "manifests/<step 2>.json", "disk", (E.UnsupportedVersionError,),
           _manifest_future),
     Fault("manifest-over-cap", "manifests/<step 2>.json", "disk", (E.ManifestTooLargeError,), _manifest_over_cap),
+    Fault("manifest-too-deep", "manifest metadata", "disk", (E.InvalidManifestError,), _metadata_too_deep),
     Fault("manifest-key-dotdot", "manifest array.path", "disk", (E.InvalidManifestError,), _key_dotdot),
     Fault("manifest-key-absolute", "manifest state key", "disk", (E.InvalidManifestError,), _key_absolute),
     Fault("manifest-key-scheme", "manifest array.path", "disk", (E.InvalidManifestError,), _key_scheme),
