@@ -5,6 +5,7 @@ byte of a checkpoint. Tables are columnar (numpy arrays) so 10^5..10^6 shards st
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -20,7 +21,7 @@ import numpy as np
 from .dtypes import DTYPES, itemsize_of
 from .errors import (CheckpointError, DuplicateShardError, InvalidManifestError, ManifestTooLargeError,
                      UnsupportedVersionError)
-from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
+from ._manifest_fast import Fallback, check_encodable, count_literals, count_structural, encode_tensors, tensors_fast
 from .plan import TensorGeometry, chunk_count_table
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec", "ShardTable", "ChunkTable",
@@ -37,6 +38,11 @@ MAX_OBJECT_KEY_LEN = 1024
 MAX_STEP = (1 << 63) - 1
 #: Nesting of arrays and objects in a manifest: the top-level object is level 1 (FORMAT.md 5.10).
 MAX_NESTING = 64
+#: Count caps (FORMAT.md 5.10): what parsing builds stays within a small multiple of the size cap.
+MAX_STRUCTURAL_BYTES = 1 << 25  # "{", "[" and "," in the text: one per JSON value but the root
+MAX_TENSORS = 1 << 20
+MAX_SHARD_ROWS = 1 << 23
+MAX_CHUNK_ROWS = 1 << 24
 SAVE_ID_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,127}$")
 KNOWN_EXTENSIONS: frozenset[str] = frozenset()
 _U32 = 1 << 32
@@ -274,8 +280,14 @@ def parse_manifest(data: bytes, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manif
         _fail("manifest must be bytes", found=type(data).__name__)
     if len(data) > max_bytes:
         raise ManifestTooLargeError("manifest exceeds the size cap", expected=f"<= {max_bytes} bytes", found=len(data))
+    data = bytes(data)
+    caps = CountCaps.for_size_cap(max_bytes)
+    structural = count_structural(data)
+    if structural > caps.structural:  # before json.loads builds anything
+        raise ManifestTooLargeError("manifest holds too many JSON values", found=structural,
+                                    expected=f"<= {caps.structural} structural bytes ({{ [ ,)")
     with _no_gc():
-        return _parse(data)
+        return _parse(data, caps.after_counting(structural))
 
 
 @contextmanager
@@ -290,7 +302,29 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _parse(data: bytes) -> Manifest:
+@dataclass(frozen=True)
+class CountCaps:
+    """The count caps of FORMAT.md 5.10. A reader with a lower size cap lowers them in proportion."""
+
+    structural: int = MAX_STRUCTURAL_BYTES
+    tensors: int = MAX_TENSORS
+    shard_rows: int = MAX_SHARD_ROWS
+    chunk_rows: int = MAX_CHUNK_ROWS
+    count_rows: bool = True  # False: the document's structural bytes already bound every column below the row caps
+
+    @classmethod
+    def for_size_cap(cls, max_bytes: int) -> "CountCaps":
+        if max_bytes >= MAX_MANIFEST_BYTES:
+            return cls()
+        return cls(*(cap * max(0, max_bytes) // MAX_MANIFEST_BYTES for cap in
+                     (MAX_STRUCTURAL_BYTES, MAX_TENSORS, MAX_SHARD_ROWS, MAX_CHUNK_ROWS)))
+
+    def after_counting(self, structural: int) -> "CountCaps":
+        # Every array element follows a "[" or a ",": no column can be longer than the structural count.
+        return dataclasses.replace(self, count_rows=structural > min(self.shard_rows, self.chunk_rows))
+
+
+def _parse(data: bytes, caps: CountCaps) -> Manifest:
     floats = [0]
 
     def _float(text: str) -> float:
@@ -313,7 +347,7 @@ def _parse(data: bytes) -> Manifest:
         check_encodable(doc)
     # Every float literal is counted above; every boolean literal is a "true" or "false" in the text.
     try:
-        return _from_doc(doc, literals=(floats[0], data.count(b"true") + data.count(b"false")))
+        return _from_doc(doc, literals=(floats[0], data.count(b"true") + data.count(b"false")), caps=caps)
     except (InvalidManifestError, UnsupportedVersionError):
         raise
     except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError, RecursionError) as e:
@@ -359,7 +393,7 @@ def _members(d: dict[str, Any], allowed: set[str], what: str, key: str | None = 
         _fail(f"unknown member(s) in {what}", key=key, expected=sorted(allowed), found=sorted(extra)[:10])
 
 
-def _from_doc(doc: Any, literals: tuple[int, int] | None = None) -> Manifest:
+def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps = CountCaps()) -> Manifest:
     """Build and check a manifest from its parsed JSON. ``literals``: the document's float count
     and an upper bound of its boolean count, which lets the fast path skip type checks when
     neither occurs inside a tensor entry's tables."""
@@ -391,12 +425,25 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None) -> Manifest:
     extensions = _typed(doc.get("extensions", {}), dict, "extensions")
     prefix = f"saves/{save_id}/"
     tensors_doc = _typed(doc["tensors"], dict, "tensors")
+    if len(tensors_doc) > caps.tensors:
+        raise ManifestTooLargeError("manifest holds too many tensors", expected=f"<= {caps.tensors}", found=len(tensors_doc))
     # The free-form members are the only ones that can nest deeply (the rest is at most 6 levels).
     check_nesting(metadata, 2, "metadata")
     check_nesting(extensions, 2, "extensions")
     for k, t in tensors_doc.items():
-        if type(t) is dict and type(t.get("sharding")) is dict:
-            check_nesting(t["sharding"], 4, "sharding", key=k)
+        if type(t) is dict and type(sd := t.get("sharding")) is dict:
+            check_nesting(sd, 4, "sharding", key=k)
+    if caps.count_rows:  # else the structural count already keeps every column below the row caps
+        shard_rows = chunk_rows = 0
+        for t in tensors_doc.values():
+            sh, ch = (t.get("shards"), t.get("chunks")) if type(t) is dict else (None, None)
+            if type(sh) is dict and type(sh.get("key")) is list:
+                shard_rows += len(sh["key"])
+            if type(ch) is dict and type(ch.get("offset")) is list:
+                chunk_rows += len(ch["offset"])
+        for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
+            if rows > cap:  # before any table is built
+                raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)
     clean = False
     if literals is not None:
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])

@@ -139,3 +139,31 @@ def test_nesting_deeper_than_64_levels_is_rejected(good, where):
     for levels in (65, 900, 5000):  # 5,000: past Python's own parser, which must not leak RecursionError
         with pytest.raises(InvalidManifestError):
             parse_manifest(put(levels))
+
+
+@pytest.mark.parametrize("what", ["tensors", "shard rows", "chunk rows"])
+def test_count_caps_are_checked_before_entries_are_built(good, what):
+    """FORMAT.md 5.10, at a 1 MiB size cap (every count cap scaled by 1/256: 4,096 tensors, 32,768
+    shard rows, 65,536 chunk rows). One over the cap is ManifestTooLargeError before any tensor
+    entry is checked; the control, exactly at the cap, passes the count and fails on the entries."""
+    from ckptfmt.manifest import CountCaps
+
+    caps = CountCaps.for_size_cap(1 << 20)
+    assert (caps.tensors, caps.shard_rows, caps.chunk_rows) == (4096, 32768, 65536)
+
+    def doc(n):
+        d = copy.deepcopy(good)
+        if what == "tensors":
+            d["tensors"] = {f"k{i}": 0 for i in range(n)}  # not even entries: the count comes first
+        elif what == "shard rows":
+            W(d)["shards"]["key"] = ["c/0/0"] * (n - 1)  # "s" has 1 shard, "w" these
+        else:
+            W(d)["chunks"]["offset"] = [0] * (n - 1)  # "s" has 1 chunk
+        return enc(d)
+
+    n = {"tensors": caps.tensors, "shard rows": caps.shard_rows, "chunk rows": caps.chunk_rows}[what]
+    with pytest.raises(InvalidManifestError) as at_cap:
+        parse_manifest(doc(n), max_bytes=1 << 20)
+    assert not isinstance(at_cap.value, ManifestTooLargeError)
+    with pytest.raises(ManifestTooLargeError, match=f"too many {what.split()[0]}"):
+        parse_manifest(doc(n + 1), max_bytes=1 << 20)

@@ -207,7 +207,7 @@ def test_raw_unpackb_raises_other_types_but_decode_state_does_not(data: bytes) -
     (ndarray_ext("float32", [2, 3], b"\0" * 20), "needs 24 bytes, found 20"),
     (ndarray_ext("float32", [-1], b""), "non-negative"),
     (ndarray_ext("float32", [2**62, 2**62, 0], b""), "too large"),
-    (ndarray_ext("float32", [1] * 40, b"\0" * 4), "at most 32"),
+    (ndarray_ext("float32", [1] * 40, b"\0" * 4), "max_array_len\\(32\\)"),  # refused before the list is built
     (ndarray_ext("object", [1], b"\0" * 8), "'object' is not allowed"),
     (ndarray_ext("O", [1], b"\0" * 8), "'O' is not allowed"),
     (ndarray_ext("<f4", [1], b"\0" * 4), "is not allowed"),
@@ -285,3 +285,66 @@ def test_values_with_a_second_encoding_are_rejected(data: bytes, control: bytes,
     decode_state(control)  # the control: the one encoding the format allows decodes
     with pytest.raises(InvalidStateError, match=match):
         decode_state(data)
+
+
+# ------------------------------------------------------------------ the element cap (FORMAT.md 7.1)
+
+from ckptfmt.state import MAX_ELEMENTS, _count_elements  # noqa: E402
+
+
+def _nils(n: int) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + b"\xc0" * n  # an array of n nils: n + 1 elements
+
+
+def test_state_of_more_elements_than_the_cap_is_refused_before_decoding() -> None:
+    cap = 1000  # the rule at a small cap; the real one (2^22) below, on a header alone
+    assert decode_state(_nils(cap - 1), max_elements=cap) == [None] * (cap - 1)  # the control: exactly the cap
+    assert len(msgpack.unpackb(_nils(cap))) == cap  # broken control: plain msgpack builds whatever it is given
+    nested = msgpack.packb([[None] * 9] * 100)  # 1 + 100 * 10 = 1001 elements
+    assert len(decode_state(nested, max_elements=cap + 1)) == 100
+    for data in (_nils(cap), nested):
+        with pytest.raises(InvalidStateError, match="msgpack elements"):
+            decode_state(data, max_elements=cap)
+    # Issue 12: 64 MiB of empty arrays decoded into 4.9 GB. Refused from the first header.
+    n = (64 << 20) - 5
+    with pytest.raises(InvalidStateError, match=f"more than {MAX_ELEMENTS} msgpack elements"):
+        decode_state(b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n)
+
+
+def test_encode_refuses_state_with_more_elements_than_a_reader_accepts() -> None:
+    cap = 1000
+    assert decode_state(encode_state([None] * (cap - 1), max_elements=cap), max_elements=cap)  # the control
+    with pytest.raises(InvalidStateError, match="one numpy array"):
+        encode_state([None] * cap, max_elements=cap)
+    assert decode_state(encode_state({"ids": np.arange(2 * cap)}, max_elements=cap), max_elements=cap)["ids"].size == 2 * cap
+
+
+def _elements(obj: Any) -> int:
+    """The slow twin: elements of a decoded tree (an ndarray or numpy scalar is one ext)."""
+    if isinstance(obj, list):
+        return 1 + sum(_elements(v) for v in obj)
+    if isinstance(obj, dict):
+        return 1 + sum(1 + _elements(v) for v in obj.values())
+    return 1
+
+
+_SIZES = st.sampled_from([0, 1, 31, 32, 255, 256, 65535, 65536])  # every width of str, bin and ext headers
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+                    | st.floats(allow_nan=False) | _SIZES.map(lambda n: "a" * n) | _SIZES.map(bytes)
+                    | _SIZES.map(lambda n: np.zeros(n // 2, np.int16)) | st.builds(np.float32, st.floats(width=32)),
+                    lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=5), inner, max_size=20),
+                    max_leaves=40))
+@settings(max_examples=150, deadline=None)
+def test_the_header_count_equals_the_decoded_count(obj: Any) -> None:
+    """The counter that runs before decoding agrees with counting the decoded tree (every header
+    width: fixstr to str32, bin8 to bin32, fixext to ext32, fixarray to array16, fixmap to map16)."""
+    data = encode_state(obj)
+    assert _count_elements(data, 1 << 40) == _elements(decode_state(data))
+
+
+def test_the_header_count_of_32_bit_containers() -> None:
+    for obj in ([None] * 70000, {str(i): None for i in range(70000)}):
+        data = encode_state(obj)
+        assert data[0] in (0xDD, 0xDF) and _count_elements(data, 1 << 40) == _elements(obj)

@@ -6,6 +6,7 @@ break a new save (step 3) while it runs. Either way the prior step must stay int
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -193,6 +194,18 @@ def _metadata_too_deep(s: Scene) -> str:
     return "manifest metadata nested to level 103 (the manifest's top-level object is level 1; the cap is 64)"
 
 
+def _manifest_value_flood(s: Scene) -> str:
+    from ckptfmt.manifest import MAX_MANIFEST_BYTES, MAX_STRUCTURAL_BYTES
+
+    cap = s.max_manifest_bytes or MAX_MANIFEST_BYTES
+    n = MAX_STRUCTURAL_BYTES * min(cap, MAX_MANIFEST_BYTES) // MAX_MANIFEST_BYTES  # empty arrays: one value each
+    doc = s.manifest_doc(2)
+    doc["metadata"]["flood"] = "@"
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    s.manifest_path(2).write_bytes(text.replace(b'"@"', b"[" + b"[]," * n + b"[]]") + b"\n")
+    return f"manifest metadata holds {n + 1:,} empty arrays ({3 * n + 3:,} bytes, within the size cap; cost ~75 B each decoded)"
+
+
 def _key_dotdot(s: Scene) -> str:
     outside = s.root.parent / "outside"
     shutil.copytree(s.root / s.manifest_doc(2)["tensors"][TARGET_TENSOR]["array"]["path"], outside)
@@ -254,6 +267,14 @@ def _state_duplicate_key(s: Scene) -> str:
     # {"step": 2, "step": 7}: plain msgpack keeps the last value.
     where = s.replace_state(2, b"\x82\xa4step\x02\xa4step\x07")
     return f"{where}: a map holding the key 'step' twice (manifest size/crc updated)"
+
+
+def _state_element_flood(s: Scene) -> str:
+    from ckptfmt.state import MAX_ELEMENTS
+
+    n = MAX_ELEMENTS  # with the array itself, one element over the cap; 1 byte each, ~64 bytes decoded
+    where = s.replace_state(2, b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n)
+    return f"{where}: an array of {n:,} empty arrays ({n + 5:,} bytes, within the state cap; manifest size/crc updated)"
 
 
 def _state_oversized(s: Scene) -> str:
@@ -367,12 +388,14 @@ CATALOGUE: list[Fault] = [
     Fault("manifest-future-version", "manifests/<step 2>.json", "disk", (E.UnsupportedVersionError,),
           _manifest_future),
     Fault("manifest-over-cap", "manifests/<step 2>.json", "disk", (E.ManifestTooLargeError,), _manifest_over_cap),
+    Fault("manifest-value-flood", "manifests/<step 2>.json", "disk", (E.ManifestTooLargeError,), _manifest_value_flood),
     Fault("manifest-too-deep", "manifest metadata", "disk", (E.InvalidManifestError,), _metadata_too_deep),
     Fault("manifest-key-dotdot", "manifest array.path", "disk", (E.InvalidManifestError,), _key_dotdot),
     Fault("manifest-key-absolute", "manifest state key", "disk", (E.InvalidManifestError,), _key_absolute),
     Fault("manifest-key-scheme", "manifest array.path", "disk", (E.InvalidManifestError,), _key_scheme),
     Fault("state-hostile", "global msgpack state", "disk", (E.InvalidStateError,), _state_hostile),
     Fault("state-oversized", "global msgpack state", "disk", (E.InvalidStateError,), _state_oversized),
+    Fault("state-element-flood", "global msgpack state", "disk", (E.InvalidStateError,), _state_element_flood),
     Fault("state-timestamp", "global msgpack state", "disk", (E.InvalidStateError,), _state_timestamp),
     Fault("state-duplicate-key", "global msgpack state", "disk", (E.InvalidStateError,), _state_duplicate_key),
     Fault("writer-sigkill", "save of step 3, rank 1", "save",
