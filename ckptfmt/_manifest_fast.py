@@ -28,7 +28,7 @@ import numpy as np
 from .errors import InvalidManifestError
 from .plan import TensorGeometry
 
-__all__ = ["Fallback", "tensors_fast", "count_literals", "count_structural", "check_encodable", "encode_tensors"]
+__all__ = ["Fallback", "tensors_fast", "count_literals", "check_encodable", "encode_tensors"]
 
 _TENSOR = frozenset({"shape", "dtype", "sharding", "array", "shards", "chunks"})
 _ARRAY = frozenset({"path", "shard_shape", "chunk_shape", "codec"})
@@ -226,18 +226,6 @@ def count_literals(obj: Any) -> tuple[int, int]:
         elif tv is list:
             stack.extend(v)
     return floats, bools
-
-
-def count_structural(data: bytes) -> int:
-    """The manifest's structural bytes (FORMAT.md 5.10): how many of its bytes are "{", "[" or ",".
-    Every JSON value but the top-level object follows one, so this bounds what parsing builds; it
-    is counted before parsing, in numpy blocks (about 3x faster than bytes.count, no full copy)."""
-    a = np.frombuffer(data, np.uint8)
-    n = 0
-    for i in range(0, len(a), 1 << 22):
-        block = a[i:i + (1 << 22)]
-        n += int(np.count_nonzero(block == 0x7B)) + int(np.count_nonzero(block == 0x5B)) + int(np.count_nonzero(block == 0x2C))
-    return n
 
 
 def _dump(v: Any) -> str:

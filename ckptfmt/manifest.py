@@ -5,7 +5,6 @@ byte of a checkpoint. Tables are columnar (numpy arrays) so 10^5..10^6 shards st
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import json
@@ -21,28 +20,28 @@ import numpy as np
 from .dtypes import DTYPES, itemsize_of
 from .errors import (CheckpointError, DuplicateShardError, InvalidManifestError, ManifestTooLargeError,
                      UnsupportedVersionError)
-from ._manifest_fast import Fallback, check_encodable, count_literals, count_structural, encode_tensors, tensors_fast
+from ._manifest_caps import MAX_CHUNK_ROWS as MAX_CHUNK_ROWS
+from ._manifest_caps import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
+from ._manifest_caps import MAX_NESTING as MAX_NESTING
+from ._manifest_caps import MAX_SHARD_ROWS as MAX_SHARD_ROWS
+from ._manifest_caps import MAX_STRUCTURAL_BYTES as MAX_STRUCTURAL_BYTES
+from ._manifest_caps import MAX_TENSORS as MAX_TENSORS
+from ._manifest_caps import CountCaps, check_nesting, count_structural
+from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
 from .plan import TensorGeometry, chunk_count_table
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec", "ShardTable", "ChunkTable",
-           "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key", "manifest_key"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
+           "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key",
+           "manifest_key"]
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
-MAX_MANIFEST_BYTES = 256 << 20
 MAX_NDIM = 64
 MAX_DIM = 1 << 62
 MAX_TENSOR_BYTES = 1 << 62
 MAX_KEY_LEN = 4096
 MAX_OBJECT_KEY_LEN = 1024
 MAX_STEP = (1 << 63) - 1
-#: Nesting of arrays and objects in a manifest: the top-level object is level 1 (FORMAT.md 5.10).
-MAX_NESTING = 64
-#: Count caps (FORMAT.md 5.10): what parsing builds stays within a small multiple of the size cap.
-MAX_STRUCTURAL_BYTES = 1 << 25  # "{", "[" and "," in the text: one per JSON value but the root
-MAX_TENSORS = 1 << 20
-MAX_SHARD_ROWS = 1 << 23
-MAX_CHUNK_ROWS = 1 << 24
 SAVE_ID_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,127}$")
 KNOWN_EXTENSIONS: frozenset[str] = frozenset()
 _U32 = 1 << 32
@@ -302,28 +301,6 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-@dataclass(frozen=True)
-class CountCaps:
-    """The count caps of FORMAT.md 5.10. A reader with a lower size cap lowers them in proportion."""
-
-    structural: int = MAX_STRUCTURAL_BYTES
-    tensors: int = MAX_TENSORS
-    shard_rows: int = MAX_SHARD_ROWS
-    chunk_rows: int = MAX_CHUNK_ROWS
-    count_rows: bool = True  # False: the document's structural bytes already bound every column below the row caps
-
-    @classmethod
-    def for_size_cap(cls, max_bytes: int) -> "CountCaps":
-        if max_bytes >= MAX_MANIFEST_BYTES:
-            return cls()
-        return cls(*(cap * max(0, max_bytes) // MAX_MANIFEST_BYTES for cap in
-                     (MAX_STRUCTURAL_BYTES, MAX_TENSORS, MAX_SHARD_ROWS, MAX_CHUNK_ROWS)))
-
-    def after_counting(self, structural: int) -> "CountCaps":
-        # Every array element follows a "[" or a ",": no column can be longer than the structural count.
-        return dataclasses.replace(self, count_rows=structural > min(self.shard_rows, self.chunk_rows))
-
-
 def _parse(data: bytes, caps: CountCaps) -> Manifest:
     floats = [0]
 
@@ -352,21 +329,6 @@ def _parse(data: bytes, caps: CountCaps) -> Manifest:
         raise
     except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError, RecursionError) as e:
         raise InvalidManifestError("manifest is malformed", found=f"{type(e).__name__}: {str(e)[:200]}") from None
-
-
-def check_nesting(value: Any, level: int, what: str, *, key: str | None = None) -> None:
-    """InvalidManifestError if ``value``, at nesting ``level`` of the manifest (the top-level object
-    is level 1), holds an array or object deeper than level MAX_NESTING. Iterative: no recursion."""
-    stack = [(value, level)]
-    while stack:
-        v, d = stack.pop()
-        if d > MAX_NESTING:
-            _fail(f"{what} nests arrays and objects too deeply", key=key, object=what,
-                  expected=f"<= {MAX_NESTING} levels (the manifest's top-level object is level 1)",
-                  found=f"more than {MAX_NESTING} levels")
-        for c in (v.values() if type(v) is dict else v):
-            if type(c) is dict or type(c) is list:
-                stack.append((c, d + 1))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -3,7 +3,6 @@ every block against the manifest, and hand nothing back until everything is veri
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import time
 from collections import deque
@@ -13,11 +12,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from ._alloc import allocate, check_outputs_fit, require_memory
+from ._blockcheck import BlockChecks
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
-from .errors import (AllocationError, ChecksumMismatchError, InvalidDataError, InvalidStateError, KeyMismatchError,
-                     SizeMismatchError, TopologyChangedError)
+from .errors import ChecksumMismatchError, InvalidStateError, KeyMismatchError, SizeMismatchError, TopologyChangedError
 from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
 from .storage import Storage
@@ -28,16 +28,10 @@ __all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW"]
 DEFAULT_READ_WINDOW = 256 << 20
 #: Local-file reader threads: enough positional reads in flight to keep a virtual disk's queue full.
 DEFAULT_READ_THREADS = 32
-#: Outputs at least this large get their own anonymous mapping (see _aligned_empty). numpy
-#: advises huge pages from 4 MiB up; smaller arrays stay with its allocator (and no process
-#: comes near the kernel's mapping limit, 65,530 by default, from its restore outputs).
-_MMAP_MIN_BYTES = 4 << 20
 #: Most buffers one preadv call takes (Linux IOV_MAX).
 _IOV_MAX = 1024
 #: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
 MAX_STATE_BYTES = 64 << 20
-#: An index entry of an inner chunk that is not stored: offset and nbytes both 2^64-1.
-_NOT_STORED = np.uint64(2**64 - 1)
 
 Progress = Callable[[int, int], None]
 
@@ -56,7 +50,7 @@ class ReadStats:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
 
-class Checkpoint:
+class Checkpoint(BlockChecks):
     """One committed step, opened for reading. Create it with :meth:`Repository.open`."""
 
     def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = DEFAULT_READ_WINDOW,
@@ -179,13 +173,14 @@ class Checkpoint:
             by_key.setdefault(key, []).append(i)
         outs: list[np.ndarray | None] = [None] * len(requests)
         work: dict[tuple[str, int], list[ReadItem]] = {}
-        _check_fits(self, requests)
+        check_outputs_fit([(k, math.prod(b.shape) * numpy_dtype(self.tensor(k).dtype).itemsize) for k, b in requests],
+                          f"step {self.step}")
         for key, idxs in by_key.items():
             t = self.tensor(key)
             dt = numpy_dtype(t.dtype)
             boxes = [requests[i][1] for i in idxs]
             for i, b in zip(idxs, boxes):
-                outs[i] = _allocate(key, b, dt)
+                outs[i] = allocate(key, b, dt)
             for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
                 work.setdefault((key, item.shard), []).append(
                     ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))
@@ -211,10 +206,10 @@ class Checkpoint:
         probe = self.storage.start_size_check(obj, nbytes, tensor=key)
         self.stats.requests += probe is not None
         if len(chunks) == int(starts[s + 1] - starts[s]):
-            _require_memory(nbytes, key, obj, "the whole shard")
+            require_memory(nbytes, key, obj, "the whole shard")
             self.stats.requests += 1
             return (key, s, items, obj, True, [self.storage.read_range_future(obj, 0, nbytes)], probe, nbytes)
-        _require_memory(len(chunks) * g.chunk_nbytes + g.index_nbytes, key, obj, "the shard's needed chunks")
+        require_memory(len(chunks) * g.chunk_nbytes + g.index_nbytes, key, obj, "the shard's needed chunks")
         futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, nbytes)]
         for c in chunks:
             o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
@@ -314,7 +309,7 @@ class Checkpoint:
                 data = direct.get(c)
                 if data is None:
                     if scratch is None:
-                        _require_memory(n - 4, key, obj, "one chunk")
+                        require_memory(n - 4, key, obj, "one chunk")
                         scratch = np.empty(n - 4, np.uint8)
                     data = scratch
                 tr = time.perf_counter()
@@ -367,81 +362,6 @@ class Checkpoint:
             self._check_chunk(t, c0 + i, obj, direct[c0 + i], tv_[4 * i:4 * i + 4])
         phases["verify"] += time.perf_counter() - tv
         return int(t.shards.nbytes[s]), 1, phases
-
-    def _check_whole(self, t: TensorEntry, s: int, obj: str, buf: bytes, chunks: Sequence[int]) -> dict[int, memoryview]:
-        """Check a whole shard object (exact size, index, the given chunks) against the manifest;
-        returns a view of each checked chunk's stored bytes."""
-        nbytes = int(t.shards.nbytes[s])
-        if len(buf) != nbytes:
-            raise SizeMismatchError("shard object size differs from the manifest", key=t.key, object=obj,
-                                    expected=nbytes, found=len(buf))
-        mv = memoryview(buf)
-        self._check_index(t, s, obj, mv[nbytes - t.geometry.index_nbytes:])
-        out = {}
-        for c in chunks:
-            o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-            out[c] = mv[o:o + n]
-            self._check_chunk(t, c, obj, out[c])
-        return out
-
-    @staticmethod
-    def _check_index(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
-        want = int(t.shards.index_crc32c[s])
-        got = crc32c(index[:-4])
-        stored = int.from_bytes(index[-4:], "little")
-        if got != want or stored != want:
-            raise ChecksumMismatchError("shard index checksum differs from the manifest (corrupt or stale)",
-                                        key=t.key, object=obj, expected=want, found=got if got != want else stored)
-        Checkpoint._check_entries(t, s, obj, index)
-
-    @staticmethod
-    def _check_entries(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
-        """Every index entry equals the manifest (FORMAT.md 6.4): a stored chunk's entry its chunk-table
-        row, every other entry the not-stored marker. The crc32c values alone do not show that the
-        chunk table describes this index."""
-        g = t.geometry
-        c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
-        if c1 - c0 == math.prod(g.inner):  # every inner chunk stored: the entries are the rows, in order
-            rows = np.empty((c1 - c0, 2), "<u8")
-            rows[:, 0], rows[:, 1] = t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]
-            if index[:-4] == rows.tobytes():
-                return
-        off = t.shards.offset[s]
-        counts = tuple(-(-min(ss, n - int(o)) // c) for ss, n, o, c in zip(g.shard_shape, g.shape, off, g.chunk_shape))
-        want = np.full(g.inner + (2,), _NOT_STORED, np.uint64)
-        want[tuple(slice(0, k) for k in counts)] = np.stack(
-            [t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]], axis=-1).reshape(counts + (2,))
-        got = np.frombuffer(index[:-4], "<u8").reshape(want.shape)
-        if not np.array_equal(got, want):
-            flat = int(np.flatnonzero(np.any((got != want).reshape(-1, 2), axis=1))[0])
-            cell = tuple(int(i) for i in np.unravel_index(flat, g.inner)) if g.inner else ()
-            raise ChecksumMismatchError("shard index entry differs from the manifest's chunk table", key=t.key,
-                                        object=f"{obj} index entry {cell}",
-                                        expected=[int(x) for x in want.reshape(-1, 2)[flat]],
-                                        found=[int(x) for x in got.reshape(-1, 2)[flat]])
-
-    @staticmethod
-    def _check_chunk(t: TensorEntry, c: int, obj: str, mv: Any, trailer: Any = None) -> None:
-        """Check one stored chunk against the manifest: its length, and the crc32c of its data both
-        as recomputed and as stored in its trailer. ``trailer`` given: ``mv`` is the data alone."""
-        want = int(t.chunks.crc32c[c])
-        data, tail = (mv[:-4], mv[-4:]) if trailer is None else (mv, trailer)
-        if len(memoryview(data).cast("B")) + len(tail) != int(t.chunks.nbytes[c]):
-            raise SizeMismatchError("chunk byte range is short", key=t.key, object=obj,
-                                    expected=int(t.chunks.nbytes[c]), found=len(memoryview(data).cast("B")) + len(tail))
-        got = crc32c(data)
-        stored = int.from_bytes(bytes(tail), "little")
-        if got != want or stored != want:
-            raise ChecksumMismatchError("chunk checksum differs from the manifest (corrupt or stale data)",
-                                        key=t.key, object=f"{obj} bytes [{int(t.chunks.offset[c])}, +{int(t.chunks.nbytes[c])})",
-                                        expected=want, found=got if got != want else stored)
-        if t.dtype == "bool":  # FORMAT.md 5.6: 0x00 or 0x01 only; numpy would hand any other byte on as True
-            raw = np.frombuffer(data, np.uint8)
-            if raw.max() > 1:
-                at = int(np.argmax(raw > 1))
-                raise InvalidDataError("bool tensor holds a byte other than 0x00 and 0x01", key=t.key,
-                                       object=f"{obj} byte {int(t.chunks.offset[c]) + at}",
-                                       expected="0x00 or 0x01", found=f"0x{int(raw[at]):02x}")
 
     # ------------------------------------------------------------------ non-tensor state
     def _state_object(self, name: str) -> Any:
@@ -542,7 +462,7 @@ class Checkpoint:
         """Verify one shard larger than the read window: its index, then its chunks, a window at a
         time, so that verify never holds more than the window (or one chunk) of it."""
         g, obj, n = t.geometry, t.object_key(s), int(t.shards.nbytes[s])
-        _require_memory(max(g.chunk_nbytes, g.index_nbytes), t.key, obj, "one chunk or index")
+        require_memory(max(g.chunk_nbytes, g.index_nbytes), t.key, obj, "one chunk or index")
         probe = self.storage.start_size_check(obj, n, tensor=t.key)
         index = self.storage.read_range_future(obj, n - g.index_nbytes, n)
         Storage.finish_size_check(probe, obj, n, tensor=t.key)
@@ -556,65 +476,3 @@ class Checkpoint:
                 self._check_chunk(t, c, obj, memoryview(Storage.range_result(f, obj, o, o + g.chunk_nbytes, tensor=t.key)))
         self.stats.bytes_read += g.index_nbytes + (c1 - c0) * g.chunk_nbytes
         return n
-
-
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _check_fits(ckpt: "Checkpoint", requests: Sequence[tuple[str, Box]]) -> None:
-    """AllocationError, before anything is allocated, when the outputs of one read would exceed this
-    host's physical memory: a manifest may declare any size up to 2^62 bytes (FORMAT.md 9, step 3)."""
-    ram = _physical_memory()
-    if ram is None:
-        return
-    total, largest = 0, (0, "")
-    for key, box in requests:
-        t = ckpt.tensor(key)
-        n = math.prod(box.shape) * numpy_dtype(t.dtype).itemsize
-        total += n
-        largest = max(largest, (n, key))
-    if total > ram:
-        raise AllocationError("the read's outputs are larger than this host's memory", key=largest[1],
-                              object=f"step {ckpt.step}", expected=f"<= {ram} bytes (physical memory)",
-                              found=f"{total} bytes ({largest[1]!r}: {largest[0]} bytes)")
-
-
-def _require_memory(nbytes: int, key: str, obj: str, what: str) -> None:
-    """AllocationError when ``nbytes`` (a buffer a read needs at once) exceed this host's memory."""
-    ram = _physical_memory()
-    if ram is not None and nbytes > ram:
-        raise AllocationError(f"a read needs {what} at once, more than this host's memory", key=key, object=obj,
-                              expected=f"<= {ram} bytes (physical memory)", found=f"{nbytes} bytes")
-
-
-def _allocate(key: str, box: Box, dtype: np.dtype) -> np.ndarray:
-    try:
-        return _aligned_empty(box.shape, dtype)
-    except (MemoryError, ValueError, OverflowError) as e:  # ValueError: a shape numpy cannot hold
-        raise AllocationError("cannot allocate the read's output", key=key, expected=f"{box.shape} {dtype}",
-                              found=f"{type(e).__name__}: {str(e)[:200]}") from None
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialized array whose data starts on an ``align``-byte boundary, so that frameworks
-    (XLA on CPU) can adopt the buffer without copying it.
-
-    Large arrays get their own anonymous mapping (page aligned, returned to the OS when the array
-    goes). numpy advises huge pages for large arrays; with the kernel's usual ``defrag=madvise``
-    the reader threads' page faults into those arrays then compact memory while holding the
-    mapping lock, and allocating the next batch waits on them (0.2-0.6 s per GiB restored here)."""
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if n >= _MMAP_MIN_BYTES:
-        try:
-            # Private, like numpy's own memory: a fork()ed child's writes stay in the child.
-            buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            return np.frombuffer(buf, dtype=dtype).reshape(shape)
-        except OSError:  # out of mappings (vm.max_map_count) or address space: numpy's allocator
-            pass
-    raw = np.empty(n + align, np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start:start + n].view(dtype).reshape(shape)
