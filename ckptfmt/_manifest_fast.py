@@ -9,8 +9,8 @@ order of the grid, chunks back to back from offset 0) are fully determined by it
 they are compared by value with lists derived once from an entry the exact checks accepted. The
 remaining columns (writers and checksums) are checked once, vectorized, over all tensors.
 
-The fast path only ever accepts. A tensor it does not cover (0-d, empty, another layout, an
-unusual object key) goes through the exact per-tensor checks inline; any broken rule anywhere
+The fast path only ever accepts. A tensor it does not cover (another layout, an unusual object
+key) goes through the exact per-tensor checks inline; any broken rule anywhere
 raises :class:`Fallback`, and the caller then reruns the exact per-tensor checks over the whole
 manifest, which raise the precise error (the same one, for the same first tensor, as without
 the fast path). Both paths accept exactly the same manifests (tests/test_manifest_fast.py).
@@ -70,12 +70,15 @@ class _Layout:
 
     @classmethod
     def of(cls, entry: Any) -> "_Layout | None":
-        """The layout of an accepted entry when it is canonical, else None."""
+        """The layout of an accepted entry when it is canonical, else None. 0-d and empty tensors
+        have one too (one shard "c"; no shards), so that a manifest of many of them is as cheap."""
         g = entry.geometry
         n = len(entry.shards)
-        if not g.shape or n == 0:
-            return None
-        offsets = np.indices(g.grid, dtype=np.int64).reshape(len(g.shape), -1).T * np.asarray(g.shard_shape, np.int64)
+        if n:
+            grid = np.indices(g.grid, dtype=np.int64).reshape(len(g.shape), n)
+            offsets = grid.T * np.asarray(g.shard_shape, np.int64)
+        else:  # an empty tensor (np.indices would size its grid by the non-zero dimensions)
+            offsets = np.zeros((0, len(g.shape)), np.int64)
         start = entry.chunk_start
         counts = np.diff(start)
         total = int(start[-1])

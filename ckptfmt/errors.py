@@ -15,6 +15,7 @@ __all__ = [
     "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError",
     "InvalidURLError",
     "NotARepositoryError",
+    "InvalidDataError", "AllocationError",
 ]
 
 
@@ -81,6 +82,15 @@ class SizeMismatchError(CheckpointError):
 
 class ChecksumMismatchError(CheckpointError):
     """Bytes read do not match the crc32c recorded in the manifest (corrupt or stale)."""
+
+
+class InvalidDataError(CheckpointError):
+    """Tensor data passed its checksums but is not a valid encoding of its dtype (a bool byte other
+    than 0x00/0x01)."""
+
+
+class AllocationError(CheckpointError):
+    """A read's outputs cannot be allocated: larger than this host's memory, or the allocation failed."""
 
 
 class DuplicateShardError(InvalidManifestError):

@@ -20,16 +20,22 @@ import numpy as np
 from .dtypes import DTYPES, itemsize_of
 from .errors import (CheckpointError, DuplicateShardError, InvalidManifestError, ManifestTooLargeError,
                      UnsupportedVersionError)
+from ._manifest_caps import MAX_CHUNK_ROWS as MAX_CHUNK_ROWS
+from ._manifest_caps import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
+from ._manifest_caps import MAX_NESTING as MAX_NESTING
+from ._manifest_caps import MAX_SHARD_ROWS as MAX_SHARD_ROWS
+from ._manifest_caps import MAX_STRUCTURAL_BYTES as MAX_STRUCTURAL_BYTES
+from ._manifest_caps import MAX_TENSORS as MAX_TENSORS
+from ._manifest_caps import CountCaps, check_nesting, count_structural
 from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
 from .plan import TensorGeometry, chunk_count_table
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "ArraySpec", "ShardTable", "ChunkTable",
-           "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key", "manifest_key",
-           "step_of_manifest_key", "MARKER_KEY", "MARKER_BYTES"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
+           "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key",
+           "manifest_key", "step_of_manifest_key", "MARKER_KEY", "MARKER_BYTES"]
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
-MAX_MANIFEST_BYTES = 256 << 20
 MAX_NDIM = 64
 MAX_DIM = 1 << 62
 MAX_TENSOR_BYTES = 1 << 62
@@ -218,7 +224,7 @@ class Manifest:
                 before, sep, after = text.rpartition('"tensors":{}')
                 assert sep, "the tensors member is missing from the encoded head"
                 return (before + '"tensors":' + encode_tensors(self.tensors) + after + "\n").encode()
-            except (TypeError, ValueError, UnicodeEncodeError) as e:  # NaN, a lone surrogate, a non-JSON value
+            except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as e:  # NaN, a lone surrogate, a non-JSON value
                 raise InvalidManifestError("manifest cannot be encoded as canonical JSON",
                                            found=f"{type(e).__name__}: {str(e)[:200]}") from None
 
@@ -231,7 +237,7 @@ class Manifest:
                 _from_doc(self.to_json())
             except CheckpointError:
                 raise
-            except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError) as e:
+            except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError, RecursionError) as e:
                 raise InvalidManifestError("manifest is malformed", found=f"{type(e).__name__}: {str(e)[:200]}") from None
         return self
 
@@ -291,8 +297,14 @@ def parse_manifest(data: bytes, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manif
         _fail("manifest must be bytes", found=type(data).__name__)
     if len(data) > max_bytes:
         raise ManifestTooLargeError("manifest exceeds the size cap", expected=f"<= {max_bytes} bytes", found=len(data))
+    data = bytes(data)
+    caps = CountCaps.for_size_cap(max_bytes)
+    structural = count_structural(data)
+    if structural > caps.structural:  # before json.loads builds anything
+        raise ManifestTooLargeError("manifest holds too many JSON values", found=structural,
+                                    expected=f"<= {caps.structural} structural bytes ({{ [ ,)")
     with _no_gc():
-        return _parse(data)
+        return _parse(data, caps.after_counting(structural))
 
 
 @contextmanager
@@ -307,7 +319,7 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _parse(data: bytes) -> Manifest:
+def _parse(data: bytes, caps: CountCaps) -> Manifest:
     floats = [0]
 
     def _float(text: str) -> float:
@@ -330,7 +342,7 @@ def _parse(data: bytes) -> Manifest:
         check_encodable(doc)
     # Every float literal is counted above; every boolean literal is a "true" or "false" in the text.
     try:
-        return _from_doc(doc, literals=(floats[0], data.count(b"true") + data.count(b"false")))
+        return _from_doc(doc, literals=(floats[0], data.count(b"true") + data.count(b"false")), caps=caps)
     except (InvalidManifestError, UnsupportedVersionError):
         raise
     except (TypeError, ValueError, KeyError, OverflowError, AttributeError, IndexError, RecursionError) as e:
@@ -361,7 +373,7 @@ def _members(d: dict[str, Any], allowed: set[str], what: str, key: str | None = 
         _fail(f"unknown member(s) in {what}", key=key, expected=sorted(allowed), found=sorted(extra)[:10])
 
 
-def _from_doc(doc: Any, literals: tuple[int, int] | None = None) -> Manifest:
+def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps = CountCaps()) -> Manifest:
     """Build and check a manifest from its parsed JSON. ``literals``: the document's float count
     and an upper bound of its boolean count, which lets the fast path skip type checks when
     neither occurs inside a tensor entry's tables."""
@@ -393,6 +405,25 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None) -> Manifest:
     extensions = _typed(doc.get("extensions", {}), dict, "extensions")
     prefix = f"saves/{save_id}/"
     tensors_doc = _typed(doc["tensors"], dict, "tensors")
+    if len(tensors_doc) > caps.tensors:
+        raise ManifestTooLargeError("manifest holds too many tensors", expected=f"<= {caps.tensors}", found=len(tensors_doc))
+    # The free-form members are the only ones that can nest deeply (the rest is at most 6 levels).
+    check_nesting(metadata, 2, "metadata")
+    check_nesting(extensions, 2, "extensions")
+    for k, t in tensors_doc.items():
+        if type(t) is dict and type(sd := t.get("sharding")) is dict:
+            check_nesting(sd, 4, "sharding", key=k)
+    if caps.count_rows:  # else the structural count already keeps every column below the row caps
+        shard_rows = chunk_rows = 0
+        for t in tensors_doc.values():
+            sh, ch = (t.get("shards"), t.get("chunks")) if type(t) is dict else (None, None)
+            if type(sh) is dict and type(sh.get("key")) is list:
+                shard_rows += len(sh["key"])
+            if type(ch) is dict and type(ch.get("offset")) is list:
+                chunk_rows += len(ch["offset"])
+        for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
+            if rows > cap:  # before any table is built
+                raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)
     clean = False
     if literals is not None:
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
@@ -458,7 +489,8 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     if dtype not in DTYPES:
         _fail("unknown dtype", key=k, expected=sorted(DTYPES), found=repr(dtype)[:40])
     item = itemsize_of(dtype)
-    if math.prod(shape_t) * item > MAX_TENSOR_BYTES:
+    # max(n, 1): a zero-length dimension must not lift the bound on the others ([0, 2^62, 2^62]).
+    if math.prod(max(n, 1) for n in shape_t) * item > MAX_TENSOR_BYTES:
         _fail("tensor too large (shape x itemsize overflows)", key=k, expected=f"<= {MAX_TENSOR_BYTES} bytes", found=shape_t)
     sharding = t.get("sharding")
     if sharding is not None:
@@ -523,6 +555,16 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
         owner = np.repeat(np.arange(n), counts)
         if np.any(coff > (nbytes[owner] - geom.index_nbytes) - cnb):  # written so that nothing can overflow int64
             _fail("a chunk byte range runs past its shard's data section", key=k)
+        # No two chunks of one shard share a byte: sorted by (shard, offset), neighbours lie a whole
+        # chunk apart (every chunk of a tensor has nbytes = chunk_nbytes).
+        order = np.lexsort((coff, owner))
+        so, sw = coff[order], owner[order]
+        clash = np.flatnonzero((sw[1:] == sw[:-1]) & (so[1:] - so[:-1] < geom.chunk_nbytes))
+        if clash.size:
+            a, b = sorted(int(x) for x in order[clash[0]:clash[0] + 2])
+            _fail("two chunks of one shard share bytes", key=k, object=f"{path}/{keys[int(owner[a])]}",
+                  expected=f"disjoint byte ranges of {geom.chunk_nbytes} bytes",
+                  found=f"chunk rows {a} and {b} at offsets {int(coff[a])} and {int(coff[b])}")
     tables = (offset, writer, nbytes, icrc.astype(np.uint32), coff, cnb, ccrc.astype(np.uint32))
     for a in tables:  # a parsed manifest is immutable, whichever path checked it
         a.flags.writeable = False

@@ -3,7 +3,6 @@ every block against the manifest, and hand nothing back until everything is veri
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import time
 from collections import deque
@@ -13,11 +12,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from ._alloc import allocate, check_outputs_fit, require_memory
+from ._blockcheck import BlockChecks
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
-from .errors import (ChecksumMismatchError, InvalidStateError, KeyMismatchError, MissingShardError, SizeMismatchError,
-                     TopologyChangedError)
+from .errors import ChecksumMismatchError, InvalidStateError, KeyMismatchError, SizeMismatchError, TopologyChangedError
 from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
 from .storage import Storage
@@ -28,10 +28,6 @@ __all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIE
 DEFAULT_READ_WINDOW = 256 << 20
 #: Local-file reader threads: enough positional reads in flight to keep a virtual disk's queue full.
 DEFAULT_READ_THREADS = 32
-#: Outputs at least this large get their own anonymous mapping (see _aligned_empty). numpy
-#: advises huge pages from 4 MiB up; smaller arrays stay with its allocator (and no process
-#: comes near the kernel's mapping limit, 65,530 by default, from its restore outputs).
-_MMAP_MIN_BYTES = 4 << 20
 #: Most buffers one preadv call takes (Linux IOV_MAX).
 _IOV_MAX = 1024
 #: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
@@ -68,7 +64,7 @@ class ReadStats:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
 
-class Checkpoint:
+class Checkpoint(BlockChecks):
     """One committed step, opened for reading. Create it with :meth:`Repository.open`."""
 
     def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = DEFAULT_READ_WINDOW,
@@ -191,12 +187,14 @@ class Checkpoint:
             by_key.setdefault(key, []).append(i)
         outs: list[np.ndarray | None] = [None] * len(requests)
         work: dict[tuple[str, int], list[ReadItem]] = {}
+        check_outputs_fit([(k, math.prod(b.shape) * numpy_dtype(self.tensor(k).dtype).itemsize) for k, b in requests],
+                          f"step {self.step}")
         for key, idxs in by_key.items():
             t = self.tensor(key)
             dt = numpy_dtype(t.dtype)
             boxes = [requests[i][1] for i in idxs]
             for i, b in zip(idxs, boxes):
-                outs[i] = _aligned_empty(b.shape, dt)
+                outs[i] = allocate(key, b, dt)
             for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
                 work.setdefault((key, item.shard), []).append(
                     ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))
@@ -218,24 +216,30 @@ class Checkpoint:
         chunks = sorted({it.chunk for it in items})
         nbytes = int(t.shards.nbytes[s])
         self.stats.objects += 1
+        # Every range ends at or before nbytes; the size is checked apart (stat, or one byte at nbytes).
+        probe = self.storage.start_size_check(obj, nbytes, tensor=key)
+        self.stats.requests += probe is not None
         if len(chunks) == int(starts[s + 1] - starts[s]):
+            require_memory(nbytes, key, obj, "the whole shard")
             self.stats.requests += 1
-            return (key, s, items, obj, True, [self.storage.read_range_future(obj, 0, None)], nbytes)
-        futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, None)]
+            return (key, s, items, obj, True, [self.storage.read_range_future(obj, 0, nbytes)], probe, nbytes)
+        require_memory(len(chunks) * g.chunk_nbytes + g.index_nbytes, key, obj, "the shard's needed chunks")
+        futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, nbytes)]
         for c in chunks:
             o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
             futs.append(self.storage.read_range_future(obj, o, o + n))
         self.stats.requests += len(futs)
-        return (key, s, items, obj, False, futs, len(chunks) * g.chunk_nbytes + g.index_nbytes)
+        return (key, s, items, obj, False, futs, probe, len(chunks) * g.chunk_nbytes + g.index_nbytes)
 
     def _finish(self, issued: tuple[Any, ...], outs: list[np.ndarray | None]) -> None:
         """Wait for one shard's reads, verify every byte against the manifest, copy into the outputs."""
-        key, s, items, obj, whole, futs, _ = issued
+        key, s, items, obj, whole, futs, probe, _ = issued
         t = self.manifest.tensors[key]
         g = t.geometry
         nbytes = int(t.shards.nbytes[s])
         tw = time.perf_counter()
-        raw = [Storage.range_result(f, obj, 0, None, tensor=key) for f in futs]
+        Storage.finish_size_check(probe, obj, nbytes, tensor=key)
+        raw = [Storage.range_result(f, obj, 0, nbytes, tensor=key) for f in futs]
         self.stats.add_time("read", time.perf_counter() - tw)
         self.stats.bytes_read += sum(len(r) for r in raw)
         tv = time.perf_counter()
@@ -246,8 +250,8 @@ class Checkpoint:
         else:
             index = memoryview(raw[0])
             if len(index) != g.index_nbytes:
-                raise SizeMismatchError("shard object is longer than the manifest records", key=key, object=obj,
-                                        expected=nbytes, found=nbytes - g.index_nbytes + len(index))
+                raise SizeMismatchError("shard index read differs from its recorded length", key=key, object=obj,
+                                        expected=g.index_nbytes, found=len(index))
             self._check_index(t, s, obj, index)
             for c, r in zip(chunks, raw[1:]):
                 chunk_bytes[c] = memoryview(r)
@@ -319,6 +323,7 @@ class Checkpoint:
                 data = direct.get(c)
                 if data is None:
                     if scratch is None:
+                        require_memory(n - 4, key, obj, "one chunk")
                         scratch = np.empty(n - 4, np.uint8)
                     data = scratch
                 tr = time.perf_counter()
@@ -372,47 +377,6 @@ class Checkpoint:
         phases["verify"] += time.perf_counter() - tv
         return int(t.shards.nbytes[s]), 1, phases
 
-    def _check_whole(self, t: TensorEntry, s: int, obj: str, buf: bytes, chunks: Sequence[int]) -> dict[int, memoryview]:
-        """Check a whole shard object (exact size, index, the given chunks) against the manifest;
-        returns a view of each checked chunk's stored bytes."""
-        nbytes = int(t.shards.nbytes[s])
-        if len(buf) != nbytes:
-            raise SizeMismatchError("shard object size differs from the manifest", key=t.key, object=obj,
-                                    expected=nbytes, found=len(buf))
-        mv = memoryview(buf)
-        self._check_index(t, s, obj, mv[nbytes - t.geometry.index_nbytes:])
-        out = {}
-        for c in chunks:
-            o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-            out[c] = mv[o:o + n]
-            self._check_chunk(t, c, obj, out[c])
-        return out
-
-    @staticmethod
-    def _check_index(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
-        want = int(t.shards.index_crc32c[s])
-        got = crc32c(index[:-4])
-        stored = int.from_bytes(index[-4:], "little")
-        if got != want or stored != want:
-            raise ChecksumMismatchError("shard index checksum differs from the manifest (corrupt or stale)",
-                                        key=t.key, object=obj, expected=want, found=got if got != want else stored)
-
-    @staticmethod
-    def _check_chunk(t: TensorEntry, c: int, obj: str, mv: Any, trailer: Any = None) -> None:
-        """Check one stored chunk against the manifest: its length, and the crc32c of its data both
-        as recomputed and as stored in its trailer. ``trailer`` given: ``mv`` is the data alone."""
-        want = int(t.chunks.crc32c[c])
-        data, tail = (mv[:-4], mv[-4:]) if trailer is None else (mv, trailer)
-        if len(memoryview(data).cast("B")) + len(tail) != int(t.chunks.nbytes[c]):
-            raise SizeMismatchError("chunk byte range is short", key=t.key, object=obj,
-                                    expected=int(t.chunks.nbytes[c]), found=len(memoryview(data).cast("B")) + len(tail))
-        got = crc32c(data)
-        stored = int.from_bytes(bytes(tail), "little")
-        if got != want or stored != want:
-            raise ChecksumMismatchError("chunk checksum differs from the manifest (corrupt or stale data)",
-                                        key=t.key, object=f"{obj} bytes [{int(t.chunks.offset[c])}, +{int(t.chunks.nbytes[c])})",
-                                        expected=want, found=got if got != want else stored)
-
     # ------------------------------------------------------------------ non-tensor state
     def _state_object(self, name: str) -> Any:
         from .state import decode_state
@@ -422,9 +386,10 @@ class Checkpoint:
         if e.nbytes > MAX_STATE_BYTES:  # refuse before reading anything
             raise InvalidStateError("state object is larger than the state cap", key=name, object=e.key,
                                     expected=f"<= {MAX_STATE_BYTES} bytes", found=e.nbytes)
-        data = self.storage.read(e.key, max_bytes=e.nbytes)
-        if data is None:
-            raise MissingShardError("state object is missing", key=name, object=e.key, expected="present", found="missing")
+        probe = self.storage.start_size_check(e.key, e.nbytes, tensor=name)
+        fut = self.storage.read_range_future(e.key, 0, e.nbytes)
+        Storage.finish_size_check(probe, e.key, e.nbytes, tensor=name)
+        data = Storage.range_result(fut, e.key, 0, e.nbytes, tensor=name)
         if len(data) != e.nbytes:
             raise SizeMismatchError("state object size differs from the manifest", key=name, object=e.key,
                                     expected=e.nbytes, found=len(data))
@@ -466,23 +431,31 @@ class Checkpoint:
         """
         total = self.manifest.nbytes
         done = 0
+
+        def report(nbytes: int) -> None:
+            nonlocal done
+            done += nbytes
+            if progress:
+                progress(done, total)
+
         for key in self.keys():
             t = self.manifest.tensors[key]
             starts = self._starts(t)
-            S = len(t.shards)
-            step = max(1, self.max_inflight_bytes // max(1, int(t.shards.nbytes.max()) if S else 1))
-            for lo in range(0, S, step):
-                idx = list(range(lo, min(S, lo + step)))
-                futs = [self.storage.read_range_future(t.object_key(s), 0, None) for s in idx]
-                for s, f in zip(idx, futs):
-                    obj = t.object_key(s)
-                    buf = Storage.range_result(f, obj, 0, None, tensor=key)
-                    self._check_whole(t, s, obj, buf, range(int(starts[s]), int(starts[s + 1])))
-                    nbytes = len(buf)
-                    done += nbytes
-                    self.stats.bytes_read += nbytes
-                    if progress:
-                        progress(done, total)
+            reads: list[tuple[int, str, int, Any, Any]] = []
+            held = 0
+            for s in range(len(t.shards)):
+                obj, n = t.object_key(s), int(t.shards.nbytes[s])
+                if n > self.max_inflight_bytes:  # a shard larger than the window: its index, then its chunks
+                    report(self._verify_in_parts(t, s))
+                    continue
+                if reads and held + n > self.max_inflight_bytes:
+                    report(self._verify_whole(t, reads, starts))
+                    reads, held = [], 0
+                # Each object read up to its recorded size, its length checked apart.
+                probe = self.storage.start_size_check(obj, n, tensor=key)
+                reads.append((s, obj, n, probe, self.storage.read_range_future(obj, 0, n)))
+                held += n
+            report(self._verify_whole(t, reads, starts))
         for name, e in sorted(self.manifest.state.items()):
             self._state_object(name)
             done += e.nbytes
@@ -491,22 +464,29 @@ class Checkpoint:
         return done
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialized array whose data starts on an ``align``-byte boundary, so that frameworks
-    (XLA on CPU) can adopt the buffer without copying it.
+    def _verify_whole(self, t: TensorEntry, reads: list[tuple[int, str, int, Any, Any]], starts: np.ndarray) -> int:
+        for s, obj, n, probe, f in reads:
+            Storage.finish_size_check(probe, obj, n, tensor=t.key)
+            buf = Storage.range_result(f, obj, 0, n, tensor=t.key)
+            self._check_whole(t, s, obj, buf, range(int(starts[s]), int(starts[s + 1])))
+            self.stats.bytes_read += len(buf)
+        return sum(r[2] for r in reads)
 
-    Large arrays get their own anonymous mapping (page aligned, returned to the OS when the array
-    goes). numpy advises huge pages for large arrays; with the kernel's usual ``defrag=madvise``
-    the reader threads' page faults into those arrays then compact memory while holding the
-    mapping lock, and allocating the next batch waits on them (0.2-0.6 s per GiB restored here)."""
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if n >= _MMAP_MIN_BYTES:
-        try:
-            # Private, like numpy's own memory: a fork()ed child's writes stay in the child.
-            buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            return np.frombuffer(buf, dtype=dtype).reshape(shape)
-        except OSError:  # out of mappings (vm.max_map_count) or address space: numpy's allocator
-            pass
-    raw = np.empty(n + align, np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start:start + n].view(dtype).reshape(shape)
+    def _verify_in_parts(self, t: TensorEntry, s: int) -> int:
+        """Verify one shard larger than the read window: its index, then its chunks, a window at a
+        time, so that verify never holds more than the window (or one chunk) of it."""
+        g, obj, n = t.geometry, t.object_key(s), int(t.shards.nbytes[s])
+        require_memory(max(g.chunk_nbytes, g.index_nbytes), t.key, obj, "one chunk or index")
+        probe = self.storage.start_size_check(obj, n, tensor=t.key)
+        index = self.storage.read_range_future(obj, n - g.index_nbytes, n)
+        Storage.finish_size_check(probe, obj, n, tensor=t.key)
+        self._check_index(t, s, obj, memoryview(Storage.range_result(index, obj, n - g.index_nbytes, n, tensor=t.key)))
+        c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
+        per = max(1, self.max_inflight_bytes // g.chunk_nbytes)
+        for lo in range(c0, c1, per):
+            futs = [(c, int(t.chunks.offset[c])) for c in range(lo, min(c1, lo + per))]
+            futs = [(c, o, self.storage.read_range_future(obj, o, o + g.chunk_nbytes)) for c, o in futs]
+            for c, o, f in futs:
+                self._check_chunk(t, c, obj, memoryview(Storage.range_result(f, obj, o, o + g.chunk_nbytes, tensor=t.key)))
+        self.stats.bytes_read += g.index_nbytes + (c1 - c0) * g.chunk_nbytes
+        return n

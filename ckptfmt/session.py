@@ -41,8 +41,8 @@ from .coord import Coordinator, LocalCoordinator
 from .dtypes import dtype_name, numpy_dtype
 from .errors import (CheckpointError, IncompleteSaveError, InvalidManifestError, StepAlreadyCommittedError,
                      StepMismatchError, StorageError)
-from .manifest import (MARKER_BYTES, MARKER_KEY, MAX_STEP, ArraySpec, ChunkTable, Manifest, ShardTable, StateEntry,
-                       TensorEntry, manifest_key, parse_manifest)
+from .manifest import (MARKER_BYTES, MARKER_KEY, MAX_NESTING, MAX_STEP, ArraySpec, ChunkTable, Manifest, ShardTable,
+                       StateEntry, TensorEntry, manifest_key, parse_manifest)
 from .plan import DEFAULT_CHUNK_TARGET_BYTES, TensorWritePlan, cell_key, plan_save, stored_chunk_counts
 from .storage import NO_VALUE, Storage
 
@@ -248,24 +248,32 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
                 pass
 
 
-def _check_metadata(metadata: Any, path: str = "metadata") -> None:
-    """User metadata goes into the manifest: plain JSON with str keys and finite numbers only."""
-    if metadata is None:
-        return
-    if isinstance(metadata, Mapping):
-        for k, v in metadata.items():
-            if not isinstance(k, str):
-                raise InvalidManifestError("metadata keys must be strings", object=path, expected="str", found=repr(k)[:80])
-            _check_metadata(v, f"{path}/{k}")
-    elif isinstance(metadata, (list, tuple)):
-        for i, v in enumerate(metadata):
-            _check_metadata(v, f"{path}/{i}")
-    elif isinstance(metadata, float):
-        if not math.isfinite(metadata):
-            raise InvalidManifestError("metadata numbers must be finite", object=path, expected="finite", found=repr(metadata))
-    elif not (metadata is None or isinstance(metadata, (str, int, bool))):
-        raise InvalidManifestError("metadata must be plain JSON", object=path,
-                                   expected="dict, list, str, int, float, bool, None", found=type(metadata).__name__)
+def _check_metadata(metadata: Any) -> None:
+    """User metadata goes into the manifest: plain JSON with str keys and finite numbers only, nested
+    no deeper than a reader parses (FORMAT.md 5.10: metadata is level 2 of the manifest). Iterative,
+    so that a deep or cyclic value raises InvalidManifestError, not RecursionError."""
+    stack: list[tuple[Any, str, int]] = [(metadata, "metadata", 2)]
+    while stack:
+        value, path, level = stack.pop()
+        if isinstance(value, (Mapping, list, tuple)):
+            if level > MAX_NESTING:
+                raise InvalidManifestError("metadata nests arrays and objects too deeply (or holds a cycle)", object=path,
+                                           expected=f"<= {MAX_NESTING} levels (the manifest's top-level object is level 1)",
+                                           found=f"more than {MAX_NESTING} levels")
+            if isinstance(value, Mapping):
+                for k, v in value.items():
+                    if not isinstance(k, str):
+                        raise InvalidManifestError("metadata keys must be strings", object=path, expected="str",
+                                                   found=repr(k)[:80])
+                    stack.append((v, f"{path}/{k}", level + 1))
+            else:
+                stack.extend((v, f"{path}/{i}", level + 1) for i, v in enumerate(value))
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise InvalidManifestError("metadata numbers must be finite", object=path, expected="finite", found=repr(value))
+        elif not (value is None or isinstance(value, (str, int, bool))):
+            raise InvalidManifestError("metadata must be plain JSON", object=path,
+                                       expected="dict, list, str, int, float, bool, None", found=type(value).__name__)
 
 
 def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:

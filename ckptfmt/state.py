@@ -31,7 +31,7 @@ import numpy as np
 
 from ckptfmt.errors import InvalidStateError
 
-__all__ = ["encode_state", "decode_state", "MAX_DEPTH", "ALLOWED_DTYPES"]
+__all__ = ["encode_state", "decode_state", "MAX_DEPTH", "MAX_ELEMENTS", "ALLOWED_DTYPES"]
 
 EXT_BIGINT = 1
 EXT_NDARRAY = 2
@@ -41,6 +41,9 @@ EXT_NPSCALAR = 3
 MAX_DEPTH = 64
 #: At most this many array dimensions (numpy's own limit is 64).
 MAX_NDIM = 32
+#: At most this many msgpack elements in one state object (FORMAT.md 7.1): the root, every array
+#: item, every map key and value, an ext once. Decoded, each costs up to ~75 bytes.
+MAX_ELEMENTS = 1 << 22
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -136,31 +139,101 @@ def _to_packable(obj: Any, path: tuple[str, ...], depth: int) -> Any:
                 found=type(obj).__qualname__)
 
 
-def encode_state(obj: object, *, max_bytes: int = 64 << 20) -> bytes:
+def encode_state(obj: object, *, max_bytes: int = 64 << 20, max_elements: int = MAX_ELEMENTS) -> bytes:
     """Encode ``obj`` as msgpack bytes.
 
     Raises :class:`InvalidStateError` naming the key path of the first value whose type is not
-    allowed, or if the encoding would be larger than ``max_bytes`` (so that a save never writes
-    state that :func:`decode_state` would refuse with its default limit). ``obj`` is not modified.
+    allowed, or if the encoding would be larger than ``max_bytes`` or hold more than
+    ``max_elements`` msgpack elements (so that a save never writes state that :func:`decode_state`
+    would refuse with its default limits). ``obj`` is not modified.
     """
     data = msgpack.packb(_to_packable(obj, (), 0), use_bin_type=True)
     if len(data) > max_bytes:
         raise InvalidStateError(f"encoded state is {len(data)} bytes, more than max_bytes={max_bytes}",
                                 expected=max_bytes, found=len(data))
+    _check_elements(data, max_elements)  # the reader's own count: never write state it would refuse
     return data
 
 
 # ----------------------------------------------------------------------------------- decode
 
 
-def _unpack(data: bytes, ext_hook: Any) -> Any:
+# Bytes a msgpack element's header takes beyond its first byte, and whether a length follows
+# (str, bin, ext: that many payload bytes; array, map: that many elements, or pairs).
+_HEAD: dict[int, tuple[int, str]] = {
+    0xC4: (1, "bytes"), 0xC5: (2, "bytes"), 0xC6: (4, "bytes"), 0xD9: (1, "bytes"), 0xDA: (2, "bytes"),
+    0xDB: (4, "bytes"), 0xC7: (1, "ext"), 0xC8: (2, "ext"), 0xC9: (4, "ext"), 0xDC: (2, "array"),
+    0xDD: (4, "array"), 0xDE: (2, "map"), 0xDF: (4, "map"),
+}
+_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2,
+          0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+
+
+def _count_elements(data: bytes, limit: int) -> int:
+    """The number of msgpack elements of ``data``'s first document, counted from headers alone
+    (nothing is built), stopping as soon as more than ``limit`` are certain. Malformed input ends
+    the count early; the decoder then says what is wrong with it."""
+    n, pos, count, pending = len(data), 0, 0, 1
+    while pending and pos < n:
+        b = data[pos]
+        pending -= 1
+        count += 1
+        pos += 1
+        if b <= 0x7F or b >= 0xE0:  # fixint
+            continue
+        if b <= 0x8F:  # fixmap
+            pending += 2 * (b & 0x0F)
+        elif b <= 0x9F:  # fixarray
+            pending += b & 0x0F
+        elif b <= 0xBF:  # fixstr
+            pos += b & 0x1F
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _HEAD:
+            width, kind = _HEAD[b]
+            length = int.from_bytes(data[pos:pos + width], "big")
+            pos += width
+            if kind == "bytes":
+                pos += length
+            elif kind == "ext":
+                pos += 1 + length
+            else:
+                pending += length if kind == "array" else 2 * length
+        else:  # 0xc1: never used
+            break
+        if count + pending > limit:  # every pending element takes at least one more byte
+            return count + pending
+    return count
+
+
+def _check_elements(data: bytes, limit: int) -> None:
+    if len(data) > limit:  # every element takes at least one byte: a shorter state cannot exceed it
+        count = _count_elements(data, limit)
+        if count > limit:
+            raise InvalidStateError(f"state holds more than {limit} msgpack elements (store long runs of numbers "
+                                    "as one numpy array, which is one element)", expected=f"<= {limit}",
+                                    found=f"at least {count}")
+
+
+def _unpack(data: bytes, ext_hook: Any, *, max_array_len: int = MAX_ELEMENTS, max_map_len: int = MAX_ELEMENTS // 2) -> Any:
     # unpackb has no max_buffer_size: the caller has already capped len(data). Each limit below
-    # is what the input can hold at most, so a declared length larger than the input fails fast.
+    # is what the input can hold at most, so a declared length larger than the input fails fast
+    # (msgpack allocates a declared array before reading its items).
     n = len(data)
     return msgpack.unpackb(
-        data, raw=False, use_list=True, strict_map_key=True, ext_hook=ext_hook,
-        max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n,
+        data, raw=False, use_list=True, strict_map_key=True, ext_hook=ext_hook, object_pairs_hook=_no_duplicates,
+        max_str_len=n, max_bin_len=n, max_ext_len=n, max_array_len=min(n, max_array_len),
+        max_map_len=min(n // 2, max_map_len),
     )
+
+
+def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):  # FORMAT.md 7.1: a map holds each key once
+        seen: set[Any] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"map holds the key {str(dup)[:80]!r} twice")
+    return d
 
 
 def _reject_inner_ext(code: int, data: bytes) -> Any:
@@ -168,7 +241,7 @@ def _reject_inner_ext(code: int, data: bytes) -> Any:
 
 
 def _decode_array(payload: bytes, want_scalar: bool) -> Any:
-    fields = _unpack(payload, _reject_inner_ext)
+    fields = _unpack(payload, _reject_inner_ext, max_array_len=MAX_NDIM, max_map_len=0)  # [name, shape, data]
     if not (isinstance(fields, list) and len(fields) == 3):
         raise ValueError("array payload must be [dtype, shape, data]")
     name, shape, raw = fields
@@ -200,14 +273,28 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_BIGINT:
         if not data:
             raise ValueError("empty big-int extension")
-        return int.from_bytes(data, "big", signed=True)
+        value = int.from_bytes(data, "big", signed=True)
+        # One encoding per value (FORMAT.md 7.2): minimal length, and only outside int64.
+        if len(data) != (value + (value < 0)).bit_length() // 8 + 1:
+            raise ValueError(f"big-int extension of {len(data)} bytes is not minimal")
+        if _INT64_MIN <= value <= _INT64_MAX:
+            raise ValueError("big-int extension holds a value that fits in int64")
+        return value
     if code in (EXT_NDARRAY, EXT_NPSCALAR):
         return _decode_array(data, want_scalar=code == EXT_NPSCALAR)
     raise ValueError(f"unknown msgpack extension type {code}")
 
 
+#: What a decoded tree may hold (anything else came from a msgpack type the format does not allow:
+#: ext type -1 becomes a msgpack.Timestamp without asking the ext hook).
+_DECODED = (type(None), bool, int, float, str, bytes, list, dict, np.ndarray, np.generic)
+
+
 def _check_tree(obj: Any, path: tuple[str, ...], depth: int) -> None:
-    """Enforce the depth cap and str-only keys on a freshly decoded tree."""
+    """Enforce the allowed types, the depth cap and str-only keys on a freshly decoded tree."""
+    if not isinstance(obj, _DECODED):
+        what = "ext type -1 (msgpack timestamp)" if isinstance(obj, msgpack.Timestamp) else type(obj).__name__
+        raise _fail(path, f"{what} is not allowed", found=type(obj).__name__)
     if isinstance(obj, (list, dict)) and depth >= MAX_DEPTH:
         raise _fail(path, f"nesting deeper than {MAX_DEPTH} levels")
     if isinstance(obj, list):
@@ -221,13 +308,16 @@ def _check_tree(obj: Any, path: tuple[str, ...], depth: int) -> None:
             _check_tree(value, path + (key,), depth + 1)
 
 
-def decode_state(data: bytes, *, max_bytes: int = 64 << 20) -> object:
+def decode_state(data: bytes, *, max_bytes: int = 64 << 20, max_elements: int = MAX_ELEMENTS) -> object:
     """Decode bytes written by :func:`encode_state`.
 
     Raises :class:`InvalidStateError`, and nothing else, for any input that is not a valid
-    encoding: oversized input, malformed msgpack, trailing bytes, non-str keys, nesting deeper
-    than :data:`MAX_DEPTH`, unknown extension types, or arrays whose dtype is not allowed or
-    whose byte length does not match their shape. Nothing in the input is ever executed.
+    encoding: oversized input, more than ``max_elements`` elements (counted before decoding),
+    malformed msgpack, trailing bytes, non-str or repeated keys,
+    nesting deeper than :data:`MAX_DEPTH`, unknown extension types (the msgpack timestamp, ext -1,
+    included), a big int that is not minimal or fits in int64, or arrays whose dtype is not
+    allowed, whose byte length does not match their shape, or whose bools are not 0 or 1.
+    Nothing in the input is ever executed.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidStateError(f"state must be bytes, found {type(data).__name__}",
@@ -235,8 +325,10 @@ def decode_state(data: bytes, *, max_bytes: int = 64 << 20) -> object:
     if len(data) > max_bytes:
         raise InvalidStateError(f"state is {len(data)} bytes, more than max_bytes={max_bytes}",
                                 expected=max_bytes, found=len(data))
+    data = bytes(data)
+    _check_elements(data, max_elements)  # before anything is decoded
     try:
-        obj = _unpack(bytes(data), _ext_hook)
+        obj = _unpack(data, _ext_hook, max_array_len=max_elements, max_map_len=max_elements // 2)
     except InvalidStateError:
         raise
     except Exception as exc:  # msgpack errors, ValueError, RecursionError, MemoryError, ...

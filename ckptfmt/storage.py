@@ -66,7 +66,9 @@ class Storage:
     # ------------------------------------------------------------------ whole objects
     def read(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
         """The object's bytes, or None when it is absent. With ``max_bytes``, at most
-        ``max_bytes + 1`` bytes are read, so a caller can reject an oversized object cheaply."""
+        ``max_bytes + 1`` bytes are read, so a caller can reject an oversized object cheaply.
+        StorageError for a special file (FIFO, device) at the key, found without opening it."""
+        self._refuse_special(key)
         try:
             r = None
             if max_bytes is not None:
@@ -103,6 +105,7 @@ class Storage:
 
     def larger_than(self, key: str, limit: int) -> bool | None:
         """Whether the object holds more than ``limit`` bytes (None when absent), reading one byte."""
+        self._refuse_special(key)
         try:
             r = self.kv.read(key, byte_range=slice(limit, limit + 1)).result()
         except ValueError as e:
@@ -115,6 +118,67 @@ class Storage:
 
     def read_range_future(self, key: str, start: int, stop: int | None) -> Any:
         return self.kv.read(key, byte_range=slice(start, stop))
+
+    # ------------------------------------------------------------------ objects a manifest names
+    # A reader reads at most nbytes + 1 bytes of an object whose manifest says nbytes (FORMAT.md 9,
+    # step 4): the ranges it reads end at or before nbytes, and the size is checked apart from them.
+    def local_size(self, key: str, *, tensor: str | None = None) -> int | None:
+        """File driver: the object's length from ``stat``, without opening it (opening a FIFO blocks
+        until a writer appears; a device never ends). MissingShardError when absent, StorageError
+        when it is not a regular file. None on other stores, whose objects are plain byte strings."""
+        if self.spec.get("driver") != "file":
+            return None
+        try:
+            st = os.stat(self.spec["path"] + key)
+        except (FileNotFoundError, NotADirectoryError):
+            raise MissingShardError("object is missing", key=tensor, object=key, expected="present", found="missing") from None
+        except OSError as e:
+            raise StorageError("stat failed", key=tensor, object=key, found=str(e)[:300]) from None
+        _require_regular(st.st_mode, key, tensor)
+        return st.st_size
+
+    def start_size_check(self, key: str, nbytes: int, *, tensor: str | None = None) -> Any:
+        """Begin checking that ``key`` holds exactly ``nbytes`` bytes, reading at most one byte.
+
+        File driver: ``stat`` decides at once (SizeMismatchError, MissingShardError or StorageError
+        raised here) and None is returned. Elsewhere: the future of a read of ``[nbytes, nbytes + 1)``,
+        which must fail as out of range; pass it to :meth:`finish_size_check`. A shorter object is
+        caught by the caller's own ranges, which end at or before ``nbytes``."""
+        size = self.local_size(key, tensor=tensor)
+        if size is None:
+            return self.kv.read(key, byte_range=slice(nbytes, nbytes + 1))
+        if size != nbytes:
+            raise SizeMismatchError("object size differs from the manifest", key=tensor, object=key,
+                                    expected=nbytes, found=size)
+        return None
+
+    @staticmethod
+    def finish_size_check(probe: Any, key: str, nbytes: int, *, tensor: str | None = None) -> None:
+        """Resolve :meth:`start_size_check`: SizeMismatchError when a byte lies at ``nbytes``."""
+        if probe is None:
+            return
+        try:
+            r = probe.result()
+        except Exception as e:
+            msg = str(e)
+            if "OUT_OF_RANGE" in msg:
+                return  # no byte at nbytes: not longer than recorded
+            raise StorageError("read failed", key=tensor, object=key, found=msg[:300]) from None
+        if r.state != "value":
+            raise MissingShardError("object is missing", key=tensor, object=key, expected="present", found="missing")
+        raise SizeMismatchError("object is longer than the manifest records", key=tensor, object=key,
+                                expected=nbytes, found=f"more than {nbytes} bytes")
+
+    def _refuse_special(self, key: str) -> None:
+        """File driver: StorageError if a FIFO, device, socket or directory sits at ``key``, before
+        tensorstore opens it (an absent key is left to the read)."""
+        if self.spec.get("driver") != "file":
+            return
+        try:
+            st = os.stat(self.spec["path"] + key)
+        except OSError:
+            return
+        _require_regular(st.st_mode, key, None)
 
     @staticmethod
     def range_result(fut: Any, key: str, start: int, stop: int | None, *, tensor: str | None = None) -> bytes:
@@ -155,6 +219,8 @@ class Storage:
 
     def read_with_generation(self, keys: Sequence[str]) -> list[tuple[bytes | None, bytes]]:
         """(value or None, generation) of each key, read concurrently."""
+        for k in keys:
+            self._refuse_special(k)
         futs = [self.kv.read(k) for k in keys]
         out: list[tuple[bytes | None, bytes]] = []
         for k, f in zip(keys, futs):
@@ -332,15 +398,23 @@ class Storage:
         return self.spec["path"]
 
     def open_local(self, key: str, *, tensor: str | None = None) -> tuple[int, int]:
-        """(fd, size) of a local object; MissingShardError if absent. The caller closes fd."""
+        """(fd, size) of a local object; MissingShardError if absent, StorageError if it is not a
+        regular file (opened without blocking, then checked). The caller closes fd."""
         assert self.local_root is not None
         try:
-            fd = os.open(self.local_root + key, os.O_RDONLY)
-        except FileNotFoundError:
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+            fd = os.open(self.local_root + key, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
             raise MissingShardError("object is missing", key=tensor, object=key, expected="present", found="missing") from None
         except OSError as e:
             raise StorageError("open failed", key=tensor, object=key, found=str(e)) from None
-        return fd, os.fstat(fd).st_size
+        try:
+            st = os.fstat(fd)
+            _require_regular(st.st_mode, key, tensor)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
 
     @staticmethod
     def pread_into(fd: int, buffers: list[Any], offset: int, *, key: str, tensor: str | None = None) -> None:
@@ -395,3 +469,11 @@ class Storage:
         else:
             kwargs.update(open=True, assume_metadata=True)
         return ts.open(dict(spec, store_data_equal_to_fill_value=True), **kwargs)
+
+
+def _require_regular(mode: int, key: str, tensor: str | None) -> None:
+    if not stat.S_ISREG(mode):
+        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}.get(stat.S_IFMT(mode), "not a regular file")
+        raise StorageError("object is not a regular file", key=tensor, object=key, expected="a regular file",
+                           found=kind)

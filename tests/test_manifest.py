@@ -89,3 +89,81 @@ def test_size_cap(good):
     assert parse_manifest(data, max_bytes=len(data)).step == 1
     with pytest.raises(ManifestTooLargeError):
         parse_manifest(data, max_bytes=len(data) - 1)
+
+
+def _with_tensor(good, key, entry):
+    d = copy.deepcopy(good)
+    entry["array"]["path"] = f"saves/{d['save_id']}/t/{len(d['tensors']):06d}"
+    d["tensors"][key] = entry
+    return enc(d)
+
+
+def _empty(shape, dtype="float32"):
+    nd = len(shape)
+    return {"shape": shape, "dtype": dtype, "sharding": None,
+            "array": {"path": "", "shard_shape": [1] * nd, "chunk_shape": [1] * nd, "codec": "raw"},
+            "shards": {"offset": [], "writer": [], "key": [], "nbytes": [], "index_crc32c": []},
+            "chunks": {"offset": [], "nbytes": [], "crc32c": []}}
+
+
+@pytest.mark.parametrize("shape, ok", [
+    ([0, 4], True), ([0, 2 ** 30, 2 ** 30], True),           # the controls: 2^60 elements x 4 bytes = 2^62
+    ([0, 2 ** 62, 2 ** 62], False), ([0, 2 ** 31, 2 ** 30], False),
+])
+def test_empty_tensor_dimensions_are_bounded_like_any_other(good, shape, ok):
+    """Issue 12: [0, 2^62, 2^62] passed validation (its product is 0), and reads raised a plain
+    ValueError. The bound applies to the product of max(shape[d], 1)."""
+    data = _with_tensor(good, "e", _empty(shape))
+    if ok:
+        assert parse_manifest(data).tensors["e"].shape == tuple(shape)
+    else:
+        with pytest.raises(InvalidManifestError, match="too large"):
+            parse_manifest(data)
+
+
+@pytest.mark.parametrize("where", ["metadata", "extensions", "sharding"])
+def test_nesting_deeper_than_64_levels_is_rejected(good, where):
+    """The top-level object is level 1; metadata and extensions are level 2, a sharding level 4."""
+    base = {"metadata": 2, "extensions": 2, "sharding": 4}[where]
+
+    def put(levels):  # a dict at level ``base`` whose deepest list lies at ``levels`` (as text: no recursion here)
+        d = copy.deepcopy(good)
+        if where == "sharding":
+            W(d)["sharding"] = "@"
+        else:
+            d[where] = "@"
+        n = levels - base
+        return enc(d).replace(b'"@"', b'{"x":' + b"[" * n + b"]" * n + b"}")
+
+    assert parse_manifest(put(64))  # the control: level 64 is allowed
+    for levels in (65, 900, 5000):  # 5,000: past Python's own parser, which must not leak RecursionError
+        with pytest.raises(InvalidManifestError):
+            parse_manifest(put(levels))
+
+
+@pytest.mark.parametrize("what", ["tensors", "shard rows", "chunk rows"])
+def test_count_caps_are_checked_before_entries_are_built(good, what):
+    """FORMAT.md 5.10, at a 1 MiB size cap (every count cap scaled by 1/256: 4,096 tensors, 32,768
+    shard rows, 65,536 chunk rows). One over the cap is ManifestTooLargeError before any tensor
+    entry is checked; the control, exactly at the cap, passes the count and fails on the entries."""
+    from ckptfmt.manifest import CountCaps
+
+    caps = CountCaps.for_size_cap(1 << 20)
+    assert (caps.tensors, caps.shard_rows, caps.chunk_rows) == (4096, 32768, 65536)
+
+    def doc(n):
+        d = copy.deepcopy(good)
+        if what == "tensors":
+            d["tensors"] = {f"k{i}": 0 for i in range(n)}  # not even entries: the count comes first
+        elif what == "shard rows":
+            W(d)["shards"]["key"] = ["c/0/0"] * (n - 1)  # "s" has 1 shard, "w" these
+        else:
+            W(d)["chunks"]["offset"] = [0] * (n - 1)  # "s" has 1 chunk
+        return enc(d)
+
+    n = {"tensors": caps.tensors, "shard rows": caps.shard_rows, "chunk rows": caps.chunk_rows}[what]
+    with pytest.raises(InvalidManifestError) as at_cap:
+        parse_manifest(doc(n), max_bytes=1 << 20)
+    assert not isinstance(at_cap.value, ManifestTooLargeError)
+    with pytest.raises(ManifestTooLargeError, match=f"too many {what.split()[0]}"):
+        parse_manifest(doc(n + 1), max_bytes=1 << 20)

@@ -10,6 +10,9 @@ plain ``json.dumps`` of ``to_json``.
 import copy
 import json
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 import numpy as np
 import pytest
 
@@ -29,6 +32,9 @@ def good(tmp_path_factory):
     y = np.arange(12, dtype=np.int32)  # another geometry, and a 0-d tensor (always the exact path)
     shards += [LocalShard("c", y.shape, y.dtype, Box((6 * r,), (6,)), y[6 * r:6 * r + 6]) for r in range(2)]
     shards.append(LocalShard("s", (), np.float32, Box((), ()), np.asarray(1.5, np.float32)))
+    # Two 0-d tensors and two empty ones of one geometry each: the later one of each by value.
+    shards.append(LocalShard("s2", (), np.float32, Box((), ()), np.asarray(2.5, np.float32)))
+    shards += [LocalShard(f"e/{i}", (0, 3), np.int32, Box((0, 0), (0, 3)), np.zeros((0, 3), np.int32)) for i in range(2)]
     m = save(d, 3, shards, metadata={"note": "true or false", "lr": 0.5, "nested": {"tensors": {}}})
     return json.loads(m.to_bytes())
 
@@ -102,6 +108,13 @@ BROKEN = {
     "unknown_member": lambda d: T(d)["shards"].update(extra=[]),
     "null_column": lambda d: T(d)["shards"].update(writer=None),
     "nested_column": lambda d: T(d)["chunks"]["crc32c"].__setitem__(0, [1]),
+    "scalar_crc_range": lambda d: d["tensors"]["s2"]["chunks"]["crc32c"].__setitem__(0, 2 ** 32),
+    "scalar_bool_writer": lambda d: d["tensors"]["s2"]["shards"]["writer"].__setitem__(0, False),
+    "scalar_two_shards": lambda d: [d["tensors"]["s2"]["shards"][f].append(d["tensors"]["s2"]["shards"][f][0])
+                                    for f in ("offset", "writer", "key", "nbytes", "index_crc32c")],
+    "empty_with_a_shard": lambda d: [d["tensors"]["e/1"]["shards"][f].append(d["tensors"]["s"]["shards"][f][0])
+                                     for f in ("writer", "key", "nbytes", "index_crc32c")],
+    "empty_with_a_chunk": lambda d: d["tensors"]["e/1"]["chunks"]["crc32c"].append(0),
 }
 
 
@@ -135,6 +148,54 @@ def test_validate_rejects_a_bool_the_fast_path_would_compare_by_value(good):
                          m.versions, m.metadata)
     with pytest.raises(CheckpointError, match="integers"):
         broken.validate()
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    """Four tensors of one geometry whose shards hold four chunks each (offsets 0, 36, 72, 108)."""
+    from ckptfmt import SaveOptions
+
+    d = str(tmp_path_factory.mktemp("multi") / "repo")
+    shards = []
+    for i in range(4):
+        x = np.arange(64, dtype=np.float32).reshape(16, 4) + i
+        shards += [LocalShard(f"m/{i}", x.shape, x.dtype, Box((8 * r, 0), (8, 4)), x[8 * r:8 * r + 8]) for r in range(2)]
+    m = save(d, 1, shards, options=SaveOptions(chunk_target_bytes=32))
+    assert len(m.tensors["m/0"].chunks.offset) == 8
+    return json.loads(m.to_bytes())
+
+
+def _chunk_rows(d, i, edit):
+    ch = d["tensors"][f"m/{i}"]["chunks"]
+    edit(ch["offset"], ch["crc32c"])
+
+
+def _overlap(off, crc):  # issue 12: chunk row 1 given row 0's offset and crc32c
+    off[1], crc[1] = off[0], crc[0]
+
+
+def _reorder(off, crc):  # rows 0 and 1 name each other's bytes: disjoint, so valid
+    off[0], off[1], crc[0], crc[1] = off[1], off[0], crc[1], crc[0]
+
+
+@pytest.mark.parametrize("i", [0, 2])  # the first tensor of its geometry (exact checks) and a later one (by value)
+def test_chunks_sharing_bytes_rejected_like_exact(multi, i):
+    parse_manifest(json.dumps(multi).encode())  # the control
+    d = copy.deepcopy(multi)
+    _chunk_rows(d, i, _overlap)
+    with pytest.raises(CheckpointError) as want:
+        exact(d)
+    with pytest.raises(CheckpointError) as got:
+        parse_manifest(json.dumps(d).encode())
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+    assert "share bytes" in str(got.value) and got.value.key == f"m/{i}"
+
+
+@pytest.mark.parametrize("i", [0, 2])
+def test_chunks_out_of_order_accepted_like_exact(multi, i):
+    d = copy.deepcopy(multi)
+    _chunk_rows(d, i, _reorder)
+    same_tables(parse_manifest(json.dumps(d).encode()).tensors, exact(d))
 
 
 def test_to_bytes_is_plain_json_dumps(good):
@@ -174,10 +235,39 @@ def test_values_the_canonical_encoding_cannot_hold_are_rejected(good, text, foun
 
 def test_tensors_of_one_geometry_take_the_fast_path(good):
     """Tensors after the first of a geometry share its layout's arrays (the by-value path ran);
-    a non-canonical one does not (it went through the exact checks)."""
+    a non-canonical one does not (it went through the exact checks). 0-d and empty tensors too:
+    a manifest of a million of them must not cost a million exact checks."""
     ts = parse_manifest(json.dumps(good).encode()).tensors
     assert ts["b/2"].shards.offset is ts["b/1"].shards.offset
+    assert ts["s2"].shards.offset is ts["s"].shards.offset and ts["e/1"].shards.offset is ts["e/0"].shards.offset
     d = copy.deepcopy(good)
     _swap_shards(d)
     ts = parse_manifest(json.dumps(d).encode()).tensors
     assert ts["b/2"].shards.offset is not ts["b/1"].shards.offset and ts["b/3"].shards.offset is ts["b/1"].shards.offset
+
+
+@given(st.binary(max_size=3000) | st.text(alphabet="{[,:]}\"ab\\ é", max_size=3000).map(str.encode),
+       st.integers(0, 4))
+@settings(max_examples=200, deadline=None)
+def test_structural_count_equals_plain_byte_counts(data, repeat):
+    """The numpy block count (FORMAT.md 5.10) against its slow twin, across block boundaries."""
+    from ckptfmt._manifest_caps import count_structural
+
+    data = data * (1 + repeat * 1500)  # up to ~18 MB: several 4 MiB blocks
+    assert count_structural(data) == data.count(b"{") + data.count(b"[") + data.count(b",")
+
+
+def test_structural_cap_is_checked_before_parsing(good):
+    """FORMAT.md 5.10: more "{", "[" and "," bytes than the cap (2^25, scaled to a lower size cap)
+    is refused before json.loads builds anything; the control sits exactly at the cap."""
+    from ckptfmt import ManifestTooLargeError
+    from ckptfmt._manifest_caps import count_structural
+
+    base = json.dumps(good).encode()
+    cap = 1 << 20  # a 1 MiB size cap: 2^25 / 256 = 131,072 structural bytes
+    room = (1 << 25) * cap // mf.MAX_MANIFEST_BYTES - count_structural(base)
+    at_cap = base.replace(b'"note": "true or false"', b'"note": "' + b"," * room + b'"')  # inside a string: counted too
+    assert count_structural(at_cap) == 131072 and parse_manifest(at_cap, max_bytes=cap)
+    over = at_cap.replace(b'"lr": 0.5', b'"lr": [0.5]')
+    with pytest.raises(ManifestTooLargeError, match="too many JSON values"):
+        parse_manifest(over, max_bytes=cap)

@@ -229,7 +229,7 @@ def test_save_then_restore_with_resharding(s3_env):
     assert repo.verify(3) > 0
 
 
-@pytest.mark.parametrize("fault", ["missing", "truncated", "stale"])
+@pytest.mark.parametrize("fault", ["missing", "truncated", "grown", "stale"])
 def test_damaged_object_raises_typed_error(s3_env, fault):
     url, k = s3_env.url(), "params/dense/kernel"
     old = _save(url, 1, _arrays(seed=1))
@@ -245,6 +245,10 @@ def test_damaged_object_raises_typed_error(s3_env, fault):
         body = c.get_object(Bucket=bucket, Key=target)["Body"].read()
         c.put_object(Bucket=bucket, Key=target, Body=body[:-100])
         expected = SizeMismatchError
+    elif fault == "grown":  # found by a one-byte read at nbytes, not by reading the object to its end
+        body = c.get_object(Bucket=bucket, Key=target)["Body"].read()
+        c.put_object(Bucket=bucket, Key=target, Body=body + b"\x01" * 4096)
+        expected = SizeMismatchError
     else:  # the same shard from the previous step: valid on its own, wrong for this manifest
         c.copy_object(Bucket=bucket, Key=target, CopySource={"Bucket": bucket, "Key": _shard_objects(old, k)[1]})
         expected = StaleShardError
@@ -257,6 +261,26 @@ def test_damaged_object_raises_typed_error(s3_env, fault):
     # The damage stays local: other tensors and the other step still read.
     np.testing.assert_array_equal(ck.read("params/dense/bias"), _arrays(seed=2)["params/dense/bias"])
     np.testing.assert_array_equal(_restore_all(url, 1)[k], _arrays(seed=1)[k])
+
+
+def test_a_grown_object_costs_no_more_than_its_recorded_size(s3_env):
+    """A shard grown by 128 MiB is rejected by a one-element read and by verify with a peak RSS far
+    below 128 MiB; the broken control (its index read to the end of the object, as an unbounded
+    reader reads it) shows that the measurement sees an unbounded read."""
+    from test_reader import measure
+
+    url, k, grow = s3_env.url(), "params/dense/kernel", 128 << 20
+    m = _save(url, 1, _arrays())
+    target = _shard_objects(m, k)[1]
+    body = s3_env.client.get_object(Bucket=s3_env.bucket, Key=target)["Body"].read()
+    s3_env.client.put_object(Bucket=s3_env.bucket, Key=target, Body=body + b"\x01" * grow)
+    repo = ckptfmt.Repository(url)
+    for name, fn in [("read", lambda: repo.open(1).read(k, Box((20, 3), (1, 1)))), ("verify", lambda: repo.verify(1))]:
+        got = measure(fn)
+        assert got["result"] == "SizeMismatchError" and got["grew"] < 32 << 20, (name, got)
+    key, n = target[len("repo/"):], int(m.tensors[k].shards.nbytes[1])
+    control = measure(lambda: repo.storage.read_range_future(key, n - 64, None).result())
+    assert control["result"] == "no error" and control["grew"] > grow // 2, control
 
 
 # A writer that blocks inside the save (its last tensor's data is produced lazily and never

@@ -105,6 +105,32 @@ def test_metadata_and_step_rejected_before_anything_is_written(repo_url):
     assert Repository(repo_url).manifest(1).metadata["tags"] == ["x"]
 
 
+def _nested(levels: int) -> dict:
+    """metadata whose innermost object lies at manifest level ``levels`` (metadata itself is level 2)."""
+    md: dict = {}
+    inner = md
+    for _ in range(levels - 2):
+        inner["a"] = {}
+        inner = inner["a"]
+    return md
+
+
+@pytest.mark.parametrize("levels", [65, 989, 5000])
+def test_metadata_deeper_than_readers_parse_is_rejected_before_anything_is_written(repo_url, levels):
+    """Issue 12: 5,000 levels raised RecursionError; 989 committed a manifest no reader could parse."""
+    from ckptfmt import InvalidManifestError
+    x, shards = _x()
+    with pytest.raises(InvalidManifestError, match="too deeply"):
+        save(repo_url, 1, shards, metadata=_nested(levels))
+    cyclic: dict = {}
+    cyclic["self"] = cyclic
+    with pytest.raises(InvalidManifestError, match="too deeply"):
+        save(repo_url, 1, shards, metadata=cyclic)
+    assert Repository(repo_url).storage.list("saves/") == []
+    save(repo_url, 1, shards, metadata=_nested(64))  # the control: level 64, the deepest allowed
+    assert Repository(repo_url).manifest(1).metadata == _nested(64)
+
+
 def test_unknown_rank_state_policy_is_rejected(repo_url):
     x, shards = _x()
     save(repo_url, 1, shards, rank_state={"r": 0})

@@ -222,7 +222,7 @@ def test_raw_unpackb_raises_other_types_but_decode_state_does_not(data: bytes) -
     (ndarray_ext("float32", [2, 3], b"\0" * 20), "needs 24 bytes, found 20"),
     (ndarray_ext("float32", [-1], b""), "non-negative"),
     (ndarray_ext("float32", [2**62, 2**62, 0], b""), "too large"),
-    (ndarray_ext("float32", [1] * 40, b"\0" * 4), "at most 32"),
+    (ndarray_ext("float32", [1] * 40, b"\0" * 4), "max_array_len\\(32\\)"),  # refused before the list is built
     (ndarray_ext("object", [1], b"\0" * 8), "'object' is not allowed"),
     (ndarray_ext("O", [1], b"\0" * 8), "'O' is not allowed"),
     (ndarray_ext("<f4", [1], b"\0" * 4), "is not allowed"),
@@ -268,3 +268,98 @@ def test_pickle_payload_is_rejected_and_never_executed(tmp_path: Path,
             out = None
         assert out is None or out == {"state": payload}  # stays inert bytes at most
         assert not canary.exists()
+
+
+# ------------------------------------------------------------------ one encoding per value (FORMAT.md 7.1, 7.2)
+
+def _timestamp(seconds: int, nanoseconds: int = 0) -> bytes:
+    return msgpack.packb({"t": msgpack.Timestamp(seconds, nanoseconds)})
+
+
+@pytest.mark.parametrize("data, control, match", [
+    # ext -1, the msgpack timestamp (32-, 64- and 96-bit forms): plain msgpack decodes it into a
+    # Timestamp without asking the ext hook.
+    (_timestamp(1), msgpack.packb({"t": 1}), "timestamp"),
+    (_timestamp(1, 5), msgpack.packb({"t": 1}), "timestamp"),
+    (_timestamp(-1), msgpack.packb({"t": -1}), "timestamp"),
+    # A map that holds a key twice: plain msgpack keeps the last value.
+    (b"\x82\xa1a\x01\xa1a\x02", b"\x82\xa1a\x01\xa1b\x02", "twice"),
+    (b"\x81\xa1m\x82\xa1k\xc0\xa1k\xc3", b"\x81\xa1m\x82\xa1k\xc0\xa1j\xc3", "twice"),
+    # ext 1 that is not minimal, or holds a value that fits in int64.
+    (msgpack.packb(msgpack.ExtType(EXT_BIGINT, b"\x00\x00\x80" + b"\x00" * 7)), encode_state(2**63), "not minimal"),
+    (msgpack.packb(msgpack.ExtType(EXT_BIGINT, b"\xff\xff\x7f" + b"\xff" * 7)), encode_state(-(2**63) - 1),
+     "not minimal"),
+    (msgpack.packb(msgpack.ExtType(EXT_BIGINT, b"\x05")), msgpack.packb(5), "fits in int64"),
+    (msgpack.packb(msgpack.ExtType(EXT_BIGINT, b"\x80" + b"\x00" * 7)), msgpack.packb(-(2**63)), "fits in int64"),
+    # A bool byte of 2, in an array and in a numpy scalar.
+    (ndarray_ext("bool", [3], b"\x00\x01\x02"), ndarray_ext("bool", [3], b"\x00\x01\x01"), "other than 0 and 1"),
+    (ndarray_ext("bool", [], b"\x02", code=EXT_NPSCALAR), ndarray_ext("bool", [], b"\x01", code=EXT_NPSCALAR),
+     "other than 0 and 1"),
+])
+def test_values_with_a_second_encoding_are_rejected(data: bytes, control: bytes, match: str) -> None:
+    decode_state(control)  # the control: the one encoding the format allows decodes
+    with pytest.raises(InvalidStateError, match=match):
+        decode_state(data)
+
+
+# ------------------------------------------------------------------ the element cap (FORMAT.md 7.1)
+
+from ckptfmt.state import MAX_ELEMENTS, _count_elements  # noqa: E402
+
+
+def _nils(n: int) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + b"\xc0" * n  # an array of n nils: n + 1 elements
+
+
+def test_state_of_more_elements_than_the_cap_is_refused_before_decoding() -> None:
+    cap = 1000  # the rule at a small cap; the real one (2^22) below, on a header alone
+    assert decode_state(_nils(cap - 1), max_elements=cap) == [None] * (cap - 1)  # the control: exactly the cap
+    assert len(msgpack.unpackb(_nils(cap))) == cap  # broken control: plain msgpack builds whatever it is given
+    nested = msgpack.packb([[None] * 9] * 100)  # 1 + 100 * 10 = 1001 elements
+    assert len(decode_state(nested, max_elements=cap + 1)) == 100
+    for data in (_nils(cap), nested):
+        with pytest.raises(InvalidStateError, match="msgpack elements"):
+            decode_state(data, max_elements=cap)
+    # Issue 12: 64 MiB of empty arrays decoded into 4.9 GB. Refused from the first header.
+    n = (64 << 20) - 5
+    with pytest.raises(InvalidStateError, match=f"more than {MAX_ELEMENTS} msgpack elements"):
+        decode_state(b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n)
+
+
+def test_encode_refuses_state_with_more_elements_than_a_reader_accepts() -> None:
+    cap = 1000
+    assert decode_state(encode_state([None] * (cap - 1), max_elements=cap), max_elements=cap)  # the control
+    with pytest.raises(InvalidStateError, match="one numpy array"):
+        encode_state([None] * cap, max_elements=cap)
+    assert decode_state(encode_state({"ids": np.arange(2 * cap)}, max_elements=cap), max_elements=cap)["ids"].size == 2 * cap
+
+
+def _elements(obj: Any) -> int:
+    """The slow twin: elements of a decoded tree (an ndarray or numpy scalar is one ext)."""
+    if isinstance(obj, list):
+        return 1 + sum(_elements(v) for v in obj)
+    if isinstance(obj, dict):
+        return 1 + sum(1 + _elements(v) for v in obj.values())
+    return 1
+
+
+_SIZES = st.sampled_from([0, 1, 31, 32, 255, 256, 65535, 65536])  # every width of str, bin and ext headers
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+                    | st.floats(allow_nan=False) | _SIZES.map(lambda n: "a" * n) | _SIZES.map(bytes)
+                    | _SIZES.map(lambda n: np.zeros(n // 2, np.int16)) | st.builds(np.float32, st.floats(width=32)),
+                    lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=5), inner, max_size=20),
+                    max_leaves=40))
+@settings(max_examples=150, deadline=None)
+def test_the_header_count_equals_the_decoded_count(obj: Any) -> None:
+    """The counter that runs before decoding agrees with counting the decoded tree (every header
+    width: fixstr to str32, bin8 to bin32, fixext to ext32, fixarray to array16, fixmap to map16)."""
+    data = encode_state(obj)
+    assert _count_elements(data, 1 << 40) == _elements(decode_state(data))
+
+
+def test_the_header_count_of_32_bit_containers() -> None:
+    for obj in ([None] * 70000, {str(i): None for i in range(70000)}):
+        data = encode_state(obj)
+        assert data[0] in (0xDD, 0xDF) and _count_elements(data, 1 << 40) == _elements(obj)

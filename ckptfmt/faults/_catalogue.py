@@ -7,6 +7,7 @@ garbage collection (:mod:`ckptfmt.faults._gcfaults`). Either way the prior step 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -67,6 +68,20 @@ def _stale(s: Scene) -> str:
     return f"{s.rel(new)} <- step 1's {s.rel(old)}"
 
 
+def _grown(s: Scene) -> str:
+    p = s.shard_path(2)
+    n = p.stat().st_size
+    os.truncate(p, n + s.grown_bytes)  # sparse: costs no disk, but a reader that reads to the end pays
+    return f"{s.rel(p)} grown from {n} to {n + s.grown_bytes} bytes (sparse)"
+
+
+def _fifo(s: Scene) -> str:
+    p = s.shard_path(2)
+    p.unlink()
+    os.mkfifo(p)  # opening it for reading would wait for a writer forever
+    return f"{s.rel(p)} replaced by a FIFO"
+
+
 def _dup_entry(s: Scene) -> str:
     def edit(doc: dict[str, Any]) -> None:
         t = doc["tensors"][TARGET_TENSOR]
@@ -79,6 +94,29 @@ def _dup_entry(s: Scene) -> str:
 
     s.edit_manifest(2, edit)
     return f"manifest: second entry for {TARGET_TENSOR} shard 0 (same box, same object)"
+
+
+def _chunk_overlap(s: Scene) -> str:
+    def edit(doc: dict[str, Any]) -> None:
+        ch = doc["tensors"][TARGET_TENSOR]["chunks"]
+        ch["offset"][1], ch["crc32c"][1] = ch["offset"][0], ch["crc32c"][0]
+
+    s.edit_manifest(2, edit)
+    return f"manifest: {TARGET_TENSOR} chunk row 1 given row 0's offset and crc32c (every crc32c still matches)"
+
+
+def _entries_swapped(s: Scene) -> str:
+    from ckptfmt.checksum import crc32c
+
+    lay, p = s.shard_layout(2), s.shard_path(2)
+    raw = bytearray(p.read_bytes())
+    a = lay["index_start"]
+    raw[a:a + 16], raw[a + 16:a + 32] = raw[a + 16:a + 32], raw[a:a + 16]
+    crc = crc32c(bytes(raw[a:-4]))
+    raw[-4:] = crc.to_bytes(4, "little")
+    p.write_bytes(bytes(raw))
+    s.edit_manifest(2, lambda doc: doc["tensors"][TARGET_TENSOR]["shards"]["index_crc32c"].__setitem__(TARGET_SHARD, crc))
+    return f"{s.rel(p)} index entries 0 and 1 swapped, index crc32c recomputed in the object and the manifest"
 
 
 def _dup_object(s: Scene) -> str:
@@ -150,6 +188,26 @@ def _manifest_over_cap(s: Scene) -> str:
     return f"{s.rel(p)} grown to {cap + 1} bytes (cap + 1, sparse)"
 
 
+def _metadata_too_deep(s: Scene) -> str:
+    deep: list[Any] = []
+    for _ in range(100):
+        deep = [deep]
+    s.edit_manifest(2, lambda d: d["metadata"].update(deep=deep))
+    return "manifest metadata nested to level 103 (the manifest's top-level object is level 1; the cap is 64)"
+
+
+def _manifest_value_flood(s: Scene) -> str:
+    from ckptfmt.manifest import MAX_MANIFEST_BYTES, MAX_STRUCTURAL_BYTES
+
+    cap = s.max_manifest_bytes or MAX_MANIFEST_BYTES
+    n = MAX_STRUCTURAL_BYTES * min(cap, MAX_MANIFEST_BYTES) // MAX_MANIFEST_BYTES  # empty arrays: one value each
+    doc = s.manifest_doc(2)
+    doc["metadata"]["flood"] = "@"
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    s.manifest_path(2).write_bytes(text.replace(b'"@"', b"[" + b"[]," * n + b"[]]") + b"\n")
+    return f"manifest metadata holds {n + 1:,} empty arrays ({3 * n + 3:,} bytes, within the size cap; cost ~75 B each decoded)"
+
+
 def _key_dotdot(s: Scene) -> str:
     outside = s.root.parent / "outside"
     shutil.copytree(s.root / s.manifest_doc(2)["tensors"][TARGET_TENSOR]["array"]["path"], outside)
@@ -198,6 +256,27 @@ def _state_hostile(s: Scene) -> str:
             + b"\xa4deep" + b"\x91" * 100_000 + b"\xc0")
     where = s.replace_state(2, data)
     return f"{where}: ext type 99 holding a pickle + 100k-deep nesting (manifest size/crc updated)"
+
+
+def _state_timestamp(s: Scene) -> str:
+    # ext -1, the msgpack timestamp: plain msgpack decodes it into a Timestamp on its own.
+    data = b"\x82\xa4step\x02\xa4when" + b"\xd6\xff" + (1767225600).to_bytes(4, "big")
+    where = s.replace_state(2, data)
+    return f"{where}: a msgpack timestamp (ext type -1) in the state (manifest size/crc updated)"
+
+
+def _state_duplicate_key(s: Scene) -> str:
+    # {"step": 2, "step": 7}: plain msgpack keeps the last value.
+    where = s.replace_state(2, b"\x82\xa4step\x02\xa4step\x07")
+    return f"{where}: a map holding the key 'step' twice (manifest size/crc updated)"
+
+
+def _state_element_flood(s: Scene) -> str:
+    from ckptfmt.state import MAX_ELEMENTS
+
+    n = MAX_ELEMENTS  # with the array itself, one element over the cap; 1 byte each, ~64 bytes decoded
+    where = s.replace_state(2, b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n)
+    return f"{where}: an array of {n:,} empty arrays ({n + 5:,} bytes, within the state cap; manifest size/crc updated)"
 
 
 def _state_oversized(s: Scene) -> str:
@@ -309,8 +388,12 @@ CATALOGUE: list[Fault] = [
     Fault("shard-missing", _SHARD, "disk", (E.MissingShardError,), _missing),
     Fault("shard-truncated", _SHARD, "disk", (E.SizeMismatchError,), _truncated),
     Fault("shard-stale", _SHARD, "disk", (_STALE,), _stale),
+    Fault("shard-grown", _SHARD, "disk", (E.SizeMismatchError,), _grown),
+    Fault("shard-fifo", _SHARD, "disk", (E.StorageError,), _fifo),
     Fault("shard-duplicate-entry", f"manifest, {TARGET_TENSOR}", "disk", (E.DuplicateShardError,), _dup_entry),
     Fault("shard-duplicate-object", _SHARD, "disk", (E.ChecksumMismatchError,), _dup_object),
+    Fault("manifest-chunk-overlap", f"manifest, {TARGET_TENSOR}", "disk", (E.InvalidManifestError,), _chunk_overlap),
+    Fault("index-entries-swapped", _SHARD + " index", "disk", (E.ChecksumMismatchError,), _entries_swapped),
     Fault("data-bitflip", _SHARD + " data", "disk", (E.ChecksumMismatchError,), _flip_data(0)),
     Fault("data-64-bytes", _SHARD + " data", "disk", (E.ChecksumMismatchError,), _flip_data(64)),
     Fault("index-bitflip", _SHARD + " index", "disk", (E.ChecksumMismatchError,), _flip_index(0)),
@@ -323,11 +406,16 @@ CATALOGUE: list[Fault] = [
     Fault("manifest-future-version", "manifests/<step 2>.json", "disk", (E.UnsupportedVersionError,),
           _manifest_future),
     Fault("manifest-over-cap", "manifests/<step 2>.json", "disk", (E.ManifestTooLargeError,), _manifest_over_cap),
+    Fault("manifest-value-flood", "manifests/<step 2>.json", "disk", (E.ManifestTooLargeError,), _manifest_value_flood),
+    Fault("manifest-too-deep", "manifest metadata", "disk", (E.InvalidManifestError,), _metadata_too_deep),
     Fault("manifest-key-dotdot", "manifest array.path", "disk", (E.InvalidManifestError,), _key_dotdot),
     Fault("manifest-key-absolute", "manifest state key", "disk", (E.InvalidManifestError,), _key_absolute),
     Fault("manifest-key-scheme", "manifest array.path", "disk", (E.InvalidManifestError,), _key_scheme),
     Fault("state-hostile", "global msgpack state", "disk", (E.InvalidStateError,), _state_hostile),
     Fault("state-oversized", "global msgpack state", "disk", (E.InvalidStateError,), _state_oversized),
+    Fault("state-element-flood", "global msgpack state", "disk", (E.InvalidStateError,), _state_element_flood),
+    Fault("state-timestamp", "global msgpack state", "disk", (E.InvalidStateError,), _state_timestamp),
+    Fault("state-duplicate-key", "global msgpack state", "disk", (E.InvalidStateError,), _state_duplicate_key),
     Fault("writer-sigkill", "save of step 3, rank 1", "save",
           (E.IncompleteSaveError, E.CoordinatorLostError, E.CoordinatorTimeoutError), _writer_killed),
     Fault("writer-sigkill-after-ack", "save of step 3, rank 1", "save",

@@ -48,6 +48,7 @@ class Context:
     force_fsize_fallback: bool = False  # test the ENOSPC fallback even where mounting works
     reader: Callable[[Any, int], Any] | None = None  # (repo, step) -> checkpoint; None: repo.open
     max_manifest_bytes: int | None = None  # a smaller manifest cap (tests); None: the core's default
+    grown_bytes: int = 4 << 30  # shard-grown's growth (tests use less: a naive reader reads it all)
     # Broken controls (tests only): each weakens one guarantee, and the outcome must then FAIL.
     after_save: Callable[[Scene], None] | None = None  # runs after a save fault, before the checks
     enospc_fill: bool = True         # False: the tmpfs is not filled, so the save has room
@@ -362,7 +363,7 @@ def run_fault(fault: Fault | str, base: Path, workdir: Path, ctx: Context | None
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    scene = Scene(run_dir / "repo", seed, ctx.max_manifest_bytes)
+    scene = Scene(run_dir / "repo", seed, ctx.max_manifest_bytes, ctx.grown_bytes)
     shutil.copytree(base, scene.root)
     try:
         if fault.kind == "disk":

@@ -37,6 +37,7 @@ class Scene:
     root: Path
     seed: int
     max_manifest_bytes: int | None = None  # None: the core's default cap
+    grown_bytes: int = 4 << 30  # how far shard-grown grows its object (sparse)
 
     @property
     def url(self) -> str:

@@ -18,6 +18,9 @@ CAP = 1 << 20
 DISK = [f.name for f in faults.CATALOGUE if f.kind == "disk"]
 SAVE = [f.name for f in faults.CATALOGUE if f.kind == "save"]
 GC = [f.name for f in faults.CATALOGUE if f.kind == "gc"]
+#: The naive reader blocks forever opening a FIFO (tests/test_reader.py shows that hang and
+#: unblocks it), and spends 10 s decoding the element flood (tests/test_state.py has its control).
+NAIVE_SKIP = {"shard-fifo", "state-element-flood"}
 CHECKSUM = ["shard-stale", "shard-duplicate-object", "data-bitflip", "data-64-bytes", "index-bitflip",
             "index-64-bytes"]
 
@@ -29,7 +32,7 @@ def base(tmp_path_factory):
 
 
 def _ctx(**kw) -> faults.Context:
-    return faults.Context(max_manifest_bytes=CAP, **kw)
+    return faults.Context(max_manifest_bytes=CAP, grown_bytes=64 << 20, **kw)
 
 
 def _explain(o: faults.Outcome) -> str:
@@ -71,7 +74,7 @@ def test_fault_outcome_is_terminal_and_correct(name, base, tmp_path):
 # ------------------------------------------------------------------------ broken controls
 
 
-@pytest.mark.parametrize("name", DISK)
+@pytest.mark.parametrize("name", [n for n in DISK if n not in NAIVE_SKIP])
 def test_control_naive_reader_exposes_or_fails_untyped(name, base, tmp_path):
     """The Orbax/DCP way of reading (no manifest checks, fill value for missing chunks)."""
     o = faults.run_fault(name, base, tmp_path, _ctx(reader=_controls.naive_reader))

@@ -1,0 +1,100 @@
+"""Checks of the bytes read from a shard object against its manifest (FORMAT.md 6.4, 9 step 6).
+
+:class:`BlockChecks` is mixed into :class:`ckptfmt.reader.Checkpoint`; every read path (positional,
+kvstore, verify) calls these, through the instance, before it hands anything back.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from .checksum import crc32c
+from .errors import ChecksumMismatchError, InvalidDataError, SizeMismatchError
+from .manifest import TensorEntry
+
+__all__ = ["BlockChecks"]
+
+#: An index entry of an inner chunk that is not stored: offset and nbytes both 2^64-1.
+_NOT_STORED = np.uint64(2**64 - 1)
+
+
+class BlockChecks:
+    """Shard, index, entry and chunk checks; each raises a CheckpointError naming the tensor and object."""
+
+    def _check_whole(self, t: TensorEntry, s: int, obj: str, buf: bytes, chunks: Sequence[int]) -> dict[int, memoryview]:
+        """Check a whole shard object (exact size, index, the given chunks) against the manifest;
+        returns a view of each checked chunk's stored bytes."""
+        nbytes = int(t.shards.nbytes[s])
+        if len(buf) != nbytes:
+            raise SizeMismatchError("shard object size differs from the manifest", key=t.key, object=obj,
+                                    expected=nbytes, found=len(buf))
+        mv = memoryview(buf)
+        self._check_index(t, s, obj, mv[nbytes - t.geometry.index_nbytes:])
+        out = {}
+        for c in chunks:
+            o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+            out[c] = mv[o:o + n]
+            self._check_chunk(t, c, obj, out[c])
+        return out
+
+    @classmethod
+    def _check_index(cls, t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
+        """The index's crc32c, recomputed and as stored, against the manifest; then its entries."""
+        want = int(t.shards.index_crc32c[s])
+        got = crc32c(index[:-4])
+        stored = int.from_bytes(index[-4:], "little")
+        if got != want or stored != want:
+            raise ChecksumMismatchError("shard index checksum differs from the manifest (corrupt or stale)",
+                                        key=t.key, object=obj, expected=want, found=got if got != want else stored)
+        cls._check_entries(t, s, obj, index)
+
+    @staticmethod
+    def _check_entries(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
+        """Every index entry equals the manifest (FORMAT.md 6.4): a stored chunk's entry its chunk-table
+        row, every other entry the not-stored marker. The crc32c values alone do not show that the
+        chunk table describes this index."""
+        g = t.geometry
+        c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
+        if c1 - c0 == math.prod(g.inner):  # every inner chunk stored: the entries are the rows, in order
+            rows = np.empty((c1 - c0, 2), "<u8")
+            rows[:, 0], rows[:, 1] = t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]
+            if index[:-4] == rows.tobytes():
+                return
+        off = t.shards.offset[s]
+        counts = tuple(-(-min(ss, n - int(o)) // c) for ss, n, o, c in zip(g.shard_shape, g.shape, off, g.chunk_shape))
+        want = np.full(g.inner + (2,), _NOT_STORED, np.uint64)
+        want[tuple(slice(0, k) for k in counts)] = np.stack(
+            [t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]], axis=-1).reshape(counts + (2,))
+        got = np.frombuffer(index[:-4], "<u8").reshape(want.shape)
+        if not np.array_equal(got, want):
+            flat = int(np.flatnonzero(np.any((got != want).reshape(-1, 2), axis=1))[0])
+            cell = tuple(int(i) for i in np.unravel_index(flat, g.inner)) if g.inner else ()
+            raise ChecksumMismatchError("shard index entry differs from the manifest's chunk table", key=t.key,
+                                        object=f"{obj} index entry {cell}",
+                                        expected=[int(x) for x in want.reshape(-1, 2)[flat]],
+                                        found=[int(x) for x in got.reshape(-1, 2)[flat]])
+
+    @staticmethod
+    def _check_chunk(t: TensorEntry, c: int, obj: str, mv: Any, trailer: Any = None) -> None:
+        """Check one stored chunk against the manifest: its length, and the crc32c of its data both
+        as recomputed and as stored in its trailer. ``trailer`` given: ``mv`` is the data alone."""
+        want = int(t.chunks.crc32c[c])
+        data, tail = (mv[:-4], mv[-4:]) if trailer is None else (mv, trailer)
+        if len(memoryview(data).cast("B")) + len(tail) != int(t.chunks.nbytes[c]):
+            raise SizeMismatchError("chunk byte range is short", key=t.key, object=obj,
+                                    expected=int(t.chunks.nbytes[c]), found=len(memoryview(data).cast("B")) + len(tail))
+        got = crc32c(data)
+        stored = int.from_bytes(bytes(tail), "little")
+        if got != want or stored != want:
+            raise ChecksumMismatchError("chunk checksum differs from the manifest (corrupt or stale data)",
+                                        key=t.key, object=f"{obj} bytes [{int(t.chunks.offset[c])}, +{int(t.chunks.nbytes[c])})",
+                                        expected=want, found=got if got != want else stored)
+        if t.dtype == "bool":  # FORMAT.md 5.6: 0x00 or 0x01 only; numpy would hand any other byte on as True
+            raw = np.frombuffer(data, np.uint8)
+            if raw.max() > 1:
+                at = int(np.argmax(raw > 1))
+                raise InvalidDataError("bool tensor holds a byte other than 0x00 and 0x01", key=t.key,
+                                       object=f"{obj} byte {int(t.chunks.offset[c]) + at}",
+                                       expected="0x00 or 0x01", found=f"0x{int(raw[at]):02x}")
