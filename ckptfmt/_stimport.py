@@ -24,12 +24,15 @@ from ._types import Box, LocalShard
 from .dtypes import dtype_name, numpy_dtype
 from .errors import CheckpointError, InvalidSourceError, ShapeMismatchError
 
-__all__ = ["ImportTensor", "ImportReport", "import_tensors", "row_boxes", "BLOCK_BYTES", "SAVE_WINDOW"]
+__all__ = ["ImportTensor", "ImportReport", "import_tensors", "row_boxes", "BatchReader", "BLOCK_BYTES", "SAVE_WINDOW",
+           "BATCH_BYTES"]
 
 #: Largest block read from a source at once (a row block of one tensor; one row when rows are larger).
 BLOCK_BYTES = 64 << 20
 #: The import's save keeps at most about this many bytes of written blocks in flight.
 SAVE_WINDOW = 64 << 20
+#: Whole tensors a :class:`BatchReader` loads at once (a larger tensor alone).
+BATCH_BYTES = 64 << 20
 
 Progress = Callable[[int, int], None]
 
@@ -75,13 +78,14 @@ def row_boxes(shape: tuple[int, ...], itemsize: int, block_bytes: int = BLOCK_BY
 
 def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, provenance: Mapping[str, Any],
                    progress: Progress | None = None, block_bytes: int = BLOCK_BYTES,
-                   options: Any = None) -> ImportReport:
+                   options: Any = None, state: Any = None) -> ImportReport:
     """Save ``tensors`` as step ``step`` of the repository at ``url`` (one process), streaming.
 
     Returns an :class:`ImportReport` once the step is committed. On any failure nothing is
     committed and the first error a source read raised (a CheckpointError: ChecksumMismatchError,
     SizeMismatchError, MissingShardError, InvalidSourceError ...) is raised, else the save's own.
-    ``provenance`` (plain JSON) becomes ``metadata["import"]``.
+    ``provenance`` (plain JSON) becomes ``metadata["import"]``; ``state`` the global non-tensor
+    state (e.g. the JAX profile's record of scalar leaves).
     """
     from .session import SaveOptions, save
 
@@ -100,7 +104,7 @@ def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, prov
             shards.append(LocalShard(t.key, tuple(t.shape), dt, box, _producer(t, box, dt, failures, done, total, progress)))
     opts = options if options is not None else SaveOptions(max_inflight_bytes=SAVE_WINDOW)
     try:
-        save(url, step, shards, metadata={"import": dict(provenance)}, options=opts)
+        save(url, step, shards, state=state, metadata={"import": dict(provenance)}, options=opts)
     except CheckpointError as e:
         if failures:
             raise failures[0] from e
@@ -124,3 +128,39 @@ def _producer(t: ImportTensor, box: Box, dt: np.dtype, failures: list[Checkpoint
             progress(done[0], total)
         return arr
     return produce
+
+
+class BatchReader:
+    """Serves blocks of whole tensors that a foreign library loads (Orbax, DCP): ``load(keys)`` ->
+    {key: array} loads a batch of at most ``batch_bytes`` (in key order; a larger tensor alone)
+    when one of them is first asked for; a tensor is dropped once every byte of it was served, so
+    it holds about one batch (or one tensor) at a time when blocks are asked for in key order."""
+
+    def __init__(self, nbytes: Mapping[str, int], load: Callable[[list[str]], Mapping[str, np.ndarray]],
+                 batch_bytes: int = BATCH_BYTES) -> None:
+        self.load = load
+        self.cache: dict[str, np.ndarray] = {}
+        self.served: dict[str, int] = {}
+        self.batch_of: dict[str, list[str]] = {}
+        batch: list[str] = []
+        held = 0
+        for k in sorted(nbytes):
+            if batch and held + nbytes[k] > batch_bytes:
+                batch, held = [], 0
+            batch.append(k)
+            held += nbytes[k]
+            self.batch_of[k] = batch
+
+    def read(self, key: str, box: Box) -> np.ndarray:
+        """The block at ``box`` of tensor ``key`` (a fresh C-ordered array unless it is the whole)."""
+        if key not in self.cache:
+            todo = [k for k in self.batch_of[key] if k not in self.served or k == key]
+            for k, arr in self.load(todo).items():
+                self.cache[k] = arr
+                self.served.setdefault(k, 0)
+        arr = self.cache[key]
+        block = arr if box.shape == arr.shape else arr[box.slices()].copy()  # a copy: the tensor goes once served
+        self.served[key] += int(block.nbytes)
+        if self.served[key] >= arr.nbytes:
+            del self.cache[key]
+        return block if block.flags.c_contiguous else block.copy(order="C")
