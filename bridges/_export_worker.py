@@ -3,7 +3,7 @@ RANK WORLD`` with the export's spec (JSON) on stdin.
 
 It opens the step, plans the export exactly as the parent did (the plan digests must agree, or it
 writes nothing), writes the files whose number ``i`` has ``i % WORLD == RANK``, and prints JSON
-lines on stdout: ``{"done": bytes}`` as it goes, then ``{"ok": [files]}`` or ``{"error": {...}}``
+lines on stdout: ``{"done": bytes}`` as it goes, then ``{"ok": [files], "bytes_read": n}`` or ``{"error": {...}}``
 (a CheckpointError's JSON; exit status 1).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     except CheckpointError as e:
         print(json.dumps({"error": e.to_json()}), flush=True)
         return 1
-    print(json.dumps({"ok": files}), flush=True)
+    print(json.dumps({"ok": files, "bytes_read": int(ckpt.stats.bytes_read)}), flush=True)
     return 0
 
 

@@ -36,7 +36,8 @@ from ._export_map import PRESETS, mapped_tensors, preset_mapping, strip_target_p
 from ._mapfile import load_mapping_file, mapping_from_json, mapping_to_json
 from ._rules import Mapping
 
-__all__ = ["export", "import_orbax", "import_dcp", "import_safetensors", "load_mapping", "preset_mapping",
+__all__ = ["export", "import_checkpoint", "import_orbax", "import_dcp", "import_safetensors", "load_mapping",
+           "preset_mapping", "IMPORT_FORMATS",
            "strip_target_prefix", "mapping_to_json", "mapping_from_json", "mapped_tensors", "PRESETS"]
 
 Progress = Callable[[int, int], None]
@@ -50,13 +51,22 @@ def load_mapping(spec: str | Mapping | None, config: Any = None) -> Mapping | No
     if spec in PRESETS:
         if config is None:
             raise ValueError(f"the preset {spec!r} needs the model's config (--config config.json)")
-        if isinstance(config, (str, os.PathLike)):
-            with open(config, encoding="utf-8") as fh:
-                config = json.load(fh)
-        return preset_mapping(spec, config)
+        return preset_mapping(spec, _read_config(config) if isinstance(config, (str, os.PathLike)) else config)
     if os.path.isfile(spec):
         return load_mapping_file(spec)
     raise ValueError(f"--mapping {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a mapping file")
+
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def _read_config(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a model config is a JSON object")
+    return doc
 
 
 def _tensors_for(mapping: Mapping | None, dtype: str | None) -> Any:
@@ -65,17 +75,19 @@ def _tensors_for(mapping: Mapping | None, dtype: str | None) -> Any:
     return lambda ckpt: mapped_tensors(ckpt, mapping, dtype)[:2]
 
 
-def export(url: str, out_dir: str, *, mapping: Mapping | None = None, step: int | None = None,
+def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step: int | None = None,
            dtype: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-           config: TMapping[str, Any] | None = None, processes: int = 1,
+           config: TMapping[str, Any] | str | os.PathLike | None = None, processes: int = 1,
            progress: Progress | None = None) -> ExportReport:
     """Export step ``step`` (None: latest) of ``url`` as a Hugging Face safetensors directory.
 
-    ``mapping`` (checkpoint keys -> file names and layouts; None: every tensor as is): e.g.
-    ``preset_mapping("hf_llama_from_nnx", config)``. Checkpoint keys that no output reads are
-    left out and listed in the report's ``unmapped``. ``dtype`` casts floating-point tensors.
+    ``mapping`` (checkpoint keys -> file names and layouts; None: every tensor as is): a Mapping
+    (e.g. ``preset_mapping("hf_llama_from_nnx", config)``), a preset name or a mapping file
+    (:func:`load_mapping`). Checkpoint keys that no output reads are left out and listed in the
+    report's ``unmapped``. ``dtype`` casts floating-point tensors (``bfloat16``, ``float16``, ...).
     ``processes``: writer processes (this one and N-1 started here), each writing whole files.
-    ``config`` becomes ``config.json``. ``progress(done, total)``: tensor bytes written by all.
+    ``config`` (a dict or a ``config.json`` path) becomes ``config.json`` and configures a preset.
+    ``progress(done, total)``: tensor bytes written by all writers.
 
     Streaming and verified as :func:`ckptfmt.interop.export_safetensors` (host memory: the reader's
     window and one block per process). Fails closed: MappingError (a rule that does not fit),
@@ -85,6 +97,12 @@ def export(url: str, out_dir: str, *, mapping: Mapping | None = None, step: int 
     t0 = time.perf_counter()
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
+    if isinstance(config, (str, os.PathLike)):
+        config = _read_config(config)
+    mapping = load_mapping(mapping, config)
+    dtype = _DTYPE_ALIASES.get(dtype, dtype) if dtype is not None else None
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: one of {', '.join(_FLOAT_DTYPES)} (floating-point tensors are cast)")
     ckpt, plan, unmapped = prepare_export(url, step=step, tensors=_tensors_for(mapping, dtype), dtype=dtype,
                                           max_shard_size=max_shard_size)
     check_out_dir(out_dir)
@@ -117,14 +135,15 @@ def export(url: str, out_dir: str, *, mapping: Mapping | None = None, step: int 
             except OSError:
                 pass
         raise
+    read = int(ckpt.stats.bytes_read) + sum(int((w.result or {}).get("bytes_read", 0)) for w in workers)
     return ExportReport(str(out_dir), tuple(f.name for f in plan.files), sum(len(f.tensors) for f in plan.files),
-                        plan.nbytes, int(ckpt.stats.bytes_read), time.perf_counter() - t0, plan.step, plan.save_id,
-                        tuple(unmapped))
+                        plan.nbytes, read, time.perf_counter() - t0, plan.step, plan.save_id, tuple(unmapped))
 
 
 class _Worker:
     """One more writer process: ``python -m bridges._export_worker RANK WORLD`` with the spec on
-    stdin; it prints ``{"done": bytes}`` lines, then ``{"ok": [files]}`` or ``{"error": {...}}``."""
+    stdin; it prints ``{"done": bytes}`` lines, then ``{"ok": [files], "bytes_read": n}`` or
+    ``{"error": {...}}``."""
 
     def __init__(self, spec: dict[str, Any], rank: int, world: int, report: Callable[[int, int], None]) -> None:
         self.rank, self.report, self.result = rank, report, None  # type: ignore[var-annotated]
@@ -189,3 +208,25 @@ def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
     :func:`bridges._dcp_import.import_dcp`)."""
     from ._dcp_import import import_dcp as run
     return run(src, url, step=step, prefix=prefix, progress=progress)
+
+
+#: Formats :func:`import_checkpoint` reads.
+IMPORT_FORMATS = ("safetensors", "orbax", "dcp")
+
+
+def import_checkpoint(src: str, url: str, *, source_format: str, step: int | None = None, prefix: str = "",
+                      trust_pickle: bool = False, progress: Progress | None = None) -> ImportReport:
+    """The ``ckptfmt import`` verb: ``src`` in ``source_format`` (:data:`IMPORT_FORMATS`) -> one
+    committed step of ``url``. DCP needs ``trust_pickle=True`` (its metadata is a pickle: trusted
+    sources only). ValueError for an unknown format or a DCP import without that consent; otherwise
+    fails closed as the format's importer does."""
+    if source_format == "safetensors":
+        return import_safetensors(src, url, step=step, prefix=prefix, progress=progress)
+    if source_format == "orbax":
+        return import_orbax(src, url, step=step, prefix=prefix, progress=progress)
+    if source_format == "dcp":
+        if not trust_pickle:
+            raise ValueError("a DCP checkpoint's .metadata is a Python pickle: loading it runs code from the file. "
+                             "Import only a checkpoint you trust, and say so with --trust-pickle.")
+        return import_dcp(src, url, step=step, prefix=prefix, progress=progress)
+    raise ValueError(f"unknown source format {source_format!r}; one of {', '.join(IMPORT_FORMATS)}")
