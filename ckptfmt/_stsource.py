@@ -47,7 +47,7 @@ __all__ = ["SafetensorsSource", "SourceTensor", "SourceManifest", "find_safetens
 #: Largest index file accepted (a 400B-parameter model's index is a few MB).
 MAX_INDEX_BYTES = 64 << 20
 #: Bytes fetched and held at once by one read (the checksummed path's scratch, in block units).
-READ_WINDOW = 64 << 20
+READ_WINDOW = 16 << 20
 #: Remote stores: byte ranges closer than this are fetched as one request.
 REMOTE_GAP = 64 << 10
 _FILE_NAME = re.compile(r"[^/\\\x00]{1,255}")
@@ -169,8 +169,8 @@ class SafetensorsSource:
         self.file_sizes: dict[str, int] = {}
         self.file_metadata: dict[str, dict[str, str]] = {}
         tensors: dict[str, SourceTensor] = {}
-        for f in files:
-            header = self._header(f)
+        headers = {f: self._header(f) for f in files}  # every file present and consistent first
+        for f, header in headers.items():
             self.file_sizes[f] = header.size
             self.file_metadata[f] = dict(header.metadata)
             crcs, block = self._checksums(f, header.tensors.values(), header.metadata, header.data_start)
@@ -377,12 +377,13 @@ class SafetensorsSource:
                 for (rs, re_), buf in zip(group, bufs):
                     _check_blocks(t, rs, re_, buf)
             for (rs, re_), buf in zip(group, bufs):
-                if buf is not None:
+                if buf is not None and not np.may_share_memory(buf, flat):
                     _copy_runs(starts, run, rs, re_, buf, flat)
 
     def _fetch(self, t: SourceTensor, group: list[tuple[int, int]], fds: dict[str, int], starts: np.ndarray,
                run: int, flat: np.ndarray) -> list[Any]:
-        """Bytes of each range; None where an unchecked range was read straight into the output."""
+        """Bytes of each range (a view of the output where it was read in place; None where no check
+        needs it)."""
         self.stats.requests += len(group)
         self.stats.bytes_read += sum(b - a for a, b in group)
         if self.storage.local_root is not None:
@@ -395,11 +396,13 @@ class SafetensorsSource:
                                             object=t.file, expected=self.file_sizes[t.file], found=size)
             out: list[Any] = []
             for a, b in group:
-                i = int(np.searchsorted(starts, a))
-                if t.crcs is None and b - a == run and i < len(starts) and int(starts[i]) == a:
-                    # one whole run, nothing to check it against: straight into its place
-                    Storage.pread_into(fd, [flat[i * run:(i + 1) * run]], a, key=t.file, tensor=t.key)
-                    out.append(None)
+                i = int(np.searchsorted(starts, a, side="right")) - 1
+                if i >= 0 and b <= int(starts[i]) + run:
+                    # inside one run: read straight into its place in the output, which is handed
+                    # out only after every block read for it has been checked
+                    at = i * run + (a - int(starts[i]))
+                    Storage.pread_into(fd, [flat[at:at + (b - a)]], a, key=t.file, tensor=t.key)
+                    out.append(None if t.crcs is None else flat[at:at + (b - a)])
                     continue
                 buf = np.empty(b - a, np.uint8)
                 Storage.pread_into(fd, [buf], a, key=t.file, tensor=t.key)
