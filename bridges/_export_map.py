@@ -20,6 +20,7 @@ from ckptfmt._stexport import natural_key
 
 from ._joins import Stack
 from ._rules import Mapping, Rule, _compile, _fill, _placeholders
+from ._chain import MappingError
 from ._transforms import NotApplicable, Select
 
 __all__ = ["mapped_tensors", "strip_target_prefix", "PRESETS", "preset_mapping"]
@@ -51,23 +52,28 @@ def preset_mapping(name: str, config: Any, **kwargs: Any) -> Mapping:
     return strip_target_prefix(m, "model/")
 
 
-def _select_sizes(rule: Rule, names: Sequence[str], shape: tuple[int, ...]) -> list[int] | None:
-    """The stacked length behind each Select placeholder in ``names``, from the source's shape."""
-    out = {}
-    ops = [op.bind({n: 0 for n in rule.index_names}) if not isinstance(op, Stack) else op for op in rule.transforms]
+def _select_sizes(rule: Rule, names: Sequence[str], key: str, shape: tuple[int, ...]) -> list[int]:
+    """The stacked length behind each Select placeholder in ``names``, from the source's shape.
+    MappingError when the rule's transforms before a Select do not apply to that shape."""
+    out: dict[str, int] = {}
     level = tuple(shape)
-    for raw, op in zip(rule.transforms, ops):
+    for i, raw in enumerate(rule.transforms):
         if isinstance(raw, Select) and isinstance(raw.index, str) and raw.index in names:
             if raw.axis >= len(level):
-                return None
+                raise MappingError(f"{rule.describe()} does not apply: Select(axis={raw.axis}) of a {len(level)}-d "
+                                   "tensor", key=key, expected=f"> {raw.axis} dims", found=shape)
             out[raw.index] = raw.size if raw.size is not None else level[raw.axis]
-        if op.join:
+        if len(out) == len(names) or raw.join:
             break
         try:
-            level = op.out_shape(level)
-        except NotApplicable:
-            return None
-    return [out[n] for n in names] if all(n in out for n in names) else None
+            level = raw.bind({n: 0 for n in rule.index_names}).out_shape(level)
+        except NotApplicable as e:
+            raise MappingError(f"{rule.describe()} does not apply: transform {i} {raw} -- {e.reason}", key=key,
+                               expected=e.expected, found=e.found) from None
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise MappingError(f"{rule.describe()}: no Select before its join names {missing}", key=key)
+    return [out[n] for n in names]
 
 
 def _targets(mapping: Mapping, rule: Rule, keys: Sequence[str], shapes: dict[str, tuple[int, ...]],
@@ -89,10 +95,7 @@ def _targets(mapping: Mapping, rule: Rule, keys: Sequence[str], shapes: dict[str
             notes.append(f"{rule.describe()}: target placeholder(s) {[n for n in free if n not in selects]} "
                          "cannot be named from the checkpoint; not exported")
             return []
-        sizes = _select_sizes(rule, free, shapes[key]) if free else []
-        if sizes is None:
-            notes.append(f"{rule.describe()} does not fit {key!r} {shapes[key]}")
-            continue
+        sizes = _select_sizes(rule, free, key, shapes[key]) if free else []
         for combo in product(*(range(n) for n in sizes)):
             out.append((_fill(rule.target, {**bound, **dict(zip(free, combo))}), len(shapes[key])))
     return out

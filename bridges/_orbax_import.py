@@ -147,8 +147,16 @@ class _Reader:
         return out
 
     def _arrays(self, keys: list[str]) -> dict[str, np.ndarray]:
+        try:
+            got = self._restore(keys, as_numpy=True)
+        except CheckpointError:
+            if len(keys) == 1:
+                raise
+            for k in keys:  # name the leaf that fails, not its batch
+                self._restore([k], as_numpy=True)
+            raise
         out = {}
-        for k, v in self._restore(keys, as_numpy=True).items():
+        for k, v in got.items():
             arr = np.asarray(v)
             shape, dt = self.arrays[k]
             if tuple(arr.shape) != shape or dtype_name(arr.dtype) != dt:

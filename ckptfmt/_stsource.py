@@ -163,6 +163,7 @@ class SafetensorsSource:
         self.base, name = where
         self.storage = Storage(self.base, options)
         self.stats = ReadStats()
+        self.header_bytes = 0  # read at open (counted in stats.bytes_read too)
         self.index_name = name if name.endswith(".index.json") else None
         self.index_metadata: dict[str, Any] = {}
         files, weight_map = self._files(name)
@@ -229,6 +230,7 @@ class SafetensorsSource:
                 raise SizeMismatchError("safetensors file size differs from its header", object=f,
                                         expected=f"{header.size} bytes", found=faults[0])
         self.stats.bytes_read += 8 + n
+        self.header_bytes += 8 + n
         return header
 
     def _range(self, f: str, start: int, stop: int, size: int | None) -> bytes:
