@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import time
 from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -38,7 +37,8 @@ from .dtypes import DTYPES, dtype_name, numpy_dtype
 from .errors import StorageError
 
 __all__ = ["ExportTensor", "ExportFile", "ExportPlan", "ExportReport", "Identity", "plan_export", "write_part",
-           "finish_export", "parse_size", "natural_key", "INDEX_NAME", "CRC_BLOCK", "BLOCK_BYTES", "READ_WINDOW"]
+           "finish_export", "check_out_dir", "output_dtype", "parse_size", "natural_key", "INDEX_NAME", "CRC_BLOCK",
+           "BLOCK_BYTES", "READ_WINDOW"]
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Bytes per checksummed block of a tensor (recorded in each file; readers take it from there).
@@ -368,7 +368,3 @@ def output_dtype(source: str, dtype: str | None) -> str:
     want = dtype_name(numpy_dtype(dtype) if dtype in DTYPES else np.dtype(dtype))
     floating = source.startswith(("float", "bfloat"))
     return want if floating else source
-
-
-def now() -> float:
-    return time.perf_counter()

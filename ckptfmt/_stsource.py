@@ -32,13 +32,13 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from ._alloc import allocate, check_outputs_fit
-from ._safetensors import (META_BLOCK, META_CRC, META_TABLE_CRC, META_VERSION, StEntry, bool_bytes_valid,
-                           header_size, parse_header, table_crc)
+from ._safetensors import (META_BLOCK, META_CRC, META_TABLE_CRC, META_VERSION, bool_bytes_valid, header_size,
+                           parse_header, table_crc)
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
 from .errors import (ChecksumMismatchError, InvalidDataError, InvalidSourceError, KeyMismatchError,
-                     ShapeMismatchError, SizeMismatchError, StepNotFoundError)
+                     ShapeMismatchError, SizeMismatchError)
 from .reader import ReadStats, check_rank_state_policy
 from .storage import Storage
 
@@ -368,9 +368,7 @@ class SafetensorsSource:
         if t.crcs is None:
             ranges = _merge(starts, ends, 0 if local else REMOTE_GAP)
         else:
-            b0, b1 = (starts - t.begin) // t.block, (ends - 1 - t.begin) // t.block
-            blocks = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(b0.tolist(), b1.tolist())])) \
-                if len(b0) < 4096 else _block_union(b0, b1)
+            blocks = _block_union((starts - t.begin) // t.block, (ends - 1 - t.begin) // t.block)
             ranges = [(t.begin + int(a) * t.block, min(t.end, t.begin + (int(b) + 1) * t.block))
                       for a, b in _consecutive(blocks)]
         for group in _groups(ranges, READ_WINDOW):
@@ -452,6 +450,7 @@ def _merge(starts: np.ndarray, ends: np.ndarray, gap: int) -> list[tuple[int, in
 
 
 def _block_union(b0: np.ndarray, b1: np.ndarray) -> np.ndarray:
+    """Sorted indexes of every block in the union of the inclusive ranges [b0[i], b1[i]]."""
     mark = np.zeros(int(b1.max()) + 2, np.int64)
     np.add.at(mark, b0, 1)
     np.add.at(mark, b1 + 1, -1)

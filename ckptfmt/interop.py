@@ -31,9 +31,10 @@ from .errors import StepNotFoundError
 from .repository import Repository
 
 __all__ = ["open_source", "export_safetensors", "prepare_export", "import_safetensors", "import_tensors",
-           "SafetensorsSource", "SourceTensor", "find_safetensors", "ExportTensor", "ExportFile", "ExportPlan",
-           "ExportReport", "ImportTensor", "ImportReport", "Identity", "parse_size", "check_out_dir",
-           "write_part", "finish_export", "output_dtype", "CRC_BLOCK", "MAX_HEADER_BYTES", "DEFAULT_MAX_SHARD_SIZE"]
+           "identity_tensors", "safetensors_provenance", "SafetensorsSource", "SourceTensor", "find_safetensors",
+           "ExportTensor", "ExportFile", "ExportPlan", "ExportReport", "ImportTensor", "ImportReport", "Identity",
+           "parse_size", "check_out_dir", "write_part", "finish_export", "output_dtype", "CRC_BLOCK", "BLOCK_BYTES",
+           "MAX_HEADER_BYTES", "DEFAULT_MAX_SHARD_SIZE"]
 
 #: transformers' own default for ``save_pretrained(max_shard_size=...)``.
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -140,6 +141,3 @@ def import_safetensors(src: str, url: str, *, step: int | None = None, prefix: s
                for k in sorted(source.keys(), key=natural_key)]
     return import_tensors(url, source.step if step is None else step, tensors,
                           provenance=safetensors_provenance(source, str(src)), progress=progress)
-
-
-__all__ += ["identity_tensors", "safetensors_provenance", "BLOCK_BYTES"]

@@ -173,5 +173,5 @@ def test_dcp_import_then_torch_load_at_4_ranks(work):
     res = run_world("interop_side:load_dcp", 4, work, {"url": str(url)})
     for rank, x in enumerate(res):
         assert all(x["same"].values()), (rank, x)
-    print(f"DCP (8 ranks) -> import -> bridges.torch.load (4 ranks): bit for bit; read per rank "
+    print("DCP (8 ranks) -> import -> bridges.torch.load (4 ranks): bit for bit; read per rank "
           + ", ".join(f"{x['bytes_read']:,} B" for x in res))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -27,6 +26,7 @@ from ckptfmt.errors import (ChecksumMismatchError, InvalidDataError, InvalidSour
                             MissingShardError, SizeMismatchError, StepNotFoundError)
 from ckptfmt.interop import (SafetensorsSource, export_safetensors, import_safetensors, open_source,  # noqa: E402
                              parse_size)
+from s3server import s3_env, s3_server  # noqa: E402,F401  (pytest fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -327,8 +327,6 @@ def test_export_reads_are_verified_and_a_corrupt_step_leaves_nothing(exported, t
 
 def test_sharded_directory_on_s3(tmp_path, s3_env):
     """A sharded directory (index + 3 files) on S3: opened and read in place (ranges), imported."""
-    import boto3  # noqa: F401
-
     t = _tensors(6)
     names = sorted(t)
     d = tmp_path / "hf"
@@ -346,9 +344,6 @@ def test_sharded_directory_on_s3(tmp_path, s3_env):
     import_safetensors(s3_env.url("hf"), url)
     ck = Repository(url).open()
     assert all(_same(ck.read(k), v) for k, v in t.items())
-
-
-from s3server import s3_env, s3_server  # noqa: E402,F401  (pytest fixtures)
 
 
 # ------------------------------------------------------------------ memory bound
