@@ -48,6 +48,7 @@ from ckptfmt import Box, LocalShard, Repository, SaveOptions
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt import save as _core_save
 from ckptfmt.reader import RANK_STATE_POLICIES as _CORE_POLICIES, check_rank_state_policy
+from ckptfmt.interop import open_source
 from ckptfmt.errors import (CheckpointError, StepNotFoundError, InvalidStateError, KeyMismatchError, SaveInProgressError,
                             ShapeMismatchError, TopologyChangedError)
 
@@ -234,8 +235,7 @@ def _resolve_step(repo: Repository, step: int | None) -> int | None:
 
 
 def _open(url: str, step: int | None) -> Any:
-    repo = Repository(url)
-    return repo.open(_resolve_step(repo, step))
+    return open_source(url, step, resolve=_resolve_step)  # a committed step, or a safetensors source
 
 
 def _bridge_state(ckpt: Any) -> dict[str, Any]:
@@ -448,6 +448,9 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     ``stats``, if given, is filled with phase timings (``open_s``, ``plan_s``, ``read_s`` -- read
     and verify --, ``build_s``), ``bytes_restored``, the reader's counters and ``report`` (a
     :class:`bridges.mapping.LoadReport`: loaded, kept, missing, unexpected keys).
+
+    ``url`` may also name a safetensors file or directory (``save_pretrained``'s): it is read in
+    place, each process reading only the byte ranges of its own boxes (``ckptfmt.interop``).
 
     Fails closed: StepNotFoundError, KeyMismatchError (a target key the checkpoint lacks),
     ShapeMismatchError (shape, dtype or PRNG implementation differs; MappingError, a subclass,

@@ -35,6 +35,7 @@ from ckptfmt._types import Box, LocalShard, TensorSharding
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import InvalidStateError, KeyMismatchError, SaveInProgressError, ShapeMismatchError
 from ckptfmt.reader import check_rank_state_policy
+from ckptfmt.interop import open_source
 from ckptfmt.state import decode_state, encode_state
 
 from ._extra import json_keys
@@ -440,6 +441,9 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     (see :mod:`bridges.mapping`, :mod:`bridges.presets`); without one, keys must be equal. Each
     rank reads only the source boxes its target values need.
 
+    ``url`` may also name a safetensors file or directory (``save_pretrained``'s): it is read in
+    place, each process reading only the byte ranges of its own boxes (``ckptfmt.interop``).
+
     Fails closed: missing or unexpected keys raise KeyMismatchError naming them and, for a
     missing key, why each matching rule did not apply. ``strict=False`` keeps the target's value
     for a missing key, reports it (``Loaded.report``) and warns with KeptValuesWarning. A rule that
@@ -453,8 +457,7 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     """
     check_rank_state_policy(rank_policy)  # a usage error, raised before anything is opened
     mapping = mapping or IDENTITY
-    repo = ckptfmt.Repository(url)
-    ckpt = repo.open(_agreed_step(repo, step))
+    ckpt = open_source(url, step, resolve=_agreed_step)  # a committed step, or a safetensors source
     src_keys = set(ckpt.keys())
     gstate = ckpt.state() or {}
     saved_objects = _saved_objects(gstate)

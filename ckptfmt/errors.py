@@ -16,6 +16,7 @@ __all__ = [
     "InvalidURLError",
     "NotARepositoryError",
     "InvalidDataError", "AllocationError",
+    "InvalidSourceError",
 ]
 
 
@@ -143,3 +144,8 @@ class SaveInProgressError(CheckpointError):
 
 class NotARepositoryError(CheckpointError):
     """A collector found no ckptfmt repository at the URL (FORMAT.md 4.5), so it deleted nothing."""
+
+
+class InvalidSourceError(CheckpointError):
+    """A source of another format (a safetensors header or index, an Orbax or DCP checkpoint) is
+    malformed or inconsistent; nothing was read past the check that failed (docs/INTEROP.md)."""

@@ -414,7 +414,12 @@ def _write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dic
     if opts.jitter_s > 0 and mine:
         time.sleep(secrets.SystemRandom().uniform(0, opts.jitter_s))
     pace_start, paced = time.monotonic(), 0
-    for p, it in mine:
+    # A block made by a callable (lazy data: device-to-host copies, an import's source reads) is
+    # let go after its last write is issued, and counted as in flight until the writes drain
+    # (they may view it): a save then holds about one such block plus the window, not all of them.
+    lazy_last = {id(h): n for n, (p, it) in enumerate(mine)
+                 if callable((h := _find_holder(local[p.key], it.box)).data)}
+    for n_item, (p, it) in enumerate(mine):
         holder = _find_holder(local[p.key], it.box)
         src = cache.get(id(holder))
         if src is None:
@@ -438,6 +443,8 @@ def _write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dic
             raise StorageError("write failed", key=p.key, object=f"{it.cell}", found=str(e)[:300]) from None
         pending.append((fut, p.index))
         inflight += block.nbytes
+        if lazy_last.get(id(holder)) == n_item:
+            inflight += cache.pop(id(holder)).nbytes
         if opts.max_write_bytes_per_s:
             paced += block.nbytes
             ahead = paced / opts.max_write_bytes_per_s - (time.monotonic() - pace_start)

@@ -290,6 +290,9 @@ def drill_cmd(ctx: typer.Context) -> None:
     _delegate("ckptfmt.drill", ctx.args)
 
 
+from ckptfmt.cli import _interop as _interop  # noqa: E402,F401  (registers export and import)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``ckptfmt`` console script and of ``python -m ckptfmt``."""
     app(args=argv, prog_name="ckptfmt")

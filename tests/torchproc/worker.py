@@ -8,6 +8,7 @@ non-zero if any rank fails; when one rank fails the others are killed after a sh
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -33,7 +34,8 @@ def _child(rank: int, world: int, port: int, scenario: str, args: dict) -> int:
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-        result = getattr(scenarios, scenario)(args)
+        module, _, name = scenario.rpartition(":")  # "module:function" runs torchproc.<module>.<function>
+        result = getattr(importlib.import_module(f"torchproc.{module}") if module else scenarios, name)(args)
         out = Path(args["workdir"]) / f"{args['tag']}-result-{rank}.json"
         out.write_text(json.dumps(result))
         dist.barrier()
@@ -56,6 +58,8 @@ def main() -> None:
     import torch.distributed.tensor  # noqa: F401
     from torchproc import scenarios  # noqa: F401
 
+    if ":" in scenario:
+        importlib.import_module(f"torchproc.{scenario.rpartition(':')[0]}")  # imported once, before the fork
     if scenario.startswith("hf_"):
         import transformers  # noqa: F401  (imported once, before the fork)
 

@@ -1,0 +1,232 @@
+"""Getting weights in and out: export to Hugging Face safetensors through a mapping, in one or
+several processes; import Orbax and torch DCP checkpoints (docs/INTEROP.md).
+
+Verbs:
+
+* :func:`export` -- a committed step -> ``model-XXXXX-of-YYYYY.safetensors`` + index (+
+  ``config.json``), names and layouts through a :class:`bridges.mapping.Mapping` (a preset by
+  name, :func:`preset_mapping`, or a mapping file, :func:`load_mapping`); ``processes=N`` starts
+  N-1 more writer processes, each writing whole files of its own (no gather).
+* :func:`import_orbax` -- a checkpoint written by Orbax's ``StandardCheckpointer`` /
+  ``PyTreeCheckpointer`` (OCDBT on or off), read through Orbax itself, leaf by leaf.
+* :func:`import_dcp` -- a ``torch.distributed.checkpoint`` directory, read through torch's own
+  ``FileSystemReader``. DCP's ``.metadata`` is a pickle: reading it runs code from the file, so
+  import only checkpoints you trust (the CLI asks for ``--trust-pickle``).
+* the safetensors import and the direct restore are in the core: :mod:`ckptfmt.interop`.
+
+This module imports no framework; the importers import jax / orbax / torch when called.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Mapping as TMapping
+
+from ckptfmt import errors as _errors
+from ckptfmt.errors import CheckpointError, IncompleteSaveError
+from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportReport, ImportReport, check_out_dir, finish_export,
+                             import_safetensors, prepare_export, write_part)
+
+from ._export_map import PRESETS, mapped_tensors, preset_mapping, strip_target_prefix
+from ._mapfile import load_mapping_file, mapping_from_json, mapping_to_json
+from ._rules import Mapping
+
+__all__ = ["export", "import_checkpoint", "import_orbax", "import_dcp", "import_safetensors", "load_mapping",
+           "preset_mapping", "IMPORT_FORMATS",
+           "strip_target_prefix", "mapping_to_json", "mapping_from_json", "mapped_tensors", "PRESETS"]
+
+Progress = Callable[[int, int], None]
+
+
+def load_mapping(spec: str | Mapping | None, config: Any = None) -> Mapping | None:
+    """A mapping from a preset name (:data:`PRESETS`; needs ``config``: a dict, an HF config, or a
+    ``config.json`` path), a mapping JSON file path, or a Mapping as is. ValueError otherwise."""
+    if spec is None or isinstance(spec, Mapping):
+        return spec
+    if spec in PRESETS:
+        if config is None:
+            raise ValueError(f"the preset {spec!r} needs the model's config (--config config.json)")
+        return preset_mapping(spec, _read_config(config) if isinstance(config, (str, os.PathLike)) else config)
+    if os.path.isfile(spec):
+        return load_mapping_file(spec)
+    raise ValueError(f"--mapping {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a mapping file")
+
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def _read_config(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        doc = json.load(fh)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a model config is a JSON object")
+    return doc
+
+
+def _tensors_for(mapping: Mapping | None, dtype: str | None) -> Any:
+    if mapping is None:
+        return None
+    return lambda ckpt: mapped_tensors(ckpt, mapping, dtype)[:2]
+
+
+def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step: int | None = None,
+           dtype: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+           config: TMapping[str, Any] | str | os.PathLike | None = None, processes: int = 1,
+           progress: Progress | None = None) -> ExportReport:
+    """Export step ``step`` (None: latest) of ``url`` as a Hugging Face safetensors directory.
+
+    ``mapping`` (checkpoint keys -> file names and layouts; None: every tensor as is): a Mapping
+    (e.g. ``preset_mapping("hf_llama_from_nnx", config)``), a preset name or a mapping file
+    (:func:`load_mapping`). Checkpoint keys that no output reads are left out and listed in the
+    report's ``unmapped``. ``dtype`` casts floating-point tensors (``bfloat16``, ``float16``, ...).
+    ``processes``: writer processes (this one and N-1 started here), each writing whole files.
+    ``config`` (a dict or a ``config.json`` path) becomes ``config.json`` and configures a preset.
+    ``progress(done, total)``: tensor bytes written by all writers.
+
+    Streaming and verified as :func:`ckptfmt.interop.export_safetensors` (host memory: the reader's
+    window and one block per process). Fails closed: MappingError (a rule that does not fit),
+    FileExistsError (``out_dir`` holds safetensors files), any writer's CheckpointError; then no
+    index is written and no file of this export is left under its final name.
+    """
+    t0 = time.perf_counter()
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    if isinstance(config, (str, os.PathLike)):
+        config = _read_config(config)
+    mapping = load_mapping(mapping, config)
+    dtype = _DTYPE_ALIASES.get(dtype, dtype) if dtype is not None else None
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: one of {', '.join(_FLOAT_DTYPES)} (floating-point tensors are cast)")
+    ckpt, plan, unmapped = prepare_export(url, step=step, tensors=_tensors_for(mapping, dtype), dtype=dtype,
+                                          max_shard_size=max_shard_size)
+    check_out_dir(out_dir)
+    world = min(processes, max(1, len(plan.files)))
+    spec = {"url": str(url), "step": plan.step, "mapping": mapping_to_json(mapping) if mapping is not None else None,
+            "dtype": dtype, "max_shard_size": max_shard_size, "out_dir": str(out_dir), "digest": plan.digest}
+    done = [0] * world
+    lock = threading.Lock()
+
+    def report(rank: int, n: int) -> None:
+        with lock:
+            done[rank] = n
+            if progress:
+                progress(sum(done), plan.nbytes)
+
+    workers = [_Worker(spec, r, world, report) for r in range(1, world)]
+    try:
+        write_part(ckpt, plan, out_dir, part=(0, world), progress=lambda n, _t: report(0, n))
+        errors = [w.wait() for w in workers]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+        finish_export(out_dir, plan, config)
+    except BaseException:
+        for w in workers:
+            w.kill()
+        for f in plan.files:  # no partial export under final names
+            try:
+                os.unlink(os.path.join(out_dir, f.name))
+            except OSError:
+                pass
+        raise
+    read = int(ckpt.stats.bytes_read) + sum(int((w.result or {}).get("bytes_read", 0)) for w in workers)
+    return ExportReport(str(out_dir), tuple(f.name for f in plan.files), sum(len(f.tensors) for f in plan.files),
+                        plan.nbytes, read, time.perf_counter() - t0, plan.step, plan.save_id, tuple(unmapped))
+
+
+class _Worker:
+    """One more writer process: ``python -m bridges._export_worker RANK WORLD`` with the spec on
+    stdin; it prints ``{"done": bytes}`` lines, then ``{"ok": [files], "bytes_read": n}`` or
+    ``{"error": {...}}``."""
+
+    def __init__(self, spec: dict[str, Any], rank: int, world: int, report: Callable[[int, int], None]) -> None:
+        self.rank, self.report, self.result = rank, report, None  # type: ignore[var-annotated]
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # a file, so a chatty writer never blocks on a pipe
+        self.proc = subprocess.Popen([sys.executable, "-m", "bridges._export_worker", str(rank), str(world)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True, env=env)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(spec))
+        self.proc.stdin.close()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if "done" in msg:
+                self.report(self.rank, int(msg["done"]))
+            else:
+                self.result = msg
+
+    def wait(self) -> CheckpointError | None:
+        rc = self.proc.wait()
+        self.thread.join()
+        self.stderr.seek(0)
+        err = self.stderr.read()
+        self.stderr.close()
+        res = self.result or {}
+        if rc == 0 and "ok" in res:
+            return None
+        e = res.get("error")
+        if isinstance(e, dict):
+            cls = getattr(_errors, str(e.get("error")), None)
+            if isinstance(cls, type) and issubclass(cls, CheckpointError):
+                return cls(f"export writer {self.rank}: {e.get('message')}", key=e.get("key"), object=e.get("object"),
+                           expected=e.get("expected"), found=e.get("found"))
+        return IncompleteSaveError(f"export writer {self.rank} failed (exit {rc})", found=(err or str(res))[-800:])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "",
+                 progress: Progress | None = None) -> ImportReport:
+    """Import an Orbax checkpoint (see :func:`bridges._orbax_import.import_orbax`)."""
+    from ._orbax_import import import_orbax as run
+    return run(src, url, step=step, prefix=prefix, progress=progress)
+
+
+def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
+               progress: Progress | None = None) -> ImportReport:
+    """Import a torch DCP checkpoint; its ``.metadata`` is a pickle: trusted sources only (see
+    :func:`bridges._dcp_import.import_dcp`)."""
+    from ._dcp_import import import_dcp as run
+    return run(src, url, step=step, prefix=prefix, progress=progress)
+
+
+#: Formats :func:`import_checkpoint` reads.
+IMPORT_FORMATS = ("safetensors", "orbax", "dcp")
+
+
+def import_checkpoint(src: str, url: str, *, source_format: str, step: int | None = None, prefix: str = "",
+                      trust_pickle: bool = False, progress: Progress | None = None) -> ImportReport:
+    """The ``ckptfmt import`` verb: ``src`` in ``source_format`` (:data:`IMPORT_FORMATS`) -> one
+    committed step of ``url``. DCP needs ``trust_pickle=True`` (its metadata is a pickle: trusted
+    sources only). ValueError for an unknown format or a DCP import without that consent; otherwise
+    fails closed as the format's importer does."""
+    if source_format == "safetensors":
+        return import_safetensors(src, url, step=step, prefix=prefix, progress=progress)
+    if source_format == "orbax":
+        return import_orbax(src, url, step=step, prefix=prefix, progress=progress)
+    if source_format == "dcp":
+        if not trust_pickle:
+            raise ValueError("a DCP checkpoint's .metadata is a Python pickle: loading it runs code from the file. "
+                             "Import only a checkpoint you trust, and say so with --trust-pickle.")
+        return import_dcp(src, url, step=step, prefix=prefix, progress=progress)
+    raise ValueError(f"unknown source format {source_format!r}; one of {', '.join(IMPORT_FORMATS)}")
