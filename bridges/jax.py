@@ -55,11 +55,11 @@ from ._extra import json_keys
 from ._jaxcoord import JaxCoordinator, default_coordinator
 from ._rules import closest_key
 from .mapping import KeptValuesWarning, LoadReport, Mapping as KeyMapping
-from ._jaxtree import (describe_sharding, flatten_with_keys, index_to_box, is_prng_key, nest,
-                       physical_sharding)
+from ._jaxtree import describe_sharding, index_to_box, is_prng_key, nest, physical_sharding
+from ._jaxtree import flatten_with_keys as flatten_with_keys  # public: the profile's key paths of a pytree
 
-__all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "PendingSave",
-           "RANK_STATE_POLICIES", "CheckpointManager"]
+__all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "flatten_with_keys",
+           "PendingSave", "RANK_STATE_POLICIES", "CheckpointManager"]
 
 #: The accepted values of ``rank_state_policy`` (the core's, FORMAT.md 7.4).
 RANK_STATE_POLICIES = _CORE_POLICIES

@@ -31,7 +31,7 @@ def run(workdir: str, *, k: int = 3, save_devices: int = 8, save_nproc: int = 1,
 
     Raises RuntimeError when a process fails (its stderr included).
     """
-    from bridges._receipt import judge, run_side
+    from ckptfmt_tools.receipt import judge, run_side
 
     ckpt = os.path.join(workdir, "ckpt")
     saved = run_side("save", devices=save_devices, nproc=save_nproc, mesh=save_mesh, ckpt=ckpt, k=k,

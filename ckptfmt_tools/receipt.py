@@ -18,7 +18,7 @@ restore: restore step K on another mesh and run steps K+1 and K+2, once per cont
                            (must fail: KeyMismatchError)
          ================  ====================================================================
 
-usage: python -m bridges._receipt save|restore --devices N --mesh DxM --ckpt DIR --k K --out JSON
+usage: python -m ckptfmt_tools.receipt save|restore --devices N --mesh DxM --ckpt DIR --k K --out JSON
        [--controls a,b] [--port P --nproc N --rank R] [--policy drop|rank0]
 """
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -49,24 +48,20 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ------------------------------------------------------------------- parent side (no jax)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_side(mode: str, *, devices: int, mesh: str, ckpt: str, out: str, k: int = 3, nproc: int = 1,
              controls: str = "none", policy: str | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
     """Run one side in ``nproc`` fresh processes of ``devices`` CPU devices each; return its JSON.
 
     Raises RuntimeError with the processes' stderr when any process fails or times out.
     """
-    port = _free_port() if nproc > 1 else 0
+    from ckptfmt.coord import free_port
+
+    port = free_port() if nproc > 1 else 0
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = []
     for rank in range(nproc):
-        cmd = [sys.executable, "-m", "bridges._receipt", mode, "--devices", str(devices), "--mesh", mesh,
+        cmd = [sys.executable, "-m", "ckptfmt_tools.receipt", mode, "--devices", str(devices), "--mesh", mesh,
                "--ckpt", ckpt, "--k", str(k), "--out", out, "--controls", controls,
                "--port", str(port), "--nproc", str(nproc), "--rank", str(rank)]
         if policy:
@@ -148,7 +143,7 @@ def _do_save(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     import bridges.jax as bjax
-    from bridges._training import Config, Trainer, digest_tree, make_mesh
+    from ckptfmt_tools.training import Config, Trainer, digest_tree, make_mesh
     from ckptfmt import Repository
 
     cfg = Config()
@@ -194,7 +189,7 @@ def _allgather_int(x: int) -> list[int]:
 
 def _do_restore(args: argparse.Namespace) -> dict[str, Any]:
     import bridges.jax as bjax
-    from bridges._training import Config, Trainer, digest_tree, make_mesh
+    from ckptfmt_tools.training import Config, Trainer, digest_tree, make_mesh
     from ckptfmt import CheckpointError
 
     cfg = Config()
@@ -242,7 +237,7 @@ def _do_restore(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bridges._receipt")
+    ap = argparse.ArgumentParser(prog="python -m ckptfmt_tools.receipt")
     ap.add_argument("mode", choices=["save", "restore"])
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--mesh", required=True)

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .flax import nnx_load, nnx_state
+from bridges.flax import nnx_load, nnx_state
 
 __all__ = ["Config", "MLP", "Trainer", "make_mesh", "batch_ids", "digest_tree"]
 
@@ -127,7 +127,7 @@ def _to_host_tree(tree: Any) -> Any:
 
 def digest_tree(tree: Any) -> dict[str, str]:
     """sha256 of every leaf's bytes (dtype and shape included), by key path."""
-    from ._jaxtree import flatten_with_keys
+    from bridges.jax import flatten_with_keys
 
     flat, _ = flatten_with_keys(_to_host_tree(tree))
     out = {}
@@ -141,11 +141,11 @@ def digest_tree(tree: Any) -> dict[str, str]:
 
 def _put(value: Any, sharding: NamedSharding) -> jax.Array:
     """Lay out a value that every process holds identically (works across processes)."""
-    from ._jaxtree import is_prng_key, physical_sharding
-
-    if is_prng_key(value):
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         host = np.asarray(jax.random.key_data(value))
-        phys = physical_sharding(sharding, tuple(value.shape), value.dtype)
+        # The key data's trailing dimensions (the implementation's words) are never split.
+        phys = NamedSharding(sharding.mesh, P(*sharding.spec, *([None] * (host.ndim - len(sharding.spec)))))
         data = jax.make_array_from_callback(host.shape, phys, lambda idx: host[idx])
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
     host = np.asarray(value)
@@ -187,7 +187,7 @@ class Trainer:
         return NamedSharding(self.mesh, _spec(key, len(getattr(leaf, "shape", ()))))
 
     def _place(self, obj: Any) -> None:
-        from ._jaxtree import flatten_with_keys
+        from bridges.jax import flatten_with_keys
 
         pure = nnx_state(obj)
         flat, treedef = flatten_with_keys(pure)
@@ -204,7 +204,7 @@ class Trainer:
 
     def target(self, *, with_optimizer: bool = True) -> dict[str, Any]:
         """A restore target laid out on this trainer's mesh."""
-        from .jax import abstract_target
+        from bridges.jax import abstract_target
 
         def shard(key: str, leaf: Any) -> NamedSharding:
             return self.sharding_for(key, leaf)

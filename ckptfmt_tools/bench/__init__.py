@@ -2,14 +2,14 @@
 
 Entry point (the CLI's ``bench`` subcommand calls exactly this)::
 
-    from ckptfmt.bench import BenchOptions, run_bench
+    from ckptfmt_tools.bench import BenchOptions, run_bench
     result = run_bench(BenchOptions(size=1 << 30, tensors=16, repetitions=3,
                                     storage="/mnt/ckpt", output_dir="bench-out"))
     print(result.table)          # Markdown table, ratios and targets
     result.json_path, result.plot_path   # bench-out/bench.json, bench-out/bench.png
 
-Command line: ``ckptfmt bench --help`` (the CLI delegates to ``ckptfmt.bench.main(argv)``)
-or standalone ``python -m ckptfmt.bench --help``.
+Command line: ``ckptfmt bench --help`` (the CLI delegates to ``ckptfmt_tools.bench.main(argv)``)
+or standalone ``python -m ckptfmt_tools.bench --help``.
 
 Every measured run (one save, or one restore) happens in a fresh Python
 process (``child.py``); JAX gets its device count through ``XLA_FLAGS`` before

@@ -1,4 +1,4 @@
-"""``python -m ckptfmt.bench``: the benchmark without the ckptfmt CLI."""
+"""``python -m ckptfmt_tools.bench``: the benchmark without the ckptfmt CLI."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""The bench's command line (``ckptfmt bench ...`` and ``python -m ckptfmt.bench ...``)."""
+"""The bench's command line (``ckptfmt bench ...`` and ``python -m ckptfmt_tools.bench ...``)."""
 
 from __future__ import annotations
 

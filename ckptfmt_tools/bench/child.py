@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])
-_CHILD_MAIN = "import sys; from ckptfmt.bench.child import _child_main; sys.exit(_child_main(sys.argv[1], sys.argv[2]))"
+_CHILD_MAIN = "import sys; from ckptfmt_tools.bench.child import _child_main; sys.exit(_child_main(sys.argv[1], sys.argv[2]))"
 
 
 class ChildFailed(RuntimeError):

@@ -22,8 +22,8 @@ _ROWS_PER_SHARD, _COLS = 16, 256
 
 
 def _manifest(tensors: int):
-    from ..manifest import ArraySpec, ChunkTable, Manifest, ShardTable, TensorEntry
-    from ..plan import TensorGeometry, cell_key
+    from ckptfmt.manifest import ArraySpec, ChunkTable, Manifest, ShardTable, TensorEntry
+    from ckptfmt.plan import TensorGeometry, cell_key
 
     save_id = "000000000001-20260101T000000-0badcafe"
     shape = (SHARDS * _ROWS_PER_SHARD, _COLS)
@@ -63,9 +63,9 @@ def _timed(fn):
 
 
 def ckptfmt_phases(tensors: int, tmp: str) -> dict:
-    from ..manifest import parse_manifest
-    from ..plan import plan_reads, plan_save
-    from .._types import Box
+    from ckptfmt.manifest import parse_manifest
+    from ckptfmt.plan import plan_reads, plan_save
+    from ckptfmt import Box
 
     m, build_s = _timed(lambda: _manifest(tensors))
     path = os.path.join(tmp, "manifest.json")

@@ -1,6 +1,6 @@
 """ckptfmt runs: save from N JAX CPU devices, restore onto M, and a 1/N slice reader.
 
-Each function is a child task (see :mod:`ckptfmt.bench.child`). The JAX bridge
+Each function is a child task (see :mod:`ckptfmt_tools.bench.child`). The JAX bridge
 (``bridges.jax``) is used when it is importable; otherwise the core API is
 driven directly with :class:`ckptfmt.LocalShard` objects (lazy device-to-host
 copies from JAX, or numpy blocks when JAX is not installed). Each result
@@ -46,7 +46,7 @@ def storage_stats(url: str) -> dict[str, int | None]:
         return tree_stats(path)
     import tensorstore as ts
 
-    from .._kvurl import kvstore_spec
+    from ckptfmt._kvurl import kvstore_spec
 
     keys = ts.KvStore.open(kvstore_spec(url)).result().list().result()
     return {"objects": len(keys), "bytes_on_disk": None}
@@ -60,7 +60,7 @@ def clear_repository(url: str) -> None:
     else:
         import tensorstore as ts
 
-        from .._kvurl import kvstore_spec
+        from ckptfmt._kvurl import kvstore_spec
 
         kv = ts.KvStore.open(kvstore_spec(url)).result()
         kv.delete_range(ts.KvStore.KeyRange()).result()
@@ -79,7 +79,7 @@ def _api(params: dict) -> str:
 def _jax_shards(state: dict) -> list:
     import numpy as np
 
-    from .. import Box, LocalShard
+    from ckptfmt import Box, LocalShard
     from .jaxstate import flat
 
     shards = []
@@ -93,7 +93,7 @@ def _jax_shards(state: dict) -> list:
 
 
 def _numpy_shards(layout: StateLayout, writers: int) -> list:
-    from .. import Box, LocalShard
+    from ckptfmt import Box, LocalShard
 
     shards = []
     for i, key in enumerate(layout.keys()):
@@ -104,7 +104,7 @@ def _numpy_shards(layout: StateLayout, writers: int) -> list:
 
 
 def _row_boxes(layout: StateLayout, parts: int) -> list:
-    from .. import Box
+    from ckptfmt import Box
 
     out = []
     for key in layout.keys():

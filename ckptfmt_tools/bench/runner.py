@@ -111,15 +111,15 @@ def _tasks(system: str, common: dict, urls: dict, paths: dict, options: BenchOpt
     n = options.save_devices
     if system == "ckptfmt":
         p = common | {"url": urls["ckptfmt"], "api": options.ckptfmt_api}
-        return p, ("ckptfmt.bench.ours:save", p | {"devices": n}, xla_env(n)), lambda m: (
-            "ckptfmt.bench.ours:restore", p | {"devices": m}, xla_env(m))
+        return p, ("ckptfmt_tools.bench.ours:save", p | {"devices": n}, xla_env(n)), lambda m: (
+            "ckptfmt_tools.bench.ours:restore", p | {"devices": m}, xla_env(m))
     if system == "orbax":
         p = common | {"path": paths["orbax"]}
-        return p, ("ckptfmt.bench.peers:orbax_save", p | {"devices": n}, xla_env(n)), lambda m: (
-            "ckptfmt.bench.peers:orbax_restore", p | {"devices": m}, xla_env(m))
+        return p, ("ckptfmt_tools.bench.peers:orbax_save", p | {"devices": n}, xla_env(n)), lambda m: (
+            "ckptfmt_tools.bench.peers:orbax_restore", p | {"devices": m}, xla_env(m))
     p = common | {"path": paths["dcp"]}
-    return p, ("ckptfmt.bench.peers:dcp_run", p | {"world": n, "mode": "save"}, None), lambda m: (
-        "ckptfmt.bench.peers:dcp_run", p | {"world": m, "mode": "load"}, None)
+    return p, ("ckptfmt_tools.bench.peers:dcp_run", p | {"world": n, "mode": "save"}, None), lambda m: (
+        "ckptfmt_tools.bench.peers:dcp_run", p | {"world": m, "mode": "load"}, None)
 
 
 class _Session:
@@ -189,9 +189,9 @@ class _Session:
             self.clear(system)
             os.sync()  # earlier runs' dirty pages must not be flushed on this save's clock
             if system == "raw":
-                if self.record("raw", "save", lambda: self.child("ckptfmt.bench.raw:write", self.common | {"writers": n, "path": self.paths["raw"], "threads": self.o.raw_threads})):
+                if self.record("raw", "save", lambda: self.child("ckptfmt_tools.bench.raw:write", self.common | {"writers": n, "path": self.paths["raw"], "threads": self.o.raw_threads})):
                     self.before_read()
-                    self.record("raw", "restore", lambda: self.child("ckptfmt.bench.raw:read", {"path": self.paths["raw"], "readers": n, "threads": self.o.raw_threads}))
+                    self.record("raw", "restore", lambda: self.child("ckptfmt_tools.bench.raw:read", {"path": self.paths["raw"], "readers": n, "threads": self.o.raw_threads}))
                 continue
             p, save, restore = _tasks(system, self.common, self.urls, self.paths, self.o)
             if not self.record(system, "save", lambda: self.child(*save)):
@@ -201,10 +201,10 @@ class _Session:
                 self.record(system, f"restore_{n}to{m}", lambda m=m: self.child(*restore(m)))
             if system == "ckptfmt":
                 self.before_read()
-                self.record(system, f"slice_1of{n}", lambda: self.child("ckptfmt.bench.ours:read_slice", p | {"parts": n}))
+                self.record(system, f"slice_1of{n}", lambda: self.child("ckptfmt_tools.bench.ours:read_slice", p | {"parts": n}))
 
     def safety(self) -> dict[str, Any]:
-        """Flip bytes in each system's last checkpoint and restore it (see :mod:`ckptfmt.bench.safety`)."""
+        """Flip bytes in each system's last checkpoint and restore it (see :mod:`ckptfmt_tools.bench.safety`)."""
         out: dict[str, Any] = {}
         n = self.o.save_devices
         m = next((d for d in self.o.restore_devices if d != n), n)
@@ -220,7 +220,7 @@ class _Session:
             self.before_read()
             task, params, env = _tasks(system, self.common, self.urls, self.paths, self.o)[2](m)
             try:
-                out[system] = flip | self.child("ckptfmt.bench.safety:probe", {"task": task, "inner": params}, env)
+                out[system] = flip | self.child("ckptfmt_tools.bench.safety:probe", {"task": task, "inner": params}, env)
             except ChildFailed as e:
                 out[system] = flip | {"outcome": "probe failed", "detail": str(e).splitlines()[0]}
             self.log(f"{system:8s} 64-byte flip in {flip['object']}: {out[system]['outcome']} {out[system].get('error_type', '')}")
@@ -276,13 +276,13 @@ def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], No
     safety = s.safety() if options.safety else {}
     metadata = tailstep = None
     if options.metadata:
-        metadata = s.optional("metadata", "ckptfmt.bench.metadata_scale:run", {
+        metadata = s.optional("metadata", "ckptfmt_tools.bench.metadata_scale:run", {
             "entries": list(options.metadata_entries), "dcp_max_entries": options.dcp_metadata_max_entries,
             "peers": "dcp" in s.systems})
     if options.tailstep and importlib.util.find_spec("jax") is None:
         s.notes.append("tail-step slowdown skipped: jax is not installed")
     elif options.tailstep:
-        tailstep = s.optional("tailstep", "ckptfmt.bench.tailstep:run", {
+        tailstep = s.optional("tailstep", "ckptfmt_tools.bench.tailstep:run", {
             "steps": options.tailstep_steps, "every": options.tailstep_every, "url": s.urls["tailstep"]}, xla_env(1))
     if not options.keep_data:
         s.cleanup()

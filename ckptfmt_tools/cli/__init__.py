@@ -8,7 +8,7 @@ key, object, expected and found are printed, or emitted as JSON with ``--json``)
 Every command takes ``--json`` and then prints exactly one JSON document on stdout, whose
 ``"ok"`` is true exactly when the command exits 0.
 
-Human-readable output passes every string through :func:`ckptfmt.cli._render.safe` (terminal
+Human-readable output passes every string through :func:`ckptfmt_tools.cli._render.safe` (terminal
 controls made visible, rich markup escaped); JSON output keeps every string exact.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from ckptfmt.cli import _render
+from ckptfmt_tools.cli import _render
 
 __all__ = ["app", "main"]
 
@@ -221,7 +221,7 @@ def faults_cmd(as_json: bool = JsonOpt,
                peers: bool = typer.Option(False, "--peers", help="Also measure Orbax and torch DCP "
                                           "for the faults where that is cheap (needs jax/torch).")) -> None:
     """Run every fault of the catalogue, one per fresh repository, and print the outcome table."""
-    from ckptfmt import faults
+    from ckptfmt_tools import faults
 
     if list_only:
         names = [{"name": f.name, "where": f.where, "expect": [e.__name__ for e in f.expect]}
@@ -274,20 +274,20 @@ def _delegate(module: str, argv: list[str]) -> None:
 
 @app.command("demo", context_settings=_PASS_THROUGH, add_help_option=False)
 def demo_cmd(ctx: typer.Context) -> None:
-    """Run the end-to-end demo (options belong to ckptfmt.demo; try `ckptfmt demo --help`)."""
-    _delegate("ckptfmt.demo", ctx.args)
+    """Run the end-to-end demo (options belong to ckptfmt_tools.demo; try `ckptfmt demo --help`)."""
+    _delegate("ckptfmt_tools.demo", ctx.args)
 
 
 @app.command("bench", context_settings=_PASS_THROUGH, add_help_option=False)
 def bench_cmd(ctx: typer.Context) -> None:
-    """Run the benchmarks (options belong to ckptfmt.bench; try `ckptfmt bench --help`)."""
-    _delegate("ckptfmt.bench", ctx.args)
+    """Run the benchmarks (options belong to ckptfmt_tools.bench; try `ckptfmt bench --help`)."""
+    _delegate("ckptfmt_tools.bench", ctx.args)
 
 
 @app.command("drill", context_settings=_PASS_THROUGH, add_help_option=False)
 def drill_cmd(ctx: typer.Context) -> None:
-    """Run the restore drill (options belong to ckptfmt.drill; try `ckptfmt drill --help`)."""
-    _delegate("ckptfmt.drill", ctx.args)
+    """Run the restore drill (options belong to ckptfmt_tools.drill; try `ckptfmt drill --help`)."""
+    _delegate("ckptfmt_tools.drill", ctx.args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ control run in the same drill. The phase table measures recovery from the moment
 
 Importing this package imports no framework: JAX and torch run in child processes.
 
-    >>> from ckptfmt.drill import DrillConfig, run_drill
+    >>> from ckptfmt_tools.drill import DrillConfig, run_drill
     >>> receipt = run_drill(DrillConfig(seed=3))     # doctest: +SKIP
     >>> receipt["pass"], receipt["outputs"]["recovery_s"]  # doctest: +SKIP
 """

@@ -1,7 +1,7 @@
-"""``python -m ckptfmt.drill``: the same as ``ckptfmt drill``."""
+"""``python -m ckptfmt_tools.drill``: the same as ``ckptfmt drill``."""
 import sys
 
-from ckptfmt.drill import main
+from ckptfmt_tools.drill import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@
 Modes (one process of a job each):
 
 ``train``     a rank of the training job. Trains the tiny Flax NNX model of
-              :mod:`bridges._training` on a ``data x model`` mesh spanning every process, logs each
+              :mod:`ckptfmt_tools.training` on a ``data x model`` mesh spanning every process, logs each
               step (loss, batch ids, wall time) as one JSON line (rank 0), and every ``cadence``
               steps starts an asynchronous save through ``bridges.jax.CheckpointManager`` whose
               ``extra`` holds the sha256 of every leaf (the state hashes the replacement compares).
@@ -15,7 +15,7 @@ Modes (one process of a job each):
 
 Every timestamp is ``time.time()`` so the parent can measure from the moment of the kill.
 
-usage: python -m ckptfmt.drill._job train|restore --devices N --mesh DxM --url URL --out PATH
+usage: python -m ckptfmt_tools.drill._job train|restore --devices N --mesh DxM --url URL --out PATH
        [--nproc N --rank R --port P] [train: --cadence C --max-steps N --step-time S]
        [restore: --rejected-control URL --victim R]
 """
@@ -50,20 +50,20 @@ def _framework(args: argparse.Namespace) -> dict[str, float]:
                                    process_id=args.rank, initialization_timeout=120)
     jax.devices()
     import bridges.jax  # noqa: F401  (part of the framework cost: flax, optax, the bridge)
-    from bridges import _training  # noqa: F401
+    from ckptfmt_tools import training  # noqa: F401
 
     return {"t_start": T_START, "t_import": t_import, "t_ready": time.time()}
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from bridges._training import Config
+    from ckptfmt_tools.training import Config
 
     # Fixed schedule length: the training job and every restoring job build the same Config.
     return Config(dropout=args.dropout, total_steps=1000, d_in=args.d_in, hidden=args.hidden)
 
 
 def _mesh(args: argparse.Namespace) -> Any:
-    from bridges._training import make_mesh
+    from ckptfmt_tools.training import make_mesh
 
     return make_mesh(tuple(int(x) for x in args.mesh.split("x")))
 
@@ -75,7 +75,7 @@ def _train(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any]:
     import jax
 
     import bridges.jax as bjax
-    from bridges._training import Trainer, digest_tree
+    from ckptfmt_tools.training import Trainer, digest_tree
 
     cfg = _config(args)
     tr = Trainer(cfg, _mesh(args))
@@ -117,7 +117,7 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
     import jax
 
     import bridges.jax as bjax
-    from bridges._training import Trainer, digest_tree
+    from ckptfmt_tools.training import Trainer, digest_tree
 
     cfg = _config(args)
     tr = Trainer(cfg, _mesh(args))
@@ -142,7 +142,7 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
 
     loss, ids = tr.train_step()  # exactly one step
     t_step = time.time()
-    from bridges._receipt import LOSS_RTOL  # the documented tolerance of the continuation receipt
+    from ckptfmt_tools.receipt import LOSS_RTOL  # the documented tolerance of the continuation receipt
 
     # Where the restore's time went: the bridge's phases and the core reader's timings.
 
@@ -182,7 +182,7 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
 def _rejected_control(args: argparse.Namespace, tr: Any, step: int) -> dict[str, Any]:
     """Restore a copy of ``step`` with one shard object deleted into the live trainer."""
     import bridges.jax as bjax
-    from bridges._training import digest_tree
+    from ckptfmt_tools.training import digest_tree
     from ckptfmt import Repository
     from ckptfmt.errors import CheckpointError
 
@@ -217,7 +217,7 @@ def _rejected_control(args: argparse.Namespace, tr: Any, step: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ckptfmt.drill._job")
+    ap = argparse.ArgumentParser(prog="python -m ckptfmt_tools.drill._job")
     ap.add_argument("mode", choices=["train", "restore"])
     ap.add_argument("--devices", type=int, required=True, help="CPU devices of this process")
     ap.add_argument("--mesh", required=True, help="global data x model mesh, e.g. 4x2")

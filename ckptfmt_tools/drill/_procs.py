@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Proc", "launch", "free_port", "wait_all", "kill_all", "read_json", "reap_forked", "REPO_ROOT"]
+__all__ = ["Proc", "launch", "wait_all", "kill_all", "read_json", "reap_forked", "REPO_ROOT"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,12 +34,6 @@ def reap_forked(pids: dict[int, int], grace_s: float) -> bool:
                 except ProcessLookupError:
                     pass
     return failed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -28,7 +28,9 @@ import time
 from typing import Any
 
 from ._config import DrillConfig
-from ._procs import Proc, free_port, kill_all, launch, read_json, wait_all
+from ckptfmt.coord import free_port
+
+from ._procs import Proc, kill_all, launch, read_json, wait_all
 
 __all__ = ["run_drill", "DrillFailed"]
 
@@ -124,7 +126,7 @@ def _train(cfg: DrillConfig, work: str, url: str, kill_step: int, victim_rank: i
     max_steps = hi + 4 * cfg.cadence
     procs = []
     for r in range(cfg.processes):
-        argv = ["-m", "ckptfmt.drill._job", "train", "--devices", str(cfg.devices_per_process), "--mesh", cfg.mesh,
+        argv = ["-m", "ckptfmt_tools.drill._job", "train", "--devices", str(cfg.devices_per_process), "--mesh", cfg.mesh,
                 "--url", url, "--out", os.path.join(work, "train-result.json"), "--log", log,
                 "--nproc", str(cfg.processes), "--rank", str(r), "--port", str(port), "--cadence", str(cfg.cadence),
                 "--max-steps", str(max_steps), "--step-time", str(cfg.step_time_s), "--dropout", str(dropout),
@@ -178,7 +180,7 @@ def _restore_job(name: str, cfg: DrillConfig, work: str, url: str, *, nproc: int
     out = os.path.join(work, f"{name}-result.json")
     procs = []
     for r in range(nproc):
-        argv = ["-m", "ckptfmt.drill._job", "restore", "--devices", str(devices), "--mesh", mesh, "--url", url,
+        argv = ["-m", "ckptfmt_tools.drill._job", "restore", "--devices", str(devices), "--mesh", mesh, "--url", url,
                 "--out", out, "--nproc", str(nproc), "--rank", str(r), "--port", str(port),
                 "--dropout", str(dropout), "--victim", str(victim), *_model_args(cfg)]
         if rejected_control:

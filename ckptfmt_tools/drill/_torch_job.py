@@ -3,7 +3,7 @@
 A zygote imports torch once and forks the ranks (as torchrun's agent starts workers; forking after
 the import saves each rank the seconds the import costs). Each rank:
 
-1. joins the gloo process group and builds the torch twin of ``bridges._training.MLP``
+1. joins the gloo process group and builds the torch twin of ``ckptfmt_tools.training.MLP``
    (``Linear -> ReLU -> Linear``; the drill trains the JAX job without dropout for this variant,
    since torch cannot reproduce JAX's threefry dropout masks), with the 2-D weights as DTensors
    ``Shard(0)`` over a 1-D device mesh, and ``torch.optim.AdamW`` with optax's hyperparameters;
@@ -17,7 +17,7 @@ the import saves each rank the seconds the import costs). Each rank:
 5. runs the rejected control: every rank loads a copy of the step with one shard object deleted;
    the ranks agree (all-reduce) whether every load succeeded before anything is applied.
 
-usage: python -m ckptfmt.drill._torch_job --url URL --out PATH --world N [--rejected-control URL]
+usage: python -m ckptfmt_tools.drill._torch_job --url URL --out PATH --world N [--rejected-control URL]
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ ADAM_PREFIX = "optimizer/opt_state/1/0"
 
 
 # ------------------------------------------------------- the data pipeline (numpy, as in JAX)
-# The same arithmetic as bridges._training.dataset / batch_ids (that module imports jax). The
+# The same arithmetic as ckptfmt_tools.training.dataset / batch_ids (that module imports jax). The
 # receipt compares the batch ids and the loss with the JAX run, so any divergence fails it.
 
 def dataset(cfg: dict[str, Any]) -> tuple[Any, Any]:
@@ -84,7 +84,7 @@ def learning_rate(count: int, cfg: dict[str, Any]) -> float:
 
 
 def digest(a: Any) -> str:
-    """The sha256 recipe of bridges._training.digest_tree (dtype name, shape, bytes)."""
+    """The sha256 recipe of ckptfmt_tools.training.digest_tree (dtype name, shape, bytes)."""
     import numpy as np
 
     a = np.ascontiguousarray(a)
@@ -320,7 +320,7 @@ def _rejected(args: argparse.Namespace, rank: int, world: int, step: int, net: A
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ckptfmt.drill._torch_job")
+    ap = argparse.ArgumentParser(prog="python -m ckptfmt_tools.drill._torch_job")
     ap.add_argument("--url", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--world", type=int, default=4)
@@ -336,7 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     import bridges.torch  # noqa: F401
 
     times = {"t_start": T_START, "t_import": time.time()}
-    from ._procs import free_port, reap_forked
+    from ckptfmt.coord import free_port
+
+    from ._procs import reap_forked
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.world))
     pids = {}

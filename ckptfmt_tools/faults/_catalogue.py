@@ -3,7 +3,7 @@
 Faults of kind ``"disk"`` damage the newest committed step (2) of a two-writer save on disk;
 the check then restores step 2 into live buffers and verifies it. Faults of kind ``"save"``
 break a new save (step 3) while it runs. Faults of kind ``"gc"`` make the repository hostile to
-garbage collection (:mod:`ckptfmt.faults._gcfaults`). Either way the prior step must stay intact.
+garbage collection (:mod:`ckptfmt_tools.faults._gcfaults`). Either way the prior step must stay intact.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptfmt import errors as E
-from ckptfmt.faults import _gcfaults as G
-from ckptfmt.faults._scene import TARGET_SHARD, TARGET_TENSOR, Scene, flip
+from ckptfmt_tools.faults import _gcfaults as G
+from ckptfmt_tools.faults._scene import TARGET_SHARD, TARGET_TENSOR, Scene, flip
 
 __all__ = ["Fault", "CATALOGUE", "SaveAttempt", "by_name"]
 
@@ -293,7 +293,7 @@ def _state_oversized(s: Scene) -> str:
 
 
 def _run_writers(s: Scene, ctx: Any, *, kill: str | None, kill_rank: int, world: int = 2) -> SaveAttempt:
-    from ckptfmt.faults._procs import start_writers, wait_writers
+    from ckptfmt_tools.faults._procs import start_writers, wait_writers
 
     run = wait_writers(start_writers(s.url, [3], world, s.seed, kill=kill, kill_rank=kill_rank,
                                      timeout_s=ctx.save_timeout_s, weaken=ctx.writer_weaken),
@@ -324,7 +324,7 @@ def _coordinator_killed(s: Scene, ctx: Any) -> SaveAttempt:
 
 def _concurrent(s: Scene, ctx: Any) -> SaveAttempt:
     """Two independent jobs save step 3 at once (different data); exactly one may win."""
-    from ckptfmt.faults._procs import start_writers, wait_writers
+    from ckptfmt_tools.faults._procs import start_writers, wait_writers
 
     go = s.root.parent / "GO"
     # Both jobs meet inside save() (while materializing their first block), so both are past
@@ -360,7 +360,7 @@ def _concurrent(s: Scene, ctx: Any) -> SaveAttempt:
 
 def _frozen_at_commit(s: Scene, ctx: Any) -> SaveAttempt:
     """The leader SIGSTOPped at its commit while gc (grace 1 s) judges the lease stale (FORMAT.md 8.3)."""
-    from ckptfmt.faults._fence import frozen_commit
+    from ckptfmt_tools.faults._fence import frozen_commit
 
     run = frozen_commit(s.url, 3, s.seed, freeze="before_fence", gc_grace_s=1.0, weaken=ctx.writer_weaken,
                         timeout_s=ctx.save_timeout_s)
@@ -375,7 +375,7 @@ def _frozen_at_commit(s: Scene, ctx: Any) -> SaveAttempt:
 
 
 def _enospc(s: Scene, ctx: Any) -> SaveAttempt:
-    from ckptfmt.faults._enospc import enospc_save
+    from ckptfmt_tools.faults._enospc import enospc_save
 
     return enospc_save(s, ctx)
 

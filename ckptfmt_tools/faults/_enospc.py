@@ -36,8 +36,8 @@ def umount(mnt: Path) -> None:
 
 
 def enospc_save(s: Any, ctx: Any) -> Any:
-    from ckptfmt.faults._catalogue import SaveAttempt
-    from ckptfmt.faults._procs import start_writers, wait_writers
+    from ckptfmt_tools.faults._catalogue import SaveAttempt
+    from ckptfmt_tools.faults._procs import start_writers, wait_writers
 
     mnt = s.root.parent / "tmpfs"
     fsize_limit = None

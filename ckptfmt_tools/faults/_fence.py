@@ -57,10 +57,10 @@ def frozen_commit(url: str, step: int, seed: int, *, freeze: str = "before_fence
                   weaken: str | None = None, timeout_s: float = 30.0,
                   repo_options: dict[str, Any] | None = None) -> FenceRun:
     """Save ``step`` in one writer process that stops itself at ``freeze`` (see
-    :mod:`ckptfmt.faults._writer`); while it is stopped, wait past ``gc_grace_s`` and run
+    :mod:`ckptfmt_tools.faults._writer`); while it is stopped, wait past ``gc_grace_s`` and run
     ``gc(grace_s=gc_grace_s)`` (no gc when None); then resume it and collect its result."""
     from ckptfmt import Repository
-    from ckptfmt.faults._procs import start_writers, wait_writers
+    from ckptfmt_tools.faults._procs import start_writers, wait_writers
 
     run = start_writers(url, [step], 1, seed, freeze=freeze, heartbeat_s=0.2, weaken=weaken, timeout_s=timeout_s)
     proc = run.procs[0]

@@ -1,7 +1,7 @@
 """Run one fault against a fresh copy of a real two-writer save, and judge the outcome.
 
 The base repository is saved once per table run by two writer processes (TcpCoordinator):
-step 1 and step 2 of the state in :mod:`ckptfmt.faults._data`. Every fault gets its own copy.
+step 1 and step 2 of the state in :mod:`ckptfmt_tools.faults._data`. Every fault gets its own copy.
 
 Terminal-outcome checks, for every fault:
 
@@ -29,10 +29,10 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from ckptfmt.faults import _data
-from ckptfmt.faults._catalogue import CATALOGUE, Fault, SaveAttempt, by_name
-from ckptfmt.faults._checks import describe_leftovers, inventory, prior_intact, restore_into, same, snapshot
-from ckptfmt.faults._scene import Scene
+from ckptfmt_tools.faults import _data
+from ckptfmt_tools.faults._catalogue import CATALOGUE, Fault, SaveAttempt, by_name
+from ckptfmt_tools.faults._checks import describe_leftovers, inventory, prior_intact, restore_into, same, snapshot
+from ckptfmt_tools.faults._scene import Scene
 
 __all__ = ["Outcome", "Context", "build_base", "run_fault", "run_all", "OutcomeTable"]
 
@@ -103,7 +103,7 @@ class OutcomeTable:
 
 def build_base(root: Path, seed: int = SEED, ctx: Context | None = None) -> Path:
     """Save steps 1 and 2 with two writer processes; return the repository path."""
-    from ckptfmt.faults._procs import start_writers, wait_writers
+    from ckptfmt_tools.faults._procs import start_writers, wait_writers
 
     ctx = ctx or Context()
     if root.exists():
@@ -369,7 +369,7 @@ def run_fault(fault: Fault | str, base: Path, workdir: Path, ctx: Context | None
         if fault.kind == "disk":
             _disk_fault(fault, scene, ctx, out)
         elif fault.kind == "gc":
-            from ckptfmt.faults._gcfaults import judge
+            from ckptfmt_tools.faults._gcfaults import judge
 
             judge(fault, scene, ctx, out, _within)
         else:
@@ -403,7 +403,7 @@ def run_all(names: Iterable[str] | None = None, workdir: str | Path | None = Non
         for fault in faults:
             o = run_fault(fault, base, workdir, ctx, seed)
             if peers:
-                from ckptfmt.faults._peers import peer_outcome
+                from ckptfmt_tools.faults._peers import peer_outcome
 
                 o.peers = peer_outcome(fault.name, workdir / fault.name)
             table.outcomes.append(o)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptfmt.faults._scene import Scene
+from ckptfmt_tools.faults._scene import Scene
 
 __all__ = ["GcAttempt", "judge", "symlink_escape", "not_a_repository", "retention_newest_truncated",
            "retention_newest_data_missing", "stray_objects", "shared_save_id", "oversized_manifest"]
@@ -205,8 +205,8 @@ def _tree(path: Path) -> dict[str, tuple[str, int | str]]:
 def judge(fault: Any, scene: Scene, ctx: Any, out: Any, run_within: Any) -> None:
     """Run gc for a ``"gc"`` fault and judge it (see the module docstring)."""
     from ckptfmt import Repository
-    from ckptfmt.faults import _data
-    from ckptfmt.faults._checks import inventory, prior_intact
+    from ckptfmt_tools.faults import _data
+    from ckptfmt_tools.faults._checks import inventory, prior_intact
 
     attempt: GcAttempt = fault.action(scene)
     out.where = attempt.where

@@ -4,7 +4,7 @@ Only faults with an honest equivalent in the peer's own default format are measu
 flipped in the middle of the largest data file, a data file deleted or truncated, a data file
 replaced by the same file of an earlier save (stale), and the metadata file deleted, truncated
 or replaced by non-JSON text. Each peer runs in its own process
-(``python -m ckptfmt.faults._peers orbax|dcp WORKDIR``): it saves the same arrays as the fixture
+(``python -m ckptfmt_tools.faults._peers orbax|dcp WORKDIR``): it saves the same arrays as the fixture
 (steps 1 and 2), applies one fault per fresh copy, restores step 2 into zeroed targets, and
 classifies what came back: ``WRONG VALUES, no error``, ``raised <Type>`` (and whether that is
 an ``Exception`` at all), or ``restored correctly`` (the fault missed live bytes).
@@ -38,7 +38,7 @@ def run_peers(workdir: Path, timeout_s: float = 300) -> dict[str, dict[str, str]
     for peer in ("orbax", "dcp"):
         d = Path(workdir) / f"_peer_{peer}"
         try:
-            r = subprocess.run([sys.executable, "-m", "ckptfmt.faults._peers", peer, str(d)], capture_output=True,
+            r = subprocess.run([sys.executable, "-m", "ckptfmt_tools.faults._peers", peer, str(d)], capture_output=True,
                                text=True, timeout=timeout_s, env=env)
             res = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else None
         except (subprocess.TimeoutExpired, ValueError, IndexError):
@@ -109,7 +109,7 @@ def _run_orbax(work: Path) -> dict[str, str]:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from ckptfmt.faults import _data
+    from ckptfmt_tools.faults import _data
 
     ckptr = ocp.StandardCheckpointer()
     truth = {s: _data.truth(7, s) for s in (1, 2)}
@@ -136,7 +136,7 @@ def _run_dcp(work: Path) -> dict[str, str]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ckptfmt.faults import _data
+    from ckptfmt_tools.faults import _data
 
     warnings.filterwarnings("ignore")
     truth = {s: _data.truth(7, s) for s in (1, 2)}

@@ -1,4 +1,4 @@
-"""Start writer processes (:mod:`ckptfmt.faults._writer`) and collect what they report."""
+"""Start writer processes (:mod:`ckptfmt_tools.faults._writer`) and collect what they report."""
 from __future__ import annotations
 
 import json
@@ -50,7 +50,7 @@ def start_writers(url: str, steps: list[int], world: int, seed: int, *, ranks: l
                 "fsize_limit": fsize_limit, "weaken": weaken, "announce": announce,
                 "publish_first": publish_first, "rendezvous": rendezvous, "freeze": freeze,
                 "heartbeat_s": heartbeat_s}
-        procs.append(subprocess.Popen([sys.executable, "-m", "ckptfmt.faults._writer", json.dumps(task)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "ckptfmt_tools.faults._writer", json.dumps(task)],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), text=True))
     return WriterRun(procs)
 

@@ -6,7 +6,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ckptfmt.cli._render import safe, visible
+from ckptfmt_tools.cli._render import safe, visible
 
 __all__ = ["print_table", "render_table", "to_markdown"]
 

@@ -1,6 +1,6 @@
 """Crash-consistency soak: many saves, each SIGKILLed at a random moment.
 
-``python -m ckptfmt.faults.soak --runs 200 [--workdir D] [--seed S] [--json]``
+``python -m ckptfmt_tools.faults.soak --runs 200 [--workdir D] [--seed S] [--json]``
 
 Each run starts a new save of a new step in fresh writer processes (one writer, or every third
 run two writers with a TcpCoordinator), waits until the save has begun, and SIGKILLs the
@@ -98,8 +98,8 @@ class _Lines:
 
 def _check_listed(repo: Any, seed: int, seen: set[int], report: SoakReport) -> None:
     from ckptfmt.errors import CheckpointError
-    from ckptfmt.faults import _data
-    from ckptfmt.faults._checks import restore_into, same
+    from ckptfmt_tools.faults import _data
+    from ckptfmt_tools.faults._checks import restore_into, same
 
     listed = repo.steps()
     for step in listed:
@@ -128,7 +128,7 @@ def _check_listed(repo: Any, seed: int, seen: set[int], report: SoakReport) -> N
 
 
 def _gc(repo: Any, root: Path, report: SoakReport) -> None:
-    from ckptfmt.faults._checks import describe_leftovers, inventory
+    from ckptfmt_tools.faults._checks import describe_leftovers, inventory
 
     before = inventory(root)
     rep = repo.gc(grace_s=0)
@@ -158,7 +158,7 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
          multi_writer_every: int = 3, on_run: Callable[[int, SoakReport], None] | None = None) -> SoakReport:
     """Run the soak in repository ``root`` (created fresh). ``publish_first`` is the broken control."""
     from ckptfmt import Repository
-    from ckptfmt.faults._procs import start_writers
+    from ckptfmt_tools.faults._procs import start_writers
 
     t_start = time.perf_counter()
     root = Path(root)
@@ -238,7 +238,7 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m ckptfmt.faults.soak", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ckptfmt_tools.faults.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=int(os.environ.get("CKPTFMT_SOAK_RUNS", "200")))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill times")

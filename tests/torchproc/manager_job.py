@@ -7,7 +7,7 @@ DTensor ``Shard(0)`` over the ranks (each rank writes its half) and 1-D tensors 
 train:  a rank of a 2-rank gloo job with bridges.torch.CheckpointManager(save_every_steps=5),
         async; the same loop as tests/jaxproc/manager_job.py (save, reached_preemption, force save).
 resume: one rank (world 1) that runs the tasks in --tasks and reports what each restored and the
-        next two steps, in the shape bridges._receipt.judge compares.
+        next two steps, in the shape ckptfmt_tools.receipt.judge compares.
 
 usage: manager_job.py zygote SPEC_JSON | train ... | resume --tasks JSON --out JSON
 """
