@@ -8,7 +8,8 @@ is taken away. These are the ways the tests take it away:
   chunk reads as the fill value), and decodes msgpack state with no limits or checksum.
 * :func:`publish_partial` - a broken committer: after a failed save it publishes a manifest for
   the unfinished step anyway (as a commit without acknowledgements would).
-* the writer weakening ``no_conditional_create`` (see :mod:`ckptfmt.faults._writer`).
+* the writer weakenings ``no_conditional_create`` and ``no_commit_fence``, applied through the
+  storage wrapper :class:`ckptfmt_tools.faults._storage.FaultyStorage`.
 * ``ckptfmt.reader.Checkpoint._check_chunk``/``_check_index`` monkeypatched to no-ops (tests).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""A writer process: ``python -m ckptfmt.faults._writer '<json task>'``.
+"""A writer process: ``python -m ckptfmt_tools.faults._writer '<json task>'``.
 
-It saves one or more steps of the deterministic state in :mod:`ckptfmt.faults._data` as one
+It saves one or more steps of the deterministic state in :mod:`ckptfmt_tools.faults._data` as one
 rank of a real multi-process save (TcpCoordinator; LocalCoordinator when world is 1), and
 prints one JSON line per step: ``{"rank", "step", "ok", "save_id"}`` or the typed error.
 
@@ -26,6 +26,10 @@ concurrent saves are all past the start of ``save()`` before any commits), ``ann
 ``{"event": "start"}`` right before ``save()``, for the soak's kill timer), ``fsize_limit``
 (RLIMIT_FSIZE, the ENOSPC fallback when a tmpfs cannot be mounted), ``publish_first`` and
 ``weaken`` (broken controls, see :data:`WEAKEN` and :func:`_publish_first`).
+
+Weakenings and freeze points act through a storage wrapper
+(:class:`ckptfmt_tools.faults._storage.FaultyStorage`) handed to the save's Repository; the
+library is never patched.
 """
 from __future__ import annotations
 
@@ -36,73 +40,14 @@ import sys
 import time
 from typing import Any
 
+from ckptfmt_tools.faults._storage import WEAKEN as WEAKEN
+
 __all__ = ["main", "KillingCoordinator", "WEAKEN"]
-
-#: Broken controls (tests only): each name disables one guarantee of the core in this process.
-WEAKEN = {
-    # The commit becomes a plain write: a second save of the same step overwrites the first.
-    "no_conditional_create": "ckptfmt.storage.Storage.create_if_absent -> unconditional write",
-    # The commit fence becomes the old check-then-create: read the lease, then create the manifest.
-    "no_commit_fence": "ckptfmt.session._Heartbeat.begin_commit -> holds() (a check, not a conditional write)",
-}
-
-
-def _weaken(name: str) -> None:
-    if name == "no_conditional_create":
-        from ckptfmt.storage import Storage
-
-        def create_if_absent(self, key: str, data: bytes) -> bool:
-            self.write(key, data)
-            return True
-
-        Storage.create_if_absent = create_if_absent
-    elif name == "no_commit_fence":
-        from ckptfmt.session import _Heartbeat
-
-        def begin_commit(self) -> bool:
-            self._stop.set()
-            return self.holds()
-
-        _Heartbeat.begin_commit = begin_commit
-    else:
-        raise ValueError(f"unknown weakening {name!r}; known: {sorted(WEAKEN)}")
 
 
 def _freeze() -> None:
     print(json.dumps({"event": "frozen", "pid": os.getpid()}), flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def _install_freeze(point: str, *, old_protocol: bool) -> None:
-    """Stop this process at a commit moment (see the module docstring). ``old_protocol``: the
-    ``no_commit_fence`` weakening is on, so the fence is the old check."""
-    from ckptfmt.manifest import step_of_manifest_key
-    from ckptfmt.session import _Heartbeat
-    from ckptfmt.storage import Storage
-
-    if point == "before_fence":
-        fence = _Heartbeat.begin_commit
-
-        def begin_commit(self) -> bool:
-            if old_protocol:  # the old protocol: check first, then stall before the create
-                ok = fence(self)
-                _freeze()
-                return ok
-            _freeze()
-            return fence(self)
-
-        _Heartbeat.begin_commit = begin_commit
-    elif point == "before_create":
-        create = Storage.create_if_absent
-
-        def create_if_absent(self, key: str, data: bytes) -> bool:
-            if step_of_manifest_key(key) is not None:
-                _freeze()
-            return create(self, key, data)
-
-        Storage.create_if_absent = create_if_absent
-    else:
-        raise ValueError(f"unknown freeze point {point!r}")
 
 
 def _die() -> None:
@@ -149,7 +94,7 @@ def _publish_first(url: str, step: int, shards: list, seed: int, options: Any) -
     from pathlib import Path
 
     import ckptfmt
-    from ckptfmt.faults import _data
+    from ckptfmt_tools.faults import _data
 
     with tempfile.TemporaryDirectory() as scratch:
         m = ckptfmt.save(scratch, step, shards, state=_data.global_state(seed, step),
@@ -186,13 +131,15 @@ def run(task: dict[str, Any]) -> list[dict[str, Any]]:
     import ckptfmt
     from ckptfmt import LocalCoordinator, SaveOptions, TcpCoordinator
     from ckptfmt.errors import CheckpointError
-    from ckptfmt.faults import _data
+    from ckptfmt_tools.faults import _data
+    from ckptfmt_tools.faults._storage import FaultyStorage
 
     rank, world, seed = task["rank"], task["world"], task["seed"]
-    if task.get("weaken"):
-        _weaken(task["weaken"])
-    if task.get("freeze") and rank == 0:
-        _install_freeze(task["freeze"], old_protocol=task.get("weaken") == "no_commit_fence")
+    repo: Any = task["url"]
+    freeze = task.get("freeze") if rank == 0 else None
+    if task.get("weaken") or freeze:
+        repo = ckptfmt.Repository(task["url"], storage=FaultyStorage(
+            ckptfmt.Repository(task["url"]).storage, weaken=task.get("weaken"), freeze=freeze, on_freeze=_freeze))
     kill = task.get("kill") if task.get("kill_rank", 0) == rank else None
     if task.get("fsize_limit"):
         import resource
@@ -236,7 +183,7 @@ def run(task: dict[str, Any]) -> list[dict[str, Any]]:
                 if task.get("publish_first"):
                     m = _publish_first(task["url"], step, shards, seed, options)
                 else:
-                    m = ckptfmt.save(task["url"], step, shards,
+                    m = ckptfmt.save(repo, step, shards,
                                  state=_data.global_state(seed, step) if rank == 0 else None,
                                  rank_state=_data.rank_state(seed, step, rank),
                                  metadata={"seed": seed}, coordinator=coord, options=options)
