@@ -118,3 +118,7 @@ def test_jax_coordinator_two_processes(tmp_path):
     # rank 1 with an empty box and written by rank 0; numpy leaves are written once.
     assert r0["save"]["writers"] == {"split": [0, 1], "only0": [0], "scalar0": [0], "np": [0]}, r0["save"]
     assert r0["save"]["equal"] and r1["save"]["equal"]
+    # Rank 0's listing fails: both ranks raise its StorageError at once (ckptfmt.agree_step); rank
+    # 1's copy names rank 0. Before issue 14 only this bridge forwarded it (torch: a 300 s wait).
+    assert r0["listing"]["error"] == r1["listing"]["error"] == "StorageError", (r0["listing"], r1["listing"])
+    assert r1["listing"]["message"].startswith("rank 0: "), r1["listing"]
