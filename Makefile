@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[jax,torch,dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[jax,torch,cli,dev]"
 	@touch $(STAMP)
 
 venv: $(STAMP)

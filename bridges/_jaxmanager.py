@@ -53,20 +53,21 @@ class CheckpointManager(_CoreManager):
 
         return JaxCoordinator(prefix=f"manager-{n}", timeout_s=self.options.timeout_s if self.options else 300.0)
 
-    # The only two calls into the bridge's verbs (issue 14 will change their keywords here).
+    # The only two calls into the bridge's verbs (the bridge contract: bridges/README.md).
     def _save_verb(self, step: int, state: Any, *, extra: Any, metadata: Mapping[str, Any], rank_state: Any,
                    blocking: bool) -> Callable[[], Manifest]:
         from .jax import save
 
         out = save(self.url, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
                    options=self.options, metadata=metadata)
-        return (lambda: out) if blocking else out.wait
+        return (lambda: out) if blocking else out.result
 
-    def _restore_verb(self, target: Any, step: int) -> tuple[Any, Any, Mapping[str, Any]]:
+    def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None
+                      ) -> tuple[Any, Any, Mapping[str, Any]]:
         from .jax import load_extra, restore
 
         stats: dict[str, Any] = {}
-        state = restore(self.url, target, step=step, stats=stats)
+        state = restore(self.url, target, step=step, rank_state_policy=rank_state_policy, stats=stats)
         return state, load_extra(self.url, step), stats
 
     def _own_sigterm(self) -> bool:

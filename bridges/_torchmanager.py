@@ -32,8 +32,8 @@ def _initialized() -> bool:
 class CheckpointManager(_CoreManager):
     """The checkpoint manager for torch state dicts; see :class:`ckptfmt.manager.CheckpointManager`.
 
-    ``save(step, state_dict, ..., rank_state=...)`` saves what ``bridges.torch.save`` saves
-    (``rank_state`` goes to its ``rank_extra``); ``restore(target)`` takes the target
+    ``save(step, state_dict, ..., rank_state=...)`` saves what ``bridges.torch.save`` saves;
+    ``restore(target)`` takes the target
     ``bridges.torch.load`` takes and returns a RestoreResult whose ``state`` is its ``Loaded``.
     Every rank of the default process group constructs the manager, saves and restores.
     """
@@ -50,21 +50,22 @@ class CheckpointManager(_CoreManager):
         return TorchCoordinator(namespace=f"ckptfmt/manager/{n}",
                                 timeout_s=self.options.timeout_s if self.options else 300.0)
 
-    # The only two calls into the bridge's verbs (issue 14 will change their keywords here).
+    # The only two calls into the bridge's verbs (the bridge contract: bridges/README.md).
     def _save_verb(self, step: int, state: Any, *, extra: Any, metadata: Mapping[str, Any], rank_state: Any,
                    blocking: bool) -> Callable[[], Manifest]:
         from .torch import save
 
-        out = save(self.url, state, step=step, extra=extra, rank_extra=rank_state, blocking=blocking,
+        out = save(self.url, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
                    metadata=metadata, options=self.options)
         return (lambda: out) if blocking else out.result
 
-    def _restore_verb(self, target: Any, step: int) -> tuple[Any, Any, Mapping[str, Any]]:
+    def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None
+                      ) -> tuple[Any, Any, Mapping[str, Any]]:
         from .torch import load
 
         if target is None:
             raise TypeError("bridges.torch.CheckpointManager.restore needs a target state dict")
-        loaded = load(self.url, target, step=step)
+        loaded = load(self.url, target, step=step, rank_state_policy=rank_state_policy)
         return loaded, loaded.extra, {"bytes_read": int(loaded.bytes_read), "saved_world": int(loaded.saved_world)}
 
     def _agree_preemption(self, step: int, local: bool) -> bool:

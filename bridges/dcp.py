@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 import ckptfmt
-from ckptfmt._types import Box
+from ckptfmt import Box
 from ckptfmt.errors import CheckpointError, KeyMismatchError
 
 from .torch import _BY_NAME, from_numpy
@@ -69,9 +69,8 @@ class CkptfmtStorageReader(StorageReader):
         if self._ckpt is None:
             if self.url is None:
                 raise ValueError("CkptfmtStorageReader needs a repository url (or checkpoint_id)")
-            from .torch import _agreed_step
-            repo = ckptfmt.Repository(self.url)
-            self._ckpt = repo.open(_agreed_step(repo, self.step))  # every rank: the same step
+            from .torch import _open
+            self._ckpt = _open(self.url, self.step)  # every rank: the same step (ckptfmt.agree_step)
         return self._ckpt
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -1,6 +1,7 @@
 """JAX bridge: save a pytree of sharded ``jax.Array``s, restore it onto any topology.
 
-Verbs: :func:`save`, :func:`restore`, :func:`load_extra`, :func:`load_rank_state`.
+Verbs (the bridge contract, bridges/README.md): :func:`save`, :func:`restore`, :func:`load_extra`,
+:func:`load_rank_state`.
 
 What a checkpoint holds (the JAX profile, normative in spec/FORMAT.md 13.2; summarised here):
 
@@ -27,16 +28,16 @@ What a checkpoint holds (the JAX profile, normative in spec/FORMAT.md 13.2; summ
   process ``r`` gets rank ``r``'s state and no policy is needed.
 
 Restore reads, for each target leaf, only the boxes of its addressable shards (identical boxes on
-several local devices are read once), in one call to ``Checkpoint.read_boxes``, which verifies
-every byte against the manifest before anything is returned. Arrays are then built with
+several local devices are read once), in batches of about RESTORE_BATCH_BYTES
+(``bridges._contract.read_batches``, the batched restore of every bridge); the core reader
+verifies every byte of a batch before it is built, and nothing is returned before every batch
+has been read and verified. Arrays are then built with
 ``jax.make_array_from_callback``; a sharded target is never assembled whole on the host.
 """
 from __future__ import annotations
 
 import copy
-import json
 import sys
-import threading
 import time
 import warnings
 from typing import Any, Callable, Mapping
@@ -44,23 +45,27 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from ckptfmt import Box, LocalShard, Repository, SaveOptions
+from ckptfmt import Box, LocalShard, Repository, SaveHandle, SaveOptions, agree_step
+from ckptfmt.asyncsave import save_in_flight, start_async
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt import save as _core_save
 from ckptfmt.reader import RANK_STATE_POLICIES as _CORE_POLICIES, check_rank_state_policy
 from ckptfmt.interop import open_source
-from ckptfmt.errors import (CheckpointError, StepNotFoundError, InvalidStateError, KeyMismatchError, SaveInProgressError,
-                            ShapeMismatchError, TopologyChangedError)
+from ckptfmt.errors import (CheckpointError, InvalidStateError, KeyMismatchError, SaveInProgressError,
+                            ShapeMismatchError)
 
+from ._contract import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
+from ._contract import check_topology, read_batches
+from ._contract import rank_state as _rank_state
 from ._extra import json_keys
 from ._jaxcoord import JaxCoordinator, default_coordinator
 from ._rules import closest_key
 from .mapping import KeptValuesWarning, LoadReport, Mapping as KeyMapping
-from ._jaxtree import (describe_sharding, flatten_with_keys, index_to_box, is_prng_key, nest,
-                       physical_sharding)
+from ._jaxtree import describe_sharding, index_to_box, is_prng_key, nest, physical_sharding
+from ._jaxtree import flatten_with_keys as flatten_with_keys  # public: the profile's key paths of a pytree
 
-__all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "PendingSave",
-           "RANK_STATE_POLICIES", "CheckpointManager"]
+__all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "flatten_with_keys",
+           "RANK_STATE_POLICIES", "RESTORE_BATCH_BYTES", "CheckpointManager"]
 
 #: The accepted values of ``rank_state_policy`` (the core's, FORMAT.md 7.4).
 RANK_STATE_POLICIES = _CORE_POLICIES
@@ -124,40 +129,6 @@ def _to_shards(state: Any, *, copy: bool) -> tuple[list[LocalShard], dict[str, A
     return shards, {"name": "jax", "version": _BRIDGE_VERSION, "leaves": leaves, "prng_impls": prng}
 
 
-class PendingSave:
-    """A save running in the background (``save(..., blocking=False)``).
-
-    The device-to-host copies are done before ``save`` returns, so the caller may modify or
-    donate its arrays at once. ``wait()`` returns the committed Manifest or raises the save's error.
-    """
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="ckptfmt-jax-save", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._result = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
-            self._error = exc
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError("the background save has not finished")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-_pending: PendingSave | None = None
-
-
 def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapping[str, Any] | None = None,
          blocking: bool = True, coordinator: Any = None, options: SaveOptions | None = None,
          metadata: Mapping[str, Any] | None = None) -> Any:
@@ -169,73 +140,67 @@ def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapp
     ``jax.process_count() > 1`` and to ``LocalCoordinator`` otherwise.
 
     Returns the committed Manifest once the step is committed (``blocking=True``), or a
-    :class:`PendingSave` whose ``wait()`` returns it. On failure nothing is committed: the
-    core's CheckpointError (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError,
-    StepAlreadyCommittedError, ...) is raised on every process. A leaf of an unsupported type
-    or an unrenderable key raises TypeError/ValueError before anything is written.
+    :class:`ckptfmt.SaveHandle` whose ``result()`` returns it (``blocking=False``: the
+    device-to-host copies are done before this returns, so the caller may modify or donate its
+    arrays at once). On failure nothing is committed: the core's CheckpointError
+    (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError, StepAlreadyCommittedError,
+    ...) is raised on every process (by ``result()`` for a background save). A save while an
+    earlier ``blocking=False`` save is in flight raises SaveInProgressError. A leaf of an
+    unsupported type or an unrenderable key raises TypeError/ValueError before anything is written.
 
     ``metadata`` (plain JSON) goes into the manifest's ``metadata`` as rank 0 passes it.
     """
-    global _pending
-    if _pending is not None and not _pending.done():
-        raise SaveInProgressError("an earlier save(blocking=False) is still in flight; wait() for it first")
-    shards, bridge_state = _to_shards(state, copy=not blocking)
-    global_state = {"bridge": bridge_state, "extra": json_keys(extra, "extra")}
+    if blocking and save_in_flight():
+        raise SaveInProgressError("an earlier save(blocking=False) is still in flight; call its result() first",
+                                  expected="no save in flight", found=f"a background save; requested step {step}")
     coord = coordinator if coordinator is not None else default_coordinator()
     opts = options if options is not None else SaveOptions()
-    if metadata is not None and not blocking:  # the save runs later: keep a snapshot, not a reference
-        metadata = copy.deepcopy(dict(metadata))
 
-    def run() -> Any:
-        manifest = _core_save(url, step, shards, state=global_state, rank_state=json_keys(rank_state, "rank_state"),
-                              coordinator=coord, versions=_versions(), options=opts, metadata=metadata)
-        if coordinator is None and isinstance(coord, JaxCoordinator):
-            # The commit broadcast's value (the manifest) stays in the coordination service
-            # until a call every rank enters; release it. The step is committed either way.
-            try:
-                coord.barrier("save/release", opts.timeout_s)
-            except CheckpointError:
-                pass
-        return manifest
+    def stage() -> tuple[Callable[[], Any], int]:
+        shards, bridge_state = _to_shards(state, copy=not blocking)
+        global_state = {"bridge": bridge_state, "extra": json_keys(extra, "extra")}
+        per_rank = json_keys(rank_state, "rank_state")
+        # The save runs later: keep a snapshot of the metadata, not a reference.
+        md = copy.deepcopy(dict(metadata)) if metadata is not None and not blocking else metadata
+
+        def run() -> Any:
+            manifest = _core_save(url, step, shards, state=global_state, rank_state=per_rank,
+                                  coordinator=coord, versions=_versions(), options=opts, metadata=md)
+            if coordinator is None and isinstance(coord, JaxCoordinator):
+                # The commit broadcast's value (the manifest) stays in the coordination service
+                # until a call every rank enters; release it. The step is committed either way.
+                try:
+                    coord.barrier("save/release", opts.timeout_s)
+                except CheckpointError:
+                    pass
+            return manifest
+
+        staged = sum(int(s.data.nbytes) for s in shards if s.replica_id == 0 and isinstance(s.data, np.ndarray))
+        return run, staged
 
     if blocking:
-        return run()
-    _pending = PendingSave(run)
-    return _pending
+        return stage()[0]()
+    handle: SaveHandle = start_async(stage, step=step, wait=False)
+    return handle
 
 
 # ---------------------------------------------------------------------------------- restore
 
 
-def _resolve_step(repo: Repository, step: int | None) -> int | None:
+def _open(url: str, step: int | None) -> Any:
+    return open_source(url, step, resolve=_step_everyone_opens)  # a committed step, or a safetensors source
+
+
+def _step_everyone_opens(repo: Repository, step: int | None) -> int | None:
     if step is not None or jax.process_count() == 1:
         return step
-    # Several processes: rank 0 decides which step is latest, so all restore the same one. Its
-    # answer (a step, or the error it hit) reaches every rank, so no rank waits for a timeout.
+    # Rank 0 decides which step is latest, so all restore the same one; its answer (a step, or
+    # the error it hit) reaches every rank at once (ckptfmt.agree_step).
     coord = JaxCoordinator()
     try:
-        payload = b""
-        if coord.rank == 0:
-            try:
-                latest = repo.latest()
-                payload = b"step:" + str(-1 if latest is None else latest).encode()
-            except CheckpointError as e:
-                payload = b"error:" + json.dumps(e.to_json()).encode()
-        got = coord.broadcast("restore-latest-step", payload)
+        return agree_step(repo, None, coord)
     finally:
         coord.close()
-    if got.startswith(b"error:"):
-        e = json.loads(got[len(b"error:"):])
-        raise StepNotFoundError(f"rank 0 could not list the repository ({e['error']}: {e['message']})",
-                                object=e.get("object"))
-    value = int(got[len(b"step:"):].decode())
-    if value < 0:
-        raise StepNotFoundError("repository has no committed step", object=repo.url, expected=">= 1 step", found=0)
-    return value
-
-
-def _open(url: str, step: int | None) -> Any:
-    return open_source(url, step, resolve=_resolve_step)  # a committed step, or a safetensors source
 
 
 def _bridge_state(ckpt: Any) -> dict[str, Any]:
@@ -268,22 +233,8 @@ def _bridge_state(ckpt: Any) -> dict[str, Any]:
     return b
 
 
-def _rank_world(ckpt: Any) -> tuple[int, bool]:
-    """(saved process count, whether any rank state was saved)."""
-    entries = getattr(ckpt.manifest, "state", {}) or {}
-    has_rank = any(str(name).startswith("rank/") for name in entries)
-    return int(ckpt.saved_world), has_rank
-
-
 def _check_policy(ckpt: Any, policy: str | None) -> None:
-    check_rank_state_policy(policy)
-    saved, has_rank = _rank_world(ckpt)
-    now = jax.process_count()
-    if has_rank and saved != now and policy is None:
-        raise TopologyChangedError(
-            f"step {ckpt.step} holds per-rank state of {saved} processes but {now} are restoring; "
-            "pass rank_state_policy='drop' (start per-rank state afresh), 'rank0' (give every "
-            "process rank 0's state) or 'same-rank'", expected=f"{saved} processes", found=f"{now} processes")
+    check_topology(ckpt, jax.process_count(), policy)
 
 
 def _impl_name(dtype: Any) -> str:
@@ -364,10 +315,6 @@ def _plan_mapped(ckpt: Any, key: str, leaf: Any, res: Any) -> _ArrayPlan:
     return _ArrayPlan(key, shape, sharding, None, sorted(boxes, key=lambda b: b.offset), False, chain)
 
 
-#: Host bytes read per batch during restore: bounds the host copies alive at once.
-RESTORE_BATCH_BYTES = 64 << 20
-
-
 def _build(plan: _ArrayPlan, got: dict[tuple[str, Box], np.ndarray]) -> Any:
     if plan.host:
         return got.pop((plan.key, plan.boxes[0]))
@@ -387,36 +334,42 @@ def _build(plan: _ArrayPlan, got: dict[tuple[str, Box], np.ndarray]) -> Any:
     return jax.random.wrap_key_data(arr, impl=plan.prng) if plan.prng else arr
 
 
-def _restore_batches(reader: Any, batches: list[list[int]], batch_reqs: list[list[tuple[str, Box]]],
-                     plans: list[Any], built: dict[int, Any]) -> tuple[int, float]:
-    """Build each batch's arrays as soon as the reader yields it (verified). Returns (bytes, read s)."""
-    nbytes, t_read = 0, 0.0
-    for batch, reqs in zip(batches, batch_reqs):
-        tr = time.perf_counter()
-        arrays = next(reader)  # every byte of this batch is verified before it is yielded
-        t_read += time.perf_counter() - tr
-        got = dict(zip(reqs, arrays))
-        nbytes += sum(int(a.nbytes) for a in arrays)
-        del arrays
-        mapped: dict[int, dict[tuple[str, Box], np.ndarray]] = {}
-        for i in batch:  # every mapped leaf first: several may share a source block (tied weights)
-            plan = plans[i]
-            if plan.chain is not None:
-                blocks = {}
-                for b in plan.boxes:
-                    blk = plan.chain.assemble(b, [got[r] for r in plan.reads[b]])
-                    blocks[(plan.key, b)] = blk if blk.flags.owndata and blk.flags.c_contiguous else np.array(blk)
-                mapped[i] = blocks
-        for i in batch:
-            plan = plans[i]
-            if i in mapped:
-                built[i] = _build(plan, mapped.pop(i))
-            elif plan.host and plan.prng:
-                built[i] = jax.random.wrap_key_data(_build(plan, got), impl=plan.prng)
-            else:
-                built[i] = _build(plan, got)
-        del got
-    return nbytes, t_read
+def _restore_batches(ckpt: Any, plans: list[Any], built: dict[int, Any]) -> tuple[int, float, int]:
+    """Build each batch's arrays as soon as it is read and verified. Returns (bytes, read s, batches)."""
+    nbytes, t_read, count = 0, 0.0, 0
+    batches = read_batches(ckpt, [None if p is None else p.requests() for p in plans])
+    try:
+        while True:
+            tr = time.perf_counter()
+            batch = next(batches, None)  # every byte of this batch is verified before it is yielded
+            t_read += time.perf_counter() - tr
+            if batch is None:
+                break
+            got, indices = batch.blocks, batch.groups
+            del batch
+            count += 1
+            nbytes += sum(int(a.nbytes) for a in got.values())
+            mapped: dict[int, dict[tuple[str, Box], np.ndarray]] = {}
+            for i in indices:  # every mapped leaf first: several may share a source block (tied weights)
+                plan = plans[i]
+                if plan.chain is not None:
+                    blocks = {}
+                    for b in plan.boxes:
+                        blk = plan.chain.assemble(b, [got[r] for r in plan.reads[b]])
+                        blocks[(plan.key, b)] = blk if blk.flags.owndata and blk.flags.c_contiguous else np.array(blk)
+                    mapped[i] = blocks
+            for i in indices:
+                plan = plans[i]
+                if i in mapped:
+                    built[i] = _build(plan, mapped.pop(i))
+                elif plan.host and plan.prng:
+                    built[i] = jax.random.wrap_key_data(_build(plan, got), impl=plan.prng)
+                else:
+                    built[i] = _build(plan, got)
+            del got
+    finally:
+        batches.close()  # stops the reader's threads on every path
+    return nbytes, t_read, count
 
 
 def _is_array_target(leaf: Any) -> bool:
@@ -446,7 +399,8 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     Checkpoint keys the target does not name are never an error here (a partial restore).
 
     ``stats``, if given, is filled with phase timings (``open_s``, ``plan_s``, ``read_s`` -- read
-    and verify --, ``build_s``), ``bytes_restored``, the reader's counters and ``report`` (a
+    and verify --, ``build_s``), ``bytes_restored``, ``batches`` (read batches of about
+    RESTORE_BATCH_BYTES), the reader's counters and ``report`` (a
     :class:`bridges.mapping.LoadReport`: loaded, kept, missing, unexpected keys).
 
     ``url`` may also name a safetensors file or directory (``save_pretrained``'s): it is read in
@@ -459,6 +413,7 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     returned.
     """
     t0 = time.perf_counter()
+    check_rank_state_policy(rank_state_policy)  # a usage error, raised before anything is opened
     ckpt = _open(url, step)
     _check_policy(ckpt, rank_state_policy)
     bridge = _bridge_state(ckpt)
@@ -509,27 +464,11 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     requests = [r for p in plans if p is not None for r in p.requests()]
     t2 = time.perf_counter()
     # Read in batches of about RESTORE_BATCH_BYTES so at most one batch of host copies exists at a
-    # time. Every batch is verified by the core reader before its arrays are built, and nothing is
-    # returned to the caller until every batch has been read and verified: a fault in a later
-    # batch raises and drops the arrays already built.
-    batches: list[list[int]] = [[]]
-    size = 0
-    for i, plan in enumerate(plans):
-        if plan is None:
-            continue
-        nb = sum(b.size * np.dtype(numpy_dtype(ckpt.tensor(k).dtype)).itemsize for k, b in plan.requests())
-        if batches[-1] and size + nb > RESTORE_BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(i)
-        size += nb
+    # time (bridges._contract.read_batches). Every batch is verified by the core reader before its
+    # arrays are built, and nothing is returned to the caller until every batch has been read and
+    # verified: a fault in a later batch raises and drops the arrays already built.
     built: dict[int, Any] = {}
-    batch_reqs = [list(dict.fromkeys(r for i in batch for r in plans[i].requests())) for batch in batches]
-    reader = ckpt.iter_read_boxes(batch_reqs)  # the next batch is read while this one is built
-    try:
-        nbytes, t_read = _restore_batches(reader, batches, batch_reqs, plans, built)
-    finally:
-        reader.close()  # stops the reader's threads on every path
+    nbytes, t_read, batches = _restore_batches(ckpt, plans, built)
     t3 = t2 + t_read
     out = [kept[i] if i in kept else bridge["leaves"][key] if plan is None else built.pop(i)
            for i, ((key, _), plan) in enumerate(zip(flat, plans))]
@@ -540,7 +479,7 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     t4 = time.perf_counter()
     if stats is not None:
         stats.update(step=ckpt.step, open_s=t1 - t0, plan_s=t2 - t1, read_s=t3 - t2, build_s=t4 - t3,
-                     bytes_restored=nbytes, boxes=len(requests))
+                     bytes_restored=nbytes, boxes=len(requests), batches=batches)
         reader = ckpt.stats
         stats["reader"] = {"bytes_read": reader.bytes_read, "requests": reader.requests,
                            "objects": reader.objects, "timings": dict(reader.timings)}
@@ -576,9 +515,8 @@ def load_rank_state(url: str, step: int | None = None, *, rank_state_policy: str
     TopologyChangedError unless ``rank_state_policy`` is ``"drop"`` (returns None), ``"rank0"``
     (returns rank 0's state) or ``"same-rank"``. Returns None when no rank state was saved.
     """
-    ckpt = _open(url, step)
-    _check_policy(ckpt, rank_state_policy)
-    return ckpt.rank_state(jax.process_index(), world=jax.process_count(), policy=rank_state_policy)
+    check_rank_state_policy(rank_state_policy)
+    return _rank_state(_open(url, step), jax.process_index(), jax.process_count(), rank_state_policy)
 
 
 def abstract_target(tree: Any, sharding: Any = None) -> Any:

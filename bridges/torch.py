@@ -1,6 +1,7 @@
 """The PyTorch bridge: save a state dict of tensors / DTensors, load one at any topology.
 
-Verbs (same as every bridge): :func:`save` and :func:`load`.
+Verbs (the bridge contract, bridges/README.md): :func:`save`, :func:`load`, :func:`load_extra`,
+:func:`load_rank_state`.
 
 What a checkpoint holds is the PyTorch profile, normative in spec/FORMAT.md 13.3.
 
@@ -18,12 +19,17 @@ on a multi-rank world is treated as replicated over all ranks (rank 0's copy is 
 
 Load is target-driven: every rank asks the core reader for exactly the boxes its target values
 hold locally, in the checkpoint's coordinates (through a :mod:`bridges.mapping` permutation when
-the layouts differ), and permutes the blocks locally. The core verifies every byte before
-returning, and the target is never modified.
+the layouts differ), and permutes the blocks locally. The reads go in batches of about
+``RESTORE_BATCH_BYTES`` (``bridges._contract.read_batches``, as in every bridge); the core
+verifies every byte of a batch before its values are built, nothing is returned before every
+batch is verified, and the target is never modified.
+
+Per-rank state (``rank_state`` and, with ``save_rng``, the torch RNG states) follows the bridge
+contract on a topology change: :func:`load` raises TopologyChangedError unless
+``rank_state_policy`` says what to do with it.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import warnings
 from typing import Any, Iterator, Mapping as TMapping
 
@@ -31,19 +37,23 @@ import numpy as np
 import torch
 
 import ckptfmt
-from ckptfmt._types import Box, LocalShard, TensorSharding
+from ckptfmt import Box, LocalShard, SaveHandle, TensorSharding, agree_step
+from ckptfmt.asyncsave import save_in_flight, start_async
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import InvalidStateError, KeyMismatchError, SaveInProgressError, ShapeMismatchError
 from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.interop import open_source
 from ckptfmt.state import decode_state, encode_state
 
+from ._contract import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
+from ._contract import UNSET, check_topology, read_batches, renamed_keyword
+from ._contract import rank_state as _rank_state
 from ._extra import json_keys
 from ._rules import closest_key
 from .mapping import IDENTITY, KeptValuesWarning, LoadReport, Mapping, MappingError, Resolved
 
-__all__ = ["save", "load", "Loaded", "rng_state", "set_rng_state", "local_box", "to_numpy",
-           "from_numpy", "layer_kinds", "CheckpointManager"]
+__all__ = ["save", "load", "load_extra", "load_rank_state", "Loaded", "rng_state", "set_rng_state", "local_box",
+           "to_numpy", "from_numpy", "layer_kinds", "RESTORE_BATCH_BYTES", "CheckpointManager"]
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -329,23 +339,26 @@ def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None
     return shards, objects
 
 
-def save(url: str, state_dict: TMapping[str, Any], *, step: int, extra: Any = None,
-         rank_extra: Any = None, blocking: bool = True, coordinator: Any = None,
-         save_rng: bool = True, metadata: TMapping[str, Any] | None = None,
-         mapping: Mapping | None = None, options: Any = None) -> Any:
-    """Save ``state_dict`` (nested dicts of tensors, DTensors and msgpack-able values) as ``step``.
+def save(url: str, state: TMapping[str, Any], *, step: int, extra: Any = None, rank_state: Any = None,
+         blocking: bool = True, coordinator: Any = None, save_rng: bool = True,
+         metadata: TMapping[str, Any] | None = None, mapping: Mapping | None = None, options: Any = None,
+         rank_extra: Any = UNSET) -> Any:
+    """Save ``state`` (a state dict: nested dicts of tensors, DTensors and msgpack-able values) as ``step``.
 
     Every rank of the process group must call it with the same keys. ``extra`` goes to the global
-    state (rank 0's copy), ``rank_extra`` (e.g. the data sampler cursor) and, with ``save_rng``,
+    state (rank 0's copy), ``rank_state`` (e.g. the data sampler cursor) and, with ``save_rng``,
     this rank's torch RNG states to the per-rank state. Returns the committed manifest, or with
-    ``blocking=False`` a ``concurrent.futures.Future`` of it (tensor data is copied to host
-    memory before this returns, so training may continue and mutate the tensors).
+    ``blocking=False`` a :class:`ckptfmt.SaveHandle` whose ``result()`` returns it (tensor data is
+    copied to host memory before this returns, so training may continue and mutate the tensors).
+    ``rank_extra`` is the deprecated name of ``rank_state`` (DeprecationWarning; removed next release).
 
     On failure nothing is committed and every rank raises the same CheckpointError
-    (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError, ...); a non-tensor leaf
-    msgpack cannot encode raises InvalidStateError naming its key path before anything is written.
+    (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError, ...; by ``result()`` for a
+    background save); a non-tensor leaf msgpack cannot encode raises InvalidStateError naming its
+    key path before anything is written; a save while an earlier ``blocking=False`` save is in
+    flight raises SaveInProgressError.
 
-    ``extra`` / ``rank_extra`` take any value ``json.dumps`` takes (a Hugging Face config dict)
+    ``extra`` / ``rank_state`` take any value ``json.dumps`` takes (a Hugging Face config dict)
     plus bytes and numpy arrays; dict keys are stored as JSON writes them (``1`` -> ``"1"``,
     ``True`` -> ``"true"``, ``None`` -> ``"null"``) and tuples come back as lists, so what
     :func:`load` returns equals ``json.loads(json.dumps(extra))`` for JSON values (see
@@ -358,41 +371,43 @@ def save(url: str, state_dict: TMapping[str, Any], *, step: int, extra: Any = No
     tensor into its parts), no gather. A transform whose inverse is not exact for the values
     (a non-power-of-two Scale) raises MappingError before anything is written.
     """
-    global _pending
-    if _pending is not None and not _pending.done():
-        raise SaveInProgressError("an earlier save(blocking=False) is still in flight; wait for its result first")
-    shards, objects = _shards(state_dict, copy=not blocking, mapping=mapping)
-    state = {"torch": {"objects": objects}, "extra": json_keys(extra, "extra")}
-    rank_state = {"torch": {"rng": rng_state() if save_rng else None}, "extra": json_keys(rank_extra, "rank_extra")}
-    # InvalidStateError here, before any collective; async saves keep a snapshot, not references.
-    blobs = encode_state(state), encode_state(rank_state)
-    if not blocking:
-        state, rank_state = decode_state(blobs[0]), decode_state(blobs[1])
-    kw = dict(state=state, rank_state=rank_state, metadata=dict(metadata or {}),
-              coordinator=_coordinator(coordinator), versions={"torch": torch.__version__})
-    if options is not None:
-        kw["options"] = options
+    rank_state = renamed_keyword("save", "rank_extra", "rank_state", rank_extra, rank_state)
+    if blocking and save_in_flight():
+        raise SaveInProgressError("an earlier save(blocking=False) is still in flight; call its result() first",
+                                  expected="no save in flight", found=f"a background save; requested step {step}")
+
+    def stage() -> tuple[Any, int]:
+        shards, objects = _shards(state, copy=not blocking, mapping=mapping)
+        global_state = {"torch": {"objects": objects}, "extra": json_keys(extra, "extra")}
+        per_rank = {"torch": {"rng": rng_state() if save_rng else None}, "extra": json_keys(rank_state, "rank_state")}
+        # InvalidStateError here, before any collective; async saves keep a snapshot, not references.
+        blobs = encode_state(global_state), encode_state(per_rank)
+        if not blocking:
+            global_state, per_rank = decode_state(blobs[0]), decode_state(blobs[1])
+        kw = dict(state=global_state, rank_state=per_rank, metadata=dict(metadata or {}),
+                  coordinator=_coordinator(coordinator), versions={"torch": torch.__version__})
+        if options is not None:
+            kw["options"] = options
+        staged = sum(int(s.data.nbytes) for s in shards if s.replica_id == 0 and isinstance(s.data, np.ndarray))
+        return (lambda: ckptfmt.save(url, step, shards, **kw)), staged
+
     if blocking:
-        return ckptfmt.save(url, step, shards, **kw)
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptfmt-torch-save")
-    _pending = pool.submit(ckptfmt.save, url, step, shards, **kw)
-    pool.shutdown(wait=False)
-    return _pending
+        return stage()[0]()
+    handle: SaveHandle = start_async(stage, step=step, wait=False)
+    return handle
 
 
-_pending: concurrent.futures.Future | None = None
+def _open(url: str, step: int | None) -> Any:
+    """Open ``step``, or the latest step as rank 0 sees it, agreed by every rank (ckptfmt.agree_step:
+    rank 0's listing error reaches every rank at once); or a safetensors source (ckptfmt.interop)."""
+    return open_source(url, step, resolve=_step_everyone_opens)
 
 
-def _agreed_step(repo: Any, step: int | None) -> int | None:
-    """``step``, or the latest step as rank 0 sees it, agreed by every rank (None: no step)."""
-    if step is not None or _world() == 1:
-        return step
-    from ._torchcoord import for_group
-    coord = for_group()
-    latest = repo.latest() if coord.rank == 0 else None
-    got = int(coord.broadcast("torch-load/latest-step", str(-1 if latest is None else latest).encode()
-                              if coord.rank == 0 else None).decode())
-    return None if got < 0 else got
+def _step_everyone_opens(repo: Any, step: int | None) -> int | None:
+    if step is None and _world() > 1:
+        from ._torchcoord import for_group
+        return agree_step(repo, None, for_group())
+    return step
 
 
 # ----------------------------------------------------------------------------- load
@@ -404,9 +419,11 @@ class Loaded(dict):
     ``report``: a :class:`bridges.mapping.LoadReport` (loaded, kept, missing, unexpected keys and
     the notes that explain missing ones). ``missing_keys`` / ``unexpected_keys``: the same lists
     (only non-empty with ``strict=False``). ``extra``: the global ``extra`` saved with the
-    checkpoint. ``rank_extra`` / ``rng``: this rank's saved per-rank state (at another world size:
-    per ``rank_policy``, default None). ``bytes_read``: tensor bytes this rank read (chunk data,
-    checksums and shard indexes); ``objects_read``: how many shard objects it read from.
+    checkpoint. ``rank_state`` / ``rng``: this rank's saved per-rank state (the caller's
+    ``rank_state`` and the torch RNG states; at another world size per ``rank_state_policy``).
+    ``rank_extra``: the deprecated name of ``rank_state``. ``bytes_read``: tensor bytes this rank
+    read (chunk data, checksums and shard indexes); ``objects_read``: how many shard objects it read from;
+    ``batches``: how many read batches (of about RESTORE_BATCH_BYTES) the load took.
     """
 
     step: int
@@ -414,11 +431,18 @@ class Loaded(dict):
     missing_keys: list[str]
     unexpected_keys: list[str]
     extra: Any
-    rank_extra: Any
+    rank_state: Any
     rng: Any
     saved_world: int
     bytes_read: int
     objects_read: int
+    batches: int
+
+    @property
+    def rank_extra(self) -> Any:
+        warnings.warn("Loaded.rank_extra is deprecated and will be removed in the next release; use Loaded.rank_state",
+                      DeprecationWarning, stacklevel=2)
+        return self.rank_state
 
 
 def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
@@ -428,12 +452,13 @@ def _can_cast(src: np.dtype, dst: np.dtype) -> bool:
         return False
 
 
-def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
-         mapping: Mapping | None = None, strict: bool = True, rank_policy: str = "drop") -> Loaded:
+def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_state_policy: str | None = None,
+         mapping: Mapping | None = None, strict: bool = True, rank_policy: Any = UNSET) -> Loaded:
     """Load checkpoint ``step`` (default: the latest) into new tensors shaped like ``target``.
 
     With ``step=None`` on several ranks, every rank must call ``load``: rank 0 picks the latest
-    step and broadcasts it, so all ranks read the same one.
+    step and broadcasts it (or the error it hit listing the repository), so all ranks read the
+    same one.
 
     ``target``'s values say what is wanted: global shape, dtype (values are cast when the
     checkpoint's dtype is of the same kind or narrower kind, e.g. int32 -> float32), device,
@@ -449,15 +474,19 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     for a missing key, reports it (``Loaded.report``) and warns with KeptValuesWarning. A rule that
     matched but does not fit the tensors raises MappingError (a ShapeMismatchError) naming the
     rule, the transform and the reason; a shape or dtype that does not match raises
-    ShapeMismatchError naming the key; corrupt data raises the core's CheckpointError. Per-rank
-    state (``rank_extra``, ``rng``) saved at another world size follows ``rank_policy`` ("drop":
-    None; "rank0"; "same-rank"; None: raise TopologyChangedError); any other ``rank_policy``
-    raises ValueError naming the accepted ones, before anything is read. All checks and reads
-    happen before any value is built, and ``target`` is never modified.
+    ShapeMismatchError naming the key; corrupt data raises the core's CheckpointError, and nothing
+    is returned before every batch of reads is verified. Per-rank state (``rank_state``, ``rng``)
+    saved by another number of ranks raises TopologyChangedError, naming the policies, before
+    anything is read, unless ``rank_state_policy`` is "drop" (None), "rank0" (rank 0's) or
+    "same-rank"; any other ``rank_state_policy`` raises ValueError naming the accepted ones,
+    before anything is opened. ``rank_policy`` is its deprecated name (DeprecationWarning).
+    ``target`` is never modified.
     """
-    check_rank_state_policy(rank_policy)  # a usage error, raised before anything is opened
+    rank_state_policy = renamed_keyword("load", "rank_policy", "rank_state_policy", rank_policy, rank_state_policy)
+    check_rank_state_policy(rank_state_policy)  # a usage error, raised before anything is opened
     mapping = mapping or IDENTITY
-    ckpt = open_source(url, step, resolve=_agreed_step)  # a committed step, or a safetensors source
+    ckpt = _open(url, step)
+    check_topology(ckpt, _world(), rank_state_policy)
     src_keys = set(ckpt.keys())
     gstate = ckpt.state() or {}
     saved_objects = _saved_objects(gstate)
@@ -468,8 +497,7 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     notes: list[str] = []
     used: set[str] = set()
     mismatches: list[ShapeMismatchError] = []
-    requests: list[tuple[str, Box]] = []
-    plan: dict[str, tuple[Any, Box, int, int] | None] = {}
+    plan: dict[str, tuple[Any, Box, list[tuple[str, Box]]] | None] = {}
     values: dict[str, Any] = {}
     for key, v in flat:
         if not isinstance(v, torch.Tensor):
@@ -513,12 +541,10 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
                                                  expected=str(dst_dt), found=str(chain.target_dtype)))
             continue
         box, _, _ = local_box(v)
-        if box is None or box.is_empty():
-            plan[key] = (chain, box, -1, 0) if box is not None else None
+        if box is None:  # this rank holds no part of the DTensor
+            plan[key] = None
             continue
-        reads = chain.reads(box)
-        plan[key] = (chain, box, len(requests), len(reads))
-        requests.extend(reads)
+        plan[key] = (chain, box, [] if box.is_empty() else chain.reads(box))
 
     unexpected = sorted(k for k in (src_keys | set(saved_objects)) - used if not mapping.is_ignored(k))
     if len(mismatches) == 1:
@@ -535,21 +561,27 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
                                expected=missing, found=unexpected)
 
     before, objects_before = _bytes_read(ckpt), _stat(ckpt, "objects")
-    blocks = ckpt.read_boxes(requests) if requests else []
-    for key, v in flat:
-        if key not in plan:
-            continue
-        item = plan[key]
-        if item is None:  # this rank holds no part of the DTensor
-            values[key] = v
-            continue
-        chain, box, idx, n = item
-        local = _local(v)
-        if idx < 0:
-            t = torch.empty(tuple(local.shape), dtype=v.dtype, device=local.device)
-        else:
-            t = from_numpy(chain.assemble(box, blocks[idx:idx + n]), v.dtype, local.device)
-        values[key] = _wrap_like(v, t)
+    targets = dict(flat)
+    for key, item in plan.items():
+        if item is None:
+            values[key] = targets[key]
+        elif not item[2]:  # an empty local box: nothing to read
+            local = _local(targets[key])
+            values[key] = _wrap_like(targets[key], torch.empty(tuple(local.shape), dtype=targets[key].dtype,
+                                                               device=local.device))
+    order = [k for k, item in plan.items() if item is not None and item[2]]
+    batches = 0
+    for batch in read_batches(ckpt, [plan[k][2] for k in order]):  # type: ignore[index]
+        batches += 1
+        for i in batch.groups:
+            key = order[i]
+            chain, box, reads = plan[key]  # type: ignore[misc]
+            blocks = [batch.blocks[r] for r in reads]
+            arr = chain.assemble(box, blocks)
+            if any(r in batch.shared for r in reads) and any(np.shares_memory(arr, b) for b in blocks):
+                arr = arr.copy()  # a block read once for several keys: no two tensors share memory
+            v = targets[key]
+            values[key] = _wrap_like(v, from_numpy(arr, v.dtype, _local(v).device))
 
     out = Loaded(_rebuild(target, values))
     out.step = ckpt.step
@@ -559,15 +591,34 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None,
     out.missing_keys, out.unexpected_keys = missing, unexpected
     out.extra = gstate.get("extra") if isinstance(gstate, dict) else None
     out.saved_world = int(ckpt.saved_world)
-    rs = ckpt.rank_state(_rank(), world=_world(), policy=rank_policy) or {}
-    out.rank_extra = rs.get("extra") if isinstance(rs, dict) else None
+    rs = _rank_state(ckpt, _rank(), _world(), rank_state_policy) or {}
+    out.rank_state = rs.get("extra") if isinstance(rs, dict) else None
     out.rng = ((rs.get("torch") or {}).get("rng")) if isinstance(rs, dict) else None
     out.bytes_read = _bytes_read(ckpt) - before
     out.objects_read = _stat(ckpt, "objects") - objects_before
+    out.batches = batches
     message = out.report.warning()
     if message:
         warnings.warn(message, KeptValuesWarning, stacklevel=2)
     return out
+
+
+def load_extra(url: str, step: int | None = None) -> Any:
+    """The ``extra`` value saved with step ``step`` (None: the latest, agreed as in :func:`load`);
+    None if none was saved. Raises StepNotFoundError, or the core's error for an unreadable state."""
+    st = _open(url, step).state() or {}
+    return st.get("extra") if isinstance(st, dict) else None
+
+
+def load_rank_state(url: str, step: int | None = None, *, rank_state_policy: str | None = None) -> Any:
+    """This rank's ``rank_state`` (as passed to :func:`save`) of step ``step``, under the
+    topology-change policy of :func:`load`; None when none was saved. The RNG states come with
+    :func:`load` (``Loaded.rng``). Raises ValueError for an unknown policy before anything is
+    opened, and TopologyChangedError (naming the policies) at another world size without one.
+    """
+    check_rank_state_policy(rank_state_policy)
+    rs = _rank_state(_open(url, step), _rank(), _world(), rank_state_policy)
+    return rs.get("extra") if isinstance(rs, dict) else None
 
 
 def _saved_objects(gstate: Any) -> dict[str, Any]:

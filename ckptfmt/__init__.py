@@ -7,6 +7,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from ._types import Box as Box
+from .agree import agree_step as agree_step
 from ._types import LocalShard as LocalShard
 from ._types import TensorSharding as TensorSharding
 from .coord import Coordinator as Coordinator
@@ -30,7 +31,7 @@ from .manager import RestoreResult as RestoreResult
 from .manager import SaveRecord as SaveRecord
 from .manager import SkippedStep as SkippedStep
 
-__all__ = ["__version__", "Box", "LocalShard", "TensorSharding", "Coordinator", "LocalCoordinator",
+__all__ = ["__version__", "agree_step", "Box", "LocalShard", "TensorSharding", "Coordinator", "LocalCoordinator",
            "TcpCoordinator", "Manifest", "TensorEntry", "parse_manifest", "Checkpoint", "ReadStats",
            "GcReport", "Repository", "SaveOptions", "save", "save_async", "SaveHandle", "CheckpointManager",
            "RestoreResult", "SaveRecord", "SkippedStep", *_error_names]

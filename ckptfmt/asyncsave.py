@@ -4,12 +4,16 @@ The caller is blocked only while its shards are copied to host staging memory. O
 at a time per process: a new one waits for the one in flight (``wait=True``) or raises
 SaveInProgressError. A process that dies while the background write runs leaves no listed step,
 because the manifest is published only after every writer acknowledged.
+
+:func:`start_async` is the machinery under :func:`save_async` and under every bridge's
+``save(..., blocking=False)``, so all of them return one handle type, :class:`SaveHandle`, and
+share the one-save-at-a-time rule.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -18,7 +22,7 @@ from .errors import SaveInProgressError
 from .manifest import Manifest
 from .session import save
 
-__all__ = ["SaveHandle", "save_async"]
+__all__ = ["SaveHandle", "save_async", "start_async", "save_in_flight"]
 
 _lock_holder: list[threading.Lock] = []  # created on first use, not at import
 
@@ -30,7 +34,13 @@ def _process_lock() -> threading.Lock:
 
 
 class SaveHandle:
-    """A save running in the background. ``result()`` returns the committed manifest or raises."""
+    """A save running in the background: what :func:`save_async` and every bridge's
+    ``save(..., blocking=False)`` return.
+
+    ``result(timeout=None)`` returns the committed manifest or raises the save's error (TimeoutError
+    while it still runs); ``done()``; ``exception()``; ``blocked_s`` (how long the caller was
+    blocked staging), ``snapshot_bytes`` (host bytes staged), ``finished_unix``.
+    """
 
     def __init__(self, blocked_s: float, snapshot_bytes: int) -> None:
         self.blocked_s = blocked_s
@@ -70,6 +80,47 @@ def _snapshot(shards: Iterable[LocalShard], copy: bool) -> tuple[list[LocalShard
     return out, nbytes
 
 
+def save_in_flight() -> bool:
+    """True while an asynchronous save of this process has not finished."""
+    return _process_lock().locked()
+
+
+def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step: int, wait: bool = True) -> SaveHandle:
+    """Run a save in a background thread and return its :class:`SaveHandle`.
+
+    Takes this process's save slot (one asynchronous save at a time: with ``wait`` it waits for
+    the one in flight, else it raises SaveInProgressError), then calls ``stage()`` in the caller's
+    thread: it copies what the save needs to host memory and returns the save to run (a callable
+    returning the committed Manifest) and the bytes it staged (``handle.snapshot_bytes``). The
+    caller is blocked for ``handle.blocked_s``. An error of ``stage`` releases the slot and is
+    raised here; the save's own error is raised by ``handle.result()``.
+    """
+    t0 = time.perf_counter()
+    lock = _process_lock()
+    if not lock.acquire(blocking=wait):
+        raise SaveInProgressError("an earlier asynchronous save is still in flight", expected="no save in flight",
+                                  found=f"save of another step running; requested step {step}")
+    try:
+        run, nbytes = stage()
+    except BaseException:
+        lock.release()
+        raise
+    handle = SaveHandle(time.perf_counter() - t0, nbytes)
+
+    def background() -> None:
+        try:
+            handle._manifest = run()
+        except BaseException as e:  # delivered through handle.result()
+            handle._error = e
+        finally:
+            handle.finished_unix = time.time()
+            lock.release()
+            handle._done.set()
+
+    threading.Thread(target=background, name=f"ckptfmt-save-{step}", daemon=True).start()
+    return handle
+
+
 def save_async(repo: Any, step: int, shards: Iterable[LocalShard], *, wait: bool = True, copy: bool = True,
                **kwargs: Any) -> SaveHandle:
     """Snapshot ``shards`` to host memory and return; write, verify and commit in a background thread.
@@ -78,28 +129,15 @@ def save_async(repo: Any, step: int, shards: Iterable[LocalShard], *, wait: bool
     (e.g. immutable framework buffers). Other keyword arguments are those of :func:`ckptfmt.save`.
     Staging memory is the bytes of this rank's main-replica shards (``handle.snapshot_bytes``).
     """
-    t0 = time.perf_counter()
-    lock = _process_lock()
-    if not lock.acquire(blocking=wait):
-        raise SaveInProgressError("an earlier asynchronous save is still in flight", expected="no save in flight",
-                                  found=f"save of another step running; requested step {step}")
-    try:
+    def stage() -> tuple[Callable[[], Manifest], int]:
         staged, nbytes = _snapshot(shards, copy)
-    except BaseException:
-        lock.release()
-        raise
-    handle = SaveHandle(time.perf_counter() - t0, nbytes)
 
-    def run() -> None:
-        try:
-            handle._manifest = save(repo, step, staged, **kwargs)
-        except BaseException as e:  # delivered through handle.result()
-            handle._error = e
-        finally:
-            staged.clear()
-            handle.finished_unix = time.time()
-            lock.release()
-            handle._done.set()
+        def run() -> Manifest:
+            try:
+                return save(repo, step, staged, **kwargs)
+            finally:
+                staged.clear()
 
-    threading.Thread(target=run, name=f"ckptfmt-save-{step}", daemon=True).start()
-    return handle
+        return run, nbytes
+
+    return start_async(stage, step=step, wait=wait)

@@ -155,9 +155,11 @@ class CheckpointManager:
         handle = save_async(self.repository, step, shards, **kw)
         return handle.result
 
-    def _restore_verb(self, target: Any, step: int) -> tuple[Any, Any, Mapping[str, Any]]:
+    def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None
+                      ) -> tuple[Any, Any, Mapping[str, Any]]:
         """Restore ``step`` into ``target``; return (state, extra, stats). Raises the reader's
-        CheckpointError when any byte it reads fails verification. Bridge hook."""
+        CheckpointError when any byte it reads fails verification. Bridge hook; a bridge applies
+        ``rank_state_policy`` as its restore verb does (the core manager returns no per-rank state)."""
         ckpt = self.repository.open(step)
         keys = sorted(ckpt.keys()) if target is None else list(target)
         missing = [k for k in keys if k not in set(ckpt.keys())]
@@ -414,7 +416,8 @@ class CheckpointManager:
             raise _err_from(payload["error"], 0)
         return [int(s) for s in payload["steps"]]
 
-    def _attempt(self, target: Any, step: int) -> tuple[Any, BaseException | None, list[tuple[int, dict[str, Any]]]]:
+    def _attempt(self, target: Any, step: int, policy: str | None = None
+                 ) -> tuple[Any, BaseException | None, list[tuple[int, dict[str, Any]]]]:
         """Restore ``step`` here and agree with every rank: (value, this rank's error, every rank's
         error as (rank, error JSON), the same list on every rank). A non-CheckpointError raises here
         once the others know of it."""
@@ -423,7 +426,7 @@ class CheckpointManager:
         value: Any = None
         local: BaseException | None = None
         try:
-            value = self._restore_verb(target, step)
+            value = self._restore_verb(target, step, policy)
         except Exception as e:  # noqa: BLE001 - agreed on below, then raised
             local = e
         finally:
@@ -439,7 +442,8 @@ class CheckpointManager:
             raise local
         return value, local, errs
 
-    def restore(self, target: Any = None, *, step: int | None = None) -> RestoreResult:
+    def restore(self, target: Any = None, *, step: int | None = None,
+                rank_state_policy: str | None = None) -> RestoreResult:
         """Restore ``step`` (None: the newest committed step) into ``target``; every process calls it.
 
         Waits for the save in flight first (and raises its error). With ``step=None`` and
@@ -449,7 +453,14 @@ class CheckpointManager:
         committed (never starts fresh), the step's own typed error with ``fallback=False`` or an
         explicit ``step``, and the bridge's error for a target that does not match (no fallback: an
         older step would not match either). Every process returns the same step, or raises.
+
+        ``rank_state_policy`` goes to the bridge's restore verb (bridges/README.md): per-rank state
+        saved by another number of processes raises TopologyChangedError (naming the policies)
+        unless it is "drop", "rank0" or "same-rank"; any other value raises ValueError at once.
         """
+        from .reader import check_rank_state_policy
+
+        check_rank_state_policy(rank_state_policy)
         self._check_open()
         if step is not None:
             step = _check_step(step)
@@ -457,7 +468,7 @@ class CheckpointManager:
         skipped: list[SkippedStep] = []
         errors: list[CheckpointError] = []
         for s in self._candidates(step):
-            value, local, errs = self._attempt(target, s)
+            value, local, errs = self._attempt(target, s, rank_state_policy)
             if not errs:
                 state, extra, stats = value
                 if skipped:

@@ -25,13 +25,17 @@ class Repository:
     ``io_concurrency``, ``copy_concurrency``, and
     ``kvstore`` (extra kvstore options such as an S3 endpoint).
 
+    ``storage``: an object with the storage interface to use instead of opening ``url`` (a
+    wrapper around another repository's ``storage``, e.g. the fault fixture's); ``options`` are
+    then ignored.
+
     Only committed manifests are visible: a save that has not committed is never listed.
     """
 
     def __init__(self, url: str, *, options: Mapping[str, Any] | None = None,
-                 max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES, storage: Any = None) -> None:
         self.url = str(url)
-        self.storage = Storage(self.url, options)
+        self.storage = storage if storage is not None else Storage(self.url, options)
         self.max_manifest_bytes = max_manifest_bytes
 
     def __repr__(self) -> str:

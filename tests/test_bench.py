@@ -1,4 +1,4 @@
-"""Smoke tests of ``ckptfmt.bench``: it runs end to end at a tiny size and reports sane numbers.
+"""Smoke tests of ``ckptfmt_tools.bench``: it runs end to end at a tiny size and reports sane numbers.
 
 No timing is asserted: the bench measures, the closing note judges.
 """
@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from ckptfmt.bench import BenchOptions, run_bench
-from ckptfmt.bench import runner as bench_runner
-from ckptfmt.bench.args import build_parser, options_from_args, parse_size
-from ckptfmt.bench.layout import StateLayout, check_rows, rows_data
+from ckptfmt_tools.bench import BenchOptions, run_bench
+from ckptfmt_tools.bench import runner as bench_runner
+from ckptfmt_tools.bench.args import build_parser, options_from_args, parse_size
+from ckptfmt_tools.bench.layout import StateLayout, check_rows, rows_data
 
 HAVE_ORBAX = importlib.util.find_spec("orbax") is not None
 
@@ -42,8 +42,8 @@ def _phase(wall_s: float, **kw) -> dict:
 
 
 def test_report_ratios_and_targets_from_synthetic_runs(tmp_path):
-    from ckptfmt.bench import report
-    from ckptfmt.bench.runner import BenchResult
+    from ckptfmt_tools.bench import report
+    from ckptfmt_tools.bench.runner import BenchResult
 
     gib = 1 << 30
     runs = {

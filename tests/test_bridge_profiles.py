@@ -147,7 +147,7 @@ def test_torch_profile_spec_only_decoding(tmp_path):
           "half": model[0].weight.detach().bfloat16()}
     cpu_rng = torch.get_rng_state().numpy().copy()
     repo = tmp_path / "repo"
-    bt.save(str(repo), sd, step=2, extra={"loss": 0.5}, rank_extra={"sampler": 17})
+    bt.save(str(repo), sd, step=2, extra={"loss": 0.5}, rank_state={"sampler": 17})
 
     tensors, gstate, ranks, manifest = read_profile(repo, 2)
     assert "torch" in manifest["versions"] and set(gstate) == {"torch", "extra"}

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 import ckptfmt
 from ckptfmt._types import Box, LocalShard
-from ckptfmt.cli import app
-from ckptfmt.faults import _data
-from ckptfmt.faults._scene import Scene, flip
+from ckptfmt_tools.cli import app
+from ckptfmt_tools.faults import _data
+from ckptfmt_tools.faults._scene import Scene, flip
 
 runner = CliRunner()
 SEED = 11
@@ -167,18 +167,18 @@ def test_faults_one_row_json(tmp_path):
 @pytest.mark.parametrize("command", ["demo", "bench", "drill"])
 def test_pass_through_commands(command, monkeypatch):
     seen = {}
-    fake = types.ModuleType(f"ckptfmt.{command}")
+    fake = types.ModuleType(f"ckptfmt_tools.{command}")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
-    monkeypatch.setitem(sys.modules, f"ckptfmt.{command}", fake)
+    monkeypatch.setitem(sys.modules, f"ckptfmt_tools.{command}", fake)
     r = runner.invoke(app, [command, "--size", "1G", "--help", "extra"])
     assert r.exit_code == 0, r.output
     assert seen["argv"] == ["--size", "1G", "--help", "extra"]
 
 
 def test_pass_through_exit_code(monkeypatch):
-    fake = types.ModuleType("ckptfmt.drill")
+    fake = types.ModuleType("ckptfmt_tools.drill")
     fake.main = lambda argv: 3
-    monkeypatch.setitem(sys.modules, "ckptfmt.drill", fake)
+    monkeypatch.setitem(sys.modules, "ckptfmt_tools.drill", fake)
     assert runner.invoke(app, ["drill"]).exit_code == 3
 
 
@@ -208,7 +208,7 @@ def _hostile_repo(root: Path) -> Path:
 def test_safe_escapes_controls_bidi_and_markup():
     from rich.console import Console
 
-    from ckptfmt.cli._render import safe
+    from ckptfmt_tools.cli._render import safe
 
     def shown(text: str) -> str:
         c = Console(record=True, width=400, highlight=False, file=io.StringIO())

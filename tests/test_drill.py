@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from ckptfmt.drill import DrillConfig, main
-from ckptfmt.drill import _judge
+from ckptfmt_tools.drill import DrillConfig, main
+from ckptfmt_tools.drill import _judge
 
 SMALL = ["--d-in", "16", "--hidden", "64", "--cadence", "3", "--step-time", "0.03", "--timeout", "180"]
 
@@ -145,6 +145,6 @@ def test_config_rejects_bad_windows():
 
 
 def test_import_loads_no_framework():
-    code = ("import sys, ckptfmt.drill, ckptfmt.drill._run, ckptfmt.drill._judge, ckptfmt.drill._report; "
+    code = ("import sys, ckptfmt_tools.drill, ckptfmt_tools.drill._run, ckptfmt_tools.drill._judge, ckptfmt_tools.drill._report; "
             "bad = [m for m in ('jax', 'torch', 'flax') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

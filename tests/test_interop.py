@@ -35,7 +35,7 @@ pytest.importorskip("orbax.checkpoint")
 from typer.testing import CliRunner  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt.cli import app  # noqa: E402
+from ckptfmt_tools.cli import app  # noqa: E402
 from torchproc.hf_configs import LLAMA  # noqa: E402
 from torchproc.hf_side import hf_model, logits  # noqa: E402
 from torchproc.launch import REPO, child_env, run_world  # noqa: E402

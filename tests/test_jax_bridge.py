@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from ckptfmt.coord import free_port
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None or importlib.util.find_spec("flax") is None,
                                 reason="needs the [jax] extra: pip install -e '.[jax]'")
@@ -52,8 +53,8 @@ def test_bridge(check_results, name):
 
 
 def test_imports_stay_lazy():
-    """ckptfmt, ckptfmt.demo and the bridges package import no framework."""
-    code = ("import sys, ckptfmt, ckptfmt.demo, bridges, bridges._receipt; "
+    """ckptfmt, ckptfmt_tools.demo and the bridges package import no framework."""
+    code = ("import sys, ckptfmt, ckptfmt_tools.demo, bridges, ckptfmt_tools.receipt; "
             "bad = [m for m in ('jax', 'flax', 'optax', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -62,9 +63,7 @@ def test_imports_stay_lazy():
 
 def _two_processes(script: str, tmp_path) -> tuple[list[subprocess.Popen], list]:
     """Start ``tests/jaxproc/<script> PORT RANK OUT_JSON`` as ranks 0 and 1 of one jax.distributed job."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     outs = [tmp_path / f"r{r}.json" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, os.path.join(PROC, script), str(port), str(r), str(outs[r])],
                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
@@ -119,3 +118,7 @@ def test_jax_coordinator_two_processes(tmp_path):
     # rank 1 with an empty box and written by rank 0; numpy leaves are written once.
     assert r0["save"]["writers"] == {"split": [0, 1], "only0": [0], "scalar0": [0], "np": [0]}, r0["save"]
     assert r0["save"]["equal"] and r1["save"]["equal"]
+    # Rank 0's listing fails: both ranks raise its StorageError at once (ckptfmt.agree_step); rank
+    # 1's copy names rank 0. Before issue 14 only this bridge forwarded it (torch: a 300 s wait).
+    assert r0["listing"]["error"] == r1["listing"]["error"] == "StorageError", (r0["listing"], r1["listing"])
+    assert r1["listing"]["message"].startswith("rank 0: "), r1["listing"]

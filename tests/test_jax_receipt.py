@@ -1,9 +1,9 @@
 """The continuation receipt (issue 3's acceptance): save on one topology, resume on another.
 
 A tiny Flax NNX MLP trains with optax adamw on a data x model CPU mesh, with data keyed by the
-global sample position (bridges/_training.py). The saving side records step K+1 (and K+2); a
+global sample position (ckptfmt_tools/training.py). The saving side records step K+1 (and K+2); a
 fresh process on a different topology restores step K and runs the same steps. The receipt
-(bridges._receipt.judge): batch ids identical, loss of K+1 within 1e-6 relative (same bits of
+(ckptfmt_tools.receipt.judge): batch ids identical, loss of K+1 within 1e-6 relative (same bits of
 parameters, different floating-point reduction order across device counts), and every leaf of
 the live training state bit-identical to the saved one. Broken controls must visibly fail.
 """
@@ -23,7 +23,7 @@ CONTROLS = "none,drop-opt,shuffled-cursor,no-opt-ckpt"
 
 
 def _run(tmp_path, *, save_nproc, save_devices, restore_mesh, policy=None):
-    from bridges._receipt import run_side
+    from ckptfmt_tools.receipt import run_side
 
     ckpt = str(tmp_path / "ckpt")
     saved = run_side("save", devices=save_devices, nproc=save_nproc, mesh="4x2", ckpt=ckpt,
@@ -34,7 +34,7 @@ def _run(tmp_path, *, save_nproc, save_devices, restore_mesh, policy=None):
 
 
 def _assert_receipt(saved, restored):
-    from bridges._receipt import judge
+    from ckptfmt_tools.receipt import judge
 
     good = judge(saved, restored["controls"]["none"])
     assert good["ok"], good

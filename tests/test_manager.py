@@ -137,8 +137,8 @@ def test_retention_never_deletes_a_step_being_read(tmp_path):
     url = str(tmp_path / "r")
 
     class SavesWhileReading(CheckpointManager):
-        def _restore_verb(self, target, step):
-            out = super()._restore_verb(target, step)
+        def _restore_verb(self, target, step, rank_state_policy=None):
+            out = super()._restore_verb(target, step, rank_state_policy)
             self.save(3, _state(3), force=True)
             self.wait()
             return out
@@ -251,7 +251,7 @@ class _TwoRanks(CheckpointManager):
         manifest = save(self.repository, step, [shard], metadata=metadata, coordinator=self._save_coord)
         return lambda: manifest
 
-    def _restore_verb(self, target, step):
+    def _restore_verb(self, target, step, rank_state_policy=None):
         if target == "wrong" and self._r == 1:
             raise KeyMismatchError("this rank's target does not match", key="w")
         ckpt = self.repository.open(step)

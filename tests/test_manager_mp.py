@@ -7,7 +7,7 @@ bridges.jax.CheckpointManager(save_every_steps=5), async:
   term  SIGTERM (twice) to both ranks at a random step;
   kill  SIGTERM to both after step 5 committed, every later save crawls, and SIGKILL to both once
         the preemption save is in flight (a grace period that ran out).
-Then one process of 4 devices resumes from them: the continuation receipt (bridges._receipt.judge)
+Then one process of 4 devices resumes from them: the continuation receipt (ckptfmt_tools.receipt.judge)
 against the uninterrupted "best" run, the killed run, a copy of "term" with one shard flipped
 (fallback, fallback=False, and the explicit damaged step as the broken control), and a missing step.
 torch: the same scenarios with 2 gloo ranks (tests/torchproc/manager_job.py).
@@ -192,7 +192,7 @@ def runs(request, tmp_path_factory) -> dict:
 
 
 def _receipt(saved_step: int, digests: dict, reference: dict, restored: dict) -> dict:
-    from bridges._receipt import judge
+    from ckptfmt_tools.receipt import judge
 
     saved = {"step": saved_step, "digests": digests, "batch_ids_k1": reference[saved_step + 1]["ids"],
              "loss_k1": reference[saved_step + 1]["loss"], "loss_k2": reference[saved_step + 2]["loss"]}

@@ -529,7 +529,7 @@ def test_gc_claim_is_atomic_where_a_conditional_delete_is_not(s3_env):
 
 
 def _fence_s3(s3_env, freeze: str, gc_grace_s: float | None):
-    from ckptfmt.faults._fence import describe, frozen_commit
+    from ckptfmt_tools.faults._fence import describe, frozen_commit
 
     url = s3_env.url()
     _save(url, 1, _arrays(seed=1))

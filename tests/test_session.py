@@ -175,8 +175,8 @@ def test_commit_fence_and_gc_claim_exclude_each_other(repo_url):
 
 
 def _fence_run(tmp_path, freeze, gc_grace_s):
-    from ckptfmt.faults._fence import describe, frozen_commit
-    from ckptfmt.faults._procs import start_writers, wait_writers
+    from ckptfmt_tools.faults._fence import describe, frozen_commit
+    from ckptfmt_tools.faults._procs import start_writers, wait_writers
 
     url = str(tmp_path / "repo")
     assert all(r["ok"] for r in wait_writers(start_writers(url, [1], 1, 5), 60).results)

@@ -23,7 +23,7 @@ import ckptfmt  # noqa: E402
 from bridges import torch as bt  # noqa: E402
 from bridges.mapping import flax_nnx_to_torch  # noqa: E402
 from ckptfmt.errors import (CheckpointError, ChecksumMismatchError, InvalidStateError,  # noqa: E402
-                            KeyMismatchError, SaveInProgressError, ShapeMismatchError)
+                            KeyMismatchError, SaveInProgressError, ShapeMismatchError, TopologyChangedError)
 from torchproc.launch import REPO, child_env, run_world  # noqa: E402
 
 
@@ -68,13 +68,14 @@ def test_round_trip_dtypes_objects_and_state(tmp_path):
     sd = _state()
     url = str(tmp_path / "repo")
     torch.manual_seed(11)
-    bt.save(url, sd, step=1, extra={"epoch": 2}, rank_extra={"sampler": {"cursor": 17}})
+    bt.save(url, sd, step=1, extra={"epoch": 2}, rank_state={"sampler": {"cursor": 17}})
     drawn = torch.rand(4)
     target = _like(sd)
     out = bt.load(url, target)
     want = dict(sd, groups=[{"lr": 0.1, "betas": [0.9, 0.99], "foreach": None, "params": ["fc.weight"]}])
     _assert_same(out, want)  # msgpack gives tuples back as lists
-    assert out.step == 1 and out.extra == {"epoch": 2} and out.rank_extra == {"sampler": {"cursor": 17}}
+    assert out.step == 1 and out.extra == {"epoch": 2} and out.rank_state == {"sampler": {"cursor": 17}}
+    assert bt.load_extra(url) == {"epoch": 2} and bt.load_rank_state(url) == {"sampler": {"cursor": 17}}
     assert out.missing_keys == [] and out.unexpected_keys == []
     bt.set_rng_state(out.rng)
     assert torch.equal(torch.rand(4), drawn)
@@ -83,13 +84,30 @@ def test_round_trip_dtypes_objects_and_state(tmp_path):
 
 def test_unknown_rank_policy_is_a_usage_error(tmp_path):
     url = str(tmp_path / "repo")
-    bt.save(url, {"w": torch.ones(2)}, step=1, rank_extra={"cursor": 3})
+    bt.save(url, {"w": torch.ones(2)}, step=1, rank_state={"cursor": 3})
     with pytest.raises(ValueError, match="'drop', 'rank0', 'same-rank'"):
-        bt.load(url, {"w": torch.zeros(2)}, rank_policy="bogus")
+        bt.load(url, {"w": torch.zeros(2)}, rank_state_policy="bogus")
     # Refused before anything is opened: an empty repository would otherwise be StepNotFoundError.
     with pytest.raises(ValueError, match="unknown rank state policy"):
-        bt.load(str(tmp_path / "empty"), {"w": torch.zeros(2)}, rank_policy="bogus")
-    assert bt.load(url, {"w": torch.zeros(2)}, rank_policy="same-rank").rank_extra == {"cursor": 3}  # control
+        bt.load(str(tmp_path / "empty"), {"w": torch.zeros(2)}, rank_state_policy="bogus")
+    with pytest.raises(ValueError, match="unknown rank state policy"):
+        bt.load_rank_state(str(tmp_path / "empty"), rank_state_policy="bogus")
+    assert bt.load(url, {"w": torch.zeros(2)}, rank_state_policy="same-rank").rank_state == {"cursor": 3}  # control
+
+
+def test_deprecated_keyword_names_warn_and_still_work(tmp_path):
+    """rank_extra= / rank_policy= / Loaded.rank_extra stay one release (bridges/README.md)."""
+    url = str(tmp_path / "repo")
+    with pytest.warns(DeprecationWarning, match="rank_extra= is deprecated"):
+        bt.save(url, {"w": torch.ones(2)}, step=1, rank_extra={"cursor": 3})
+    with pytest.warns(DeprecationWarning, match="rank_policy= is deprecated"):
+        out = bt.load(url, {"w": torch.zeros(2)}, rank_policy="same-rank")
+    assert out.rank_state == {"cursor": 3}
+    with pytest.warns(DeprecationWarning, match="Loaded.rank_extra is deprecated"):
+        assert out.rank_extra == {"cursor": 3}
+    with pytest.raises(TypeError, match="both rank_state= and its deprecated name rank_extra="):
+        bt.save(url, {"w": torch.ones(2)}, step=2, rank_state={"a": 1}, rank_extra={"b": 2})
+    assert ckptfmt.Repository(url).steps() == [1]
 
 
 def test_malformed_objects_record_is_refused(tmp_path):
@@ -171,9 +189,10 @@ def test_no_pickle_written_or_read(tmp_path, monkeypatch):
 def test_async_save_snapshots_before_returning(tmp_path):
     url = str(tmp_path / "repo")
     w = torch.ones(1000)
-    fut = bt.save(url, {"w": w}, step=1, blocking=False)
+    handle = bt.save(url, {"w": w}, step=1, blocking=False)
+    assert isinstance(handle, ckptfmt.SaveHandle) and handle.snapshot_bytes == 4000
     w.mul_(3)  # training continues while the save runs
-    assert fut.result(timeout=60).step == 1
+    assert handle.result(timeout=60).step == 1
     assert torch.equal(bt.load(url, {"w": torch.zeros(1000)})["w"], torch.ones(1000))
 
 
@@ -218,20 +237,28 @@ def test_save_world8_load_worlds_4_2_1(tmp_path):
     url = str(tmp_path / "repo")
     saved = run_world("save_world", 8, tmp_path, {"url": url})
     assert all(r["ok"] and r["rng_restored"] for r in saved)
-    assert [r["rank_extra"]["sampler"]["cursor"] for r in saved] == [100 + r for r in range(8)]
+    assert [r["rank_state"]["sampler"]["cursor"] for r in saved] == [100 + r for r in range(8)]
     for world in (4, 2):
         res = run_world("load_world", world, tmp_path, {"url": url})
         for r in res:
             assert all(r["ok"].values()), (world, r["ok"])
             assert r["placements_kept"] and r["untouched"] and r["train_ok"], (world, r)
-            assert r["extra"] == {"epoch": 3} and r["rank_extra"] is None and r["step"] == 7
+            assert r["extra"] == {"epoch": 3} and r["rank_state"] is None and r["step"] == 7
+            # The contract's default: per-rank state of 8 ranks has no owner on 4 or 2 (issue 14).
+            assert r["without_policy"] == "TopologyChangedError" and "'same-rank'" in r["without_policy_message"], r
             t = r["transposed"]
             # the transposed Shard(0) target reads its own columns only: data + shard indexes
             assert t["ok"] and t["local_bytes"] <= t["bytes_read"] < t["local_bytes"] + 512, (world, t)
+        # Rank 0's listing fails: every rank gets its StorageError at once (ckptfmt.agree_step), none
+        # waits for the coordinator's 300 s timeout; the other ranks' copy names rank 0.
+        assert all(r["listing"]["error"] == "StorageError" for r in res), [r["listing"] for r in res]
+        assert all(r["listing"]["message"].startswith("rank 0: ") for r in res[1:]), res[1]["listing"]
     # world 1, plain tensors, in this process
     from torchproc.scenarios import BIG, TENSORS, global_value
     target = {"t": {k: torch.zeros(s, dtype=dt) for k, (s, dt) in TENSORS.items()}, "big": torch.zeros(BIG)}
-    out = bt.load(url, target, strict=False)
+    with pytest.raises(TopologyChangedError, match="'drop', 'rank0', 'same-rank'"):
+        bt.load(url, target, strict=False)
+    out = bt.load(url, target, strict=False, rank_state_policy="drop")
     for k, (s, dt) in TENSORS.items():
         assert _bits(out["t"][k]) == _bits(global_value(k, s, dt)), k
     assert sorted({k.split("/")[0] for k in out.unexpected_keys}) == ["net", "optim"]
@@ -343,10 +370,10 @@ def test_extra_takes_what_json_takes(tmp_path):
     cfg = {"id2label": {0: "NEG", 1: "POS"}, "label2id": {"NEG": 0}, "rope": {"theta": 1e4, "scaling": None},
            "flags": (True, False), "odd": {True: 1, None: 2, 1.5: 3}}
     url = str(tmp_path / "repo")
-    bt.save(url, {"w": torch.ones(1)}, step=1, extra=cfg, rank_extra={"cursor": {7: 1}})
+    bt.save(url, {"w": torch.ones(1)}, step=1, extra=cfg, rank_state={"cursor": {7: 1}})
     out = bt.load(url, {"w": torch.zeros(1)})
     assert out.extra == json.loads(json.dumps(cfg)) and out.extra["id2label"] == {"0": "NEG", "1": "POS"}
-    assert out.rank_extra == {"cursor": {"7": 1}}
+    assert out.rank_state == {"cursor": {"7": 1}}
     with pytest.raises(InvalidStateError, match="both stored as '1'"):  # control: keys that collide
         bt.save(url, {"w": torch.ones(1)}, step=2, extra={1: "a", "1": "b"})
     with pytest.raises(InvalidStateError, match="tuple"):

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from ckptfmt import errors as E
-from ckptfmt import faults
-from ckptfmt.faults import _controls
+from ckptfmt_tools import faults
+from ckptfmt_tools.faults import _controls
 
 pytestmark = pytest.mark.multiprocess  # writer processes, SIGKILL, tmpfs
 
@@ -172,7 +172,7 @@ def test_peers_restore_the_same_flip_silently(tmp_path):
     (This is the comparison the issue asks for, not a requirement on ckptfmt.)"""
     pytest.importorskip("orbax.checkpoint")
     pytest.importorskip("torch.distributed.checkpoint")
-    from ckptfmt.faults._peers import run_peers
+    from ckptfmt_tools.faults._peers import run_peers
 
     res = run_peers(tmp_path)
     assert set(res["data-64-bytes"]) == {"orbax", "dcp"}

@@ -31,8 +31,8 @@ CONTROL = settings(max_examples=250, deadline=None, derandomize=True, database=N
 @functools.lru_cache(maxsize=1)
 def valid_manifest() -> bytes:
     """The manifest of a real two-tensor save (made once, on local disk)."""
-    from ckptfmt.faults import _data
-    from ckptfmt.faults._procs import start_writers, wait_writers
+    from ckptfmt_tools.faults import _data
+    from ckptfmt_tools.faults._procs import start_writers, wait_writers
 
     root = tempfile.mkdtemp(prefix="ckptfmt-prop-")
     run = wait_writers(start_writers(root, [5], 2, 3), 60)
@@ -44,7 +44,7 @@ def valid_manifest() -> bytes:
 
 
 def valid_state() -> bytes:
-    from ckptfmt.faults import _data
+    from ckptfmt_tools.faults import _data
 
     return encode_state(_data.global_state(3, 5))
 

@@ -1,7 +1,7 @@
 """Crash-consistency soak: >= 50 saves, each SIGKILLed at a random moment.
 
 Longer runs: ``CKPTFMT_SOAK_RUNS=500 pytest tests/faults/test_soak.py`` or
-``python -m ckptfmt.faults.soak --runs 500``.
+``python -m ckptfmt_tools.faults.soak --runs 500``.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from ckptfmt.faults.soak import soak
+from ckptfmt_tools.faults.soak import soak
 
 pytestmark = pytest.mark.multiprocess  # writer processes, SIGKILL, tmpfs
 

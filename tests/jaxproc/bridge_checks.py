@@ -398,7 +398,10 @@ def nonblocking_save(d):
         second = "accepted"
     except Exception as e:  # noqa: BLE001
         second = type(e).__name__
-    manifest = pending.wait(60)
+    import ckptfmt
+
+    assert isinstance(pending, ckptfmt.SaveHandle) and pending.snapshot_bytes == a.nbytes  # the core's handle
+    manifest = pending.result(60)
     assert manifest.step == 3 and pending.done()
     assert second in ("SaveInProgressError", "accepted"), second  # accepted only if it already finished
     same(bj.restore(d, step=3)["a"], a)

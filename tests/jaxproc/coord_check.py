@@ -52,6 +52,24 @@ def _save_across_processes(repo: str, rank: int) -> dict:
                           and float(host_back["scalar0"]) == 7.0)}
 
 
+def _rank0_listing_fails(work: str, rank: int) -> dict:
+    """restore(step=None) where rank 0's listing fails (its path is a regular file): both ranks
+    raise rank 0's StorageError at once (ckptfmt.agree_step), neither waits for a timeout."""
+    import bridges.jax as bj
+    from ckptfmt.errors import CheckpointError
+
+    bad = os.path.join(work, "not-a-repository")
+    if rank == 0:
+        with open(bad, "w") as f:
+            f.write("a regular file where rank 0 looks for the repository")
+    t0 = time.monotonic()
+    try:
+        bj.restore(bad if rank == 0 else os.path.join(work, "repo"))
+        return {"error": None}
+    except CheckpointError as e:
+        return {"error": type(e).__name__, "message": str(e)[:300], "seconds": round(time.monotonic() - t0, 2)}
+
+
 def main() -> None:
     port, rank, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank,
@@ -101,6 +119,7 @@ def main() -> None:
     c4 = JaxCoordinator(timeout_s=30)
     c4.barrier("end", timeout_s=30)
     res["save"] = _save_across_processes(os.path.join(os.path.dirname(out), "repo"), rank)
+    res["listing"] = _rank0_listing_fails(os.path.dirname(out), rank)
     with open(out, "w") as f:
         json.dump(res, f)
     jax.distributed.shutdown()

@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import bridges.jax as bj  # noqa: E402
-from bridges._receipt import _rss_mb as status  # noqa: E402
-from bridges._training import make_mesh  # noqa: E402
+from ckptfmt_tools.receipt import _rss_mb as status  # noqa: E402
+from ckptfmt_tools.training import make_mesh  # noqa: E402
 
 
 

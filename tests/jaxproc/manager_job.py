@@ -1,7 +1,7 @@
 """One process of the JAX checkpoint-manager acceptance runs (driven by tests/test_manager_mp.py).
 
 train:  a rank of a 2-process jax.distributed job (4 CPU devices each, mesh data x model = 4x2)
-        training bridges._training's model with bridges.jax.CheckpointManager(save_every_steps=5),
+        training ckptfmt_tools.training's model with bridges.jax.CheckpointManager(save_every_steps=5),
         async. Each step: save (cadence), then reached_preemption; on preemption it saves with
         force=True, records the state digests, and leaves the loop; close() waits for the commit.
         Rank 0 logs every step (loss, batch ids) and "preempt_save_started" to --log.
@@ -41,7 +41,7 @@ def train(args: argparse.Namespace) -> dict:
     import jax
 
     import bridges.jax as bjax
-    from bridges._training import Config, Trainer, digest_tree, make_mesh
+    from ckptfmt_tools.training import Config, Trainer, digest_tree, make_mesh
     from ckptfmt import Repository, SaveOptions
     from manager_common import eval_loss
 
@@ -85,7 +85,7 @@ def train(args: argparse.Namespace) -> dict:
 
 def resume(args: argparse.Namespace) -> dict:
     import bridges.jax as bjax
-    from bridges._training import Config, Trainer, digest_tree, make_mesh
+    from ckptfmt_tools.training import Config, Trainer, digest_tree, make_mesh
     from ckptfmt.errors import CheckpointError
 
     # One trainer for every task: a successful restore replaces all of its state (model, optimizer,
@@ -152,7 +152,7 @@ def zygote(spec_path: str) -> None:
     of compiling them again, which saves about 4 CPU-seconds per process."""
     import jax
 
-    import bridges._training  # noqa: F401
+    import ckptfmt_tools.training  # noqa: F401
     import bridges.jax  # noqa: F401
     from manager_common import fork_children
 

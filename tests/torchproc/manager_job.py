@@ -7,7 +7,7 @@ DTensor ``Shard(0)`` over the ranks (each rank writes its half) and 1-D tensors 
 train:  a rank of a 2-rank gloo job with bridges.torch.CheckpointManager(save_every_steps=5),
         async; the same loop as tests/jaxproc/manager_job.py (save, reached_preemption, force save).
 resume: one rank (world 1) that runs the tasks in --tasks and reports what each restored and the
-        next two steps, in the shape bridges._receipt.judge compares.
+        next two steps, in the shape ckptfmt_tools.receipt.judge compares.
 
 usage: manager_job.py zygote SPEC_JSON | train ... | resume --tasks JSON --out JSON
 """
@@ -173,7 +173,9 @@ def resume(args: argparse.Namespace) -> dict:
             continue
         try:
             with bt.CheckpointManager(task["url"], fallback=task.get("fallback", True)) as mgr:
-                got = mgr.restore(job.state_dict(), step=task.get("step"))
+                # Saved by 2 ranks, resumed by 1: their RNG states have no owner here (the contract's
+                # default would raise TopologyChangedError); the data cursor travels in extra.
+                got = mgr.restore(job.state_dict(), step=task.get("step"), rank_state_policy="drop")
             job.load(got.state)
             r.update(step=got.step, skipped=[[k.step, k.error] for k in got.skipped], digests=job.digests())
             loss, ids = job.train_step()

@@ -156,7 +156,7 @@ def save_world(args: dict[str, Any]) -> dict[str, Any]:
     # BIG (64, 48) columns split 8 ways: loaded transposed as (48, 64) Shard(0) at world 4.
     state["big"] = place(global_value("big", BIG, torch.float32), ((world,), [S1]))
     t0 = time.perf_counter()
-    bt.save(args["url"], state, step=7, extra={"epoch": 3}, rank_extra={"sampler": {"cursor": 100 + rank}})
+    bt.save(args["url"], state, step=7, extra={"epoch": 3}, rank_state={"sampler": {"cursor": 100 + rank}})
     took = time.perf_counter() - t0
     expect = full_np({"net": msd, "optim": osd})
     if rank == 0:
@@ -167,7 +167,7 @@ def save_world(args: dict[str, Any]) -> dict[str, Any]:
     loaded = bt.load(args["url"], target, strict=False)
     bt.set_rng_state(loaded.rng)
     return {"save_s": took, "rng_restored": torch.equal(torch.rand(3), drawn),
-            "rank_extra": loaded.rank_extra, "ok": all(same_bits(loaded["t"][k], global_value(k, s, dt))
+            "rank_state": loaded.rank_state, "ok": all(same_bits(loaded["t"][k], global_value(k, s, dt))
                                                        for k, (s, dt) in TENSORS.items()),
             "unexpected": loaded.unexpected_keys}
 
@@ -181,8 +181,17 @@ def load_world(args: dict[str, Any]) -> dict[str, Any]:
     target["net"], target["optim"] = msd, osd
     target["big"] = place(torch.zeros(BIG), ((world,), [S0]))
     before = full_np({"net": msd})
+    # The bridge contract's default: per-rank state saved by another world raises, naming the
+    # policies, before anything is read; "drop" (below) is the control.
+    from ckptfmt.errors import TopologyChangedError
+    try:
+        bt.load(args["url"], target)
+        without_policy, without_policy_message = "loaded", ""
+    except TopologyChangedError as e:
+        without_policy, without_policy_message = type(e).__name__, str(e)
+    listing = _rank0_listing_fails(args)
     t0 = time.perf_counter()
-    loaded = bt.load(args["url"], target)
+    loaded = bt.load(args["url"], target, rank_state_policy="drop")
     took = time.perf_counter() - t0
     # the target was not touched
     untouched = all(np.array_equal(before[k], v) for k, v in full_np({"net": msd}).items())
@@ -205,14 +214,35 @@ def load_world(args: dict[str, Any]) -> dict[str, Any]:
     from bridges.mapping import Mapping, Rule
     tmap = Mapping((Rule("big", "bigT", {2: (1, 0)}),))
     tgt = place(torch.zeros(BIG[::-1]), ((world,), [S0]))
-    lt = bt.load(args["url"], {"bigT": tgt}, mapping=tmap, strict=False)
+    lt = bt.load(args["url"], {"bigT": tgt}, mapping=tmap, strict=False, rank_state_policy="drop")
     transposed = {"ok": same_bits(lt["bigT"], global_value("big", BIG, torch.float32).T.contiguous()),
                   "bytes_read": lt.bytes_read, "local_bytes": _local_nbytes(tgt),
                   "total_bytes": BIG[0] * BIG[1] * 4}
     return {"transposed": transposed, "ok": ok, "placements_kept": placements_kept, "untouched": untouched, "train_ok": train_ok,
             "load_s": took, "bytes_read": loaded.bytes_read, "local_bytes": local_bytes,
-            "extra": loaded.extra, "rank_extra": loaded.rank_extra, "has_rng": loaded.rng is not None,
-            "lr": opt.param_groups[0]["lr"], "step": loaded.step}
+            "extra": loaded.extra, "rank_state": loaded.rank_state, "has_rng": loaded.rng is not None,
+            "lr": opt.param_groups[0]["lr"], "step": loaded.step, "without_policy": without_policy,
+            "without_policy_message": without_policy_message, "listing": listing}
+
+
+def _rank0_listing_fails(args: dict[str, Any]) -> dict[str, Any]:
+    """load(step=None) where rank 0's listing of the repository fails (its path is a regular file,
+    so listing manifests/ is a StorageError): every rank raises that error class at once, no rank
+    waits for the coordinator's timeout (300 s). The other ranks list nothing: rank 0 decides."""
+    from ckptfmt.errors import CheckpointError
+
+    rank = dist.get_rank()
+    bad = Path(args["workdir"]) / "not-a-repository"
+    if rank == 0:
+        bad.write_text("a regular file where rank 0 looks for the repository")
+    dist.barrier()
+    url = str(bad) if rank == 0 else args["url"]
+    t0 = time.perf_counter()
+    try:
+        bt.load(url, {"x": torch.zeros(1)}, rank_state_policy="drop")
+        return {"error": None}
+    except CheckpointError as e:
+        return {"error": type(e).__name__, "message": str(e)[:300], "seconds": time.perf_counter() - t0}
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:
@@ -352,7 +382,7 @@ def bench_load(args: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             t0 = time.perf_counter()
             if name == "ours":
-                loaded = bt.load(args["ours"], target)
+                loaded = bt.load(args["ours"], target, rank_state_policy="drop")
                 res["bytes_read"] = loaded.bytes_read
             elif name == "dcp_own_format":
                 dcp.load(target, checkpoint_id=args["dcp"])

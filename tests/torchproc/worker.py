@@ -63,7 +63,7 @@ def main() -> None:
     if scenario.startswith("hf_"):
         import transformers  # noqa: F401  (imported once, before the fork)
 
-    from ckptfmt.drill._procs import reap_forked
+    from ckptfmt_tools.drill._procs import reap_forked
 
     pids = {}
     for r in range(world):

@@ -1,0 +1,141 @@
+"""What every bridge shares, so that the bridges answer the same questions the same way
+(bridges/README.md, "The bridge contract"): the per-rank-state default on a topology change, the
+batched restore that bounds host memory, and the deprecated keyword aliases.
+
+Framework-free: numpy and the core only.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ckptfmt import Box
+from ckptfmt.dtypes import numpy_dtype
+from ckptfmt.errors import TopologyChangedError
+from ckptfmt.reader import RANK_STATE_POLICIES, check_rank_state_policy
+
+__all__ = ["RESTORE_BATCH_BYTES", "Batch", "read_batches", "check_topology", "rank_state", "renamed_keyword",
+           "UNSET"]
+
+#: Host bytes read per batch during restore: bounds the host copies alive at once. Read at each
+#: call, so a process may set it (``bridges._contract.RESTORE_BATCH_BYTES = ...``) for every bridge.
+RESTORE_BATCH_BYTES = 64 << 20
+
+Request = tuple[str, Box]
+
+
+def check_topology(ckpt: Any, world: int, policy: str | None) -> None:
+    """The contract's default for per-rank state: raise when it has no owner.
+
+    ValueError for a policy not in RANK_STATE_POLICIES (a usage error). TopologyChangedError,
+    naming the policies to choose, when ``ckpt`` holds per-rank state saved by a different number
+    of processes than ``world`` and ``policy`` is None. Otherwise returns and reads nothing.
+    """
+    check_rank_state_policy(policy)
+    entries = getattr(ckpt.manifest, "state", {}) or {}
+    has_rank = any(str(name).startswith("rank/") for name in entries)
+    saved = int(ckpt.saved_world)
+    if has_rank and saved != world and policy is None:
+        choices = ", ".join(repr(p) for p in RANK_STATE_POLICIES)
+        raise TopologyChangedError(
+            f"step {ckpt.step} holds per-rank state of {saved} processes but {world} are restoring; "
+            f"pass rank_state_policy= one of {choices}: 'drop' (start per-rank state afresh), 'rank0' "
+            "(give every process rank 0's state) or 'same-rank' (rank r gets rank r's state where one was saved)",
+            object=f"step {ckpt.step}", expected=f"{saved} processes", found=f"{world} processes")
+
+
+def rank_state(ckpt: Any, rank: int, world: int, policy: str | None) -> Any:
+    """This process's per-rank state under the contract's policy: None when none was saved (or
+    for ``"drop"`` on another topology); :func:`check_topology`'s errors otherwise."""
+    check_topology(ckpt, world, policy)
+    entries = getattr(ckpt.manifest, "state", {}) or {}
+    if not any(str(name).startswith("rank/") for name in entries):
+        return None
+    return ckpt.rank_state(rank, world=world, policy=policy)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch of a batched restore, every byte verified.
+
+    ``groups``: the indices (into the caller's groups) this batch completes. ``blocks``: the array
+    of each request of those groups. ``shared``: requests that several groups of this batch asked
+    for; they are read once, so a caller that hands arrays out without copying must copy these.
+    """
+
+    groups: tuple[int, ...]
+    blocks: dict[Request, np.ndarray]
+    shared: frozenset[Request]
+
+
+def read_batches(ckpt: Any, groups: Sequence[Sequence[Request] | None], *,
+                 batch_bytes: int | None = None) -> Iterator[Batch]:
+    """Read every group's requests (one group per restored value) in batches of about
+    ``batch_bytes`` host bytes (default: RESTORE_BATCH_BYTES), yielding each :class:`Batch` once
+    its bytes are verified.
+
+    A group is never split; one larger than ``batch_bytes`` is a batch of its own. Empty and None
+    groups are skipped (the caller builds those values itself). The next batch is being read
+    while the caller builds one (``Checkpoint.iter_read_boxes``), so at most about two batches of
+    host copies exist at a time.
+
+    Fails closed: a fault in any batch raises from the iterator (a CheckpointError of the core
+    reader), so a caller must not return anything it built before the iterator is exhausted.
+    Closing the iterator early stops the reader's threads.
+    """
+    limit = RESTORE_BATCH_BYTES if batch_bytes is None else int(batch_bytes)
+    batches: list[list[int]] = []
+    size = 0
+    for i, reqs in enumerate(groups):
+        if not reqs:
+            continue
+        nb = sum(b.size * numpy_dtype(ckpt.tensor(k).dtype).itemsize for k, b in reqs)
+        if not batches or (batches[-1] and size + nb > limit):
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += nb
+    per_batch: list[list[Request]] = []
+    shared: list[frozenset[Request]] = []
+    for batch in batches:
+        seen: set[Request] = set()
+        twice: set[Request] = set()
+        for i in batch:
+            for r in dict.fromkeys(groups[i]):  # type: ignore[union-attr]
+                (twice if r in seen else seen).add(r)
+        per_batch.append(list(dict.fromkeys(r for i in batch for r in groups[i])))  # type: ignore[union-attr]
+        shared.append(frozenset(twice))
+    reader = ckpt.iter_read_boxes(per_batch)
+    try:
+        for batch, reqs, twice in zip(batches, per_batch, shared):
+            arrays = next(reader)  # every byte of this batch is verified before it is yielded
+            yield Batch(tuple(batch), dict(zip(reqs, arrays)), twice)
+            del arrays
+    finally:
+        reader.close()  # stops the reader's threads on every path
+
+
+def renamed_keyword(func: str, old: str, new: str, old_value: Any, new_value: Any, default: Any = None) -> Any:
+    """The value of keyword ``new`` when the caller may still pass its deprecated name ``old``.
+
+    Warns DeprecationWarning when ``old`` was given; TypeError when both were.
+    """
+    if old_value is UNSET:
+        return new_value
+    if new_value is not default:
+        raise TypeError(f"{func}() got both {new}= and its deprecated name {old}=; pass {new}= only")
+    warnings.warn(f"{func}(): {old}= is deprecated and will be removed in the next release; pass {new}=",
+                  DeprecationWarning, stacklevel=3)
+    return old_value
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+#: The default of a deprecated keyword: tells "not passed" from any value the caller may pass.
+UNSET: Any = _Unset()

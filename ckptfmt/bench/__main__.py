@@ -1,7 +1,0 @@
-"""``python -m ckptfmt.bench``: the benchmark without the ckptfmt CLI."""
-
-import sys
-
-from .args import main
-
-sys.exit(main())

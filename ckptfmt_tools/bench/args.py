@@ -1,0 +1,71 @@
+"""The bench's command line (``ckptfmt bench ...`` and ``python -m ckptfmt_tools.bench ...``)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from .runner import BenchOptions, run_bench
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '64MiB', '8m', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1GiB, 64MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return () if text.strip().lower() in ("", "none") else tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = BenchOptions()
+    p = argparse.ArgumentParser(prog="ckptfmt bench", description="ckptfmt vs Orbax vs torch DCP vs the raw disk limit.")
+    p.add_argument("--size", type=parse_size, default=d.size, help="state bytes (default 1GiB)")
+    p.add_argument("--tensors", type=int, default=d.tensors, help="number of tensors (default 16)")
+    p.add_argument("--save-devices", type=int, default=d.save_devices, help="writers: JAX devices / DCP ranks (default 8)")
+    p.add_argument("--restore-devices", type=_ints, default=d.restore_devices, help="restore topologies (default 8,4)")
+    p.add_argument("--repetitions", "-r", type=int, default=d.repetitions, help="medians over this many runs (default 5: the disk is noisy)")
+    p.add_argument("--storage", "--url", dest="storage", default=None,
+                   help="repository URL or path for ckptfmt, e.g. s3://bucket/bench (default OUTPUT_DIR/data)")
+    p.add_argument("--output-dir", "-o", default=d.output_dir, help="where bench.json, bench.md, bench.png go")
+    p.add_argument("--peers", type=_names, default=d.peers, help="comma list of orbax,dcp or 'none'")
+    p.add_argument("--no-raw", dest="raw", action="store_false", help="skip the raw disk limit")
+    p.add_argument("--raw-threads", type=int, default=d.raw_threads, help="threads of the raw limit's pool (default 32)")
+    p.add_argument("--ckptfmt-api", choices=("auto", "bridge", "core-jax", "core-numpy"), default=d.ckptfmt_api,
+                   help="how ckptfmt is driven (auto: bridges.jax if present, else the core API)")
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip comparing restored data")
+    p.add_argument("--warm", dest="drop_cache", action="store_false", help="do not drop the page cache before reads")
+    p.add_argument("--no-safety", dest="safety", action="store_false", help="skip the 64-byte-flip probe")
+    p.add_argument("--no-metadata", dest="metadata", action="store_false", help="skip metadata at scale")
+    p.add_argument("--metadata-entries", type=_ints, default=d.metadata_entries, help="shard entry counts to time")
+    p.add_argument("--dcp-metadata-max-entries", type=int, default=d.dcp_metadata_max_entries,
+                   help="time DCP's pickled metadata up to this many entries (640k takes ~30 s)")
+    p.add_argument("--no-tailstep", dest="tailstep", action="store_false", help="skip the training-loop tail-step run")
+    p.add_argument("--tailstep-steps", type=int, default=d.tailstep_steps, help="training steps per loop (default 200)")
+    p.add_argument("--tailstep-every", type=int, default=d.tailstep_every, help="save every N steps (default 10)")
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="no bench.png")
+    p.add_argument("--keep-data", action="store_true", help="leave the checkpoints on storage")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    fields = BenchOptions.__dataclass_fields__
+    return BenchOptions(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bench from command-line arguments; print the table. Exit code 1 if a ckptfmt run failed."""
+    args = build_parser().parse_args(argv)
+    result = run_bench(options_from_args(args))
+    print(result.table)
+    return 1 if "ckptfmt" in result.errors else 0
+

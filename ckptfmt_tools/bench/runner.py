@@ -1,0 +1,296 @@
+"""``run_bench``: every system saves and restores the same state, each run in a fresh process.
+
+Within one repetition every system (raw limit, ckptfmt, each peer) runs one
+save and then one restore per target topology, with the page cache dropped
+before each read where the OS allows it. Systems are interleaved per
+repetition, and the order rotates from one repetition to the next, so that
+slow drift of a shared disk, and whatever one system leaves the disk doing
+for the next, hit all of them alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .child import ChildFailed, drop_page_cache, run_child
+from .jaxstate import xla_env
+from .layout import StateLayout
+from .ours import clear_repository, local_path
+from .peers import PEERS, peer_available
+from .safety import corrupt
+
+SYSTEMS = ("raw", "ckptfmt") + PEERS
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``ckptfmt bench`` runs. Sizes in bytes; topologies in devices or ranks."""
+
+    size: int = 1 << 30
+    tensors: int = 16
+    save_devices: int = 8
+    restore_devices: tuple[int, ...] = (8, 4)
+    repetitions: int = 5
+    storage: str | None = None  # repository URL or path for ckptfmt; default: <output_dir>/data
+    output_dir: str = "bench-out"
+    peers: tuple[str, ...] = PEERS
+    raw: bool = True
+    raw_threads: int = 32  # thread pool of the raw limit (as wide as ckptfmt's reader)
+    ckptfmt_api: str = "auto"  # "bridge" (bridges.jax), "core-jax", "core-numpy" (no JAX); auto: the first available
+    check: bool = True  # compare every restored block with the generator (outside the timed window)
+    drop_cache: bool = True
+    safety: bool = True  # after the timed runs: flip 64 bytes of tensor data per system, restore, see who notices
+    metadata: bool = True
+    metadata_entries: tuple[int, ...] = (1_000, 10_000, 100_000, 640_000)
+    dcp_metadata_max_entries: int = 100_000
+    tailstep: bool = True
+    tailstep_steps: int = 200
+    tailstep_every: int = 10
+    plot: bool = True
+    keep_data: bool = False
+    child_timeout_s: float = 1800.0
+
+
+@dataclass
+class BenchResult:
+    """Everything one bench run measured; ``to_json()`` is what the JSON file holds."""
+
+    options: dict[str, Any]
+    layout: dict[str, Any]
+    cache: str
+    runs: dict[str, dict[str, list[dict]]]
+    summary: dict[str, dict[str, dict]]
+    ratios: dict[str, Any]
+    targets: list[dict[str, Any]]
+    notes: list[str]
+    skipped: dict[str, str]
+    errors: dict[str, str]
+    metadata: dict[str, Any] | None = None
+    tailstep: dict[str, Any] | None = None
+    safety: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    table: str = ""
+    json_path: str | None = None
+    plot_path: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _say(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _join(url: str, name: str) -> str:
+    return url.rstrip("/") + "/" + name
+
+
+def _environment() -> dict[str, Any]:
+    import platform
+
+    env: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        import psutil
+
+        env["memory_bytes"] = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    return env
+
+
+def _tasks(system: str, common: dict, urls: dict, paths: dict, options: BenchOptions) -> tuple[dict, tuple, Callable]:
+    """(params, save (task, params, env), restore(m) -> (task, params, env)) of one system."""
+    n = options.save_devices
+    if system == "ckptfmt":
+        p = common | {"url": urls["ckptfmt"], "api": options.ckptfmt_api}
+        return p, ("ckptfmt_tools.bench.ours:save", p | {"devices": n}, xla_env(n)), lambda m: (
+            "ckptfmt_tools.bench.ours:restore", p | {"devices": m}, xla_env(m))
+    if system == "orbax":
+        p = common | {"path": paths["orbax"]}
+        return p, ("ckptfmt_tools.bench.peers:orbax_save", p | {"devices": n}, xla_env(n)), lambda m: (
+            "ckptfmt_tools.bench.peers:orbax_restore", p | {"devices": m}, xla_env(m))
+    p = common | {"path": paths["dcp"]}
+    return p, ("ckptfmt_tools.bench.peers:dcp_run", p | {"world": n, "mode": "save"}, None), lambda m: (
+        "ckptfmt_tools.bench.peers:dcp_run", p | {"world": m, "mode": "load"}, None)
+
+
+class _Session:
+    """The state of one bench run: where things go, what ran, what failed."""
+
+    def __init__(self, options: BenchOptions, log: Callable[[str], None]):
+        self.o, self.log = options, log
+        self.layout = StateLayout.for_size(options.size, options.tensors, (options.save_devices,) + tuple(options.restore_devices))
+        self.notes: list[str] = []
+        self.skipped: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+        self.out = Path(options.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.storage = options.storage or str((self.out / "data").resolve())
+        if self.storage.startswith("memory://"):
+            raise ValueError("memory:// cannot be benchmarked: each run is a fresh process with its own memory store")
+        local_root, self.scratch = local_path(self.storage), None
+        if local_root is None:
+            local_root = self.scratch = tempfile.mkdtemp(prefix="ckptfmt-bench-local-")
+            self.notes.append(f"raw limit and peers ran on local disk ({local_root}): they cannot write to {self.storage}")
+        self.urls = {"ckptfmt": _join(self.storage, "ckptfmt"), "tailstep": _join(self.storage, "tailstep")}
+        self.paths = {s: os.path.join(local_root, s) for s in ("raw",) + PEERS}
+        self.systems = (["raw"] if options.raw else []) + ["ckptfmt"]
+        for p in options.peers:
+            if p not in PEERS:
+                raise ValueError(f"unknown peer {p!r}; known: {', '.join(PEERS)}")
+            why = peer_available(p)
+            if why:
+                self.skipped[p] = why
+                log(f"skipping {p}: {why}")
+            else:
+                self.systems.append(p)
+        self.cache = "cold" if options.drop_cache and drop_page_cache() else "warm"
+        if options.drop_cache and self.cache == "warm":
+            self.notes.append("page cache could not be dropped (needs root on Linux): every read is warm")
+        self.runs: dict[str, dict[str, list[dict]]] = {s: {} for s in self.systems}
+        self.common = {"layout": self.layout.to_json(), "check": options.check}
+
+    def child(self, task: str, params: dict, env: dict | None = None) -> dict:
+        return run_child(task, params, env=env, timeout_s=self.o.child_timeout_s)
+
+    def before_read(self) -> None:
+        if self.cache == "cold":
+            drop_page_cache()
+
+    def record(self, system: str, phase: str, fn: Callable[[], dict]) -> bool:
+        """Run one measured phase; keep its numbers, or the system's first error (then skip the rest of it)."""
+        if system in self.errors:
+            return False
+        try:
+            r = fn()
+        except ChildFailed as e:
+            self.errors[system] = f"{phase}: {e}"
+            self.log(f"{system} {phase} FAILED: {str(e).splitlines()[0]}")
+            return False
+        ph = r["phase"] | dict(r.get("disk", {})) | {"process_wall_s": r.get("process_wall_s")}
+        self.runs[system].setdefault(phase, []).append(ph)
+        self.log(f"{system:8s} {phase:12s} {ph['wall_s']:8.3f} s  peak RSS {ph['rss_peak'] / 2**20:8.0f} MiB")
+        return True
+
+    def repetition(self, rep: int = 0) -> None:
+        n = self.o.save_devices
+        k = rep % len(self.systems)
+        for system in self.systems[k:] + self.systems[:k]:
+            # Remove this system's previous checkpoint here, not in the child: freeing 1 GiB of
+            # blocks must not be committed by the file system's journal on the save's clock.
+            self.clear(system)
+            os.sync()  # earlier runs' dirty pages must not be flushed on this save's clock
+            if system == "raw":
+                if self.record("raw", "save", lambda: self.child("ckptfmt_tools.bench.raw:write", self.common | {"writers": n, "path": self.paths["raw"], "threads": self.o.raw_threads})):
+                    self.before_read()
+                    self.record("raw", "restore", lambda: self.child("ckptfmt_tools.bench.raw:read", {"path": self.paths["raw"], "readers": n, "threads": self.o.raw_threads}))
+                continue
+            p, save, restore = _tasks(system, self.common, self.urls, self.paths, self.o)
+            if not self.record(system, "save", lambda: self.child(*save)):
+                continue
+            for m in self.o.restore_devices:
+                self.before_read()
+                self.record(system, f"restore_{n}to{m}", lambda m=m: self.child(*restore(m)))
+            if system == "ckptfmt":
+                self.before_read()
+                self.record(system, f"slice_1of{n}", lambda: self.child("ckptfmt_tools.bench.ours:read_slice", p | {"parts": n}))
+
+    def safety(self) -> dict[str, Any]:
+        """Flip bytes in each system's last checkpoint and restore it (see :mod:`ckptfmt_tools.bench.safety`)."""
+        out: dict[str, Any] = {}
+        n = self.o.save_devices
+        m = next((d for d in self.o.restore_devices if d != n), n)
+        for system in [s for s in self.systems if s != "raw" and s not in self.errors]:
+            where = local_path(self.urls["ckptfmt"]) if system == "ckptfmt" else self.paths[system]
+            if where is None:
+                continue
+            try:
+                flip = corrupt(where, system)
+            except Exception as e:  # a probe that cannot run must not sink the results
+                out[system] = {"outcome": "not run", "detail": f"{type(e).__name__}: {e}"[:300]}
+                continue
+            self.before_read()
+            task, params, env = _tasks(system, self.common, self.urls, self.paths, self.o)[2](m)
+            try:
+                out[system] = flip | self.child("ckptfmt_tools.bench.safety:probe", {"task": task, "inner": params}, env)
+            except ChildFailed as e:
+                out[system] = flip | {"outcome": "probe failed", "detail": str(e).splitlines()[0]}
+            self.log(f"{system:8s} 64-byte flip in {flip['object']}: {out[system]['outcome']} {out[system].get('error_type', '')}")
+        return out
+
+    def optional(self, name: str, task: str, params: dict, env: dict | None = None) -> dict | None:
+        self.log(name)
+        try:
+            return self.child(task, params, env)
+        except ChildFailed as e:
+            self.errors[name] = str(e)
+            self.log(f"{name} FAILED: {str(e).splitlines()[0]}")
+            return None
+
+    def clear(self, system: str) -> None:
+        """Remove one system's checkpoint (before its next save)."""
+        if system in self.paths:
+            shutil.rmtree(self.paths[system], ignore_errors=True)
+        if system in self.urls:
+            try:
+                clear_repository(self.urls[system])
+            except Exception as e:  # the save itself will report a storage that cannot be written
+                self.notes.append(f"could not clear {self.urls[system]}: {e}")
+
+    def cleanup(self) -> None:
+        for path in self.paths.values():
+            shutil.rmtree(path, ignore_errors=True)
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        for url in self.urls.values():
+            try:
+                clear_repository(url)
+            except Exception as e:  # cleanup must not hide the results
+                self.notes.append(f"could not remove {url}: {e}")
+
+
+def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], None] | None = _say) -> BenchResult:
+    """Run the whole benchmark; write ``bench.json``, ``bench.md`` and ``bench.png`` into ``options.output_dir``.
+
+    A peer that is not installed is skipped and named in ``skipped``. A run that
+    fails is recorded in ``errors`` (that system's remaining phases are skipped)
+    and the rest of the bench goes on; the result is still written. Raises
+    ValueError only for options it cannot run (an unknown peer, ``memory://``).
+    """
+    from . import report
+
+    s = _Session(options, log or (lambda _m: None))
+    L = s.layout
+    s.log(f"state: {L.tensors} x {L.rows}x{L.cols} float32 = {L.nbytes / 2**20:.0f} MiB; systems: {', '.join(s.systems)}; reads {s.cache}")
+    for rep in range(options.repetitions):
+        s.log(f"repetition {rep + 1}/{options.repetitions}")
+        s.repetition(rep)
+    safety = s.safety() if options.safety else {}
+    metadata = tailstep = None
+    if options.metadata:
+        metadata = s.optional("metadata", "ckptfmt_tools.bench.metadata_scale:run", {
+            "entries": list(options.metadata_entries), "dcp_max_entries": options.dcp_metadata_max_entries,
+            "peers": "dcp" in s.systems})
+    if options.tailstep and importlib.util.find_spec("jax") is None:
+        s.notes.append("tail-step slowdown skipped: jax is not installed")
+    elif options.tailstep:
+        tailstep = s.optional("tailstep", "ckptfmt_tools.bench.tailstep:run", {
+            "steps": options.tailstep_steps, "every": options.tailstep_every, "url": s.urls["tailstep"]}, xla_env(1))
+    if not options.keep_data:
+        s.cleanup()
+    result = BenchResult(
+        options=asdict(options), layout=L.to_json(), cache=s.cache, runs=s.runs, summary={}, ratios={}, targets=[],
+        notes=s.notes, skipped=s.skipped, errors=s.errors, metadata=metadata, tailstep=tailstep, safety=safety,
+        environment=_environment(),
+    )
+    report.finish(result, s.out, make_plot=options.plot)
+    s.log(f"wrote {result.json_path}" + (f" and {result.plot_path}" if result.plot_path else ""))
+    return result

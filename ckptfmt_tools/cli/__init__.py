@@ -1,0 +1,298 @@
+"""The ``ckptfmt`` command line (typer + rich).
+
+Commands: ``ls``, ``inspect``, ``verify``, ``gc``, ``faults``, and pass-through commands
+``demo``, ``bench``, ``drill`` whose options belong to the modules they call.
+
+Exit codes: 0 success; 1 a :class:`~ckptfmt.errors.CheckpointError` (its class name, tensor
+key, object, expected and found are printed, or emitted as JSON with ``--json``); 2 usage.
+Every command takes ``--json`` and then prints exactly one JSON document on stdout, whose
+``"ok"`` is true exactly when the command exits 0.
+
+Human-readable output passes every string through :func:`ckptfmt_tools.cli._render.safe` (terminal
+controls made visible, rich markup escaped); JSON output keeps every string exact.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+
+from ckptfmt_tools.cli import _render
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="ckptfmt",
+    help="Inspect, verify and garbage-collect ckptfmt checkpoints; run the fault table.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
+                 "help_option_names": []}
+
+JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout instead of tables.")
+
+
+def _out() -> Console:
+    # Piped output (README pastes, CI logs) gets a wide page instead of rich's 80-column default.
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, soft_wrap=False, width=200 if wide else None)
+
+
+def _err() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def _emit_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _exit_unless(ok: bool) -> None:
+    """The exit code that goes with the ``"ok"`` a command printed (0 when ok, else 1)."""
+    if not ok:
+        raise typer.Exit(code=1)
+
+
+def _fail(exc: BaseException, as_json: bool) -> "typer.Exit":
+    """Report a CheckpointError (or a storage-level OSError) and return the Exit to raise."""
+    from ckptfmt.errors import CheckpointError
+
+    if isinstance(exc, CheckpointError):
+        doc = exc.to_json()
+    else:  # not a typed error: still report the class, but this is a bug in ckptfmt
+        doc = {"error": type(exc).__name__, "message": str(exc), "key": None, "object": None,
+               "expected": None, "found": None, "untyped": True}
+    if as_json:
+        _emit_json({"ok": False, **doc})
+    else:
+        _render.error(_err(), doc)
+    return typer.Exit(code=1)
+
+
+def _print_foreign(keys: list[str]) -> None:
+    """Keys under manifests/ that are not steps (FORMAT.md 4.2): ignored, but worth knowing about."""
+    if keys:
+        shown = ", ".join(_render.safe(k) for k in keys[:20])
+        more = f" and {len(keys) - 20} more" if len(keys) > 20 else ""
+        _out().print(f"[yellow]foreign objects under manifests/ (not steps, ignored):[/] {shown}{more}")
+
+
+def _repo(url: str):
+    from ckptfmt import Repository
+
+    return Repository(url)
+
+
+# ----------------------------------------------------------------------------------- ls
+
+
+@app.command("ls")
+def ls_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
+           as_json: bool = JsonOpt) -> None:
+    """List committed steps with their sizes, writers and commit times."""
+    from ckptfmt.errors import CheckpointError
+
+    try:
+        repo = _repo(url)
+        rows = [_render.step_summary(repo, step) for step in repo.steps()]
+        foreign = repo.foreign_manifests()
+    except CheckpointError as exc:
+        raise _fail(exc, as_json)
+    ok = not any(r.get("error") for r in rows)
+    if as_json:
+        _emit_json({"ok": ok, "url": url, "steps": rows, "foreign": foreign})
+    else:
+        _render.steps_table(_out(), url, rows)
+        _print_foreign(foreign)
+    _exit_unless(ok)
+
+
+# ------------------------------------------------------------------------------ inspect
+
+
+@app.command("inspect")
+def inspect_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
+                step: Optional[int] = typer.Option(None, "--step", "-s", help="Step (default: latest)."),
+                as_json: bool = JsonOpt) -> None:
+    """Show the tensors of one step (key path, shape, dtype, sharding, shards, bytes) and state keys."""
+    from ckptfmt.errors import CheckpointError
+
+    try:
+        repo = _repo(url)
+        doc = _render.describe_step(repo, step)
+    except CheckpointError as exc:
+        raise _fail(exc, as_json)
+    if as_json:
+        _emit_json({"ok": True, "url": url, **doc})
+    else:
+        _render.inspect_view(_out(), url, doc)
+
+
+# ------------------------------------------------------------------------------- verify
+
+
+@app.command("verify")
+def verify_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
+               step: Optional[int] = typer.Option(None, "--step", "-s", help="Step (default: latest)."),
+               all_steps: bool = typer.Option(False, "--all", help="Verify every committed step."),
+               as_json: bool = JsonOpt) -> None:
+    """Check every byte of a step against the manifest's sizes and crc32c. Exit 0 only if clean."""
+    from ckptfmt.errors import CheckpointError, StepNotFoundError
+
+    if all_steps and step is not None:
+        raise typer.BadParameter("give --step or --all, not both")
+    results: list[dict[str, Any]] = []
+    try:
+        repo = _repo(url)
+        foreign = repo.foreign_manifests()
+        if all_steps:
+            steps = repo.steps()
+        else:
+            latest = repo.latest() if step is None else step
+            if latest is None:
+                raise StepNotFoundError("the repository has no committed step", object=url)
+            steps = [latest]
+    except CheckpointError as exc:
+        raise _fail(exc, as_json)
+    console = _err()
+    for s in steps:
+        try:
+            nbytes = _render.verify_with_progress(repo, s, console, quiet=as_json)
+            results.append({"step": s, "ok": True, "bytes": nbytes})
+        except CheckpointError as exc:
+            results.append({"step": s, "ok": False, **exc.to_json()})
+            if not as_json:
+                _render.error(console, exc.to_json(), step=s)
+    ok = all(r["ok"] for r in results)
+    if as_json:
+        _emit_json({"ok": ok, "url": url, "steps": results, "foreign": foreign})
+    else:
+        _render.verify_summary(_out(), results)
+        _print_foreign(foreign)
+    _exit_unless(ok)
+
+
+# ----------------------------------------------------------------------------------- gc
+
+
+@app.command("gc")
+def gc_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
+           keep_last: Optional[int] = typer.Option(None, "--keep-last", min=1,
+                                                   help="Delete committed steps older than the newest N."),
+           keep_every: Optional[int] = typer.Option(None, "--keep-every", min=1,
+                                                    help="With --keep-last, also keep every step divisible by N."),
+           grace_s: Optional[float] = typer.Option(None, "--grace-s", min=0.0,
+                                                   help="Only remove uncommitted saves whose lease is older "
+                                                        "than this (default: the repository's lease grace)."),
+           as_json: bool = JsonOpt) -> None:
+    """Apply retention and remove leftovers of saves that never committed."""
+    from ckptfmt.errors import CheckpointError
+
+    try:
+        report = _repo(url).gc(grace_s=grace_s, keep_last=keep_last, keep_every=keep_every)
+    except CheckpointError as exc:
+        raise _fail(exc, as_json)
+    doc = _render.plain(report)
+    if as_json:
+        _emit_json({"ok": True, "url": url, "report": doc})
+    else:
+        _render.gc_view(_out(), url, doc)
+
+
+# ------------------------------------------------------------------------------- faults
+
+
+@app.command("faults")
+def faults_cmd(as_json: bool = JsonOpt,
+               workdir: Optional[str] = typer.Option(None, "--workdir", help="Keep each fault's repository "
+                                                     "under this directory (default: a temporary one)."),
+               only: Optional[list[str]] = typer.Option(None, "--only", help="Run only these faults "
+                                                        "(repeatable; see --list)."),
+               list_only: bool = typer.Option(False, "--list", help="List the fault names and exit."),
+               markdown: bool = typer.Option(False, "--markdown", help="Print the table as GitHub markdown."),
+               peers: bool = typer.Option(False, "--peers", help="Also measure Orbax and torch DCP "
+                                          "for the faults where that is cheap (needs jax/torch).")) -> None:
+    """Run every fault of the catalogue, one per fresh repository, and print the outcome table."""
+    from ckptfmt_tools import faults
+
+    if list_only:
+        names = [{"name": f.name, "where": f.where, "expect": [e.__name__ for e in f.expect]}
+                 for f in faults.CATALOGUE]
+        if as_json:
+            _emit_json({"ok": True, "faults": names})
+        else:
+            _render.fault_list(_out(), names)
+        return
+    console = _err()
+    total = len(only) if only else len(faults.CATALOGUE)
+    with _render.fault_progress(console, quiet=as_json, total=total) as on_outcome:
+        table = faults.run_all(names=only or None, workdir=workdir, peers=peers, on_outcome=on_outcome)
+    ok = bool(table.all_passed)
+    if as_json:
+        _emit_json({"ok": ok, **table.to_json()})
+    elif markdown:
+        sys.stdout.write(faults.to_markdown(table) + "\n")
+    else:
+        faults.print_table(table, _out())
+    _exit_unless(ok)
+
+
+# ------------------------------------------------------------------ pass-through commands
+
+
+def _delegate(module: str, argv: list[str]) -> None:
+    """Call ``module.main(argv)`` (or ``module.__main__.main``); its return value is the exit code."""
+    mod = importlib.import_module(module)
+    fn = getattr(mod, "main", None)
+    if fn is None:
+        try:
+            fn = getattr(importlib.import_module(module + ".__main__"), "main", None)
+        except ModuleNotFoundError:
+            fn = None
+    if fn is None:
+        import runpy
+
+        saved = sys.argv
+        sys.argv = [module] + list(argv)
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        finally:
+            sys.argv = saved
+        return
+    code = fn(list(argv))
+    if isinstance(code, int) and code != 0:
+        raise typer.Exit(code=code)
+
+
+@app.command("demo", context_settings=_PASS_THROUGH, add_help_option=False)
+def demo_cmd(ctx: typer.Context) -> None:
+    """Run the end-to-end demo (options belong to ckptfmt_tools.demo; try `ckptfmt demo --help`)."""
+    _delegate("ckptfmt_tools.demo", ctx.args)
+
+
+@app.command("bench", context_settings=_PASS_THROUGH, add_help_option=False)
+def bench_cmd(ctx: typer.Context) -> None:
+    """Run the benchmarks (options belong to ckptfmt_tools.bench; try `ckptfmt bench --help`)."""
+    _delegate("ckptfmt_tools.bench", ctx.args)
+
+
+@app.command("drill", context_settings=_PASS_THROUGH, add_help_option=False)
+def drill_cmd(ctx: typer.Context) -> None:
+    """Run the restore drill (options belong to ckptfmt_tools.drill; try `ckptfmt drill --help`)."""
+    _delegate("ckptfmt_tools.drill", ctx.args)
+
+
+from ckptfmt_tools.cli import _interop as _interop  # noqa: E402,F401  (registers export and import)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``ckptfmt`` console script and of ``python -m ckptfmt``."""
+    app(args=argv, prog_name="ckptfmt")

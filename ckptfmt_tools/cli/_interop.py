@@ -1,0 +1,126 @@
+"""``ckptfmt export`` and ``ckptfmt import`` (typer glue only; the work is in ``bridges.interop``
+and ``ckptfmt.interop``). Registered on the app by importing this module.
+
+Exit codes as every command: 0 success; 1 a CheckpointError (printed, or the JSON document with
+``"ok": false`` under ``--json``); 2 usage (a bad option, an unknown preset, an output directory
+that already holds safetensors files, a DCP import without ``--trust-pickle``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import typer
+
+from ckptfmt_tools.cli import JsonOpt, _emit_json, _err, _fail, _out, _render, app
+
+__all__ = ["export_cmd", "import_cmd"]
+
+
+@contextlib.contextmanager
+def _bar(label: str, quiet: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar (bytes, speed, time left) on stderr, or nothing when quiet."""
+    if quiet:
+        yield None
+        return
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
+    with Progress(TextColumn(_render.safe(label)), BarColumn(), TaskProgressColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=_err(), transient=False) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return f"{n} B"
+
+
+@app.command("export")
+def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
+               out_dir: str = typer.Argument(..., help="Directory to write (created; must hold no safetensors files)."),
+               fmt: str = typer.Option("safetensors", "--format", help="Output format (safetensors)."),
+               step: Optional[int] = typer.Option(None, "--step", "-s", help="Step (default: latest)."),
+               mapping: Optional[str] = typer.Option(None, "--mapping", help="A preset (hf_llama_from_nnx, "
+                                                     "hf_llama_from_maxtext, hf_gpt2_from_nnx; needs --config) "
+                                                     "or a mapping JSON file. Default: every tensor as is."),
+               dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating-point tensors "
+                                                   "(bfloat16, float16, float32)."),
+               max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest file (5GB, 500MiB, ...)."),
+               config: Optional[str] = typer.Option(None, "--config", help="The model's config.json: configures "
+                                                    "a preset and is copied into OUT_DIR."),
+               processes: int = typer.Option(1, "--processes", min=1, help="Writer processes (disjoint files)."),
+               as_json: bool = JsonOpt) -> None:
+    """Export a step as Hugging Face safetensors files (+ index), loadable by from_pretrained."""
+    from ckptfmt.errors import CheckpointError
+
+    if fmt != "safetensors":
+        raise typer.BadParameter(f"--format {fmt!r}: only 'safetensors' is written")
+    from bridges.interop import export
+
+    try:
+        with _bar(f"export {url}", quiet=as_json) as progress:
+            report = export(url, out_dir, mapping=mapping, step=step, dtype=dtype, max_shard_size=max_shard_size,
+                            config=config, processes=processes, progress=progress)
+    except CheckpointError as exc:
+        raise _fail(exc, as_json)
+    except (ValueError, FileExistsError, OSError) as exc:
+        raise typer.BadParameter(str(exc))
+    doc = _render.plain(report)
+    if as_json:
+        _emit_json({"ok": True, "url": url, "report": doc})
+        return
+    out = _out()
+    out.print(f"exported step {report.step} of {_render.safe(url)}: {report.tensors} tensors, {_size(report.nbytes)} "
+              f"in {len(report.files)} files, {_render.safe(out_dir)} ({report.seconds:.1f} s); every byte read "
+              f"({_size(report.bytes_read)}) verified against the manifest")
+    if report.unmapped:
+        shown = ", ".join(_render.safe(k) for k in report.unmapped[:8])
+        more = f" and {len(report.unmapped) - 8} more" if len(report.unmapped) > 8 else ""
+        out.print(f"[yellow]not exported (no mapping rule reads them):[/] {shown}{more}")
+
+
+@app.command("import")
+def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file or directory, an Orbax "
+                                         "checkpoint directory, or a DCP directory."),
+               url: str = typer.Argument(..., help="Repository URL or path to write the step into."),
+               source_format: str = typer.Option(..., "--from", help="safetensors, orbax or dcp."),
+               step: Optional[int] = typer.Option(None, "--step", "-s", help="Step to write (default: the step an "
+                                                  "export of ours recorded, else 0; Orbax: also the "
+                                                  "CheckpointManager step directory to read)."),
+               prefix: str = typer.Option("", "--prefix", help="Put every key path under this prefix (e.g. model/)."),
+               trust_pickle: bool = typer.Option(False, "--trust-pickle", help="DCP only: I trust this source "
+                                                 "(its .metadata is a pickle, which runs code when loaded)."),
+               as_json: bool = JsonOpt) -> None:
+    """Import a safetensors, Orbax or DCP checkpoint as one committed step, with its provenance."""
+    from ckptfmt.errors import CheckpointError
+
+    from bridges.interop import IMPORT_FORMATS, import_checkpoint
+
+    if source_format not in IMPORT_FORMATS:
+        raise typer.BadParameter(f"--from {source_format!r}: one of {', '.join(IMPORT_FORMATS)}")
+    if source_format == "dcp":
+        _err().print("[yellow]DCP's .metadata is a Python pickle: loading it runs code from the file. "
+                     "Import only a checkpoint whose origin you trust.[/]")
+    try:
+        with _bar(f"import {source_format}", quiet=as_json) as progress:
+            report = import_checkpoint(src, url, source_format=source_format, step=step, prefix=prefix,
+                                       trust_pickle=trust_pickle, progress=progress)
+    except CheckpointError as exc:
+        raise _fail(exc, as_json)
+    except (ValueError, OSError) as exc:
+        raise typer.BadParameter(str(exc))
+    doc: Any = _render.plain(report)
+    if as_json:
+        _emit_json({"ok": True, "src": src, "report": doc})
+        return
+    out = _out()
+    out.print(f"imported {report.tensors} tensors ({_size(report.nbytes)}) from {source_format} "
+              f"{_render.safe(src)} as step {report.step} of {_render.safe(url)} ({report.seconds:.1f} s)")
+    out.print(f"source checksums: {_render.safe(report.provenance.get('source_checksums', 'n/a'))}")
+    skipped = report.provenance.get("skipped_non_tensors") or []
+    if skipped:
+        out.print(f"[yellow]not imported (non-tensor DCP entries):[/] {', '.join(_render.safe(k) for k in skipped[:8])}")

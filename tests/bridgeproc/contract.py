@@ -1,0 +1,293 @@
+"""The bridge contract's scenarios (bridges/README.md), the same code for every bridge.
+
+usage: contract.py jax|torch OUT_JSON -- runs every scenario through that bridge in this fresh
+process and writes {scenario: "ok" | traceback}. tests/test_bridge_contract.py runs it once per
+bridge and reports each (bridge, scenario) as its own test.
+
+A scenario sees the bridge only through a side (:class:`JaxSide`, :class:`TorchSide`): the
+bridge's module (its verbs are called by their contract names) and how to make a state, a target,
+and read values back. Everything else is written once.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+import tempfile
+import threading
+import traceback
+import warnings
+from typing import Any, Callable
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np  # noqa: E402
+
+import ckptfmt  # noqa: E402
+from ckptfmt import Box, LocalShard, TcpCoordinator  # noqa: E402
+from ckptfmt.coord import free_port  # noqa: E402
+from ckptfmt.errors import (KeyMismatchError, SaveInProgressError, StepAlreadyCommittedError,  # noqa: E402
+                            StepNotFoundError, TopologyChangedError)
+
+SHAPES = {"w": ((8, 4), np.float32), "b": ((3,), np.int32)}
+
+
+class JaxSide:
+    def __init__(self) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        import bridges.jax as bj
+
+        self.jax, self.jnp, self.bridge, self.restore = jax, jnp, bj, bj.restore
+
+    def state(self, seed: int) -> dict[str, Any]:
+        w = np.arange(32, dtype=np.float32).reshape(8, 4) + seed
+        return {"w": self.jnp.asarray(w), "b": np.full(3, seed, np.int32), "n": seed}
+
+    def target(self, **extra: Any) -> dict[str, Any]:
+        out = {"w": self.jax.ShapeDtypeStruct((8, 4), np.float32), "b": np.zeros(3, np.int32), "n": 0}
+        out.update({k: self.jax.ShapeDtypeStruct(s, np.float32) for k, s in extra.items()})
+        return out
+
+    def values(self, out: Any) -> dict[str, Any]:
+        return {k: (np.asarray(v) if k != "n" else int(v)) for k, v in out.items()}
+
+    def mutate(self, state: dict[str, Any]) -> None:
+        state["b"][:] = -1  # jax arrays are immutable: the numpy leaf is what a caller can change
+
+
+class TorchSide:
+    def __init__(self) -> None:
+        import torch
+
+        import bridges.torch as bt
+
+        self.torch, self.bridge, self.restore = torch, bt, bt.load
+
+    def state(self, seed: int) -> dict[str, Any]:
+        t = self.torch
+        return {"w": t.arange(32, dtype=t.float32).reshape(8, 4) + seed, "b": t.full((3,), seed, dtype=t.int32),
+                "n": seed}
+
+    def target(self, **extra: Any) -> dict[str, Any]:
+        t = self.torch
+        out = {"w": t.zeros(8, 4), "b": t.zeros(3, dtype=t.int32), "n": 0}
+        out.update({k: t.zeros(s) for k, s in extra.items()})
+        return out
+
+    def values(self, out: Any) -> dict[str, Any]:
+        return {k: (v.numpy() if k != "n" else int(v)) for k, v in out.items()}
+
+    def mutate(self, state: dict[str, Any]) -> None:
+        state["w"].mul_(0)
+        state["b"].fill_(-1)
+
+
+SIDES: dict[str, Callable[[], Any]] = {"jax": JaxSide, "torch": TorchSide}
+SCENARIOS: dict[str, Callable[[Any, str], None]] = {}
+
+
+def scenario(fn: Callable[[Any, str], None]) -> Callable[[Any, str], None]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def expect(error: type, call: Callable[[], Any], match: str = "") -> BaseException:
+    try:
+        call()
+    except error as e:
+        assert match in str(e), (match, str(e))
+        return e
+    raise AssertionError(f"{error.__name__} not raised")
+
+
+def same(got: dict[str, Any], seed: int) -> None:
+    assert np.array_equal(got["w"], np.arange(32, dtype=np.float32).reshape(8, 4) + seed), got["w"]
+    assert np.array_equal(got["b"], np.full(3, seed, np.int32)) and got["n"] == seed, got
+
+
+def peer_save(url: str, step: int, address: str) -> None:
+    """Rank 1 of a two-rank save through the core: declares every tensor, holds no data to write."""
+    with TcpCoordinator(address, 1, 2, timeout_s=60) as c1:
+        ckptfmt.save(url, step, [LocalShard(k, s, np.dtype(d), Box.full(s), None, replica_id=1)
+                                 for k, (s, d) in SHAPES.items()], coordinator=c1)
+
+
+# ------------------------------------------------------------------------------ scenarios
+
+
+@scenario
+def signatures(B: Any, d: str) -> None:
+    """The same verbs, the same keywords, kinds and defaults."""
+    empty = inspect.Parameter.empty
+    kw, pos = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+    want = {
+        "save": ([("url", pos, empty), ("state", pos, empty)],
+                 [("step", empty), ("extra", None), ("rank_state", None), ("blocking", True), ("coordinator", None),
+                  ("options", None), ("metadata", None)]),
+        "restore": ([("url", pos, empty), ("target", pos, None)],
+                    [("step", None), ("rank_state_policy", None), ("mapping", None), ("strict", True)]),
+        "load_extra": ([("url", pos, empty), ("step", pos, None)], []),
+        "load_rank_state": ([("url", pos, empty), ("step", pos, None)], [("rank_state_policy", None)]),
+    }
+    for verb, (positional, keywords) in want.items():
+        params = inspect.signature(B.restore if verb == "restore" else getattr(B.bridge, verb)).parameters
+        got = [(n, p.kind, p.default) for n, p in list(params.items())[:len(positional)]]
+        if verb == "restore" and B.restore.__name__ == "load":  # torch: the target is required
+            positional = [positional[0], ("target", pos, empty)]
+        assert got == positional, (verb, got)
+        for name, default in keywords:
+            p = params[name]
+            assert p.kind == kw and p.default is default, (verb, name, p.kind, p.default)
+
+
+@scenario
+def round_trip_extra_and_rank_state(B: Any, d: str) -> None:
+    url = os.path.join(d, "r")
+    B.bridge.save(url, B.state(1), step=1, extra={"epoch": 2, 1: "a", "t": (1, 2)}, rank_state={"cursor": 17})
+    B.bridge.save(url, B.state(2), step=2)
+    same(B.values(B.restore(url, B.target())), 2)  # step=None: the latest
+    same(B.values(B.restore(url, B.target(), step=1)), 1)
+    assert B.bridge.load_extra(url, 1) == {"epoch": 2, "1": "a", "t": [1, 2]}  # as json.loads(json.dumps(x))
+    assert B.bridge.load_extra(url) is None
+    assert B.bridge.load_rank_state(url, 1) == {"cursor": 17}  # same world: no policy needed
+    assert B.bridge.load_rank_state(url) is None
+
+
+@scenario
+def no_committed_step(B: Any, d: str) -> None:
+    url = os.path.join(d, "empty")
+    for call in (lambda: B.restore(url, B.target()), lambda: B.bridge.load_extra(url),
+                 lambda: B.bridge.load_rank_state(url)):
+        expect(StepNotFoundError, call)
+
+
+@scenario
+def async_save_returns_the_core_handle(B: Any, d: str) -> None:
+    url = os.path.join(d, "r")
+    address = f"127.0.0.1:{free_port()}"
+    c0 = TcpCoordinator(address, 0, 2, timeout_s=60)
+    state = B.state(3)
+    # Held in flight deterministically: the save waits at its first collective for rank 1.
+    handle = B.bridge.save(url, state, step=3, blocking=False, coordinator=c0)
+    try:
+        assert isinstance(handle, ckptfmt.SaveHandle), type(handle)
+        assert not handle.done() and handle.snapshot_bytes == 32 * 4 + 3 * 4, handle.snapshot_bytes
+        B.mutate(state)  # the snapshot was taken before save returned
+        expect(SaveInProgressError, lambda: B.bridge.save(url, B.state(4), step=4))
+        expect(SaveInProgressError, lambda: B.bridge.save(url, B.state(4), step=4, blocking=False))
+    finally:
+        peer = threading.Thread(target=peer_save, args=(url, 3, address))
+        peer.start()
+        manifest = handle.result(60)
+        peer.join(60)
+        c0.close()
+    assert manifest.step == 3 and handle.done() and handle.exception() is None
+    same(B.values(B.restore(url, B.target(), rank_state_policy="drop")), 3)  # saved by 2 ranks
+    again = B.bridge.save(url, B.state(5), step=3, blocking=False)  # control: idle again; a failing save
+    expect(StepAlreadyCommittedError, lambda: again.result(60))  # raises from result(), typed
+    assert isinstance(again.exception(), StepAlreadyCommittedError)
+
+
+@scenario
+def topology_change_needs_a_policy(B: Any, d: str) -> None:
+    url = os.path.join(d, "r")
+    address = f"127.0.0.1:{free_port()}"
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            with TcpCoordinator(address, r, 2, timeout_s=60) as c:
+                B.bridge.save(url, B.state(6), step=6, rank_state={"r": r}, coordinator=c)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert ckptfmt.Repository(url).open(6).saved_world == 2
+    # Saved by 2 processes, restored by 1: the default raises, naming the policies, before reading.
+    for call in (lambda: B.restore(url, B.target()), lambda: B.bridge.load_rank_state(url)):
+        e = expect(TopologyChangedError, call, "rank_state_policy")
+        assert all(p in str(e) for p in ("'drop'", "'rank0'", "'same-rank'")), e
+    same(B.values(B.restore(url, B.target(), rank_state_policy="drop")), 6)  # the control
+    assert B.bridge.load_rank_state(url, rank_state_policy="drop") is None
+    assert B.bridge.load_rank_state(url, rank_state_policy="rank0") == {"r": 0}
+    assert B.bridge.load_rank_state(url, rank_state_policy="same-rank") == {"r": 0}
+    for u in (url, os.path.join(d, "empty")):  # an unknown policy: ValueError before anything is opened
+        expect(ValueError, lambda: B.restore(u, B.target(), rank_state_policy="bogus"), "unknown rank state policy")
+        expect(ValueError, lambda: B.bridge.load_rank_state(u, rank_state_policy="bogus"), "'same-rank'")
+
+
+@scenario
+def strict_and_mapping(B: Any, d: str) -> None:
+    from bridges.mapping import KeptValuesWarning, Mapping, Rule
+
+    url = os.path.join(d, "r")
+    B.bridge.save(url, B.state(7), step=7)
+    expect(KeyMismatchError, lambda: B.restore(url, B.target(absent=(2,))), "absent")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = B.restore(url, B.target(absent=(2,)), strict=False)
+    assert any(issubclass(w.category, KeptValuesWarning) for w in seen), [str(w.message) for w in seen]
+    same({k: v for k, v in B.values(got).items() if k != "absent"}, 7)
+    transposed = Mapping((Rule("w", "wT", {2: (1, 0)}),))
+    target = {k: v for k, v in B.target(wT=(4, 8)).items() if k != "w"}
+    got = B.values(B.restore(url, target, mapping=transposed))
+    assert np.array_equal(got["wT"], (np.arange(32, dtype=np.float32).reshape(8, 4) + 7).T)
+
+
+@scenario
+def batched_restore(B: Any, d: str) -> None:
+    """Both bridges read through bridges._contract.read_batches: one batch per value once the
+    batch size is below a value's size, one batch at the default; the values are the same."""
+    import bridges._contract as contract
+
+    url = os.path.join(d, "r")
+    B.bridge.save(url, B.state(8), step=8)
+
+    def batches(out: Any, stats: dict[str, Any]) -> int:
+        return stats["batches"] if "batches" in stats else out.batches
+
+    def restore() -> tuple[Any, int]:
+        stats: dict[str, Any] = {}
+        kw = {"stats": stats} if "stats" in inspect.signature(B.restore).parameters else {}
+        out = B.restore(url, B.target(), **kw)
+        return out, batches(out, stats)
+
+    out, n = restore()
+    same(B.values(out), 8)
+    assert n == 1, n
+    saved = contract.RESTORE_BATCH_BYTES
+    contract.RESTORE_BATCH_BYTES = 16  # below each tensor's size: one batch per tensor
+    try:
+        out, n = restore()
+    finally:
+        contract.RESTORE_BATCH_BYTES = saved
+    same(B.values(out), 8)
+    assert n == 2, n
+
+
+def main() -> None:
+    side_name, out = sys.argv[1], sys.argv[2]
+    side = SIDES[side_name]()
+    results: dict[str, str] = {}
+    for name, fn in SCENARIOS.items():
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                fn(side, d)
+                results[name] = "ok"
+            except BaseException:  # noqa: BLE001 - reported per scenario
+                results[name] = traceback.format_exc()[-3000:]
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
