@@ -9,7 +9,6 @@ import functools
 import gc
 import json
 import math
-import re
 from itertools import chain
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,6 +27,13 @@ from ._manifest_caps import MAX_STRUCTURAL_BYTES as MAX_STRUCTURAL_BYTES
 from ._manifest_caps import MAX_TENSORS as MAX_TENSORS
 from ._manifest_caps import CountCaps, check_nesting, count_structural
 from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
+from .layout import MARKER_BYTES as MARKER_BYTES
+from .layout import MARKER_KEY as MARKER_KEY
+from .layout import MAX_STEP as MAX_STEP
+from .layout import SAVE_ID_RE as SAVE_ID_RE
+from .layout import manifest_key as manifest_key
+from .layout import arrays_prefix, shard_key, state_key, state_name, state_prefix
+from .layout import step_of_manifest_key as step_of_manifest_key
 from .plan import TensorGeometry, chunk_count_table
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
@@ -41,33 +47,8 @@ MAX_DIM = 1 << 62
 MAX_TENSOR_BYTES = 1 << 62
 MAX_KEY_LEN = 4096
 MAX_OBJECT_KEY_LEN = 1024
-MAX_STEP = (1 << 63) - 1
-SAVE_ID_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,127}$")
 KNOWN_EXTENSIONS: frozenset[str] = frozenset()
 _U32 = 1 << 32
-
-
-def manifest_key(step: int) -> str:
-    """The key of the committed manifest of ``step``."""
-    return f"manifests/{step:020d}.json"
-
-
-_MANIFEST_KEY_RE = re.compile(r"manifests/([0-9]{20})\.json")
-
-
-def step_of_manifest_key(key: str) -> int | None:
-    """The step a key under ``manifests/`` names, or None when it names none (FORMAT.md 4.2):
-    not exactly 20 digits, or a value above 2^63 - 1."""
-    m = _MANIFEST_KEY_RE.fullmatch(key)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step <= MAX_STEP else None
-
-
-#: The repository marker (FORMAT.md 4.5): written once by the first save's leader.
-MARKER_KEY = "ckptfmt.json"
-MARKER_BYTES = b'{"format":"ckptfmt","format_version":1}\n'
 
 
 def check_object_key(k: Any, *, prefix: str = "", key: str | None = None) -> str:
@@ -147,7 +128,7 @@ class TensorEntry:
         return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
     def object_key(self, s: int) -> str:
-        return f"{self.array.path}/{self.shards.key[s]}"
+        return shard_key(self.array.path, self.shards.key[s])
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -403,7 +384,7 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         _fail("versions must map names to version strings")
     metadata = _typed(doc["metadata"], dict, "metadata")
     extensions = _typed(doc.get("extensions", {}), dict, "extensions")
-    prefix = f"saves/{save_id}/"
+    prefix = arrays_prefix(save_id)
     tensors_doc = _typed(doc["tensors"], dict, "tensors")
     if len(tensors_doc) > caps.tensors:
         raise ManifestTooLargeError("manifest holds too many tensors", expected=f"<= {caps.tensors}", found=len(tensors_doc))
@@ -443,12 +424,12 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
             _fail("state scope must be 'global' or 'rank'", key=name, found=repr(scope)[:40])
         _members(s, {"key", "nbytes", "crc32c", "scope"} | ({"rank"} if scope == "rank" else set()), "a state entry", name)
         rank = _int(s.get("rank"), 0, writers - 1, "state rank", name) if scope == "rank" else None
-        want_name, want_key = ("global", "global.msgpack") if scope == "global" else (f"rank/{rank}", f"rank-{rank:05d}.msgpack")
+        want_name, want_key = state_name(rank), state_key(save_id, rank)
         if name != want_name:
             _fail("state entry name does not match its scope", key=name, expected=want_name, found=name)
-        skey = check_object_key(s.get("key"), prefix=prefix + "state/", key=name)
-        if skey != prefix + "state/" + want_key:
-            _fail("state object key does not match its entry", key=name, object=skey, expected=prefix + "state/" + want_key, found=skey)
+        skey = check_object_key(s.get("key"), prefix=state_prefix(save_id), key=name)
+        if skey != want_key:
+            _fail("state object key does not match its entry", key=name, object=skey, expected=want_key, found=skey)
         state[name] = StateEntry(name, skey, _int(s.get("nbytes"), 0, MAX_TENSOR_BYTES, "state nbytes", name),
                                  _int(s.get("crc32c"), 0, _U32 - 1, "state crc32c", name), scope, rank)
     return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
@@ -497,7 +478,7 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
         _typed(sharding, dict, "sharding", k)
     a = _typed(t.get("array"), dict, "array", k)
     _members(a, {"path", "shard_shape", "chunk_shape", "codec"}, "array", k)
-    path = check_object_key(a.get("path"), prefix=prefix + "t/", key=k)
+    path = check_object_key(a.get("path"), prefix=prefix, key=k)
     if a.get("codec") != "raw":
         raise UnsupportedVersionError("unsupported codec", key=k, expected="raw", found=repr(a.get("codec"))[:40])
     nd = len(shape_t)

@@ -16,8 +16,10 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from . import layout
 from ._types import Box
 from .errors import ShapeMismatchError, StepMismatchError
+from .layout import cell_key as cell_key
 
 __all__ = [
     "TensorGeometry", "WriteItem", "TensorWritePlan", "ReadItem", "shard_grid", "chunk_shape_for",
@@ -49,12 +51,12 @@ class TensorGeometry:
     @property
     def chunk_nbytes(self) -> int:
         """Stored bytes of one inner chunk with the raw codec: data plus the 4-byte crc32c."""
-        return math.prod(self.chunk_shape) * self.itemsize + 4
+        return layout.chunk_nbytes(self.chunk_shape, self.itemsize)
 
     @property
     def index_nbytes(self) -> int:
         """Bytes of a shard index: 16 per inner chunk plus the 4-byte crc32c."""
-        return math.prod(self.inner) * 16 + 4
+        return layout.index_nbytes(self.inner)
 
     def shard_box(self, cell: tuple[int, ...]) -> Box:
         off = tuple(c * s for c, s in zip(cell, self.shard_shape))
@@ -111,11 +113,6 @@ class ReadItem(NamedTuple):
 
 # ReadItem from a tuple of its five fields, without the keyword-handling constructor (hot loop).
 _read_item = partial(tuple.__new__, ReadItem)
-
-
-def cell_key(cell: tuple[int, ...]) -> str:
-    """The zarr v3 "default" chunk key of a grid cell, relative to the array path."""
-    return "c" if not cell else "c/" + "/".join(str(c) for c in cell)
 
 
 def shard_grid(shape: tuple[int, ...], boxes: Iterable[Box]) -> tuple[int, ...]:

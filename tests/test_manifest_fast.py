@@ -18,6 +18,7 @@ import pytest
 
 from ckptfmt import Box, CheckpointError, LocalShard, parse_manifest, save
 from ckptfmt import manifest as mf
+from ckptfmt.layout import arrays_prefix
 
 WRITERS = 4
 
@@ -41,7 +42,7 @@ def good(tmp_path_factory):
 
 def exact(doc):
     """The reference: every tensor through the exact per-tensor checks."""
-    return mf._tensors_exact(doc["tensors"], f"saves/{doc['save_id']}/", doc["writers"])
+    return mf._tensors_exact(doc["tensors"], arrays_prefix(doc["save_id"]), doc["writers"])
 
 
 def same_tables(a, b):
