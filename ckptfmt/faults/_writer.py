@@ -41,7 +41,7 @@ __all__ = ["main", "KillingCoordinator", "WEAKEN"]
 #: Broken controls (tests only): each name disables one guarantee of the core in this process.
 WEAKEN = {
     # The commit becomes a plain write: a second save of the same step overwrites the first.
-    "no_conditional_create": "ckptfmt.storage.Storage.create_if_absent -> unconditional write",
+    "no_conditional_create": "ckptfmt._kvstore.KvStoreStorage.create_if_absent -> unconditional write",
     # The commit fence becomes the old check-then-create: read the lease, then create the manifest.
     "no_commit_fence": "ckptfmt.session._Heartbeat.begin_commit -> holds() (a check, not a conditional write)",
 }
@@ -49,13 +49,13 @@ WEAKEN = {
 
 def _weaken(name: str) -> None:
     if name == "no_conditional_create":
-        from ckptfmt.storage import Storage
+        from ckptfmt._kvstore import KvStoreStorage
 
         def create_if_absent(self, key: str, data: bytes) -> bool:
             self.write(key, data)
             return True
 
-        Storage.create_if_absent = create_if_absent
+        KvStoreStorage.create_if_absent = create_if_absent
     elif name == "no_commit_fence":
         from ckptfmt.session import _Heartbeat
 
@@ -78,7 +78,7 @@ def _install_freeze(point: str, *, old_protocol: bool) -> None:
     ``no_commit_fence`` weakening is on, so the fence is the old check."""
     from ckptfmt.manifest import step_of_manifest_key
     from ckptfmt.session import _Heartbeat
-    from ckptfmt.storage import Storage
+    from ckptfmt._kvstore import KvStoreStorage as Storage
 
     if point == "before_fence":
         fence = _Heartbeat.begin_commit
