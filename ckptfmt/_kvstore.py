@@ -1,9 +1,10 @@
 """The generic backend: any tensorstore kvstore (S3, GCS; memory with a shared context).
 
-tensorstore raises plain exceptions whose text carries an absl status code. They are classified
-here, in :func:`classify` and :func:`kv_errors`, and nowhere else: OUT_OF_RANGE (a byte range past
-the object's end) becomes :class:`OutOfRange`, which callers that expect it catch; everything else
-a StorageError whose message says what kind of failure it was (not found, disk full, permission).
+tensorstore raises plain exceptions whose text carries an absl status code and, for file I/O, the
+errno. They are classified here, in :func:`classify` and :func:`kv_errors`, and nowhere else: on a
+ranged read OUT_OF_RANGE (a byte range past the object's end) becomes :class:`OutOfRange`, which
+those callers catch; everything else becomes a StorageError whose message says what kind of
+failure it was (disk full, file too large, permission denied, not found).
 """
 from __future__ import annotations
 
@@ -25,18 +26,20 @@ class OutOfRange(StorageError):
     """A byte range past the end of an object (tensorstore's OUT_OF_RANGE)."""
 
 
-#: (kind, the lower-case texts that mark it, what the message says). The first match wins.
+#: (kind, the lower-case texts that mark it, what the message says). The first match wins: a write
+#: past RLIMIT_FSIZE (EFBIG) is reported as OUT_OF_RANGE too, so the errno kinds come first.
 _KINDS = (
-    ("out_of_range", ("out_of_range",), "byte range past the end of the object"),
-    ("no_space", ("no space", "space left", "not enough space", "enospc", "errno=28"), "disk full"),
+    ("no_space", ("no space", "space left", "not enough space", "enospc", "errno=28", "os_error_code='28'"), "disk full"),
+    ("too_large", ("file too large", "efbig", "errno=27", "os_error_code='27'"), "file too large"),
     ("permission", ("permission_denied", "permission denied", "eacces", "access denied"), "permission denied"),
+    ("out_of_range", ("out_of_range",), "byte range past the end of the object"),
     ("not_found", ("not_found",), "not found"),
 )
 
 
 def classify(e: BaseException) -> str:
-    """The kind of a tensorstore failure: "out_of_range", "no_space", "permission", "not_found"
-    or "other" (tensorstore's text carries the absl status code, and the errno text of file I/O)."""
+    """The kind of a tensorstore failure: "no_space", "too_large", "permission", "out_of_range",
+    "not_found" or "other"."""
     text = str(e).lower()
     for kind, marks, _ in _KINDS:
         if any(m in text for m in marks):
@@ -44,26 +47,29 @@ def classify(e: BaseException) -> str:
     return "other"
 
 
-def storage_error(what: str, e: BaseException, *, object: str, key: str | None = None) -> StorageError:
-    """The typed error of a failed tensorstore call: OutOfRange, or a StorageError whose message
-    names the kind of failure; ``found`` keeps tensorstore's own text."""
+def storage_error(what: str, e: BaseException, *, object: str, key: str | None = None,
+                  ranged: bool = False) -> StorageError:
+    """The typed error of a failed tensorstore call: OutOfRange for a ``ranged`` read past the
+    object's end, else a StorageError whose message names the kind of failure; ``found`` keeps
+    tensorstore's own text."""
     kind = classify(e)
-    if kind == "out_of_range":
+    if kind == "out_of_range" and ranged:
         return OutOfRange(what, key=key, object=object, found=str(e)[:300])
     note = next((n for k, _, n in _KINDS if k == kind), None)
     return StorageError(f"{what} ({note})" if note else what, key=key, object=object, found=str(e)[:300])
 
 
 @contextmanager
-def kv_errors(what: str, *, object: str, key: str | None = None) -> Iterator[None]:
-    """Re-raise any tensorstore failure inside the block as :func:`storage_error` does; a
-    CheckpointError passes through unchanged."""
+def kv_errors(what: str, *, object: str, key: str | None = None, ranged: bool = False) -> Iterator[None]:
+    """Re-raise any tensorstore failure inside the block as :func:`storage_error` does (``ranged``:
+    the block is a byte-range read whose caller catches OutOfRange); a CheckpointError passes
+    through unchanged."""
     try:
         yield
     except CheckpointError:
         raise
     except Exception as e:  # tensorstore raises plain exceptions (ValueError, OSError, ...)
-        raise storage_error(what, e, object=object, key=key) from None
+        raise storage_error(what, e, object=object, key=key, ranged=ranged) from None
 
 
 def _value(r: Any) -> bytes | None:
@@ -103,19 +109,19 @@ class KvStoreStorage(Storage):
 
     def read_upto(self, key: str, start: int, n: int) -> bytes | None:
         try:
-            with kv_errors("read failed", object=key):
+            with kv_errors("read failed", object=key, ranged=True):
                 return _value(self.kv.read(key, byte_range=slice(start, start + n)).result())
         except OutOfRange:
             pass
         try:  # the object ends before start + n: the rest is shorter than n
-            with kv_errors("read failed", object=key):
+            with kv_errors("read failed", object=key, ranged=True):
                 return _value(self.kv.read(key, byte_range=slice(start, None)).result())
         except OutOfRange:
             return b""  # it ends before start
 
     def larger_than(self, key: str, limit: int) -> bool | None:
         try:
-            with kv_errors("read failed", object=key):
+            with kv_errors("read failed", object=key, ranged=True):
                 r = self.kv.read(key, byte_range=slice(limit, limit + 1)).result()
         except OutOfRange:
             return False
@@ -137,7 +143,7 @@ class KvStoreStorage(Storage):
         for k, f in zip(keys, futs):
             try:
                 try:
-                    with kv_errors("read failed", object=k):
+                    with kv_errors("read failed", object=k, ranged=True):
                         r = f.result()
                 except OutOfRange:  # shorter than the bound: a whole read is bounded
                     with kv_errors("read failed", object=k):
@@ -153,7 +159,7 @@ class KvStoreStorage(Storage):
 
         def finish() -> bytes:
             try:
-                with kv_errors("read failed", object=key, key=tensor):
+                with kv_errors("read failed", object=key, key=tensor, ranged=True):
                     r = fut.result()
             except OutOfRange as e:
                 raise SizeMismatchError("object is shorter than the manifest records", key=tensor, object=key,
@@ -168,7 +174,7 @@ class KvStoreStorage(Storage):
 
         def finish() -> None:
             try:
-                with kv_errors("read failed", object=key, key=tensor):
+                with kv_errors("read failed", object=key, key=tensor, ranged=True):
                     r = fut.result()
             except OutOfRange:
                 return  # no byte at nbytes: not longer than recorded
