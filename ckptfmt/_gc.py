@@ -29,11 +29,12 @@ from typing import Any
 
 from . import layout
 from ._localfs import Entry
+from ._retention import Retention
 from .errors import CheckpointError, NotARepositoryError, StorageError
 from .layout import (MANIFESTS, MARKER_KEY, SAVES, is_save_id, lease_key, manifest_key, parse_writer_save_id, save_prefix,
                      step_of_manifest_key)
 
-__all__ = ["GcReport", "collect", "referenced_elsewhere", "DEFAULT_LEASE_GRACE_S"]
+__all__ = ["GcReport", "collect", "referenced_elsewhere", "unrestorable", "DEFAULT_LEASE_GRACE_S"]
 
 DEFAULT_LEASE_GRACE_S = 600.0  # FORMAT.md 10.2
 LEASE_MAX_BYTES = layout.LEASE_MAX_BYTES
@@ -182,9 +183,9 @@ def _recognise(repo: Any, steps: list[int]) -> None:
                               f"no marker, {len(steps)} manifest name(s), none valid")
 
 
-def _unrestorable(repo: Any, step: int) -> str | None:
+def unrestorable(repo: Any, step: int) -> str | None:
     """Why ``step`` cannot be restored, or None (FORMAT.md 10.4: the manifest validates, and every
-    object it references exists with its recorded size)."""
+    object it references exists with its recorded size). Reads no data."""
     try:
         m = repo.manifest(step)
     except CheckpointError as e:
@@ -198,29 +199,16 @@ def _unrestorable(repo: Any, step: int) -> str | None:
     return "; ".join(faults[:3]) if faults else None
 
 
+_unrestorable = unrestorable  # gc asks through this name (the fault tests take the check out by it)
+
+
 def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport) -> dict[str, int]:
-    """Un-commit the steps older than the newest ``keep_last`` restorable ones; their save ids."""
-    kept, floor = 0, None
-    for s in reversed(steps):
-        why = _unrestorable(repo, s)
-        if why is not None:
-            report.problems.append(f"step {s} is not restorable ({why}); retention does not count it")
-            continue
-        kept += 1
-        if kept == keep_last:
-            floor = s
-            break
-    if floor is None:
-        if len(steps) > keep_last:
-            report.problems.append(f"only {kept} restorable step(s), fewer than --keep-last {keep_last}: "
-                                   "retention removed nothing")
-        return {}
+    """Un-commit the steps that retention deletes, manifest first; their save ids."""
+    plan = Retention(keep_last=keep_last, keep_every=keep_every or None).plan(
+        steps, unrestorable=lambda s: _unrestorable(repo, s))
+    report.problems.extend(plan.notes)
     retired: dict[str, int] = {}
-    for s in steps:
-        if s >= floor:
-            break
-        if keep_every and s % keep_every == 0:
-            continue
+    for s in plan.steps:
         try:
             sid = repo.manifest(s).save_id  # only a valid manifest names its objects reliably
         except CheckpointError:
