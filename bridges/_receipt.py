@@ -26,11 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
+
+from ckptfmt.coord import free_port
 
 __all__ = ["run_side", "judge", "main", "LOSS_RTOL", "LOSS_K2_RTOL"]
 
@@ -49,19 +50,13 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ------------------------------------------------------------------- parent side (no jax)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_side(mode: str, *, devices: int, mesh: str, ckpt: str, out: str, k: int = 3, nproc: int = 1,
              controls: str = "none", policy: str | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
     """Run one side in ``nproc`` fresh processes of ``devices`` CPU devices each; return its JSON.
 
     Raises RuntimeError with the processes' stderr when any process fails or times out.
     """
-    port = _free_port() if nproc > 1 else 0
+    port = free_port() if nproc > 1 else 0
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = []

@@ -14,7 +14,6 @@ import http.server
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,8 @@ from typing import Callable, Iterator
 from urllib.parse import urlsplit
 
 import pytest
+
+from ckptfmt.coord import free_port
 
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
@@ -46,17 +47,11 @@ def _moto_server_binary() -> str | None:
     return shutil.which("moto_server")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MotoServer:
     """``moto_server -H 127.0.0.1 -p PORT``; ready once it answers HTTP. Stopped on exit."""
 
     def __init__(self, port: int | None = None, startup_timeout_s: float = 30.0) -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None

@@ -12,9 +12,9 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import tempfile
 
+from ..coord import free_port
 from .child import Meter, rss_bytes, sync_after, tree_stats
 from .layout import StateLayout, check_rows, rows_data
 
@@ -94,12 +94,6 @@ class RankFailed(RuntimeError):
         self.error_type = error_type
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dcp_rank(rank: int, world: int, port: int, params: dict, out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -145,7 +139,7 @@ def dcp_run(params: dict) -> dict:
     layout = StateLayout.from_json(params["layout"])
     if mode == "save":
         shutil.rmtree(path, ignore_errors=True)
-    port = _free_port()
+    port = free_port()
     tmp = tempfile.mkdtemp(prefix="ckptfmt-dcp-")
     pids = []
     for rank in range(world):

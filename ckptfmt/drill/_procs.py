@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..coord import free_port as free_port
 
 __all__ = ["Proc", "launch", "free_port", "wait_all", "kill_all", "read_json", "reap_forked", "REPO_ROOT"]
 
@@ -35,12 +36,6 @@ def reap_forked(pids: dict[int, int], grace_s: float) -> bool:
                 except ProcessLookupError:
                     pass
     return failed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

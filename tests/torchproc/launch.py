@@ -8,20 +8,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from ckptfmt.coord import free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_env(**extra: str) -> dict[str, str]:
