@@ -467,7 +467,7 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
         _fail("too many dimensions", key=k, expected=f"<= {MAX_NDIM}", found=len(shape))
     shape_t = tuple(_int(n, 0, MAX_DIM, "shape entry", k) for n in shape)
     dtype = t.get("dtype")
-    if dtype not in DTYPES:
+    if type(dtype) is not str or dtype not in DTYPES:
         _fail("unknown dtype", key=k, expected=sorted(DTYPES), found=repr(dtype)[:40])
     item = itemsize_of(dtype)
     # max(n, 1): a zero-length dimension must not lift the bound on the others ([0, 2^62, 2^62]).
