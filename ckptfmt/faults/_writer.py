@@ -84,6 +84,11 @@ def _install_freeze(point: str, *, old_protocol: bool) -> None:
         fence = _Heartbeat.begin_commit
 
         def begin_commit(self) -> bool:
+            # Freeze only once no heartbeat write is in flight: a process stopped inside one holds
+            # the lease's lock file, and gc's claim would wait on it for ever.
+            self._stop.set()
+            with self._lock:
+                pass
             if old_protocol:  # the old protocol: check first, then stall before the create
                 ok = fence(self)
                 _freeze()
