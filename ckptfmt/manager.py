@@ -36,16 +36,13 @@ from typing import Any, Callable, Mapping
 import msgpack
 import numpy as np
 
-from . import errors as _errors
 from ._manager_types import (RestoreResult, SaveRecord, SkippedStep, _check_step, _clean_metrics, _err_from,
-                             _err_json, _Job)
+                             _err_json, _is_damage, _Job)
 from ._gc import unrestorable
 from ._retention import Retention, metric_value
 from ._types import Box, LocalShard
 from .coord import Coordinator, LocalCoordinator
-from .errors import (CheckpointError, IncompleteSaveError, InvalidManifestError, InvalidStateError,
-                     KeyMismatchError, MissingShardError, SizeMismatchError, StepNotFoundError,
-                     UnsupportedVersionError, ChecksumMismatchError)
+from .errors import CheckpointError, IncompleteSaveError, KeyMismatchError, StepNotFoundError
 from .manifest import Manifest
 from .repository import Repository
 from .session import SaveOptions
@@ -56,20 +53,9 @@ _log = logging.getLogger("ckptfmt.manager")
 
 #: The manager's entry in a manifest's ``metadata``: ``{"metrics": {name: value}}`` (spec 13.7).
 METADATA_KEY = "ckptfmt.manager"
-#: Errors that mean "this step's bytes are damaged" (fallback moves to an older step). A wrong
-#: target (KeyMismatchError, ShapeMismatchError, TopologyChangedError) or a newer format version
-#: is the caller's problem, and an older step would not cure it: those always raise.
-_DAMAGE = (MissingShardError, SizeMismatchError, ChecksumMismatchError, InvalidManifestError,
-           InvalidStateError, StepNotFoundError)
 #: Seconds between two gc passes of the retention thread (gc's own grace period is 600 s, so
 #: running it more often finds nothing new to collect).
 GC_INTERVAL_S = 600.0
-
-
-def _is_damage(err: Mapping[str, Any]) -> bool:
-    cls = getattr(_errors, str(err.get("error")), None)
-    return (isinstance(cls, type) and issubclass(cls, _DAMAGE)
-            and not issubclass(cls, UnsupportedVersionError))
 
 
 class CheckpointManager:
