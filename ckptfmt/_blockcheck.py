@@ -12,7 +12,7 @@ import numpy as np
 
 from .checksum import crc32c
 from .errors import ChecksumMismatchError, InvalidDataError, SizeMismatchError
-from .layout import CRC_BYTES, NOT_STORED
+from .layout import CRC_BYTES, INDEX_ENTRY, NOT_STORED, index_entries, split_trailer
 from .manifest import TensorEntry
 
 __all__ = ["BlockChecks"]
@@ -43,8 +43,8 @@ class BlockChecks:
     def _check_index(cls, t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
         """The index's crc32c, recomputed and as stored, against the manifest; then its entries."""
         want = int(t.shards.index_crc32c[s])
-        got = crc32c(index[:-CRC_BYTES])
-        stored = int.from_bytes(index[-CRC_BYTES:], "little")
+        body, stored = split_trailer(index)
+        got = crc32c(body)
         if got != want or stored != want:
             raise ChecksumMismatchError("shard index checksum differs from the manifest (corrupt or stale)",
                                         key=t.key, object=obj, expected=want, found=got if got != want else stored)
@@ -58,7 +58,7 @@ class BlockChecks:
         g = t.geometry
         c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
         if c1 - c0 == math.prod(g.inner):  # every inner chunk stored: the entries are the rows, in order
-            rows = np.empty((c1 - c0, 2), "<u8")
+            rows = np.empty((c1 - c0, 2), INDEX_ENTRY)
             rows[:, 0], rows[:, 1] = t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]
             if index[:-CRC_BYTES] == rows.tobytes():
                 return
@@ -67,7 +67,7 @@ class BlockChecks:
         want = np.full(g.inner + (2,), _NOT_STORED, np.uint64)
         want[tuple(slice(0, k) for k in counts)] = np.stack(
             [t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]], axis=-1).reshape(counts + (2,))
-        got = np.frombuffer(index[:-CRC_BYTES], "<u8").reshape(want.shape)
+        got = index_entries(index[:-CRC_BYTES]).reshape(want.shape)
         if not np.array_equal(got, want):
             flat = int(np.flatnonzero(np.any((got != want).reshape(-1, 2), axis=1))[0])
             cell = tuple(int(i) for i in np.unravel_index(flat, g.inner)) if g.inner else ()

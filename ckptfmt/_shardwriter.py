@@ -190,10 +190,10 @@ def _verify_written(storage: Storage, written: list[_Written], save_id: str) -> 
         if len(index) != g.index_nbytes:
             raise IncompleteSaveError("written shard has an unexpected size", key=p.key, object=r.key,
                                       expected=r.total, found=r.total - g.index_nbytes + len(index))
-        body, stored = index[:-layout.CRC_BYTES], int.from_bytes(index[-layout.CRC_BYTES:], "little")
+        body, stored = layout.split_trailer(index)
         if crc32c(body) != stored:
             raise IncompleteSaveError("written shard index fails its checksum", key=p.key, object=r.key)
-        entries = np.frombuffer(body, "<u8").reshape(-1, 2)
+        entries = layout.index_entries(body)
         offs = []
         for cell in product(*(range(k) for k in stored_chunk_counts(g, it.box.offset))):
             flat = int(np.ravel_multi_index(cell, g.inner)) if g.inner else 0

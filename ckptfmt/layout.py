@@ -28,11 +28,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 __all__ = [
     "MARKER_KEY", "MARKER_BYTES", "MANIFESTS", "SAVES", "LEASE_NAME", "MAX_STEP", "manifest_key",
     "step_of_manifest_key", "save_prefix", "arrays_prefix", "state_prefix", "lease_key", "array_path", "cell_key", "shard_key", "state_name",
     "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WriterSaveId", "new_save_id", "parse_writer_save_id",
-    "is_save_id", "writer_save_ids_in", "WRITER_ID_TAIL", "CRC_BYTES", "INDEX_ENTRY_BYTES", "NOT_STORED", "chunk_nbytes", "index_nbytes",
+    "is_save_id", "writer_save_ids_in", "WRITER_ID_TAIL", "CRC_BYTES", "INDEX_ENTRY", "split_trailer", "index_entries", "INDEX_ENTRY_BYTES", "NOT_STORED", "chunk_nbytes", "index_nbytes",
     "zarr_array_metadata", "Lease", "LEASE_STATES", "LEASE_MAX_BYTES", "lease_bytes", "parse_lease",
 ]
 
@@ -167,6 +169,21 @@ CRC_BYTES = 4            # the crc32c trailer of every inner chunk and of the in
 INDEX_ENTRY_BYTES = 16   # offset and nbytes, two little-endian uint64
 #: An index entry of an inner chunk that is not stored: offset and nbytes both 2^64-1.
 NOT_STORED = 2**64 - 1
+
+
+#: The entry table of a shard index: (offset, nbytes) rows of little-endian uint64.
+INDEX_ENTRY = np.dtype("<u8")
+
+
+def split_trailer(buf: Any) -> tuple[Any, int]:
+    """(the bytes before the trailer, the crc32c stored in it) of an encoded chunk or index."""
+    return buf[:-CRC_BYTES], int.from_bytes(bytes(buf[-CRC_BYTES:]), "little")
+
+
+def index_entries(body: Any) -> np.ndarray:
+    """The (offset, nbytes) rows of an index's entry table (``body``: the index without its trailer),
+    in C order of the inner grid."""
+    return np.frombuffer(body, INDEX_ENTRY).reshape(-1, 2)
 
 
 def chunk_nbytes(chunk_shape: Sequence[int], itemsize: int) -> int:

@@ -175,7 +175,8 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
     held = _gather({k: i for i, k in enumerate(keys)}, rank_boxes, max(map(len, shapes), default=0))
     # Every tensor whose boxes are each exactly one grid cell is planned at once, vectorized;
     # any other tensor (including every one that fails) takes the per-tensor path, in key order.
-    slow, gcds, base, writers = _regular_owners(shapes, held, world)
+    fast = _regular_owners(shapes, held, world)
+    slow, gcds, base, writers = fast.slow, fast.gcds, fast.base, fast.writers
     shared: dict[tuple, tuple[TensorGeometry, np.ndarray]] = {}  # tensors alike share geometry and cells
     order: np.ndarray | None = None  # held boxes sorted by tensor, for the per-tensor path
     bounds: list[int] = []
@@ -263,15 +264,19 @@ def _padded(rows: Sequence[Sequence[int]], lens: np.ndarray, width: int, fill: i
     return out
 
 
-def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held,
-                    world: int) -> tuple[np.ndarray, list[tuple[int, ...]], list[int], np.ndarray]:
-    """Vectorized plan of every tensor whose boxes all lie inside it, are non-empty, have its
-    rank and cover exactly one grid cell each, and whose every cell is held.
+@dataclass(frozen=True, eq=False)
+class _Owners:
+    """The vectorized plan. For each tensor ``t`` that is not ``slow[t]`` (those need the per-tensor path):"""
 
-    Returns (slow, gcds, base, writers): ``slow[t]`` flags the tensors that need the per-tensor
-    path; for the others, ``gcds[t]`` is the per-dimension gcd of interior box boundaries
-    (0: none) and ``writers[base[t]:]`` their writers in C order over the grid.
-    """
+    slow: np.ndarray
+    gcds: list[tuple[int, ...]]  # per dimension, the gcd of interior box boundaries (0: none)
+    base: list[int]              # its writers, in C order over the grid, start at writers[base[t]]
+    writers: np.ndarray
+
+
+def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held, world: int) -> _Owners:
+    """Vectorized plan of every tensor whose boxes all lie inside it, are non-empty, have its
+    rank and cover exactly one grid cell each, and whose every cell is held."""
     t, offs, shps = held.tensor, held.offs, held.shps
     T, D = len(shapes), offs.shape[1]
     tndim = np.fromiter(map(len, shapes), np.int64, count=T)
@@ -303,7 +308,7 @@ def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held,
     prio = np.array(held.reps, np.int64) * world + held.rank
     np.minimum.at(owner, (cell + base[t])[good], prio[good])
     slow[np.repeat(np.arange(T), ncells)[owner == np.iinfo(np.int64).max]] = True  # gaps: the slow path raises
-    return slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner % world
+    return _Owners(slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner % world)
 
 
 def _cells(grid: tuple[int, ...]) -> np.ndarray:

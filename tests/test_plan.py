@@ -147,7 +147,7 @@ def test_regular_layouts_take_the_vectorised_path(layout):
     keys = sorted(inventory)
     shapes = [tuple(inventory[k][0]) for k in keys]
     held = _plan._gather({k: i for i, k in enumerate(keys)}, rank_boxes, max(map(len, shapes), default=0))
-    slow = _plan._regular_owners(shapes, held, max(1, len(rank_boxes)))[0]
+    slow = _plan._regular_owners(shapes, held, max(1, len(rank_boxes))).slow
     assert regular <= {k for i, k in enumerate(keys) if not slow[i]}
 
 
@@ -158,5 +158,5 @@ def test_control_the_comparison_sees_a_wrong_owner(monkeypatch):
     same = lambda a, b: all(np.array_equal(x.writers, y.writers) for x, y in zip(a, b))  # noqa: E731
     assert same(plan_save(inv, boxes), _general(inv, boxes, 4 << 20))
     real = _plan._regular_owners
-    monkeypatch.setattr(_plan, "_regular_owners", lambda *a: (lambda r: (r[0], r[1], r[2], r[3][::-1]))(real(*a)))
+    monkeypatch.setattr(_plan, "_regular_owners", lambda *a: (lambda r: _plan._Owners(r.slow, r.gcds, r.base, r.writers[::-1]))(real(*a)))
     assert not same(plan_save(inv, boxes), _general(inv, boxes, 4 << 20))
