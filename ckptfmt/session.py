@@ -9,8 +9,10 @@ Call order on every rank (all collectives are named and bounded by ``timeout_s``
    every rank before a byte of tensor data is written.
 3. each rank writes the shards it owns (rank 0 also every ``zarr.json`` and the global state;
    each rank its own per-rank state) and verifies them: object size, index checksum, and every
-   inner chunk's stored crc32c against the crc32c computed from the source bytes.
-4. ``allgather("save/ack")`` of the shard records, or of the writer's error.
+   inner chunk's stored crc32c against the crc32c computed from the source bytes
+   (:mod:`ckptfmt._shardwriter`; keys and byte layout from :mod:`ckptfmt.layout`).
+4. ``allgather("save/ack")`` of the shard records (:class:`~ckptfmt._shardwriter.ShardRecord`)
+   and state entries, or of the writer's error.
 5. rank 0 builds and validates the manifest, switches its lease to ``committing`` (a write
    conditional on the lease generation it last wrote: the fence against gc, FORMAT.md 8.3), and
    publishes the manifest with one conditional create of ``manifests/<step>.json``;
