@@ -245,16 +245,43 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
             retired = _retention(repo, steps, keep_last, keep_every, report)
         else:
             report.problems.append("manifests/ is a symbolic link or not a folder: retention skipped")
+    names = _list_saves(st, retired, report, foreign)
+    if names is None:
+        return report
+    now = time.time()
+    live = _read_leases(st, names, retired, report, now, grace_s)
+    committed = _scan_committed(repo, names, live, foreign)
+    report.in_progress += sorted(live.fresh - committed.referenced)
+    _tidy_committed(st, committed.referenced, live.leases, report, now, grace_s)
+    _collect_pending(repo, names, live, committed, retired, report, now, grace_s)
+    foreign.sort()
+    if len(foreign) > MAX_LISTED_FOREIGN:
+        report.problems.append(f"{len(foreign) - MAX_LISTED_FOREIGN} more foreign object(s) not listed")
+    report.foreign = foreign[:MAX_LISTED_FOREIGN]
+    report.in_progress.sort()
+    report.uncertain.sort()
+    return report
 
-    # 2. the names under saves/, judged without following links
+
+@dataclass(frozen=True)
+class _Names:
+    """Step 2: the directories under saves/ gc may collect, and the reader-valid ids outside the
+    writer form (committed, or foreign)."""
+
+    candidates: dict[str, Entry]
+    custom: dict[str, Entry]
+
+
+def _list_saves(st: Any, retired: dict[str, int], report: GcReport, foreign: list[str]) -> _Names | None:
+    """The names under saves/, judged without following links; None when saves/ cannot be listed."""
     candidates: dict[str, Entry] = {}
-    custom: dict[str, Entry] = {}  # reader-valid ids outside the writer form: committed, or foreign
+    custom: dict[str, Entry] = {}
     try:
         entries = st.scan_children(SAVES)
     except StorageError as e:
         report.problems.append(f"saves/ was not collected: {e.message} ({e.found})")
         report.foreign.append(SAVES)
-        return report
+        return None
     for e in entries:
         if e.kind != "dir":
             foreign.append(f"{SAVES}{e.name}" + ("" if e.kind == "file" else f" ({'symbolic link' if e.kind == 'link' else 'special file'})"))
@@ -264,12 +291,25 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
             custom[e.name] = e
         else:
             foreign.append(f"{SAVES}{e.name}")
+    return _Names(candidates, custom)
 
-    # 3. leases first (FORMAT.md 10.3 step 2): drop the saves in progress
-    now = time.time()
+
+@dataclass(frozen=True)
+class _Liveness:
+    """Step 3: the candidates' leases, and which saves may be in progress (``fresh``: unless a
+    manifest turns out to name them) or are left to decide (``pending``)."""
+
+    leases: dict[str, _Lease]
+    pending: set[str]
+    fresh: set[str]
+
+
+def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcReport, now: float,
+                 grace_s: float) -> _Liveness:
+    """Leases first (FORMAT.md 10.3 step 2): drop the saves in progress."""
     leases: dict[str, _Lease] = {}
-    read = [sid for sid, e in candidates.items() if e.lease == "file"]
-    for sid, e in candidates.items():
+    read = [sid for sid, e in names.candidates.items() if e.lease == "file"]
+    for sid, e in names.candidates.items():
         if e.lease not in (None, "file"):
             report.problems.append(f"{SAVES}{sid}/LEASE is a {e.lease}, not a file: not read, the save counts as leaseless")
     for sid, got in zip(read, st.read_each_with_generation([lease_key(sid) for sid in read], LEASE_MAX_BYTES)):
@@ -280,8 +320,8 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
         if got[0] is not None:
             leases[sid] = _parse_lease(got[0], got[1])
     pending: set[str] = set()
-    fresh: set[str] = set()  # in progress, unless a manifest turns out to name it (then committed)
-    for sid, e in candidates.items():
+    fresh: set[str] = set()
+    for sid, e in names.candidates.items():
         if sid in report.uncertain:
             continue
         if e.error is not None:
@@ -296,26 +336,44 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
             fresh.add(sid)  # no lease, but written to within the grace period
         else:
             pending.add(sid)
+    return _Liveness(leases, pending, fresh)
 
-    # 4. only then the manifests: every save id they name or mention is committed
+
+@dataclass(frozen=True)
+class _Committed:
+    """Step 4: the watched save ids committed manifests name or mention, the steps whose manifest
+    is damaged (and why), and the manifests that could not be read at all."""
+
+    referenced: set[str]
+    damaged: dict[int, str]
+    blind: list[str]
+
+
+def _scan_committed(repo: Any, names: _Names, live: _Liveness, foreign: list[str]) -> _Committed:
+    """Only after the leases, the manifests: every save id they name or mention is committed."""
     steps, foreign_manifests = _listed_steps(repo)
     foreign += foreign_manifests
     referenced: set[str] = set()
     damaged: dict[int, str] = {}
     blind: list[str] = []
-    watch = set(candidates) | set(custom)
+    watch = set(names.candidates) | set(names.custom)
     for s in steps:
-        scan = _scan_manifest(repo, s, (pending | set(custom)) - referenced)
+        scan = _scan_manifest(repo, s, (live.pending | set(names.custom)) - referenced)
         if scan.status == "unreadable":
             blind.append(f"step {s}: {scan.why}")
         elif scan.status == "over_cap" or (scan.status == "ok" and not scan.declared):
             damaged[s] = scan.why or "names no save_id"
         referenced |= (scan.declared & watch) | scan.mentions
-    report.in_progress += sorted(fresh - referenced)
-    for sid in sorted(custom):
+    for sid in sorted(names.custom):
         if sid not in referenced:
             foreign.append(f"{SAVES}{sid}")
-    for sid in sorted(referenced):  # committed: tidy what their writers left behind
+    return _Committed(referenced, damaged, blind)
+
+
+def _tidy_committed(st: Any, referenced: set[str], leases: dict[str, _Lease], report: GcReport, now: float,
+                    grace_s: float) -> None:
+    """Committed saves: remove what their writers left behind (a stale lease, stale lock files)."""
+    for sid in sorted(referenced):
         lease = leases.get(sid)
         if lease is not None and now - lease.heartbeat_unix >= grace_s:
             try:
@@ -324,9 +382,12 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
                 report.problems.append(f"{SAVES}{sid}: stale lease of a committed save not removed ({e.message})")
         report.objects_removed += st.remove_stale_locks(save_prefix(sid), now - grace_s)
 
-    # 5. decide and collect
-    for sid in sorted(pending - referenced):
-        why = _decide(repo, sid, leases.get(sid), retired, damaged, blind, now, grace_s)
+
+def _collect_pending(repo: Any, names: _Names, live: _Liveness, committed: _Committed, retired: dict[str, int],
+                     report: GcReport, now: float, grace_s: float) -> None:
+    """Step 5: decide each save left, and collect it (its lease claimed first)."""
+    for sid in sorted(live.pending - committed.referenced):
+        why = _decide(repo, sid, live.leases.get(sid), retired, committed.damaged, committed.blind, now, grace_s)
         if why == "in progress":
             report.in_progress.append(sid)
         elif why == "committed":
@@ -336,20 +397,13 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
             report.problems.append(f"{SAVES}{sid}: {why}; kept")
         else:
             try:
-                st.delete_prefix(save_prefix(sid))
+                repo.storage.delete_prefix(save_prefix(sid))
             except CheckpointError as e:
                 report.problems.append(f"{SAVES}{sid}: could not be deleted ({e.found}); will retry next run")
                 continue
-            report.objects_removed += candidates[sid].objects
+            report.objects_removed += names.candidates[sid].objects
             if sid not in retired:
                 report.removed_saves.append(sid)
-    foreign.sort()
-    if len(foreign) > MAX_LISTED_FOREIGN:
-        report.problems.append(f"{len(foreign) - MAX_LISTED_FOREIGN} more foreign object(s) not listed")
-    report.foreign = foreign[:MAX_LISTED_FOREIGN]
-    report.in_progress.sort()
-    report.uncertain.sort()
-    return report
 
 
 def _decide(repo: Any, sid: str, lease: _Lease | None, retired: dict[str, int],
