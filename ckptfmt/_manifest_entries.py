@@ -257,20 +257,7 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     nbytes = _int_array(sh.get("nbytes"), n, geom.index_nbytes, MAX_TENSOR_BYTES, "shards.nbytes", k)
     icrc = _int_array(sh.get("index_crc32c"), n, 0, _U32 - 1, "shards.index_crc32c", k)
     if n:
-        ss = np.asarray(shard_shape, np.int64)
-        if nd and (np.any(offset % ss) or np.any(offset >= np.asarray(shape_t, np.int64))):
-            _fail("a shard box is off the grid or outside the tensor", key=k, expected=f"multiples of {shard_shape} inside {shape_t}")
-        cells = offset // ss if nd else np.zeros((n, 0), np.int64)
-        flat = np.ravel_multi_index(tuple(cells.T), geom.grid) if nd else np.zeros(n, np.int64)
-        if len(np.unique(flat)) != n:
-            raise DuplicateShardError("two shards claim the same box", key=k, expected="each box once", found="duplicate offset")
-        template = "c" + "/{}" * nd
-        expected_keys = list(map(template.format, *cells.T.tolist())) if nd else ["c"] * n
-        if keys != expected_keys:
-            i = next(i for i, (a, b) in enumerate(zip(keys, expected_keys)) if a != b)
-            check_object_key(keys[i], key=k)
-            _fail("shard object key does not match its box", key=k, object=str(keys[i])[:200],
-                  expected=expected_keys[i], found=str(keys[i])[:200])
+        _check_shard_boxes(k, geom, offset, keys)
     ch = _typed(t.get("chunks"), dict, "chunks", k)
     _members(ch, {"offset", "nbytes", "crc32c"}, "chunks", k)
     counts = np.prod(chunk_count_table(geom, offset), axis=1, dtype=np.int64) if n else np.zeros(0, np.int64)
@@ -279,20 +266,46 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     cnb = _int_array(ch.get("nbytes"), total, geom.chunk_nbytes, geom.chunk_nbytes, "chunks.nbytes", k)
     ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)
     if total:
-        owner = np.repeat(np.arange(n), counts)
-        if np.any(coff > (nbytes[owner] - geom.index_nbytes) - cnb):  # written so that nothing can overflow int64
-            _fail("a chunk byte range runs past its shard's data section", key=k)
-        # No two chunks of one shard share a byte: sorted by (shard, offset), neighbours lie a whole
-        # chunk apart (every chunk of a tensor has nbytes = chunk_nbytes).
-        order = np.lexsort((coff, owner))
-        so, sw = coff[order], owner[order]
-        clash = np.flatnonzero((sw[1:] == sw[:-1]) & (so[1:] - so[:-1] < geom.chunk_nbytes))
-        if clash.size:
-            a, b = sorted(int(x) for x in order[clash[0]:clash[0] + 2])
-            _fail("two chunks of one shard share bytes", key=k, object=f"{path}/{keys[int(owner[a])]}",
-                  expected=f"disjoint byte ranges of {geom.chunk_nbytes} bytes",
-                  found=f"chunk rows {a} and {b} at offsets {int(coff[a])} and {int(coff[b])}")
+        _check_chunk_ranges(k, geom, path, keys, nbytes, counts, coff, cnb)
     tables = (offset, writer, nbytes, icrc.astype(np.uint32), coff, cnb, ccrc.astype(np.uint32))
     for a in tables:  # a parsed manifest is immutable, whichever path checked it
         a.flags.writeable = False
     return _make_entry(k, shape_t, dtype, sharding, path, geom, *tables[:1], tuple(keys), *tables[1:])
+
+
+def _check_shard_boxes(k: str, geom: TensorGeometry, offset: np.ndarray, keys: list[Any]) -> None:
+    """Every shard sits on the grid inside the tensor, once, under the key of its box (FORMAT.md 5.11)."""
+    n, nd = len(keys), len(geom.shape)
+    ss = np.asarray(geom.shard_shape, np.int64)
+    if nd and (np.any(offset % ss) or np.any(offset >= np.asarray(geom.shape, np.int64))):
+        _fail("a shard box is off the grid or outside the tensor", key=k,
+              expected=f"multiples of {geom.shard_shape} inside {geom.shape}")
+    cells = offset // ss if nd else np.zeros((n, 0), np.int64)
+    flat = np.ravel_multi_index(tuple(cells.T), geom.grid) if nd else np.zeros(n, np.int64)
+    if len(np.unique(flat)) != n:
+        raise DuplicateShardError("two shards claim the same box", key=k, expected="each box once", found="duplicate offset")
+    template = "c" + "/{}" * nd
+    expected_keys = list(map(template.format, *cells.T.tolist())) if nd else ["c"] * n
+    if keys != expected_keys:
+        i = next(i for i, (a, b) in enumerate(zip(keys, expected_keys)) if a != b)
+        check_object_key(keys[i], key=k)
+        _fail("shard object key does not match its box", key=k, object=str(keys[i])[:200],
+              expected=expected_keys[i], found=str(keys[i])[:200])
+
+
+def _check_chunk_ranges(k: str, geom: TensorGeometry, path: str, keys: list[Any], nbytes: np.ndarray,
+                        counts: np.ndarray, coff: np.ndarray, cnb: np.ndarray) -> None:
+    """Every chunk lies inside its shard's data section, and no two chunks of a shard share a byte."""
+    owner = np.repeat(np.arange(len(keys)), counts)
+    if np.any(coff > (nbytes[owner] - geom.index_nbytes) - cnb):  # written so that nothing can overflow int64
+        _fail("a chunk byte range runs past its shard's data section", key=k)
+    # Sorted by (shard, offset), neighbours lie a whole chunk apart (every chunk of a tensor has
+    # nbytes = chunk_nbytes).
+    order = np.lexsort((coff, owner))
+    so, sw = coff[order], owner[order]
+    clash = np.flatnonzero((sw[1:] == sw[:-1]) & (so[1:] - so[:-1] < geom.chunk_nbytes))
+    if clash.size:
+        a, b = sorted(int(x) for x in order[clash[0]:clash[0] + 2])
+        _fail("two chunks of one shard share bytes", key=k, object=shard_key(path, keys[int(owner[a])]),
+              expected=f"disjoint byte ranges of {geom.chunk_nbytes} bytes",
+              found=f"chunk rows {a} and {b} at offsets {int(coff[a])} and {int(coff[b])}")

@@ -238,16 +238,7 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         if type(t) is dict and type(sd := t.get("sharding")) is dict:
             check_nesting(sd, 4, "sharding", key=k)
     if caps.count_rows:  # else the structural count already keeps every column below the row caps
-        shard_rows = chunk_rows = 0
-        for t in tensors_doc.values():
-            sh, ch = (t.get("shards"), t.get("chunks")) if type(t) is dict else (None, None)
-            if type(sh) is dict and type(sh.get("key")) is list:
-                shard_rows += len(sh["key"])
-            if type(ch) is dict and type(ch.get("offset")) is list:
-                chunk_rows += len(ch["offset"])
-        for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
-            if rows > cap:  # before any table is built
-                raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)
+        _check_rows(tensors_doc, caps)
     clean = False
     if literals is not None:
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
@@ -258,7 +249,28 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
                                max_object_key_len=MAX_OBJECT_KEY_LEN, no_float_or_bool=clean)
     except Fallback:  # something is off: the exact checks find it and name it
         tensors = _tensors_exact(tensors_doc, prefix, writers)
-    state_doc = _typed(doc["state"], dict, "state")
+    state = _state_entries(_typed(doc["state"], dict, "state"), save_id, writers)
+    return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
+                    state=state, versions=versions, metadata=metadata, format_version=version,
+                    must_understand=tuple(mu), extensions=extensions)
+
+
+def _check_rows(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
+    """ManifestTooLargeError, before any table is built, past the shard or chunk row caps."""
+    shard_rows = chunk_rows = 0
+    for t in tensors_doc.values():
+        sh, ch = (t.get("shards"), t.get("chunks")) if type(t) is dict else (None, None)
+        if type(sh) is dict and type(sh.get("key")) is list:
+            shard_rows += len(sh["key"])
+        if type(ch) is dict and type(ch.get("offset")) is list:
+            chunk_rows += len(ch["offset"])
+    for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
+        if rows > cap:
+            raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)
+
+
+def _state_entries(state_doc: dict[str, Any], save_id: str, writers: int) -> dict[str, StateEntry]:
+    """The checked state entries (FORMAT.md 5.8): names, scopes, ranks and keys agree."""
     state: dict[str, StateEntry] = {}
     for name, s in state_doc.items():
         _typed(s, dict, "state entry", name)
@@ -275,6 +287,4 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
             _fail("state object key does not match its entry", key=name, object=skey, expected=want_key, found=skey)
         state[name] = StateEntry(name, skey, _int(s.get("nbytes"), 0, MAX_TENSOR_BYTES, "state nbytes", name),
                                  _int(s.get("crc32c"), 0, _U32 - 1, "state crc32c", name), scope, rank)
-    return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
-                    state=state, versions=versions, metadata=metadata, format_version=version,
-                    must_understand=tuple(mu), extensions=extensions)
+    return state
