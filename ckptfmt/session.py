@@ -195,22 +195,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             raise
 
     # 1. begin: save id and lease (rank 0), before any rank writes anything.
-    heartbeat = None
-    begin: dict[str, Any] = {}
-    if rank == 0:
-        try:
-            if local_error is not None:
-                raise local_error
-            if storage.read(manifest_key(step)) is not None:
-                raise StepAlreadyCommittedError("step is already committed", object=manifest_key(step),
-                                                expected="no manifest", found="committed manifest")
-            storage.create_if_absent(MARKER_KEY, MARKER_BYTES)  # FORMAT.md 4.5; False: already there
-            save_id = opts.save_id or new_save_id(step)
-            heartbeat = _Heartbeat(storage, lease_key(save_id), {"save_id": save_id, "step": step, "world": world},
-                                   opts.heartbeat_s).start()
-            begin = {"save_id": save_id}
-        except CheckpointError as e:
-            begin = {"error": _err_json(e)}
+    heartbeat, begin = _begin(storage, opts, step, world, local_error) if rank == 0 else (None, {})
     committed = False
     save_id = begin.get("save_id", "")
     try:
@@ -224,17 +209,40 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
         return manifest
     finally:
         if heartbeat is not None:
-            heartbeat.stop()
-            try:
-                # Never delete a save whose manifest was written, even if a later collective failed:
-                # the manifest, not this process's view of the protocol, decides what is committed.
-                published = storage.read(manifest_key(step))
-                if committed or (published is not None and save_id.encode() in published):
-                    storage.write_if(lease_key(save_id), None, heartbeat.generation)
-                elif not heartbeat.lost:  # best effort; gc collects whatever a slow peer writes later
-                    storage.delete_prefix(save_prefix(save_id))
-            except CheckpointError:
-                pass
+            _end(storage, heartbeat, step, save_id, committed)
+
+
+def _begin(storage: Storage, opts: SaveOptions, step: int, world: int,
+           local_error: CheckpointError | None) -> tuple["_Heartbeat | None", dict[str, Any]]:
+    """Step 1 on rank 0: the marker, a fresh save id and its lease; (heartbeat, the begin message)."""
+    try:
+        if local_error is not None:
+            raise local_error
+        if storage.read(manifest_key(step)) is not None:
+            raise StepAlreadyCommittedError("step is already committed", object=manifest_key(step),
+                                            expected="no manifest", found="committed manifest")
+        storage.create_if_absent(MARKER_KEY, MARKER_BYTES)  # FORMAT.md 4.5; False: already there
+        save_id = opts.save_id or new_save_id(step)
+        heartbeat = _Heartbeat(storage, lease_key(save_id), {"save_id": save_id, "step": step, "world": world},
+                               opts.heartbeat_s).start()
+        return heartbeat, {"save_id": save_id}
+    except CheckpointError as e:
+        return None, {"error": _err_json(e)}
+
+
+def _end(storage: Storage, heartbeat: "_Heartbeat", step: int, save_id: str, committed: bool) -> None:
+    """Rank 0, whatever happened: remove the lease of a committed save, or the objects of a failed one."""
+    heartbeat.stop()
+    try:
+        # Never delete a save whose manifest was written, even if a later collective failed:
+        # the manifest, not this process's view of the protocol, decides what is committed.
+        published = storage.read(manifest_key(step))
+        if committed or (published is not None and save_id.encode() in published):
+            storage.write_if(lease_key(save_id), None, heartbeat.generation)
+        elif not heartbeat.lost:  # best effort; gc collects whatever a slow peer writes later
+            storage.delete_prefix(save_prefix(save_id))
+    except CheckpointError:
+        pass
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -288,6 +296,32 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
         coord.allgather("save/freeze", _pack({"error": _err_json(local)}), opts.timeout_s)
         raise local
     # 2. freeze: agree on step, inventory and ownership before any write.
+    plans = _freeze(coord, opts, step, save_id, local)
+
+    # 3. write privately and verify; 4. acknowledge (records or the error).
+    try:
+        records = write_and_verify(storage, plans, local, save_id, rank, opts)
+        state_entries = write_state(storage, save_id, rank, state, rank_state)
+        ack: dict[str, Any] = {"records": [r.to_wire() for r in records], "state": [state_to_wire(e) for e in state_entries]}
+    except CheckpointError as e:
+        ack = {"error": _err_json(e)}
+    except Exception as e:  # a writer bug must still reach every rank, not hang them
+        ack = {"error": _err_json(IncompleteSaveError(f"writer failed: {type(e).__name__}: {e}"))}
+    acks = [_unpack(b) for b in coord.allgather("save/ack", _pack(ack), opts.timeout_s)]
+
+    # 5. commit (rank 0), then tell everyone.
+    outcome: dict[str, Any] = {}
+    if rank == 0:
+        outcome = _commit(repository, storage, heartbeat, save_id, step, world, plans, acks, local, metadata, versions, opts)
+    outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
+    if "error" in outcome:
+        raise _err_from(outcome["error"])
+    return parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
+
+
+def _freeze(coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
+            local: dict[str, list[LocalShard]]) -> list[TensorWritePlan]:
+    """Step 2: agree on step, inventory and ownership before any write; every rank's same plan."""
     inventory = {k: (list(v[0].global_shape), dtype_name(v[0].dtype)) for k, v in sorted(local.items())}
     digest = hashlib.sha256(_pack(sorted(inventory.items()))).hexdigest()
     boxes = {k: [[list(s.box.offset), list(s.box.shape), int(s.replica_id)] for s in v] for k, v in local.items()}
@@ -306,52 +340,38 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
                                     expected=f"digest {digest[:12]}", found=f"rank {r} digest {g['digest'][:12]}")
     inv = {k: (tuple(shape), dt, numpy_dtype(dt).itemsize) for k, (shape, dt) in inventory.items()}
     rank_boxes = [{k: [(Box(o, s), rep) for o, s, rep in v] for k, v in g["boxes"].items()} for g in gathered]
-    plans = plan_save(inv, rank_boxes, opts.chunk_target_bytes)
+    return plan_save(inv, rank_boxes, opts.chunk_target_bytes)
 
-    # 3. write privately and verify; 4. acknowledge (records or the error).
-    try:
-        records = write_and_verify(storage, plans, local, save_id, rank, opts)
-        state_entries = write_state(storage, save_id, rank, state, rank_state)
-        ack: dict[str, Any] = {"records": [r.to_wire() for r in records], "state": [state_to_wire(e) for e in state_entries]}
-    except CheckpointError as e:
-        ack = {"error": _err_json(e)}
-    except Exception as e:  # a writer bug must still reach every rank, not hang them
-        ack = {"error": _err_json(IncompleteSaveError(f"writer failed: {type(e).__name__}: {e}"))}
-    acks = [_unpack(b) for b in coord.allgather("save/ack", _pack(ack), opts.timeout_s)]
+
+def _commit(repository: Any, storage: Storage, heartbeat: "_Heartbeat | None", save_id: str, step: int, world: int,
+            plans: list[TensorWritePlan], acks: list[dict[str, Any]], local: dict[str, list[LocalShard]],
+            metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None, opts: SaveOptions) -> dict[str, Any]:
+    """Step 5 on rank 0: build and check the manifest, pass the fence, create it; the outcome message."""
     failed = [(r, a["error"]) for r, a in enumerate(acks) if "error" in a]
-
-    # 5. commit (rank 0), then tell everyone.
-    outcome: dict[str, Any] = {}
-    if rank == 0:
-        if failed:
-            r, e = failed[0]
-            outcome = {"error": _err_json(IncompleteSaveError(
-                f"writer rank {r} failed ({e['error']}: {e['message']}); nothing was committed",
-                key=e.get("key"), object=e.get("object"), expected=e.get("expected"), found=e.get("found")))}
-        else:
-            try:
-                shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
-                manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
-                data = manifest.to_bytes()
-                parse_manifest(data, max_bytes=repository.max_manifest_bytes)
-                # The fence (FORMAT.md 8.3): only a lease switched to "committing" may commit. A
-                # gc that claimed the stale lease first makes this conditional write fail.
-                if heartbeat is None or not heartbeat.begin_commit():
-                    raise IncompleteSaveError("the save's lease was collected by gc (stalled past the grace period)",
-                                              object=lease_key(save_id), expected="lease held by this save",
-                                              found="missing or replaced")
-                if not storage.create_if_absent(manifest_key(step), data):
-                    raise StepAlreadyCommittedError("another save committed this step first", object=manifest_key(step),
-                                                    expected="no manifest", found="a manifest from another save")
-                outcome = {"ok": True, "manifest": data}
-            except CheckpointError as e:
-                outcome = {"error": _err_json(e)}
-            except Exception as e:  # never leave the other ranks waiting on a bug here
-                outcome = {"error": _err_json(IncompleteSaveError(f"commit failed: {type(e).__name__}: {e}"))}
-    outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
-    if "error" in outcome:
-        raise _err_from(outcome["error"])
-    return parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
+    if failed:
+        r, e = failed[0]
+        return {"error": _err_json(IncompleteSaveError(
+            f"writer rank {r} failed ({e['error']}: {e['message']}); nothing was committed",
+            key=e.get("key"), object=e.get("object"), expected=e.get("expected"), found=e.get("found")))}
+    try:
+        shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
+        manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
+        data = manifest.to_bytes()
+        parse_manifest(data, max_bytes=repository.max_manifest_bytes)
+        # The fence (FORMAT.md 8.3): only a lease switched to "committing" may commit. A
+        # gc that claimed the stale lease first makes this conditional write fail.
+        if heartbeat is None or not heartbeat.begin_commit():
+            raise IncompleteSaveError("the save's lease was collected by gc (stalled past the grace period)",
+                                      object=lease_key(save_id), expected="lease held by this save",
+                                      found="missing or replaced")
+        if not storage.create_if_absent(manifest_key(step), data):
+            raise StepAlreadyCommittedError("another save committed this step first", object=manifest_key(step),
+                                            expected="no manifest", found="a manifest from another save")
+        return {"ok": True, "manifest": data}
+    except CheckpointError as e:
+        return {"error": _err_json(e)}
+    except Exception as e:  # never leave the other ranks waiting on a bug here
+        return {"error": _err_json(IncompleteSaveError(f"commit failed: {type(e).__name__}: {e}"))}
 
 
 def _err_json(e: CheckpointError) -> dict[str, Any]:
