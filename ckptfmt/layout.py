@@ -32,10 +32,11 @@ import numpy as np
 
 __all__ = [
     "MARKER_KEY", "MARKER_BYTES", "MANIFESTS", "SAVES", "LEASE_NAME", "MAX_STEP", "manifest_key",
-    "step_of_manifest_key", "save_prefix", "arrays_prefix", "state_prefix", "lease_key", "array_path", "cell_key", "shard_key", "state_name",
-    "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WriterSaveId", "new_save_id", "parse_writer_save_id",
-    "is_save_id", "writer_save_ids_in", "WRITER_ID_TAIL", "CRC_BYTES", "INDEX_ENTRY", "split_trailer", "index_entries", "INDEX_ENTRY_BYTES", "NOT_STORED", "chunk_nbytes", "index_nbytes",
-    "zarr_array_metadata", "Lease", "LEASE_STATES", "LEASE_MAX_BYTES", "lease_bytes", "parse_lease",
+    "step_of_manifest_key", "save_prefix", "arrays_prefix", "state_prefix", "lease_key", "array_path",
+    "cell_key", "shard_key", "state_name", "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WRITER_ID_TAIL",
+    "WriterSaveId", "new_save_id", "parse_writer_save_id", "is_save_id", "writer_save_ids_in", "CRC_BYTES",
+    "INDEX_ENTRY_BYTES", "INDEX_ENTRY", "NOT_STORED", "split_trailer", "index_entries", "chunk_nbytes",
+    "index_nbytes", "zarr_array_metadata", "Lease", "LEASE_STATES", "LEASE_MAX_BYTES", "lease_bytes", "parse_lease",
 ]
 
 MAX_STEP = (1 << 63) - 1
