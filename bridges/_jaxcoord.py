@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from ckptfmt.coord import as_bytes
 from ckptfmt.errors import (CheckpointError, CoordinatorLostError, CoordinatorTimeoutError,
                             StepMismatchError)
 
@@ -237,7 +238,7 @@ class JaxCoordinator:
 
     def allgather(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
         """Every rank's payload, index = rank."""
-        return self._gather("allgather", name, _as_bytes(payload), timeout_s)
+        return self._gather("allgather", name, as_bytes(payload), timeout_s)
 
     def _gather(self, kind: str, name: str, payload: bytes, timeout_s: float | None) -> list[bytes]:
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
@@ -269,7 +270,7 @@ class JaxCoordinator:
             if self.rank == root:
                 if payload is None:
                     raise TypeError("broadcast: the root rank must pass a payload")
-                payload = _as_bytes(payload)
+                payload = as_bytes(payload)
                 self._put(key, header, payload, f"broadcast {name!r}")
                 self._end([key], synced=False)
                 return payload
@@ -281,10 +282,6 @@ class JaxCoordinator:
         self._mine = []
 
 
-def _as_bytes(payload: Any) -> bytes:
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
-    return bytes(payload)
 
 
 def default_coordinator() -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgpack
 
+from ckptfmt.coord import as_bytes
 from ckptfmt.errors import CheckpointError, CoordinatorLostError, CoordinatorTimeoutError
 
 __all__ = ["TorchCoordinator", "for_group"]
@@ -82,13 +83,13 @@ class TorchCoordinator:
         self._exchange("barrier", name, 0, b"", timeout_s, everyone=True)
 
     def allgather(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
-        return self._exchange("allgather", name, 0, _as_bytes(payload), timeout_s, everyone=True)
+        return self._exchange("allgather", name, 0, as_bytes(payload), timeout_s, everyone=True)
 
     def broadcast(self, name: str, payload: bytes | None, root: int = 0,
                   timeout_s: float | None = None) -> bytes:
         if not 0 <= root < self.world:
             raise ValueError(f"broadcast root {root} is out of range for world size {self.world}")
-        data = _as_bytes(payload) if self.rank == root else b""
+        data = as_bytes(payload) if self.rank == root else b""
         return self._exchange("broadcast", name, root, data, timeout_s, everyone=False)[0]
 
     def close(self) -> None:
@@ -175,7 +176,3 @@ class TorchCoordinator:
                                        object=f"{kind}:{name}") from exc
 
 
-def _as_bytes(payload: Any) -> bytes:
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
-    return bytes(payload)

@@ -39,7 +39,7 @@ import torch
 import ckptfmt
 from ckptfmt import Box, LocalShard, SaveHandle, TensorSharding, agree_step
 from ckptfmt.asyncsave import save_in_flight, start_async
-from ckptfmt.dtypes import numpy_dtype
+from ckptfmt.dtypes import DTYPES, ML_DTYPES, numpy_dtype, same_width_int
 from ckptfmt.errors import InvalidStateError, KeyMismatchError, SaveInProgressError, ShapeMismatchError
 from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.interop import open_source
@@ -64,19 +64,11 @@ except ImportError:  # pragma: no cover - torch without distributed
 
 _OBJECTS = ("torch", "objects")
 
-# torch dtype <-> format dtype name; the ml_dtypes ones travel as same-width integers.
-_DTYPES: dict[torch.dtype, str] = {
-    torch.bool: "bool", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
-    torch.int64: "int64", torch.uint8: "uint8", torch.float16: "float16", torch.float32: "float32",
-    torch.float64: "float64", torch.complex64: "complex64", torch.complex128: "complex128",
-    torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
-}
-for _name in ("uint16", "uint32", "uint64"):
-    if hasattr(torch, _name):
-        _DTYPES[getattr(torch, _name)] = _name
+# torch dtype -> the core's dtype name (torch names its dtypes as the format does); the ml_dtypes
+# ones (numpy has no such type) travel through numpy as same-width integers.
+_DTYPES: dict[torch.dtype, str] = {getattr(torch, n): n for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)}
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
-_VIA_INT = {"bfloat16": (torch.int16, np.int16), "float8_e4m3fn": (torch.int8, np.int8),
-            "float8_e5m2": (torch.int8, np.int8)}
+_VIA_INT = {n: (getattr(torch, same_width_int(n).name), same_width_int(n)) for n in _BY_NAME if n in ML_DTYPES}
 
 
 # ----------------------------------------------------------------------------- conversions

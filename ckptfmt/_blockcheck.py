@@ -12,12 +12,12 @@ import numpy as np
 
 from .checksum import crc32c
 from .errors import ChecksumMismatchError, InvalidDataError, SizeMismatchError
+from .layout import CRC_BYTES, INDEX_ENTRY, NOT_STORED, index_entries, split_trailer
 from .manifest import TensorEntry
 
 __all__ = ["BlockChecks"]
 
-#: An index entry of an inner chunk that is not stored: offset and nbytes both 2^64-1.
-_NOT_STORED = np.uint64(2**64 - 1)
+_NOT_STORED = np.uint64(NOT_STORED)
 
 
 class BlockChecks:
@@ -43,8 +43,8 @@ class BlockChecks:
     def _check_index(cls, t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
         """The index's crc32c, recomputed and as stored, against the manifest; then its entries."""
         want = int(t.shards.index_crc32c[s])
-        got = crc32c(index[:-4])
-        stored = int.from_bytes(index[-4:], "little")
+        body, stored = split_trailer(index)
+        got = crc32c(body)
         if got != want or stored != want:
             raise ChecksumMismatchError("shard index checksum differs from the manifest (corrupt or stale)",
                                         key=t.key, object=obj, expected=want, found=got if got != want else stored)
@@ -58,16 +58,16 @@ class BlockChecks:
         g = t.geometry
         c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
         if c1 - c0 == math.prod(g.inner):  # every inner chunk stored: the entries are the rows, in order
-            rows = np.empty((c1 - c0, 2), "<u8")
+            rows = np.empty((c1 - c0, 2), INDEX_ENTRY)
             rows[:, 0], rows[:, 1] = t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]
-            if index[:-4] == rows.tobytes():
+            if index[:-CRC_BYTES] == rows.tobytes():
                 return
         off = t.shards.offset[s]
         counts = tuple(-(-min(ss, n - int(o)) // c) for ss, n, o, c in zip(g.shard_shape, g.shape, off, g.chunk_shape))
         want = np.full(g.inner + (2,), _NOT_STORED, np.uint64)
         want[tuple(slice(0, k) for k in counts)] = np.stack(
             [t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]], axis=-1).reshape(counts + (2,))
-        got = np.frombuffer(index[:-4], "<u8").reshape(want.shape)
+        got = index_entries(index[:-CRC_BYTES]).reshape(want.shape)
         if not np.array_equal(got, want):
             flat = int(np.flatnonzero(np.any((got != want).reshape(-1, 2), axis=1))[0])
             cell = tuple(int(i) for i in np.unravel_index(flat, g.inner)) if g.inner else ()
@@ -81,7 +81,7 @@ class BlockChecks:
         """Check one stored chunk against the manifest: its length, and the crc32c of its data both
         as recomputed and as stored in its trailer. ``trailer`` given: ``mv`` is the data alone."""
         want = int(t.chunks.crc32c[c])
-        data, tail = (mv[:-4], mv[-4:]) if trailer is None else (mv, trailer)
+        data, tail = (mv[:-CRC_BYTES], mv[-CRC_BYTES:]) if trailer is None else (mv, trailer)
         if len(memoryview(data).cast("B")) + len(tail) != int(t.chunks.nbytes[c]):
             raise SizeMismatchError("chunk byte range is short", key=t.key, object=obj,
                                     expected=int(t.chunks.nbytes[c]), found=len(memoryview(data).cast("B")) + len(tail))

@@ -27,23 +27,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import layout
 from ._localfs import Entry
+from ._retention import Retention
 from .errors import CheckpointError, NotARepositoryError, StorageError
-from .manifest import MARKER_KEY, SAVE_ID_RE, manifest_key, step_of_manifest_key
+from .layout import (MANIFESTS, MARKER_KEY, SAVES, is_save_id, lease_key, manifest_key, parse_writer_save_id, save_prefix,
+                     step_of_manifest_key)
 
-__all__ = ["GcReport", "collect", "referenced_elsewhere", "DEFAULT_LEASE_GRACE_S"]
+__all__ = ["GcReport", "collect", "referenced_elsewhere", "unrestorable", "DEFAULT_LEASE_GRACE_S"]
 
 DEFAULT_LEASE_GRACE_S = 600.0  # FORMAT.md 10.2
-LEASE_MAX_BYTES = 64 << 10     # a lease is ~100 bytes; a larger one is not read whole
+LEASE_MAX_BYTES = layout.LEASE_MAX_BYTES
 MARKER_MAX_BYTES = 4096        # FORMAT.md 4.5
 MAX_LISTED_FOREIGN = 1000      # the report names this many foreign objects, and counts the rest
 SCAN_PIECE = 8 << 20           # gc reads manifests in pieces of this many bytes
 _OVERLAP = 256                 # longer than any "save_id" member or save id, so none falls between pieces
 
-#: The writer's save-id form (FORMAT.md 4.3): the only names gc may collect unless a manifest named them.
-WRITER_SAVE_ID = re.compile(r"([0-9]{12,19})-[0-9]{8}T[0-9]{6}-[0-9a-f]{8}")
-_DECLARED = re.compile(rb'"save_id"\s*:\s*"([0-9A-Za-z][0-9A-Za-z._-]{0,127})"')
-_ID_TAIL = re.compile(rb"T[0-9]{6}-[0-9a-f]{8}")  # starts with a literal: a fast scan
+#: A manifest's "save_id" member, found in its text without parsing it.
+_DECLARED = re.compile(rb'"save_id"\s*:\s*"(' + layout.SAVE_ID_RE.pattern.strip("^$").encode() + rb')"')
 
 
 @dataclass
@@ -82,41 +83,21 @@ class _Lease:
 
 
 def _parse_lease(value: bytes, generation: bytes) -> _Lease:
-    try:
-        doc = json.loads(value) if len(value) <= LEASE_MAX_BYTES else None
-        beat = float(doc["heartbeat_unix"])
-        state = doc.get("state", "writing")
-        step = doc.get("step")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return _Lease(generation, 0.0, "writing", None)
-    if state not in ("writing", "committing", "collected"):
-        state = "writing"
-    step = step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < 1 << 63 else None
-    return _Lease(generation, beat if beat == beat else 0.0, state, step)
+    lease = layout.parse_lease(value)
+    return _Lease(generation, lease.heartbeat_unix, lease.state, lease.step)
 
 
 def _collected_lease(sid: str) -> bytes:
-    return json.dumps({"heartbeat_unix": time.time(), "save_id": sid, "state": "collected"}, sort_keys=True).encode()
+    return layout.lease_bytes({"save_id": sid, "state": "collected"})
 
 
 def _mentions(data: bytes, candidates: set[str]) -> set[str]:
     """The candidate save ids that occur anywhere in ``data`` (FORMAT.md 10.2)."""
-    writer = {c for c in candidates if WRITER_SAVE_ID.fullmatch(c)}
+    writer = {c for c in candidates if parse_writer_save_id(c) is not None}
     found = {c for c in candidates - writer if c.encode() in data}
     if len(writer) <= 32:  # memchr-speed substring searches
         return found | {c for c in writer if c.encode() in data}
-    for m in _ID_TAIL.finditer(data):  # every writer-form id has "-YYYYMMDD" + this tail
-        dash = m.start() - 9
-        if dash < 12 or data[dash] != 0x2D or not data[dash + 1:m.start()].isdigit():
-            continue
-        first = dash
-        while first > 0 and dash - first < 19 and 0x30 <= data[first - 1] <= 0x39:
-            first -= 1
-        for k in range(first, dash - 11):  # 12 to 19 step digits
-            sid = data[k:m.end()].decode("ascii")
-            if sid in writer:
-                found.add(sid)
-    return found
+    return found | layout.writer_save_ids_in(data, writer)
 
 
 @dataclass(frozen=True)
@@ -161,7 +142,7 @@ def _scan_manifest(repo: Any, step: int, watch: set[str]) -> _Scan:
 def _listed_steps(repo: Any) -> tuple[list[int], list[str]]:
     """(valid steps, foreign keys) under ``manifests/``."""
     steps, foreign = [], []
-    for k in repo.storage.list("manifests/"):
+    for k in repo.storage.list(MANIFESTS):
         s = step_of_manifest_key(k)
         (foreign.append(k) if s is None else steps.append(s))
     return sorted(steps), foreign
@@ -202,9 +183,9 @@ def _recognise(repo: Any, steps: list[int]) -> None:
                               f"no marker, {len(steps)} manifest name(s), none valid")
 
 
-def _unrestorable(repo: Any, step: int) -> str | None:
+def unrestorable(repo: Any, step: int) -> str | None:
     """Why ``step`` cannot be restored, or None (FORMAT.md 10.4: the manifest validates, and every
-    object it references exists with its recorded size)."""
+    object it references exists with its recorded size). Reads no data."""
     try:
         m = repo.manifest(step)
     except CheckpointError as e:
@@ -218,29 +199,16 @@ def _unrestorable(repo: Any, step: int) -> str | None:
     return "; ".join(faults[:3]) if faults else None
 
 
+_unrestorable = unrestorable  # gc asks through this name (the fault tests take the check out by it)
+
+
 def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport) -> dict[str, int]:
-    """Un-commit the steps older than the newest ``keep_last`` restorable ones; their save ids."""
-    kept, floor = 0, None
-    for s in reversed(steps):
-        why = _unrestorable(repo, s)
-        if why is not None:
-            report.problems.append(f"step {s} is not restorable ({why}); retention does not count it")
-            continue
-        kept += 1
-        if kept == keep_last:
-            floor = s
-            break
-    if floor is None:
-        if len(steps) > keep_last:
-            report.problems.append(f"only {kept} restorable step(s), fewer than --keep-last {keep_last}: "
-                                   "retention removed nothing")
-        return {}
+    """Un-commit the steps that retention deletes, manifest first; their save ids."""
+    plan = Retention(keep_last=keep_last, keep_every=keep_every or None).plan(
+        steps, unrestorable=lambda s: _unrestorable(repo, s))
+    report.problems.extend(plan.notes)
     retired: dict[str, int] = {}
-    for s in steps:
-        if s >= floor:
-            break
-        if keep_every and s % keep_every == 0:
-            continue
+    for s in plan.steps:
         try:
             sid = repo.manifest(s).save_id  # only a valid manifest names its objects reliably
         except CheckpointError:
@@ -273,108 +241,19 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
     _recognise(repo, steps)
     retired: dict[str, int] = {}
     if keep_last is not None and keep_last >= 1:
-        if st.plain_dir("manifests/"):
+        if st.plain_dir(MANIFESTS):
             retired = _retention(repo, steps, keep_last, keep_every, report)
         else:
             report.problems.append("manifests/ is a symbolic link or not a folder: retention skipped")
-
-    # 2. the names under saves/, judged without following links
-    candidates: dict[str, Entry] = {}
-    custom: dict[str, Entry] = {}  # reader-valid ids outside the writer form: committed, or foreign
-    try:
-        entries = st.scan_children("saves/")
-    except StorageError as e:
-        report.problems.append(f"saves/ was not collected: {e.message} ({e.found})")
-        report.foreign.append("saves/")
+    names = _list_saves(st, retired, report, foreign)
+    if names is None:
         return report
-    for e in entries:
-        if e.kind != "dir":
-            foreign.append(f"saves/{e.name}" + ("" if e.kind == "file" else f" ({'symbolic link' if e.kind == 'link' else 'special file'})"))
-        elif WRITER_SAVE_ID.fullmatch(e.name) or e.name in retired:
-            candidates[e.name] = e
-        elif SAVE_ID_RE.match(e.name):
-            custom[e.name] = e
-        else:
-            foreign.append(f"saves/{e.name}")
-
-    # 3. leases first (FORMAT.md 10.3 step 2): drop the saves in progress
     now = time.time()
-    leases: dict[str, _Lease] = {}
-    read = [sid for sid, e in candidates.items() if e.lease == "file"]
-    for sid, e in candidates.items():
-        if e.lease not in (None, "file"):
-            report.problems.append(f"saves/{sid}/LEASE is a {e.lease}, not a file: not read, the save counts as leaseless")
-    for sid, got in zip(read, st.read_each_with_generation([f"saves/{sid}/LEASE" for sid in read], LEASE_MAX_BYTES)):
-        if isinstance(got, StorageError):
-            report.uncertain.append(sid)
-            report.problems.append(f"saves/{sid}: lease unreadable ({got.found}); kept")
-            continue
-        if got[0] is not None:
-            leases[sid] = _parse_lease(got[0], got[1])
-    pending: set[str] = set()
-    fresh: set[str] = set()  # in progress, unless a manifest turns out to name it (then committed)
-    for sid, e in candidates.items():
-        if sid in report.uncertain:
-            continue
-        if e.error is not None:
-            report.uncertain.append(sid)
-            report.problems.append(f"saves/{sid}: could not be walked ({e.error}); kept")
-            continue
-        lease = leases.get(sid)
-        if lease is not None and lease.state == "writing" and now - lease.heartbeat_unix < grace_s:
-            fresh.add(sid)
-        elif (lease is None and sid not in retired and e.newest_mtime is not None
-              and now - e.newest_mtime < grace_s):
-            fresh.add(sid)  # no lease, but written to within the grace period
-        else:
-            pending.add(sid)
-
-    # 4. only then the manifests: every save id they name or mention is committed
-    steps, foreign_manifests = _listed_steps(repo)
-    foreign += foreign_manifests
-    referenced: set[str] = set()
-    damaged: dict[int, str] = {}
-    blind: list[str] = []
-    watch = set(candidates) | set(custom)
-    for s in steps:
-        scan = _scan_manifest(repo, s, (pending | set(custom)) - referenced)
-        if scan.status == "unreadable":
-            blind.append(f"step {s}: {scan.why}")
-        elif scan.status == "over_cap" or (scan.status == "ok" and not scan.declared):
-            damaged[s] = scan.why or "names no save_id"
-        referenced |= (scan.declared & watch) | scan.mentions
-    report.in_progress += sorted(fresh - referenced)
-    for sid in sorted(custom):
-        if sid not in referenced:
-            foreign.append(f"saves/{sid}")
-    for sid in sorted(referenced):  # committed: tidy what their writers left behind
-        lease = leases.get(sid)
-        if lease is not None and now - lease.heartbeat_unix >= grace_s:
-            try:
-                st.write_if(f"saves/{sid}/LEASE", None, lease.generation)
-            except CheckpointError as e:
-                report.problems.append(f"saves/{sid}: stale lease of a committed save not removed ({e.message})")
-        report.objects_removed += st.remove_stale_locks(f"saves/{sid}/", now - grace_s)
-
-    # 5. decide and collect
-    for sid in sorted(pending - referenced):
-        why = _decide(repo, sid, leases.get(sid), retired, damaged, blind, now, grace_s)
-        if why == "in progress":
-            report.in_progress.append(sid)
-        elif why == "committed":
-            continue
-        elif why is not None:
-            report.uncertain.append(sid)
-            report.problems.append(f"saves/{sid}: {why}; kept")
-        else:
-            try:
-                st.delete_prefix(f"saves/{sid}/")
-            except CheckpointError as e:
-                report.problems.append(f"saves/{sid}: could not be deleted ({e.found}); will retry next run")
-                continue
-            report.objects_removed += candidates[sid].objects
-            if sid not in retired:
-                report.removed_saves.append(sid)
+    live = _read_leases(st, names, retired, report, now, grace_s)
+    committed = _scan_committed(repo, names, live, foreign)
+    report.in_progress += sorted(live.fresh - committed.referenced)
+    _tidy_committed(st, committed.referenced, live.leases, report, now, grace_s)
+    _collect_pending(repo, names, live, committed, retired, report, now, grace_s)
     foreign.sort()
     if len(foreign) > MAX_LISTED_FOREIGN:
         report.problems.append(f"{len(foreign) - MAX_LISTED_FOREIGN} more foreign object(s) not listed")
@@ -384,6 +263,149 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
     return report
 
 
+@dataclass(frozen=True)
+class _Names:
+    """Step 2: the directories under saves/ gc may collect, and the reader-valid ids outside the
+    writer form (committed, or foreign)."""
+
+    candidates: dict[str, Entry]
+    custom: dict[str, Entry]
+
+
+def _list_saves(st: Any, retired: dict[str, int], report: GcReport, foreign: list[str]) -> _Names | None:
+    """The names under saves/, judged without following links; None when saves/ cannot be listed."""
+    candidates: dict[str, Entry] = {}
+    custom: dict[str, Entry] = {}
+    try:
+        entries = st.scan_children(SAVES)
+    except StorageError as e:
+        report.problems.append(f"saves/ was not collected: {e.message} ({e.found})")
+        report.foreign.append(SAVES)
+        return None
+    for e in entries:
+        if e.kind != "dir":
+            foreign.append(f"{SAVES}{e.name}" + ("" if e.kind == "file" else f" ({'symbolic link' if e.kind == 'link' else 'special file'})"))
+        elif parse_writer_save_id(e.name) is not None or e.name in retired:
+            candidates[e.name] = e
+        elif is_save_id(e.name):
+            custom[e.name] = e
+        else:
+            foreign.append(f"{SAVES}{e.name}")
+    return _Names(candidates, custom)
+
+
+@dataclass(frozen=True)
+class _Liveness:
+    """Step 3: the candidates' leases, and which saves may be in progress (``fresh``: unless a
+    manifest turns out to name them) or are left to decide (``pending``)."""
+
+    leases: dict[str, _Lease]
+    pending: set[str]
+    fresh: set[str]
+
+
+def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcReport, now: float,
+                 grace_s: float) -> _Liveness:
+    """Leases first (FORMAT.md 10.3 step 2): drop the saves in progress."""
+    leases: dict[str, _Lease] = {}
+    read = [sid for sid, e in names.candidates.items() if e.lease == "file"]
+    for sid, e in names.candidates.items():
+        if e.lease not in (None, "file"):
+            report.problems.append(f"{SAVES}{sid}/LEASE is a {e.lease}, not a file: not read, the save counts as leaseless")
+    for sid, got in zip(read, st.read_each_with_generation([lease_key(sid) for sid in read], LEASE_MAX_BYTES)):
+        if isinstance(got, StorageError):
+            report.uncertain.append(sid)
+            report.problems.append(f"{SAVES}{sid}: lease unreadable ({got.found}); kept")
+            continue
+        if got[0] is not None:
+            leases[sid] = _parse_lease(got[0], got[1])
+    pending: set[str] = set()
+    fresh: set[str] = set()
+    for sid, e in names.candidates.items():
+        if sid in report.uncertain:
+            continue
+        if e.error is not None:
+            report.uncertain.append(sid)
+            report.problems.append(f"{SAVES}{sid}: could not be walked ({e.error}); kept")
+            continue
+        lease = leases.get(sid)
+        if lease is not None and lease.state == "writing" and now - lease.heartbeat_unix < grace_s:
+            fresh.add(sid)
+        elif (lease is None and sid not in retired and e.newest_mtime is not None
+              and now - e.newest_mtime < grace_s):
+            fresh.add(sid)  # no lease, but written to within the grace period
+        else:
+            pending.add(sid)
+    return _Liveness(leases, pending, fresh)
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """Step 4: the watched save ids committed manifests name or mention, the steps whose manifest
+    is damaged (and why), and the manifests that could not be read at all."""
+
+    referenced: set[str]
+    damaged: dict[int, str]
+    blind: list[str]
+
+
+def _scan_committed(repo: Any, names: _Names, live: _Liveness, foreign: list[str]) -> _Committed:
+    """Only after the leases, the manifests: every save id they name or mention is committed."""
+    steps, foreign_manifests = _listed_steps(repo)
+    foreign += foreign_manifests
+    referenced: set[str] = set()
+    damaged: dict[int, str] = {}
+    blind: list[str] = []
+    watch = set(names.candidates) | set(names.custom)
+    for s in steps:
+        scan = _scan_manifest(repo, s, (live.pending | set(names.custom)) - referenced)
+        if scan.status == "unreadable":
+            blind.append(f"step {s}: {scan.why}")
+        elif scan.status == "over_cap" or (scan.status == "ok" and not scan.declared):
+            damaged[s] = scan.why or "names no save_id"
+        referenced |= (scan.declared & watch) | scan.mentions
+    for sid in sorted(names.custom):
+        if sid not in referenced:
+            foreign.append(f"{SAVES}{sid}")
+    return _Committed(referenced, damaged, blind)
+
+
+def _tidy_committed(st: Any, referenced: set[str], leases: dict[str, _Lease], report: GcReport, now: float,
+                    grace_s: float) -> None:
+    """Committed saves: remove what their writers left behind (a stale lease, stale lock files)."""
+    for sid in sorted(referenced):
+        lease = leases.get(sid)
+        if lease is not None and now - lease.heartbeat_unix >= grace_s:
+            try:
+                st.write_if(lease_key(sid), None, lease.generation)
+            except CheckpointError as e:
+                report.problems.append(f"{SAVES}{sid}: stale lease of a committed save not removed ({e.message})")
+        report.objects_removed += st.remove_stale_locks(save_prefix(sid), now - grace_s)
+
+
+def _collect_pending(repo: Any, names: _Names, live: _Liveness, committed: _Committed, retired: dict[str, int],
+                     report: GcReport, now: float, grace_s: float) -> None:
+    """Step 5: decide each save left, and collect it (its lease claimed first)."""
+    for sid in sorted(live.pending - committed.referenced):
+        why = _decide(repo, sid, live.leases.get(sid), retired, committed.damaged, committed.blind, now, grace_s)
+        if why == "in progress":
+            report.in_progress.append(sid)
+        elif why == "committed":
+            continue
+        elif why is not None:
+            report.uncertain.append(sid)
+            report.problems.append(f"{SAVES}{sid}: {why}; kept")
+        else:
+            try:
+                repo.storage.delete_prefix(save_prefix(sid))
+            except CheckpointError as e:
+                report.problems.append(f"{SAVES}{sid}: could not be deleted ({e.found}); will retry next run")
+                continue
+            report.objects_removed += names.candidates[sid].objects
+            if sid not in retired:
+                report.removed_saves.append(sid)
+
+
 def _decide(repo: Any, sid: str, lease: _Lease | None, retired: dict[str, int],
             damaged: dict[int, str], blind: list[str], now: float, grace_s: float) -> str | None:
     """None to collect ``sid`` (its lease, if any, is claimed here); otherwise "in progress",
@@ -391,8 +413,8 @@ def _decide(repo: Any, sid: str, lease: _Lease | None, retired: dict[str, int],
     st = repo.storage
     if blind:
         return f"a committed manifest could not be read ({blind[0]}), so any save may be referenced"
-    m = WRITER_SAVE_ID.fullmatch(sid)
-    step = retired[sid] if sid in retired else int(m.group(1)) if m else None
+    m = parse_writer_save_id(sid)
+    step = retired[sid] if sid in retired else m.step if m else None
     if lease is not None and lease.state == "committing" and lease.step is not None:
         step = lease.step
     if step is not None and step in damaged and sid not in retired:
@@ -417,7 +439,7 @@ def _decide(repo: Any, sid: str, lease: _Lease | None, retired: dict[str, int],
             return "in progress"
         # The claim (FORMAT.md 8.3, 10.3): a conditional rewrite, never a conditional delete.
         try:
-            won = st.write_if(f"saves/{sid}/LEASE", _collected_lease(sid), lease.generation)
+            won = st.write_if(lease_key(sid), _collected_lease(sid), lease.generation)
         except CheckpointError as e:
             return f"its lease could not be claimed ({e.found})"
         if not won:

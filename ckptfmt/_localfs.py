@@ -14,9 +14,11 @@ import stat
 from dataclasses import dataclass
 from typing import Iterator
 
-__all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir"]
+from .layout import LEASE_NAME
 
-_LOCK_SUFFIX = ".__lock"  # tensorstore's file driver: the temporary file of a write in flight
+__all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir", "LOCK_SUFFIX"]
+
+LOCK_SUFFIX = ".__lock"  # tensorstore's file driver: the temporary file of a write in flight
 
 
 @dataclass(frozen=True)
@@ -116,9 +118,9 @@ def scan_children(root: str, prefix: str) -> list[Entry]:
         try:
             for p, st in walk(path):
                 newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
-                if not stat.S_ISDIR(st.st_mode) and not p.endswith(_LOCK_SUFFIX):
+                if not stat.S_ISDIR(st.st_mode) and not p.endswith(LOCK_SUFFIX):
                     objects += 1
-                if p == os.path.join(path, "LEASE"):
+                if p == os.path.join(path, LEASE_NAME):
                     lease = _kind(st.st_mode)
         except OSError as e:
             error = f"{type(e).__name__}: {e.strerror or e}"

@@ -9,7 +9,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from . import errors as _errors
-from .errors import CheckpointError
+from .errors import (CheckpointError, ChecksumMismatchError, InvalidManifestError, InvalidStateError, MissingShardError,
+                     SizeMismatchError, StepNotFoundError, UnsupportedVersionError)
 
 __all__ = ["SaveRecord", "SkippedStep", "RestoreResult"]
 
@@ -101,3 +102,16 @@ def _err_from(d: Mapping[str, Any], rank: int) -> CheckpointError:
         return cls(str(d.get("message")), key=d.get("key"), object=d.get("object"),
                    expected=d.get("expected"), found=d.get("found"))
     return CheckpointError(f"rank {rank} failed: {d.get('error')}: {d.get('message')}")
+
+
+#: Errors that mean "this step's bytes are damaged" (fallback moves to an older step). A wrong
+#: target (KeyMismatchError, ShapeMismatchError, TopologyChangedError) or a newer format version
+#: is the caller's problem, and an older step would not cure it: those always raise.
+_DAMAGE = (MissingShardError, SizeMismatchError, ChecksumMismatchError, InvalidManifestError,
+           InvalidStateError, StepNotFoundError)
+
+
+def _is_damage(err: Mapping[str, Any]) -> bool:
+    cls = getattr(_errors, str(err.get("error")), None)
+    return (isinstance(cls, type) and issubclass(cls, _DAMAGE)
+            and not issubclass(cls, UnsupportedVersionError))

@@ -98,12 +98,12 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
                  no_float_or_bool: bool = False) -> dict[str, Any]:
     """Validate and build every tensor entry of ``doc`` (the manifest's "tensors" member).
 
+    ``prefix`` is the save's arrays prefix (``saves/<save_id>/t/``, :func:`ckptfmt.layout.arrays_prefix`).
     ``exact(k, t, prefix, writers)`` is the exact per-tensor parser and ``make(...)`` builds a
     TensorEntry from checked parts. ``no_float_or_bool`` is the caller's word (from counting
     the JSON literals) that no tensor entry holds a float or a boolean; without it the columns
     compared by value are also type-checked. Raises :class:`Fallback` on anything it cannot accept.
     """
-    tprefix = prefix + "t/"
     cache: dict[tuple, _Layout | None] = {}
     out: list[Any] = []           # per tensor: a finished entry, or the index of a fast record
     recs: list[tuple] = []        # (key, shape, dtype, sharding, path, layout)
@@ -123,7 +123,7 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
                 shape, ss, cs, path, sharding = t["shape"], a["shard_shape"], a["chunk_shape"], a["path"], t["sharding"]
                 if (type(shape) is list and type(ss) is list and type(cs) is list and type(path) is str
                         and (sharding is None or type(sharding) is dict) and a["codec"] == "raw"
-                        and len(path) <= max_object_key_len and path.startswith(tprefix) and _SAFE_PATH.fullmatch(path)):
+                        and len(path) <= max_object_key_len and path.startswith(prefix) and _SAFE_PATH.fullmatch(path)):
                     try:
                         ck: tuple | None = (tuple(shape), t["dtype"], tuple(ss), tuple(cs))
                         lay = cache.get(ck, False)  # type: ignore[arg-type]

@@ -1,11 +1,18 @@
-"""Retention policy of the checkpoint manager: which committed steps to delete, and why. Pure: no I/O."""
+"""Retention: which committed steps to delete, and why (FORMAT.md 10.4, 14.7). Pure: no I/O.
+
+One planner serves both ``Repository.gc(keep_last=, keep_every=)`` and the checkpoint manager
+(which adds ``keep_best``). Whatever the rules, it counts only **restorable** steps (the caller
+says which are not, and why) and never deletes the newest restorable step, the newest step, nor a
+protected one; when fewer steps are restorable than ``keep_last`` asks for, or none is, it
+deletes nothing.
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-__all__ = ["Retention", "metric_value"]
+__all__ = ["Retention", "RetentionPlan", "Deletion", "metric_value"]
 
 BEST_MODES = ("min", "max")
 
@@ -19,12 +26,34 @@ def metric_value(value: Any) -> float | None:
 
 
 @dataclass(frozen=True)
+class Deletion:
+    """A committed step the policy deletes, and why."""
+
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """The steps to delete, oldest first, and notes on what the planner could not count."""
+
+    delete: tuple[Deletion, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def steps(self) -> list[int]:
+        return [d.step for d in self.delete]
+
+
+@dataclass(frozen=True)
 class Retention:
-    """Keep the newest ``keep_last`` steps, every step divisible by ``keep_every``, the best
-    ``keep_best`` by ``best_metric`` (``best_mode`` "min" or "max"), and always the newest step.
+    """Keep the newest ``keep_last`` restorable steps (and every step newer than the oldest of
+    them), every step divisible by ``keep_every``, the best ``keep_best`` restorable steps by
+    ``best_metric`` (``best_mode`` "min" or "max"), and always the newest step and the newest
+    restorable step.
 
     With every ``keep_*`` None nothing is ever deleted. A step whose metric is absent or not finite
-    never counts among the best; it is kept only by the other rules.
+    never counts among the best; it is kept only by the other rules. Bad arguments raise ValueError.
     """
 
     keep_last: int | None = None
@@ -47,44 +76,86 @@ class Retention:
     def active(self) -> bool:
         return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best))
 
-    def best(self, metrics: dict[int, float | None]) -> list[int]:
-        """The ``keep_best`` best steps (ties: the newer step wins), best first."""
-        ranked = [(v if self.best_mode == "min" else -v, -s) for s, v in metrics.items() if v is not None]
-        return [-neg for _, neg in sorted(ranked)[: self.keep_best or 0]]
+    def plan(self, steps: Iterable[int], metric_of: Callable[[int], float | None] | None = None,
+             protected: Iterable[int] = (), *, unrestorable: Callable[[int], str | None] | None = None) -> RetentionPlan:
+        """The committed steps to delete, oldest first.
 
-    def plan(self, steps: Iterable[int], metric_of: Callable[[int], float | None],
-             protected: Iterable[int] = ()) -> list[tuple[int, str]]:
-        """(step, reason) of every committed step to delete, oldest first.
-
-        ``metric_of`` is asked only when ``keep_best`` is set. ``protected`` steps (being read) and
-        the newest step are never returned.
+        ``unrestorable(step)`` says why a step cannot be restored (None: it can); it is asked
+        lazily, newest first, only for the steps the rules need to count, and at most once per
+        step. ``metric_of`` is asked only when ``keep_best`` is set. ``protected`` steps (being
+        read), the newest step and the newest restorable step are never returned.
         """
         steps = sorted(set(int(s) for s in steps))
-        if not self.active or len(steps) <= 1:
-            return []
+        if not self.active or not steps:
+            return RetentionPlan()
+        notes: list[str] = []
+        judged: dict[int, str | None] = {}
+
+        def why_not(s: int) -> str | None:
+            if s not in judged:
+                judged[s] = unrestorable(s) if unrestorable is not None else None
+                if judged[s] is not None:
+                    notes.append(f"step {s} is not restorable ({judged[s]}); retention does not count it")
+            return judged[s]
+
         keep = {steps[-1]} | set(int(s) for s in protected)
-        if self.keep_last is not None:
-            keep.update(steps[-self.keep_last:])
+        if self.keep_last is not None:  # the newest keep_last restorable steps, counted newest first
+            restorable: list[int] = []
+            for s in reversed(steps):
+                if why_not(s) is None:
+                    restorable.append(s)
+                    if len(restorable) == self.keep_last:
+                        break
+            if len(restorable) < self.keep_last:
+                if len(steps) > self.keep_last:
+                    notes.append(f"only {len(restorable)} restorable step(s), fewer than --keep-last "
+                                 f"{self.keep_last}: retention removed nothing")
+                return RetentionPlan((), tuple(notes))
+            keep.update(s for s in steps if s >= restorable[-1])
+        else:
+            newest_ok = next((s for s in reversed(steps) if why_not(s) is None), None)
+            if newest_ok is None:
+                notes.append("no step is restorable: retention removed nothing")
+                return RetentionPlan((), tuple(notes))
+            keep.add(newest_ok)
         if self.keep_every is not None:
             keep.update(s for s in steps if s % self.keep_every == 0)
         metrics: dict[int, float | None] = {}
         if self.keep_best is not None:
-            metrics = {s: metric_of(s) for s in steps}
-            keep.update(self.best(metrics))
+            metrics = {s: (metric_of(s) if metric_of is not None else None) for s in steps}
+            keep.update(self._best(metrics, why_not))
         out = []
         for s in steps:
-            if s in keep:
-                continue
-            why = []
-            if self.keep_last is not None:
-                why.append(f"older than the newest {self.keep_last} (keep_last)")
-            if self.keep_every is not None:
-                why.append(f"not a multiple of keep_every={self.keep_every}")
-            if self.keep_best is not None:
-                v = metrics.get(s)
-                shown = "not recorded" if v is None else f"{v:g}"
-                why.append(f"{self.best_metric}={shown} not among the best {self.keep_best} ({self.best_mode})")
-            if self.keep_last is None and self.keep_best is not None and self.keep_every is None:
-                why.append("not the newest step")
-            out.append((s, "; ".join(why)))
+            if s not in keep:
+                out.append(Deletion(s, self._reason(s, metrics, judged.get(s))))
+        return RetentionPlan(tuple(out), tuple(notes))
+
+    def best(self, metrics: dict[int, float | None]) -> list[int]:
+        """The ``keep_best`` best steps (ties: the newer step wins), best first."""
+        return self._best(metrics, lambda s: None)
+
+    def _best(self, metrics: dict[int, float | None], why_not: Callable[[int], str | None]) -> list[int]:
+        ranked = sorted((v if self.best_mode == "min" else -v, -s) for s, v in metrics.items() if v is not None)
+        out: list[int] = []
+        for _, neg in ranked:
+            if len(out) == (self.keep_best or 0):
+                break
+            if why_not(-neg) is None:
+                out.append(-neg)
         return out
+
+    def _reason(self, s: int, metrics: dict[int, float | None], not_restorable: str | None) -> str:
+        why = []
+        if self.keep_last is not None:
+            why.append(f"older than the newest {self.keep_last} restorable (keep_last)")
+        if self.keep_every is not None:
+            why.append(f"not a multiple of keep_every={self.keep_every}")
+        if self.keep_best is not None:
+            v = metrics.get(s)
+            shown = "not recorded" if v is None else f"{v:g}"
+            why.append(f"{self.best_metric}={shown} not among the best {self.keep_best} ({self.best_mode})")
+        if self.keep_last is None and self.keep_best is not None and self.keep_every is None:
+            why.append("not the newest step")
+        if not_restorable is not None:
+            why.append(f"not restorable ({not_restorable})")
+        return "; ".join(why)

@@ -40,7 +40,7 @@ from .dtypes import numpy_dtype
 from .errors import (ChecksumMismatchError, InvalidDataError, InvalidSourceError, KeyMismatchError,
                      ShapeMismatchError, SizeMismatchError)
 from .reader import ReadStats, check_rank_state_policy
-from .storage import Storage
+from .storage import PositionalFile, open_storage
 
 __all__ = ["SafetensorsSource", "SourceTensor", "SourceManifest", "find_safetensors", "MAX_INDEX_BYTES"]
 
@@ -106,8 +106,8 @@ def find_safetensors(url: str, options: Mapping[str, Any] | None = None) -> tupl
     s = str(url)
     if s.endswith(".safetensors") or s.endswith(".safetensors.index.json"):
         return _split(s)
-    storage = Storage(s, options)
-    root = storage.file_root
+    storage = open_storage(s, options)
+    root = getattr(storage, "root", None)  # a local directory (LocalFileStorage), else None
     if root is not None:
         if not os.path.isdir(root) or os.path.exists(root + "ckptfmt.json") or os.path.exists(root + "manifests"):
             return None
@@ -161,7 +161,7 @@ class SafetensorsSource:
                                      expected="a .safetensors file, an index, or a directory holding one",
                                      found="none of these")
         self.base, name = where
-        self.storage = Storage(self.base, options)
+        self.storage = open_storage(self.base, options)
         self.stats = ReadStats()
         self.header_bytes = 0  # read at open (counted in stats.bytes_read too)
         self.index_name = name if name.endswith(".index.json") else None
@@ -220,7 +220,10 @@ class SafetensorsSource:
         return sorted(set(wm.values())), wm
 
     def _header(self, f: str) -> Any:
-        size = self.storage.local_size(f)  # MissingShardError when absent (file driver)
+        size = None  # on an object store the header implies the size (checked below)
+        if self.storage.positional_reads:
+            with self.storage.open_positional(f) as pf:  # MissingShardError when absent
+                size = pf.size
         prefix = self._range(f, 0, 8, size)
         n = header_size(prefix, size if size is not None else 1 << 62, f)
         header = parse_header(self._range(f, 8, 8 + n, size), size, f)
@@ -237,8 +240,7 @@ class SafetensorsSource:
         if size is not None and stop > size:
             raise SizeMismatchError("safetensors file is shorter than its header needs", object=f,
                                     expected=f">= {stop} bytes", found=size)
-        fut = self.storage.read_range_future(f, start, stop)
-        data = Storage.range_result(fut, f, start, stop)
+        data = self.storage.read_range(f, start, stop).result()
         if len(data) != stop - start:
             raise SizeMismatchError("safetensors file is shorter than its header needs", object=f,
                                     expected=f">= {stop} bytes", found=start + len(data))
@@ -325,7 +327,7 @@ class SafetensorsSource:
                                          expected=list(t.shape), found=str(box))
         check_outputs_fit([(k, b.size * numpy_dtype(t.dtype).itemsize) for (k, b), t in zip(requests, entries)], self.url)
         outs = [allocate(k, b, numpy_dtype(t.dtype)) for (k, b), t in zip(requests, entries)]
-        fds: dict[str, int] = {}
+        fds: dict[str, PositionalFile] = {}
         try:
             for (key, box), t, out in zip(requests, entries, outs):
                 if out.size:
@@ -334,8 +336,8 @@ class SafetensorsSource:
                         raise InvalidDataError("a bool tensor holds a byte other than 0x00 or 0x01", key=key,
                                                object=t.file, expected="0x00 or 0x01", found="another byte")
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for pf in fds.values():
+                pf.close()
         self.stats.objects += len({t.file for t in entries})
         return outs
 
@@ -360,11 +362,11 @@ class SafetensorsSource:
         return done
 
     # ------------------------------------------------------------------ reading
-    def _read_box(self, t: SourceTensor, box: Box, out: np.ndarray, fds: dict[str, int]) -> None:
+    def _read_box(self, t: SourceTensor, box: Box, out: np.ndarray, fds: dict[str, PositionalFile]) -> None:
         starts, run = _runs(t, box, numpy_dtype(t.dtype).itemsize)
         flat = out.reshape(-1).view(np.uint8)
         ends = starts + run
-        local = self.storage.local_root is not None
+        local = self.storage.positional_reads
         if t.crcs is None:
             ranges = _merge(starts, ends, 0 if local else REMOTE_GAP)
         else:
@@ -380,17 +382,17 @@ class SafetensorsSource:
                 if buf is not None and not np.may_share_memory(buf, flat):
                     _copy_runs(starts, run, rs, re_, buf, flat)
 
-    def _fetch(self, t: SourceTensor, group: list[tuple[int, int]], fds: dict[str, int], starts: np.ndarray,
+    def _fetch(self, t: SourceTensor, group: list[tuple[int, int]], fds: dict[str, PositionalFile], starts: np.ndarray,
                run: int, flat: np.ndarray) -> list[Any]:
         """Bytes of each range (a view of the output where it was read in place; None where no check
         needs it)."""
         self.stats.requests += len(group)
         self.stats.bytes_read += sum(b - a for a, b in group)
-        if self.storage.local_root is not None:
-            fd = fds.get(t.file)
-            if fd is None:
-                fd, size = self.storage.open_local(t.file, tensor=t.key)
-                fds[t.file] = fd
+        if self.storage.positional_reads:
+            pf = fds.get(t.file)
+            if pf is None:
+                pf = fds[t.file] = self.storage.open_positional(t.file, tensor=t.key)
+                size = pf.size
                 if size != self.file_sizes[t.file]:
                     raise SizeMismatchError("safetensors file changed size since it was opened", key=t.key,
                                             object=t.file, expected=self.file_sizes[t.file], found=size)
@@ -401,15 +403,15 @@ class SafetensorsSource:
                     # inside one run: read straight into its place in the output, which is handed
                     # out only after every block read for it has been checked
                     at = i * run + (a - int(starts[i]))
-                    Storage.pread_into(fd, [flat[at:at + (b - a)]], a, key=t.file, tensor=t.key)
+                    pf.read_into([flat[at:at + (b - a)]], a)
                     out.append(None if t.crcs is None else flat[at:at + (b - a)])
                     continue
                 buf = np.empty(b - a, np.uint8)
-                Storage.pread_into(fd, [buf], a, key=t.file, tensor=t.key)
+                pf.read_into([buf], a)
                 out.append(buf)
             return out
-        futs = [self.storage.read_range_future(t.file, a, b) for a, b in group]
-        got = [Storage.range_result(f, t.file, a, b, tensor=t.key) for f, (a, b) in zip(futs, group)]
+        pending = [self.storage.read_range(t.file, a, b, tensor=t.key) for a, b in group]
+        got = [p.result() for p in pending]
         for (a, b), g in zip(group, got):
             if len(g) != b - a:
                 raise SizeMismatchError("safetensors file is shorter than its header says", key=t.key, object=t.file,

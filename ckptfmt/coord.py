@@ -33,7 +33,7 @@ import msgpack
 
 from ckptfmt.errors import CheckpointError, CoordinatorLostError, CoordinatorTimeoutError
 
-__all__ = ["Coordinator", "LocalCoordinator", "TcpCoordinator", "free_port"]
+__all__ = ["Coordinator", "LocalCoordinator", "TcpCoordinator", "free_port", "as_bytes"]
 
 _PROTOCOL = "ckptfmt.coord/1"
 _HEADER = struct.Struct(">I")
@@ -68,7 +68,8 @@ def _check_name(name: str) -> None:
         raise TypeError(f"operation name must be a non-empty str, got {name!r}")
 
 
-def _as_bytes(payload: Any, what: str) -> bytes:
+def as_bytes(payload: Any, what: str = "payload") -> bytes:
+    """``payload`` as bytes; TypeError (a caller's mistake) for anything that is not bytes-like."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise TypeError(f"{what} must be bytes, got {type(payload).__name__}")
     return bytes(payload)
@@ -85,14 +86,14 @@ class LocalCoordinator:
 
     def allgather(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
         _check_name(name)
-        return [_as_bytes(payload, "allgather payload")]
+        return [as_bytes(payload, "allgather payload")]
 
     def broadcast(self, name: str, payload: bytes | None, root: int = 0,
                   timeout_s: float | None = None) -> bytes:
         _check_name(name)
         if root != 0:
             raise ValueError(f"broadcast root {root} is out of range for world size 1")
-        return _as_bytes(payload, "broadcast payload on the root")
+        return as_bytes(payload, "broadcast payload on the root")
 
     def close(self) -> None:
         pass
@@ -225,7 +226,7 @@ class TcpCoordinator:
 
     def allgather(self, name: str, payload: bytes, timeout_s: float | None = None) -> list[bytes]:
         """Return every rank's payload (index = rank); see the module docstring for errors."""
-        result = self._collective("allgather", name, _as_bytes(payload, "allgather payload"), 0, timeout_s)
+        result = self._collective("allgather", name, as_bytes(payload, "allgather payload"), 0, timeout_s)
         return list(result)
 
     def broadcast(self, name: str, payload: bytes | None, root: int = 0,
@@ -233,7 +234,7 @@ class TcpCoordinator:
         """Return ``root``'s payload on every rank. Waits for all ranks, like a barrier."""
         if not (isinstance(root, int) and 0 <= root < self.world):
             raise ValueError(f"broadcast root {root!r} is out of range for world size {self.world}")
-        data = _as_bytes(payload, "broadcast payload on the root") if self.rank == root else None
+        data = as_bytes(payload, "broadcast payload on the root") if self.rank == root else None
         return bytes(self._collective("broadcast", name, data, root, timeout_s))
 
     def close(self) -> None:

@@ -18,8 +18,10 @@ Guarantees: at most one save is in flight per manager; the next save first waits
 commit (back-pressure, reported as ``waited_s``). A save becomes visible only by its atomic commit,
 so a process that dies, is killed, or gives up waiting never leaves a half-written step listed.
 Retention runs on rank 0 after a commit, through :meth:`Repository.delete` and
-:meth:`Repository.gc`; it never deletes the newest committed step nor a step this process is
-reading, and logs every deletion with its reason (logger ``ckptfmt.manager``).
+:meth:`Repository.gc`, with the same planner as ``Repository.gc`` (:mod:`ckptfmt._retention`): it
+counts only restorable steps, never deletes the newest restorable step, the newest committed step
+nor a step this process is reading, and logs every deletion with its reason (logger
+``ckptfmt.manager``).
 """
 from __future__ import annotations
 
@@ -34,15 +36,13 @@ from typing import Any, Callable, Mapping
 import msgpack
 import numpy as np
 
-from . import errors as _errors
 from ._manager_types import (RestoreResult, SaveRecord, SkippedStep, _check_step, _clean_metrics, _err_from,
-                             _err_json, _Job)
+                             _err_json, _is_damage, _Job)
+from ._gc import unrestorable
 from ._retention import Retention, metric_value
 from ._types import Box, LocalShard
 from .coord import Coordinator, LocalCoordinator
-from .errors import (CheckpointError, IncompleteSaveError, InvalidManifestError, InvalidStateError,
-                     KeyMismatchError, MissingShardError, SizeMismatchError, StepNotFoundError,
-                     UnsupportedVersionError, ChecksumMismatchError)
+from .errors import CheckpointError, IncompleteSaveError, KeyMismatchError, StepNotFoundError
 from .manifest import Manifest
 from .repository import Repository
 from .session import SaveOptions
@@ -53,20 +53,9 @@ _log = logging.getLogger("ckptfmt.manager")
 
 #: The manager's entry in a manifest's ``metadata``: ``{"metrics": {name: value}}`` (spec 13.7).
 METADATA_KEY = "ckptfmt.manager"
-#: Errors that mean "this step's bytes are damaged" (fallback moves to an older step). A wrong
-#: target (KeyMismatchError, ShapeMismatchError, TopologyChangedError) or a newer format version
-#: is the caller's problem, and an older step would not cure it: those always raise.
-_DAMAGE = (MissingShardError, SizeMismatchError, ChecksumMismatchError, InvalidManifestError,
-           InvalidStateError, StepNotFoundError)
 #: Seconds between two gc passes of the retention thread (gc's own grace period is 600 s, so
 #: running it more often finds nothing new to collect).
 GC_INTERVAL_S = 600.0
-
-
-def _is_damage(err: Mapping[str, Any]) -> bool:
-    cls = getattr(_errors, str(err.get("error")), None)
-    return (isinstance(cls, type) and issubclass(cls, _DAMAGE)
-            and not issubclass(cls, UnsupportedVersionError))
 
 
 class CheckpointManager:
@@ -115,6 +104,7 @@ class CheckpointManager:
         self._reading: dict[int, int] = {}
         self._lock = threading.Lock()
         self._metric_cache: dict[int, float | None] = {}
+        self._restorable: set[int] = set()
         self._last_gc: float | None = None
         self._metrics_out: Any = None
         self._preempted_at: int | None = None
@@ -354,6 +344,16 @@ class CheckpointManager:
             self._metric_cache[step] = metric_value(value)
         return self._metric_cache[step]
 
+    def _unrestorable(self, step: int) -> str | None:
+        # A step judged restorable stays so for this manager (its objects are write-once), so each
+        # step's objects are probed once, not after every save.
+        if step in self._restorable:
+            return None
+        why = unrestorable(self.repository, step)
+        if why is None:
+            self._restorable.add(step)
+        return why
+
     def _retain(self) -> None:
         """Apply retention (rank 0, after a commit). Failures are logged; they never fail the save."""
         if not self.retention.active:
@@ -365,15 +365,19 @@ class CheckpointManager:
             for s in list(self._metric_cache):
                 if s not in steps:
                     del self._metric_cache[s]
-            for step, reason in self.retention.plan(steps, self._metric, protected):
+            self._restorable &= set(steps)
+            plan = self.retention.plan(steps, self._metric, protected, unrestorable=self._unrestorable)
+            for note in plan.notes:
+                _log.warning("retention: %s", note)
+            for d in plan.delete:
                 try:
-                    self.repository.delete(step)
+                    self.repository.delete(d.step)
                 except CheckpointError as e:
-                    _log.warning("retention: could not delete step %d: %s", step, e)
+                    _log.warning("retention: could not delete step %d: %s", d.step, e)
                     continue
-                self._metric_cache.pop(step, None)
-                _log.info("retention: deleted step %d: %s", step, reason)
-                self._emit({"event": "delete", "step": step, "reason": reason, "unix": time.time()})
+                self._metric_cache.pop(d.step, None)
+                _log.info("retention: deleted step %d: %s", d.step, d.reason)
+                self._emit({"event": "delete", "step": d.step, "reason": d.reason, "unix": time.time()})
             if self._last_gc is None or time.monotonic() - self._last_gc >= GC_INTERVAL_S:
                 self._last_gc = time.monotonic()
                 report = self.repository.gc()

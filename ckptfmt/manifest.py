@@ -2,24 +2,19 @@
 
 A manifest is self-contained: a reader needs nothing else to locate and verify every
 byte of a checkpoint. Tables are columnar (numpy arrays) so 10^5..10^6 shards stay cheap.
+The tensor and state entries, and the exact checks of one entry, are in
+:mod:`ckptfmt._manifest_entries`; the fast path over many tensors in :mod:`ckptfmt._manifest_fast`.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import json
 import math
-import re
-from itertools import chain
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-import numpy as np
-
-from .dtypes import DTYPES, itemsize_of
-from .errors import (CheckpointError, DuplicateShardError, InvalidManifestError, ManifestTooLargeError,
-                     UnsupportedVersionError)
+from .errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, UnsupportedVersionError
 from ._manifest_caps import MAX_CHUNK_ROWS as MAX_CHUNK_ROWS
 from ._manifest_caps import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
 from ._manifest_caps import MAX_NESTING as MAX_NESTING
@@ -27,8 +22,24 @@ from ._manifest_caps import MAX_SHARD_ROWS as MAX_SHARD_ROWS
 from ._manifest_caps import MAX_STRUCTURAL_BYTES as MAX_STRUCTURAL_BYTES
 from ._manifest_caps import MAX_TENSORS as MAX_TENSORS
 from ._manifest_caps import CountCaps, check_nesting, count_structural
+from ._manifest_entries import MAX_KEY_LEN, MAX_OBJECT_KEY_LEN, MAX_TENSOR_BYTES, _U32, _fail, _int, _members, _typed
+from ._manifest_entries import ArraySpec as ArraySpec
+from ._manifest_entries import ChunkTable as ChunkTable
+from ._manifest_entries import ShardTable as ShardTable
+from ._manifest_entries import StateEntry as StateEntry
+from ._manifest_entries import TensorEntry as TensorEntry
+from ._manifest_entries import _make_entry as _make_entry
+from ._manifest_entries import _tensor as _tensor
+from ._manifest_entries import _tensors_exact as _tensors_exact
+from ._manifest_entries import check_object_key as check_object_key
 from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
-from .plan import TensorGeometry, chunk_count_table
+from .layout import MARKER_BYTES as MARKER_BYTES
+from .layout import MARKER_KEY as MARKER_KEY
+from .layout import MAX_STEP as MAX_STEP
+from .layout import SAVE_ID_RE as SAVE_ID_RE
+from .layout import manifest_key as manifest_key
+from .layout import arrays_prefix, state_key, state_name, state_prefix
+from .layout import step_of_manifest_key as step_of_manifest_key
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
            "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key",
@@ -36,146 +47,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NESTING",
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
-MAX_NDIM = 64
-MAX_DIM = 1 << 62
-MAX_TENSOR_BYTES = 1 << 62
-MAX_KEY_LEN = 4096
-MAX_OBJECT_KEY_LEN = 1024
-MAX_STEP = (1 << 63) - 1
-SAVE_ID_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,127}$")
 KNOWN_EXTENSIONS: frozenset[str] = frozenset()
-_U32 = 1 << 32
-
-
-def manifest_key(step: int) -> str:
-    """The key of the committed manifest of ``step``."""
-    return f"manifests/{step:020d}.json"
-
-
-_MANIFEST_KEY_RE = re.compile(r"manifests/([0-9]{20})\.json")
-
-
-def step_of_manifest_key(key: str) -> int | None:
-    """The step a key under ``manifests/`` names, or None when it names none (FORMAT.md 4.2):
-    not exactly 20 digits, or a value above 2^63 - 1."""
-    m = _MANIFEST_KEY_RE.fullmatch(key)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step <= MAX_STEP else None
-
-
-#: The repository marker (FORMAT.md 4.5): written once by the first save's leader.
-MARKER_KEY = "ckptfmt.json"
-MARKER_BYTES = b'{"format":"ckptfmt","format_version":1}\n'
-
-
-def check_object_key(k: Any, *, prefix: str = "", key: str | None = None) -> str:
-    """Reject object keys that could escape the repository; return the key.
-
-    Keys are relative, "/"-separated, with no empty, "." or ".." segment, no backslash,
-    no URL scheme and no control character. With ``prefix`` the key must lie under it.
-    """
-    bad = None
-    if not isinstance(k, str) or not k:
-        bad = "not a non-empty string"
-    elif len(k) > MAX_OBJECT_KEY_LEN:
-        bad = "longer than 1024 characters"
-    elif k.startswith("/") or "\\" in k or ":" in k:
-        bad = "absolute, backslash or URL scheme"
-    elif any(seg in ("", ".", "..") for seg in k.split("/")):
-        bad = "empty, '.' or '..' segment"
-    elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in k):
-        bad = "control character"
-    elif prefix and not k.startswith(prefix):
-        bad = f"outside {prefix!r}"
-    if bad:
-        raise InvalidManifestError(f"object key escapes the repository ({bad})", key=key, object=str(k)[:200],
-                                   expected=f"a relative key under {prefix or 'the repository'}", found=str(k)[:200])
-    return k
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    path: str
-    shard_shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    codec: str = "raw"
-
-
-@dataclass(frozen=True, eq=False)
-class ShardTable:
-    offset: np.ndarray        # (S, ndim) int64
-    writer: np.ndarray        # (S,) int64
-    key: tuple[str, ...]
-    nbytes: np.ndarray        # (S,) int64
-    index_crc32c: np.ndarray  # (S,) uint32
-
-    def __len__(self) -> int:
-        return len(self.key)
-
-
-@dataclass(frozen=True, eq=False)
-class ChunkTable:
-    offset: np.ndarray  # (C,) int64, byte offset inside the shard object
-    nbytes: np.ndarray  # (C,) int64, includes the 4-byte crc32c trailer
-    crc32c: np.ndarray  # (C,) uint32, crc32c of the chunk's data bytes
-
-
-@dataclass(frozen=True, eq=False)
-class TensorEntry:
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    sharding: dict[str, Any] | None
-    array: ArraySpec
-    shards: ShardTable
-    chunks: ChunkTable
-
-    @functools.cached_property
-    def geometry(self) -> TensorGeometry:
-        return TensorGeometry(self.shape, self.array.shard_shape, self.array.chunk_shape, itemsize_of(self.dtype))
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize_of(self.dtype)
-
-    @functools.cached_property
-    def chunk_start(self) -> np.ndarray:
-        """Where each shard's entries begin in the chunk table (length S + 1)."""
-        counts = np.prod(chunk_count_table(self.geometry, self.shards.offset), axis=1, dtype=np.int64)
-        return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
-
-    def object_key(self, s: int) -> str:
-        return f"{self.array.path}/{self.shards.key[s]}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "shape": list(self.shape), "dtype": self.dtype, "sharding": self.sharding,
-            "array": {"path": self.array.path, "shard_shape": list(self.array.shard_shape),
-                      "chunk_shape": list(self.array.chunk_shape), "codec": self.array.codec},
-            "shards": {"offset": self.shards.offset.reshape(len(self.shards), len(self.shape)).tolist(),
-                       "writer": self.shards.writer.tolist(), "key": list(self.shards.key),
-                       "nbytes": self.shards.nbytes.tolist(), "index_crc32c": self.shards.index_crc32c.tolist()},
-            "chunks": {"offset": self.chunks.offset.tolist(), "nbytes": self.chunks.nbytes.tolist(),
-                       "crc32c": self.chunks.crc32c.tolist()},
-        }
-
-
-@dataclass(frozen=True)
-class StateEntry:
-    name: str
-    key: str
-    nbytes: int
-    crc32c: int
-    scope: str  # "global" or "rank"
-    rank: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"key": self.key, "nbytes": self.nbytes, "crc32c": self.crc32c, "scope": self.scope}
-        if self.rank is not None:
-            d["rank"] = self.rank
-        return d
 
 
 @dataclass(frozen=True, eq=False)
@@ -243,47 +115,6 @@ class Manifest:
 
 
 # ----------------------------------------------------------------------------- parsing
-
-
-def _fail(msg: str, *, key: str | None = None, object: str | None = None, expected: Any = None, found: Any = None) -> None:
-    raise InvalidManifestError(msg, key=key, object=object, expected=expected, found=found)
-
-
-def _int(v: Any, lo: int, hi: int, what: str, key: str | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        _fail(f"{what} must be an integer in [{lo}, {hi}]", key=key, expected=f"int in [{lo}, {hi}]", found=repr(v)[:80])
-    return v
-
-
-def _typed(v: Any, t: type | tuple[type, ...], what: str, key: str | None = None) -> Any:
-    if not isinstance(v, t) or isinstance(v, bool) and t is not bool:
-        _fail(f"{what} has the wrong type", key=key, expected=getattr(t, "__name__", str(t)), found=type(v).__name__)
-    return v
-
-
-def _int_array(v: Any, n: int, lo: int, hi: int, what: str, key: str, width: int | None = None) -> np.ndarray:
-    _typed(v, list, what, key)
-    if len(v) != n:
-        _fail(f"{what} has the wrong length", key=key, expected=n, found=len(v))
-    if width is None:
-        types = set(map(type, v))
-    else:
-        if set(map(type, v)) - {list}:
-            _fail(f"{what} must hold lists", key=key, expected="list of lists")
-        if set(map(len, v)) - {width}:
-            _fail(f"{what} rows have the wrong length", key=key, expected=width)
-        types = set(map(type, chain.from_iterable(v)))
-    if types - {int}:  # exactly int: no bool, float or string sneaks through a numpy cast
-        _fail(f"{what} must hold integers", key=key, expected="int", found=sorted(t.__name__ for t in types))
-    try:
-        a = np.array(v, dtype=np.int64) if n else np.zeros((0,) if width is None else (0, width), np.int64)
-    except OverflowError:
-        _fail(f"{what} out of range", key=key, expected=f"[{lo}, {hi}]", found="beyond int64")
-    if width is not None:
-        a = a.reshape(n, width)
-    if a.size and (a.min() < lo or a.max() > hi):
-        _fail(f"{what} out of range", key=key, expected=f"[{lo}, {hi}]", found=f"[{a.min()}, {a.max()}]")
-    return a
 
 
 def parse_manifest(data: bytes, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
@@ -366,13 +197,6 @@ _TOP = {"format", "format_version", "must_understand", "extensions", "save_id", 
         "writers", "versions", "metadata", "tensors", "state"}
 
 
-def _members(d: dict[str, Any], allowed: set[str], what: str, key: str | None = None) -> None:
-    """Format v1 is closed: unknown members are errors (new things go in "extensions")."""
-    extra = set(d) - allowed
-    if extra:
-        _fail(f"unknown member(s) in {what}", key=key, expected=sorted(allowed), found=sorted(extra)[:10])
-
-
 def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps = CountCaps()) -> Manifest:
     """Build and check a manifest from its parsed JSON. ``literals``: the document's float count
     and an upper bound of its boolean count, which lets the fast path skip type checks when
@@ -403,7 +227,7 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         _fail("versions must map names to version strings")
     metadata = _typed(doc["metadata"], dict, "metadata")
     extensions = _typed(doc.get("extensions", {}), dict, "extensions")
-    prefix = f"saves/{save_id}/"
+    prefix = arrays_prefix(save_id)
     tensors_doc = _typed(doc["tensors"], dict, "tensors")
     if len(tensors_doc) > caps.tensors:
         raise ManifestTooLargeError("manifest holds too many tensors", expected=f"<= {caps.tensors}", found=len(tensors_doc))
@@ -414,16 +238,7 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         if type(t) is dict and type(sd := t.get("sharding")) is dict:
             check_nesting(sd, 4, "sharding", key=k)
     if caps.count_rows:  # else the structural count already keeps every column below the row caps
-        shard_rows = chunk_rows = 0
-        for t in tensors_doc.values():
-            sh, ch = (t.get("shards"), t.get("chunks")) if type(t) is dict else (None, None)
-            if type(sh) is dict and type(sh.get("key")) is list:
-                shard_rows += len(sh["key"])
-            if type(ch) is dict and type(ch.get("offset")) is list:
-                chunk_rows += len(ch["offset"])
-        for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
-            if rows > cap:  # before any table is built
-                raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)
+        _check_rows(tensors_doc, caps)
     clean = False
     if literals is not None:
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
@@ -434,7 +249,28 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
                                max_object_key_len=MAX_OBJECT_KEY_LEN, no_float_or_bool=clean)
     except Fallback:  # something is off: the exact checks find it and name it
         tensors = _tensors_exact(tensors_doc, prefix, writers)
-    state_doc = _typed(doc["state"], dict, "state")
+    state = _state_entries(_typed(doc["state"], dict, "state"), save_id, writers)
+    return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
+                    state=state, versions=versions, metadata=metadata, format_version=version,
+                    must_understand=tuple(mu), extensions=extensions)
+
+
+def _check_rows(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
+    """ManifestTooLargeError, before any table is built, past the shard or chunk row caps."""
+    shard_rows = chunk_rows = 0
+    for t in tensors_doc.values():
+        sh, ch = (t.get("shards"), t.get("chunks")) if type(t) is dict else (None, None)
+        if type(sh) is dict and type(sh.get("key")) is list:
+            shard_rows += len(sh["key"])
+        if type(ch) is dict and type(ch.get("offset")) is list:
+            chunk_rows += len(ch["offset"])
+    for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
+        if rows > cap:
+            raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)
+
+
+def _state_entries(state_doc: dict[str, Any], save_id: str, writers: int) -> dict[str, StateEntry]:
+    """The checked state entries (FORMAT.md 5.8): names, scopes, ranks and keys agree."""
     state: dict[str, StateEntry] = {}
     for name, s in state_doc.items():
         _typed(s, dict, "state entry", name)
@@ -443,129 +279,12 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
             _fail("state scope must be 'global' or 'rank'", key=name, found=repr(scope)[:40])
         _members(s, {"key", "nbytes", "crc32c", "scope"} | ({"rank"} if scope == "rank" else set()), "a state entry", name)
         rank = _int(s.get("rank"), 0, writers - 1, "state rank", name) if scope == "rank" else None
-        want_name, want_key = ("global", "global.msgpack") if scope == "global" else (f"rank/{rank}", f"rank-{rank:05d}.msgpack")
+        want_name, want_key = state_name(rank), state_key(save_id, rank)
         if name != want_name:
             _fail("state entry name does not match its scope", key=name, expected=want_name, found=name)
-        skey = check_object_key(s.get("key"), prefix=prefix + "state/", key=name)
-        if skey != prefix + "state/" + want_key:
-            _fail("state object key does not match its entry", key=name, object=skey, expected=prefix + "state/" + want_key, found=skey)
+        skey = check_object_key(s.get("key"), prefix=state_prefix(save_id), key=name)
+        if skey != want_key:
+            _fail("state object key does not match its entry", key=name, object=skey, expected=want_key, found=skey)
         state[name] = StateEntry(name, skey, _int(s.get("nbytes"), 0, MAX_TENSOR_BYTES, "state nbytes", name),
                                  _int(s.get("crc32c"), 0, _U32 - 1, "state crc32c", name), scope, rank)
-    return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
-                    state=state, versions=versions, metadata=metadata, format_version=version,
-                    must_understand=tuple(mu), extensions=extensions)
-
-
-def _tensors_exact(tensors_doc: dict[str, Any], prefix: str, writers: int) -> dict[str, TensorEntry]:
-    """Every tensor entry checked one at a time; raises the first broken rule, in document order."""
-    tensors: dict[str, TensorEntry] = {}
-    paths: set[str] = set()
-    for k, t in tensors_doc.items():
-        if not k or len(k) > MAX_KEY_LEN:
-            _fail("tensor key path is empty or too long", key=k[:200], expected=f"1..{MAX_KEY_LEN} chars", found=len(k))
-        e = _tensor(k, t, prefix, writers)
-        if e.array.path in paths:
-            raise DuplicateShardError("two tensors share one storage array", key=k, object=e.array.path)
-        paths.add(e.array.path)
-        tensors[k] = e
-    return tensors
-
-
-def _make_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[str, Any] | None, path: str,
-                geom: TensorGeometry, offset: np.ndarray, keys: tuple[str, ...], writer: np.ndarray,
-                nbytes: np.ndarray, icrc: np.ndarray, coff: np.ndarray, cnb: np.ndarray, ccrc: np.ndarray) -> TensorEntry:
-    return TensorEntry(k, shape, dtype, sharding, ArraySpec(path, geom.shard_shape, geom.chunk_shape, "raw"),
-                       ShardTable(offset, writer, keys, nbytes, icrc), ChunkTable(coff, cnb, ccrc))
-
-
-def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
-    _typed(t, dict, "tensor entry", k)
-    _members(t, {"shape", "dtype", "sharding", "array", "shards", "chunks"}, "a tensor entry", k)
-    shape = _typed(t.get("shape"), list, "shape", k)
-    if len(shape) > MAX_NDIM:
-        _fail("too many dimensions", key=k, expected=f"<= {MAX_NDIM}", found=len(shape))
-    shape_t = tuple(_int(n, 0, MAX_DIM, "shape entry", k) for n in shape)
-    dtype = t.get("dtype")
-    if dtype not in DTYPES:
-        _fail("unknown dtype", key=k, expected=sorted(DTYPES), found=repr(dtype)[:40])
-    item = itemsize_of(dtype)
-    # max(n, 1): a zero-length dimension must not lift the bound on the others ([0, 2^62, 2^62]).
-    if math.prod(max(n, 1) for n in shape_t) * item > MAX_TENSOR_BYTES:
-        _fail("tensor too large (shape x itemsize overflows)", key=k, expected=f"<= {MAX_TENSOR_BYTES} bytes", found=shape_t)
-    sharding = t.get("sharding")
-    if sharding is not None:
-        _typed(sharding, dict, "sharding", k)
-    a = _typed(t.get("array"), dict, "array", k)
-    _members(a, {"path", "shard_shape", "chunk_shape", "codec"}, "array", k)
-    path = check_object_key(a.get("path"), prefix=prefix + "t/", key=k)
-    if a.get("codec") != "raw":
-        raise UnsupportedVersionError("unsupported codec", key=k, expected="raw", found=repr(a.get("codec"))[:40])
-    nd = len(shape_t)
-    shard_shape = tuple(_int(x, 1, MAX_DIM, "shard_shape entry", k) for x in _typed(a.get("shard_shape"), list, "shard_shape", k))
-    chunk_shape = tuple(_int(x, 1, MAX_DIM, "chunk_shape entry", k) for x in _typed(a.get("chunk_shape"), list, "chunk_shape", k))
-    if len(shard_shape) != nd or len(chunk_shape) != nd:
-        _fail("shard_shape/chunk_shape rank differs from shape", key=k, expected=nd, found=(len(shard_shape), len(chunk_shape)))
-    if any(s % c for s, c in zip(shard_shape, chunk_shape)):
-        _fail("chunk_shape must divide shard_shape", key=k, expected=f"divisors of {shard_shape}", found=chunk_shape)
-    if any(s > max(n, 1) and n > 0 for s, n in zip(shard_shape, shape_t)):
-        _fail("shard_shape exceeds the tensor shape", key=k, expected=f"<= {shape_t}", found=shard_shape)
-    if math.prod(chunk_shape) * item > MAX_TENSOR_BYTES or math.prod(shard_shape) > (1 << 40) * max(1, math.prod(chunk_shape)):
-        _fail("chunk too large", key=k, found=chunk_shape)
-    geom = TensorGeometry(shape_t, shard_shape, chunk_shape, item)
-    if geom.chunk_nbytes > MAX_TENSOR_BYTES or geom.index_nbytes > MAX_TENSOR_BYTES:
-        _fail("encoded chunk or shard index too large", key=k, expected=f"<= {MAX_TENSOR_BYTES} bytes",
-              found=max(geom.chunk_nbytes, geom.index_nbytes))
-    sh = _typed(t.get("shards"), dict, "shards", k)
-    _members(sh, {"offset", "writer", "key", "nbytes", "index_crc32c"}, "shards", k)
-    keys = _typed(sh.get("key"), list, "shards.key", k)
-    n = len(keys)
-    expected_n = math.prod(geom.grid)
-    if n != expected_n:
-        if n > expected_n:
-            raise DuplicateShardError("more shards than grid cells (a box is claimed twice)", key=k,
-                                      expected=expected_n, found=n)
-        _fail("shards do not tile the tensor (gap)", key=k, expected=f"{expected_n} shards", found=n)
-    offset = _int_array(sh.get("offset"), n, 0, MAX_DIM, "shards.offset", k, width=nd)
-    writer = _int_array(sh.get("writer"), n, 0, writers - 1, "shards.writer", k)
-    nbytes = _int_array(sh.get("nbytes"), n, geom.index_nbytes, MAX_TENSOR_BYTES, "shards.nbytes", k)
-    icrc = _int_array(sh.get("index_crc32c"), n, 0, _U32 - 1, "shards.index_crc32c", k)
-    if n:
-        ss = np.asarray(shard_shape, np.int64)
-        if nd and (np.any(offset % ss) or np.any(offset >= np.asarray(shape_t, np.int64))):
-            _fail("a shard box is off the grid or outside the tensor", key=k, expected=f"multiples of {shard_shape} inside {shape_t}")
-        cells = offset // ss if nd else np.zeros((n, 0), np.int64)
-        flat = np.ravel_multi_index(tuple(cells.T), geom.grid) if nd else np.zeros(n, np.int64)
-        if len(np.unique(flat)) != n:
-            raise DuplicateShardError("two shards claim the same box", key=k, expected="each box once", found="duplicate offset")
-        template = "c" + "/{}" * nd
-        expected_keys = list(map(template.format, *cells.T.tolist())) if nd else ["c"] * n
-        if keys != expected_keys:
-            i = next(i for i, (a, b) in enumerate(zip(keys, expected_keys)) if a != b)
-            check_object_key(keys[i], key=k)
-            _fail("shard object key does not match its box", key=k, object=str(keys[i])[:200],
-                  expected=expected_keys[i], found=str(keys[i])[:200])
-    ch = _typed(t.get("chunks"), dict, "chunks", k)
-    _members(ch, {"offset", "nbytes", "crc32c"}, "chunks", k)
-    counts = np.prod(chunk_count_table(geom, offset), axis=1, dtype=np.int64) if n else np.zeros(0, np.int64)
-    total = int(counts.sum())
-    coff = _int_array(ch.get("offset"), total, 0, MAX_TENSOR_BYTES, "chunks.offset", k)
-    cnb = _int_array(ch.get("nbytes"), total, geom.chunk_nbytes, geom.chunk_nbytes, "chunks.nbytes", k)
-    ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)
-    if total:
-        owner = np.repeat(np.arange(n), counts)
-        if np.any(coff > (nbytes[owner] - geom.index_nbytes) - cnb):  # written so that nothing can overflow int64
-            _fail("a chunk byte range runs past its shard's data section", key=k)
-        # No two chunks of one shard share a byte: sorted by (shard, offset), neighbours lie a whole
-        # chunk apart (every chunk of a tensor has nbytes = chunk_nbytes).
-        order = np.lexsort((coff, owner))
-        so, sw = coff[order], owner[order]
-        clash = np.flatnonzero((sw[1:] == sw[:-1]) & (so[1:] - so[:-1] < geom.chunk_nbytes))
-        if clash.size:
-            a, b = sorted(int(x) for x in order[clash[0]:clash[0] + 2])
-            _fail("two chunks of one shard share bytes", key=k, object=f"{path}/{keys[int(owner[a])]}",
-                  expected=f"disjoint byte ranges of {geom.chunk_nbytes} bytes",
-                  found=f"chunk rows {a} and {b} at offsets {int(coff[a])} and {int(coff[b])}")
-    tables = (offset, writer, nbytes, icrc.astype(np.uint32), coff, cnb, ccrc.astype(np.uint32))
-    for a in tables:  # a parsed manifest is immutable, whichever path checked it
-        a.flags.writeable = False
-    return _make_entry(k, shape_t, dtype, sharding, path, geom, *tables[:1], tuple(keys), *tables[1:])
+    return state

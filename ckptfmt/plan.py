@@ -16,8 +16,10 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from . import layout
 from ._types import Box
 from .errors import ShapeMismatchError, StepMismatchError
+from .layout import cell_key as cell_key
 
 __all__ = [
     "TensorGeometry", "WriteItem", "TensorWritePlan", "ReadItem", "shard_grid", "chunk_shape_for",
@@ -49,12 +51,12 @@ class TensorGeometry:
     @property
     def chunk_nbytes(self) -> int:
         """Stored bytes of one inner chunk with the raw codec: data plus the 4-byte crc32c."""
-        return math.prod(self.chunk_shape) * self.itemsize + 4
+        return layout.chunk_nbytes(self.chunk_shape, self.itemsize)
 
     @property
     def index_nbytes(self) -> int:
         """Bytes of a shard index: 16 per inner chunk plus the 4-byte crc32c."""
-        return math.prod(self.inner) * 16 + 4
+        return layout.index_nbytes(self.inner)
 
     def shard_box(self, cell: tuple[int, ...]) -> Box:
         off = tuple(c * s for c, s in zip(cell, self.shard_shape))
@@ -111,11 +113,6 @@ class ReadItem(NamedTuple):
 
 # ReadItem from a tuple of its five fields, without the keyword-handling constructor (hot loop).
 _read_item = partial(tuple.__new__, ReadItem)
-
-
-def cell_key(cell: tuple[int, ...]) -> str:
-    """The zarr v3 "default" chunk key of a grid cell, relative to the array path."""
-    return "c" if not cell else "c/" + "/".join(str(c) for c in cell)
 
 
 def shard_grid(shape: tuple[int, ...], boxes: Iterable[Box]) -> tuple[int, ...]:
@@ -178,7 +175,8 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
     held = _gather({k: i for i, k in enumerate(keys)}, rank_boxes, max(map(len, shapes), default=0))
     # Every tensor whose boxes are each exactly one grid cell is planned at once, vectorized;
     # any other tensor (including every one that fails) takes the per-tensor path, in key order.
-    slow, gcds, base, writers = _regular_owners(shapes, held, world)
+    fast = _regular_owners(shapes, held, world)
+    slow, gcds, base, writers = fast.slow, fast.gcds, fast.base, fast.writers
     shared: dict[tuple, tuple[TensorGeometry, np.ndarray]] = {}  # tensors alike share geometry and cells
     order: np.ndarray | None = None  # held boxes sorted by tensor, for the per-tensor path
     bounds: list[int] = []
@@ -266,15 +264,19 @@ def _padded(rows: Sequence[Sequence[int]], lens: np.ndarray, width: int, fill: i
     return out
 
 
-def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held,
-                    world: int) -> tuple[np.ndarray, list[tuple[int, ...]], list[int], np.ndarray]:
-    """Vectorized plan of every tensor whose boxes all lie inside it, are non-empty, have its
-    rank and cover exactly one grid cell each, and whose every cell is held.
+@dataclass(frozen=True, eq=False)
+class _Owners:
+    """The vectorized plan. For each tensor ``t`` that is not ``slow[t]`` (those need the per-tensor path):"""
 
-    Returns (slow, gcds, base, writers): ``slow[t]`` flags the tensors that need the per-tensor
-    path; for the others, ``gcds[t]`` is the per-dimension gcd of interior box boundaries
-    (0: none) and ``writers[base[t]:]`` their writers in C order over the grid.
-    """
+    slow: np.ndarray
+    gcds: list[tuple[int, ...]]  # per dimension, the gcd of interior box boundaries (0: none)
+    base: list[int]              # its writers, in C order over the grid, start at writers[base[t]]
+    writers: np.ndarray
+
+
+def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held, world: int) -> _Owners:
+    """Vectorized plan of every tensor whose boxes all lie inside it, are non-empty, have its
+    rank and cover exactly one grid cell each, and whose every cell is held."""
     t, offs, shps = held.tensor, held.offs, held.shps
     T, D = len(shapes), offs.shape[1]
     tndim = np.fromiter(map(len, shapes), np.int64, count=T)
@@ -306,7 +308,7 @@ def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held,
     prio = np.array(held.reps, np.int64) * world + held.rank
     np.minimum.at(owner, (cell + base[t])[good], prio[good])
     slow[np.repeat(np.arange(T), ncells)[owner == np.iinfo(np.int64).max]] = True  # gaps: the slow path raises
-    return slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner % world
+    return _Owners(slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner % world)
 
 
 def _cells(grid: tuple[int, ...]) -> np.ndarray:

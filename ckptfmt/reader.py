@@ -3,7 +3,6 @@ every block against the manifest, and hand nothing back until everything is veri
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -13,23 +12,21 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ._alloc import allocate, check_outputs_fit, require_memory
-from ._blockcheck import BlockChecks
+from ._positional import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
+from ._positional import PositionalReads, _Batch
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
 from .errors import ChecksumMismatchError, InvalidStateError, KeyMismatchError, SizeMismatchError, TopologyChangedError
 from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
-from .storage import Storage
+from .layout import CRC_BYTES
+from .storage import Pending, Storage
 
 __all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy"]
 
 #: Bytes of reads kept in flight by one reader: a fixed memory overhead, independent of state size.
 DEFAULT_READ_WINDOW = 256 << 20
-#: Local-file reader threads: enough positional reads in flight to keep a virtual disk's queue full.
-DEFAULT_READ_THREADS = 32
-#: Most buffers one preadv call takes (Linux IOV_MAX).
-_IOV_MAX = 1024
 #: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
 MAX_STATE_BYTES = 64 << 20
 
@@ -64,7 +61,7 @@ class ReadStats:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
 
-class Checkpoint(BlockChecks):
+class Checkpoint(PositionalReads):
     """One committed step, opened for reading. Create it with :meth:`Repository.open`."""
 
     def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = DEFAULT_READ_WINDOW,
@@ -108,21 +105,21 @@ class Checkpoint(BlockChecks):
         """
         t0 = time.perf_counter()
         outs, work = self._plan(requests)
-        if self.storage.local_root is not None:
+        if self.storage.positional_reads:
             self._read_local(work, outs)
             self.stats.add_time("total", time.perf_counter() - t0)
             return outs  # type: ignore[return-value]
         # A sliding window: keep up to max_inflight_bytes of reads issued while earlier ones are
         # verified and copied, so I/O overlaps with checksum and assembly work.
-        queue: deque[Any] = deque()
+        queue: deque[_ShardRead] = deque()
         inflight = 0
         for (key, s), items in work.items():
             issued = self._issue(key, s, items)
             queue.append(issued)
-            inflight += issued[-1]
+            inflight += issued.held
             while inflight > self.max_inflight_bytes and queue:
                 done = queue.popleft()
-                inflight -= done[-1]
+                inflight -= done.held
                 self._finish(done, outs)
         while queue:
             self._finish(queue.popleft(), outs)
@@ -136,13 +133,13 @@ class Checkpoint(BlockChecks):
         memory it holds at once without losing I/O parallelism. A fault raises from the iterator;
         the caller must not publish anything it built until the iterator is exhausted.
         """
-        if self.storage.local_root is None:
+        if not self.storage.positional_reads:
             for batch in batches:
                 yield self.read_boxes(batch)
             return
         pool = ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="ckptfmt-read")
         try:
-            pending: deque[tuple[list[np.ndarray | None], list[Any], float, int]] = deque()
+            pending: deque[_Batch] = deque()
             inflight = 0
             for batch in batches:
                 outs, work = self._plan(batch)
@@ -150,34 +147,16 @@ class Checkpoint(BlockChecks):
                 # Keep the window: hand out the oldest batch before issuing past it.
                 while len(pending) >= 2 and inflight + nbytes > self.max_inflight_bytes:
                     done = pending.popleft()
-                    inflight -= done[3]
-                    yield self._collect(*done[:3])
+                    inflight -= done.nbytes
+                    yield self._collect(done)
                 started = time.perf_counter()
                 futures = [pool.submit(self._read_local_shard, k, s, items, outs) for (k, s), items in work.items()]
-                pending.append((outs, futures, started, nbytes))
+                pending.append(_Batch(outs, futures, started, nbytes))
                 inflight += nbytes
             while pending:
-                yield self._collect(*pending.popleft()[:3])
+                yield self._collect(pending.popleft())
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-
-    def _threads(self) -> int:
-        return max(1, int(self.storage.options.get("read_threads", DEFAULT_READ_THREADS)))
-
-    def _collect(self, outs: list[np.ndarray | None], futures: list[Any], started: float) -> list[np.ndarray]:
-        sums: dict[str, float] = {}
-        for f in futures:
-            nbytes, requests, phases = f.result()  # raises the first fault
-            self.stats.bytes_read += nbytes
-            self.stats.requests += requests
-            self.stats.objects += 1
-            for phase, seconds in phases.items():
-                sums[phase] = sums.get(phase, 0.0) + seconds
-        # Threads overlap: share this batch's wall time out in proportion to the per-thread sums.
-        wall, total = time.perf_counter() - started, sum(sums.values())
-        for phase, seconds in sums.items():
-            self.stats.add_time(phase, seconds * min(1.0, wall / total) if total else 0.0)
-        return outs  # type: ignore[return-value]
 
     def _plan(self, requests: Sequence[tuple[str, Box]]) -> tuple[list[np.ndarray | None], dict[tuple[str, int], list[ReadItem]]]:
         """Allocate fresh outputs and group the read items by (tensor, shard). Pure except allocation."""
@@ -207,7 +186,7 @@ class Checkpoint(BlockChecks):
             cs = self._chunk_start[t.key] = t.chunk_start
         return cs
 
-    def _issue(self, key: str, s: int, items: list[ReadItem]) -> tuple[Any, ...]:
+    def _issue(self, key: str, s: int, items: list[ReadItem]) -> "_ShardRead":
         """Start the reads one shard needs: the whole object, or its index plus the needed chunks."""
         t = self.manifest.tensors[key]
         g = t.geometry
@@ -217,35 +196,34 @@ class Checkpoint(BlockChecks):
         nbytes = int(t.shards.nbytes[s])
         self.stats.objects += 1
         # Every range ends at or before nbytes; the size is checked apart (stat, or one byte at nbytes).
-        probe = self.storage.start_size_check(obj, nbytes, tensor=key)
-        self.stats.requests += probe is not None
+        probe = self.storage.size_check(obj, nbytes, tensor=key)
+        self.stats.requests += probe.requests
         if len(chunks) == int(starts[s + 1] - starts[s]):
             require_memory(nbytes, key, obj, "the whole shard")
             self.stats.requests += 1
-            return (key, s, items, obj, True, [self.storage.read_range_future(obj, 0, nbytes)], probe, nbytes)
+            return _ShardRead(key, s, items, obj, True, [self.storage.read_range(obj, 0, nbytes, tensor=key)], probe, nbytes)
         require_memory(len(chunks) * g.chunk_nbytes + g.index_nbytes, key, obj, "the shard's needed chunks")
-        futs = [self.storage.read_range_future(obj, nbytes - g.index_nbytes, nbytes)]
+        futs = [self.storage.read_range(obj, nbytes - g.index_nbytes, nbytes, tensor=key)]
         for c in chunks:
             o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-            futs.append(self.storage.read_range_future(obj, o, o + n))
+            futs.append(self.storage.read_range(obj, o, o + n, tensor=key))
         self.stats.requests += len(futs)
-        return (key, s, items, obj, False, futs, probe, len(chunks) * g.chunk_nbytes + g.index_nbytes)
+        return _ShardRead(key, s, items, obj, False, futs, probe, len(chunks) * g.chunk_nbytes + g.index_nbytes)
 
-    def _finish(self, issued: tuple[Any, ...], outs: list[np.ndarray | None]) -> None:
+    def _finish(self, issued: "_ShardRead", outs: list[np.ndarray | None]) -> None:
         """Wait for one shard's reads, verify every byte against the manifest, copy into the outputs."""
-        key, s, items, obj, whole, futs, probe, _ = issued
+        key, s, items, obj = issued.key, issued.shard, issued.items, issued.obj
         t = self.manifest.tensors[key]
         g = t.geometry
-        nbytes = int(t.shards.nbytes[s])
         tw = time.perf_counter()
-        Storage.finish_size_check(probe, obj, nbytes, tensor=key)
-        raw = [Storage.range_result(f, obj, 0, nbytes, tensor=key) for f in futs]
+        issued.probe.result()
+        raw = [f.result() for f in issued.reads]
         self.stats.add_time("read", time.perf_counter() - tw)
         self.stats.bytes_read += sum(len(r) for r in raw)
         tv = time.perf_counter()
         chunks = sorted({it.chunk for it in items})
         chunk_bytes: dict[int, memoryview] = {}
-        if whole:
+        if issued.whole:
             chunk_bytes = self._check_whole(t, s, obj, raw[0], chunks)
         else:
             index = memoryview(raw[0])
@@ -259,123 +237,10 @@ class Checkpoint(BlockChecks):
         self.stats.add_time("verify", time.perf_counter() - tv)
         ta = time.perf_counter()
         dt = numpy_dtype(t.dtype)
-        decoded = {c: np.frombuffer(mv[:-4], dtype=dt).reshape(g.chunk_shape) for c, mv in chunk_bytes.items()}
+        decoded = {c: np.frombuffer(mv[:-CRC_BYTES], dtype=dt).reshape(g.chunk_shape) for c, mv in chunk_bytes.items()}
         for it in items:
             outs[it.request][it.dst or ...] = decoded[it.chunk][it.src or ...]  # type: ignore[index]
         self.stats.add_time("assemble", time.perf_counter() - ta)
-
-    def _read_local(self, work: dict[tuple[str, int], list[ReadItem]], outs: list[np.ndarray | None]) -> None:
-        """Local files: positional reads straight into the outputs where a chunk maps onto a
-        contiguous region, else into a small scratch buffer; every chunk is checked against the
-        manifest's crc32c and every object's size against the manifest. Shards run in a thread
-        pool (preadv, crc32c and numpy copies release the GIL). The first fault cancels the rest."""
-        jobs = list(work.items())
-        if not jobs:
-            return
-        threads = min(len(jobs), self._threads())
-        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
-        try:
-            started = time.perf_counter()
-            self._collect(outs, [pool.submit(self._read_local_shard, key, s, items, outs) for (key, s), items in jobs], started)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _read_local_shard(self, key: str, s: int, items: list[ReadItem],
-                          outs: list[np.ndarray | None]) -> tuple[int, int, dict[str, float]]:
-        t = self.manifest.tensors[key]
-        g = t.geometry
-        obj = t.object_key(s)
-        full = tuple(slice(0, c) for c in g.chunk_shape)
-        by_chunk: dict[int, list[ReadItem]] = {}
-        for it in items:
-            by_chunk.setdefault(it.chunk, []).append(it)
-        # Chunks that map onto one C-contiguous region of one output are read straight into it.
-        direct: dict[int, np.ndarray] = {}
-        for c, its in by_chunk.items():
-            if len(its) == 1 and (its[0].src or ()) == full:
-                view = outs[its[0].request][its[0].dst or ...]  # type: ignore[index]
-                if view.flags.c_contiguous and view.shape == tuple(g.chunk_shape) and view.size:
-                    direct[c] = view.reshape(-1).view(np.uint8)
-        phases = {"read": 0.0, "verify": 0.0, "assemble": 0.0}
-        tr = time.perf_counter()
-        fd, size = self.storage.open_local(obj, tensor=key)
-        try:
-            want = int(t.shards.nbytes[s])
-            if size != want:
-                raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
-                                        expected=want, found=size)
-            starts = self._starts(t)
-            c0, c1 = int(starts[s]), int(starts[s + 1])
-            if len(direct) == c1 - c0 and self._whole_layout(t, c0, c1, want):
-                return self._read_whole_direct(t, s, obj, fd, c0, c1, direct, phases, tr)
-            index = bytearray(g.index_nbytes)
-            self.storage.pread_into(fd, [index], want - g.index_nbytes, key=obj, tensor=key)
-            phases["read"] += time.perf_counter() - tr
-            tv = time.perf_counter()
-            self._check_index(t, s, obj, memoryview(index))
-            phases["verify"] += time.perf_counter() - tv
-            nbytes, requests = len(index), 1
-            trailer = bytearray(4)
-            scratch: np.ndarray | None = None
-            dt = numpy_dtype(t.dtype)
-            for c, its in by_chunk.items():
-                off, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-                data = direct.get(c)
-                if data is None:
-                    if scratch is None:
-                        require_memory(n - 4, key, obj, "one chunk")
-                        scratch = np.empty(n - 4, np.uint8)
-                    data = scratch
-                tr = time.perf_counter()
-                self.storage.pread_into(fd, [data, trailer], off, key=obj, tensor=key)
-                tv = time.perf_counter()
-                phases["read"] += tv - tr
-                nbytes += n
-                requests += 1
-                self._check_chunk(t, c, obj, data, trailer)
-                ta = time.perf_counter()
-                phases["verify"] += ta - tv
-                if c not in direct:
-                    chunk = data.view(dt).reshape(g.chunk_shape)
-                    for it in its:
-                        outs[it.request][it.dst or ...] = chunk[it.src or ...]  # type: ignore[index]
-                    phases["assemble"] += time.perf_counter() - ta
-        finally:
-            os.close(fd)
-        return nbytes, requests, phases
-
-    @staticmethod
-    def _whole_layout(t: TensorEntry, c0: int, c1: int, nbytes: int) -> bool:
-        """True when shard chunks c0..c1 lie back to back from offset 0 with the index right after
-        (the layout ckptfmt writes), few enough for one vectored read."""
-        n = c1 - c0
-        if 2 * n + 1 > _IOV_MAX:
-            return False
-        cn = t.geometry.chunk_nbytes
-        offs = t.chunks.offset[c0:c1]
-        return nbytes == n * cn + t.geometry.index_nbytes and bool(np.array_equal(offs, np.arange(n, dtype=np.int64) * cn))
-
-    def _read_whole_direct(self, t: TensorEntry, s: int, obj: str, fd: int, c0: int, c1: int,
-                           direct: dict[int, np.ndarray], phases: dict[str, float], tr: float) -> tuple[int, int, dict[str, float]]:
-        """One positional vectored read of the whole object: every chunk's data lands in its
-        output, its trailer and the index in small buffers; then the index and every chunk are
-        checked against the manifest before the caller may use any output."""
-        n = c1 - c0
-        tails = bytearray(4 * n)
-        tv_ = memoryview(tails)
-        index = bytearray(t.geometry.index_nbytes)
-        iov: list[Any] = []
-        for i in range(n):
-            iov += (direct[c0 + i], tv_[4 * i:4 * i + 4])
-        iov.append(index)
-        self.storage.pread_into(fd, iov, 0, key=obj, tensor=t.key)
-        tv = time.perf_counter()
-        phases["read"] += tv - tr
-        self._check_index(t, s, obj, memoryview(index))
-        for i in range(n):
-            self._check_chunk(t, c0 + i, obj, direct[c0 + i], tv_[4 * i:4 * i + 4])
-        phases["verify"] += time.perf_counter() - tv
-        return int(t.shards.nbytes[s]), 1, phases
 
     # ------------------------------------------------------------------ non-tensor state
     def _state_object(self, name: str) -> Any:
@@ -386,10 +251,10 @@ class Checkpoint(BlockChecks):
         if e.nbytes > MAX_STATE_BYTES:  # refuse before reading anything
             raise InvalidStateError("state object is larger than the state cap", key=name, object=e.key,
                                     expected=f"<= {MAX_STATE_BYTES} bytes", found=e.nbytes)
-        probe = self.storage.start_size_check(e.key, e.nbytes, tensor=name)
-        fut = self.storage.read_range_future(e.key, 0, e.nbytes)
-        Storage.finish_size_check(probe, e.key, e.nbytes, tensor=name)
-        data = Storage.range_result(fut, e.key, 0, e.nbytes, tensor=name)
+        probe = self.storage.size_check(e.key, e.nbytes, tensor=name)
+        fut = self.storage.read_range(e.key, 0, e.nbytes, tensor=name)
+        probe.result()
+        data = fut.result()
         if len(data) != e.nbytes:
             raise SizeMismatchError("state object size differs from the manifest", key=name, object=e.key,
                                     expected=e.nbytes, found=len(data))
@@ -441,7 +306,7 @@ class Checkpoint(BlockChecks):
         for key in self.keys():
             t = self.manifest.tensors[key]
             starts = self._starts(t)
-            reads: list[tuple[int, str, int, Any, Any]] = []
+            reads: list[_WholeRead] = []
             held = 0
             for s in range(len(t.shards)):
                 obj, n = t.object_key(s), int(t.shards.nbytes[s])
@@ -452,8 +317,8 @@ class Checkpoint(BlockChecks):
                     report(self._verify_whole(t, reads, starts))
                     reads, held = [], 0
                 # Each object read up to its recorded size, its length checked apart.
-                probe = self.storage.start_size_check(obj, n, tensor=key)
-                reads.append((s, obj, n, probe, self.storage.read_range_future(obj, 0, n)))
+                reads.append(_WholeRead(s, obj, n, self.storage.size_check(obj, n, tensor=key),
+                                        self.storage.read_range(obj, 0, n, tensor=key)))
                 held += n
             report(self._verify_whole(t, reads, starts))
         for name, e in sorted(self.manifest.state.items()):
@@ -463,30 +328,54 @@ class Checkpoint(BlockChecks):
                 progress(done, total)
         return done
 
-
-    def _verify_whole(self, t: TensorEntry, reads: list[tuple[int, str, int, Any, Any]], starts: np.ndarray) -> int:
-        for s, obj, n, probe, f in reads:
-            Storage.finish_size_check(probe, obj, n, tensor=t.key)
-            buf = Storage.range_result(f, obj, 0, n, tensor=t.key)
-            self._check_whole(t, s, obj, buf, range(int(starts[s]), int(starts[s + 1])))
+    def _verify_whole(self, t: TensorEntry, reads: list["_WholeRead"], starts: np.ndarray) -> int:
+        for r in reads:
+            r.probe.result()
+            buf = r.data.result()
+            self._check_whole(t, r.shard, r.obj, buf, range(int(starts[r.shard]), int(starts[r.shard + 1])))
             self.stats.bytes_read += len(buf)
-        return sum(r[2] for r in reads)
+        return sum(r.nbytes for r in reads)
 
     def _verify_in_parts(self, t: TensorEntry, s: int) -> int:
         """Verify one shard larger than the read window: its index, then its chunks, a window at a
         time, so that verify never holds more than the window (or one chunk) of it."""
         g, obj, n = t.geometry, t.object_key(s), int(t.shards.nbytes[s])
         require_memory(max(g.chunk_nbytes, g.index_nbytes), t.key, obj, "one chunk or index")
-        probe = self.storage.start_size_check(obj, n, tensor=t.key)
-        index = self.storage.read_range_future(obj, n - g.index_nbytes, n)
-        Storage.finish_size_check(probe, obj, n, tensor=t.key)
-        self._check_index(t, s, obj, memoryview(Storage.range_result(index, obj, n - g.index_nbytes, n, tensor=t.key)))
+        probe = self.storage.size_check(obj, n, tensor=t.key)
+        index = self.storage.read_range(obj, n - g.index_nbytes, n, tensor=t.key)
+        probe.result()
+        self._check_index(t, s, obj, memoryview(index.result()))
         c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
         per = max(1, self.max_inflight_bytes // g.chunk_nbytes)
         for lo in range(c0, c1, per):
             futs = [(c, int(t.chunks.offset[c])) for c in range(lo, min(c1, lo + per))]
-            futs = [(c, o, self.storage.read_range_future(obj, o, o + g.chunk_nbytes)) for c, o in futs]
-            for c, o, f in futs:
-                self._check_chunk(t, c, obj, memoryview(Storage.range_result(f, obj, o, o + g.chunk_nbytes, tensor=t.key)))
+            reads = [(c, self.storage.read_range(obj, o, o + g.chunk_nbytes, tensor=t.key)) for c, o in futs]
+            for c, f in reads:
+                self._check_chunk(t, c, obj, memoryview(f.result()))
         self.stats.bytes_read += g.index_nbytes + (c1 - c0) * g.chunk_nbytes
         return n
+
+
+@dataclass(frozen=True)
+class _ShardRead:
+    """The reads issued for one shard on the kvstore path (``held``: bytes they hold once done)."""
+
+    key: str
+    shard: int
+    items: list[ReadItem]
+    obj: str
+    whole: bool                  # one read of the whole object, else the index then each chunk
+    reads: list[Pending[bytes]]
+    probe: Pending[None]
+    held: int
+
+
+@dataclass(frozen=True)
+class _WholeRead:
+    """verify: one whole object being read, and its size check."""
+
+    shard: int
+    obj: str
+    nbytes: int
+    probe: Pending[None]
+    data: Pending[bytes]

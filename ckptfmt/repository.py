@@ -8,9 +8,10 @@ from . import _gc
 from ._gc import DEFAULT_LEASE_GRACE_S as DEFAULT_LEASE_GRACE_S
 from ._gc import GcReport as GcReport
 from .errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
-from .manifest import MAX_MANIFEST_BYTES, Manifest, manifest_key, parse_manifest, step_of_manifest_key
+from .layout import MANIFESTS, manifest_key, save_prefix, step_of_manifest_key
+from .manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .reader import DEFAULT_READ_WINDOW, Checkpoint, Progress, ReadStats
-from .storage import Storage
+from .storage import Storage, open_storage
 
 __all__ = ["Repository", "GcReport"]
 
@@ -32,10 +33,17 @@ class Repository:
     Only committed manifests are visible: a save that has not committed is never listed.
     """
 
-    def __init__(self, url: str, *, options: Mapping[str, Any] | None = None,
-                 max_manifest_bytes: int = MAX_MANIFEST_BYTES, storage: Any = None) -> None:
+    def __init__(self, url: str, *, options: Mapping[str, Any] | None = None, storage: Storage | None = None,
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
+        """``storage``: any object with the :class:`~ckptfmt.storage.Storage` interface to use
+        instead of the backend :func:`~ckptfmt.storage.open_storage` picks for ``url`` (such as a
+        :class:`~ckptfmt.storage.DelegatingStorage` that injects faults); its own options apply,
+        so ``options`` must then be None (ValueError otherwise). Raises InvalidURLError for a URL
+        that addresses nothing and StorageError when the store cannot be opened."""
         self.url = str(url)
-        self.storage = storage if storage is not None else Storage(self.url, options)
+        if storage is not None and options is not None:
+            raise ValueError("pass options to the storage, not to Repository, when giving a storage")
+        self.storage: Storage = storage if storage is not None else open_storage(self.url, options)
         self.max_manifest_bytes = max_manifest_bytes
 
     def __repr__(self) -> str:
@@ -44,11 +52,11 @@ class Repository:
     def steps(self) -> list[int]:
         """Committed steps, ascending. Keys under ``manifests/`` that name no valid step (not 20
         digits, or above 2^63 - 1) are not steps (FORMAT.md 4.2): see :meth:`foreign_manifests`."""
-        return sorted(s for k in self.storage.list("manifests/") if (s := step_of_manifest_key(k)) is not None)
+        return sorted(s for k in self.storage.list(MANIFESTS) if (s := step_of_manifest_key(k)) is not None)
 
     def foreign_manifests(self) -> list[str]:
         """Keys under ``manifests/`` that discovery ignores (FORMAT.md 4.2), for tools to report."""
-        return [k for k in self.storage.list("manifests/") if step_of_manifest_key(k) is None]
+        return [k for k in self.storage.list(MANIFESTS) if step_of_manifest_key(k) is None]
 
     def latest(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -112,7 +120,7 @@ class Repository:
             save_id = None  # damaged: it does not name its objects reliably
         self.storage.delete(manifest_key(step))
         if save_id is not None and not _gc.referenced_elsewhere(self, save_id, but=step):
-            self.storage.delete_prefix(f"saves/{save_id}/")
+            self.storage.delete_prefix(save_prefix(save_id))
 
     def gc(self, *, grace_s: float | None = None, keep_last: int | None = None,
            keep_every: int | None = None) -> GcReport:

@@ -9,8 +9,10 @@ Call order on every rank (all collectives are named and bounded by ``timeout_s``
    every rank before a byte of tensor data is written.
 3. each rank writes the shards it owns (rank 0 also every ``zarr.json`` and the global state;
    each rank its own per-rank state) and verifies them: object size, index checksum, and every
-   inner chunk's stored crc32c against the crc32c computed from the source bytes.
-4. ``allgather("save/ack")`` of the shard records, or of the writer's error.
+   inner chunk's stored crc32c against the crc32c computed from the source bytes
+   (:mod:`ckptfmt._shardwriter`; keys and byte layout from :mod:`ckptfmt.layout`).
+4. ``allgather("save/ack")`` of the shard records (:class:`~ckptfmt._shardwriter.ShardRecord`)
+   and state entries, or of the writer's error.
 5. rank 0 builds and validates the manifest, switches its lease to ``committing`` (a write
    conditional on the lease generation it last wrote: the fence against gc, FORMAT.md 8.3), and
    publishes the manifest with one conditional create of ``manifests/<step>.json``;
@@ -24,26 +26,26 @@ from __future__ import annotations
 import hashlib
 import math
 import platform
-import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
-from itertools import product
 from typing import Any, Iterable, Mapping
 
 import msgpack
 import numpy as np
 
 from . import errors as _errors
+from ._shardwriter import ShardRecord, state_from_wire, state_to_wire, write_and_verify, write_state
 from ._types import Box, LocalShard
-from .checksum import crc32c
 from .coord import Coordinator, LocalCoordinator
 from .dtypes import dtype_name, numpy_dtype
 from .errors import (CheckpointError, IncompleteSaveError, InvalidManifestError, StepAlreadyCommittedError,
-                     StepMismatchError, StorageError)
-from .manifest import (MARKER_BYTES, MARKER_KEY, MAX_NESTING, MAX_STEP, ArraySpec, ChunkTable, Manifest, ShardTable,
-                       StateEntry, TensorEntry, manifest_key, parse_manifest)
-from .plan import DEFAULT_CHUNK_TARGET_BYTES, TensorWritePlan, cell_key, plan_save, stored_chunk_counts
+                     StepMismatchError)
+from .layout import MARKER_BYTES, MARKER_KEY, MAX_STEP, array_path, cell_key, lease_bytes, manifest_key, save_prefix
+from .layout import lease_key as lease_key
+from .layout import new_save_id as new_save_id
+from .manifest import MAX_NESTING, ArraySpec, ChunkTable, Manifest, ShardTable, StateEntry, TensorEntry, parse_manifest
+from .plan import DEFAULT_CHUNK_TARGET_BYTES, TensorWritePlan, plan_save
 from .storage import NO_VALUE, Storage
 
 __all__ = ["SaveOptions", "save", "lease_key", "new_save_id"]
@@ -64,14 +66,6 @@ class SaveOptions:
     #: and a random delay in [0, jitter_s) before this rank's first write, so that ranks do not
     #: burst the storage in lock-step. Both apply after the freeze; neither changes the format.
     jitter_s: float = 0.0
-
-
-def lease_key(save_id: str) -> str:
-    return f"saves/{save_id}/LEASE"
-
-
-def new_save_id(step: int) -> str:
-    return f"{step:012d}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
 
 
 def _pack(obj: Any) -> bytes:
@@ -119,7 +113,7 @@ class _Heartbeat:
         with self._lock:
             if self.committing or self.lost:
                 return
-            gen = self.storage.write_if(self.key, _lease_bytes(self.body), self.generation)
+            gen = self.storage.write_if(self.key, lease_bytes(self.body), self.generation)
             if not gen:
                 self.lost = True
                 self._stop.set()
@@ -134,7 +128,7 @@ class _Heartbeat:
             self._stop.set()
             if self.lost:
                 return False
-            gen = self.storage.write_if(self.key, _lease_bytes(dict(self.body, state="committing")), self.generation)
+            gen = self.storage.write_if(self.key, lease_bytes(dict(self.body, state="committing")), self.generation)
             if not gen:
                 self.lost = True
                 return False
@@ -169,11 +163,6 @@ class _Heartbeat:
             self._thread.join(timeout=5)
 
 
-def _lease_bytes(body: Mapping[str, Any]) -> bytes:
-    import json
-    return json.dumps(dict(body, heartbeat_unix=time.time()), sort_keys=True).encode()
-
-
 def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = None, rank_state: Any = None,
          metadata: Mapping[str, Any] | None = None, coordinator: Coordinator | None = None,
          versions: Mapping[str, str] | None = None, options: SaveOptions | None = None) -> Manifest:
@@ -206,22 +195,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             raise
 
     # 1. begin: save id and lease (rank 0), before any rank writes anything.
-    heartbeat = None
-    begin: dict[str, Any] = {}
-    if rank == 0:
-        try:
-            if local_error is not None:
-                raise local_error
-            if storage.read(manifest_key(step)) is not None:
-                raise StepAlreadyCommittedError("step is already committed", object=manifest_key(step),
-                                                expected="no manifest", found="committed manifest")
-            storage.create_if_absent(MARKER_KEY, MARKER_BYTES)  # FORMAT.md 4.5; False: already there
-            save_id = opts.save_id or new_save_id(step)
-            heartbeat = _Heartbeat(storage, lease_key(save_id), {"save_id": save_id, "step": step, "world": world},
-                                   opts.heartbeat_s).start()
-            begin = {"save_id": save_id}
-        except CheckpointError as e:
-            begin = {"error": _err_json(e)}
+    heartbeat, begin = _begin(storage, opts, step, world, local_error) if rank == 0 else (None, {})
     committed = False
     save_id = begin.get("save_id", "")
     try:
@@ -235,17 +209,40 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
         return manifest
     finally:
         if heartbeat is not None:
-            heartbeat.stop()
-            try:
-                # Never delete a save whose manifest was written, even if a later collective failed:
-                # the manifest, not this process's view of the protocol, decides what is committed.
-                published = storage.read(manifest_key(step))
-                if committed or (published is not None and save_id.encode() in published):
-                    storage.write_if(lease_key(save_id), None, heartbeat.generation)
-                elif not heartbeat.lost:  # best effort; gc collects whatever a slow peer writes later
-                    storage.delete_prefix(f"saves/{save_id}/")
-            except CheckpointError:
-                pass
+            _end(storage, heartbeat, step, save_id, committed)
+
+
+def _begin(storage: Storage, opts: SaveOptions, step: int, world: int,
+           local_error: CheckpointError | None) -> tuple["_Heartbeat | None", dict[str, Any]]:
+    """Step 1 on rank 0: the marker, a fresh save id and its lease; (heartbeat, the begin message)."""
+    try:
+        if local_error is not None:
+            raise local_error
+        if storage.read(manifest_key(step)) is not None:
+            raise StepAlreadyCommittedError("step is already committed", object=manifest_key(step),
+                                            expected="no manifest", found="committed manifest")
+        storage.create_if_absent(MARKER_KEY, MARKER_BYTES)  # FORMAT.md 4.5; False: already there
+        save_id = opts.save_id or new_save_id(step)
+        heartbeat = _Heartbeat(storage, lease_key(save_id), {"save_id": save_id, "step": step, "world": world},
+                               opts.heartbeat_s).start()
+        return heartbeat, {"save_id": save_id}
+    except CheckpointError as e:
+        return None, {"error": _err_json(e)}
+
+
+def _end(storage: Storage, heartbeat: "_Heartbeat", step: int, save_id: str, committed: bool) -> None:
+    """Rank 0, whatever happened: remove the lease of a committed save, or the objects of a failed one."""
+    heartbeat.stop()
+    try:
+        # Never delete a save whose manifest was written, even if a later collective failed:
+        # the manifest, not this process's view of the protocol, decides what is committed.
+        published = storage.read(manifest_key(step))
+        if committed or (published is not None and save_id.encode() in published):
+            storage.write_if(lease_key(save_id), None, heartbeat.generation)
+        elif not heartbeat.lost:  # best effort; gc collects whatever a slow peer writes later
+            storage.delete_prefix(save_prefix(save_id))
+    except CheckpointError:
+        pass
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -299,6 +296,32 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
         coord.allgather("save/freeze", _pack({"error": _err_json(local)}), opts.timeout_s)
         raise local
     # 2. freeze: agree on step, inventory and ownership before any write.
+    plans = _freeze(coord, opts, step, save_id, local)
+
+    # 3. write privately and verify; 4. acknowledge (records or the error).
+    try:
+        records = write_and_verify(storage, plans, local, save_id, rank, opts)
+        state_entries = write_state(storage, save_id, rank, state, rank_state)
+        ack: dict[str, Any] = {"records": [r.to_wire() for r in records], "state": [state_to_wire(e) for e in state_entries]}
+    except CheckpointError as e:
+        ack = {"error": _err_json(e)}
+    except Exception as e:  # a writer bug must still reach every rank, not hang them
+        ack = {"error": _err_json(IncompleteSaveError(f"writer failed: {type(e).__name__}: {e}"))}
+    acks = [_unpack(b) for b in coord.allgather("save/ack", _pack(ack), opts.timeout_s)]
+
+    # 5. commit (rank 0), then tell everyone.
+    outcome: dict[str, Any] = {}
+    if rank == 0:
+        outcome = _commit(repository, storage, heartbeat, save_id, step, world, plans, acks, local, metadata, versions, opts)
+    outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
+    if "error" in outcome:
+        raise _err_from(outcome["error"])
+    return parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
+
+
+def _freeze(coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
+            local: dict[str, list[LocalShard]]) -> list[TensorWritePlan]:
+    """Step 2: agree on step, inventory and ownership before any write; every rank's same plan."""
     inventory = {k: (list(v[0].global_shape), dtype_name(v[0].dtype)) for k, v in sorted(local.items())}
     digest = hashlib.sha256(_pack(sorted(inventory.items()))).hexdigest()
     boxes = {k: [[list(s.box.offset), list(s.box.shape), int(s.replica_id)] for s in v] for k, v in local.items()}
@@ -317,52 +340,38 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
                                     expected=f"digest {digest[:12]}", found=f"rank {r} digest {g['digest'][:12]}")
     inv = {k: (tuple(shape), dt, numpy_dtype(dt).itemsize) for k, (shape, dt) in inventory.items()}
     rank_boxes = [{k: [(Box(o, s), rep) for o, s, rep in v] for k, v in g["boxes"].items()} for g in gathered]
-    plans = plan_save(inv, rank_boxes, opts.chunk_target_bytes)
+    return plan_save(inv, rank_boxes, opts.chunk_target_bytes)
 
-    # 3. write privately and verify; 4. acknowledge (records or the error).
-    try:
-        records = _write_and_verify(storage, plans, local, save_id, rank, opts)
-        state_recs = _write_state(storage, save_id, rank, state, rank_state)
-        ack: dict[str, Any] = {"records": records, "state": state_recs}
-    except CheckpointError as e:
-        ack = {"error": _err_json(e)}
-    except Exception as e:  # a writer bug must still reach every rank, not hang them
-        ack = {"error": _err_json(IncompleteSaveError(f"writer failed: {type(e).__name__}: {e}"))}
-    acks = [_unpack(b) for b in coord.allgather("save/ack", _pack(ack), opts.timeout_s)]
+
+def _commit(repository: Any, storage: Storage, heartbeat: "_Heartbeat | None", save_id: str, step: int, world: int,
+            plans: list[TensorWritePlan], acks: list[dict[str, Any]], local: dict[str, list[LocalShard]],
+            metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None, opts: SaveOptions) -> dict[str, Any]:
+    """Step 5 on rank 0: build and check the manifest, pass the fence, create it; the outcome message."""
     failed = [(r, a["error"]) for r, a in enumerate(acks) if "error" in a]
-
-    # 5. commit (rank 0), then tell everyone.
-    outcome: dict[str, Any] = {}
-    if rank == 0:
-        if failed:
-            r, e = failed[0]
-            outcome = {"error": _err_json(IncompleteSaveError(
-                f"writer rank {r} failed ({e['error']}: {e['message']}); nothing was committed",
-                key=e.get("key"), object=e.get("object"), expected=e.get("expected"), found=e.get("found")))}
-        else:
-            try:
-                shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
-                manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
-                data = manifest.to_bytes()
-                parse_manifest(data, max_bytes=repository.max_manifest_bytes)
-                # The fence (FORMAT.md 8.3): only a lease switched to "committing" may commit. A
-                # gc that claimed the stale lease first makes this conditional write fail.
-                if heartbeat is None or not heartbeat.begin_commit():
-                    raise IncompleteSaveError("the save's lease was collected by gc (stalled past the grace period)",
-                                              object=lease_key(save_id), expected="lease held by this save",
-                                              found="missing or replaced")
-                if not storage.create_if_absent(manifest_key(step), data):
-                    raise StepAlreadyCommittedError("another save committed this step first", object=manifest_key(step),
-                                                    expected="no manifest", found="a manifest from another save")
-                outcome = {"ok": True, "manifest": data}
-            except CheckpointError as e:
-                outcome = {"error": _err_json(e)}
-            except Exception as e:  # never leave the other ranks waiting on a bug here
-                outcome = {"error": _err_json(IncompleteSaveError(f"commit failed: {type(e).__name__}: {e}"))}
-    outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
-    if "error" in outcome:
-        raise _err_from(outcome["error"])
-    return parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
+    if failed:
+        r, e = failed[0]
+        return {"error": _err_json(IncompleteSaveError(
+            f"writer rank {r} failed ({e['error']}: {e['message']}); nothing was committed",
+            key=e.get("key"), object=e.get("object"), expected=e.get("expected"), found=e.get("found")))}
+    try:
+        shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
+        manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
+        data = manifest.to_bytes()
+        parse_manifest(data, max_bytes=repository.max_manifest_bytes)
+        # The fence (FORMAT.md 8.3): only a lease switched to "committing" may commit. A
+        # gc that claimed the stale lease first makes this conditional write fail.
+        if heartbeat is None or not heartbeat.begin_commit():
+            raise IncompleteSaveError("the save's lease was collected by gc (stalled past the grace period)",
+                                      object=lease_key(save_id), expected="lease held by this save",
+                                      found="missing or replaced")
+        if not storage.create_if_absent(manifest_key(step), data):
+            raise StepAlreadyCommittedError("another save committed this step first", object=manifest_key(step),
+                                            expected="no manifest", found="a manifest from another save")
+        return {"ok": True, "manifest": data}
+    except CheckpointError as e:
+        return {"error": _err_json(e)}
+    except Exception as e:  # never leave the other ranks waiting on a bug here
+        return {"error": _err_json(IncompleteSaveError(f"commit failed: {type(e).__name__}: {e}"))}
 
 
 def _err_json(e: CheckpointError) -> dict[str, Any]:
@@ -377,182 +386,16 @@ def _err_from(d: Mapping[str, Any]) -> CheckpointError:
                expected=d.get("expected"), found=d.get("found"))
 
 
-def _find_holder(shards: list[LocalShard], box: Box) -> LocalShard:
-    for s in sorted(shards, key=lambda s: (s.data is None, s.replica_id)):  # data-bearing main replica first
-        inter = s.box.intersect(box)
-        if inter is not None and inter.shape == box.shape:
-            return s
-    raise StepMismatchError("this rank was assigned a shard it does not hold", key=shards[0].key if shards else None,
-                            found=str(box))
-
-
-def _write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
-                      save_id: str, rank: int, opts: SaveOptions) -> dict[str, Any]:
-    """Write this rank's shards through tensorstore, then verify them. Returns per-tensor records."""
-    opened: dict[int, Any] = {}
-    pending: list[tuple[Any, int]] = []
-    inflight = 0
-    crcs: dict[tuple[int, tuple[int, ...]], list[int]] = {}
-    mine: list[tuple[TensorWritePlan, Any]] = []
-    cache: dict[int, np.ndarray] = {}
-    for p in plans:
-        items = p.items_for(rank)
-        path = f"saves/{save_id}/t/{p.index:06d}"
-        if rank == 0 or items:
-            spec = storage.array_spec(path, p.geometry.shape, p.dtype, p.geometry.shard_shape, p.geometry.chunk_shape)
-            opened[p.index] = storage.open_array(spec, create=(rank == 0))
-        for it in items:
-            mine.append((p, it))
-    handles: dict[int, Any] = {}
-    for idx, fut in opened.items():
-        try:
-            handles[idx] = fut.result()
-        except Exception as e:
-            raise StorageError("cannot create the tensor array", key=plans[idx].key, object=f"saves/{save_id}/t/{idx:06d}",
-                               found=str(e)[:300]) from None
-    dt_cache: dict[str, np.dtype] = {}
-    if opts.jitter_s > 0 and mine:
-        time.sleep(secrets.SystemRandom().uniform(0, opts.jitter_s))
-    pace_start, paced = time.monotonic(), 0
-    # A block made by a callable (lazy data: device-to-host copies, an import's source reads) is
-    # let go after its last write is issued, and counted as in flight until the writes drain
-    # (they may view it): a save then holds about one such block plus the window, not all of them.
-    lazy_last = {id(h): n for n, (p, it) in enumerate(mine)
-                 if callable((h := _find_holder(local[p.key], it.box)).data)}
-    for n_item, (p, it) in enumerate(mine):
-        holder = _find_holder(local[p.key], it.box)
-        src = cache.get(id(holder))
-        if src is None:
-            src = holder.materialize()
-            if src.shape != holder.box.shape:
-                raise StepMismatchError("shard data shape differs from its box", key=p.key,
-                                        expected=holder.box.shape, found=src.shape)
-            if src.dtype != holder.dtype:  # never cast silently: the manifest would lie about the bytes
-                raise StepMismatchError("shard data dtype differs from the declared dtype", key=p.key,
-                                        expected=str(holder.dtype), found=str(src.dtype))
-            cache[id(holder)] = src
-        dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
-        sl = it.box.slices(holder.box.offset)
-        block = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
-        if dt.kind == "b":  # the format stores bool as 0x00/0x01 only; a reinterpreted byte may hold more
-            block = np.not_equal(block.view(np.uint8), 0)
-        crcs[(p.index, it.cell)] = _chunk_crcs(block, p.geometry.chunk_shape, dt)
-        try:
-            fut = handles[p.index][it.box.slices()].write(block, can_reference_source_data_indefinitely=True)
-        except Exception as e:
-            raise StorageError("write failed", key=p.key, object=f"{it.cell}", found=str(e)[:300]) from None
-        pending.append((fut, p.index))
-        inflight += block.nbytes
-        if lazy_last.get(id(holder)) == n_item:
-            inflight += cache.pop(id(holder)).nbytes
-        if opts.max_write_bytes_per_s:
-            paced += block.nbytes
-            ahead = paced / opts.max_write_bytes_per_s - (time.monotonic() - pace_start)
-            if ahead > 0:
-                time.sleep(ahead)
-        if inflight > opts.max_inflight_bytes:
-            _drain(pending, plans, save_id)
-            inflight = 0
-    _drain(pending, plans, save_id)
-    cache.clear()
-    return _verify_written(storage, plans, mine, crcs, save_id)
-
-
-def _drain(pending: list[tuple[Any, int]], plans: list[TensorWritePlan], save_id: str) -> None:
-    for fut, idx in pending:
-        try:
-            fut.result()
-        except Exception as e:
-            msg = str(e)
-            raise StorageError("write failed" + (" (disk full)" if "space" in msg.lower() else ""), key=plans[idx].key,
-                               object=f"saves/{save_id}/t/{idx:06d}", found=msg[:300]) from None
-    pending.clear()
-
-
-def _chunk_crcs(block: np.ndarray, chunk_shape: tuple[int, ...], dt: np.dtype) -> list[int]:
-    """crc32c of each stored inner chunk of a shard block, in C order; edge chunks zero-padded."""
-    counts = tuple(-(-n // c) for n, c in zip(block.shape, chunk_shape))
-    out = []
-    for idx in product(*(range(k) for k in counts)):
-        sl = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunk_shape))
-        part = block[sl] if sl else block
-        if part.shape != tuple(chunk_shape):
-            pad = np.zeros(chunk_shape, dtype=dt)
-            pad[tuple(slice(0, n) for n in part.shape)] = part
-            part = pad
-        out.append(crc32c(part))
-    return out
-
-
-def _verify_written(storage: Storage, plans: list[TensorWritePlan], mine: list[tuple[TensorWritePlan, Any]],
-                    crcs: dict[tuple[int, tuple[int, ...]], list[int]], save_id: str) -> dict[str, Any]:
-    """Read back each written shard's index and every chunk trailer; compare with the source crc32c."""
-    reads = []
-    for p, it in mine:
-        g = p.geometry
-        key = f"saves/{save_id}/t/{p.index:06d}/{cell_key(it.cell)}"
-        n_chunks = len(crcs[(p.index, it.cell)])
-        total = n_chunks * g.chunk_nbytes + g.index_nbytes
-        reads.append((p, it, key, total, storage.read_range_future(key, total - g.index_nbytes, None)))
-    records: dict[str, list[Any]] = {}
-    trailer_reads = []
-    for p, it, key, total, fut in reads:
-        g = p.geometry
-        index = Storage.range_result(fut, key, total - g.index_nbytes, None, tensor=p.key)
-        if len(index) != g.index_nbytes:
-            raise IncompleteSaveError("written shard has an unexpected size", key=p.key, object=key,
-                                      expected=total, found=total - g.index_nbytes + len(index))
-        body, stored = index[:-4], int.from_bytes(index[-4:], "little")
-        if crc32c(body) != stored:
-            raise IncompleteSaveError("written shard index fails its checksum", key=p.key, object=key)
-        entries = np.frombuffer(body, "<u8").reshape(-1, 2)
-        counts = stored_chunk_counts(g, it.box.offset)
-        offs, lens = [], []
-        for local in product(*(range(k) for k in counts)):
-            flat = int(np.ravel_multi_index(local, g.inner)) if g.inner else 0
-            off, nb = (int(x) for x in entries[flat])
-            if nb != g.chunk_nbytes or off + nb > total - g.index_nbytes:
-                raise IncompleteSaveError("written shard index points at an unexpected byte range", key=p.key,
-                                          object=key, expected=f"{g.chunk_nbytes} bytes inside the data section",
-                                          found=f"[{off}, {off + nb})")
-            offs.append(off)
-            lens.append(nb)
-        want = crcs[(p.index, it.cell)]
-        trailer_reads.append((p, key, want, [storage.read_range_future(key, o + n - 4, o + n) for o, n in zip(offs, lens)]))
-        records.setdefault(str(p.index), []).append([list(it.cell), total, stored, offs, want])
-    for p, key, want, futs in trailer_reads:
-        for i, (c, f) in enumerate(zip(want, futs)):
-            got = int.from_bytes(Storage.range_result(f, key, 0, None, tensor=p.key), "little")
-            if got != c:
-                raise IncompleteSaveError("written chunk does not match the source bytes", key=p.key, object=key,
-                                          expected=f"crc32c {c} (chunk {i})", found=f"crc32c {got}")
-    return records
-
-
-def _write_state(storage: Storage, save_id: str, rank: int, state: Any, rank_state: Any) -> list[list[Any]]:
-    from .state import encode_state
-    out = []
-    items = []
-    if rank == 0 and state is not None:
-        items.append(("global", f"saves/{save_id}/state/global.msgpack", encode_state(state), None))
-    if rank_state is not None:
-        items.append((f"rank/{rank}", f"saves/{save_id}/state/rank-{rank:05d}.msgpack", encode_state(rank_state), rank))
-    storage.write_many((k, b) for _, k, b, _ in items)
-    for name, key, data, r in items:
-        back = storage.read(key)
-        if back != data:
-            raise IncompleteSaveError("written state object does not read back identically", object=key)
-        out.append([name, key, len(data), crc32c(data), r])
-    return out
-
-
 def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWritePlan], acks: list[dict[str, Any]],
-                    shardings: Mapping[str, Any], metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None, opts: SaveOptions) -> Manifest:
-    by_cell: dict[tuple[int, tuple[int, ...]], list[Any]] = {}
+                    shardings: Mapping[str, Any], metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None,
+                    opts: SaveOptions) -> Manifest:
+    """The manifest from the plan and every writer's acknowledged records; IncompleteSaveError
+    when a planned shard was not acknowledged."""
+    by_cell: dict[tuple[int, tuple[int, ...]], ShardRecord] = {}
     for a in acks:
-        for idx, recs in a["records"].items():
-            for cell, total, icrc, offs, cr in recs:
-                by_cell[(int(idx), tuple(cell))] = [total, icrc, offs, cr]
+        for wire in a["records"]:
+            r = ShardRecord.from_wire(wire)
+            by_cell[(r.tensor, r.cell)] = r
     tensors: dict[str, TensorEntry] = {}
     for p in plans:
         g = p.geometry
@@ -563,18 +406,24 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             if rec is None:
                 raise IncompleteSaveError("a planned shard was not acknowledged", key=p.key,
                                           object=cell_key(it.cell), expected=f"ack from rank {it.writer}", found="none")
-            total, icrc, offs, cr = rec
-            offsets.append(list(it.box.offset)); writers.append(it.writer); keys.append(cell_key(it.cell))
-            nbytes.append(total); icrcs.append(icrc); coff.extend(offs); cnb.extend([g.chunk_nbytes] * len(offs)); ccrc.extend(cr)
+            offsets.append(list(it.box.offset))
+            writers.append(it.writer)
+            keys.append(cell_key(it.cell))
+            nbytes.append(rec.nbytes)
+            icrcs.append(rec.index_crc32c)
+            coff.extend(rec.chunk_offsets)
+            cnb.extend([g.chunk_nbytes] * len(rec.chunk_offsets))
+            ccrc.extend(rec.chunk_crc32c)
         tensors[p.key] = TensorEntry(
             p.key, g.shape, p.dtype, shardings.get(p.key),
-            ArraySpec(f"saves/{save_id}/t/{p.index:06d}", g.shard_shape, g.chunk_shape, "raw"),
+            ArraySpec(array_path(save_id, p.index), g.shard_shape, g.chunk_shape, "raw"),
             ShardTable(np.asarray(offsets, np.int64).reshape(len(offsets), nd), np.asarray(writers, np.int64), tuple(keys),
                        np.asarray(nbytes, np.int64), np.asarray(icrcs, np.uint32)),
             ChunkTable(np.asarray(coff, np.int64), np.asarray(cnb, np.int64), np.asarray(ccrc, np.uint32)))
     state: dict[str, StateEntry] = {}
     for a in acks:
-        for name, key, n, c, r in a["state"]:
-            state[name] = StateEntry(name, key, n, c, "global" if r is None else "rank", r)
+        for wire in a["state"]:
+            e = state_from_wire(wire)
+            state[e.name] = e
     return Manifest(save_id=save_id, step=step, created_unix=opts.created_unix if opts.created_unix is not None else time.time(),
                     writers=world, tensors=tensors, state=state, versions=_versions(versions), metadata=dict(metadata or {}))

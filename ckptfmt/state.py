@@ -25,10 +25,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
 
+from ckptfmt.dtypes import STATE_DTYPES
 from ckptfmt.errors import InvalidStateError
 
 __all__ = ["encode_state", "decode_state", "MAX_DEPTH", "MAX_ELEMENTS", "ALLOWED_DTYPES"]
@@ -48,30 +48,8 @@ MAX_ELEMENTS = 1 << 22
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
 
-_NUMPY_NAMES = (
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128",
-)
-# Only types whose every byte pattern is a value; sub-byte types (int4, float4_e2m1fn, ...) pad
-# each element to a byte, and arbitrary padding bits are not something to hand back.
-_ML_DTYPES_NAMES = (
-    "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu",
-)
-
-
-def _allowed_dtypes() -> dict[str, np.dtype]:
-    # Names are looked up in this table only; an untrusted string never reaches np.dtype().
-    table = {name: np.dtype(name) for name in _NUMPY_NAMES}
-    for name in _ML_DTYPES_NAMES:
-        scalar_type = getattr(ml_dtypes, name, None)
-        if scalar_type is not None:
-            table[name] = np.dtype(scalar_type)
-    return table
-
-
 #: dtype name (as written in the encoding) -> numpy dtype (native byte order).
-ALLOWED_DTYPES: dict[str, np.dtype] = _allowed_dtypes()
+ALLOWED_DTYPES: dict[str, np.dtype] = STATE_DTYPES
 
 
 def _path_str(path: tuple[str, ...]) -> str:

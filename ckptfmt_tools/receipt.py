@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any
 
+from ckptfmt.coord import free_port
+
 __all__ = ["run_side", "judge", "main", "LOSS_RTOL", "LOSS_K2_RTOL"]
 
 #: Relative tolerance on the loss of step K+1 computed on the two topologies. The restored state

@@ -110,10 +110,11 @@ def test_keep_last_and_keep_every(tmp_path):
 def test_retention_plan_rules():
     r = Retention(keep_best=2, best_metric="acc", best_mode="max")
     metrics = {1: 0.5, 2: float("nan"), 3: 0.9, 4: None, 5: 0.7, 6: 0.1}
-    plan = dict(r.plan(metrics, lambda s: None if metrics[s] != metrics[s] else metrics[s], protected=[1]))
+    plan = {d.step: d.reason for d in r.plan(metrics, lambda s: None if metrics[s] != metrics[s] else metrics[s],
+                                               protected=[1]).delete}
     assert sorted(plan) == [2, 4]  # 3 and 5 are best, 6 is newest, 1 is being read
     assert "acc=not recorded" in plan[2]
-    assert Retention().plan([1, 2, 3], lambda s: 0.0) == []  # no policy: keep everything
+    assert Retention().plan([1, 2, 3], lambda s: 0.0).delete == ()  # no policy: keep everything
     with pytest.raises(ValueError):
         Retention(keep_best=1)
     with pytest.raises(ValueError):

@@ -18,6 +18,7 @@ import pytest
 
 from ckptfmt import Box, CheckpointError, LocalShard, parse_manifest, save
 from ckptfmt import manifest as mf
+from ckptfmt.layout import arrays_prefix
 
 WRITERS = 4
 
@@ -41,7 +42,7 @@ def good(tmp_path_factory):
 
 def exact(doc):
     """The reference: every tensor through the exact per-tensor checks."""
-    return mf._tensors_exact(doc["tensors"], f"saves/{doc['save_id']}/", doc["writers"])
+    return mf._tensors_exact(doc["tensors"], arrays_prefix(doc["save_id"]), doc["writers"])
 
 
 def same_tables(a, b):
@@ -271,3 +272,69 @@ def test_structural_cap_is_checked_before_parsing(good):
     over = at_cap.replace(b'"lr": 0.5', b'"lr": [0.5]')
     with pytest.raises(ManifestTooLargeError, match="too many JSON values"):
         parse_manifest(over, max_bytes=cap)
+
+
+# ---------------------------------------------------------------- the fast path pinned to its slow twin
+_COLUMNS = [("shards", "writer"), ("shards", "offset"), ("shards", "nbytes"), ("shards", "index_crc32c"),
+            ("shards", "key"), ("chunks", "offset"), ("chunks", "nbytes"), ("chunks", "crc32c"), ("shape",),
+            ("array", "shard_shape"), ("array", "chunk_shape"), ("array", "path"), ("dtype",), ("sharding",)]
+_VALUES = st.one_of(
+    st.integers(-3, 2 ** 33), st.sampled_from([0, 1, 2, 3, 4, 36, 40, 2 ** 32 - 1, 2 ** 32, 2 ** 63, 2 ** 64, -1]),
+    st.booleans(), st.floats(allow_nan=False, allow_infinity=False, width=32), st.sampled_from([1.0, 4.0, 36.0]),
+    st.sampled_from(["5", "c/0/0", "c/1/0", None, [], [0, 0], {}, "saves/x/t/000009"]))
+
+
+def _mutate(d, data):
+    key = data.draw(st.sampled_from(sorted(d["tensors"])), label="tensor")
+    path = data.draw(st.sampled_from(_COLUMNS), label="column")
+    parent = d["tensors"][key]
+    for p in path[:-1]:
+        parent = parent[p]
+    col, value = parent[path[-1]], data.draw(_VALUES, label="value")
+    if isinstance(col, list) and col and data.draw(st.booleans(), label="element"):
+        i = data.draw(st.integers(0, len(col) - 1), label="index")
+        if isinstance(col[i], list) and col[i] and data.draw(st.booleans(), label="inner"):
+            col[i][data.draw(st.integers(0, len(col[i]) - 1), label="inner index")] = value
+        else:
+            col[i] = value
+    else:
+        parent[path[-1]] = value
+
+
+@given(st.data())
+@settings(max_examples=300, deadline=None)
+def test_fast_path_equals_the_exact_path(good, data):
+    """Forced through both paths on the same (possibly broken) tensors: the fast path accepts only
+    what the exact path accepts, with equal tables; and parse_manifest (which skips the fast path's
+    type checks when its literal count vouches that no float or boolean lies in a tensor entry)
+    accepts with the exact path's tables or raises the exact path's error, the same type and the
+    same words."""
+    from ckptfmt._manifest_fast import Fallback, tensors_fast
+
+    d = copy.deepcopy(good)
+    if data.draw(st.booleans(), label="clean text"):  # no "true"/"false" in the text: parse_manifest's
+        del d["metadata"]["note"]                      # literal count then lets the fast path skip its type checks
+    edits = data.draw(st.integers(0, 2), label="edits")
+    for _ in range(edits):
+        _mutate(d, data)
+    try:
+        fast = tensors_fast(d["tensors"], arrays_prefix(d["save_id"]), d["writers"], exact=mf._tensor,
+                            make=mf._make_entry, max_key_len=mf.MAX_KEY_LEN, max_object_key_len=mf.MAX_OBJECT_KEY_LEN)
+    except Fallback:
+        fast = None
+    try:
+        want, err = exact(d), None
+    except CheckpointError as e:
+        want, err = None, e
+    if edits == 0:
+        assert fast is not None  # the valid manifest takes the fast path
+    if fast is not None:
+        assert err is None, err
+        same_tables(fast, want)
+    data_bytes = json.dumps(d).encode()
+    if err is None:
+        same_tables(parse_manifest(data_bytes).tensors, want)
+    else:
+        with pytest.raises(CheckpointError) as got:
+            parse_manifest(data_bytes)
+        assert type(got.value) is type(err) and str(got.value) == str(err)

@@ -65,3 +65,98 @@ def test_plan_reads_covers_request_exactly():
     assert len({it.chunk for it in items}) == 10  # rows 2..6 x 2 column chunks
     with pytest.raises(ShapeMismatchError):
         plan_reads(g, offsets, starts, [Box((8, 0), (3, 6))])
+
+
+# ---------------------------------------------------------------- the vectorised owner path vs the general one
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ckptfmt import plan as _plan  # noqa: E402
+
+
+def _general(inventory, rank_boxes, target):
+    """The slow twin: every tensor through the general per-tensor path (raises like plan_save)."""
+    world = max(1, len(rank_boxes))
+    out = []
+    for index, key in enumerate(sorted(inventory)):
+        shape, dtype, itemsize = inventory[key]
+        held = [(r, b, rep) for r, hb in enumerate(rank_boxes) for b, rep in hb.get(key, [])]
+        out.append(_plan._plan_tensor(index, key, tuple(shape), dtype, itemsize, held, world, target))
+    return out
+
+
+@st.composite
+def _layouts(draw):
+    """Tensors split on a block grid (torch.chunk-style clipped tails), each block held by one or
+    more ranks under random replica ids; sometimes a layout the fast path must refuse."""
+    world = draw(st.integers(1, 4))
+    inventory, rank_boxes, regular = {}, [dict() for _ in range(world)], set()
+    for t in range(draw(st.integers(1, 4))):
+        nd = draw(st.integers(0, 3))
+        shape = tuple(draw(st.integers(1, 9)) for _ in range(nd))
+        block = tuple(draw(st.integers(1, n)) for n in shape)
+        key = f"t{t}"
+        inventory[key] = (shape, draw(st.sampled_from(["float32", "int8", "float64"])), 4)
+        grid = [range(0, n, b) for n, b in zip(shape, block)]
+        twist = draw(st.sampled_from(["regular"] * 4 + ["gap", "span", "outside", "empty"]))
+        if twist == "regular" and nd:
+            regular.add(key)
+        for cell in np.ndindex(*[len(g) for g in grid]) if nd else [()]:
+            off = tuple(g[i] for g, i in zip(grid, cell))
+            box = Box(off, tuple(min(b, n - o) for b, n, o in zip(block, shape, off)))
+            holders = draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=3))
+            if twist == "gap" and cell == (0,) * nd and nd:
+                continue
+            for r in holders:
+                rank_boxes[r].setdefault(key, []).append((box, draw(st.integers(0, 2))))
+        if twist == "span" and nd:  # a box over two or more cells: the general path's job
+            rank_boxes[0].setdefault(key, []).append((Box((0,) * nd, shape), 0))
+        elif twist == "outside" and nd:
+            rank_boxes[world - 1].setdefault(key, []).append((Box((shape[0],) + (0,) * (nd - 1), (1,) * nd), 0))
+        elif twist == "empty" and nd:
+            rank_boxes[0].setdefault(key, []).append((Box((0,) * nd, (0,) * nd), 0))
+    return inventory, rank_boxes, draw(st.sampled_from([16, 64, 4 << 20])), regular
+
+
+@given(_layouts())
+@settings(max_examples=300, deadline=None)
+def test_vectorised_owners_equal_the_general_path(layout):
+    """plan_save's vectorised path (_regular_owners) and the per-tensor path (_plan_tensor) give
+    the same writers and geometry on the same inputs, and the same error on bad ones."""
+    inventory, rank_boxes, target, _ = layout
+    try:
+        want = _general(inventory, rank_boxes, target)
+    except StepMismatchError as e:
+        with pytest.raises(StepMismatchError) as got:
+            plan_save(inventory, rank_boxes, target)
+        assert str(got.value) == str(e)
+        return
+    got = plan_save(inventory, rank_boxes, target)
+    assert [p.key for p in got] == [p.key for p in want]
+    for g, w in zip(got, want):
+        assert (g.index, g.dtype, g.geometry) == (w.index, w.dtype, w.geometry), g.key
+        assert np.array_equal(g.cells, w.cells) and np.array_equal(g.writers, w.writers), g.key
+
+
+@given(_layouts())
+@settings(max_examples=100, deadline=None)
+def test_regular_layouts_take_the_vectorised_path(layout):
+    """The property above is not vacuous: every tensor held as whole grid cells, with no gap, is
+    planned by the vectorised path."""
+    inventory, rank_boxes, _, regular = layout
+    keys = sorted(inventory)
+    shapes = [tuple(inventory[k][0]) for k in keys]
+    held = _plan._gather({k: i for i, k in enumerate(keys)}, rank_boxes, max(map(len, shapes), default=0))
+    slow = _plan._regular_owners(shapes, held, max(1, len(rank_boxes))).slow
+    assert regular <= {k for i, k in enumerate(keys) if not slow[i]}
+
+
+def test_control_the_comparison_sees_a_wrong_owner(monkeypatch):
+    """Broken control: a vectorised path that picks other writers is caught by the comparison."""
+    inv = {"w": ((8, 2), "float32", 4)}
+    boxes = [{"w": [(Box((4 * r, 0), (4, 2)), 0)]} for r in range(2)]
+    same = lambda a, b: all(np.array_equal(x.writers, y.writers) for x, y in zip(a, b))  # noqa: E731
+    assert same(plan_save(inv, boxes), _general(inv, boxes, 4 << 20))
+    real = _plan._regular_owners
+    monkeypatch.setattr(_plan, "_regular_owners", lambda *a: (lambda r: _plan._Owners(r.slow, r.gcds, r.base, r.writers[::-1]))(real(*a)))
+    assert not same(plan_save(inv, boxes), _general(inv, boxes, 4 << 20))

@@ -109,7 +109,7 @@ def test_a_grown_object_costs_no_more_than_its_recorded_size(tmp_path, where):
         got = measure(lambda: OPS[op](repo))
         assert got["result"] == "SizeMismatchError" and got["grew"] < 32 << 20, (op, got)
     key, n = _target(repo, "verify")
-    control = measure(lambda: repo.storage.read_range_future(key, n - 64, None).result())
+    control = measure(lambda: repo.storage.read_range(key, n - 64, None).result())
     assert control["result"] == "no error" and control["grew"] > grow // 2, control
 
 

@@ -130,7 +130,7 @@ def test_every_file_read_path_verifies_every_byte(tmp_path, where, path):
         obj.write_bytes(bytes(raw))
     box = Box((0, 0), (32, 8)) if path != "per-chunk" else Box((0, 0), (32, 4))
     repo = Repository(url, options={"positional_reads": path != "tensorstore"})
-    assert (repo.storage.local_root is None) == (path == "tensorstore")
+    assert (not repo.storage.positional_reads) == (path == "tensorstore")
     ck = repo.open()
     if at is None:
         got = ck.read("x", box)

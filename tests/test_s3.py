@@ -26,7 +26,7 @@ from ckptfmt._kvurl import kvstore_spec
 from ckptfmt.errors import (ChecksumMismatchError, CheckpointError, MissingShardError, SizeMismatchError,
                             StepAlreadyCommittedError, StepNotFoundError, StorageError)
 from ckptfmt.manifest import MARKER_BYTES
-from ckptfmt.storage import Storage
+from ckptfmt.storage import open_storage
 from s3server import FaultProxy, S3Env, s3_env, s3_server  # noqa: F401  (pytest fixtures)
 
 NO_VALUE = b"\x02"  # tensorstore's "no value" generation: write only if absent
@@ -122,11 +122,11 @@ def test_store_without_conditional_create_fails_closed(s3_env):
     # A store that rejects If-None-Match (501) makes the commit primitive raise StorageError:
     # the save fails, nothing is published. Control: the same call through no proxy succeeds.
     with FaultProxy(s3_env.endpoint, reject_conditions=True) as proxy:
-        store = Storage(s3_env.url(), {"kvstore": {"endpoint": proxy.endpoint}})
+        store = open_storage(s3_env.url(), {"kvstore": {"endpoint": proxy.endpoint}})
         with pytest.raises(StorageError):
             store.create_if_absent("manifests/00000000000000000001.json", b"{}")
     assert s3_env.keys() == []
-    store = Storage(s3_env.url())
+    store = open_storage(s3_env.url())
     assert store.create_if_absent("manifests/00000000000000000001.json", b"{}") is True
     assert store.create_if_absent("manifests/00000000000000000001.json", b"{}") is False
     assert store.list("manifests/") == ["manifests/00000000000000000001.json"]
@@ -279,7 +279,7 @@ def test_a_grown_object_costs_no_more_than_its_recorded_size(s3_env):
         got = measure(fn)
         assert got["result"] == "SizeMismatchError" and got["grew"] < 32 << 20, (name, got)
     key, n = target[len("repo/"):], int(m.tensors[k].shards.nbytes[1])
-    control = measure(lambda: repo.storage.read_range_future(key, n - 64, None).result())
+    control = measure(lambda: repo.storage.read_range(key, n - 64, None).result())
     assert control["result"] == "no error" and control["grew"] > grow // 2, control
 
 

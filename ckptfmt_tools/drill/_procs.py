@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Proc", "launch", "wait_all", "kill_all", "read_json", "reap_forked", "REPO_ROOT"]
+from ckptfmt.coord import free_port as free_port
+
+__all__ = ["Proc", "launch", "free_port", "wait_all", "kill_all", "read_json", "reap_forked", "REPO_ROOT"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

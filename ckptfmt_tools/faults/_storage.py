@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from ckptfmt.manifest import step_of_manifest_key
+from ckptfmt.layout import step_of_manifest_key
+from ckptfmt.storage import DelegatingStorage
 
 __all__ = ["FaultyStorage", "WEAKEN", "FREEZE_POINTS"]
 
@@ -41,10 +42,12 @@ def _is_fence(key: str, data: bytes | None) -> bool:
     return isinstance(body, dict) and body.get("state") == "committing"
 
 
-class FaultyStorage:
+class FaultyStorage(DelegatingStorage):
     """The storage interface of ``inner``, with one weakening and/or one freeze point applied.
 
-    Raises ValueError at construction for an unknown weakening or freeze point.
+    A freeze at the fence happens inside the heartbeat's lock (the fence is written under it), so
+    no lease refresh is in flight when the process stops. Raises ValueError at construction for an
+    unknown weakening or freeze point.
     """
 
     def __init__(self, inner: Any, *, weaken: str | None = None, freeze: str | None = None,
@@ -55,30 +58,28 @@ class FaultyStorage:
             raise ValueError(f"unknown freeze point {freeze!r}; known: {list(FREEZE_POINTS)}")
         if freeze is not None and on_freeze is None:
             raise ValueError("a freeze point needs on_freeze")
-        self._inner, self._weaken, self._freeze, self._on_freeze = inner, weaken, freeze, on_freeze
-
-    def __getattr__(self, name: str) -> Any:  # everything not changed here is the real storage's
-        return getattr(self._inner, name)
+        super().__init__(inner)
+        self._weaken, self._freeze, self._on_freeze = weaken, freeze, on_freeze
 
     def write_if(self, key: str, data: bytes | None, if_equal: bytes) -> bytes:
         if not _is_fence(key, data):
-            return self._inner.write_if(key, data, if_equal)
+            return self.inner.write_if(key, data, if_equal)
         if self._weaken == "no_commit_fence":
             # The old protocol: check that the lease is still ours, then go on to create the
             # manifest; nothing stops a collector that claims the lease in between.
-            value, generation = self._inner.read_with_generation([key])[0]
+            value, generation = self.inner.read_with_generation([key])[0]
             held = value is not None and generation == if_equal
             if self._freeze == "before_fence":
                 self._on_freeze()  # type: ignore[misc]
             return if_equal if held else b""
         if self._freeze == "before_fence":
             self._on_freeze()  # type: ignore[misc]
-        return self._inner.write_if(key, data, if_equal)
+        return self.inner.write_if(key, data, if_equal)
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         if self._freeze == "before_create" and step_of_manifest_key(key) is not None:
             self._on_freeze()  # type: ignore[misc]
         if self._weaken == "no_conditional_create":
-            self._inner.write(key, data)
+            self.inner.write(key, data)
             return True
-        return self._inner.create_if_absent(key, data)
+        return self.inner.create_if_absent(key, data)

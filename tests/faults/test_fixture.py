@@ -131,9 +131,9 @@ def _links_as_saves():
     # What gc's listing did before: a link under saves/ counted as a save, its age read through it.
     import dataclasses
 
-    from ckptfmt.storage import Storage
+    from ckptfmt._filestore import LocalFileStorage
 
-    scan = Storage.scan_children
+    scan = LocalFileStorage.scan_children
     return lambda self, prefix: [dataclasses.replace(e, kind="dir") if e.kind == "link" else e
                                  for e in scan(self, prefix)]
 
@@ -142,8 +142,8 @@ _NO_ID = re.compile(rb"(?!)(x)")  # a pattern that never matches
 
 
 @pytest.mark.parametrize("name, patches", [
-    ("gc-symlink-escape", [("ckptfmt.storage.Storage.delete_prefix", _tensorstore_delete_prefix),
-                           ("ckptfmt.storage.Storage.scan_children", "links-as-saves")]),
+    ("gc-symlink-escape", [("ckptfmt._filestore.LocalFileStorage.delete_prefix", _tensorstore_delete_prefix),
+                           ("ckptfmt._filestore.LocalFileStorage.scan_children", "links-as-saves")]),
     ("gc-not-a-repository", [("ckptfmt._gc._recognise", lambda *a: None)]),
     ("gc-retention-newest-truncated", [("ckptfmt._gc._unrestorable", lambda *a: None)]),
     ("gc-retention-newest-data-missing", [("ckptfmt._gc._unrestorable", lambda *a: None)]),

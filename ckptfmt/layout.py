@@ -1,0 +1,253 @@
+"""The repository layout: every key, the save-id grammar and the shard byte layout (FORMAT.md 4, 6).
+
+This module is the one owner of these facts; every other module asks it instead of rebuilding a
+key string or an offset. Pure: no I/O, no imports from the rest of ckptfmt.
+
+Keys (FORMAT.md 4.2)::
+
+    ckptfmt.json                                    marker_key (MARKER_KEY)
+    manifests/<step:020d>.json                      manifest_key(step) / step_of_manifest_key(key)
+    saves/<save_id>/                                save_prefix(save_id)
+    saves/<save_id>/LEASE                           lease_key(save_id)
+    saves/<save_id>/t/<i:06d>                       array_path(save_id, i)
+    saves/<save_id>/t/<i:06d>/c/<g0>/<g1>/...       shard_key(array_path, cell)
+    saves/<save_id>/state/global.msgpack            state_key(save_id, None)
+    saves/<save_id>/state/rank-<r:05d>.msgpack      state_key(save_id, r)
+
+Shard objects (FORMAT.md 6.3, 6.4): encoded inner chunks (data, then a 4-byte crc32c trailer),
+then the index: 16 bytes per inner chunk (offset, nbytes as little-endian uint64) and its own
+4-byte crc32c trailer.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "MARKER_KEY", "MARKER_BYTES", "MANIFESTS", "SAVES", "LEASE_NAME", "MAX_STEP", "manifest_key",
+    "step_of_manifest_key", "save_prefix", "arrays_prefix", "state_prefix", "lease_key", "array_path",
+    "cell_key", "shard_key", "state_name", "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WRITER_ID_TAIL",
+    "WriterSaveId", "new_save_id", "parse_writer_save_id", "is_save_id", "writer_save_ids_in", "CRC_BYTES",
+    "INDEX_ENTRY_BYTES", "INDEX_ENTRY", "NOT_STORED", "split_trailer", "index_entries", "chunk_nbytes",
+    "index_nbytes", "zarr_array_metadata", "Lease", "LEASE_STATES", "LEASE_MAX_BYTES", "lease_bytes", "parse_lease",
+]
+
+MAX_STEP = (1 << 63) - 1
+
+# ----------------------------------------------------------------------------- keys
+#: The repository marker (FORMAT.md 4.5): written once by the first save's leader.
+MARKER_KEY = "ckptfmt.json"
+MARKER_BYTES = b'{"format":"ckptfmt","format_version":1}\n'
+MANIFESTS = "manifests/"  # the only prefix discovery lists (FORMAT.md 4.2)
+SAVES = "saves/"
+LEASE_NAME = "LEASE"
+
+_MANIFEST_KEY_RE = re.compile(r"manifests/([0-9]{20})\.json")
+
+
+def manifest_key(step: int) -> str:
+    """The key of the committed manifest of ``step``."""
+    return f"{MANIFESTS}{step:020d}.json"
+
+
+def step_of_manifest_key(key: str) -> int | None:
+    """The step a key under ``manifests/`` names, or None when it names none (FORMAT.md 4.2):
+    not exactly 20 digits, or a value above 2^63 - 1."""
+    m = _MANIFEST_KEY_RE.fullmatch(key)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step <= MAX_STEP else None
+
+
+def save_prefix(save_id: str) -> str:
+    """``saves/<save_id>/``: everything one save writes lies below it."""
+    return f"{SAVES}{save_id}/"
+
+
+def arrays_prefix(save_id: str) -> str:
+    """``saves/<save_id>/t/``: every tensor array of a save lies below it (FORMAT.md 5.9)."""
+    return f"{SAVES}{save_id}/t/"
+
+
+def state_prefix(save_id: str) -> str:
+    """``saves/<save_id>/state/``: every state object of a save lies below it."""
+    return f"{SAVES}{save_id}/state/"
+
+
+def lease_key(save_id: str) -> str:
+    return f"{SAVES}{save_id}/{LEASE_NAME}"
+
+
+def array_path(save_id: str, index: int) -> str:
+    """The zarr array of tensor number ``index`` (no trailing "/")."""
+    return f"{arrays_prefix(save_id)}{index:06d}"
+
+
+def cell_key(cell: Sequence[int]) -> str:
+    """The zarr v3 "default" chunk key of a grid cell, relative to the array path."""
+    return "c" if not len(cell) else "c/" + "/".join(str(c) for c in cell)
+
+
+def shard_key(path: str, cell_or_key: Sequence[int] | str) -> str:
+    """The object key of one shard: the array path, then its cell key (a cell, or its key)."""
+    return f"{path}/{cell_or_key if isinstance(cell_or_key, str) else cell_key(cell_or_key)}"
+
+
+def state_name(rank: int | None) -> str:
+    """The manifest's name of a state entry: "global", or "rank/<r>"."""
+    return "global" if rank is None else f"rank/{rank}"
+
+
+def state_key(save_id: str, rank: int | None) -> str:
+    """The object of the global state (``rank`` None) or of one rank's state."""
+    name = "global.msgpack" if rank is None else f"rank-{rank:05d}.msgpack"
+    return f"{state_prefix(save_id)}{name}"
+
+
+# ----------------------------------------------------------------------------- save ids (FORMAT.md 4.3)
+#: What a reader accepts as a save id.
+SAVE_ID_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z._-]{0,127}$")
+#: The writer's form: the only names gc may collect unless a manifest named them.
+WRITER_SAVE_ID_RE = re.compile(r"([0-9]{12,19})-([0-9]{8}T[0-9]{6})-([0-9a-f]{8})")
+#: The tail every writer-form id ends with; it starts with a literal, so scanners find it fast.
+WRITER_ID_TAIL = re.compile(rb"T[0-9]{6}-[0-9a-f]{8}")
+
+
+@dataclass(frozen=True)
+class WriterSaveId:
+    """The parts of a writer-form save id."""
+
+    step: int
+    utc: str    # YYYYMMDDTHHMMSS
+    token: str  # 8 lowercase hex digits
+
+
+def new_save_id(step: int, *, now_unix: float | None = None, token: str | None = None) -> str:
+    """A fresh save id in the writer's form: the step, the UTC time, 32 random bits."""
+    utc = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now_unix))
+    return f"{step:012d}-{utc}-{token if token is not None else secrets.token_hex(4)}"
+
+
+def parse_writer_save_id(name: str) -> WriterSaveId | None:
+    """The parts of ``name`` when it is exactly in the writer's form, else None."""
+    m = WRITER_SAVE_ID_RE.fullmatch(name)
+    return None if m is None else WriterSaveId(int(m.group(1)), m.group(2), m.group(3))
+
+
+def is_save_id(name: Any) -> bool:
+    """Whether a reader accepts ``name`` as a save id."""
+    return isinstance(name, str) and SAVE_ID_RE.match(name) is not None
+
+
+def writer_save_ids_in(data: bytes, wanted: set[str]) -> set[str]:
+    """The ids of ``wanted`` (all in the writer's form) that occur anywhere in ``data``, found by
+    scanning for the id's fixed tail: linear in ``data`` whatever the number of ids."""
+    found: set[str] = set()
+    for m in WRITER_ID_TAIL.finditer(data):  # every writer-form id is "<digits>-YYYYMMDD" + this tail
+        dash = m.start() - 9
+        if dash < 12 or data[dash] != 0x2D or not data[dash + 1:m.start()].isdigit():
+            continue
+        first = dash
+        while first > 0 and dash - first < 19 and 0x30 <= data[first - 1] <= 0x39:
+            first -= 1
+        for k in range(first, dash - 11):  # 12 to 19 step digits
+            sid = data[k:m.end()].decode("ascii")
+            if sid in wanted:
+                found.add(sid)
+    return found
+
+
+# ----------------------------------------------------------------------------- shard byte layout
+CRC_BYTES = 4            # the crc32c trailer of every inner chunk and of the index
+INDEX_ENTRY_BYTES = 16   # offset and nbytes, two little-endian uint64
+#: An index entry of an inner chunk that is not stored: offset and nbytes both 2^64-1.
+NOT_STORED = 2**64 - 1
+
+
+#: The entry table of a shard index: (offset, nbytes) rows of little-endian uint64.
+INDEX_ENTRY = np.dtype("<u8")
+
+
+def split_trailer(buf: Any) -> tuple[Any, int]:
+    """(the bytes before the trailer, the crc32c stored in it) of an encoded chunk or index."""
+    return buf[:-CRC_BYTES], int.from_bytes(bytes(buf[-CRC_BYTES:]), "little")
+
+
+def index_entries(body: Any) -> np.ndarray:
+    """The (offset, nbytes) rows of an index's entry table (``body``: the index without its trailer),
+    in C order of the inner grid."""
+    return np.frombuffer(body, INDEX_ENTRY).reshape(-1, 2)
+
+
+def chunk_nbytes(chunk_shape: Sequence[int], itemsize: int) -> int:
+    """Stored bytes of one inner chunk with the raw codec: data plus the crc32c trailer."""
+    return math.prod(chunk_shape) * itemsize + CRC_BYTES
+
+
+def index_nbytes(inner: Sequence[int]) -> int:
+    """Bytes of a shard index over ``inner`` chunks per dimension, trailer included."""
+    return math.prod(inner) * INDEX_ENTRY_BYTES + CRC_BYTES
+
+
+_ONE_BYTE = ("bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def zarr_array_metadata(shape: Sequence[int], dtype: str, shard_shape: Sequence[int],
+                        chunk_shape: Sequence[int]) -> dict[str, Any]:
+    """The zarr v3 metadata of one tensor's array (FORMAT.md 6.1): sharding_indexed, crc32c, raw."""
+    bytes_codec = {"name": "bytes"} if dtype in _ONE_BYTE else {"name": "bytes", "configuration": {"endian": "little"}}
+    return {
+        "shape": list(shape), "data_type": dtype,
+        "fill_value": False if dtype == "bool" else [0.0, 0.0] if dtype.startswith("complex") else 0,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shard_shape)}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": list(chunk_shape),
+            "codecs": [bytes_codec, {"name": "crc32c"}],
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+            "index_location": "end"}}],
+    }
+
+
+# ----------------------------------------------------------------------------- leases (FORMAT.md 10.1)
+LEASE_STATES = ("writing", "committing", "collected")
+LEASE_MAX_BYTES = 64 << 10  # a lease is ~100 bytes; a larger one is not parsed
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a lease says. ``heartbeat_unix`` is 0.0 when unreadable (such a lease is stale)."""
+
+    heartbeat_unix: float
+    state: str            # one of LEASE_STATES
+    step: int | None
+
+
+def lease_bytes(body: Mapping[str, Any], *, now_unix: float | None = None) -> bytes:
+    """The JSON of a lease: ``body`` (``save_id``, ``step``, ``world``, ``state``) with a fresh
+    ``heartbeat_unix``."""
+    return json.dumps(dict(body, heartbeat_unix=time.time() if now_unix is None else now_unix), sort_keys=True).encode()
+
+
+def parse_lease(value: bytes) -> Lease:
+    """A lease's content; anything unreadable reads as a stale "writing" lease of no known step."""
+    try:
+        doc = json.loads(value) if len(value) <= LEASE_MAX_BYTES else None
+        beat = float(doc["heartbeat_unix"])
+        state = doc.get("state", "writing")
+        step = doc.get("step")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return Lease(0.0, "writing", None)
+    if state not in LEASE_STATES:
+        state = "writing"
+    step = step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP else None
+    return Lease(beat if beat == beat else 0.0, state, step)
+
