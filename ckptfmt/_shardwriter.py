@@ -70,7 +70,7 @@ class _Written:
 
 
 def _find_holder(shards: list[LocalShard], box: Box) -> LocalShard:
-    for s in sorted(shards, key=lambda s: (s.data is None, s.replica_id)):  # data-bearing main replica first
+    for s in sorted(shards, key=lambda s: (s.data is None, s.replica_id)):  # data-bearing, lowest replica id first
         inter = s.box.intersect(box)
         if inter is not None and inter.shape == box.shape:
             return s
