@@ -144,8 +144,8 @@ def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapp
     """Save the pytree ``state`` as step ``step`` of the repository at ``url``.
 
     Every process of a ``jax.distributed`` job must call it with the same ``step`` and a
-    state of the same structure; each writes its share of its addressable shards (a replicated box once, FORMAT.md 8.1). The
-    coordinator defaults to :class:`bridges._jaxcoord.JaxCoordinator` when
+    state of the same structure; each writes its share of its addressable shards (a replicated
+    box once, FORMAT.md 8.1). The coordinator defaults to :class:`bridges._jaxcoord.JaxCoordinator` when
     ``jax.process_count() > 1`` and to ``LocalCoordinator`` otherwise.
 
     Returns the committed Manifest once the step is committed (``blocking=True``), or a
