@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--saves", type=int, default=2)
     p.add_argument("--general", action="store_true", help="write through tensorstore (vectored_writes=False)")
+    p.add_argument("--write-threads", type=int, default=None, help="the vectored writer's threads (default 16)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N functions by cumulative time")
     a = p.parse_args(argv)
     from .args import parse_size
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         prof = cProfile.Profile() if a.cprofile else None
         if prof:
             prof.enable()
-        repo = Repository(os.path.join(root, f"s{n}"), options={"vectored_writes": not a.general})
+        opts = {"vectored_writes": not a.general} | ({"write_threads": a.write_threads} if a.write_threads else {})
+        repo = Repository(os.path.join(root, f"s{n}"), options=opts)
         bj.save(repo, state, step=1, options=SaveOptions(timings=phases))
         if prof:
             prof.disable()
