@@ -8,8 +8,9 @@ What a checkpoint holds (the JAX profile, normative in spec/FORMAT.md 13.2; summ
 * Every array leaf (``jax.Array``, ``numpy.ndarray``) is one tensor. Its key path is the pytree
   path rendered by :func:`bridges._jaxtree.render_path` (dict keys and attribute names as they
   are, sequence indices in decimal, joined with ``/``). Each process offers the boxes of its
-  addressable shards (``Shard.index``) with their ``replica_id``; only replica 0 of each box is
-  written. A ``numpy.ndarray`` leaf is taken to be the same on every process; one copy is written.
+  addressable shards (``Shard.index``) with their ``replica_id``, and the data of its lowest
+  replica of each box; each box is written once, and the processes holding a replicated box take
+  turns (FORMAT.md 8.1). A ``numpy.ndarray`` leaf is taken to be the same on every process; one copy is written.
 * Typed PRNG keys (``jax.random.key``) are stored as ``jax.random.key_data`` (a ``uint32``
   tensor with the key dimensions last), and the implementation name is recorded in the global
   state under ``bridge.prng_impls[<key path>]``. Raw ``uint32`` keys are ordinary tensors.
@@ -90,10 +91,18 @@ def _array_shards(key: str, arr: jax.Array, copy: bool) -> list[LocalShard]:
     shape, dtype = tuple(arr.shape), np.dtype(arr.dtype)
     desc = describe_sharding(arr.sharding, arr.ndim)
     out = []
-    for sh in arr.addressable_shards:
+    shards = arr.addressable_shards
+    # Per box, this process offers the data of its lowest replica id: the plan spreads the
+    # writes of a replicated box over the processes holding it (FORMAT.md 8.1); further copies
+    # in this process only prove the box is held. Lazy: a copy not picked is never made.
+    lowest: dict[Box, int] = {}
+    for sh in shards:
+        b = index_to_box(sh.index, shape)
+        lowest[b] = min(lowest.get(b, sh.replica_id), sh.replica_id)
+    for sh in shards:
         box = index_to_box(sh.index, shape)
         data: Any = None
-        if sh.replica_id == 0:  # other replicas only prove the box is held
+        if sh.replica_id == lowest[box]:
             data = np.asarray(sh.data) if copy else (lambda d=sh.data: np.asarray(d))
         out.append(LocalShard(key, shape, dtype, box, data, replica_id=int(sh.replica_id), sharding=desc))
     if not out:
@@ -135,8 +144,8 @@ def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapp
     """Save the pytree ``state`` as step ``step`` of the repository at ``url``.
 
     Every process of a ``jax.distributed`` job must call it with the same ``step`` and a
-    state of the same structure; each writes only its addressable replica-0 shards. The
-    coordinator defaults to :class:`bridges._jaxcoord.JaxCoordinator` when
+    state of the same structure; each writes its share of its addressable shards (a replicated
+    box once, FORMAT.md 8.1). The coordinator defaults to :class:`bridges._jaxcoord.JaxCoordinator` when
     ``jax.process_count() > 1`` and to ``LocalCoordinator`` otherwise.
 
     Returns the committed Manifest once the step is committed (``blocking=True``), or a
@@ -175,7 +184,7 @@ def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapp
                     pass
             return manifest
 
-        staged = sum(int(s.data.nbytes) for s in shards if s.replica_id == 0 and isinstance(s.data, np.ndarray))
+        staged = sum(int(s.data.nbytes) for s in shards if isinstance(s.data, np.ndarray))
         return run, staged
 
     if blocking:

@@ -14,8 +14,9 @@ becomes a checkpoint tensor; any other leaf (ints, floats, lists such as optimiz
 Sharding: a DTensor's local block is its global box, from
 ``compute_local_shape_and_global_offset`` (``Shard(d)`` incl. uneven and empty torch.chunk
 shards, ``Replicate()``, 1-D and N-D meshes). ``replica_id`` is the rank's linear coordinate on
-the replicated mesh dims, so the copy at the lowest coordinate is written once. A plain tensor
-on a multi-rank world is treated as replicated over all ranks (rank 0's copy is written).
+the replicated mesh dims; each replicated box is written once, by one of the ranks holding it,
+and the ranks take turns (FORMAT.md 8.1). A plain tensor on a multi-rank world is treated as
+replicated over all ranks (one rank's copy is written).
 
 Load is target-driven: every rank asks the core reader for exactly the boxes its target values
 hold locally, in the checkpoint's coordinates (through a :mod:`bridges.mapping` permutation when
@@ -141,7 +142,7 @@ def local_box(t: torch.Tensor) -> tuple[Box | None, int, TensorSharding | None]:
     """This rank's (global box, replica_id, sharding description) of ``t``.
 
     The box is None when this rank is not part of the DTensor's mesh. Plain tensors: the full
-    box, replica_id = this rank (rank 0 writes). Raises ValueError for placements other than
+    box, replica_id = this rank (one rank writes it, FORMAT.md 8.1). Raises ValueError for placements other than
     ``Shard`` and ``Replicate`` (a ``Partial`` must be reduced first).
     """
     if DTensor is not None and isinstance(t, DTensor):
@@ -323,7 +324,7 @@ def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None
                 continue
             if block is not None:
                 written[ckey, cbox] = (key, block)
-            if copy and rid == 0 and block is not None:
+            if copy and block is not None:  # any holder may be picked to write (FORMAT.md 8.1)
                 block = np.array(block)
             shape, cdtype = gshapes[ckey]
             shards.append(LocalShard(ckey, shape, cdtype, cbox, block, replica_id=rid,
@@ -380,7 +381,7 @@ def save(url: str, state: TMapping[str, Any], *, step: int, extra: Any = None, r
                   coordinator=_coordinator(coordinator), versions={"torch": torch.__version__})
         if options is not None:
             kw["options"] = options
-        staged = sum(int(s.data.nbytes) for s in shards if s.replica_id == 0 and isinstance(s.data, np.ndarray))
+        staged = sum(int(s.data.nbytes) for s in shards if isinstance(s.data, np.ndarray))
         return (lambda: ckptfmt.save(url, step, shards, **kw)), staged
 
     if blocking:

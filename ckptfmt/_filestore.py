@@ -4,7 +4,9 @@
   appears; a device never ends), and a FIFO, device, socket or directory at a key is refused
   before tensorstore opens it.
 - Positional vectored reads (``preadv``) straight into the caller's buffers (option
-  ``positional_reads``, default True; False reads through the kvstore as every other store does).
+  ``positional_reads``, default True; False reads through the kvstore as every other store does),
+  and vectored shard writes (``pwritev``) straight from the source arrays (option
+  ``vectored_writes``, default True; see :mod:`ckptfmt._vectorwrite`).
 - Deletes of a prefix and the walks that judge ages go through :mod:`ckptfmt._localfs`, which
   never follows a symbolic link (tensorstore's ``delete_range`` does).
 - Lock files (``<key>.__lock``) left by writes that were killed midway are removed once stale.
@@ -110,6 +112,16 @@ class LocalFileStorage(KvStoreStorage):
             os.close(fd)
             raise
         return _LocalFile(fd, st.st_size, key, tensor)
+
+    # ------------------------------------------------------------------ writes
+    @property
+    def vectored_writes(self) -> bool:
+        """Option ``vectored_writes`` (default True): a save writes shard objects with ``pwritev``
+        straight from the source arrays (:mod:`ckptfmt._vectorwrite`); False: through tensorstore."""
+        return bool(self.options.get("vectored_writes", True))
+
+    def local_file(self, key: str) -> str:
+        return self.root + key
 
     # ------------------------------------------------------------------ deletes and walks
     def delete_prefix(self, prefix: str) -> None:

@@ -70,7 +70,7 @@ class _Written:
 
 
 def _find_holder(shards: list[LocalShard], box: Box) -> LocalShard:
-    for s in sorted(shards, key=lambda s: (s.data is None, s.replica_id)):  # data-bearing main replica first
+    for s in sorted(shards, key=lambda s: (s.data is None, s.replica_id)):  # data-bearing, lowest replica id first
         inter = s.box.intersect(box)
         if inter is not None and inter.shape == box.shape:
             return s
@@ -83,6 +83,11 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
     """Write this rank's shards through tensorstore (rank 0 also every array's zarr.json), then
     verify them. Raises StepMismatchError for source data that does not match its declaration,
     StorageError when a write fails, IncompleteSaveError when a shard does not read back as written."""
+    if storage.vectored_writes:  # local files: written straight from the source arrays
+        from ._vectorwrite import write_local
+        return write_local(storage, plans, local, save_id, rank, opts)
+    from .session import add_time
+    t_begin = time.perf_counter()
     opened: dict[int, Any] = {}
     mine: list[tuple[TensorWritePlan, WriteItem]] = []
     for p in plans:
@@ -136,7 +141,11 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
             inflight = 0
     _drain(pending, plans, save_id)
     cache.clear()
-    return _verify_written(storage, written, save_id)
+    t = add_time(opts, "write", t_begin)
+    try:
+        return _verify_written(storage, written, save_id)
+    finally:
+        add_time(opts, "verify", t)
 
 
 def _source(holder: LocalShard, key: str) -> np.ndarray:

@@ -87,8 +87,9 @@ class LocalShard:
     """One block of a global tensor held by this process.
 
     ``data`` is a host array of shape ``box.shape`` or a zero-argument callable returning one
-    (for lazy device-to-host copies). Only ``replica_id == 0`` blocks are written; the others
-    only prove that the region is held.
+    (for lazy device-to-host copies), or None: the region is held but this process offers no
+    data for it. Each shard is written once, by one holder that offers data; copies of the same
+    region on several processes (replicas) take turns (FORMAT.md 8.1).
     """
 
     key: str

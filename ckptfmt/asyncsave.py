@@ -68,15 +68,25 @@ class SaveHandle:
 
 
 def _snapshot(shards: Iterable[LocalShard], copy: bool) -> tuple[list[LocalShard], int]:
-    out, nbytes = [], 0
+    """Host copies of the blocks this process may write: per box, the data of its lowest replica
+    id here (the only one the plan can pick on this rank); other copies are declared without data."""
+    shards = list(shards)
+    lowest: dict[tuple, int] = {}
     for s in shards:
-        if s.replica_id != 0:
+        if s.data is not None:
+            k = (s.key, s.box)
+            lowest[k] = min(lowest.get(k, s.replica_id), s.replica_id)
+    out, nbytes, taken = [], 0, set()
+    for s in shards:
+        k = (s.key, s.box)
+        if s.data is None or lowest[k] != s.replica_id or k in taken:
             out.append(LocalShard(s.key, s.global_shape, s.dtype, s.box, None, s.replica_id, s.sharding))
             continue
+        taken.add(k)
         a = s.materialize()
         a = np.array(a, copy=True, order="C") if copy else a
         nbytes += a.nbytes
-        out.append(LocalShard(s.key, s.global_shape, s.dtype, s.box, a, 0, s.sharding))
+        out.append(LocalShard(s.key, s.global_shape, s.dtype, s.box, a, s.replica_id, s.sharding))
     return out, nbytes
 
 

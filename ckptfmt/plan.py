@@ -162,8 +162,13 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
     """Plan a save from every rank's held boxes.
 
     ``inventory`` maps key -> (global shape, dtype name, itemsize); ``rank_boxes[r]`` maps
-    key -> [(box, replica_id), ...] held by rank r. Each shard goes to the holder with the
-    lowest (replica_id, rank). Every rank computes the same plan from the same inputs.
+    key -> [(box, replica_id), ...] or [(box, replica_id, writable), ...] held by rank r
+    (``writable`` False: the rank holds the box but offers no data for it). Each shard goes to
+    one of its candidates (FORMAT.md 8.1): the holders that offer data (all holders when none
+    does), one per rank (its lowest replica id), ordered by (replica_id, rank); the shard at
+    flat cell ``c`` of the tensor at position ``i`` in key order goes to candidate
+    ``(i + c) mod k``, so replicated shards are spread over their replicas. Every rank computes
+    the same plan from the same inputs.
 
     Raises StepMismatchError when a box falls outside its tensor, a rank names an unknown
     tensor, or part of a tensor is held by no rank.
@@ -187,7 +192,7 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
                 order = np.argsort(held.tensor, kind="stable")
                 bounds = np.searchsorted(held.tensor[order], np.arange(len(keys) + 1)).tolist()
             mine = order[bounds[index]:bounds[index + 1]].tolist()
-            boxes = [(int(held.rank[j]), held.boxes[j], held.reps[j]) for j in mine]
+            boxes = [(int(held.rank[j]), held.boxes[j], held.reps[j], bool(held.writable[j])) for j in mine]
             plans.append(_plan_tensor(index, key, shape, dtype, itemsize, boxes, world, chunk_target_bytes))
             continue
         like = shared.get((shape, gcds[index], itemsize))
@@ -208,6 +213,7 @@ class _Held(NamedTuple):
     rank: np.ndarray    # (N,)
     boxes: list[Box]
     reps: list[int]
+    writable: np.ndarray  # (N,) bool: the holder offers data for the box
     ndim: np.ndarray    # (N,) dimensions of each box
     offs: np.ndarray    # (N, D) offsets, padded with 0 up to the widest tensor or box
     shps: np.ndarray    # (N, D) shapes, padded with 1
@@ -243,13 +249,17 @@ def _gather(index: Mapping[str, int], rank_boxes: Sequence[Mapping[str, Sequence
         rank.append(np.full(sum(counts), r, np.int64))
     boxes = list(map(itemgetter(0), pairs))
     reps = list(map(itemgetter(1), pairs))
+    if all(len(p) == 2 for p in pairs):  # (box, replica_id): every holder offers data
+        writable = np.ones(len(pairs), bool)
+    else:
+        writable = np.fromiter((bool(p[2]) if len(p) > 2 else True for p in pairs), bool, count=len(pairs))
     offsets = list(map(attrgetter("offset"), boxes))
     widths = set(map(len, offsets))
     ndim = np.full(len(boxes), widths.pop(), np.int64) if len(widths) == 1 else \
         np.fromiter(map(len, offsets), np.int64, count=len(boxes))
     width = max(width, int(ndim.max(initial=0)))
     cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
-    return _Held(cat(tensor), cat(rank), boxes, reps, ndim, _padded(offsets, ndim, width, 0),
+    return _Held(cat(tensor), cat(rank), boxes, reps, writable, ndim, _padded(offsets, ndim, width, 0),
                  _padded(list(map(attrgetter("shape"), boxes)), ndim, width, 1))
 
 
@@ -304,11 +314,45 @@ def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held, world: int) 
     ncells = np.where(slow, 0, np.prod(grid, axis=0))
     base = np.cumsum(ncells) - ncells
     good = ~slow[t]
-    owner = np.full(int(ncells.sum()), np.iinfo(np.int64).max, np.int64)
-    prio = np.array(held.reps, np.int64) * world + held.rank
-    np.minimum.at(owner, (cell + base[t])[good], prio[good])
-    slow[np.repeat(np.arange(T), ncells)[owner == np.iinfo(np.int64).max]] = True  # gaps: the slow path raises
-    return _Owners(slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner % world)
+    total = int(ncells.sum())
+    of_cell = np.repeat(np.arange(T), ncells)
+    # Each cell's turn: its tensor's position in key order plus its flat index in the tensor.
+    turn = of_cell + np.arange(total) - np.repeat(base, ncells)
+    owner = _deal((cell + base[t])[good], held.rank[good], np.array(held.reps, np.int64)[good],
+                  held.writable[good], total, turn)
+    slow[of_cell[owner < 0]] = True  # gaps: the slow path raises
+    return _Owners(slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner)
+
+
+def _deal(cell: np.ndarray, rank: np.ndarray, rep: np.ndarray, writable: np.ndarray, ncells: int,
+          turn: np.ndarray) -> np.ndarray:
+    """The writer rank of each of ``ncells`` cells (-1: held by no one), from its holders (one
+    row per held (cell, rank, replica id, writable)): the candidates are the holders that offer
+    data (all of them when none does), one per rank (its lowest replica id), ordered by
+    (replica id, rank); cell ``c`` goes to candidate ``turn[c] mod k`` (FORMAT.md 8.1)."""
+    owner = np.full(ncells, -1, np.int64)
+    if not len(cell):
+        return owner
+    count = np.bincount(cell, minlength=ncells)
+    if (count <= 1).all():  # no cell held twice: nothing to choose (the common case, and fast)
+        owner[cell] = rank
+        return owner
+    offers = np.zeros(ncells, bool)
+    offers[cell[writable]] = True
+    cand = writable | ~offers[cell]
+    c, r, p = cell[cand], rank[cand], rep[cand]
+    o = np.lexsort((p, r, c))  # by cell, then rank, then replica id: keep each rank's lowest
+    c, r, p = c[o], r[o], p[o]
+    first = np.ones(len(c), bool)
+    first[1:] = (c[1:] != c[:-1]) | (r[1:] != r[:-1])
+    c, r, p = c[first], r[first], p[first]
+    o = np.lexsort((r, p, c))  # candidate order within a cell: (replica id, rank)
+    c, r = c[o], r[o]
+    k = np.bincount(c, minlength=ncells)
+    start = np.cumsum(k) - k
+    held = np.flatnonzero(k)
+    owner[held] = r[start[held] + turn[held] % k[held]]
+    return owner
 
 
 def _cells(grid: tuple[int, ...]) -> np.ndarray:
@@ -320,20 +364,21 @@ def _cells(grid: tuple[int, ...]) -> np.ndarray:
 
 
 def _plan_tensor(index: int, key: str, shape: tuple[int, ...], dtype: str, itemsize: int,
-                 held: list[tuple[int, Box, int]], world: int, chunk_target_bytes: int) -> TensorWritePlan:
-    """The general plan of one tensor from its (rank, box, replica_id) list; raises like plan_save."""
+                 held: Sequence[tuple], world: int, chunk_target_bytes: int) -> TensorWritePlan:
+    """The general plan of one tensor from its (rank, box, replica_id[, writable]) list; raises
+    like plan_save."""
     nd = len(shape)
     try:
-        offs = np.array([b.offset for _, b, _ in held], np.int64).reshape(len(held), nd)
-        shps = np.array([b.shape for _, b, _ in held], np.int64).reshape(len(held), nd)
+        offs = np.array([h[1].offset for h in held], np.int64).reshape(len(held), nd)
+        shps = np.array([h[1].shape for h in held], np.int64).reshape(len(held), nd)
     except ValueError:  # ragged: some box has the wrong number of dimensions
-        r, b, _ = next(h for h in held if h[1].ndim != nd)
+        r, b = next((h[0], h[1]) for h in held if h[1].ndim != nd)
         raise StepMismatchError("a held box has the wrong rank", key=key, expected=f"{nd} dims",
                                 found=f"{b} on rank {r}") from None
     shp = np.asarray(shape, np.int64)
     bad = np.flatnonzero(np.any((offs < 0) | (shps < 0) | (offs + shps > shp), axis=1)) if held else []
     if len(bad):
-        r, b, _ = held[int(bad[0])]
+        r, b = held[int(bad[0])][:2]
         raise StepMismatchError("a held box lies outside its tensor", key=key,
                                 expected=f"inside {shape}", found=f"{b} on rank {r}")
     nonempty = np.all(shps > 0, axis=1) if held else np.zeros(0, bool)
@@ -341,30 +386,34 @@ def _plan_tensor(index: int, key: str, shape: tuple[int, ...], dtype: str, items
     geom = TensorGeometry(shape, shard_shape, chunk_shape_for(shard_shape, itemsize, chunk_target_bytes), itemsize)
     grid = geom.grid
     ncells = math.prod(grid)
-    prio = (np.array([rep for _, _, rep in held], np.int64) * world + np.array([r for r, _, _ in held], np.int64))[nonempty] \
-        if held else np.zeros(0, np.int64)
-    owner = np.full(ncells, np.iinfo(np.int64).max, np.int64)
+    ranks = np.array([h[0] for h in held], np.int64)[nonempty] if held else np.zeros(0, np.int64)
+    reps = np.array([h[2] for h in held], np.int64)[nonempty] if held else np.zeros(0, np.int64)
+    writable = np.array([h[3] if len(h) > 3 else True for h in held], bool)[nonempty] if held else np.zeros(0, bool)
+    # One row per (cell, holder): every cell each non-empty box covers.
     if nd == 0:
-        if len(prio):
-            owner[0] = prio.min()
-    elif ncells:
+        cell = np.zeros(len(ranks), np.int64)
+        rows = np.arange(len(ranks))
+    elif ncells and len(ranks):
         ss = np.asarray(shard_shape, np.int64)
         lo = offs[nonempty] // ss
         hi = -(-(offs[nonempty] + shps[nonempty]) // ss)
-        single = np.all(hi - lo == 1, axis=1)
-        if len(lo) and single.all():
-            np.minimum.at(owner, np.ravel_multi_index(tuple(lo.T), grid), prio)
+        if np.all(hi - lo == 1):
+            cell, rows = np.ravel_multi_index(tuple(lo.T), grid), np.arange(len(ranks))
         else:
-            view = owner.reshape(grid)
-            for l, h, pr in zip(lo, hi, prio):
-                sl = tuple(slice(int(a), int(b)) for a, b in zip(l, h))
-                view[sl] = np.minimum(view[sl], pr)
-    missing = np.flatnonzero(owner == np.iinfo(np.int64).max)
+            parts = [np.ravel_multi_index(tuple(np.indices(tuple(h - l)).reshape(nd, -1) + l[:, None]), grid)
+                     for l, h in zip(lo, hi)]
+            cell = np.concatenate(parts)
+            rows = np.repeat(np.arange(len(ranks)), [len(x) for x in parts])
+    else:
+        cell = rows = np.zeros(0, np.int64)
+    owner = _deal(cell, ranks[rows], reps[rows], writable[rows], max(ncells, 1) if nd == 0 else ncells,
+                  index + np.arange(max(ncells, 1) if nd == 0 else ncells))
+    missing = np.flatnonzero(owner < 0)
     if len(missing):
         cell = tuple(int(c) for c in np.unravel_index(int(missing[0]), grid)) if nd else ()
         raise StepMismatchError("part of a tensor is held by no rank", key=key, expected="every shard held",
                                 found=f"{len(missing)} unheld shard(s), first {geom.shard_box(cell)}")
-    return TensorWritePlan(key, index, dtype, geom, _cells(grid), owner % world)
+    return TensorWritePlan(key, index, dtype, geom, _cells(grid), owner)
 
 
 def _grid_from_arrays(shape: tuple[int, ...], offs: np.ndarray, shps: np.ndarray) -> tuple[int, ...]:

@@ -66,6 +66,17 @@ class SaveOptions:
     #: and a random delay in [0, jitter_s) before this rank's first write, so that ranks do not
     #: burst the storage in lock-step. Both apply after the freeze; neither changes the format.
     jitter_s: float = 0.0
+    #: If given, this rank adds the seconds of each save phase into it ("plan", "stage", "write",
+    #: "fsync", "verify", "state", "commit"), for profiles and the bench; never changes the save.
+    timings: dict[str, float] | None = None
+
+
+def add_time(opts: SaveOptions, phase: str, since: float) -> float:
+    """Add ``now - since`` to ``opts.timings[phase]`` (when timings are kept); returns now."""
+    now = time.perf_counter()
+    if opts.timings is not None:
+        opts.timings[phase] = opts.timings.get(phase, 0.0) + now - since
+    return now
 
 
 def _pack(obj: Any) -> bytes:
@@ -296,24 +307,30 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
         coord.allgather("save/freeze", _pack({"error": _err_json(local)}), opts.timeout_s)
         raise local
     # 2. freeze: agree on step, inventory and ownership before any write.
+    t = time.perf_counter()
     plans = _freeze(coord, opts, step, save_id, local)
+    t = add_time(opts, "plan", t)
 
     # 3. write privately and verify; 4. acknowledge (records or the error).
     try:
         records = write_and_verify(storage, plans, local, save_id, rank, opts)
+        t = time.perf_counter()
         state_entries = write_state(storage, save_id, rank, state, rank_state)
+        t = add_time(opts, "state", t)
         ack: dict[str, Any] = {"records": [r.to_wire() for r in records], "state": [state_to_wire(e) for e in state_entries]}
     except CheckpointError as e:
         ack = {"error": _err_json(e)}
     except Exception as e:  # a writer bug must still reach every rank, not hang them
         ack = {"error": _err_json(IncompleteSaveError(f"writer failed: {type(e).__name__}: {e}"))}
     acks = [_unpack(b) for b in coord.allgather("save/ack", _pack(ack), opts.timeout_s)]
+    t = add_time(opts, "ack", t)
 
     # 5. commit (rank 0), then tell everyone.
     outcome: dict[str, Any] = {}
     if rank == 0:
         outcome = _commit(repository, storage, heartbeat, save_id, step, world, plans, acks, local, metadata, versions, opts)
     outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
+    add_time(opts, "commit", t)
     if "error" in outcome:
         raise _err_from(outcome["error"])
     return parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
@@ -324,7 +341,9 @@ def _freeze(coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
     """Step 2: agree on step, inventory and ownership before any write; every rank's same plan."""
     inventory = {k: (list(v[0].global_shape), dtype_name(v[0].dtype)) for k, v in sorted(local.items())}
     digest = hashlib.sha256(_pack(sorted(inventory.items()))).hexdigest()
-    boxes = {k: [[list(s.box.offset), list(s.box.shape), int(s.replica_id)] for s in v] for k, v in local.items()}
+    # Each held box with its replica id and whether this rank offers its data (a candidate writer).
+    boxes = {k: [[list(s.box.offset), list(s.box.shape), int(s.replica_id), s.data is not None] for s in v]
+             for k, v in local.items()}
     gathered = [_unpack(b) for b in coord.allgather("save/freeze", _pack(
         {"step": step, "digest": digest, "save_id": save_id, "boxes": boxes}), opts.timeout_s)]
     for r, g in enumerate(gathered):
@@ -339,7 +358,7 @@ def _freeze(coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
             raise StepMismatchError("ranks disagree on the tensor inventory (keys, shapes or dtypes)",
                                     expected=f"digest {digest[:12]}", found=f"rank {r} digest {g['digest'][:12]}")
     inv = {k: (tuple(shape), dt, numpy_dtype(dt).itemsize) for k, (shape, dt) in inventory.items()}
-    rank_boxes = [{k: [(Box(o, s), rep) for o, s, rep in v] for k, v in g["boxes"].items()} for g in gathered]
+    rank_boxes = [{k: [(Box(o, s), rep, bool(w)) for o, s, rep, w in v] for k, v in g["boxes"].items()} for g in gathered]
     return plan_save(inv, rank_boxes, opts.chunk_target_bytes)
 
 

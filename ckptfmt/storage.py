@@ -137,6 +137,17 @@ class Storage(ABC):
         raise StorageError("this store has no positional reads", key=tensor, object=key,
                            expected="a local-file repository", found=type(self).__name__)
 
+    @property
+    def vectored_writes(self) -> bool:
+        """Whether a save may write shard objects itself as the local files :meth:`local_file`
+        names (:mod:`ckptfmt._vectorwrite`) instead of through :meth:`open_array`."""
+        return False
+
+    def local_file(self, key: str) -> str:
+        """The local file path of ``key``; only where :attr:`vectored_writes` is True."""
+        raise StorageError("this store has no local files", object=key, expected="a local-file repository",
+                           found=type(self).__name__)
+
     # ------------------------------------------------------------------ writes
     @abstractmethod
     def write(self, key: str, data: bytes) -> None: ...
@@ -240,6 +251,13 @@ class DelegatingStorage(Storage):
 
     def open_positional(self, key: str, *, tensor: str | None = None) -> PositionalFile:
         return self.inner.open_positional(key, tensor=tensor)
+
+    @property
+    def vectored_writes(self) -> bool:
+        return self.inner.vectored_writes
+
+    def local_file(self, key: str) -> str:
+        return self.inner.local_file(key)
 
     def write(self, key: str, data: bytes) -> None:
         self.inner.write(key, data)

@@ -50,11 +50,12 @@ def test_report_ratios_and_targets_from_synthetic_runs(tmp_path):
         "raw": {"save": [_phase(1.0, state_bytes=gib)], "restore": [_phase(0.5, bytes_restored=gib)]},
         "ckptfmt": {
             "save": [_phase(1.2, state_bytes=gib), _phase(1.0, state_bytes=gib), _phase(9.0, state_bytes=gib)],
+            "save_steady": [_phase(0.8, state_bytes=gib, save_t_write_s=0.7, save_t_fsync_s=0.05)],
             "restore_8to8": [_phase(0.5, bytes_restored=gib)],
             "restore_8to4": [_phase(0.6, bytes_restored=gib)],
             "slice_1of8": [_phase(0.1, bytes_restored=gib // 8, slice_bytes=gib // 8, bytes_read_per_reader=gib // 8 + 4096)],
         },
-        "dcp": {"save": [_phase(2.0, state_bytes=gib)], "restore_8to8": [_phase(0.6)], "restore_8to4": [_phase(0.66)]},
+        "dcp": {"save": [_phase(2.0, state_bytes=gib)], "save_steady": [_phase(1.0, state_bytes=gib)], "restore_8to8": [_phase(0.6)], "restore_8to4": [_phase(0.66)]},
     }
     opts = {"save_devices": 8, "restore_devices": [8, 4], "repetitions": 3}
     r = BenchResult(options=opts, layout={"tensors": 16, "rows": 1, "cols": 1, "nbytes": gib}, cache="cold", runs=runs,
@@ -65,14 +66,17 @@ def test_report_ratios_and_targets_from_synthetic_runs(tmp_path):
     assert r.ratios["save_fraction_of_raw_write"]["ckptfmt"] == pytest.approx(1.0 / 1.2)
     assert r.ratios["resharded_over_same"]["ckptfmt"] == pytest.approx(1.2)
     holds = {t["target"]: t["holds"] for t in r.targets}
-    assert holds["durable save vs the faster peer"] is True
-    assert holds["durable save vs raw parallel write throughput"] is True
+    assert holds["fresh-process durable save vs the faster peer"] is True
+    assert holds["fresh-process durable save vs raw parallel write throughput"] is True
+    assert holds["steady-state save (2nd in the process) vs the faster peer's"] is False  # 1.0 / 0.8 = 1.25x
+    assert r.ratios["save_steady_speedup_vs"]["dcp"] == pytest.approx(1.25)
+    assert "ckptfmt save_steady phases (median s): write 0.700, fsync 0.050" in r.table
     assert holds["resharded restore (8->4) vs the faster peer"] is False  # 0.66 / 0.6 = 1.1x
     assert holds["resharded restore / same-topology restore"] is False
     assert holds["bytes read by a 1/8 slice reader"] is True
     rss = [t for t in r.targets if t["target"].startswith("peak RSS during save")]
     assert rss and rss[0]["holds"] is True  # +50 bytes above the start
-    assert "| ckptfmt | 1.200 |" in r.table and (tmp_path / "bench.json").exists()
+    assert "| ckptfmt | 1.200 | 895 | 0.800 |" in r.table and (tmp_path / "bench.json").exists()
 
 
 @pytest.mark.slow
@@ -105,15 +109,16 @@ def test_bench_end_to_end_tiny(tmp_path, monkeypatch):
     systems = {"raw", "ckptfmt"} | ({"orbax"} if HAVE_ORBAX else set())
     assert set(doc["summary"]) == systems
     assert set(doc["summary"]["raw"]) == {"save", "restore"}
-    want = {"save", "restore_8to8", "restore_8to4"}
+    want = {"save", "save_steady", "restore_8to8", "restore_8to4"}
     assert set(doc["summary"]["ckptfmt"]) == want | {"slice_1of8"}
+    assert doc["summary"]["ckptfmt"]["save"]["save_t_write_s"] > 0
     if HAVE_ORBAX:
         assert set(doc["summary"]["orbax"]) == want
     for system, phases in doc["summary"].items():
         for phase, s in phases.items():
             assert s["n"] == 1
             assert s["wall_s"] > 0 and s["rss_peak"] > 0, (system, phase)
-            if phase != "save" and system != "raw":
+            if not phase.startswith("save") and system != "raw":
                 assert s["bytes_read_per_reader"] > 0, (system, phase)
     save = doc["summary"]["ckptfmt"]["save"]
     assert save["objects"] > 0 and save["bytes_on_disk"] >= doc["layout"]["nbytes"]
@@ -134,3 +139,22 @@ def test_bench_end_to_end_tiny(tmp_path, monkeypatch):
     ts = doc["tailstep"]
     assert ts["baseline"]["p50_ms"] > 0 and ts["with_saves"]["p99_ms"] > 0
     assert ts["saves"] == 3 and ts["rpo_steps"] >= 1 and math.isfinite(ts["sync_save_ms_median"])
+
+
+def test_scaling_targets_and_lines_from_synthetic_rows(tmp_path):
+    from ckptfmt_tools.bench import scaling
+    from ckptfmt_tools.bench.args import build_parser, options_from_args
+
+    gib = 1 << 30
+    rows = [{"bytes": s * gib, "save_s": 1.0 * s, "save_s_per_gib": 1.0, "save_rss_rise": 8 << 20, "restore_s": 0.5 * s,
+             "restore_s_per_gib": 0.5, "restore_rss_rise": s * gib + (10 << 20), "save_phases": {}} for s in (1, 2)]
+    rows[-1]["save_s_per_gib"] = 1.3  # too slow per GiB at the larger size
+    got: list = []
+    scaling.targets(rows, lambda name, want, measured, holds: got.append((name, holds)))
+    assert dict(got) == {"save s/GiB at 2.00 GiB / at 1.00 GiB": False, "restore s/GiB at 2.00 GiB / at 1.00 GiB": True,
+                         "save peak RSS rise at 2.00 GiB vs 1.00 GiB (flat)": True,
+                         "restore peak RSS rise - bytes restored, every size": True}
+    assert "| 2.00 GiB | 2.000 | 1.300 |" in "\n".join(scaling.lines(rows))
+    assert scaling.plot(rows, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 0
+    opts = options_from_args(build_parser().parse_args(["--sizes", "1GiB,2GiB", "--two-process", "--no-steady"]))
+    assert opts.sizes == (gib, 2 * gib) and opts.two_process and not opts.steady

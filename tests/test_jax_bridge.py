@@ -122,3 +122,29 @@ def test_jax_coordinator_two_processes(tmp_path):
     # 1's copy names rank 0. Before issue 14 only this bridge forwarded it (torch: a 300 s wait).
     assert r0["listing"]["error"] == r1["listing"]["error"] == "StorageError", (r0["listing"], r1["listing"])
     assert r1["listing"]["message"].startswith("rank 0: "), r1["listing"]
+
+
+@pytest.mark.multiprocess
+def test_replicated_writes_are_balanced_over_two_processes(tmp_path):
+    """A (data=2, model=4) mesh over 2 processes, every parameter replicated over ``data``: each
+    process writes within 10% of the other's bytes (FORMAT.md 8.1). The control: offering only
+    replica 0's data (the assignment before 1.0.4) leaves process 1 writing nothing."""
+    procs, outs = _two_processes("balance_check.py", tmp_path)
+    errs = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        if p.returncode:
+            errs.append(err[-3000:])
+    assert not errs, errs
+    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    assert r0["equal"] and r1["equal"]
+    for run in r0["balanced"]:
+        a, b = run["bytes_per_process"]
+        assert a > 0 and b > 0 and abs(a - b) <= 0.1 * max(a, b), run
+    for run in r0["replica0"]:
+        assert run["bytes_per_process"][1] == 0, run

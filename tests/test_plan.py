@@ -29,7 +29,33 @@ def test_owner_is_lowest_replica_then_rank():
     inv = {"w": ((8, 2), "float32", 4)}
     full = Box((0, 0), (8, 2))
     plans = plan_save(inv, [{"w": [(full, 1)]}, {"w": [(full, 0)]}, {"w": [(full, 0)]}])
-    assert {it.writer for it in plans[0].items} == {1}
+    assert {it.writer for it in plans[0].items} == {1}  # tensor 0, cell 0: the first candidate
+
+
+def test_replicated_shards_take_turns_over_their_holders():
+    """(data=2, model=4) over 2 ranks, every tensor split over model and replicated over data:
+    each rank writes half of every tensor's shards (FORMAT.md 8.1)."""
+    inv = {f"t{i}": ((4, 8), "float32", 4) for i in range(3)}
+    cols = [Box((0, 2 * c), (4, 2)) for c in range(4)]
+    boxes = [{k: [(b, r) for b in cols] for k in inv} for r in range(2)]
+    for p in plan_save(inv, boxes):
+        assert p.writers.tolist() == [(p.index + c) % 2 for c in range(4)], p.key
+    # A rank holding two replicas of a box is one candidate: one process alone writes everything.
+    assert all((p.writers == 0).all() for p in plan_save(inv, [{k: [(b, r) for b in cols for r in (0, 1)] for k in inv}]))
+
+
+def test_a_holder_without_data_is_never_picked():
+    """Holders that offer no data only prove the box is held (offering only replica 0's data keeps
+    the assignment before 1.0.4); with none offering it, every holder is a candidate. The
+    control: both offering data take turns."""
+    inv = {"a": ((4,), "float32", 4), "b": ((4,), "float32", 4)}
+    full = Box((0,), (4,))
+    only0 = [{k: [(full, 0, True)] for k in inv}, {k: [(full, 1, False)] for k in inv}]
+    assert [p.writers.tolist() for p in plan_save(inv, only0)] == [[0], [0]]
+    both = [{k: [(full, 0, True)] for k in inv}, {k: [(full, 1, True)] for k in inv}]
+    assert [p.writers.tolist() for p in plan_save(inv, both)] == [[0], [1]]
+    nobody = [{k: [(full, 1, False)] for k in inv}, {k: [(full, 0, False)] for k in inv}]
+    assert [p.writers.tolist() for p in plan_save(inv, nobody)] == [[1], [0]]
 
 
 def test_gap_is_rejected_and_complete_layout_is_accepted():
@@ -80,7 +106,7 @@ def _general(inventory, rank_boxes, target):
     out = []
     for index, key in enumerate(sorted(inventory)):
         shape, dtype, itemsize = inventory[key]
-        held = [(r, b, rep) for r, hb in enumerate(rank_boxes) for b, rep in hb.get(key, [])]
+        held = [(r,) + tuple(h) for r, hb in enumerate(rank_boxes) for h in hb.get(key, [])]
         out.append(_plan._plan_tensor(index, key, tuple(shape), dtype, itemsize, held, world, target))
     return out
 
@@ -108,7 +134,7 @@ def _layouts(draw):
             if twist == "gap" and cell == (0,) * nd and nd:
                 continue
             for r in holders:
-                rank_boxes[r].setdefault(key, []).append((box, draw(st.integers(0, 2))))
+                rank_boxes[r].setdefault(key, []).append((box, draw(st.integers(0, 2)), draw(st.booleans())))
         if twist == "span" and nd:  # a box over two or more cells: the general path's job
             rank_boxes[0].setdefault(key, []).append((Box((0,) * nd, shape), 0))
         elif twist == "outside" and nd:

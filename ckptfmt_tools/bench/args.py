@@ -22,6 +22,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(x) for x in text.split(",") if x.strip())
+
+
 def _names(text: str) -> tuple[str, ...]:
     return () if text.strip().lower() in ("", "none") else tuple(x.strip() for x in text.split(",") if x.strip())
 
@@ -38,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repository URL or path for ckptfmt, e.g. s3://bucket/bench (default OUTPUT_DIR/data)")
     p.add_argument("--output-dir", "-o", default=d.output_dir, help="where bench.json, bench.md, bench.png go")
     p.add_argument("--peers", type=_names, default=d.peers, help="comma list of orbax,dcp or 'none'")
+    p.add_argument("--no-steady", dest="steady", action="store_false",
+                   help="skip the steady-state save (a second save in the same process) of each system")
+    p.add_argument("--two-process", action="store_true",
+                   help="also save ckptfmt from 2 processes x N/2 devices (jax.distributed), against DCP's N ranks")
+    p.add_argument("--sizes", type=_sizes, default=d.sizes,
+                   help="scaling: also save and restore ckptfmt once at each size, e.g. 1GiB,2GiB,4GiB,8GiB "
+                        "(seconds per GiB, peak RSS rise, scaling.png)")
     p.add_argument("--no-raw", dest="raw", action="store_false", help="skip the raw disk limit")
     p.add_argument("--raw-threads", type=int, default=d.raw_threads, help="threads of the raw limit's pool (default 32)")
     p.add_argument("--ckptfmt-api", choices=("auto", "bridge", "core-jax", "core-numpy"), default=d.ckptfmt_api,

@@ -28,6 +28,7 @@ from .peers import PEERS, peer_available
 from .safety import corrupt
 
 SYSTEMS = ("raw", "ckptfmt") + PEERS
+TWO_PROCESS = "ckptfmt_2proc"  # ckptfmt saving from 2 processes (--two-process)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class BenchOptions:
     output_dir: str = "bench-out"
     peers: tuple[str, ...] = PEERS
     raw: bool = True
+    steady: bool = True  # each save child saves a second time in the same process (the steady-state save)
+    two_process: bool = False  # also save ckptfmt from 2 processes x save_devices/2 devices (jax.distributed)
+    sizes: tuple[int, ...] = ()  # scaling: ckptfmt's save and restore once at each of these state sizes
     raw_threads: int = 32  # thread pool of the raw limit (as wide as ckptfmt's reader)
     ckptfmt_api: str = "auto"  # "bridge" (bridges.jax), "core-jax", "core-numpy" (no JAX); auto: the first available
     check: bool = True  # compare every restored block with the generator (outside the timed window)
@@ -76,6 +80,7 @@ class BenchResult:
     metadata: dict[str, Any] | None = None
     tailstep: dict[str, Any] | None = None
     safety: dict[str, Any] = field(default_factory=dict)
+    scaling: list[dict[str, Any]] | None = None
     environment: dict[str, Any] = field(default_factory=dict)
     table: str = ""
     json_path: str | None = None
@@ -156,7 +161,9 @@ class _Session:
         if options.drop_cache and self.cache == "warm":
             self.notes.append("page cache could not be dropped (needs root on Linux): every read is warm")
         self.runs: dict[str, dict[str, list[dict]]] = {s: {} for s in self.systems}
-        self.common = {"layout": self.layout.to_json(), "check": options.check}
+        if options.two_process:
+            self.runs[TWO_PROCESS] = {}
+        self.common = {"layout": self.layout.to_json(), "check": options.check, "steady": options.steady}
 
     def child(self, task: str, params: dict, env: dict | None = None) -> dict:
         return run_child(task, params, env=env, timeout_s=self.o.child_timeout_s)
@@ -178,6 +185,10 @@ class _Session:
         ph = r["phase"] | dict(r.get("disk", {})) | {"process_wall_s": r.get("process_wall_s")}
         self.runs[system].setdefault(phase, []).append(ph)
         self.log(f"{system:8s} {phase:12s} {ph['wall_s']:8.3f} s  peak RSS {ph['rss_peak'] / 2**20:8.0f} MiB")
+        if r.get("steady"):  # the second save in the same process
+            st = r["steady"]
+            self.runs[system].setdefault(phase + "_steady", []).append(st)
+            self.log(f"{system:8s} {phase + '_steady':12s} {st['wall_s']:8.3f} s  peak RSS {st['rss_peak'] / 2**20:8.0f} MiB")
         return True
 
     def repetition(self, rep: int = 0) -> None:
@@ -202,6 +213,10 @@ class _Session:
             if system == "ckptfmt":
                 self.before_read()
                 self.record(system, f"slice_1of{n}", lambda: self.child("ckptfmt_tools.bench.ours:read_slice", p | {"parts": n}))
+                if self.o.two_process:
+                    os.sync()
+                    self.record(TWO_PROCESS, "save", lambda: self.child(
+                        "ckptfmt_tools.bench.twoproc:save", p | {"devices": n, "url": self.urls["ckptfmt"].rstrip("/") + "-2proc"}))
 
     def safety(self) -> dict[str, Any]:
         """Flip bytes in each system's last checkpoint and restore it (see :mod:`ckptfmt_tools.bench.safety`)."""
@@ -234,6 +249,12 @@ class _Session:
             self.errors[name] = str(e)
             self.log(f"{name} FAILED: {str(e).splitlines()[0]}")
             return None
+
+    def clear_url(self, url: str) -> None:
+        try:
+            clear_repository(url)
+        except Exception as e:  # the save itself will report a storage that cannot be written
+            self.notes.append(f"could not clear {url}: {e}")
 
     def clear(self, system: str) -> None:
         """Remove one system's checkpoint (before its next save)."""
@@ -274,6 +295,11 @@ def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], No
         s.log(f"repetition {rep + 1}/{options.repetitions}")
         s.repetition(rep)
     safety = s.safety() if options.safety else {}
+    scaling_rows = None
+    if options.sizes:
+        from . import scaling
+
+        scaling_rows = scaling.run(s, tuple(options.sizes))
     metadata = tailstep = None
     if options.metadata:
         metadata = s.optional("metadata", "ckptfmt_tools.bench.metadata_scale:run", {
@@ -289,6 +315,7 @@ def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], No
     result = BenchResult(
         options=asdict(options), layout=L.to_json(), cache=s.cache, runs=s.runs, summary={}, ratios={}, targets=[],
         notes=s.notes, skipped=s.skipped, errors=s.errors, metadata=metadata, tailstep=tailstep, safety=safety,
+        scaling=scaling_rows,
         environment=_environment(),
     )
     report.finish(result, s.out, make_plot=options.plot)
