@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -88,6 +88,9 @@ class TensorEntry:
     array: ArraySpec
     shards: ShardTable
     chunks: ChunkTable
+    #: Shard rows whose object belongs to an earlier save (FORMAT.md 5.13, ckptfmt.references):
+    #: row -> that save's array path. Every other row's object lies under ``array.path``.
+    objects: Mapping[int, str] = field(default_factory=dict)
 
     @functools.cached_property
     def geometry(self) -> TensorGeometry:
@@ -104,7 +107,13 @@ class TensorEntry:
         return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
     def object_key(self, s: int) -> str:
-        return shard_key(self.array.path, self.shards.key[s])
+        """The key of shard row ``s``'s object: under this save's array, or a referenced save's."""
+        return shard_key(self.objects.get(s, self.array.path) if self.objects else self.array.path, self.shards.key[s])
+
+    @property
+    def referenced_nbytes(self) -> int:
+        """Bytes of the shard objects this entry references in earlier saves."""
+        return int(sum(int(self.shards.nbytes[s]) for s in self.objects))
 
     def to_json(self) -> dict[str, Any]:
         return {

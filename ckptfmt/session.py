@@ -35,6 +35,8 @@ import msgpack
 import numpy as np
 
 from . import errors as _errors
+from . import _reuse
+from ._manifest_refs import REFERENCES, references_payload
 from ._shardwriter import ShardRecord, state_from_wire, state_to_wire, write_and_verify, write_state
 from ._types import Box, LocalShard
 from .coord import Coordinator, LocalCoordinator
@@ -66,6 +68,10 @@ class SaveOptions:
     #: and a random delay in [0, jitter_s) before this rank's first write, so that ranks do not
     #: burst the storage in lock-step. Both apply after the freeze; neither changes the format.
     jitter_s: float = 0.0
+    #: Incremental saves (FORMAT.md 8.4): "auto" references a shard of the previous committed step
+    #: whose bytes are proven equal instead of writing it again; "compare" proves every such shard
+    #: by a full byte comparison; "off" writes every shard (a format 1.0 manifest).
+    reuse: str = "auto"
 
 
 def _pack(obj: Any) -> bytes:
@@ -195,7 +201,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             raise
 
     # 1. begin: save id and lease (rank 0), before any rank writes anything.
-    heartbeat, begin = _begin(storage, opts, step, world, local_error) if rank == 0 else (None, {})
+    heartbeat, begin = _begin(repository, opts, step, world, local_error) if rank == 0 else (None, {})
     committed = False
     save_id = begin.get("save_id", "")
     try:
@@ -204,7 +210,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             raise _err_from(begin["error"])
         save_id = begin["save_id"]
         manifest = _run(repository, storage, coord, opts, step, save_id, local_error or local, state, rank_state,
-                        metadata, versions, heartbeat)
+                        metadata, versions, heartbeat, begin.get("previous"))
         committed = True
         return manifest
     finally:
@@ -212,9 +218,11 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             _end(storage, heartbeat, step, save_id, committed)
 
 
-def _begin(storage: Storage, opts: SaveOptions, step: int, world: int,
+def _begin(repository: Any, opts: SaveOptions, step: int, world: int,
            local_error: CheckpointError | None) -> tuple["_Heartbeat | None", dict[str, Any]]:
-    """Step 1 on rank 0: the marker, a fresh save id and its lease; (heartbeat, the begin message)."""
+    """Step 1 on rank 0: the marker, a fresh save id and its lease, which pins the saves this one
+    may reference (FORMAT.md 8.4); (heartbeat, the begin message)."""
+    storage = repository.storage
     try:
         if local_error is not None:
             raise local_error
@@ -223,9 +231,15 @@ def _begin(storage: Storage, opts: SaveOptions, step: int, world: int,
                                             expected="no manifest", found="committed manifest")
         storage.create_if_absent(MARKER_KEY, MARKER_BYTES)  # FORMAT.md 4.5; False: already there
         save_id = opts.save_id or new_save_id(step)
-        heartbeat = _Heartbeat(storage, lease_key(save_id), {"save_id": save_id, "step": step, "world": world},
-                               opts.heartbeat_s).start()
-        return heartbeat, {"save_id": save_id}
+        previous = _reuse.pin_previous(repository, step, opts.reuse)
+        body: dict[str, Any] = {"save_id": save_id, "step": step, "world": world}
+        if previous is not None:
+            body["refs"] = _reuse.lease_refs(previous)
+        heartbeat = _Heartbeat(storage, lease_key(save_id), body, opts.heartbeat_s).start()
+        begin: dict[str, Any] = {"save_id": save_id}
+        if previous is not None:  # pinned; each rank confirms it is still committed (FORMAT.md 8.4)
+            begin["previous"] = [previous.step, previous.save_id]
+        return heartbeat, begin
     except CheckpointError as e:
         return None, {"error": _err_json(e)}
 
@@ -290,7 +304,7 @@ def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:
 def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
          local: dict[str, list[LocalShard]] | CheckpointError, state: Any, rank_state: Any,
          metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None,
-         heartbeat: "_Heartbeat | None") -> Manifest:
+         heartbeat: "_Heartbeat | None", pinned: Any = None) -> Manifest:
     rank, world = coord.rank, coord.world
     if isinstance(local, CheckpointError):  # this rank's inputs were bad: say so in the freeze, then fail
         coord.allgather("save/freeze", _pack({"error": _err_json(local)}), opts.timeout_s)
@@ -299,8 +313,10 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
     plans = _freeze(coord, opts, step, save_id, local)
 
     # 3. write privately and verify; 4. acknowledge (records or the error).
+    reuse = _reuse.ReusePlanner(storage, _reuse.previous_manifest(repository, pinned), mode=opts.reuse)
+    records: list[ShardRecord] = []
     try:
-        records = write_and_verify(storage, plans, local, save_id, rank, opts)
+        records = write_and_verify(storage, plans, local, save_id, rank, opts, reuse=reuse)
         state_entries = write_state(storage, save_id, rank, state, rank_state)
         ack: dict[str, Any] = {"records": [r.to_wire() for r in records], "state": [state_to_wire(e) for e in state_entries]}
     except CheckpointError as e:
@@ -316,6 +332,7 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
     outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
     if "error" in outcome:
         raise _err_from(outcome["error"])
+    reuse.remember(save_id, records)
     return parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
 
 
@@ -397,15 +414,18 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             r = ShardRecord.from_wire(wire)
             by_cell[(r.tensor, r.cell)] = r
     tensors: dict[str, TensorEntry] = {}
+    refs: dict[str, dict[int, tuple[str, str]]] = {}
     for p in plans:
         g = p.geometry
         nd = len(g.shape)
         offsets, writers, keys, nbytes, icrcs, coff, cnb, ccrc = [], [], [], [], [], [], [], []
-        for it in p.items:
+        for row, it in enumerate(p.items):
             rec = by_cell.get((p.index, it.cell))
             if rec is None:
                 raise IncompleteSaveError("a planned shard was not acknowledged", key=p.key,
                                           object=cell_key(it.cell), expected=f"ack from rank {it.writer}", found="none")
+            if rec.ref is not None:  # the object of an earlier save (FORMAT.md 5.13)
+                refs.setdefault(p.key, {})[row] = rec.ref
             offsets.append(list(it.box.offset))
             writers.append(it.writer)
             keys.append(cell_key(it.cell))
@@ -425,5 +445,7 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
         for wire in a["state"]:
             e = state_from_wire(wire)
             state[e.name] = e
+    ext = {"must_understand": (REFERENCES,), "extensions": {REFERENCES: references_payload(refs)}} if refs else {}
     return Manifest(save_id=save_id, step=step, created_unix=opts.created_unix if opts.created_unix is not None else time.time(),
-                    writers=world, tensors=tensors, state=state, versions=_versions(versions), metadata=dict(metadata or {}))
+                    writers=world, tensors=tensors, state=state, versions=_versions(versions), metadata=dict(metadata or {}),
+                    **ext)
