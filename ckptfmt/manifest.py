@@ -229,7 +229,7 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
     if version != FORMAT_VERSION or isinstance(version, bool):
         raise UnsupportedVersionError("unsupported format version", expected=FORMAT_VERSION, found=repr(version)[:80])
     mu = _typed(doc.get("must_understand", []), list, "must_understand")
-    unknown = [m for m in mu if m not in KNOWN_EXTENSIONS]
+    unknown = [m for m in mu if type(m) is not str or m not in KNOWN_EXTENSIONS]
     if unknown:
         raise UnsupportedVersionError(f"manifest requires extensions this reader (revision {FORMAT_REVISION}) "
                                       "does not understand", expected=sorted(KNOWN_EXTENSIONS),

@@ -176,13 +176,19 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
 
     Every rank calls this with the same ``step`` and the blocks it holds. Returns only after the
     manifest is committed. On any failure every rank raises a CheckpointError subclass and no
-    manifest is published: the step is not listed and earlier steps are untouched.
+    manifest is published: the step is not listed and earlier steps are untouched. An unknown
+    ``options.reuse`` raises ValueError before anything is written.
+
+    With ``options.reuse`` "auto" (the default) or "compare", a shard whose bytes are proven equal
+    to the previous committed step's is referenced there instead of written (FORMAT.md 8.4).
     """
     from .repository import Repository
     repository = repo if isinstance(repo, Repository) else Repository(str(repo))
     storage = repository.storage
     coord = coordinator or LocalCoordinator()
     opts = options or SaveOptions()
+    if opts.reuse not in _reuse.REUSE_MODES:  # a usage error, the same on every rank: raised before anything
+        raise ValueError(f"SaveOptions.reuse must be one of {_reuse.REUSE_MODES}, got {opts.reuse!r}")
     rank, world = coord.rank, coord.world
     # Inputs are checked on every rank before anything is written. A rank whose inputs are bad
     # still joins the collectives and reports its error there, so that every rank fails the same
