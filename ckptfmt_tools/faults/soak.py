@@ -212,7 +212,7 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         # not to when this process read the line: on a loaded machine that read can lag by more
         # than a whole save, and every kill would land after the commit.
         kill_at = (float(started["t"]) if started and "t" in started else time.time()) \
-            + rng.uniform(0.0, 1.3 * report.save_seconds)
+            + rng.uniform(0.0, (2.5 if incremental else 1.3) * report.save_seconds)  # gc shares the CPU then
         time.sleep(max(0.0, kill_at - time.time()))
         collector = _retention_thread(repo, report, i) if incremental else None
         victims = list(range(world)) if world == 1 else [rng.randrange(world)]
