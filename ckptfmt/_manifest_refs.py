@@ -20,11 +20,12 @@ from typing import Any, Mapping
 from ._manifest_entries import TensorEntry, _fail, _typed, check_object_key
 from .layout import SAVE_ID_RE, arrays_prefix
 
-__all__ = ["REFERENCES", "KNOWN_EXTENSIONS", "apply_references", "references_payload", "referenced_saves"]
+__all__ = ["REFERENCES", "ZSTD", "KNOWN_EXTENSIONS", "apply_references", "references_payload", "referenced_saves"]
 
 REFERENCES = "ckptfmt.references"
-#: The extensions this reader implements (FORMAT.md 11.2): that of revision 1.1.
-KNOWN_EXTENSIONS: frozenset[str] = frozenset({REFERENCES})
+ZSTD = "ckptfmt.zstd"
+#: The extensions this reader implements (FORMAT.md 11.2): those of revision 1.1.
+KNOWN_EXTENSIONS: frozenset[str] = frozenset({REFERENCES, ZSTD})
 
 _GROUP = frozenset({"save_id", "path", "shards"})
 

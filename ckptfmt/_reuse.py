@@ -59,13 +59,15 @@ class StoredShard:
     index_crc32c: int
     chunk_offsets: tuple[int, ...]
     chunk_crc32c: tuple[int, ...]
+    chunk_nbytes: tuple[int, ...]
 
     @classmethod
     def of(cls, t: TensorEntry, s: int) -> "StoredShard":
         path = t.objects.get(s, t.array.path) if t.objects else t.array.path
         c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
         return cls(path.split("/")[1], path, int(t.shards.nbytes[s]), int(t.shards.index_crc32c[s]),
-                   tuple(int(x) for x in t.chunks.offset[c0:c1]), tuple(int(x) for x in t.chunks.crc32c[c0:c1]))
+                   tuple(int(x) for x in t.chunks.offset[c0:c1]), tuple(int(x) for x in t.chunks.crc32c[c0:c1]),
+                   tuple(int(x) for x in t.chunks.nbytes[c0:c1]))
 
 
 class ReuseMemory:
@@ -166,16 +168,17 @@ def previous_manifest(repo: Any, pinned: Any) -> Manifest | None:
 class _Seen:
     source: Any
     where: tuple
+    chunk_nbytes: int  # of a raw chunk, for records that do not list their chunks' lengths
 
 
 class ReusePlanner:
     """The per-shard hook of one rank's save (see the module docstring). Not shared across saves."""
 
     def __init__(self, storage: Any, previous: Manifest | None, *, mode: str,
-                 memory: ReuseMemory | None = None) -> None:
+                 memory: ReuseMemory | None = None, codec: str = "raw") -> None:
         if mode not in REUSE_MODES:
             raise ValueError(f"SaveOptions.reuse must be one of {REUSE_MODES}, got {mode!r}")
-        self.storage, self.previous, self.mode = storage, previous, mode
+        self.storage, self.previous, self.mode, self.codec = storage, previous, mode, codec
         self.memory = memory if memory is not None else default_memory()
         self.repo_id = str(getattr(storage, "url", id(storage)))
         self._rows: dict[str, dict[tuple[int, ...], int]] = {}
@@ -191,10 +194,10 @@ class ReusePlanner:
             return None
         g = plan.geometry
         where = (self.repo_id, plan.key, item.box.offset, item.box.shape, g.shape, plan.dtype, g.shard_shape,
-                 g.chunk_shape)
+                 g.chunk_shape, self.codec)
         source = getattr(holder, "source", None)
         if source is not None and self.mode == "auto":
-            self._seen[(plan.index, item.cell)] = _Seen(source, where)
+            self._seen[(plan.index, item.cell)] = _Seen(source, where, g.chunk_nbytes)
         found = self._stored(plan, item)
         if found is None:
             return None
@@ -207,7 +210,7 @@ class ReusePlanner:
 
         self.referenced += 1
         return ShardRecord(plan.index, item.cell, stored.nbytes, stored.index_crc32c, stored.chunk_offsets,
-                           stored.chunk_crc32c, (stored.save_id, stored.path))
+                           stored.chunk_crc32c, (stored.save_id, stored.path), stored.chunk_nbytes)
 
     def _stored(self, plan: "TensorWritePlan", item: "WriteItem") -> tuple[TensorEntry, int, StoredShard] | None:
         """``P``'s row for this shard, when ``P`` holds the same tensor with the same geometry."""
@@ -216,7 +219,7 @@ class ReusePlanner:
         t = self.previous.tensors.get(plan.key)
         g = plan.geometry
         if (t is None or t.shape != g.shape or t.dtype != plan.dtype or t.array.shard_shape != g.shard_shape
-                or t.array.chunk_shape != g.chunk_shape or t.array.codec != "raw"):
+                or t.array.chunk_shape != g.chunk_shape or t.array.codec != self.codec):
             return None
         rows = self._rows.get(plan.key)
         if rows is None:
@@ -231,8 +234,8 @@ class ReusePlanner:
         """The byte proof: the chunk crc32c equal, then the stored object, checked against ``P``'s
         manifest (size, index, every chunk's crc32c), holds exactly the source's chunks."""
         block, crcs = materialize()
-        if tuple(int(c) for c in crcs) != stored.chunk_crc32c:
-            return False
+        if self.codec == "raw" and tuple(int(c) for c in crcs) != stored.chunk_crc32c:
+            return False  # (an encoded chunk's crc32c covers its encoded bytes: compared decoded below)
         obj = t.object_key(s)
         try:
             probe = self.storage.size_check(obj, stored.nbytes, tensor=t.key)
@@ -241,7 +244,8 @@ class ReusePlanner:
             c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
             views = self._checks._check_whole(t, s, obj, buf, range(c0, c1))
             for c, want in zip(range(c0, c1), _padded_chunks(block, t.geometry.chunk_shape)):
-                got = np.frombuffer(views[c][:-layout.CRC_BYTES], np.uint8)
+                got = (np.frombuffer(views[c][:-layout.CRC_BYTES], np.uint8) if self.codec == "raw"
+                       else self._checks._decode(t, c, obj, views[c]).reshape(-1).view(np.uint8))
                 if not np.array_equal(got, want.reshape(-1).view(np.uint8)):
                     return False
         except CheckpointError:
@@ -255,8 +259,9 @@ class ReusePlanner:
             if seen is None or not _alive(seen.source):
                 continue
             sid, path = r.ref if r.ref is not None else (save_id, layout.array_path(save_id, r.tensor))
+            cnb = tuple(r.chunk_nbytes) or (seen.chunk_nbytes,) * len(r.chunk_offsets)
             self.memory.remember(seen.source, seen.where, StoredShard(
-                sid, path, r.nbytes, r.index_crc32c, tuple(r.chunk_offsets), tuple(r.chunk_crc32c)))
+                sid, path, r.nbytes, r.index_crc32c, tuple(r.chunk_offsets), tuple(r.chunk_crc32c), cnb))
 
 
 def _padded_chunks(block: np.ndarray, chunk_shape: tuple[int, ...]):

@@ -43,16 +43,17 @@ class ShardRecord:
     chunk_offsets: tuple[int, ...]   # stored inner chunks, in C order of the inner grid
     chunk_crc32c: tuple[int, ...]
     ref: tuple[str, str] | None = None  # (save id, array path) of the earlier save holding the object
+    chunk_nbytes: tuple[int, ...] = ()  # each stored chunk's length (codec zstd); () means chunk_nbytes each
 
     def to_wire(self) -> list[Any]:
         return [self.tensor, list(self.cell), self.nbytes, self.index_crc32c, list(self.chunk_offsets),
-                list(self.chunk_crc32c), list(self.ref) if self.ref else None]
+                list(self.chunk_crc32c), list(self.ref) if self.ref else None, list(self.chunk_nbytes)]
 
     @classmethod
     def from_wire(cls, v: Sequence[Any]) -> "ShardRecord":
-        tensor, cell, nbytes, icrc, offs, crcs, ref = v
+        tensor, cell, nbytes, icrc, offs, crcs, ref, cnb = v
         return cls(int(tensor), tuple(cell), int(nbytes), int(icrc), tuple(offs), tuple(crcs),
-                   (str(ref[0]), str(ref[1])) if ref else None)
+                   (str(ref[0]), str(ref[1])) if ref else None, tuple(int(x) for x in cnb))
 
 
 def state_to_wire(e: StateEntry) -> list[Any]:
@@ -103,7 +104,8 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
             g = p.geometry
             opened[p.index] = storage.open_array(
                 layout.array_path(save_id, p.index),
-                layout.zarr_array_metadata(g.shape, p.dtype, g.shard_shape, g.chunk_shape), create=(rank == 0))
+                layout.zarr_array_metadata(g.shape, p.dtype, g.shard_shape, g.chunk_shape, opts.codec, opts.codec_level),
+                create=(rank == 0))
         mine.extend((p, it) for it in items)
     handles: dict[int, Any] = {}
     for idx, fut in opened.items():
@@ -163,6 +165,10 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
             inflight = 0
     _drain(pending, plans, save_id)
     cache.clear()
+    if opts.codec != "raw":
+        from ._codec import verify_encoded
+
+        return verify_encoded(storage, written, save_id) + referenced
     return _verify_written(storage, written, save_id) + referenced
 
 

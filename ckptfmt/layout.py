@@ -201,9 +201,13 @@ _ONE_BYTE = ("bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
 
 
 def zarr_array_metadata(shape: Sequence[int], dtype: str, shard_shape: Sequence[int],
-                        chunk_shape: Sequence[int]) -> dict[str, Any]:
-    """The zarr v3 metadata of one tensor's array (FORMAT.md 6.1): sharding_indexed, crc32c, raw."""
+                        chunk_shape: Sequence[int], codec: str = "raw", level: int = 3) -> dict[str, Any]:
+    """The zarr v3 metadata of one tensor's array (FORMAT.md 6.1): sharding_indexed, crc32c, and
+    the inner codec: "raw" (bytes only) or "zstd" (bytes, zstd at ``level``, then the crc32c of
+    the encoded bytes, revision 1.1)."""
     bytes_codec = {"name": "bytes"} if dtype in _ONE_BYTE else {"name": "bytes", "configuration": {"endian": "little"}}
+    inner = [bytes_codec, {"name": "crc32c"}] if codec == "raw" else [
+        bytes_codec, {"name": "zstd", "configuration": {"level": int(level), "checksum": False}}, {"name": "crc32c"}]
     return {
         "shape": list(shape), "data_type": dtype,
         "fill_value": False if dtype == "bool" else [0.0, 0.0] if dtype.startswith("complex") else 0,
@@ -211,7 +215,7 @@ def zarr_array_metadata(shape: Sequence[int], dtype: str, shard_shape: Sequence[
         "chunk_key_encoding": {"name": "default"},
         "codecs": [{"name": "sharding_indexed", "configuration": {
             "chunk_shape": list(chunk_shape),
-            "codecs": [bytes_codec, {"name": "crc32c"}],
+            "codecs": inner,
             "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
             "index_location": "end"}}],
     }

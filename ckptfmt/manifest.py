@@ -7,6 +7,7 @@ The tensor and state entries, and the exact checks of one entry, are in
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -35,6 +36,7 @@ from ._manifest_entries import check_object_key as check_object_key
 from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
 from ._manifest_refs import KNOWN_EXTENSIONS as KNOWN_EXTENSIONS
 from ._manifest_refs import REFERENCES as REFERENCES
+from ._manifest_refs import ZSTD as ZSTD
 from ._manifest_refs import apply_references, referenced_saves
 from .layout import MARKER_BYTES as MARKER_BYTES
 from .layout import MARKER_KEY as MARKER_KEY
@@ -44,7 +46,7 @@ from .layout import manifest_key as manifest_key
 from .layout import arrays_prefix, state_key, state_name, state_prefix
 from .layout import step_of_manifest_key as step_of_manifest_key
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS", "REFERENCES",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS", "REFERENCES", "ZSTD",
            "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
            "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key",
            "manifest_key", "step_of_manifest_key", "MARKER_KEY", "MARKER_BYTES"]
@@ -52,7 +54,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS
 FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
 #: The document revision this reader implements (FORMAT.md header): format version 1 with the
-#: extension of revision 1.1 (``ckptfmt.references``).
+#: extensions of revision 1.1 (``ckptfmt.references``, ``ckptfmt.zstd``).
 FORMAT_REVISION = "1.1"
 
 
@@ -269,11 +271,13 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
         f1, b1 = count_literals([t.get("sharding") for t in tensors_doc.values() if type(t) is dict])
         clean = literals == (f0 + f1, b0 + b1)
+    codecs = ("raw", "zstd") if ZSTD in mu else ("raw",)
     try:
-        tensors = tensors_fast(tensors_doc, prefix, writers, exact=_tensor, make=_make_entry, max_key_len=MAX_KEY_LEN,
-                               max_object_key_len=MAX_OBJECT_KEY_LEN, no_float_or_bool=clean)
+        tensors = tensors_fast(tensors_doc, prefix, writers, exact=functools.partial(_tensor, codecs=codecs),
+                               make=_make_entry, max_key_len=MAX_KEY_LEN, max_object_key_len=MAX_OBJECT_KEY_LEN,
+                               no_float_or_bool=clean)
     except Fallback:  # something is off: the exact checks find it and name it
-        tensors = _tensors_exact(tensors_doc, prefix, writers)
+        tensors = _tensors_exact(tensors_doc, prefix, writers, codecs)
     if REFERENCES in mu:
         tensors = apply_references(extensions[REFERENCES], tensors, save_id)
     state = _state_entries(_typed(doc["state"], dict, "state"), save_id, writers)
@@ -290,6 +294,8 @@ def _check_declared(mu: list[str], extensions: dict[str, Any]) -> None:
             _fail(f"extension {name} must be both listed in must_understand and present in extensions",
                   object=name, expected="both or neither",
                   found="only in must_understand" if name in mu else "only in extensions")
+    if ZSTD in mu and extensions[ZSTD] != {}:
+        _fail(f"{ZSTD} takes an empty object", object=ZSTD, expected={}, found=repr(extensions[ZSTD])[:80])
 
 
 def _check_rows(tensors_doc: dict[str, Any], caps: CountCaps) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from . import errors as _errors
 from . import _reuse
-from ._manifest_refs import REFERENCES, references_payload
+from ._manifest_refs import REFERENCES, ZSTD, references_payload
 from ._shardwriter import ShardRecord, state_from_wire, state_to_wire, write_and_verify, write_state
 from ._types import Box, LocalShard
 from .coord import Coordinator, LocalCoordinator
@@ -72,6 +72,10 @@ class SaveOptions:
     #: whose bytes are proven equal instead of writing it again; "compare" proves every such shard
     #: by a full byte comparison; "off" writes every shard (a format 1.0 manifest).
     reuse: str = "auto"
+    #: The inner-chunk codec (FORMAT.md 6.3): "raw" (default), or "zstd" at ``codec_level``
+    #: (revision 1.1, extension ckptfmt.zstd; crc32c over the encoded bytes).
+    codec: str = "raw"
+    codec_level: int = 3
 
 
 def _pack(obj: Any) -> bytes:
@@ -189,6 +193,9 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
     opts = options or SaveOptions()
     if opts.reuse not in _reuse.REUSE_MODES:  # a usage error, the same on every rank: raised before anything
         raise ValueError(f"SaveOptions.reuse must be one of {_reuse.REUSE_MODES}, got {opts.reuse!r}")
+    if opts.codec not in ("raw", "zstd") or isinstance(opts.codec_level, bool) or not -7 <= int(opts.codec_level) <= 22:
+        raise ValueError(f"SaveOptions.codec must be 'raw' or 'zstd' and codec_level in [-7, 22], got "
+                         f"{opts.codec!r}, {opts.codec_level!r}")
     rank, world = coord.rank, coord.world
     # Inputs are checked on every rank before anything is written. A rank whose inputs are bad
     # still joins the collectives and reports its error there, so that every rank fails the same
@@ -319,7 +326,8 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
     plans = _freeze(coord, opts, step, save_id, local)
 
     # 3. write privately and verify; 4. acknowledge (records or the error).
-    reuse = _reuse.ReusePlanner(storage, _reuse.previous_manifest(repository, pinned), mode=opts.reuse)
+    reuse = _reuse.ReusePlanner(storage, _reuse.previous_manifest(repository, pinned), mode=opts.reuse,
+                                codec=opts.codec)
     records: list[ShardRecord] = []
     try:
         records = write_and_verify(storage, plans, local, save_id, rank, opts, reuse=reuse)
@@ -438,11 +446,11 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             nbytes.append(rec.nbytes)
             icrcs.append(rec.index_crc32c)
             coff.extend(rec.chunk_offsets)
-            cnb.extend([g.chunk_nbytes] * len(rec.chunk_offsets))
+            cnb.extend(rec.chunk_nbytes or [g.chunk_nbytes] * len(rec.chunk_offsets))
             ccrc.extend(rec.chunk_crc32c)
         tensors[p.key] = TensorEntry(
             p.key, g.shape, p.dtype, shardings.get(p.key),
-            ArraySpec(array_path(save_id, p.index), g.shard_shape, g.chunk_shape, "raw"),
+            ArraySpec(array_path(save_id, p.index), g.shard_shape, g.chunk_shape, opts.codec),
             ShardTable(np.asarray(offsets, np.int64).reshape(len(offsets), nd), np.asarray(writers, np.int64), tuple(keys),
                        np.asarray(nbytes, np.int64), np.asarray(icrcs, np.uint32)),
             ChunkTable(np.asarray(coff, np.int64), np.asarray(cnb, np.int64), np.asarray(ccrc, np.uint32)))
@@ -451,7 +459,14 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
         for wire in a["state"]:
             e = state_from_wire(wire)
             state[e.name] = e
-    ext = {"must_understand": (REFERENCES,), "extensions": {REFERENCES: references_payload(refs)}} if refs else {}
+    mu, extensions = [], {}
+    if refs:
+        mu.append(REFERENCES)
+        extensions[REFERENCES] = references_payload(refs)
+    if opts.codec != "raw":
+        mu.append(ZSTD)
+        extensions[ZSTD] = {}
+    ext = {"must_understand": tuple(sorted(mu)), "extensions": extensions} if mu else {}
     return Manifest(save_id=save_id, step=step, created_unix=opts.created_unix if opts.created_unix is not None else time.time(),
                     writers=world, tensors=tensors, state=state, versions=_versions(versions), metadata=dict(metadata or {}),
                     **ext)

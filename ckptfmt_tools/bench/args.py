@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--incremental", action="store_true",
                    help="the incremental-save bench instead (frozen base + adapters; see "
                         "ckptfmt_tools/bench/incremental.py for its own options)")
+    p.add_argument("--compression", action="store_true",
+                   help="the zstd ratio/speed bench instead (see ckptfmt_tools/bench/compression.py)")
     return p
 
 
@@ -74,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from .incremental import main as incremental_main
 
         return incremental_main(raw)
+    if "--compression" in raw:  # zstd ratio and speed by kind of state (its own options)
+        from .compression import main as compression_main
+
+        return compression_main(raw)
     args = build_parser().parse_args(argv)
     result = run_bench(options_from_args(args))
     print(result.table)
