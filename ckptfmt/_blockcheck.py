@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .checksum import crc32c
+from .dtypes import numpy_dtype
 from .errors import ChecksumMismatchError, InvalidDataError, SizeMismatchError
 from .layout import CRC_BYTES, INDEX_ENTRY, NOT_STORED, index_entries, split_trailer
 from .manifest import TensorEntry
@@ -91,10 +92,37 @@ class BlockChecks:
             raise ChecksumMismatchError("chunk checksum differs from the manifest (corrupt or stale data)",
                                         key=t.key, object=f"{obj} bytes [{int(t.chunks.offset[c])}, +{int(t.chunks.nbytes[c])})",
                                         expected=want, found=got if got != want else stored)
-        if t.dtype == "bool":  # FORMAT.md 5.6: 0x00 or 0x01 only; numpy would hand any other byte on as True
-            raw = np.frombuffer(data, np.uint8)
-            if raw.max() > 1:
-                at = int(np.argmax(raw > 1))
-                raise InvalidDataError("bool tensor holds a byte other than 0x00 and 0x01", key=t.key,
-                                       object=f"{obj} byte {int(t.chunks.offset[c]) + at}",
-                                       expected="0x00 or 0x01", found=f"0x{int(raw[at]):02x}")
+        if t.dtype == "bool" and t.array.codec == "raw":  # an encoded chunk is checked once decoded
+            _check_bool(t, c, obj, data)
+
+    def _decode(self, t: TensorEntry, c: int, obj: str, mv: Any) -> np.ndarray:
+        """The elements of chunk row ``c`` (shape ``chunk_shape``) from its stored bytes, trailer
+        included, which :meth:`_check_chunk` has already checked. Raw chunks are viewed in place;
+        encoded ones are decoded (FORMAT.md 6.3), InvalidDataError when they do not decode."""
+        g = t.geometry
+        if t.array.codec == "raw":
+            return np.frombuffer(mv[:-CRC_BYTES], dtype=numpy_dtype(t.dtype)).reshape(g.chunk_shape)
+        out = self._decoder(t).decode(mv[:-CRC_BYTES], key=t.key, obj=obj)
+        if t.dtype == "bool":
+            _check_bool(t, c, obj, out.view(np.uint8), decoded=True)
+        return out
+
+    def _decoder(self, t: TensorEntry) -> Any:
+        from ._codec import ChunkDecoder
+
+        cache: dict[tuple[str, tuple[int, ...]], Any] = self.__dict__.setdefault("_decoders", {})
+        k = (t.dtype, t.geometry.chunk_shape)
+        d = cache.get(k)
+        if d is None:
+            d = cache.setdefault(k, ChunkDecoder(t.dtype, numpy_dtype(t.dtype), t.geometry.chunk_shape))
+        return d
+
+
+def _check_bool(t: TensorEntry, c: int, obj: str, data: Any, decoded: bool = False) -> None:
+    """FORMAT.md 5.6: a bool byte is 0x00 or 0x01 only; numpy would hand any other byte on as True."""
+    raw = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
+    if raw.size and raw.max() > 1:
+        at = int(np.argmax(raw > 1))
+        where = f"{obj} chunk row {c}, decoded byte {at}" if decoded else f"{obj} byte {int(t.chunks.offset[c]) + at}"
+        raise InvalidDataError("bool tensor holds a byte other than 0x00 and 0x01", key=t.key, object=where,
+                               expected="0x00 or 0x01", found=f"0x{int(raw[at]):02x}")

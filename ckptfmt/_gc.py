@@ -9,7 +9,8 @@ Order of work in :func:`collect` (10.3):
 2. List the names under ``saves/`` without following links (file driver: ``lstat``). Links,
    non-directories and names outside the writer's save-id form are foreign: reported, never
    touched.
-3. Read the candidates' leases (bounded, with generations); drop the saves in progress.
+3. Read the candidates' leases (bounded, with generations); drop the saves in progress, and keep
+   the saves that a live lease pins (``refs``: an incremental save may reference them, 8.4).
 4. Only then list ``manifests/`` and read every manifest (one-byte probe, then at most the cap);
    note every save id each one names or mentions.
 5. For each candidate left: point-read its step's manifest slot, claim its lease by a
@@ -34,7 +35,7 @@ from .errors import CheckpointError, NotARepositoryError, StorageError
 from .layout import (MANIFESTS, MARKER_KEY, SAVES, is_save_id, lease_key, manifest_key, parse_writer_save_id, save_prefix,
                      step_of_manifest_key)
 
-__all__ = ["GcReport", "collect", "referenced_elsewhere", "unrestorable", "DEFAULT_LEASE_GRACE_S"]
+__all__ = ["GcReport", "collect", "referenced_elsewhere", "pinned_by_a_save", "pinned_by_leases", "unrestorable", "DEFAULT_LEASE_GRACE_S"]
 
 DEFAULT_LEASE_GRACE_S = 600.0  # FORMAT.md 10.2
 LEASE_MAX_BYTES = layout.LEASE_MAX_BYTES
@@ -58,6 +59,8 @@ class GcReport:
     lease). ``foreign``: keys under ``saves/`` and ``manifests/`` that are not part of the format
     (links, stray files, names outside the save-id form, manifest names that are not steps):
     reported, never followed or deleted. ``problems``: one line per thing gc skipped, and why.
+    ``pinned``: uncommitted (or retired) saves kept because a save in progress may reference
+    them (FORMAT.md 8.4, 10.3).
     """
 
     removed_steps: list[int] = field(default_factory=list)
@@ -67,11 +70,13 @@ class GcReport:
     uncertain: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    pinned: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"removed_steps": self.removed_steps, "removed_saves": self.removed_saves,
                 "in_progress": self.in_progress, "objects_removed": self.objects_removed,
-                "uncertain": self.uncertain, "foreign": self.foreign, "problems": self.problems}
+                "uncertain": self.uncertain, "foreign": self.foreign, "problems": self.problems,
+                "pinned": self.pinned}
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,17 @@ class _Lease:
     heartbeat_unix: float  # 0.0 when unreadable: such a lease is stale
     state: str             # "writing" | "committing" | "collected"
     step: int | None
+    refs: frozenset[str] = frozenset()  # the saves it pins (FORMAT.md 10.1)
 
 
 def _parse_lease(value: bytes, generation: bytes) -> _Lease:
     lease = layout.parse_lease(value)
-    return _Lease(generation, lease.heartbeat_unix, lease.state, lease.step)
+    return _Lease(generation, lease.heartbeat_unix, lease.state, lease.step, lease.refs)
+
+
+def pinned_by_leases(leases: Any) -> set[str]:
+    """The save ids that leases not marked ``collected`` pin (FORMAT.md 10.1, 10.3 step 2)."""
+    return {r for lease in leases if lease.state != "collected" for r in lease.refs}
 
 
 def _collected_lease(sid: str) -> bytes:
@@ -157,6 +168,26 @@ def referenced_elsewhere(repo: Any, save_id: str, *, but: int) -> bool:
             continue
         scan = _scan_manifest(repo, s, {save_id})
         if scan.status == "unreadable" or save_id in scan.declared or save_id in scan.mentions:
+            return True
+    return False
+
+
+def pinned_by_a_save(repo: Any, save_id: str) -> bool:
+    """Whether the lease of a save not yet collected pins ``save_id`` (FORMAT.md 4.4, 10.1): an
+    incremental save in progress may reference its objects. A lease or listing that cannot be
+    read is assumed to pin it."""
+    st = repo.storage
+    try:
+        entries = [e for e in st.scan_children(SAVES) if e.kind == "dir" and e.lease is not None and e.name != save_id]
+    except StorageError:
+        return True
+    if any(e.lease != "file" for e in entries):
+        return True
+    got = st.read_each_with_generation([lease_key(e.name) for e in entries], LEASE_MAX_BYTES)
+    for g in got:
+        if isinstance(g, StorageError):
+            return True
+        if g[0] is not None and save_id in pinned_by_leases([_parse_lease(g[0], g[1])]):
             return True
     return False
 
@@ -252,6 +283,13 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
     live = _read_leases(st, names, retired, report, now, grace_s)
     committed = _scan_committed(repo, names, live, foreign)
     report.in_progress += sorted(live.fresh - committed.referenced)
+    pinned = set(live.pins)
+    if live.unreadable:  # an unreadable lease may pin any save: collect none of them this run
+        pinned |= live.pending
+        report.problems.append(f"{live.unreadable} lease(s) could not be read and may pin any save; "
+                               "no save was collected")
+    report.pinned = sorted((live.pending - committed.referenced) & pinned)
+    live = _Liveness(live.leases, live.pending - pinned, live.fresh, live.unreadable, live.pins)
     _tidy_committed(st, committed.referenced, live.leases, report, now, grace_s)
     _collect_pending(repo, names, live, committed, retired, report, now, grace_s)
     foreign.sort()
@@ -302,6 +340,8 @@ class _Liveness:
     leases: dict[str, _Lease]
     pending: set[str]
     fresh: set[str]
+    unreadable: int = 0  # leases that could not be read (their refs are unknown)
+    pins: frozenset[str] = frozenset()  # the save ids live leases pin (FORMAT.md 10.1)
 
 
 def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcReport, now: float,
@@ -309,11 +349,13 @@ def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcRepo
     """Leases first (FORMAT.md 10.3 step 2): drop the saves in progress."""
     leases: dict[str, _Lease] = {}
     read = [sid for sid, e in names.candidates.items() if e.lease == "file"]
+    unreadable = 0
     for sid, e in names.candidates.items():
         if e.lease not in (None, "file"):
             report.problems.append(f"{SAVES}{sid}/LEASE is a {e.lease}, not a file: not read, the save counts as leaseless")
     for sid, got in zip(read, st.read_each_with_generation([lease_key(sid) for sid in read], LEASE_MAX_BYTES)):
         if isinstance(got, StorageError):
+            unreadable += 1
             report.uncertain.append(sid)
             report.problems.append(f"{SAVES}{sid}: lease unreadable ({got.found}); kept")
             continue
@@ -336,7 +378,18 @@ def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcRepo
             fresh.add(sid)  # no lease, but written to within the grace period
         else:
             pending.add(sid)
-    return _Liveness(leases, pending, fresh)
+    pins = pinned_by_leases(leases.values())
+    for sid, got in _custom_leases(st, names):  # saves outside the writer form may pin too
+        if isinstance(got, StorageError):
+            unreadable += 1
+        elif got[0] is not None:
+            pins |= pinned_by_leases([_parse_lease(got[0], got[1])])
+    return _Liveness(leases, pending, fresh, unreadable, frozenset(pins))
+
+
+def _custom_leases(st: Any, names: _Names) -> list[tuple[str, Any]]:
+    read = [sid for sid, e in names.custom.items() if e.lease == "file"]
+    return list(zip(read, st.read_each_with_generation([lease_key(sid) for sid in read], LEASE_MAX_BYTES))) if read else []
 
 
 @dataclass(frozen=True)

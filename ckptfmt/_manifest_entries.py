@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from .dtypes import DTYPES, itemsize_of
 from .errors import DuplicateShardError, InvalidManifestError, UnsupportedVersionError
-from .layout import shard_key
+from .layout import CRC_BYTES, shard_key
 from .plan import TensorGeometry, chunk_count_table
 
-__all__ = ["ArraySpec", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key"]
+__all__ = ["ArraySpec", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key", "CODECS",
+           "max_encoded_chunk_nbytes"]
 
 MAX_NDIM = 64
 MAX_DIM = 1 << 62
@@ -25,6 +26,15 @@ MAX_TENSOR_BYTES = 1 << 62
 MAX_KEY_LEN = 4096
 MAX_OBJECT_KEY_LEN = 1024
 _U32 = 1 << 32
+#: The inner-chunk codecs (FORMAT.md 5.7, 6.3): "raw", and "zstd" (extension ckptfmt.zstd, revision 1.1).
+CODECS = ("raw", "zstd")
+
+
+def max_encoded_chunk_nbytes(raw_nbytes: int) -> int:
+    """The largest encoded chunk (zstd frame plus the 4-byte crc32c) a reader accepts for a chunk of
+    ``raw_nbytes`` decoded bytes: zstd's own worst case, ZSTD_COMPRESSBOUND (FORMAT.md 6.3)."""
+    small = ((128 << 10) - raw_nbytes) >> 11 if raw_nbytes < (128 << 10) else 0
+    return raw_nbytes + (raw_nbytes >> 8) + small + 4
 
 
 def check_object_key(k: Any, *, prefix: str = "", key: str | None = None) -> str:
@@ -88,6 +98,9 @@ class TensorEntry:
     array: ArraySpec
     shards: ShardTable
     chunks: ChunkTable
+    #: Shard rows whose object belongs to an earlier save (FORMAT.md 5.13, ckptfmt.references):
+    #: row -> that save's array path. Every other row's object lies under ``array.path``.
+    objects: Mapping[int, str] = field(default_factory=dict)
 
     @functools.cached_property
     def geometry(self) -> TensorGeometry:
@@ -104,7 +117,13 @@ class TensorEntry:
         return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
     def object_key(self, s: int) -> str:
-        return shard_key(self.array.path, self.shards.key[s])
+        """The key of shard row ``s``'s object: under this save's array, or a referenced save's."""
+        return shard_key(self.objects.get(s, self.array.path) if self.objects else self.array.path, self.shards.key[s])
+
+    @property
+    def referenced_nbytes(self) -> int:
+        """Bytes of the shard objects this entry references in earlier saves."""
+        return int(sum(int(self.shards.nbytes[s]) for s in self.objects))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -183,14 +202,15 @@ def _members(d: dict[str, Any], allowed: set[str], what: str, key: str | None = 
         _fail(f"unknown member(s) in {what}", key=key, expected=sorted(allowed), found=sorted(extra)[:10])
 
 
-def _tensors_exact(tensors_doc: dict[str, Any], prefix: str, writers: int) -> dict[str, TensorEntry]:
+def _tensors_exact(tensors_doc: dict[str, Any], prefix: str, writers: int,
+                   codecs: tuple[str, ...] = ("raw",)) -> dict[str, TensorEntry]:
     """Every tensor entry checked one at a time; raises the first broken rule, in document order."""
     tensors: dict[str, TensorEntry] = {}
     paths: set[str] = set()
     for k, t in tensors_doc.items():
         if not k or len(k) > MAX_KEY_LEN:
             _fail("tensor key path is empty or too long", key=k[:200], expected=f"1..{MAX_KEY_LEN} chars", found=len(k))
-        e = _tensor(k, t, prefix, writers)
+        e = _tensor(k, t, prefix, writers, codecs)
         if e.array.path in paths:
             raise DuplicateShardError("two tensors share one storage array", key=k, object=e.array.path)
         paths.add(e.array.path)
@@ -200,12 +220,15 @@ def _tensors_exact(tensors_doc: dict[str, Any], prefix: str, writers: int) -> di
 
 def _make_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[str, Any] | None, path: str,
                 geom: TensorGeometry, offset: np.ndarray, keys: tuple[str, ...], writer: np.ndarray,
-                nbytes: np.ndarray, icrc: np.ndarray, coff: np.ndarray, cnb: np.ndarray, ccrc: np.ndarray) -> TensorEntry:
-    return TensorEntry(k, shape, dtype, sharding, ArraySpec(path, geom.shard_shape, geom.chunk_shape, "raw"),
+                nbytes: np.ndarray, icrc: np.ndarray, coff: np.ndarray, cnb: np.ndarray, ccrc: np.ndarray,
+                codec: str = "raw") -> TensorEntry:
+    return TensorEntry(k, shape, dtype, sharding, ArraySpec(path, geom.shard_shape, geom.chunk_shape, codec),
                        ShardTable(offset, writer, keys, nbytes, icrc), ChunkTable(coff, cnb, ccrc))
 
 
-def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
+def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] = ("raw",)) -> TensorEntry:
+    """One tensor entry checked against every rule. ``codecs``: the codecs this manifest may use
+    ("zstd" only when it lists the extension ckptfmt.zstd in must_understand)."""
     _typed(t, dict, "tensor entry", k)
     _members(t, {"shape", "dtype", "sharding", "array", "shards", "chunks"}, "a tensor entry", k)
     shape = _typed(t.get("shape"), list, "shape", k)
@@ -225,8 +248,12 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     a = _typed(t.get("array"), dict, "array", k)
     _members(a, {"path", "shard_shape", "chunk_shape", "codec"}, "array", k)
     path = check_object_key(a.get("path"), prefix=prefix, key=k)
-    if a.get("codec") != "raw":
-        raise UnsupportedVersionError("unsupported codec", key=k, expected="raw", found=repr(a.get("codec"))[:40])
+    codec = a.get("codec")
+    if type(codec) is not str or codec not in CODECS:
+        raise UnsupportedVersionError("unsupported codec", key=k, expected=list(CODECS), found=repr(codec)[:40])
+    if codec not in codecs:  # a codec other than raw changes how chunks are read: it must be declared
+        raise UnsupportedVersionError(f"codec {codec!r} is used without its extension in must_understand", key=k,
+                                      expected=f"must_understand lists ckptfmt.{codec}", found="not listed")
     nd = len(shape_t)
     shard_shape = tuple(_int(x, 1, MAX_DIM, "shard_shape entry", k) for x in _typed(a.get("shard_shape"), list, "shard_shape", k))
     chunk_shape = tuple(_int(x, 1, MAX_DIM, "chunk_shape entry", k) for x in _typed(a.get("chunk_shape"), list, "chunk_shape", k))
@@ -263,14 +290,18 @@ def _tensor(k: str, t: Any, prefix: str, writers: int) -> TensorEntry:
     counts = np.prod(chunk_count_table(geom, offset), axis=1, dtype=np.int64) if n else np.zeros(0, np.int64)
     total = int(counts.sum())
     coff = _int_array(ch.get("offset"), total, 0, MAX_TENSOR_BYTES, "chunks.offset", k)
-    cnb = _int_array(ch.get("nbytes"), total, geom.chunk_nbytes, geom.chunk_nbytes, "chunks.nbytes", k)
+    if codec == "raw":
+        cnb = _int_array(ch.get("nbytes"), total, geom.chunk_nbytes, geom.chunk_nbytes, "chunks.nbytes", k)
+    else:  # an encoded chunk: at least one byte before its trailer, at most zstd's bound
+        cnb = _int_array(ch.get("nbytes"), total, CRC_BYTES + 1,
+                         max_encoded_chunk_nbytes(geom.chunk_nbytes - CRC_BYTES), "chunks.nbytes", k)
     ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)
     if total:
         _check_chunk_ranges(k, geom, path, keys, nbytes, counts, coff, cnb)
     tables = (offset, writer, nbytes, icrc.astype(np.uint32), coff, cnb, ccrc.astype(np.uint32))
     for a in tables:  # a parsed manifest is immutable, whichever path checked it
         a.flags.writeable = False
-    return _make_entry(k, shape_t, dtype, sharding, path, geom, *tables[:1], tuple(keys), *tables[1:])
+    return _make_entry(k, shape_t, dtype, sharding, path, geom, *tables[:1], tuple(keys), *tables[1:], codec=codec)
 
 
 def _check_shard_boxes(k: str, geom: TensorGeometry, offset: np.ndarray, keys: list[Any]) -> None:
@@ -299,13 +330,12 @@ def _check_chunk_ranges(k: str, geom: TensorGeometry, path: str, keys: list[Any]
     owner = np.repeat(np.arange(len(keys)), counts)
     if np.any(coff > (nbytes[owner] - geom.index_nbytes) - cnb):  # written so that nothing can overflow int64
         _fail("a chunk byte range runs past its shard's data section", key=k)
-    # Sorted by (shard, offset), neighbours lie a whole chunk apart (every chunk of a tensor has
-    # nbytes = chunk_nbytes).
+    # Sorted by (shard, offset), each chunk must end before the next one of its shard begins.
     order = np.lexsort((coff, owner))
     so, sw = coff[order], owner[order]
-    clash = np.flatnonzero((sw[1:] == sw[:-1]) & (so[1:] - so[:-1] < geom.chunk_nbytes))
+    clash = np.flatnonzero((sw[1:] == sw[:-1]) & (so[1:] - so[:-1] < cnb[order][:-1]))
     if clash.size:
         a, b = sorted(int(x) for x in order[clash[0]:clash[0] + 2])
         _fail("two chunks of one shard share bytes", key=k, object=shard_key(path, keys[int(owner[a])]),
-              expected=f"disjoint byte ranges of {geom.chunk_nbytes} bytes",
+              expected="disjoint byte ranges",
               found=f"chunk rows {a} and {b} at offsets {int(coff[a])} and {int(coff[b])}")

@@ -11,7 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from itertools import product
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,8 @@ __all__ = ["ShardRecord", "write_and_verify", "write_state", "state_to_wire", "s
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """One written and verified shard, as its writer acknowledges it to the leader."""
+    """One written and verified shard, as its writer acknowledges it to the leader; or, with
+    ``ref`` set, a shard this save references in an earlier save (:mod:`ckptfmt._reuse`)."""
 
     tensor: int                      # the plan's tensor index
     cell: tuple[int, ...]            # grid cell
@@ -41,15 +42,18 @@ class ShardRecord:
     index_crc32c: int
     chunk_offsets: tuple[int, ...]   # stored inner chunks, in C order of the inner grid
     chunk_crc32c: tuple[int, ...]
+    ref: tuple[str, str] | None = None  # (save id, array path) of the earlier save holding the object
+    chunk_nbytes: tuple[int, ...] = ()  # each stored chunk's length (codec zstd); () means chunk_nbytes each
 
     def to_wire(self) -> list[Any]:
         return [self.tensor, list(self.cell), self.nbytes, self.index_crc32c, list(self.chunk_offsets),
-                list(self.chunk_crc32c)]
+                list(self.chunk_crc32c), list(self.ref) if self.ref else None, list(self.chunk_nbytes)]
 
     @classmethod
     def from_wire(cls, v: Sequence[Any]) -> "ShardRecord":
-        tensor, cell, nbytes, icrc, offs, crcs = v
-        return cls(int(tensor), tuple(cell), int(nbytes), int(icrc), tuple(offs), tuple(crcs))
+        tensor, cell, nbytes, icrc, offs, crcs, ref, cnb = v
+        return cls(int(tensor), tuple(cell), int(nbytes), int(icrc), tuple(offs), tuple(crcs),
+                   (str(ref[0]), str(ref[1])) if ref else None, tuple(int(x) for x in cnb))
 
 
 def state_to_wire(e: StateEntry) -> list[Any]:
@@ -78,14 +82,23 @@ def _find_holder(shards: list[LocalShard], box: Box) -> LocalShard:
                             found=str(box))
 
 
+#: The per-shard hook of an incremental save (:class:`ckptfmt._reuse.ReusePlanner`): called before
+#: a shard is written with (plan, item, holder, materialize), where ``materialize()`` returns the
+#: shard's source block and its chunk crc32c (computed once, shared with the write). It returns a
+#: reference record (the shard is then not written) or None.
+ReuseHook = Callable[[TensorWritePlan, WriteItem, LocalShard, Callable[[], tuple[np.ndarray, list[int]]]],
+                     "ShardRecord | None"]
+
+
 def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
-                     save_id: str, rank: int, opts: "SaveOptions") -> list[ShardRecord]:
+                     save_id: str, rank: int, opts: "SaveOptions", reuse: ReuseHook | None = None) -> list[ShardRecord]:
     """Write this rank's shards through tensorstore (rank 0 also every array's zarr.json), then
-    verify them. Raises StepMismatchError for source data that does not match its declaration,
+    verify them; shards the ``reuse`` hook references are not written, and come back as its
+    records. Raises StepMismatchError for source data that does not match its declaration,
     StorageError when a write fails, IncompleteSaveError when a shard does not read back as written."""
-    if storage.vectored_writes:  # local files: written straight from the source arrays
+    if storage.vectored_writes and opts.codec == "raw":  # local files: written straight from the source arrays
         from ._vectorwrite import write_local
-        return write_local(storage, plans, local, save_id, rank, opts)
+        return write_local(storage, plans, local, save_id, rank, opts, reuse=reuse)
     from .session import add_time
     t_begin = time.perf_counter()
     opened: dict[int, Any] = {}
@@ -96,7 +109,8 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
             g = p.geometry
             opened[p.index] = storage.open_array(
                 layout.array_path(save_id, p.index),
-                layout.zarr_array_metadata(g.shape, p.dtype, g.shard_shape, g.chunk_shape), create=(rank == 0))
+                layout.zarr_array_metadata(g.shape, p.dtype, g.shard_shape, g.chunk_shape, opts.codec, opts.codec_level),
+                create=(rank == 0))
         mine.extend((p, it) for it in items)
     handles: dict[int, Any] = {}
     for idx, fut in opened.items():
@@ -114,17 +128,32 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
     # (they may view it): a save then holds about one such block plus the window, not all of them.
     lazy_last = {id(h): n for n, (p, it) in enumerate(mine)
                  if callable((h := _find_holder(local[p.key], it.box)).data)}
+    referenced: list[ShardRecord] = []
     for n_item, (p, it) in enumerate(mine):
         holder = _find_holder(local[p.key], it.box)
-        src = cache.get(id(holder))
-        if src is None:
-            src = cache[id(holder)] = _source(holder, p.key)
-        dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
-        sl = it.box.slices(holder.box.offset)
-        block = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
-        if dt.kind == "b":  # the format stores bool as 0x00/0x01 only; a reinterpreted byte may hold more
-            block = np.not_equal(block.view(np.uint8), 0)
-        written.append(_Written(p, it, _chunk_crcs(block, p.geometry.chunk_shape, dt)))
+        made: list[tuple[np.ndarray, list[int]]] = []
+
+        def materialize(p: TensorWritePlan = p, it: WriteItem = it, holder: LocalShard = holder) -> tuple[np.ndarray, list[int]]:
+            if not made:
+                src = cache.get(id(holder))
+                if src is None:
+                    src = cache[id(holder)] = _source(holder, p.key)
+                dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
+                sl = it.box.slices(holder.box.offset)
+                block = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
+                if dt.kind == "b":  # the format stores bool as 0x00/0x01 only; a reinterpreted byte may hold more
+                    block = np.not_equal(block.view(np.uint8), 0)
+                made.append((block, _chunk_crcs(block, p.geometry.chunk_shape, dt)))
+            return made[0]
+
+        ref = reuse(p, it, holder, materialize) if reuse is not None else None
+        if ref is not None:
+            referenced.append(ref)
+            if lazy_last.get(id(holder)) == n_item:
+                cache.pop(id(holder), None)
+            continue
+        block, crcs = materialize()
+        written.append(_Written(p, it, crcs))
         with kv_errors("write failed", key=p.key, object=f"{it.cell}"):
             fut = handles[p.index][it.box.slices()].write(block, can_reference_source_data_indefinitely=True)
         pending.append((fut, p.index))
@@ -143,7 +172,11 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
     cache.clear()
     t = add_time(opts, "write", t_begin)
     try:
-        return _verify_written(storage, written, save_id)
+        if opts.codec != "raw":
+            from ._codec import verify_encoded
+
+            return verify_encoded(storage, written, save_id) + referenced
+        return _verify_written(storage, written, save_id) + referenced
     finally:
         add_time(opts, "verify", t)
 

@@ -89,7 +89,10 @@ class LocalShard:
     ``data`` is a host array of shape ``box.shape`` or a zero-argument callable returning one
     (for lazy device-to-host copies), or None: the region is held but this process offers no
     data for it. Each shard is written once, by one holder that offers data; copies of the same
-    region on several processes (replicas) take turns (FORMAT.md 8.1).
+    region on several processes (replicas) take turns (FORMAT.md 8.1). ``source``, when given, is
+    an immutable object (the JAX bridge passes the global ``jax.Array``) whose identity proves
+    that ``data`` holds the same bytes as the last time this process saved it (an incremental
+    save's identity proof, FORMAT.md 8.4); never pass a mutable object there.
     """
 
     key: str
@@ -99,6 +102,7 @@ class LocalShard:
     data: ArrayLike | None = None
     replica_id: int = 0
     sharding: TensorSharding | None = None
+    source: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "global_shape", tuple(int(x) for x in self.global_shape))

@@ -40,7 +40,7 @@ from .plan import TensorWritePlan, WriteItem, stored_chunk_counts
 from .storage import Storage
 
 if TYPE_CHECKING:
-    from ._shardwriter import ShardRecord
+    from ._shardwriter import ReuseHook, ShardRecord
     from .session import SaveOptions
 
 __all__ = ["write_local"]
@@ -65,12 +65,13 @@ class _Job:
 
 
 def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
-                save_id: str, rank: int, opts: "SaveOptions") -> list["ShardRecord"]:
+                save_id: str, rank: int, opts: "SaveOptions", reuse: "ReuseHook | None" = None) -> list["ShardRecord"]:
     """Write this rank's shards as local files (rank 0 also every array's zarr.json, through
-    tensorstore). Raises like :func:`ckptfmt._shardwriter.write_and_verify`: StepMismatchError for
+    tensorstore); shards the ``reuse`` hook references (an incremental save, FORMAT.md 8.4) are not
+    written, and come back as its records. Raises like :func:`ckptfmt._shardwriter.write_and_verify`: StepMismatchError for
     source data that does not match its declaration, StorageError when a write fails,
     IncompleteSaveError when an object's size on disk is not what was written."""
-    from ._shardwriter import _find_holder, _source
+    from ._shardwriter import _chunk_crcs, _find_holder, _source
     from .session import add_time
     t = time.perf_counter()
     mine = [(p, it) for p in plans for it in p.items_for(rank)]
@@ -83,6 +84,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
     do_fsync = bool(storage.options.get("fsync", True))
     threads = max(1, min(len(mine), int(storage.options.get("write_threads", DEFAULT_WRITE_THREADS))))
     records: list[Any] = [None] * len(mine)
+    referenced: list[Any] = []
     dirs: set[str] = set()
     window: deque[tuple[Any, int]] = deque()  # writes in flight, oldest first, with the bytes they hold
     cache: dict[int, np.ndarray] = {}
@@ -96,14 +98,35 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
     try:
         for n, (p, it) in enumerate(mine):
             holder = _find_holder(local[p.key], it.box)
-            src = cache.get(id(holder))
-            if src is None:
-                src = cache[id(holder)] = _source(holder, p.key)
-            dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
-            sl = it.box.slices(holder.box.offset)
-            block = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
-            if dt.kind == "b":  # the format stores bool as 0x00/0x01 only; a reinterpreted byte may hold more
-                block = np.not_equal(block.view(np.uint8), 0)
+            made: list[np.ndarray] = []
+
+            def materialize(p: TensorWritePlan = p, it: WriteItem = it, holder: LocalShard = holder) -> np.ndarray:
+                if not made:
+                    src = cache.get(id(holder))
+                    if src is None:
+                        src = cache[id(holder)] = _source(holder, p.key)
+                    dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
+                    sl = it.box.slices(holder.box.offset)
+                    b = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
+                    if dt.kind == "b":  # the format stores bool as 0x00/0x01 only; a reinterpreted byte may hold more
+                        b = np.not_equal(b.view(np.uint8), 0)
+                    made.append(b)
+                return made[0]
+
+            if reuse is not None:
+                # The byte proof needs the chunk crc32c here; a shard it does not prove is
+                # written below, its trailers computed again from the very bytes written.
+                def with_crcs(m: Any = materialize, g: Any = p.geometry) -> tuple[np.ndarray, list[int]]:
+                    b = m()
+                    return b, _chunk_crcs(b, g.chunk_shape, b.dtype)
+
+                ref = reuse(p, it, holder, with_crcs)
+                if ref is not None:
+                    referenced.append(ref)
+                    if lazy_last.get(id(holder)) == n:
+                        cache.pop(id(holder), None)
+                    continue
+            block = materialize()
             key = layout.shard_key(layout.array_path(save_id, p.index), it.cell)
             path = storage.local_file(key)
             dirs.add(os.path.dirname(path))
@@ -131,7 +154,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
     if do_fsync:
         _fsync_dirs(storage, dirs, save_id)
     add_time(opts, "fsync", t)
-    return records
+    return [r for r in records if r is not None] + referenced
 
 
 def _chunk_buffers(block: np.ndarray, chunk_shape: tuple[int, ...], counts: tuple[int, ...],

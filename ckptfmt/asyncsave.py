@@ -86,7 +86,7 @@ def _snapshot(shards: Iterable[LocalShard], copy: bool) -> tuple[list[LocalShard
         a = s.materialize()
         a = np.array(a, copy=True, order="C") if copy else a
         nbytes += a.nbytes
-        out.append(LocalShard(s.key, s.global_shape, s.dtype, s.box, a, s.replica_id, s.sharding))
+        out.append(LocalShard(s.key, s.global_shape, s.dtype, s.box, a, s.replica_id, s.sharding, source=s.source))
     return out, nbytes
 
 

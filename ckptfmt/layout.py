@@ -201,9 +201,13 @@ _ONE_BYTE = ("bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
 
 
 def zarr_array_metadata(shape: Sequence[int], dtype: str, shard_shape: Sequence[int],
-                        chunk_shape: Sequence[int]) -> dict[str, Any]:
-    """The zarr v3 metadata of one tensor's array (FORMAT.md 6.1): sharding_indexed, crc32c, raw."""
+                        chunk_shape: Sequence[int], codec: str = "raw", level: int = 3) -> dict[str, Any]:
+    """The zarr v3 metadata of one tensor's array (FORMAT.md 6.1): sharding_indexed, crc32c, and
+    the inner codec: "raw" (bytes only) or "zstd" (bytes, zstd at ``level``, then the crc32c of
+    the encoded bytes, revision 1.1)."""
     bytes_codec = {"name": "bytes"} if dtype in _ONE_BYTE else {"name": "bytes", "configuration": {"endian": "little"}}
+    inner = [bytes_codec, {"name": "crc32c"}] if codec == "raw" else [
+        bytes_codec, {"name": "zstd", "configuration": {"level": int(level), "checksum": False}}, {"name": "crc32c"}]
     return {
         "shape": list(shape), "data_type": dtype,
         "fill_value": False if dtype == "bool" else [0.0, 0.0] if dtype.startswith("complex") else 0,
@@ -211,7 +215,7 @@ def zarr_array_metadata(shape: Sequence[int], dtype: str, shard_shape: Sequence[
         "chunk_key_encoding": {"name": "default"},
         "codecs": [{"name": "sharding_indexed", "configuration": {
             "chunk_shape": list(chunk_shape),
-            "codecs": [bytes_codec, {"name": "crc32c"}],
+            "codecs": inner,
             "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
             "index_location": "end"}}],
     }
@@ -224,16 +228,19 @@ LEASE_MAX_BYTES = 64 << 10  # a lease is ~100 bytes; a larger one is not parsed
 
 @dataclass(frozen=True)
 class Lease:
-    """What a lease says. ``heartbeat_unix`` is 0.0 when unreadable (such a lease is stale)."""
+    """What a lease says. ``heartbeat_unix`` is 0.0 when unreadable (such a lease is stale).
+    ``refs``: the earlier save ids whose objects the save may reference (FORMAT.md 10.1, 10.5).
+    A lease its leader did not write (unreadable) pins nothing: that leader's fence fails."""
 
     heartbeat_unix: float
     state: str            # one of LEASE_STATES
     step: int | None
+    refs: frozenset[str] = frozenset()
 
 
 def lease_bytes(body: Mapping[str, Any], *, now_unix: float | None = None) -> bytes:
-    """The JSON of a lease: ``body`` (``save_id``, ``step``, ``world``, ``state``) with a fresh
-    ``heartbeat_unix``."""
+    """The JSON of a lease: ``body`` (``save_id``, ``step``, ``world``, ``state``, and ``refs``
+    when the save may reference earlier saves) with a fresh ``heartbeat_unix``."""
     return json.dumps(dict(body, heartbeat_unix=time.time() if now_unix is None else now_unix), sort_keys=True).encode()
 
 
@@ -244,10 +251,12 @@ def parse_lease(value: bytes) -> Lease:
         beat = float(doc["heartbeat_unix"])
         state = doc.get("state", "writing")
         step = doc.get("step")
+        refs_doc = doc.get("refs", [])
     except (ValueError, KeyError, TypeError, AttributeError):
         return Lease(0.0, "writing", None)
     if state not in LEASE_STATES:
         state = "writing"
     step = step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP else None
-    return Lease(beat if beat == beat else 0.0, state, step)
+    refs = frozenset(r for r in refs_doc if is_save_id(r)) if isinstance(refs_doc, list) else frozenset()
+    return Lease(beat if beat == beat else 0.0, state, step, refs)
 

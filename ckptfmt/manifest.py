@@ -7,6 +7,7 @@ The tensor and state entries, and the exact checks of one entry, are in
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -33,6 +34,10 @@ from ._manifest_entries import _tensor as _tensor
 from ._manifest_entries import _tensors_exact as _tensors_exact
 from ._manifest_entries import check_object_key as check_object_key
 from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
+from ._manifest_refs import KNOWN_EXTENSIONS as KNOWN_EXTENSIONS
+from ._manifest_refs import REFERENCES as REFERENCES
+from ._manifest_refs import ZSTD as ZSTD
+from ._manifest_refs import apply_references, referenced_saves
 from .layout import MARKER_BYTES as MARKER_BYTES
 from .layout import MARKER_KEY as MARKER_KEY
 from .layout import MAX_STEP as MAX_STEP
@@ -41,13 +46,16 @@ from .layout import manifest_key as manifest_key
 from .layout import arrays_prefix, state_key, state_name, state_prefix
 from .layout import step_of_manifest_key as step_of_manifest_key
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS", "REFERENCES", "ZSTD",
+           "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
            "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key",
            "manifest_key", "step_of_manifest_key", "MARKER_KEY", "MARKER_BYTES"]
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
-KNOWN_EXTENSIONS: frozenset[str] = frozenset()
+#: The document revision this reader implements (FORMAT.md header): format version 1 with the
+#: extensions of revision 1.1 (``ckptfmt.references``, ``ckptfmt.zstd``).
+FORMAT_REVISION = "1.1"
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +76,21 @@ class Manifest:
     def nbytes(self) -> int:
         """Bytes of every stored object (shards and state) the manifest references."""
         return int(sum(int(t.shards.nbytes.sum()) for t in self.tensors.values()) + sum(s.nbytes for s in self.state.values()))
+
+    @property
+    def referenced_nbytes(self) -> int:
+        """Bytes of the shard objects this checkpoint references in earlier saves (ckptfmt.references)."""
+        return int(sum(t.referenced_nbytes for t in self.tensors.values() if t.objects))
+
+    @property
+    def written_nbytes(self) -> int:
+        """Bytes of the objects this checkpoint's own save wrote (its shards and state)."""
+        return self.nbytes - self.referenced_nbytes
+
+    @property
+    def referenced_saves(self) -> frozenset[str]:
+        """The earlier save ids whose objects this checkpoint references."""
+        return referenced_saves(self.extensions)
 
     def _head(self) -> dict[str, Any]:
         return {
@@ -208,10 +231,13 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
     if version != FORMAT_VERSION or isinstance(version, bool):
         raise UnsupportedVersionError("unsupported format version", expected=FORMAT_VERSION, found=repr(version)[:80])
     mu = _typed(doc.get("must_understand", []), list, "must_understand")
-    unknown = [m for m in mu if m not in KNOWN_EXTENSIONS]
+    unknown = [m for m in mu if type(m) is not str or m not in KNOWN_EXTENSIONS]
     if unknown:
-        raise UnsupportedVersionError("manifest requires extensions this reader does not understand",
-                                      expected=sorted(KNOWN_EXTENSIONS), found=[str(u)[:80] for u in unknown])
+        raise UnsupportedVersionError(f"manifest requires extensions this reader (revision {FORMAT_REVISION}) "
+                                      "does not understand", expected=sorted(KNOWN_EXTENSIONS),
+                                      found=[str(u)[:80] for u in unknown])
+    if len(set(mu)) != len(mu):
+        _fail("must_understand repeats an extension", expected="distinct names", found=mu[:10])
     _members(doc, _TOP, "the manifest")  # after the version checks: a newer manifest is "unsupported"
     missing = sorted(_TOP - {"must_understand", "extensions"} - set(doc))
     if missing:
@@ -227,6 +253,7 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         _fail("versions must map names to version strings")
     metadata = _typed(doc["metadata"], dict, "metadata")
     extensions = _typed(doc.get("extensions", {}), dict, "extensions")
+    _check_declared(mu, extensions)
     prefix = arrays_prefix(save_id)
     tensors_doc = _typed(doc["tensors"], dict, "tensors")
     if len(tensors_doc) > caps.tensors:
@@ -244,15 +271,31 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
         f1, b1 = count_literals([t.get("sharding") for t in tensors_doc.values() if type(t) is dict])
         clean = literals == (f0 + f1, b0 + b1)
+    codecs = ("raw", "zstd") if ZSTD in mu else ("raw",)
     try:
-        tensors = tensors_fast(tensors_doc, prefix, writers, exact=_tensor, make=_make_entry, max_key_len=MAX_KEY_LEN,
-                               max_object_key_len=MAX_OBJECT_KEY_LEN, no_float_or_bool=clean)
+        tensors = tensors_fast(tensors_doc, prefix, writers, exact=functools.partial(_tensor, codecs=codecs),
+                               make=_make_entry, max_key_len=MAX_KEY_LEN, max_object_key_len=MAX_OBJECT_KEY_LEN,
+                               no_float_or_bool=clean)
     except Fallback:  # something is off: the exact checks find it and name it
-        tensors = _tensors_exact(tensors_doc, prefix, writers)
+        tensors = _tensors_exact(tensors_doc, prefix, writers, codecs)
+    if REFERENCES in mu:
+        tensors = apply_references(extensions[REFERENCES], tensors, save_id)
     state = _state_entries(_typed(doc["state"], dict, "state"), save_id, writers)
     return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
                     state=state, versions=versions, metadata=metadata, format_version=version,
                     must_understand=tuple(mu), extensions=extensions)
+
+
+def _check_declared(mu: list[str], extensions: dict[str, Any]) -> None:
+    """The extensions of revision 1.1 change how a checkpoint is read: their payload and their
+    must_understand entry come together (FORMAT.md 11.2), so that a 1.0 reader rejects it."""
+    for name in sorted(KNOWN_EXTENSIONS):
+        if (name in mu) != (name in extensions):
+            _fail(f"extension {name} must be both listed in must_understand and present in extensions",
+                  object=name, expected="both or neither",
+                  found="only in must_understand" if name in mu else "only in extensions")
+    if ZSTD in mu and extensions[ZSTD] != {}:
+        _fail(f"{ZSTD} takes an empty object", object=ZSTD, expected={}, found=repr(extensions[ZSTD])[:80])
 
 
 def _check_rows(tensors_doc: dict[str, Any], caps: CountCaps) -> None:

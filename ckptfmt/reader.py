@@ -20,7 +20,6 @@ from .dtypes import numpy_dtype
 from .errors import ChecksumMismatchError, InvalidStateError, KeyMismatchError, SizeMismatchError, TopologyChangedError
 from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
-from .layout import CRC_BYTES
 from .storage import Pending, Storage
 
 __all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy"]
@@ -202,13 +201,14 @@ class Checkpoint(PositionalReads):
             require_memory(nbytes, key, obj, "the whole shard")
             self.stats.requests += 1
             return _ShardRead(key, s, items, obj, True, [self.storage.read_range(obj, 0, nbytes, tensor=key)], probe, nbytes)
-        require_memory(len(chunks) * g.chunk_nbytes + g.index_nbytes, key, obj, "the shard's needed chunks")
+        held = int(t.chunks.nbytes[chunks].sum()) + g.index_nbytes
+        require_memory(held, key, obj, "the shard's needed chunks")
         futs = [self.storage.read_range(obj, nbytes - g.index_nbytes, nbytes, tensor=key)]
         for c in chunks:
             o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
             futs.append(self.storage.read_range(obj, o, o + n, tensor=key))
         self.stats.requests += len(futs)
-        return _ShardRead(key, s, items, obj, False, futs, probe, len(chunks) * g.chunk_nbytes + g.index_nbytes)
+        return _ShardRead(key, s, items, obj, False, futs, probe, held)
 
     def _finish(self, issued: "_ShardRead", outs: list[np.ndarray | None]) -> None:
         """Wait for one shard's reads, verify every byte against the manifest, copy into the outputs."""
@@ -236,8 +236,7 @@ class Checkpoint(PositionalReads):
                 self._check_chunk(t, c, obj, chunk_bytes[c])
         self.stats.add_time("verify", time.perf_counter() - tv)
         ta = time.perf_counter()
-        dt = numpy_dtype(t.dtype)
-        decoded = {c: np.frombuffer(mv[:-CRC_BYTES], dtype=dt).reshape(g.chunk_shape) for c, mv in chunk_bytes.items()}
+        decoded = {c: self._decode(t, c, obj, mv) for c, mv in chunk_bytes.items()}
         for it in items:
             outs[it.request][it.dst or ...] = decoded[it.chunk][it.src or ...]  # type: ignore[index]
         self.stats.add_time("assemble", time.perf_counter() - ta)
@@ -332,7 +331,10 @@ class Checkpoint(PositionalReads):
         for r in reads:
             r.probe.result()
             buf = r.data.result()
-            self._check_whole(t, r.shard, r.obj, buf, range(int(starts[r.shard]), int(starts[r.shard + 1])))
+            checked = self._check_whole(t, r.shard, r.obj, buf, range(int(starts[r.shard]), int(starts[r.shard + 1])))
+            if t.array.codec != "raw":  # an encoded chunk must also decode (FORMAT.md 6.3)
+                for c, mv in checked.items():
+                    self._decode(t, c, r.obj, mv)
             self.stats.bytes_read += len(buf)
         return sum(r.nbytes for r in reads)
 
@@ -340,19 +342,23 @@ class Checkpoint(PositionalReads):
         """Verify one shard larger than the read window: its index, then its chunks, a window at a
         time, so that verify never holds more than the window (or one chunk) of it."""
         g, obj, n = t.geometry, t.object_key(s), int(t.shards.nbytes[s])
-        require_memory(max(g.chunk_nbytes, g.index_nbytes), t.key, obj, "one chunk or index")
+        c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
+        biggest = int(t.chunks.nbytes[c0:c1].max()) if c1 > c0 else 0
+        require_memory(max(biggest, g.index_nbytes), t.key, obj, "one chunk or index")
         probe = self.storage.size_check(obj, n, tensor=t.key)
         index = self.storage.read_range(obj, n - g.index_nbytes, n, tensor=t.key)
         probe.result()
         self._check_index(t, s, obj, memoryview(index.result()))
-        c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
-        per = max(1, self.max_inflight_bytes // g.chunk_nbytes)
+        per = max(1, self.max_inflight_bytes // max(biggest, 1))
         for lo in range(c0, c1, per):
-            futs = [(c, int(t.chunks.offset[c])) for c in range(lo, min(c1, lo + per))]
-            reads = [(c, self.storage.read_range(obj, o, o + g.chunk_nbytes, tensor=t.key)) for c, o in futs]
+            futs = [(c, int(t.chunks.offset[c]), int(t.chunks.nbytes[c])) for c in range(lo, min(c1, lo + per))]
+            reads = [(c, self.storage.read_range(obj, o, o + nb, tensor=t.key)) for c, o, nb in futs]
             for c, f in reads:
-                self._check_chunk(t, c, obj, memoryview(f.result()))
-        self.stats.bytes_read += g.index_nbytes + (c1 - c0) * g.chunk_nbytes
+                mv = memoryview(f.result())
+                self._check_chunk(t, c, obj, mv)
+                if t.array.codec != "raw":
+                    self._decode(t, c, obj, mv)
+        self.stats.bytes_read += g.index_nbytes + int(t.chunks.nbytes[c0:c1].sum())
         return n
 
 

@@ -109,7 +109,8 @@ class Repository:
         """Un-commit a step (its manifest goes first, atomically), then remove its objects.
 
         The objects stay when another committed manifest names or mentions the same save id (or
-        one cannot be read), and when this step's manifest is damaged (gc judges them then);
+        one cannot be read: a manifest of revision 1.1 names the saves whose objects it
+        references), when the lease of a save in progress pins it (FORMAT.md 8.4), and when this step's manifest is damaged (gc judges them then);
         links are never followed (FORMAT.md 4.4). Raises StepNotFoundError when the step is not
         committed, and StorageError when the manifest cannot be deleted.
         """
@@ -121,7 +122,8 @@ class Repository:
         except CheckpointError:
             save_id = None  # damaged: it does not name its objects reliably
         self.storage.delete(manifest_key(step))
-        if save_id is not None and not _gc.referenced_elsewhere(self, save_id, but=step):
+        if (save_id is not None and not _gc.referenced_elsewhere(self, save_id, but=step)
+                and not _gc.pinned_by_a_save(self, save_id)):
             self.storage.delete_prefix(save_prefix(save_id))
 
     def gc(self, *, grace_s: float | None = None, keep_last: int | None = None,

@@ -35,6 +35,8 @@ import msgpack
 import numpy as np
 
 from . import errors as _errors
+from . import _reuse
+from ._manifest_refs import REFERENCES, ZSTD, references_payload
 from ._shardwriter import ShardRecord, state_from_wire, state_to_wire, write_and_verify, write_state
 from ._types import Box, LocalShard
 from .coord import Coordinator, LocalCoordinator
@@ -66,6 +68,14 @@ class SaveOptions:
     #: and a random delay in [0, jitter_s) before this rank's first write, so that ranks do not
     #: burst the storage in lock-step. Both apply after the freeze; neither changes the format.
     jitter_s: float = 0.0
+    #: Incremental saves (FORMAT.md 8.4): "auto" references a shard of the previous committed step
+    #: whose bytes are proven equal instead of writing it again; "compare" proves every such shard
+    #: by a full byte comparison; "off" writes every shard (a format 1.0 manifest).
+    reuse: str = "auto"
+    #: The inner-chunk codec (FORMAT.md 6.3): "raw" (default), or "zstd" at ``codec_level``
+    #: (revision 1.1, extension ckptfmt.zstd; crc32c over the encoded bytes).
+    codec: str = "raw"
+    codec_level: int = 3
     #: If given, this rank adds the seconds of each save phase into it ("plan", "stage", "write",
     #: "fsync", "verify", "state", "commit"), for profiles and the bench; never changes the save.
     timings: dict[str, float] | None = None
@@ -181,13 +191,22 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
 
     Every rank calls this with the same ``step`` and the blocks it holds. Returns only after the
     manifest is committed. On any failure every rank raises a CheckpointError subclass and no
-    manifest is published: the step is not listed and earlier steps are untouched.
+    manifest is published: the step is not listed and earlier steps are untouched. An unknown
+    ``options.reuse`` raises ValueError before anything is written.
+
+    With ``options.reuse`` "auto" (the default) or "compare", a shard whose bytes are proven equal
+    to the previous committed step's is referenced there instead of written (FORMAT.md 8.4).
     """
     from .repository import Repository
     repository = repo if isinstance(repo, Repository) else Repository(str(repo))
     storage = repository.storage
     coord = coordinator or LocalCoordinator()
     opts = options or SaveOptions()
+    if opts.reuse not in _reuse.REUSE_MODES:  # a usage error, the same on every rank: raised before anything
+        raise ValueError(f"SaveOptions.reuse must be one of {_reuse.REUSE_MODES}, got {opts.reuse!r}")
+    if opts.codec not in ("raw", "zstd") or isinstance(opts.codec_level, bool) or not -7 <= int(opts.codec_level) <= 22:
+        raise ValueError(f"SaveOptions.codec must be 'raw' or 'zstd' and codec_level in [-7, 22], got "
+                         f"{opts.codec!r}, {opts.codec_level!r}")
     rank, world = coord.rank, coord.world
     # Inputs are checked on every rank before anything is written. A rank whose inputs are bad
     # still joins the collectives and reports its error there, so that every rank fails the same
@@ -206,7 +225,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             raise
 
     # 1. begin: save id and lease (rank 0), before any rank writes anything.
-    heartbeat, begin = _begin(storage, opts, step, world, local_error) if rank == 0 else (None, {})
+    heartbeat, begin = _begin(repository, opts, step, world, local_error) if rank == 0 else (None, {})
     committed = False
     save_id = begin.get("save_id", "")
     try:
@@ -215,7 +234,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             raise _err_from(begin["error"])
         save_id = begin["save_id"]
         manifest = _run(repository, storage, coord, opts, step, save_id, local_error or local, state, rank_state,
-                        metadata, versions, heartbeat)
+                        metadata, versions, heartbeat, begin.get("previous"))
         committed = True
         return manifest
     finally:
@@ -223,9 +242,11 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             _end(storage, heartbeat, step, save_id, committed)
 
 
-def _begin(storage: Storage, opts: SaveOptions, step: int, world: int,
+def _begin(repository: Any, opts: SaveOptions, step: int, world: int,
            local_error: CheckpointError | None) -> tuple["_Heartbeat | None", dict[str, Any]]:
-    """Step 1 on rank 0: the marker, a fresh save id and its lease; (heartbeat, the begin message)."""
+    """Step 1 on rank 0: the marker, a fresh save id and its lease, which pins the saves this one
+    may reference (FORMAT.md 8.4); (heartbeat, the begin message)."""
+    storage = repository.storage
     try:
         if local_error is not None:
             raise local_error
@@ -234,9 +255,15 @@ def _begin(storage: Storage, opts: SaveOptions, step: int, world: int,
                                             expected="no manifest", found="committed manifest")
         storage.create_if_absent(MARKER_KEY, MARKER_BYTES)  # FORMAT.md 4.5; False: already there
         save_id = opts.save_id or new_save_id(step)
-        heartbeat = _Heartbeat(storage, lease_key(save_id), {"save_id": save_id, "step": step, "world": world},
-                               opts.heartbeat_s).start()
-        return heartbeat, {"save_id": save_id}
+        previous = _reuse.pin_previous(repository, step, opts.reuse)
+        body: dict[str, Any] = {"save_id": save_id, "step": step, "world": world}
+        if previous is not None:
+            body["refs"] = _reuse.lease_refs(previous)
+        heartbeat = _Heartbeat(storage, lease_key(save_id), body, opts.heartbeat_s).start()
+        begin: dict[str, Any] = {"save_id": save_id}
+        if previous is not None:  # pinned; each rank confirms it is still committed (FORMAT.md 8.4)
+            begin["previous"] = [previous.step, previous.save_id]
+        return heartbeat, begin
     except CheckpointError as e:
         return None, {"error": _err_json(e)}
 
@@ -301,7 +328,7 @@ def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:
 def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
          local: dict[str, list[LocalShard]] | CheckpointError, state: Any, rank_state: Any,
          metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None,
-         heartbeat: "_Heartbeat | None") -> Manifest:
+         heartbeat: "_Heartbeat | None", pinned: Any = None) -> Manifest:
     rank, world = coord.rank, coord.world
     if isinstance(local, CheckpointError):  # this rank's inputs were bad: say so in the freeze, then fail
         coord.allgather("save/freeze", _pack({"error": _err_json(local)}), opts.timeout_s)
@@ -312,8 +339,11 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
     t = add_time(opts, "plan", t)
 
     # 3. write privately and verify; 4. acknowledge (records or the error).
+    reuse = _reuse.ReusePlanner(storage, _reuse.previous_manifest(repository, pinned), mode=opts.reuse,
+                                codec=opts.codec)
+    records: list[ShardRecord] = []
     try:
-        records = write_and_verify(storage, plans, local, save_id, rank, opts)
+        records = write_and_verify(storage, plans, local, save_id, rank, opts, reuse=reuse)
         t = time.perf_counter()
         state_entries = write_state(storage, save_id, rank, state, rank_state)
         t = add_time(opts, "state", t)
@@ -333,6 +363,7 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
     add_time(opts, "commit", t)
     if "error" in outcome:
         raise _err_from(outcome["error"])
+    reuse.remember(save_id, records)
     return parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
 
 
@@ -416,26 +447,29 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             r = ShardRecord.from_wire(wire)
             by_cell[(r.tensor, r.cell)] = r
     tensors: dict[str, TensorEntry] = {}
+    refs: dict[str, dict[int, tuple[str, str]]] = {}
     for p in plans:
         g = p.geometry
         nd = len(g.shape)
         offsets, writers, keys, nbytes, icrcs, coff, cnb, ccrc = [], [], [], [], [], [], [], []
-        for it in p.items:
+        for row, it in enumerate(p.items):
             rec = by_cell.get((p.index, it.cell))
             if rec is None:
                 raise IncompleteSaveError("a planned shard was not acknowledged", key=p.key,
                                           object=cell_key(it.cell), expected=f"ack from rank {it.writer}", found="none")
+            if rec.ref is not None:  # the object of an earlier save (FORMAT.md 5.13)
+                refs.setdefault(p.key, {})[row] = rec.ref
             offsets.append(list(it.box.offset))
             writers.append(it.writer)
             keys.append(cell_key(it.cell))
             nbytes.append(rec.nbytes)
             icrcs.append(rec.index_crc32c)
             coff.extend(rec.chunk_offsets)
-            cnb.extend([g.chunk_nbytes] * len(rec.chunk_offsets))
+            cnb.extend(rec.chunk_nbytes or [g.chunk_nbytes] * len(rec.chunk_offsets))
             ccrc.extend(rec.chunk_crc32c)
         tensors[p.key] = TensorEntry(
             p.key, g.shape, p.dtype, shardings.get(p.key),
-            ArraySpec(array_path(save_id, p.index), g.shard_shape, g.chunk_shape, "raw"),
+            ArraySpec(array_path(save_id, p.index), g.shard_shape, g.chunk_shape, opts.codec),
             ShardTable(np.asarray(offsets, np.int64).reshape(len(offsets), nd), np.asarray(writers, np.int64), tuple(keys),
                        np.asarray(nbytes, np.int64), np.asarray(icrcs, np.uint32)),
             ChunkTable(np.asarray(coff, np.int64), np.asarray(cnb, np.int64), np.asarray(ccrc, np.uint32)))
@@ -444,5 +478,14 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
         for wire in a["state"]:
             e = state_from_wire(wire)
             state[e.name] = e
+    mu, extensions = [], {}
+    if refs:
+        mu.append(REFERENCES)
+        extensions[REFERENCES] = references_payload(refs)
+    if opts.codec != "raw":
+        mu.append(ZSTD)
+        extensions[ZSTD] = {}
+    ext = {"must_understand": tuple(sorted(mu)), "extensions": extensions} if mu else {}
     return Manifest(save_id=save_id, step=step, created_unix=opts.created_unix if opts.created_unix is not None else time.time(),
-                    writers=world, tensors=tensors, state=state, versions=_versions(versions), metadata=dict(metadata or {}))
+                    writers=world, tensors=tensors, state=state, versions=_versions(versions), metadata=dict(metadata or {}),
+                    **ext)

@@ -270,3 +270,35 @@ def test_json_ok_agrees_with_the_exit_code(repo, tmp_path):
     assert (code, doc["ok"]) == (0, True)
     code, doc = _json(["ls", "file:/abs", "--json"])
     assert (code, doc["ok"], doc["error"]) == (1, False, "InvalidURLError")
+
+
+def test_ls_inspect_verify_show_written_and_referenced_bytes(tmp_path):
+    root = tmp_path / "inc"
+    base = np.arange(256, dtype=np.float32).reshape(16, 16)
+    for step in (1, 2):
+        adapter = np.full(4, step, np.float32)
+        ckptfmt.save(str(root), step, [LocalShard("base", base.shape, base.dtype, Box.full(base.shape), base),
+                                       LocalShard("adapter", (4,), np.float32, Box.full((4,)), adapter)])
+    repo = ckptfmt.Repository(str(root))
+    m1, m2 = repo.manifest(1), repo.manifest(2)
+    code, doc = _json(["ls", str(root), "--json"])
+    assert code == 0
+    one, two = doc["steps"]
+    assert one["referenced_bytes"] == 0 and one["written_bytes"] == one["bytes"] == m1.nbytes
+    assert two["referenced_bytes"] == int(m1.tensors["base"].shards.nbytes.sum()) > 0
+    assert two["written_bytes"] + two["referenced_bytes"] == two["bytes"] and two["references"] == [m1.save_id]
+    code, doc = _json(["inspect", str(root), "--json"])
+    assert doc["referenced_bytes"] == two["referenced_bytes"] and doc["references"] == [m1.save_id]
+    by_key = {t["key"]: t for t in doc["tensors"]}
+    assert by_key["base"]["referenced_bytes"] > 0 and by_key["adapter"]["referenced_bytes"] == 0
+    r = runner.invoke(app, ["inspect", str(root)])
+    assert r.exit_code == 0 and "referenced in 1 earlier save" in r.stdout
+    # verify checks the referenced object too: damage it and both steps fail (control: clean first)
+    code, doc = _json(["verify", str(root), "--all", "--json"])
+    assert code == 0 and [s["bytes"] for s in doc["steps"]] == [m1.nbytes, m2.nbytes]
+    obj = root / m2.tensors["base"].object_key(0)
+    b = bytearray(obj.read_bytes())
+    b[0] ^= 1
+    obj.write_bytes(bytes(b))
+    code, doc = _json(["verify", str(root), "--all", "--json"])
+    assert code == 1 and [s["error"] for s in doc["steps"]] == ["ChecksumMismatchError"] * 2

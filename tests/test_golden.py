@@ -6,6 +6,9 @@
   reconstructs every tensor of the committed example, and agrees with ckptfmt's reader.
 * Broken controls: a flipped data byte, a flipped index byte, a truncated shard and a stale
   shard from another save are each rejected, by both readers.
+* The revision 1.1 example (spec/examples/repo-1.1, FORMAT.md 5.13) regenerates byte for byte;
+  ckptfmt reads both its steps; the spec-only reader, which reads revision 1.0 only, reads step 1
+  and rejects step 2 (it references step 1's objects) with a clear error.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from ckptfmt.state import decode_state
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "spec" / "examples"
 GOLDEN = EXAMPLES / "repo"
+GOLDEN_V11 = EXAMPLES / "repo-1.1"
 STEP = 7
 
 
@@ -83,15 +87,26 @@ class SpecError(Exception):
     pass
 
 
+#: What ``spec_read`` reads: format version 1, revision 1.0, which defines no extension (11.2).
+SPEC_READER_VERSIONS = {"format_version": 1, "revision": "1.0", "extensions": ()}
+
+
 def _crc(b: bytes) -> int:
     return _crc32c.crc32c(b)
 
 
 def spec_read(root: Path, step: int) -> tuple[dict[str, np.ndarray], dict[str, bytes]]:
-    """Reconstruct every tensor and return every state object's bytes, following FORMAT.md 9 only."""
+    """Reconstruct every tensor and return every state object's bytes, following FORMAT.md 9 only.
+    Reads format version 1 of revision 1.0 (``SPEC_READER_VERSIONS``): a manifest that needs an
+    extension (11.2; revision 1.1's ``ckptfmt.references``) raises SpecError naming it."""
     m = json.loads((root / f"manifests/{step:020d}.json").read_bytes())
-    if m["format"] != "ckptfmt" or m["format_version"] != 1 or m.get("must_understand"):
-        raise SpecError("unsupported")
+    if m["format"] != "ckptfmt" or m["format_version"] != SPEC_READER_VERSIONS["format_version"]:
+        raise SpecError(f"unsupported format {m['format']!r} version {m['format_version']!r}; this reader reads "
+                        "format version 1 only")
+    needs = [x for x in m.get("must_understand", []) if x not in SPEC_READER_VERSIONS["extensions"]]
+    if needs:
+        raise SpecError(f"manifest requires extensions {needs} that this reader (format version 1, revision "
+                        f"{SPEC_READER_VERSIONS['revision']}) does not implement")
     out: dict[str, np.ndarray] = {}
     for key, t in m["tensors"].items():
         dt = _DTYPES.get(t["dtype"]) or np.dtype(t["dtype"]).newbyteorder("<")
@@ -211,3 +226,40 @@ def test_both_readers_reject_a_damaged_example(tmp_path: Path, fault: str) -> No
         ckptfmt.Repository(str(root)).open(STEP).read("params/w")
     with pytest.raises(ckptfmt.CheckpointError):
         ckptfmt.Repository(str(root)).verify(STEP)
+
+
+# ------------------------------------------------------------------ revision 1.1: references to earlier saves
+
+
+def test_regenerated_v11_example_is_byte_identical(tmp_path: Path) -> None:
+    out = tmp_path / "repo-1.1"
+    make_example.generate_v11(out)
+    want, got = _files(GOLDEN_V11), _files(out)
+    assert sorted(got) == sorted(want), "the 1.1 example's object keys changed"
+    for key in want:
+        assert got[key] == want[key], f"{key} differs from the committed 1.1 golden file"
+
+
+def test_v10_spec_reader_rejects_a_v11_manifest_clearly() -> None:
+    # Broken control first: step 1 of the same repository is a 1.0 manifest, which it reads.
+    tensors, _ = spec_read(GOLDEN_V11, 1)
+    for k, v in make_example.v11_tensors(1).items():
+        _assert_same(tensors[k], v)
+    with pytest.raises(SpecError, match=r"requires extensions \['ckptfmt.references'\].*revision 1.0"):
+        spec_read(GOLDEN_V11, 2)
+
+
+def test_ckptfmt_reads_and_verifies_the_v11_example() -> None:
+    repo = ckptfmt.Repository(str(GOLDEN_V11))
+    assert repo.steps() == [1, 2]
+    m1, m2 = repo.manifest(1), repo.manifest(2)
+    assert m1.must_understand == () and m2.must_understand == ("ckptfmt.references",)
+    # step 2 wrote the adapter only; the base is step 1's object, verified as step 2's own
+    assert m2.referenced_saves == {m1.save_id}
+    assert m2.tensors["base/w"].object_key(0) == m1.tensors["base/w"].object_key(0)
+    assert m2.referenced_nbytes == int(m1.tensors["base/w"].shards.nbytes.sum())
+    for step in (1, 2):
+        assert repo.verify(step) == repo.manifest(step).nbytes
+        ck = repo.open(step)
+        for k, v in make_example.v11_tensors(step).items():
+            _assert_same(ck.read(k), v)

@@ -345,13 +345,17 @@ def test_gc_retention_and_abandoned_saves(s3_env):
         c.put_object(Bucket=bucket, Key=f"repo/saves/{sid}/t/000000/c/0", Body=b"partial")
     repo = ckptfmt.Repository(url)
     kept_ids = {repo.manifest(s).save_id for s in (4, 5)}
+    # opt/count never changes: steps 2-5 reference step 1's object of it (FORMAT.md 8.4), so
+    # retention removes step 1's manifest and keeps its save while steps 4 and 5 reference it.
+    referenced = repo.manifest(4).referenced_saves | repo.manifest(5).referenced_saves
+    assert referenced == {repo.manifest(1).save_id}
     report = repo.gc(grace_s=600, keep_last=2)
     assert sorted(report.removed_steps) == [1, 2, 3]
     assert report.removed_saves == ["000000000009-20200101T000000-0000dead"]
     assert report.in_progress == ["000000000010-20990101T000000-0000beef"]
     assert repo.steps() == [4, 5]
     save_dirs = {k.split("/")[2] for k in s3_env.keys("repo/saves/")}
-    assert save_dirs == kept_ids | {"000000000010-20990101T000000-0000beef"}
+    assert save_dirs == kept_ids | referenced | {"000000000010-20990101T000000-0000beef"}
     assert s3_env.keys("repo/manifests/") == [f"repo/manifests/{s:020d}.json" for s in (4, 5)]
     for s in (4, 5):
         assert repo.verify(s) > 0

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tailstep-every", type=int, default=d.tailstep_every, help="save every N steps (default 10)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="no bench.png")
     p.add_argument("--keep-data", action="store_true", help="leave the checkpoints on storage")
+    p.add_argument("--incremental", action="store_true",
+                   help="the incremental-save bench instead (frozen base + adapters; see "
+                        "ckptfmt_tools/bench/incremental.py for its own options)")
+    p.add_argument("--compression", action="store_true",
+                   help="the zstd ratio/speed bench instead (see ckptfmt_tools/bench/compression.py)")
     return p
 
 
@@ -75,6 +80,17 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the bench from command-line arguments; print the table. Exit code 1 if a ckptfmt run failed."""
+    import sys
+
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if "--incremental" in raw:  # its own options; it runs in a child with the JAX device count set
+        from .incremental import main as incremental_main
+
+        return incremental_main(raw)
+    if "--compression" in raw:  # zstd ratio and speed by kind of state (its own options)
+        from .compression import main as compression_main
+
+        return compression_main(raw)
     args = build_parser().parse_args(argv)
     result = run_bench(options_from_args(args))
     print(result.table)

@@ -93,7 +93,8 @@ def step_summary(repo: Any, step: int) -> dict[str, Any]:
     except CheckpointError as exc:
         return {"step": step, "error": type(exc).__name__, "message": exc.message}
     return {"step": step, "save_id": m.save_id, "created_unix": m.created_unix, "created": _when(m.created_unix),
-            "bytes": m.nbytes, "tensors": len(m.tensors), "writers": m.writers,
+            "bytes": m.nbytes, "written_bytes": m.written_nbytes, "referenced_bytes": m.referenced_nbytes,
+            "references": sorted(m.referenced_saves), "tensors": len(m.tensors), "writers": m.writers,
             "state": sorted(m.state)}
 
 
@@ -125,13 +126,16 @@ def describe_step(repo: Any, step: int | None) -> dict[str, Any]:
                         "sharding_text": _sharding_text(t.sharding), "shards": len(t.shards),
                         "writers": sorted({int(w) for w in t.shards.writer}),
                         "shard_shape": list(t.array.shard_shape), "chunk_shape": list(t.array.chunk_shape),
-                        "bytes": t.nbytes, "stored_bytes": int(t.shards.nbytes.sum())})
+                        "bytes": t.nbytes, "stored_bytes": int(t.shards.nbytes.sum()),
+                        "referenced_bytes": t.referenced_nbytes})
     state_keys: list[str] = []
     if "global" in m.state:
         g = ckpt.state()
         state_keys = sorted(g) if isinstance(g, dict) else [f"<{type(g).__name__}>"]
     return {"step": m.step, "save_id": m.save_id, "created_unix": m.created_unix, "created": _when(m.created_unix),
-            "writers": m.writers, "bytes": m.nbytes, "versions": dict(m.versions), "metadata": dict(m.metadata),
+            "writers": m.writers, "bytes": m.nbytes, "written_bytes": m.written_nbytes,
+            "referenced_bytes": m.referenced_nbytes, "references": sorted(m.referenced_saves),
+            "versions": dict(m.versions), "metadata": dict(m.metadata),
             "tensors": tensors, "state_keys": state_keys,
             "state_objects": [{"name": n, "scope": e.scope, "rank": e.rank, "bytes": e.nbytes}
                               for n, e in sorted(m.state.items())]}
@@ -167,15 +171,16 @@ def error(console: Console, doc: dict[str, Any], *, step: int | None = None) -> 
 def steps_table(console: Console, url: str, rows: list[dict[str, Any]]) -> None:
     t = Table(title=f"committed steps in {safe(url)}")
     for col, kw in (("step", {"justify": "right"}), ("committed", {"no_wrap": True}),
-                    ("size", {"justify": "right", "no_wrap": True}), ("tensors", {"justify": "right"}),
+                    ("size", {"justify": "right", "no_wrap": True}), ("written", {"justify": "right", "no_wrap": True}),
+                    ("referenced", {"justify": "right", "no_wrap": True}), ("tensors", {"justify": "right"}),
                     ("writers", {"justify": "right"}), ("save id", {"overflow": "fold"})):
         t.add_column(col, **kw)
     for r in rows:
         if r.get("error"):
-            t.add_row(str(r["step"]), f"[red]{safe(r['error'])}[/]", "-", "-", "-", safe(r["message"]))
+            t.add_row(str(r["step"]), f"[red]{safe(r['error'])}[/]", "-", "-", "-", "-", "-", safe(r["message"]))
         else:
-            t.add_row(str(r["step"]), safe(r["created"]), _size(r["bytes"]), str(r["tensors"]), str(r["writers"]),
-                      safe(r["save_id"]))
+            t.add_row(str(r["step"]), safe(r["created"]), _size(r["bytes"]), _size(r["written_bytes"]),
+                      _size(r["referenced_bytes"]), str(r["tensors"]), str(r["writers"]), safe(r["save_id"]))
     if not rows:
         console.print(f"no committed steps in {safe(url)}")
         return
@@ -183,14 +188,16 @@ def steps_table(console: Console, url: str, rows: list[dict[str, Any]]) -> None:
 
 
 def inspect_view(console: Console, url: str, doc: dict[str, Any]) -> None:
-    t = Table(title=f"step {doc['step']} of {safe(url)}: {len(doc['tensors'])} tensors, {_size(doc['bytes'])}, "
-                    f"{doc['writers']} writers, committed {safe(doc['created'])}")
+    t = Table(title=f"step {doc['step']} of {safe(url)}: {len(doc['tensors'])} tensors, {_size(doc['bytes'])} "
+                    f"({_size(doc['written_bytes'])} written, {_size(doc['referenced_bytes'])} referenced in "
+                    f"{len(doc['references'])} earlier save(s)), {doc['writers']} writers, committed {safe(doc['created'])}")
     for col, kw in (("key path", {}), ("shape", {}), ("dtype", {}), ("sharding", {"overflow": "fold"}),
-                    ("shards", {"justify": "right"}), ("bytes", {"justify": "right"})):
+                    ("shards", {"justify": "right"}), ("bytes", {"justify": "right"}),
+                    ("referenced", {"justify": "right"})):
         t.add_column(col, **kw)
     for r in doc["tensors"]:
         t.add_row(safe(r["key"]), str(tuple(r["shape"])), safe(r["dtype"]),
-                  safe(r["sharding_text"]), str(r["shards"]), _size(r["bytes"]))
+                  safe(r["sharding_text"]), str(r["shards"]), _size(r["bytes"]), _size(r["referenced_bytes"]))
     console.print(t)
     tree = Tree("non-tensor state")
     g = tree.add("global")

@@ -65,6 +65,7 @@ class Inventory:
 
     committed: set[str] = field(default_factory=set)        # referenced by a parseable manifest
     committed_ids: set[str] = field(default_factory=set)    # save_ids of parseable manifests
+    referenced_ids: set[str] = field(default_factory=set)   # earlier saves they reference (kept whole, FORMAT.md 4.4)
     manifest_files: set[str] = field(default_factory=set)
     unreadable_steps: set[int] = field(default_factory=set)  # manifest present but not parseable
     save_files: set[str] = field(default_factory=set)        # every file under saves/
@@ -80,6 +81,8 @@ class Inventory:
             if k in self.committed:
                 continue
             save_id = k.split("/")[1]
+            if save_id in self.referenced_ids and save_id not in self.committed_ids:
+                continue
             step = save_id.split("-", 1)[0]
             if step.isdigit() and int(step) in self.unreadable_steps and save_id not in self.committed_ids:
                 continue
@@ -120,6 +123,7 @@ def inventory(root: str | os.PathLike) -> Inventory:
                 inv.unreadable_steps.add(int(stem))
             continue
         inv.committed_ids.add(m.save_id)
+        inv.referenced_ids |= m.referenced_saves
         for t in m.tensors.values():
             inv.committed.add(f"{t.array.path}/zarr.json")
             for s in range(len(t.shards)):

@@ -19,6 +19,10 @@ TENSORS: dict[str, tuple[tuple[int, ...], str, bool]] = {
     "params/dense/kernel": ((64, 32), "float32", True),
 }
 
+#: Frozen in an incremental run (``incremental=True``): their value does not change with the step,
+#: so an incremental save references the previous step's objects (FORMAT.md 8.4).
+FROZEN = frozenset({"params/dense/kernel"})
+
 #: Small inner chunks, so that every shard holds several chunks and a real shard index.
 CHUNK_TARGET_BYTES = 1024
 
@@ -27,11 +31,12 @@ def _rng(seed: int, step: int, key: str) -> np.random.Generator:
     return np.random.default_rng([seed, step, sum(key.encode())])
 
 
-def truth(seed: int, step: int) -> dict[str, np.ndarray]:
-    """The full global value of every tensor at ``step``."""
+def truth(seed: int, step: int, incremental: bool = False) -> dict[str, np.ndarray]:
+    """The full global value of every tensor at ``step`` (the FROZEN ones at step 0 when
+    ``incremental``)."""
     out: dict[str, np.ndarray] = {}
     for key, (shape, dtype, _) in TENSORS.items():
-        rng = _rng(seed, step, key)
+        rng = _rng(seed, 0 if incremental and key in FROZEN else step, key)
         if np.dtype(dtype).kind == "f":
             out[key] = rng.standard_normal(shape).astype(dtype)
         else:
@@ -54,11 +59,11 @@ def row_split(rows: int, world: int) -> list[tuple[int, int]]:
     return [(r * per, (r + 1) * per) for r in range(world)]
 
 
-def local_shards(seed: int, step: int, rank: int, world: int, data_hook=None) -> list:
+def local_shards(seed: int, step: int, rank: int, world: int, data_hook=None, incremental: bool = False) -> list:
     """This rank's LocalShards. ``data_hook(i, array)`` may wrap each block's data (lazy callables)."""
     from ckptfmt import Box, LocalShard
 
-    full = truth(seed, step)
+    full = truth(seed, step, incremental)
     shards = []
     for i, (key, (shape, dtype, split)) in enumerate(TENSORS.items()):
         if split:

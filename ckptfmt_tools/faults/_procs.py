@@ -36,7 +36,7 @@ def start_writers(url: str, steps: list[int], world: int, seed: int, *, ranks: l
                   timeout_s: float = 30.0, fsize_limit: int | None = None,
                   weaken: str | None = None, announce: bool = False,
                   publish_first: bool = False, rendezvous: str | None = None, freeze: str | None = None,
-                  heartbeat_s: float | None = None) -> WriterRun:
+                  heartbeat_s: float | None = None, incremental: bool = False) -> WriterRun:
     """Start one process per rank (``ranks`` defaults to all of them) saving ``steps``."""
     address = ""
     if world > 1:
@@ -49,7 +49,7 @@ def start_writers(url: str, steps: list[int], world: int, seed: int, *, ranks: l
                 "kill": kill, "kill_rank": kill_rank, "go_file": go_file, "timeout_s": timeout_s,
                 "fsize_limit": fsize_limit, "weaken": weaken, "announce": announce,
                 "publish_first": publish_first, "rendezvous": rendezvous, "freeze": freeze,
-                "heartbeat_s": heartbeat_s}
+                "heartbeat_s": heartbeat_s, "incremental": incremental}
         procs.append(subprocess.Popen([sys.executable, "-m", "ckptfmt_tools.faults._writer", json.dumps(task)],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), text=True))
     return WriterRun(procs)

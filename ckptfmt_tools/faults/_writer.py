@@ -175,7 +175,8 @@ def run(task: dict[str, Any]) -> list[dict[str, Any]]:
                           heartbeat_s=float(task.get("heartbeat_s") or 10.0))
     try:
         for step in task["steps"]:
-            shards = _data.local_shards(seed, step, rank, world, data_hook=hook)
+            shards = _data.local_shards(seed, step, rank, world, data_hook=hook,
+                                        incremental=bool(task.get("incremental")))
             if task.get("announce"):
                 print(json.dumps({"event": "start", "rank": rank, "step": step, "t": time.time()}), flush=True)
             t0 = time.perf_counter()

@@ -11,7 +11,11 @@ random rank, and the survivor must fail on its own with a typed error). After ea
 * no listed step is partial: every newly listed step verifies;
 * the newest listed step restores bit for bit;
 * every ten runs, and at the end, ``gc(grace_s=0)`` leaves no private objects and removes
-  nothing committed. The one exception is the residual of FORMAT.md 10.3: a leader killed after
+  nothing committed.
+
+``incremental=True`` (``--incremental``): one tensor is frozen, so saves reference the previous
+step's objects (FORMAT.md 8.4), and a retention gc (``keep_last=3``) runs in a thread while each
+killed save runs: no listed step may ever fail to verify or restore. The one exception is the residual of FORMAT.md 10.3: a leader killed after
   its lease says ``committing`` and before its manifest create leaves a save that gc must keep
   (``uncertain``), since a paused leader could still commit it. Those are counted
   (``undecided_commits``), not violations.
@@ -47,6 +51,7 @@ class SoakReport:
     objects_collected: int = 0
     undecided_commits: int = 0  # saves killed between the commit fence and the manifest create
     save_seconds: float = 0.0   # calibrated duration of one save
+    referencing_steps: int = 0  # committed steps that reference an earlier save's objects (8.4)
     seconds: float = 0.0
 
     @property
@@ -58,6 +63,7 @@ class SoakReport:
                 "killed_mid_save": self.killed_mid_save, "survivor_errors": self.survivor_errors,
                 "listed_steps": len(self.listed), "violations": self.violations, "gc_runs": self.gc_runs,
                 "objects_collected": self.objects_collected, "undecided_commits": self.undecided_commits, "save_seconds": round(self.save_seconds, 4),
+                "referencing_steps": self.referencing_steps,
                 "seconds": round(self.seconds, 2)}
 
 
@@ -96,7 +102,7 @@ class _Lines:
             pass
 
 
-def _check_listed(repo: Any, seed: int, seen: set[int], report: SoakReport) -> None:
+def _check_listed(repo: Any, seed: int, seen: set[int], report: SoakReport, incremental: bool = False) -> None:
     from ckptfmt.errors import CheckpointError
     from ckptfmt_tools.faults import _data
     from ckptfmt_tools.faults._checks import restore_into, same
@@ -112,14 +118,14 @@ def _check_listed(repo: Any, seed: int, seen: set[int], report: SoakReport) -> N
             report.violations.append(f"step {step} is listed but partial: {type(exc).__name__}: {exc}"[:300])
     if listed:
         newest = listed[-1]
-        arrays = {k: v * 0 for k, v in _data.truth(seed, newest).items()}
+        arrays = {k: v * 0 for k, v in _data.truth(seed, newest, incremental).items()}
         state: dict[str, Any] = {}
         if any(v.startswith(f"newest step {newest} ") for v in report.violations):
             report.listed = listed
             return
         try:
             restore_into(repo.open(newest), arrays, state)
-            want = _data.truth(seed, newest)
+            want = _data.truth(seed, newest, incremental)
             if not all(same(arrays[k], want[k]) for k in want) or not same(state, _data.global_state(seed, newest)):
                 report.violations.append(f"newest step {newest} restored wrong values")
         except CheckpointError as exc:
@@ -147,6 +153,18 @@ def _gc(repo: Any, root: Path, report: SoakReport) -> None:
             report.violations.append(msg)
 
 
+def _retention_thread(repo: Any, report: SoakReport, run: int) -> threading.Thread:
+    """Retention and collection while a save runs (it may reference what retention deletes)."""
+    def go() -> None:
+        try:
+            repo.gc(keep_last=3)
+        except Exception as e:  # gc reports what it cannot decide; it must not raise here
+            report.violations.append(f"run {run}: gc during a save raised {type(e).__name__}: {e}"[:300])
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
 def _says_committing(lease: Path) -> bool:
     try:
         return json.loads(lease.read_bytes()).get("state") == "committing"
@@ -155,7 +173,8 @@ def _says_committing(lease: Path) -> bool:
 
 
 def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, publish_first: bool = False,
-         multi_writer_every: int = 3, on_run: Callable[[int, SoakReport], None] | None = None) -> SoakReport:
+         multi_writer_every: int = 3, on_run: Callable[[int, SoakReport], None] | None = None,
+         incremental: bool = False) -> SoakReport:
     """Run the soak in repository ``root`` (created fresh). ``publish_first`` is the broken control."""
     from ckptfmt import Repository
     from ckptfmt_tools.faults._procs import start_writers
@@ -171,20 +190,20 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
     seen: set[int] = set()
 
     # Calibrate: one save that is not killed (it is also the first committed step).
-    cal = start_writers(str(root), [1], 1, seed, announce=True, publish_first=publish_first)
+    cal = start_writers(str(root), [1], 1, seed, announce=True, publish_first=publish_first, incremental=incremental)
     lines = _Lines(cal.procs[0])
     res = lines.wait_for("result", 60)
     cal.procs[0].wait(30)
     if not res or not res.get("ok"):
         raise RuntimeError(f"calibration save failed: {res}")
     report.save_seconds = float(res.get("seconds", 0.1))
-    _check_listed(repo, seed, seen, report)
+    _check_listed(repo, seed, seen, report, incremental)
 
     for i in range(runs):
         step = i + 2
         world = 2 if (multi_writer_every and not publish_first and i % multi_writer_every == multi_writer_every - 1) else 1
         run = start_writers(str(root), [step], world, seed, announce=True, publish_first=publish_first,
-                            timeout_s=3)
+                            timeout_s=3, incremental=incremental)
         readers = [_Lines(p) for p in run.procs]
         started = readers[0].wait_for("start", 60)
         if started is None:
@@ -193,8 +212,9 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         # not to when this process read the line: on a loaded machine that read can lag by more
         # than a whole save, and every kill would land after the commit.
         kill_at = (float(started["t"]) if started and "t" in started else time.time()) \
-            + rng.uniform(0.0, 1.3 * report.save_seconds)
+            + rng.uniform(0.0, (2.5 if incremental else 1.3) * report.save_seconds)  # gc shares the CPU then
         time.sleep(max(0.0, kill_at - time.time()))
+        collector = _retention_thread(repo, report, i) if incremental else None
         victims = list(range(world)) if world == 1 else [rng.randrange(world)]
         for r in victims:
             try:
@@ -209,6 +229,8 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
                 p.wait()
                 report.violations.append(f"run {i}: rank {r} hung after its peer was killed")
             readers[r].drain(0.5)
+        if collector is not None:
+            collector.join(60)
         results = [d for rd in readers for d in rd.lines if "ok" in d]
         if any(d.get("ok") for d in results):
             report.committed += 1
@@ -223,14 +245,19 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
                     if d.get("untyped"):
                         report.violations.append(f"run {i}: surviving rank {r} raised untyped {d['error']}")
         report.runs += 1
-        _check_listed(repo, seed, seen, report)
+        _check_listed(repo, seed, seen, report, incremental)
+        if results and any(d.get("ok") for d in results) and step in repo.steps():
+            try:
+                report.referencing_steps += bool(repo.manifest(step).referenced_saves)
+            except Exception:
+                pass  # already checked by _check_listed
         if (i + 1) % 10 == 0:
             _gc(repo, root, report)
         if on_run is not None:
             on_run(i, report)
     _gc(repo, root, report)
     seen.clear()
-    _check_listed(repo, seed, seen, report)  # every listed step verifies, after gc too
+    _check_listed(repo, seed, seen, report, incremental)  # every listed step verifies, after gc too
     report.seconds = time.perf_counter() - t_start
     return report
 
@@ -243,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill times")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--incremental", action="store_true", help="frozen tensors, and retention gc during saves")
     args = ap.parse_args(argv)
     tmp = None
     workdir = args.workdir or (tmp := tempfile.mkdtemp(prefix="ckptfmt-soak-"))
@@ -252,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{i + 1}/{args.runs} runs, {len(rep.listed)} steps listed, "
                       f"{len(rep.violations)} violations", file=sys.stderr, flush=True)
 
-        rep = soak(Path(workdir) / "repo", args.runs, rng_seed=args.seed, on_run=progress)
+        rep = soak(Path(workdir) / "repo", args.runs, rng_seed=args.seed, on_run=progress,
+                   incremental=args.incremental)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

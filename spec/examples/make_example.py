@@ -13,6 +13,12 @@ Two writers (two threads, each with its own TcpCoordinator on 127.0.0.1) save st
 plus a small global msgpack state. The save id, creation time, versions and chunk target
 are fixed, so every byte of the output is reproducible; tests/test_golden.py regenerates it
 and compares it with the committed files byte for byte.
+
+The revision 1.1 example (spec/examples/repo-1.1/, FORMAT.md 5.13 and 8.4) is one writer saving
+step 1 and step 2 of a frozen base and a trained adapter: step 2 references step 1's object of
+``base/w`` (extension ``ckptfmt.references``) and writes only ``adapter/a``.
+
+    .venv/bin/python spec/examples/make_example.py --v11 --out DIR  # a fresh 1.1 repository at DIR
 """
 from __future__ import annotations
 
@@ -42,6 +48,11 @@ WORLD = 2
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "repo"
+DEFAULT_OUT_V11 = HERE / "repo-1.1"
+#: The revision 1.1 example: two steps of one writer, save ids and times fixed.
+V11_SAVES = {1: ("000000000001-20260101T000000-0000beef", 1767225601.0),
+             2: ("000000000002-20260101T000000-0001beef", 1767225602.0)}
+V11_METADATA = {"note": "ckptfmt spec/FORMAT.md 5.13 example (revision 1.1)"}
 
 
 def tensors() -> dict[str, np.ndarray]:
@@ -111,17 +122,40 @@ def generate(out: str | os.PathLike[str]) -> ckptfmt.Manifest:
     return results[0]  # type: ignore[return-value]
 
 
+def v11_tensors(step: int) -> dict[str, np.ndarray]:
+    """The revision 1.1 example's tensors at ``step``: ``base/w`` frozen, ``adapter/a`` trained."""
+    return {"adapter/a": np.array([0.5, -1.0, 2.0], dtype=np.float32) * step,
+            "base/w": np.arange(12, dtype=np.float32).reshape(4, 3)}
+
+
+def generate_v11(out: str | os.PathLike[str]) -> ckptfmt.Manifest:
+    """Write the revision 1.1 example at ``out`` (which must not exist yet); step 2's manifest."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; pass a fresh directory")
+    out.mkdir(parents=True)
+    m = None
+    for step, (save_id, created) in V11_SAVES.items():
+        shards = [LocalShard(k, v.shape, v.dtype, Box.full(v.shape), v) for k, v in v11_tensors(step).items()]
+        m = ckptfmt.save(str(out), step, shards, metadata=V11_METADATA, versions=VERSIONS,
+                         options=SaveOptions(save_id=save_id, created_unix=created, reuse="compare", timeout_s=60.0))
+    assert m is not None and m.must_understand == ("ckptfmt.references",), "step 2 must reference step 1"
+    return m
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="a fresh directory (default: rewrite spec/examples/repo)")
+    ap.add_argument("--v11", action="store_true", help="the revision 1.1 example (default out: spec/examples/repo-1.1)")
     args = ap.parse_args(argv)
+    default = DEFAULT_OUT_V11 if args.v11 else DEFAULT_OUT
     if args.out is None:
-        if DEFAULT_OUT.exists():
-            shutil.rmtree(DEFAULT_OUT)
-        out = DEFAULT_OUT
+        if default.exists():
+            shutil.rmtree(default)
+        out = default
     else:
         out = Path(args.out)
-    m = generate(out)
+    m = generate_v11(out) if args.v11 else generate(out)
     for p in sorted(out.rglob("*")):
         if p.is_file():
             print(f"{p.stat().st_size:6d}  {p.relative_to(out)}")

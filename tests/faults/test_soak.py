@@ -31,3 +31,12 @@ def test_soak_control_publish_first_is_caught(tmp_path):
     The same invariant checks must catch a listed, partial step."""
     rep = soak(tmp_path / "repo", 15, rng_seed=1, publish_first=True)
     assert any("listed but partial" in v or "does not restore" in v for v in rep.violations), rep.to_json()
+
+
+def test_soak_incremental_saves_with_gc_running(tmp_path):
+    """Incremental saves (a frozen tensor referenced across steps) SIGKILLed at random moments
+    while retention gc runs: no listed step ever fails to restore (FORMAT.md 8.4, 10)."""
+    rep = soak(tmp_path / "repo", 15, rng_seed=3, incremental=True)
+    assert rep.killed_mid_save >= 3 and rep.committed >= 1, rep.to_json()
+    assert rep.referencing_steps >= 1, rep.to_json()
+    assert rep.ok, "\n".join(["soak invariants violated:", *rep.violations, json.dumps(rep.to_json())])

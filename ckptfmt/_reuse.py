@@ -1,0 +1,277 @@
+"""Incremental saves: reference the previous committed save's shard object instead of writing it
+again (FORMAT.md 8.4, extension ``ckptfmt.references``).
+
+The leader picks the previous committed step ``P`` (the newest one below the step being saved),
+pins its save id and the saves ``P`` itself references in its lease, and only then confirms that
+``P``'s manifest is still committed (:func:`pin_previous`): a collector that deletes ``P`` later
+reads the lease and keeps the pinned saves (FORMAT.md 10.3). Every rank then calls a
+:class:`ReusePlanner` once per shard it owns, before it writes anything of that shard; it returns
+a reference record or None ("write it"). A shard is referenced only when ``P`` stores the same
+tensor, box, dtype and geometry and its bytes are proven equal; a crc32c match alone is never
+proof (FORMAT.md 8.4):
+
+* **identity proof** (``reuse="auto"``, for shards with an immutable ``LocalShard.source``, the
+  global ``jax.Array`` the JAX bridge passes): this process saved that very object, still alive
+  and not deleted, in an earlier committed save of this repository, and the object it recorded
+  then (save id, path, size, every checksum) is the one ``P`` names for this shard. Nothing is
+  read: the bytes are those this process wrote and verified from the same immutable buffer.
+* **byte proof** (``reuse="auto"`` for every other shard and where the identity proof fails,
+  ``reuse="compare"`` for all): the
+  chunk crc32c (computed anyway) equal ``P``'s, then the stored object is read, checked against
+  ``P``'s manifest as a restore checks it, and compared byte for byte with the source.
+* ``reuse="off"``: every shard is written.
+
+A reference names the object's own save (one level deep), never a chain through ``P``.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from itertools import product
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from . import layout
+from ._blockcheck import BlockChecks
+from .errors import CheckpointError
+from .manifest import Manifest, TensorEntry
+
+if TYPE_CHECKING:
+    from ._shardwriter import ShardRecord
+    from ._types import LocalShard
+    from .plan import TensorWritePlan, WriteItem
+
+__all__ = ["REUSE_MODES", "StoredShard", "ReuseMemory", "ReusePlanner", "default_memory", "pin_previous",
+           "previous_manifest"]
+
+REUSE_MODES = ("auto", "compare", "off")
+
+
+@dataclass(frozen=True)
+class StoredShard:
+    """One shard object as a committed manifest records it: where it lies, its size and checksums."""
+
+    save_id: str                       # the save that wrote the object
+    path: str                          # that save's array path
+    nbytes: int
+    index_crc32c: int
+    chunk_offsets: tuple[int, ...]
+    chunk_crc32c: tuple[int, ...]
+    chunk_nbytes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: TensorEntry, s: int) -> "StoredShard":
+        path = t.objects.get(s, t.array.path) if t.objects else t.array.path
+        c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
+        return cls(path.split("/")[1], path, int(t.shards.nbytes[s]), int(t.shards.index_crc32c[s]),
+                   tuple(int(x) for x in t.chunks.offset[c0:c1]), tuple(int(x) for x in t.chunks.crc32c[c0:c1]),
+                   tuple(int(x) for x in t.chunks.nbytes[c0:c1]))
+
+
+class ReuseMemory:
+    """What this process saved from which immutable source object: the identity proof's record.
+
+    Keyed by the source object itself, held weakly (an entry dies with its object, so a recycled
+    ``id`` never matches), then by (repository, key path, box, dtype, geometry). Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, dict[tuple, StoredShard]]] = {}
+        self._lock = threading.Lock()
+
+    def remember(self, source: Any, where: tuple, shard: StoredShard) -> None:
+        with self._lock:
+            entry = self._by_id.get(id(source))
+            if entry is None or entry[0]() is not source:
+                try:
+                    ref = weakref.ref(source, self._forget(id(source)))
+                except TypeError:  # not weakly referenceable: no identity proof for it
+                    return
+                entry = self._by_id[id(source)] = (ref, {})
+            entry[1][where] = shard
+
+    def recall(self, source: Any, where: tuple) -> StoredShard | None:
+        with self._lock:
+            entry = self._by_id.get(id(source))
+            if entry is None or entry[0]() is not source:
+                return None
+            return entry[1].get(where)
+
+    def _forget(self, ident: int) -> Callable[[weakref.ref], None]:
+        def drop(ref: weakref.ref) -> None:
+            with self._lock:
+                if self._by_id.get(ident, (None,))[0] is ref:
+                    del self._by_id[ident]
+        return drop
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+_DEFAULT: list[ReuseMemory] = []
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_memory() -> ReuseMemory:
+    """The process's identity memory (created on first use, not at import)."""
+    with _DEFAULT_LOCK:
+        if not _DEFAULT:
+            _DEFAULT.append(ReuseMemory())
+        return _DEFAULT[0]
+
+
+def _alive(source: Any) -> bool:
+    """A donated or deleted jax.Array's buffer may hold anything: it proves nothing."""
+    deleted = getattr(source, "is_deleted", None)
+    try:
+        return not (callable(deleted) and deleted())
+    except Exception:
+        return False
+
+
+def pin_previous(repo: Any, step: int, check_mode: str) -> Manifest | None:
+    """Rank 0, before the lease: the previous committed step's manifest (the newest step below
+    ``step`` whose manifest validates), or None (no reuse) when there is none or reuse is off."""
+    if check_mode not in REUSE_MODES:
+        raise ValueError(f"SaveOptions.reuse must be one of {REUSE_MODES}, got {check_mode!r}")
+    if check_mode == "off":
+        return None
+    try:
+        older = [s for s in repo.steps() if s < step]
+        return repo.manifest(older[-1]) if older else None
+    except CheckpointError:
+        return None  # no reuse when the previous step cannot be read: everything is written
+
+
+def lease_refs(previous: Manifest | None) -> list[str]:
+    """The save ids a save that may reference ``previous``'s objects pins in its lease (10.1)."""
+    return [] if previous is None else sorted({previous.save_id} | set(previous.referenced_saves))
+
+
+def previous_manifest(repo: Any, pinned: Any) -> Manifest | None:
+    """After the lease names the pinned saves: ``P``'s manifest if it is still committed (the
+    slot still names the same save id), else None. Every rank calls it; a rank that cannot read
+    it writes everything (the objects stay pinned, so a slower rank never reads a deleted one)."""
+    if not pinned:
+        return None
+    step, save_id = int(pinned[0]), str(pinned[1])
+    try:
+        m = repo.manifest(step)
+    except CheckpointError:
+        return None
+    return m if m.save_id == save_id else None
+
+
+@dataclass(frozen=True)
+class _Seen:
+    source: Any
+    where: tuple
+    chunk_nbytes: int  # of a raw chunk, for records that do not list their chunks' lengths
+
+
+class ReusePlanner:
+    """The per-shard hook of one rank's save (see the module docstring). Not shared across saves."""
+
+    def __init__(self, storage: Any, previous: Manifest | None, *, mode: str,
+                 memory: ReuseMemory | None = None, codec: str = "raw") -> None:
+        if mode not in REUSE_MODES:
+            raise ValueError(f"SaveOptions.reuse must be one of {REUSE_MODES}, got {mode!r}")
+        self.storage, self.previous, self.mode, self.codec = storage, previous, mode, codec
+        self.memory = memory if memory is not None else default_memory()
+        self.repo_id = str(getattr(storage, "url", id(storage)))
+        self._rows: dict[str, dict[tuple[int, ...], int]] = {}
+        self._seen: dict[tuple[int, tuple[int, ...]], _Seen] = {}
+        self._checks = BlockChecks()
+        self.referenced = 0
+
+    def __call__(self, plan: "TensorWritePlan", item: "WriteItem", holder: "LocalShard",
+                 materialize: Callable[[], tuple[np.ndarray, list[int]]]) -> "ShardRecord | None":
+        """A reference record for this shard, or None to write it. Never raises for a bad earlier
+        object: it is then simply written anew."""
+        if self.mode == "off":
+            return None
+        g = plan.geometry
+        where = (self.repo_id, plan.key, item.box.offset, item.box.shape, g.shape, plan.dtype, g.shard_shape,
+                 g.chunk_shape, self.codec)
+        source = getattr(holder, "source", None)
+        if source is not None and self.mode == "auto":
+            self._seen[(plan.index, item.cell)] = _Seen(source, where, g.chunk_nbytes)
+        found = self._stored(plan, item)
+        if found is None:
+            return None
+        t, s, stored = found
+        proven = (source is not None and self.mode == "auto" and _alive(source)
+                  and self.memory.recall(source, where) == stored)
+        if not proven and not self._same_bytes(t, s, stored, materialize):
+            return None
+        from ._shardwriter import ShardRecord
+
+        self.referenced += 1
+        return ShardRecord(plan.index, item.cell, stored.nbytes, stored.index_crc32c, stored.chunk_offsets,
+                           stored.chunk_crc32c, (stored.save_id, stored.path), stored.chunk_nbytes)
+
+    def _stored(self, plan: "TensorWritePlan", item: "WriteItem") -> tuple[TensorEntry, int, StoredShard] | None:
+        """``P``'s row for this shard, when ``P`` holds the same tensor with the same geometry."""
+        if self.previous is None:
+            return None
+        t = self.previous.tensors.get(plan.key)
+        g = plan.geometry
+        if (t is None or t.shape != g.shape or t.dtype != plan.dtype or t.array.shard_shape != g.shard_shape
+                or t.array.chunk_shape != g.chunk_shape or t.array.codec != self.codec):
+            return None
+        rows = self._rows.get(plan.key)
+        if rows is None:
+            rows = self._rows[plan.key] = {tuple(int(x) for x in o): j for j, o in enumerate(t.shards.offset.tolist())}
+        s = rows.get(tuple(item.box.offset))
+        if s is None:  # same shape and shard_shape: the same offset is the same grid cell and box
+            return None
+        return t, s, StoredShard.of(t, s)
+
+    def _same_bytes(self, t: TensorEntry, s: int, stored: StoredShard,
+                    materialize: Callable[[], tuple[np.ndarray, list[int]]]) -> bool:
+        """The byte proof: the chunk crc32c equal, then the stored object, checked against ``P``'s
+        manifest (size, index, every chunk's crc32c), holds exactly the source's chunks."""
+        block, crcs = materialize()
+        if self.codec == "raw" and tuple(int(c) for c in crcs) != stored.chunk_crc32c:
+            return False  # (an encoded chunk's crc32c covers its encoded bytes: compared decoded below)
+        obj = t.object_key(s)
+        try:
+            probe = self.storage.size_check(obj, stored.nbytes, tensor=t.key)
+            buf = self.storage.read_range(obj, 0, stored.nbytes, tensor=t.key).result()
+            probe.result()
+            c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
+            views = self._checks._check_whole(t, s, obj, buf, range(c0, c1))
+            for c, want in zip(range(c0, c1), _padded_chunks(block, t.geometry.chunk_shape)):
+                got = (np.frombuffer(views[c][:-layout.CRC_BYTES], np.uint8) if self.codec == "raw"
+                       else self._checks._decode(t, c, obj, views[c]).reshape(-1).view(np.uint8))
+                if not np.array_equal(got, want.reshape(-1).view(np.uint8)):
+                    return False
+        except CheckpointError:
+            return False  # a damaged earlier object is never referenced
+        return True
+
+    def remember(self, save_id: str, records: list["ShardRecord"]) -> None:
+        """After the commit: which object now holds each identity-tracked source's bytes."""
+        for r in records:
+            seen = self._seen.get((r.tensor, r.cell))
+            if seen is None or not _alive(seen.source):
+                continue
+            sid, path = r.ref if r.ref is not None else (save_id, layout.array_path(save_id, r.tensor))
+            cnb = tuple(r.chunk_nbytes) or (seen.chunk_nbytes,) * len(r.chunk_offsets)
+            self.memory.remember(seen.source, seen.where, StoredShard(
+                sid, path, r.nbytes, r.index_crc32c, tuple(r.chunk_offsets), tuple(r.chunk_crc32c), cnb))
+
+
+def _padded_chunks(block: np.ndarray, chunk_shape: tuple[int, ...]):
+    """The stored inner chunks of a shard block, in C order, edge chunks zero-padded (FORMAT.md 6.3)."""
+    counts = tuple(-(-n // c) for n, c in zip(block.shape, chunk_shape))
+    for idx in product(*(range(k) for k in counts)):
+        sl = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunk_shape))
+        part = block[sl] if sl else block
+        if part.shape != tuple(chunk_shape):
+            pad = np.zeros(chunk_shape, dtype=block.dtype)
+            pad[tuple(slice(0, n) for n in part.shape)] = part
+            part = pad
+        yield np.ascontiguousarray(part)
