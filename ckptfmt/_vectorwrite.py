@@ -62,6 +62,7 @@ class _Job:
     block: np.ndarray
     path: str   # local file path of the object
     key: str    # object key
+    crcs: tuple[int, ...] | None = None  # each stored chunk's crc32c, where the reuse check computed them
 
 
 def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
@@ -98,7 +99,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
     try:
         for n, (p, it) in enumerate(mine):
             holder = _find_holder(local[p.key], it.box)
-            made: list[np.ndarray] = []
+            made: list[Any] = []  # the block, then (once the reuse check computed them) its chunk crc32c
 
             def materialize(p: TensorWritePlan = p, it: WriteItem = it, holder: LocalShard = holder) -> np.ndarray:
                 if not made:
@@ -115,10 +116,12 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
 
             if reuse is not None:
                 # The byte proof needs the chunk crc32c here; a shard it does not prove is
-                # written below, its trailers computed again from the very bytes written.
+                # written below with these crc32c (of the same block), not computed twice.
                 def with_crcs(m: Any = materialize, g: Any = p.geometry) -> tuple[np.ndarray, list[int]]:
-                    b = m()
-                    return b, _chunk_crcs(b, g.chunk_shape, b.dtype)
+                    if len(made) < 2:
+                        b = m()
+                        made.append(_chunk_crcs(b, g.chunk_shape, b.dtype))
+                    return made[0], made[1]
 
                 ref = reuse(p, it, holder, with_crcs)
                 if ref is not None:
@@ -131,7 +134,8 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
             path = storage.local_file(key)
             dirs.add(os.path.dirname(path))
             held = block.nbytes + (cache.pop(id(holder)).nbytes if lazy_last.get(id(holder)) == n else 0)
-            window.append((pool.submit(_write_object, _Job(p, it, block, path, key), do_fsync, records, n), held))
+            job = _Job(p, it, block, path, key, tuple(made[1]) if len(made) > 1 else None)
+            window.append((pool.submit(_write_object, job, do_fsync, records, n), held))
             inflight += held
             if opts.max_write_bytes_per_s:
                 paced += block.nbytes
@@ -217,7 +221,7 @@ def _write_object(job: _Job, do_fsync: bool, records: list[Any], n: int) -> None
                 if part.shape != tuple(g.chunk_shape):
                     padded[...] = 0
                 padded[tuple(slice(0, k) for k in part.shape)] = part
-            c = crc32c(view)
+            c = job.crcs[i] if job.crcs is not None else crc32c(view)
             crcs.append(c)
             tail = tails[layout.CRC_BYTES * i:layout.CRC_BYTES * (i + 1)]
             tail[:] = c.to_bytes(layout.CRC_BYTES, "little")
