@@ -185,11 +185,7 @@ class _LocalFile(PositionalFile):
                 raise SizeMismatchError("object is shorter than the manifest records", key=self.tensor, object=self.key,
                                         expected=f"bytes [{offset}, {offset + want})", found=f"{got} bytes")
             got += n
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            if n:
-                views[0] = views[0][n:]
+            _localfs.advance(views, n)
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -188,3 +188,13 @@ def _rmtree_at(parent: int, name: str) -> None:
     finally:
         for _pfd, _nm, fd in stack:
             os.close(fd)
+
+
+def advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from a list of buffers in place (after a short ``preadv`` or
+    ``pwritev`` moved ``n`` bytes), so the next call resumes where this one stopped."""
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views.pop(0)
+    if n:
+        views[0] = views[0][n:]

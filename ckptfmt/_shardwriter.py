@@ -135,15 +135,8 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
 
         def materialize(p: TensorWritePlan = p, it: WriteItem = it, holder: LocalShard = holder) -> tuple[np.ndarray, list[int]]:
             if not made:
-                src = cache.get(id(holder))
-                if src is None:
-                    src = cache[id(holder)] = _source(holder, p.key)
-                dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
-                sl = it.box.slices(holder.box.offset)
-                block = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
-                if dt.kind == "b":  # the format stores bool as 0x00/0x01 only; a reinterpreted byte may hold more
-                    block = np.not_equal(block.view(np.uint8), 0)
-                made.append((block, _chunk_crcs(block, p.geometry.chunk_shape, dt)))
+                block = shard_block(holder, p, it, cache, dt_cache)
+                made.append((block, _chunk_crcs(block, p.geometry.chunk_shape, block.dtype)))
             return made[0]
 
         ref = reuse(p, it, holder, materialize) if reuse is not None else None
@@ -179,6 +172,21 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
         return _verify_written(storage, written, save_id) + referenced
     finally:
         add_time(opts, "verify", t)
+
+
+def shard_block(holder: LocalShard, p: TensorWritePlan, it: WriteItem, cache: dict[int, np.ndarray],
+                dt_cache: dict[str, np.dtype]) -> np.ndarray:
+    """The C-ordered block of ``it`` cut from its holder's data (materialized once into ``cache``);
+    bool stored as 0x00/0x01 only. Raises StepMismatchError for data unlike its declaration."""
+    src = cache.get(id(holder))
+    if src is None:
+        src = cache[id(holder)] = _source(holder, p.key)
+    dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
+    sl = it.box.slices(holder.box.offset)
+    block = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
+    if dt.kind == "b":  # the format stores bool as 0x00/0x01 only; a reinterpreted byte may hold more
+        block = np.not_equal(block.view(np.uint8), 0)
+    return block
 
 
 def _source(holder: LocalShard, key: str) -> np.ndarray:

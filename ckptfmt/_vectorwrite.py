@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import layout
+from . import _localfs, layout
 from ._kvstore import kv_errors, storage_error
 from ._localfs import LOCK_SUFFIX
 from ._types import LocalShard
 from .checksum import crc32c
-from .dtypes import numpy_dtype
 from .errors import IncompleteSaveError, StorageError
 from .plan import TensorWritePlan, WriteItem, stored_chunk_counts
 from .storage import Storage
@@ -72,7 +71,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
     written, and come back as its records. Raises like :func:`ckptfmt._shardwriter.write_and_verify`: StepMismatchError for
     source data that does not match its declaration, StorageError when a write fails,
     IncompleteSaveError when an object's size on disk is not what was written."""
-    from ._shardwriter import _chunk_crcs, _find_holder, _source
+    from ._shardwriter import _chunk_crcs, _find_holder, shard_block
     from .session import add_time
     t = time.perf_counter()
     mine = [(p, it) for p in plans for it in p.items_for(rank)]
@@ -103,15 +102,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
 
             def materialize(p: TensorWritePlan = p, it: WriteItem = it, holder: LocalShard = holder) -> np.ndarray:
                 if not made:
-                    src = cache.get(id(holder))
-                    if src is None:
-                        src = cache[id(holder)] = _source(holder, p.key)
-                    dt = dt_cache.setdefault(p.dtype, numpy_dtype(p.dtype))
-                    sl = it.box.slices(holder.box.offset)
-                    b = np.asarray(src[sl] if sl else src[...], dtype=dt, order="C")
-                    if dt.kind == "b":  # the format stores bool as 0x00/0x01 only; a reinterpreted byte may hold more
-                        b = np.not_equal(b.view(np.uint8), 0)
-                    made.append(b)
+                    made.append(shard_block(holder, p, it, cache, dt_cache))
                 return made[0]
 
             if reuse is not None:
@@ -263,11 +254,7 @@ def _pwritev_all(fd: int, buffers: list[Any], offset: int, key: str, tensor: str
         if n <= 0:
             raise StorageError("write failed", key=tensor, object=key, found="pwritev wrote no bytes")
         done += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _localfs.advance(views, n)
     return done
 
 

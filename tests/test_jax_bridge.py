@@ -70,6 +70,24 @@ def _two_processes(script: str, tmp_path) -> tuple[list[subprocess.Popen], list]
     return procs, outs
 
 
+def _both_results(script: str, tmp_path) -> tuple[dict, dict]:
+    """Run ``script`` as ranks 0 and 1; both must exit 0; their JSON results."""
+    procs, outs = _two_processes(script, tmp_path)
+    errs = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        if p.returncode:
+            errs.append(err[-3000:])
+    assert not errs, errs
+    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    return r0, r1
+
+
 @pytest.mark.multiprocess
 def test_jax_coordinator_notices_a_killed_peer_before_the_timeout(tmp_path):
     """Rank 1 SIGKILLs itself between two collectives: rank 0 gets CoordinatorLostError within
@@ -92,19 +110,7 @@ def test_jax_coordinator_notices_a_killed_peer_before_the_timeout(tmp_path):
 
 @pytest.mark.multiprocess
 def test_jax_coordinator_two_processes(tmp_path):
-    procs, outs = _two_processes("coord_check.py", tmp_path)
-    errs = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        if p.returncode:
-            errs.append(err[-3000:])
-    assert not errs, errs
-    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    r0, r1 = _both_results("coord_check.py", tmp_path)
     assert r0["default"] == r1["default"] == "JaxCoordinator"
     assert r0["rank_world"] == [0, 2] and r1["rank_world"] == [1, 2]
     for i in range(3):  # one name reused: each call is separate
@@ -129,19 +135,7 @@ def test_replicated_writes_are_balanced_over_two_processes(tmp_path):
     """A (data=2, model=4) mesh over 2 processes, every parameter replicated over ``data``: each
     process writes within 10% of the other's bytes (FORMAT.md 8.1). The control: offering only
     replica 0's data (the assignment before 1.0.4) leaves process 1 writing nothing."""
-    procs, outs = _two_processes("balance_check.py", tmp_path)
-    errs = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        if p.returncode:
-            errs.append(err[-3000:])
-    assert not errs, errs
-    r0, r1 = (json.loads(o.read_text()) for o in outs)
+    r0, r1 = _both_results("balance_check.py", tmp_path)
     assert r0["equal"] and r1["equal"]
     for run in r0["balanced"]:
         a, b = run["bytes_per_process"]
