@@ -33,7 +33,8 @@ from .dtypes import DTYPES
 from .errors import InvalidSourceError
 
 __all__ = ["StEntry", "StHeader", "parse_header", "encode_header", "ST_DTYPES", "FORMAT_DTYPES",
-           "MAX_HEADER_BYTES", "META_CRC", "META_TABLE_CRC", "META_BLOCK", "table_crc", "header_size"]
+           "MAX_HEADER_BYTES", "META_CRC", "META_TABLE_CRC", "META_BLOCK", "table_crc", "header_size",
+           "strict_pairs", "reject_constant"]
 
 #: The safetensors reference implementation's own cap on the header (100 MB).
 MAX_HEADER_BYTES = 100_000_000
@@ -101,7 +102,8 @@ def header_size(prefix: bytes, file_size: int, obj: str) -> int:
     return n
 
 
-def _no_dupes(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def strict_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for strict JSON: a duplicate name raises ValueError."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
@@ -110,7 +112,8 @@ def _no_dupes(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _no_constant(name: str) -> Any:
+def reject_constant(name: str) -> Any:
+    """``parse_constant`` for strict JSON: NaN and Infinity are not JSON."""
     raise ValueError(f"{name} is not JSON")
 
 
@@ -133,7 +136,7 @@ def parse_header(header: bytes, file_size: int | None, obj: str) -> StHeader:
     if not header[:1] == b"{":
         raise _bad("header does not start with '{'", obj, expected="{", found=header[:8].decode("latin-1"))
     try:
-        doc = json.loads(bytes(header).decode("utf-8"), object_pairs_hook=_no_dupes, parse_constant=_no_constant)
+        doc = json.loads(bytes(header).decode("utf-8"), object_pairs_hook=strict_pairs, parse_constant=reject_constant)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise _bad("header is not strict JSON", obj, expected="a JSON object with unique names",
                    found=f"{type(e).__name__}: {str(e)[:200]}") from None

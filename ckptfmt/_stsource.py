@@ -33,7 +33,7 @@ import numpy as np
 
 from ._alloc import allocate, check_outputs_fit
 from ._safetensors import (META_BLOCK, META_CRC, META_TABLE_CRC, META_VERSION, bool_bytes_valid, header_size,
-                           parse_header, table_crc)
+                           parse_header, reject_constant, strict_pairs, table_crc)
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
@@ -128,17 +128,8 @@ def find_safetensors(url: str, options: Mapping[str, Any] | None = None) -> tupl
 
 
 def _strict_json(data: bytes, obj: str) -> Any:
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in items:
-            if k in out:
-                raise ValueError(f"duplicate name {k[:200]!r}")
-            out[k] = v
-        return out
-
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs,
-                          parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not JSON")))
+        return json.loads(data.decode("utf-8"), object_pairs_hook=strict_pairs, parse_constant=reject_constant)
     except (ValueError, RecursionError) as e:
         raise InvalidSourceError("safetensors index is not strict JSON", object=obj,
                                  expected="a JSON object with unique names", found=f"{type(e).__name__}: {str(e)[:200]}") from None
