@@ -288,10 +288,18 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
         pinned |= live.pending
         report.problems.append(f"{live.unreadable} lease(s) could not be read and may pin any save; "
                                "no save was collected")
-    report.pinned = sorted((live.pending - committed.referenced) & pinned)
-    live = _Liveness(live.leases, live.pending - pinned, live.fresh, live.unreadable, live.pins)
+    held = (live.pending - committed.referenced) & pinned
+    first = _Liveness(live.leases, live.pending - pinned, live.fresh, live.unreadable, live.pins)
     _tidy_committed(st, committed.referenced, live.leases, report, now, grace_s)
-    _collect_pending(repo, names, live, committed, retired, report, now, grace_s)
+    claimed = _collect_pending(repo, names, first, committed, retired, report, now, grace_s)
+    # A lease this run claimed can no longer commit, so its pins are released (FORMAT.md 10.3):
+    # the saves only such leases pinned are decided now, not left to the next run.
+    custom, bad = _custom_pins(st, names) if held and not live.unreadable else (set(), 1)
+    freed = set() if bad else held - custom - pinned_by_leases(l for sid, l in live.leases.items() if sid not in claimed)
+    if freed:
+        again = _Liveness(live.leases, freed, live.fresh, live.unreadable, live.pins)
+        _collect_pending(repo, names, again, committed, retired, report, now, grace_s)
+    report.pinned = sorted(held - freed)
     foreign.sort()
     if len(foreign) > MAX_LISTED_FOREIGN:
         report.problems.append(f"{len(foreign) - MAX_LISTED_FOREIGN} more foreign object(s) not listed")
@@ -378,18 +386,17 @@ def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcRepo
             fresh.add(sid)  # no lease, but written to within the grace period
         else:
             pending.add(sid)
-    pins = pinned_by_leases(leases.values())
-    for sid, got in _custom_leases(st, names):  # saves outside the writer form may pin too
-        if isinstance(got, StorageError):
-            unreadable += 1
-        elif got[0] is not None:
-            pins |= pinned_by_leases([_parse_lease(got[0], got[1])])
-    return _Liveness(leases, pending, fresh, unreadable, frozenset(pins))
+    pins, bad = _custom_pins(st, names)  # saves outside the writer form may pin too
+    return _Liveness(leases, pending, fresh, unreadable + bad, frozenset(pins | pinned_by_leases(leases.values())))
 
 
-def _custom_leases(st: Any, names: _Names) -> list[tuple[str, Any]]:
+def _custom_pins(st: Any, names: _Names) -> tuple[set[str], int]:
+    """What the leases of saves outside the writer form pin (gc never claims those), and how
+    many of those leases could not be read."""
     read = [sid for sid, e in names.custom.items() if e.lease == "file"]
-    return list(zip(read, st.read_each_with_generation([lease_key(sid) for sid in read], LEASE_MAX_BYTES))) if read else []
+    got = st.read_each_with_generation([lease_key(sid) for sid in read], LEASE_MAX_BYTES) if read else []
+    pins = pinned_by_leases(_parse_lease(g[0], g[1]) for g in got if not isinstance(g, StorageError) and g[0] is not None)
+    return pins, sum(isinstance(g, StorageError) for g in got)
 
 
 @dataclass(frozen=True)
@@ -437,8 +444,10 @@ def _tidy_committed(st: Any, referenced: set[str], leases: dict[str, _Lease], re
 
 
 def _collect_pending(repo: Any, names: _Names, live: _Liveness, committed: _Committed, retired: dict[str, int],
-                     report: GcReport, now: float, grace_s: float) -> None:
-    """Step 5: decide each save left, and collect it (its lease claimed first)."""
+                     report: GcReport, now: float, grace_s: float) -> set[str]:
+    """Step 5: decide each save left, and collect it (its lease claimed first). Returns the
+    saves whose lease this run holds as ``collected`` (claimed here, or found so)."""
+    claimed: set[str] = set()
     for sid in sorted(live.pending - committed.referenced):
         why = _decide(repo, sid, live.leases.get(sid), retired, committed.damaged, committed.blind, now, grace_s)
         if why == "in progress":
@@ -449,6 +458,7 @@ def _collect_pending(repo: Any, names: _Names, live: _Liveness, committed: _Comm
             report.uncertain.append(sid)
             report.problems.append(f"{SAVES}{sid}: {why}; kept")
         else:
+            claimed.add(sid)
             try:
                 repo.storage.delete_prefix(save_prefix(sid))
             except CheckpointError as e:
@@ -457,6 +467,7 @@ def _collect_pending(repo: Any, names: _Names, live: _Liveness, committed: _Comm
             report.objects_removed += names.candidates[sid].objects
             if sid not in retired:
                 report.removed_saves.append(sid)
+    return claimed
 
 
 def _decide(repo: Any, sid: str, lease: _Lease | None, retired: dict[str, int],

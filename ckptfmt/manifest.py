@@ -55,7 +55,7 @@ FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
 #: The document revision this reader implements (FORMAT.md header): format version 1 with the
 #: extensions of revision 1.1 (``ckptfmt.references``, ``ckptfmt.zstd``).
-FORMAT_REVISION = "1.1"
+FORMAT_REVISION = "1.1.1"
 
 
 @dataclass(frozen=True, eq=False)

@@ -277,6 +277,37 @@ def test_a_live_lease_pins_the_saves_it_may_reference(tmp_path: Path) -> None:
     assert not (root / save_prefix(base_sid)).exists()
 
 
+@pytest.mark.parametrize("killed_lease", ["stale", "fresh", "stale-and-another-pin"])
+def test_a_lease_gc_claims_releases_its_pins_in_the_same_run(tmp_path: Path, killed_lease: str) -> None:
+    """A killed incremental save's stale lease pins a retired save: one gc run claims the lease and
+    then collects both (FORMAT.md 10.3, revision 1.1.1). Controls: a fresh lease is not claimed, so
+    its pin holds; a second, live lease pinning the same save keeps it too."""
+    url = str(tmp_path / "r")
+    base_sid = save(url, 0, shards(0)).save_id
+    root = Path(url)
+    dead = "000000000001-20260101T000000-0000dead"
+    (root / save_prefix(dead) / "t").mkdir(parents=True)
+    (root / save_prefix(dead) / "t" / "junk").write_bytes(b"x" * 10)
+    beat = time.time() - (0 if killed_lease == "fresh" else 86400)
+    (root / lease_key(dead)).write_bytes(lease_bytes({"save_id": dead, "step": 1, "world": 1, "refs": [base_sid]},
+                                                     now_unix=beat))
+    if killed_lease == "stale-and-another-pin":
+        busy = "000000000002-20260101T000000-0000beef"
+        (root / save_prefix(busy)).mkdir(parents=True)
+        (root / lease_key(busy)).write_bytes(lease_bytes({"save_id": busy, "step": 2, "world": 1, "refs": [base_sid]}))
+    repo = Repository(url)
+    repo.delete(0)
+    age(root / save_prefix(base_sid))
+    age(root / save_prefix(dead))
+    report = repo.gc(grace_s=60.0)
+    if killed_lease == "stale":
+        assert sorted(report.removed_saves) == sorted([base_sid, dead]) and report.pinned == [], report.to_json()
+        assert not (root / save_prefix(base_sid)).exists() and not (root / save_prefix(dead)).exists()
+    else:
+        assert report.pinned == [base_sid] and (root / save_prefix(base_sid)).is_dir()
+        assert (root / save_prefix(dead)).exists() == (killed_lease == "fresh")
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.one_of(st.tuples(st.just("save"), st.booleans(), st.booleans()),
                               st.tuples(st.just("retain"), st.integers(1, 3)),

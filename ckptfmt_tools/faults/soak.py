@@ -17,8 +17,9 @@ random rank, and the survivor must fail on its own with a typed error). After ea
 step's objects (FORMAT.md 8.4), and a retention gc (``keep_last=3``) runs in a thread while each
 killed save runs: no listed step may ever fail to verify or restore. The one exception is the residual of FORMAT.md 10.3: a leader killed after
   its lease says ``committing`` and before its manifest create leaves a save that gc must keep
-  (``uncertain``), since a paused leader could still commit it. Those are counted
-  (``undecided_commits``), not violations.
+  (``uncertain``), since a paused leader could still commit it, and it keeps the saves that
+  save's lease pins (``refs``), since the manifest it could still create references them. Those
+  are counted (``undecided_commits``), not violations.
 """
 from __future__ import annotations
 
@@ -146,7 +147,10 @@ def _gc(repo: Any, root: Path, report: SoakReport) -> None:
         report.violations.append(f"gc removed committed objects: {sorted(lost)[:3]}")
     undecided = {sid for sid in rep.uncertain if _says_committing(root / "saves" / sid / "LEASE")}
     report.undecided_commits = len(undecided)
-    after.save_files = {k for k in after.save_files if k.split("/")[1] not in undecided}
+    # An undecided save could still commit, and its manifest would reference the saves its lease
+    # pins (FORMAT.md 10.1, 10.3 step 2): those stay too, but only those its lease names.
+    kept = undecided | {r for sid in undecided for r in _lease_refs(root / "saves" / sid / "LEASE")}
+    after.save_files = {k for k in after.save_files if k.split("/")[1] not in kept}
     for what in describe_leftovers(after):
         msg = f"gc left {what}"
         if msg not in report.violations:
@@ -170,6 +174,15 @@ def _says_committing(lease: Path) -> bool:
         return json.loads(lease.read_bytes()).get("state") == "committing"
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def _lease_refs(lease: Path) -> set[str]:
+    """The save ids a lease pins (its ``refs``), or none when it cannot be read."""
+    try:
+        refs = json.loads(lease.read_bytes()).get("refs", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {r for r in refs if isinstance(r, str)} if isinstance(refs, list) else set()
 
 
 def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, publish_first: bool = False,
