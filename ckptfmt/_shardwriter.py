@@ -75,11 +75,26 @@ class _Written:
 
 def _find_holder(shards: list[LocalShard], box: Box) -> LocalShard:
     for s in sorted(shards, key=lambda s: (s.data is None, s.replica_id)):  # data-bearing, lowest replica id first
-        inter = s.box.intersect(box)
-        if inter is not None and inter.shape == box.shape:
+        if all(so <= bo and bo + bn <= so + sn for so, sn, bo, bn in zip(s.box.offset, s.box.shape, box.offset, box.shape)):
             return s
     raise StepMismatchError("this rank was assigned a shard it does not hold", key=shards[0].key if shards else None,
                             found=str(box))
+
+
+def holders(mine: list[tuple[TensorWritePlan, WriteItem]], local: dict[str, list[LocalShard]]) -> list[LocalShard]:
+    """The local shard each item is cut from (data-bearing, lowest replica id first), looked up
+    once per item; an item whose box is exactly a held box (the usual case) needs no search."""
+    exact: dict[str, dict[Box, LocalShard]] = {}
+    out = []
+    for p, it in mine:
+        by_box = exact.get(p.key)
+        if by_box is None:
+            by_box = exact[p.key] = {}
+            for s in sorted(local[p.key], key=lambda s: (s.data is None, s.replica_id)):
+                by_box.setdefault(s.box, s)
+        h = by_box.get(it.box)
+        out.append(h if h is not None and h.data is not None else _find_holder(local[p.key], it.box))
+    return out
 
 
 #: The per-shard hook of an incremental save (:class:`ckptfmt._reuse.ReusePlanner`): called before
@@ -126,11 +141,11 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
     # A block made by a callable (lazy data: device-to-host copies, an import's source reads) is
     # let go after its last write is issued, and counted as in flight until the writes drain
     # (they may view it): a save then holds about one such block plus the window, not all of them.
-    lazy_last = {id(h): n for n, (p, it) in enumerate(mine)
-                 if callable((h := _find_holder(local[p.key], it.box)).data)}
+    found = holders(mine, local)
+    lazy_last = {id(h): n for n, h in enumerate(found) if callable(h.data)}
     referenced: list[ShardRecord] = []
     for n_item, (p, it) in enumerate(mine):
-        holder = _find_holder(local[p.key], it.box)
+        holder = found[n_item]
         made: list[tuple[np.ndarray, list[int]]] = []
 
         def materialize(p: TensorWritePlan = p, it: WriteItem = it, holder: LocalShard = holder) -> tuple[np.ndarray, list[int]]:

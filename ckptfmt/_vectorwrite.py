@@ -20,9 +20,10 @@ import math
 import os
 import secrets
 import stat
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import product
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from ._kvstore import kv_errors, storage_error
 from ._localfs import LOCK_SUFFIX
 from ._types import LocalShard
 from .checksum import crc32c
+from .dtypes import numpy_dtype
 from .errors import IncompleteSaveError, StorageError
 from .plan import TensorWritePlan, WriteItem, stored_chunk_counts
 from .storage import Storage
@@ -48,6 +50,8 @@ __all__ = ["write_local"]
 DEFAULT_WRITE_THREADS = 16
 #: Most bytes of chunk copies (staging) one writer thread holds before it writes them out.
 _STAGE_BYTES = 8 << 20
+#: A batch of reuse decisions holds at most this fraction of ``max_inflight_bytes`` in blocks to write.
+REUSE_BATCH_FRACTION = 0.25
 #: Most buffers one pwritev call takes (Linux IOV_MAX).
 _IOV_MAX = 1024
 
@@ -71,7 +75,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
     written, and come back as its records. Raises like :func:`ckptfmt._shardwriter.write_and_verify`: StepMismatchError for
     source data that does not match its declaration, StorageError when a write fails,
     IncompleteSaveError when an object's size on disk is not what was written."""
-    from ._shardwriter import _chunk_crcs, _find_holder, shard_block
+    from ._shardwriter import holders, shard_block
     from .session import add_time
     t = time.perf_counter()
     mine = [(p, it) for p in plans for it in p.items_for(rank)]
@@ -91,65 +95,108 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
     dt_cache: dict[str, np.dtype] = {}
     # A block made by a callable (lazy data) is let go after its last write is submitted, and
     # counted as in flight until that write is done (the writes view it), as on the general path.
-    lazy_last = {id(h): n for n, (p, it) in enumerate(mine) if callable((h := _find_holder(local[p.key], it.box)).data)}
+    found = holders(mine, local)
+    lazy_last = {id(h): n for n, h in enumerate(found) if callable(h.data)}
     inflight, pace_start, paced = 0, time.monotonic(), 0
     t = add_time(opts, "plan", t)
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-write")
+    pool = writer_pool(threads)
     try:
-        for n, (p, it) in enumerate(mine):
-            holder = _find_holder(local[p.key], it.box)
-            made: list[Any] = []  # the block, then (once the reuse check computed them) its chunk crc32c
-
-            def materialize(p: TensorWritePlan = p, it: WriteItem = it, holder: LocalShard = holder) -> np.ndarray:
-                if not made:
-                    made.append(shard_block(holder, p, it, cache, dt_cache))
-                return made[0]
-
-            if reuse is not None:
-                # The byte proof needs the chunk crc32c here; a shard it does not prove is
-                # written below with these crc32c (of the same block), not computed twice.
-                def with_crcs(m: Any = materialize, g: Any = p.geometry) -> tuple[np.ndarray, list[int]]:
-                    if len(made) < 2:
-                        b = m()
-                        made.append(_chunk_crcs(b, g.chunk_shape, b.dtype))
-                    return made[0], made[1]
-
-                ref = reuse(p, it, holder, with_crcs)
-                if ref is not None:
-                    referenced.append(ref)
-                    if lazy_last.get(id(holder)) == n:
-                        cache.pop(id(holder), None)
-                    continue
-            block = materialize()
-            key = layout.shard_key(layout.array_path(save_id, p.index), it.cell)
-            path = storage.local_file(key)
-            dirs.add(os.path.dirname(path))
-            held = block.nbytes + (cache.pop(id(holder)).nbytes if lazy_last.get(id(holder)) == n else 0)
-            job = _Job(p, it, block, path, key, tuple(made[1]) if len(made) > 1 else None)
-            window.append((pool.submit(_write_object, job, do_fsync, records, n), held))
-            inflight += held
-            if opts.max_write_bytes_per_s:
-                paced += block.nbytes
-                ahead = paced / opts.max_write_bytes_per_s - (time.monotonic() - pace_start)
-                if ahead > 0:
-                    time.sleep(ahead)
-            while inflight > opts.max_inflight_bytes and window:  # a sliding window, not a barrier
-                fut, nbytes = window.popleft()
-                fut.result()
-                inflight -= nbytes
+        n = 0
+        while n < len(mine):
+            # Decide a batch first, then submit its writes: the reuse checks (crc32c, device-to-host
+            # copies) release the GIL, and each wait to take it back behind busy writer threads
+            # costs up to a switch interval, which made the checks of a small save 5x slower. A
+            # batch holds at most REUSE_BATCH_FRACTION of the write window in blocks to write.
+            batch: list[tuple[int, list[Any]]] = []
+            kept = 0
+            while n < len(mine) and (not batch or kept < opts.max_inflight_bytes * REUSE_BATCH_FRACTION):
+                made = _decide(mine[n], found[n], n, reuse, referenced, cache, dt_cache, lazy_last)
+                if made is not None:
+                    batch.append((n, made))
+                    kept += math.prod(mine[n][1].box.shape) * dt_cache.setdefault(
+                        mine[n][0].dtype, numpy_dtype(mine[n][0].dtype)).itemsize
+                n += 1
+            for m, made in batch:
+                p, it = mine[m]
+                holder = found[m]
+                block = made[0] if made else shard_block(holder, p, it, cache, dt_cache)
+                key = layout.shard_key(layout.array_path(save_id, p.index), it.cell)
+                path = storage.local_file(key)
+                dirs.add(os.path.dirname(path))
+                held = block.nbytes + (cache.pop(id(holder)).nbytes if lazy_last.get(id(holder)) == m else 0)
+                job = _Job(p, it, block, path, key, tuple(made[1]) if len(made) > 1 else None)
+                window.append((pool.submit(_write_object, job, do_fsync, records, m), held))
+                inflight += held
+                if opts.max_write_bytes_per_s:
+                    paced += block.nbytes
+                    ahead = paced / opts.max_write_bytes_per_s - (time.monotonic() - pace_start)
+                    if ahead > 0:
+                        time.sleep(ahead)
+                while inflight > opts.max_inflight_bytes and window:  # a sliding window, not a barrier
+                    fut, nbytes = window.popleft()
+                    fut.result()
+                    inflight -= nbytes
         for fut, _ in window:
             fut.result()  # the first failure raises; shutdown below waits for the rest
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
         cache.clear()
-    for p, fut in opened:
-        with kv_errors("cannot create the tensor array", key=p.key, object=layout.array_path(save_id, p.index)):
-            fut.result()
-    t = add_time(opts, "write", t)
-    if do_fsync:
-        _fsync_dirs(storage, dirs, save_id)
-    add_time(opts, "fsync", t)
+        for p, fut in opened:
+            with kv_errors("cannot create the tensor array", key=p.key, object=layout.array_path(save_id, p.index)):
+                fut.result()
+        t = add_time(opts, "write", t)
+        if do_fsync:  # the same threads: a small save spends as long starting threads as writing
+            _fsync_dirs(storage, dirs, save_id, pool)
+        add_time(opts, "fsync", t)
+    finally:
+        for fut, _ in window:  # after a failure: what has not started never runs, the rest ends here
+            fut.cancel()
+        wait([f for f, _ in window])
+        cache.clear()
     return [r for r in records if r is not None] + referenced
+
+
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def writer_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's writer threads for ``threads`` workers, created on first use (not at import)
+    and kept: starting 16 threads took as long as a small save's writes. Saves running at once
+    share them; jobs never wait on other jobs, so sharing cannot deadlock. Keyed by process id, so
+    a forked child never waits on threads that exist only in its parent."""
+    key = (os.getpid(), threads)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-write")
+        return pool
+
+
+def _decide(entry: tuple[TensorWritePlan, WriteItem], holder: LocalShard, n: int, reuse: "ReuseHook | None",
+            referenced: list[Any], cache: dict[int, np.ndarray], dt_cache: dict[str, np.dtype],
+            lazy_last: dict[int, int]) -> list[Any] | None:
+    """The reuse decision for item ``n``: None when the hook referenced it (its record is appended
+    to ``referenced``), else what the check made of it, to write: [] (nothing yet), [block], or
+    [block, chunk crc32c] (a shard it did not prove is written with these, not computed twice)."""
+    from ._shardwriter import _chunk_crcs, shard_block
+    made: list[Any] = []
+    if reuse is None:
+        return made
+    p, it = entry
+
+    def with_crcs() -> tuple[np.ndarray, list[int]]:
+        if not made:
+            made.append(shard_block(holder, p, it, cache, dt_cache))
+        if len(made) < 2:
+            made.append(_chunk_crcs(made[0], p.geometry.chunk_shape, made[0].dtype))
+        return made[0], made[1]
+
+    ref = reuse(p, it, holder, with_crcs)
+    if ref is None:
+        return made
+    referenced.append(ref)
+    if lazy_last.get(id(holder)) == n:
+        cache.pop(id(holder), None)
+    return None
 
 
 def _chunk_buffers(block: np.ndarray, chunk_shape: tuple[int, ...], counts: tuple[int, ...],
@@ -267,7 +314,7 @@ def _discard(fd: int, tmp: str) -> None:
         pass  # gc removes stale lock files
 
 
-def _fsync_dirs(storage: Storage, dirs: set[str], save_id: str) -> None:
+def _fsync_dirs(storage: Storage, dirs: set[str], save_id: str, pool: ThreadPoolExecutor) -> None:
     """fsync every directory an object was renamed into, and each directory above it up to the
     save's own (created on the way), so that the objects' names are durable before the ack."""
     top = os.path.dirname(storage.local_file(layout.save_prefix(save_id)).rstrip("/"))
@@ -278,10 +325,8 @@ def _fsync_dirs(storage: Storage, dirs: set[str], save_id: str) -> None:
             d = os.path.dirname(d)
     # Concurrently: the file system commits the pending directory entries of many fsyncs in one
     # journal commit, where one fsync after another would wait for a commit each.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), DEFAULT_WRITE_THREADS)),
-                            thread_name_prefix="ckptfmt-fsync") as pool:
-        for fut in [pool.submit(_fsync_dir, d) for d in sorted(todo)]:
-            fut.result()
+    for fut in [pool.submit(_fsync_dir, d) for d in sorted(todo)]:
+        fut.result()
 
 
 def _fsync_dir(d: str) -> None:

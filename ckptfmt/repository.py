@@ -47,6 +47,9 @@ class Repository:
             raise ValueError("pass options to the storage, not to Repository, when giving a storage")
         self.storage: Storage = storage if storage is not None else open_storage(self.url, options)
         self.max_manifest_bytes = max_manifest_bytes
+        # The last manifest parsed, with its key and bytes: a save reads the previous step's
+        # manifest twice (before and after its lease pins it) and parses it once.
+        self._last: tuple[str, bytes, Manifest] | None = None
 
     def __repr__(self) -> str:
         return f"Repository({self.url!r})"
@@ -71,6 +74,9 @@ class Repository:
         data = self._read_manifest_bytes(key)
         if data is None:
             raise StepNotFoundError("step is not committed", object=key, expected="a committed manifest", found="none")
+        last = self._last
+        if last is not None and last[0] == key and last[1] == data:
+            return last[2]  # the same bytes validated before (a Manifest is immutable)
         try:
             m = parse_manifest(data, max_bytes=self.max_manifest_bytes)
         except CheckpointError as e:
@@ -79,6 +85,7 @@ class Repository:
         if m.step != int(step):
             raise InvalidManifestError("manifest names a different step than its key", object=key,
                                        expected=int(step), found=m.step)
+        self._last = (key, bytes(data), m)
         return m
 
     def _read_manifest_bytes(self, key: str) -> bytes | None:

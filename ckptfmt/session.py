@@ -359,12 +359,13 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
     outcome: dict[str, Any] = {}
     if rank == 0:
         outcome = _commit(repository, storage, heartbeat, save_id, step, world, plans, acks, local, metadata, versions, opts)
+    checked = outcome.pop("parsed", None)  # rank 0 validated the manifest it created: not parsed twice
     outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
     add_time(opts, "commit", t)
     if "error" in outcome:
         raise _err_from(outcome["error"])
     reuse.remember(save_id, records)
-    return parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
+    return checked if checked is not None else parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
 
 
 def _freeze(coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
@@ -407,7 +408,7 @@ def _commit(repository: Any, storage: Storage, heartbeat: "_Heartbeat | None", s
         shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
         manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
         data = manifest.to_bytes()
-        parse_manifest(data, max_bytes=repository.max_manifest_bytes)
+        checked = parse_manifest(data, max_bytes=repository.max_manifest_bytes)
         # The fence (FORMAT.md 8.3): only a lease switched to "committing" may commit. A
         # gc that claimed the stale lease first makes this conditional write fail.
         if heartbeat is None or not heartbeat.begin_commit():
@@ -417,7 +418,7 @@ def _commit(repository: Any, storage: Storage, heartbeat: "_Heartbeat | None", s
         if not storage.create_if_absent(manifest_key(step), data):
             raise StepAlreadyCommittedError("another save committed this step first", object=manifest_key(step),
                                             expected="no manifest", found="a manifest from another save")
-        return {"ok": True, "manifest": data}
+        return {"ok": True, "manifest": data, "parsed": checked}
     except CheckpointError as e:
         return {"error": _err_json(e)}
     except Exception as e:  # never leave the other ranks waiting on a bug here

@@ -127,3 +127,38 @@ def test_a_failed_write_is_a_typed_error_and_leaves_no_lock_file(tmp_path, limit
         assert "IncompleteSaveError" in r.stdout and "StorageError: write failed (file too large)" in r.stdout
     assert not list((tmp_path / "r").rglob("*.__lock"))
     assert (Repository(url).steps() == [1]) is (code == 0)
+
+
+_POOL_CHILD = r"""
+import resource, sys
+import numpy as np
+from ckptfmt import Box, CheckpointError, LocalShard, save
+def shards(step):  # new values at every step: nothing is referenced, every shard is written
+    x = np.full((256, 256), step, np.float32)
+    return [LocalShard("x", x.shape, x.dtype, Box((r, 0), (64, 256)), x[r:r + 64]) for r in range(0, 256, 64)]
+save(sys.argv[1], 1, shards(1))                     # the process's writer threads now exist
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), hard))
+try:
+    save(sys.argv[1], 2, shards(2))                 # fails on those threads, under the write limit
+    print("step 2 saved")
+except CheckpointError as e:
+    print("step 2 failed:", type(e).__name__)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+save(sys.argv[1], 3, shards(3))                     # the same threads, after the failure
+print("step 3 saved")
+"""
+
+
+@pytest.mark.parametrize("limit", [4096, 1 << 30])  # step 2 fails on the writer threads; control: it does not
+def test_the_writer_threads_outlive_a_failed_save(tmp_path, limit):
+    """The process-wide writer threads (ckptfmt._vectorwrite.writer_pool): a save that fails on them
+    leaves them usable for the next save, with no lock file left behind."""
+    url = str(tmp_path / "r")
+    r = subprocess.run([sys.executable, "-c", _POOL_CHILD, url, str(limit)], capture_output=True, text=True,
+                       timeout=120)
+    failed = limit == 4096
+    assert r.returncode == 0 and "step 3 saved" in r.stdout, r.stdout + r.stderr
+    assert ("step 2 failed: IncompleteSaveError" in r.stdout) is failed, r.stdout
+    assert Repository(url).steps() == ([1, 3] if failed else [1, 2, 3])
+    assert not list((tmp_path / "r").rglob("*.__lock"))
