@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import layout
@@ -289,16 +289,15 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
         report.problems.append(f"{live.unreadable} lease(s) could not be read and may pin any save; "
                                "no save was collected")
     held = (live.pending - committed.referenced) & pinned
-    first = _Liveness(live.leases, live.pending - pinned, live.fresh, live.unreadable, live.pins)
     _tidy_committed(st, committed.referenced, live.leases, report, now, grace_s)
-    claimed = _collect_pending(repo, names, first, committed, retired, report, now, grace_s)
+    claimed = _collect_pending(repo, names, replace(live, pending=live.pending - pinned), committed, retired,
+                               report, now, grace_s)
     # A lease this run claimed can no longer commit, so its pins are released (FORMAT.md 10.3):
     # the saves only such leases pinned are decided now, not left to the next run.
-    custom, bad = _custom_pins(st, names) if held and not live.unreadable else (set(), 1)
-    freed = set() if bad else held - custom - pinned_by_leases(l for sid, l in live.leases.items() if sid not in claimed)
+    freed = set() if live.unreadable else held - live.custom_pins - pinned_by_leases(
+        lease for sid, lease in live.leases.items() if sid not in claimed)
     if freed:
-        again = _Liveness(live.leases, freed, live.fresh, live.unreadable, live.pins)
-        _collect_pending(repo, names, again, committed, retired, report, now, grace_s)
+        _collect_pending(repo, names, replace(live, pending=freed), committed, retired, report, now, grace_s)
     report.pinned = sorted(held - freed)
     foreign.sort()
     if len(foreign) > MAX_LISTED_FOREIGN:
@@ -350,6 +349,7 @@ class _Liveness:
     fresh: set[str]
     unreadable: int = 0  # leases that could not be read (their refs are unknown)
     pins: frozenset[str] = frozenset()  # the save ids live leases pin (FORMAT.md 10.1)
+    custom_pins: frozenset[str] = frozenset()  # those that saves outside the writer form pin (never claimed)
 
 
 def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcReport, now: float,
@@ -386,8 +386,9 @@ def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcRepo
             fresh.add(sid)  # no lease, but written to within the grace period
         else:
             pending.add(sid)
-    pins, bad = _custom_pins(st, names)  # saves outside the writer form may pin too
-    return _Liveness(leases, pending, fresh, unreadable + bad, frozenset(pins | pinned_by_leases(leases.values())))
+    custom, bad = _custom_pins(st, names)  # saves outside the writer form may pin too
+    return _Liveness(leases, pending, fresh, unreadable + bad, frozenset(custom | pinned_by_leases(leases.values())),
+                     frozenset(custom))
 
 
 def _custom_pins(st: Any, names: _Names) -> tuple[set[str], int]:

@@ -28,13 +28,13 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from itertools import product
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from . import layout
 from ._blockcheck import BlockChecks
+from ._shardwriter import padded_chunks
 from .errors import CheckpointError
 from .manifest import Manifest, TensorEntry
 
@@ -134,8 +134,6 @@ def _alive(source: Any) -> bool:
 def pin_previous(repo: Any, step: int, check_mode: str) -> Manifest | None:
     """Rank 0, before the lease: the previous committed step's manifest (the newest step below
     ``step`` whose manifest validates), or None (no reuse) when there is none or reuse is off."""
-    if check_mode not in REUSE_MODES:
-        raise ValueError(f"SaveOptions.reuse must be one of {REUSE_MODES}, got {check_mode!r}")
     if check_mode == "off":
         return None
     try:
@@ -243,7 +241,7 @@ class ReusePlanner:
             probe.result()
             c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
             views = self._checks._check_whole(t, s, obj, buf, range(c0, c1))
-            for c, want in zip(range(c0, c1), _padded_chunks(block, t.geometry.chunk_shape)):
+            for c, want in zip(range(c0, c1), padded_chunks(block, t.geometry.chunk_shape)):
                 got = (np.frombuffer(views[c][:-layout.CRC_BYTES], np.uint8) if self.codec == "raw"
                        else self._checks._decode(t, c, obj, views[c]).reshape(-1).view(np.uint8))
                 if not np.array_equal(got, want.reshape(-1).view(np.uint8)):
@@ -262,16 +260,3 @@ class ReusePlanner:
             cnb = tuple(r.chunk_nbytes) or (seen.chunk_nbytes,) * len(r.chunk_offsets)
             self.memory.remember(seen.source, seen.where, StoredShard(
                 sid, path, r.nbytes, r.index_crc32c, tuple(r.chunk_offsets), tuple(r.chunk_crc32c), cnb))
-
-
-def _padded_chunks(block: np.ndarray, chunk_shape: tuple[int, ...]):
-    """The stored inner chunks of a shard block, in C order, edge chunks zero-padded (FORMAT.md 6.3)."""
-    counts = tuple(-(-n // c) for n, c in zip(block.shape, chunk_shape))
-    for idx in product(*(range(k) for k in counts)):
-        sl = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunk_shape))
-        part = block[sl] if sl else block
-        if part.shape != tuple(chunk_shape):
-            pad = np.zeros(chunk_shape, dtype=block.dtype)
-            pad[tuple(slice(0, n) for n in part.shape)] = part
-            part = pad
-        yield np.ascontiguousarray(part)

@@ -11,7 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from itertools import product
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -73,8 +73,12 @@ class _Written:
     crcs: list[int]
 
 
+def _holder_order(s: LocalShard) -> tuple[bool, int]:
+    return s.data is None, s.replica_id  # data-bearing, lowest replica id first
+
+
 def _find_holder(shards: list[LocalShard], box: Box) -> LocalShard:
-    for s in sorted(shards, key=lambda s: (s.data is None, s.replica_id)):  # data-bearing, lowest replica id first
+    for s in sorted(shards, key=_holder_order):
         if all(so <= bo and bo + bn <= so + sn for so, sn, bo, bn in zip(s.box.offset, s.box.shape, box.offset, box.shape)):
             return s
     raise StepMismatchError("this rank was assigned a shard it does not hold", key=shards[0].key if shards else None,
@@ -90,7 +94,7 @@ def holders(mine: list[tuple[TensorWritePlan, WriteItem]], local: dict[str, list
         by_box = exact.get(p.key)
         if by_box is None:
             by_box = exact[p.key] = {}
-            for s in sorted(local[p.key], key=lambda s: (s.data is None, s.replica_id)):
+            for s in sorted(local[p.key], key=_holder_order):
                 by_box.setdefault(s.box, s)
         h = by_box.get(it.box)
         out.append(h if h is not None and h.data is not None else _find_holder(local[p.key], it.box))
@@ -151,7 +155,7 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
         def materialize(p: TensorWritePlan = p, it: WriteItem = it, holder: LocalShard = holder) -> tuple[np.ndarray, list[int]]:
             if not made:
                 block = shard_block(holder, p, it, cache, dt_cache)
-                made.append((block, _chunk_crcs(block, p.geometry.chunk_shape, block.dtype)))
+                made.append((block, _chunk_crcs(block, p.geometry.chunk_shape)))
             return made[0]
 
         ref = reuse(p, it, holder, materialize) if reuse is not None else None
@@ -221,19 +225,22 @@ def _drain(pending: list[tuple[Any, int]], plans: list[TensorWritePlan], save_id
     pending.clear()
 
 
-def _chunk_crcs(block: np.ndarray, chunk_shape: tuple[int, ...], dt: np.dtype) -> list[int]:
-    """crc32c of each stored inner chunk of a shard block, in C order; edge chunks zero-padded."""
+def padded_chunks(block: np.ndarray, chunk_shape: tuple[int, ...]) -> Iterator[np.ndarray]:
+    """The stored inner chunks of a shard block, in C order, edge chunks zero-padded (FORMAT.md 6.3)."""
     counts = tuple(-(-n // c) for n, c in zip(block.shape, chunk_shape))
-    out = []
     for idx in product(*(range(k) for k in counts)):
         sl = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunk_shape))
         part = block[sl] if sl else block
         if part.shape != tuple(chunk_shape):
-            pad = np.zeros(chunk_shape, dtype=dt)
+            pad = np.zeros(chunk_shape, dtype=block.dtype)
             pad[tuple(slice(0, n) for n in part.shape)] = part
             part = pad
-        out.append(crc32c(part))
-    return out
+        yield np.ascontiguousarray(part)
+
+
+def _chunk_crcs(block: np.ndarray, chunk_shape: tuple[int, ...]) -> list[int]:
+    """crc32c of each stored inner chunk of a shard block, in C order; edge chunks zero-padded."""
+    return [crc32c(part) for part in padded_chunks(block, chunk_shape)]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ from ._kvstore import kv_errors, storage_error
 from ._localfs import LOCK_SUFFIX
 from ._types import LocalShard
 from .checksum import crc32c
-from .dtypes import numpy_dtype
 from .errors import IncompleteSaveError, StorageError
 from .plan import TensorWritePlan, WriteItem, stored_chunk_counts
 from .storage import Storage
@@ -113,8 +112,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
                 made = _decide(mine[n], found[n], n, reuse, referenced, cache, dt_cache, lazy_last)
                 if made is not None:
                     batch.append((n, made))
-                    kept += math.prod(mine[n][1].box.shape) * dt_cache.setdefault(
-                        mine[n][0].dtype, numpy_dtype(mine[n][0].dtype)).itemsize
+                    kept += mine[n][1].box.size * mine[n][0].geometry.itemsize
                 n += 1
             for m, made in batch:
                 p, it = mine[m]
@@ -137,8 +135,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
                     fut.result()
                     inflight -= nbytes
         for fut, _ in window:
-            fut.result()  # the first failure raises; shutdown below waits for the rest
-        cache.clear()
+            fut.result()  # the first failure raises; the finally below waits for the rest
         for p, fut in opened:
             with kv_errors("cannot create the tensor array", key=p.key, object=layout.array_path(save_id, p.index)):
                 fut.result()
@@ -187,7 +184,7 @@ def _decide(entry: tuple[TensorWritePlan, WriteItem], holder: LocalShard, n: int
         if not made:
             made.append(shard_block(holder, p, it, cache, dt_cache))
         if len(made) < 2:
-            made.append(_chunk_crcs(made[0], p.geometry.chunk_shape, made[0].dtype))
+            made.append(_chunk_crcs(made[0], p.geometry.chunk_shape))
         return made[0], made[1]
 
     ref = reuse(p, it, holder, with_crcs)
