@@ -108,14 +108,9 @@ class BlockChecks:
         return out
 
     def _decoder(self, t: TensorEntry) -> Any:
-        from ._codec import ChunkDecoder
+        from ._codec import decoder_for
 
-        cache: dict[tuple[str, tuple[int, ...]], Any] = self.__dict__.setdefault("_decoders", {})
-        k = (t.dtype, t.geometry.chunk_shape)
-        d = cache.get(k)
-        if d is None:
-            d = cache.setdefault(k, ChunkDecoder(t.dtype, numpy_dtype(t.dtype), t.geometry.chunk_shape))
-        return d
+        return decoder_for(self.__dict__.setdefault("_decoders", {}), t.dtype, t.geometry.chunk_shape)
 
 
 def _check_bool(t: TensorEntry, c: int, obj: str, data: Any, decoded: bool = False) -> None:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-from itertools import product
 from typing import Any
 
 import numpy as np
 
 from .errors import InvalidDataError
 
-__all__ = ["ChunkDecoder", "zstd_codecs", "verify_encoded"]
+__all__ = ["ChunkDecoder", "decoder_for", "zstd_codecs", "verify_encoded"]
 
 #: Chunk slots of one decoder's scratch array: enough for every reader thread to decode at once.
 _SLOTS = 1 << 16
@@ -78,6 +77,17 @@ class ChunkDecoder:
         return np.asarray(out, dtype=self.dtype).reshape(self.chunk_shape)
 
 
+def decoder_for(cache: dict[tuple[str, tuple[int, ...]], ChunkDecoder], zarr_dtype: str,
+                chunk_shape: tuple[int, ...]) -> ChunkDecoder:
+    """The decoder of ``cache`` for (dtype, chunk shape), made on first use."""
+    from .dtypes import numpy_dtype
+
+    d = cache.get((zarr_dtype, chunk_shape))
+    if d is None:
+        d = cache.setdefault((zarr_dtype, chunk_shape), ChunkDecoder(zarr_dtype, numpy_dtype(zarr_dtype), chunk_shape))
+    return d
+
+
 def _range(key: str) -> Any:
     import tensorstore as ts
 
@@ -94,7 +104,6 @@ def verify_encoded(storage: Any, written: list[Any], save_id: str) -> list[Any]:
     from ._manifest_entries import max_encoded_chunk_nbytes
     from ._shardwriter import ShardRecord
     from .checksum import crc32c
-    from .dtypes import numpy_dtype
     from .errors import IncompleteSaveError
     from .plan import stored_chunk_counts
 
@@ -112,12 +121,10 @@ def verify_encoded(storage: Any, written: list[Any], save_id: str) -> list[Any]:
         if crc32c(body) != stored:
             raise IncompleteSaveError("written shard index fails its checksum", key=p.key, object=key)
         entries = layout.index_entries(body)
-        dec = decoders.get((p.dtype, g.chunk_shape))
-        if dec is None:
-            dec = decoders[(p.dtype, g.chunk_shape)] = ChunkDecoder(p.dtype, numpy_dtype(p.dtype), g.chunk_shape)
+        dec = decoder_for(decoders, p.dtype, g.chunk_shape)
         offs, sizes, crcs = [], [], []
         limit = max_encoded_chunk_nbytes(g.chunk_nbytes - layout.CRC_BYTES)
-        cells = product(*(range(k) for k in stored_chunk_counts(g, it.box.offset)))
+        cells = itertools.product(*(range(k) for k in stored_chunk_counts(g, it.box.offset)))
         for cell, want in zip(cells, w.crcs):
             flat = int(np.ravel_multi_index(cell, g.inner)) if g.inner else 0
             off, nb = (int(x) for x in entries[flat])
