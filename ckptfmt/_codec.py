@@ -17,18 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from . import layout
 from .errors import InvalidDataError
 
-__all__ = ["ChunkDecoder", "decoder_for", "zstd_codecs", "verify_encoded"]
+__all__ = ["ChunkDecoder", "decoder_for", "verify_encoded"]
 
 #: Chunk slots of one decoder's scratch array: enough for every reader thread to decode at once.
 _SLOTS = 1 << 16
-
-
-def zstd_codecs(dtype_is_one_byte: bool, level: int) -> list[dict[str, Any]]:
-    """The zarr v3 codecs of one encoded inner chunk: bytes, zstd, crc32c (FORMAT.md 6.1)."""
-    bytes_codec = {"name": "bytes"} if dtype_is_one_byte else {"name": "bytes", "configuration": {"endian": "little"}}
-    return [bytes_codec, {"name": "zstd", "configuration": {"level": int(level), "checksum": False}}, {"name": "crc32c"}]
 
 
 class ChunkDecoder:
@@ -39,15 +34,14 @@ class ChunkDecoder:
 
         self.chunk_shape = tuple(chunk_shape)
         self.dtype = numpy_dtype
-        one_byte = numpy_dtype.itemsize == 1
         # A leading slot axis: slot k is chunk (k, 0, ..., 0); a 0-d chunk is a chunk of shape [1].
         inner = self.chunk_shape or (1,)
         meta = {"shape": [_SLOTS, *inner] if self.chunk_shape else [_SLOTS],
                 "data_type": zarr_dtype,
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *inner] if self.chunk_shape else [1]}},
                 "chunk_key_encoding": {"name": "default"},
-                "fill_value": False if zarr_dtype == "bool" else [0.0, 0.0] if zarr_dtype.startswith("complex") else 0,
-                "codecs": zstd_codecs(one_byte, 3)[:2]}  # the crc32c was checked before decoding
+                "fill_value": layout.fill_value(zarr_dtype),
+                "codecs": layout.inner_codecs(zarr_dtype, "zstd")[:2]}  # the crc32c was checked before decoding
         self._array = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory"}, "metadata": meta, "create": True,
                                "fill_missing_data_reads": False, "recheck_cached_data": False},
                               context=ts.Context()).result()
@@ -100,7 +94,6 @@ def verify_encoded(storage: Any, written: list[Any], save_id: str) -> list[Any]:
     written object is read back whole; its index and every trailer are checked against its bytes,
     every chunk is decoded, and the decoded bytes' crc32c is compared with the source's.
     IncompleteSaveError when anything differs; returns the shards' records."""
-    from . import layout
     from ._manifest_entries import max_encoded_chunk_nbytes
     from ._shardwriter import ShardRecord
     from .checksum import crc32c

@@ -33,7 +33,7 @@ import numpy as np
 __all__ = [
     "MARKER_KEY", "MARKER_BYTES", "MANIFESTS", "SAVES", "LEASE_NAME", "MAX_STEP", "manifest_key",
     "step_of_manifest_key", "save_prefix", "arrays_prefix", "state_prefix", "lease_key", "array_path",
-    "cell_key", "shard_key", "state_name", "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WRITER_ID_TAIL",
+    "cell_key", "shard_key", "fill_value", "inner_codecs", "state_name", "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WRITER_ID_TAIL",
     "WriterSaveId", "new_save_id", "parse_writer_save_id", "is_save_id", "writer_save_ids_in", "CRC_BYTES",
     "INDEX_ENTRY_BYTES", "INDEX_ENTRY", "NOT_STORED", "split_trailer", "index_entries", "chunk_nbytes",
     "index_nbytes", "zarr_array_metadata", "Lease", "LEASE_STATES", "LEASE_MAX_BYTES", "lease_bytes", "parse_lease",
@@ -200,22 +200,32 @@ def index_nbytes(inner: Sequence[int]) -> int:
 _ONE_BYTE = ("bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
 
 
+def fill_value(dtype: str) -> Any:
+    """The zarr v3 fill value of a dtype's arrays (FORMAT.md 6.1): false, 0, or [0.0, 0.0]."""
+    return False if dtype == "bool" else [0.0, 0.0] if dtype.startswith("complex") else 0
+
+
+def inner_codecs(dtype: str, codec: str = "raw", level: int = 3) -> list[dict[str, Any]]:
+    """The codecs of one inner chunk (FORMAT.md 6.1, 6.3): bytes, then for "zstd" the zstd frame at
+    ``level``, then the crc32c (of the encoded bytes)."""
+    bytes_codec = {"name": "bytes"} if dtype in _ONE_BYTE else {"name": "bytes", "configuration": {"endian": "little"}}
+    zstd = [{"name": "zstd", "configuration": {"level": int(level), "checksum": False}}] if codec == "zstd" else []
+    return [bytes_codec, *zstd, {"name": "crc32c"}]
+
+
 def zarr_array_metadata(shape: Sequence[int], dtype: str, shard_shape: Sequence[int],
                         chunk_shape: Sequence[int], codec: str = "raw", level: int = 3) -> dict[str, Any]:
     """The zarr v3 metadata of one tensor's array (FORMAT.md 6.1): sharding_indexed, crc32c, and
     the inner codec: "raw" (bytes only) or "zstd" (bytes, zstd at ``level``, then the crc32c of
     the encoded bytes, revision 1.1)."""
-    bytes_codec = {"name": "bytes"} if dtype in _ONE_BYTE else {"name": "bytes", "configuration": {"endian": "little"}}
-    inner = [bytes_codec, {"name": "crc32c"}] if codec == "raw" else [
-        bytes_codec, {"name": "zstd", "configuration": {"level": int(level), "checksum": False}}, {"name": "crc32c"}]
     return {
         "shape": list(shape), "data_type": dtype,
-        "fill_value": False if dtype == "bool" else [0.0, 0.0] if dtype.startswith("complex") else 0,
+        "fill_value": fill_value(dtype),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shard_shape)}},
         "chunk_key_encoding": {"name": "default"},
         "codecs": [{"name": "sharding_indexed", "configuration": {
             "chunk_shape": list(chunk_shape),
-            "codecs": inner,
+            "codecs": inner_codecs(dtype, codec, level),
             "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
             "index_location": "end"}}],
     }
