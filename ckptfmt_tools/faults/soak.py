@@ -145,11 +145,12 @@ def _gc(repo: Any, root: Path, report: SoakReport) -> None:
     lost = (before.committed & before.save_files) - after.save_files
     if lost:
         report.violations.append(f"gc removed committed objects: {sorted(lost)[:3]}")
-    undecided = {sid for sid in rep.uncertain if _says_committing(root / "saves" / sid / "LEASE")}
+    leases = {sid: _lease(root / "saves" / sid / "LEASE") for sid in rep.uncertain}
+    undecided = {sid: lease for sid, lease in leases.items() if lease is not None and lease.state == "committing"}
     report.undecided_commits = len(undecided)
     # An undecided save could still commit, and its manifest would reference the saves its lease
     # pins (FORMAT.md 10.1, 10.3 step 2): those stay too, but only those its lease names.
-    kept = undecided | {r for sid in undecided for r in _lease_refs(root / "saves" / sid / "LEASE")}
+    kept = set(undecided) | {r for lease in undecided.values() for r in lease.refs}
     after.save_files = {k for k in after.save_files if k.split("/")[1] not in kept}
     for what in describe_leftovers(after):
         msg = f"gc left {what}"
@@ -169,20 +170,14 @@ def _retention_thread(repo: Any, report: SoakReport, run: int) -> threading.Thre
     return t
 
 
-def _says_committing(lease: Path) -> bool:
-    try:
-        return json.loads(lease.read_bytes()).get("state") == "committing"
-    except (OSError, ValueError, AttributeError):
-        return False
+def _lease(path: Path) -> Any:
+    """The lease at ``path``, read by the library's own parser; None when it cannot be read."""
+    from ckptfmt.layout import parse_lease
 
-
-def _lease_refs(lease: Path) -> set[str]:
-    """The save ids a lease pins (its ``refs``), or none when it cannot be read."""
     try:
-        refs = json.loads(lease.read_bytes()).get("refs", [])
-    except (OSError, ValueError, AttributeError):
-        return set()
-    return {r for r in refs if isinstance(r, str)} if isinstance(refs, list) else set()
+        return parse_lease(path.read_bytes())
+    except OSError:
+        return None
 
 
 def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, publish_first: bool = False,
