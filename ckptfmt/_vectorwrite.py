@@ -49,6 +49,8 @@ __all__ = ["write_local"]
 DEFAULT_WRITE_THREADS = 16
 #: Most bytes of chunk copies (staging) one writer thread holds before it writes them out.
 _STAGE_BYTES = 8 << 20
+#: Objects smaller than this are handed to the writer threads in groups (one task per few objects).
+_SMALL_OBJECT_BYTES = 1 << 20
 #: A batch of reuse decisions holds at most this fraction of ``max_inflight_bytes`` in blocks to write.
 REUSE_BATCH_FRACTION = 0.25
 #: Most buffers one pwritev call takes (Linux IOV_MAX).
@@ -99,6 +101,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
     inflight, pace_start, paced = 0, time.monotonic(), 0
     t = add_time(opts, "plan", t)
     pool = writer_pool(threads)
+    failed = threading.Event()  # set when this save stops: its queued objects are not written
     try:
         n = 0
         while n < len(mine):
@@ -114,6 +117,12 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
                     batch.append((n, made))
                     kept += mine[n][1].box.size * mine[n][0].geometry.itemsize
                 n += 1
+            # Small objects go to the writer threads a few at a time (at most one task per thread
+            # for the batch): a later save of an incremental run writes many objects of a few
+            # hundred KiB, and a future per object was a quarter of the objects the save allocated.
+            per_task = max(1, -(-len(batch) // threads))
+            group: list[tuple[_Job, int]] = []
+            group_held = 0
             for m, made in batch:
                 p, it = mine[m]
                 holder = found[m]
@@ -122,14 +131,18 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
                 path = storage.local_file(key)
                 dirs.add(os.path.dirname(path))
                 held = block.nbytes + (cache.pop(id(holder)).nbytes if lazy_last.get(id(holder)) == m else 0)
-                job = _Job(p, it, block, path, key, tuple(made[1]) if len(made) > 1 else None)
-                window.append((pool.submit(_write_object, job, do_fsync, records, m), held))
-                inflight += held
+                group.append((_Job(p, it, block, path, key, tuple(made[1]) if len(made) > 1 else None), m))
+                group_held += held
                 if opts.max_write_bytes_per_s:
                     paced += block.nbytes
                     ahead = paced / opts.max_write_bytes_per_s - (time.monotonic() - pace_start)
                     if ahead > 0:
                         time.sleep(ahead)
+                if len(group) < per_task and group_held < _SMALL_OBJECT_BYTES and m != batch[-1][0]:
+                    continue
+                window.append((pool.submit(_write_objects, group, do_fsync, records, failed), group_held))
+                inflight += group_held
+                group, group_held = [], 0
                 while inflight > opts.max_inflight_bytes and window:  # a sliding window, not a barrier
                     fut, nbytes = window.popleft()
                     fut.result()
@@ -141,10 +154,11 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
                 fut.result()
         t = add_time(opts, "write", t)
         if do_fsync:  # the same threads: a small save spends as long starting threads as writing
-            _fsync_dirs(storage, dirs, save_id, pool)
+            _fsync_dirs(storage, dirs, save_id, pool, threads)
         add_time(opts, "fsync", t)
     finally:
-        for fut, _ in window:  # after a failure: what has not started never runs, the rest ends here
+        failed.set()  # after a failure: what has not started never runs, the rest ends here
+        for fut, _ in window:
             fut.cancel()
         wait([f for f, _ in window])
         cache.clear()
@@ -208,6 +222,14 @@ def _chunk_buffers(block: np.ndarray, chunk_shape: tuple[int, ...], counts: tupl
             yield part.reshape(-1).view(np.uint8), None
         else:
             yield None, part
+
+
+def _write_objects(group: list[tuple[_Job, int]], do_fsync: bool, records: list[Any], stop: threading.Event) -> None:
+    """Write a group of shard objects one after another (in a writer thread), unless the save stopped."""
+    for job, n in group:
+        if stop.is_set():
+            return
+        _write_object(job, do_fsync, records, n)
 
 
 def _write_object(job: _Job, do_fsync: bool, records: list[Any], n: int) -> None:
@@ -311,7 +333,7 @@ def _discard(fd: int, tmp: str) -> None:
         pass  # gc removes stale lock files
 
 
-def _fsync_dirs(storage: Storage, dirs: set[str], save_id: str, pool: ThreadPoolExecutor) -> None:
+def _fsync_dirs(storage: Storage, dirs: set[str], save_id: str, pool: ThreadPoolExecutor, threads: int) -> None:
     """fsync every directory an object was renamed into, and each directory above it up to the
     save's own (created on the way), so that the objects' names are durable before the ack."""
     top = os.path.dirname(storage.local_file(layout.save_prefix(save_id)).rstrip("/"))
@@ -320,10 +342,18 @@ def _fsync_dirs(storage: Storage, dirs: set[str], save_id: str, pool: ThreadPool
         while d.startswith(top) and d != top and d not in todo:
             todo.add(d)
             d = os.path.dirname(d)
-    # Concurrently: the file system commits the pending directory entries of many fsyncs in one
-    # journal commit, where one fsync after another would wait for a commit each.
-    for fut in [pool.submit(_fsync_dir, d) for d in sorted(todo)]:
+    # Concurrently, one task per writer thread: the file system commits the pending directory
+    # entries of many fsyncs in one journal commit, where one fsync after another would wait for a
+    # commit each.
+    order = sorted(todo)
+    k = max(1, min(len(order), threads))
+    for fut in [pool.submit(_fsync_dir_list, order[i::k]) for i in range(k)]:
         fut.result()
+
+
+def _fsync_dir_list(dirs: list[str]) -> None:
+    for d in dirs:
+        _fsync_dir(d)
 
 
 def _fsync_dir(d: str) -> None:

@@ -207,7 +207,11 @@ class _Session:
             p, save, restore = _tasks(system, self.common, self.urls, self.paths, self.o)
             if not self.record(system, "save", lambda: self.child(*save)):
                 continue
-            for m in self.o.restore_devices:
+            # The topologies take turns going first, as the systems do: a restore right after the
+            # save and one after another restore are not on the same footing on a virtual disk.
+            tops = tuple(self.o.restore_devices)
+            j = rep % len(tops) if tops else 0
+            for m in tops[j:] + tops[:j]:
                 self.before_read()
                 self.record(system, f"restore_{n}to{m}", lambda m=m: self.child(*restore(m)))
             if system == "ckptfmt":
