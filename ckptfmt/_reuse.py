@@ -66,8 +66,8 @@ class StoredShard:
         path = t.objects.get(s, t.array.path) if t.objects else t.array.path
         c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
         return cls(path.split("/")[1], path, int(t.shards.nbytes[s]), int(t.shards.index_crc32c[s]),
-                   tuple(int(x) for x in t.chunks.offset[c0:c1]), tuple(int(x) for x in t.chunks.crc32c[c0:c1]),
-                   tuple(int(x) for x in t.chunks.nbytes[c0:c1]))
+                   tuple(t.chunks.offset[c0:c1].tolist()), tuple(t.chunks.crc32c[c0:c1].tolist()),
+                   tuple(t.chunks.nbytes[c0:c1].tolist()))
 
 
 class ReuseMemory:
@@ -221,7 +221,7 @@ class ReusePlanner:
             return None
         rows = self._rows.get(plan.key)
         if rows is None:
-            rows = self._rows[plan.key] = {tuple(int(x) for x in o): j for j, o in enumerate(t.shards.offset.tolist())}
+            rows = self._rows[plan.key] = {tuple(o): j for j, o in enumerate(t.shards.offset.tolist())}
         s = rows.get(tuple(item.box.offset))
         if s is None:  # same shape and shard_shape: the same offset is the same grid cell and box
             return None
