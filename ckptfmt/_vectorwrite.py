@@ -101,7 +101,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
     inflight, pace_start, paced = 0, time.monotonic(), 0
     t = add_time(opts, "plan", t)
     pool = writer_pool(threads)
-    failed = threading.Event()  # set when this save stops: its queued objects are not written
+    stopped = threading.Event()  # set once this save ends (done or failed): its queued objects are not written
     try:
         n = 0
         while n < len(mine):
@@ -140,7 +140,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
                         time.sleep(ahead)
                 if len(group) < per_task and group_held < _SMALL_OBJECT_BYTES and m != batch[-1][0]:
                     continue
-                window.append((pool.submit(_write_objects, group, do_fsync, records, failed), group_held))
+                window.append((pool.submit(_write_objects, group, do_fsync, records, stopped), group_held))
                 inflight += group_held
                 group, group_held = [], 0
                 while inflight > opts.max_inflight_bytes and window:  # a sliding window, not a barrier
@@ -157,7 +157,7 @@ def write_local(storage: Storage, plans: list[TensorWritePlan], local: dict[str,
             _fsync_dirs(storage, dirs, save_id, pool, threads)
         add_time(opts, "fsync", t)
     finally:
-        failed.set()  # after a failure: what has not started never runs, the rest ends here
+        stopped.set()  # after a failure: what has not started never runs, the rest ends here
         for fut, _ in window:
             fut.cancel()
         wait([f for f, _ in window])

@@ -162,3 +162,38 @@ def test_the_writer_threads_outlive_a_failed_save(tmp_path, limit):
     assert ("step 2 failed: IncompleteSaveError" in r.stdout) is failed, r.stdout
     assert Repository(url).steps() == ([1, 3] if failed else [1, 2, 3])
     assert not list((tmp_path / "r").rglob("*.__lock"))
+
+
+@pytest.mark.parametrize("blocked", [True, False])  # an object that cannot be created, and its control
+def test_small_objects_written_in_groups_fail_closed(tmp_path, blocked):
+    """32 small shard objects on 4 writer threads go out as 4 groups of 8 (_vectorwrite.write_local).
+    An object that cannot be created, in the middle of a group, fails the save with a typed error
+    naming it; the step is not committed, none of its objects stay, and the step before it still
+    restores. Control: the same save without the obstacle commits every object."""
+    from ckptfmt import CheckpointError, layout
+
+    repo = Repository(str(tmp_path / "r"), options={"write_threads": 4})
+    rows = 32
+
+    def shards(v: float) -> list[LocalShard]:
+        x = np.full((rows, 64), v, np.float32)
+        return [LocalShard("x", x.shape, x.dtype, Box((r, 0), (1, 64)), x[r:r + 1]) for r in range(rows)]
+
+    save(repo, 1, shards(1.0))
+    sid = "000000000002-20261130T000000-0000cafe"
+    keys = [layout.shard_key(layout.array_path(sid, 0), (r, 0)) for r in range(rows)]
+    if blocked:  # a directory where object 9's lock file goes: its O_EXCL create fails
+        Path(repo.storage.local_file(keys[9]) + ".__lock").mkdir(parents=True)
+    opts = SaveOptions(save_id=sid, chunk_target_bytes=256)
+    if blocked:
+        with pytest.raises(CheckpointError) as e:
+            save(repo, 2, shards(2.0), options=opts)
+        assert keys[9] in str(e.value)
+        assert repo.steps() == [1]
+        assert not (tmp_path / "r" / "saves" / sid).exists()
+    else:
+        save(repo, 2, shards(2.0), options=opts)
+        assert repo.steps() == [1, 2]
+        assert all(Path(repo.storage.local_file(k)).is_file() for k in keys)
+        assert np.array_equal(repo.open(2).read("x"), np.full((rows, 64), 2.0, np.float32))
+    assert np.array_equal(repo.open(1).read("x"), np.full((rows, 64), 1.0, np.float32))
