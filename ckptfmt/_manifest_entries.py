@@ -18,7 +18,7 @@ from .layout import CRC_BYTES, shard_key
 from .plan import TensorGeometry, chunk_count_table
 
 __all__ = ["ArraySpec", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key", "CODECS",
-           "max_encoded_chunk_nbytes"]
+           "max_encoded_chunk_nbytes", "DerivedColumns", "derived_columns"]
 
 MAX_NDIM = 64
 MAX_DIM = 1 << 62
@@ -60,6 +60,62 @@ def check_object_key(k: Any, *, prefix: str = "", key: str | None = None) -> str
         raise InvalidManifestError(f"object key escapes the repository ({bad})", key=key, object=str(k)[:200],
                                    expected=f"a relative key under {prefix or 'the repository'}", found=str(k)[:200])
     return k
+
+
+@dataclass(frozen=True, eq=False)
+class DerivedColumns:
+    """The five columns of a tensor in the written layout, which its geometry determines
+    (FORMAT.md 5.14): what a manifest in the derived form leaves out. Arrays are read-only."""
+
+    offset: np.ndarray       # (S, ndim) shard offsets, grid cells in C order
+    key: tuple[str, ...]     # shard keys derived from the offsets
+    nbytes: np.ndarray       # (S,) shard object sizes
+    chunk_offset: np.ndarray  # (C,) chunk offsets, back to back from 0 inside each shard
+    chunk_nbytes: np.ndarray  # (C,) all chunk_nbytes
+    chunk_start: np.ndarray  # (S + 1,) where each shard's rows begin in the chunk table
+
+    @functools.cached_property
+    def _raw(self) -> tuple[bytes, ...]:
+        return tuple(a.tobytes() for a in (self.offset, self.nbytes, self.chunk_offset, self.chunk_nbytes))
+
+    def matches(self, entry: "TensorEntry") -> bool:
+        """Whether ``entry`` holds exactly these columns (and may therefore leave them out). Compared
+        as int64 bytes: a table of another dtype or shape simply keeps the explicit form."""
+        sh, ch = entry.shards, entry.chunks
+        cols = (sh.offset, sh.nbytes, ch.offset, ch.nbytes)
+        last = self.__dict__.get("_last")  # the very arrays of the last match: a parsed manifest's tensors share them
+        if last is not None and sh.key is last[0] and all(a is b for a, b in zip(cols, last[1])):
+            return entry.array.codec == "raw"
+        same = (entry.array.codec == "raw" and all(type(a) is np.ndarray and a.dtype == np.int64 for a in cols)
+                and sh.offset.shape == self.offset.shape and ch.offset.shape == self.chunk_offset.shape
+                and tuple(a.tobytes() for a in cols) == self._raw and (sh.key is self.key or sh.key == self.key))
+        if same and not any(a.flags.writeable for a in cols):  # read-only: they cannot change under us
+            self.__dict__["_last"] = (sh.key, cols)
+        return same
+
+
+def derived_columns(geom: TensorGeometry, max_chunks: int | None = None) -> DerivedColumns:
+    """The columns FORMAT.md 5.14 derives from ``geom`` (pure; callers memoize by geometry).
+    ValueError when the tensor has more than ``max_chunks`` stored chunks (checked before the
+    chunk columns are built: a hostile geometry must not size them)."""
+    nd, n = len(geom.shape), math.prod(geom.grid)
+    if n == 0:  # an empty tensor: no shards, no chunks
+        offsets = np.zeros((0, nd), np.int64)
+    else:
+        offsets = np.indices(geom.grid, dtype=np.int64).reshape(nd, n).T * np.asarray(geom.shard_shape, np.int64)
+    cells = offsets // np.asarray(geom.shard_shape, np.int64) if nd else offsets
+    keys = tuple(map(("c" + "/{}" * nd).format, *cells.T.tolist())) if nd else ("c",) * n
+    counts = np.prod(chunk_count_table(geom, offsets), axis=1, dtype=np.int64) if n else np.zeros(0, np.int64)
+    start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+    total = int(start[-1])
+    if max_chunks is not None and total > max_chunks:
+        raise ValueError(f"{total} stored chunks, more than {max_chunks}")
+    cn = geom.chunk_nbytes
+    coff = (np.arange(total, dtype=np.int64) - np.repeat(start[:-1], counts)) * cn
+    arrays = (offsets.reshape(n, nd), counts * cn + geom.index_nbytes, coff, np.full(total, cn, np.int64), start)
+    for a in arrays:
+        a.flags.writeable = False
+    return DerivedColumns(arrays[0], keys, *arrays[1:])
 
 
 @dataclass(frozen=True)
@@ -125,11 +181,18 @@ class TensorEntry:
         """Bytes of the shard objects this entry references in earlier saves."""
         return int(sum(int(self.shards.nbytes[s]) for s in self.objects))
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self, derived: DerivedColumns | None = None) -> dict[str, Any]:
+        """The entry's JSON object; in the derived form (FORMAT.md 5.14) when ``derived`` is given
+        and this entry holds exactly those columns."""
+        head = {
             "shape": list(self.shape), "dtype": self.dtype, "sharding": self.sharding,
             "array": {"path": self.array.path, "shard_shape": list(self.array.shard_shape),
                       "chunk_shape": list(self.array.chunk_shape), "codec": self.array.codec},
+        }
+        if derived is not None and derived.matches(self):
+            return head | {"shards": {"writer": self.shards.writer.tolist(), "index_crc32c": self.shards.index_crc32c.tolist()},
+                           "chunks": {"crc32c": self.chunks.crc32c.tolist()}}
+        return head | {
             "shards": {"offset": self.shards.offset.reshape(len(self.shards), len(self.shape)).tolist(),
                        "writer": self.shards.writer.tolist(), "key": list(self.shards.key),
                        "nbytes": self.shards.nbytes.tolist(), "index_crc32c": self.shards.index_crc32c.tolist()},
@@ -203,14 +266,15 @@ def _members(d: dict[str, Any], allowed: set[str], what: str, key: str | None = 
 
 
 def _tensors_exact(tensors_doc: dict[str, Any], prefix: str, writers: int,
-                   codecs: tuple[str, ...] = ("raw",)) -> dict[str, TensorEntry]:
-    """Every tensor entry checked one at a time; raises the first broken rule, in document order."""
+                   codecs: tuple[str, ...] = ("raw",), derived: bool = False) -> dict[str, TensorEntry]:
+    """Every tensor entry checked one at a time; raises the first broken rule, in document order.
+    ``derived``: the manifest lists ckptfmt.derived (entries may be in the derived form)."""
     tensors: dict[str, TensorEntry] = {}
     paths: set[str] = set()
     for k, t in tensors_doc.items():
         if not k or len(k) > MAX_KEY_LEN:
             _fail("tensor key path is empty or too long", key=k[:200], expected=f"1..{MAX_KEY_LEN} chars", found=len(k))
-        e = _tensor(k, t, prefix, writers, codecs)
+        e = _tensor(k, t, prefix, writers, codecs, derived)
         if e.array.path in paths:
             raise DuplicateShardError("two tensors share one storage array", key=k, object=e.array.path)
         paths.add(e.array.path)
@@ -226,9 +290,15 @@ def _make_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[str, 
                        ShardTable(offset, writer, keys, nbytes, icrc), ChunkTable(coff, cnb, ccrc))
 
 
-def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] = ("raw",)) -> TensorEntry:
+_SHARD_DERIVED = ("offset", "key", "nbytes")
+_CHUNK_DERIVED = ("offset", "nbytes")
+
+
+def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] = ("raw",),
+            derived: bool = False) -> TensorEntry:
     """One tensor entry checked against every rule. ``codecs``: the codecs this manifest may use
-    ("zstd" only when it lists the extension ckptfmt.zstd in must_understand)."""
+    ("zstd" only when it lists the extension ckptfmt.zstd in must_understand); ``derived``: the
+    manifest lists ckptfmt.derived, so the entry may leave out the columns of FORMAT.md 5.14."""
     _typed(t, dict, "tensor entry", k)
     _members(t, {"shape", "dtype", "sharding", "array", "shards", "chunks"}, "a tensor entry", k)
     shape = _typed(t.get("shape"), list, "shape", k)
@@ -271,6 +341,9 @@ def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] =
               found=max(geom.chunk_nbytes, geom.index_nbytes))
     sh = _typed(t.get("shards"), dict, "shards", k)
     _members(sh, {"offset", "writer", "key", "nbytes", "index_crc32c"}, "shards", k)
+    ch = _typed(t.get("chunks"), dict, "chunks", k)
+    _members(ch, {"offset", "nbytes", "crc32c"}, "chunks", k)
+    sh, ch = _fill_derived(k, sh, ch, geom, codec, derived)
     keys = _typed(sh.get("key"), list, "shards.key", k)
     n = len(keys)
     expected_n = math.prod(geom.grid)
@@ -285,8 +358,6 @@ def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] =
     icrc = _int_array(sh.get("index_crc32c"), n, 0, _U32 - 1, "shards.index_crc32c", k)
     if n:
         _check_shard_boxes(k, geom, offset, keys)
-    ch = _typed(t.get("chunks"), dict, "chunks", k)
-    _members(ch, {"offset", "nbytes", "crc32c"}, "chunks", k)
     counts = np.prod(chunk_count_table(geom, offset), axis=1, dtype=np.int64) if n else np.zeros(0, np.int64)
     total = int(counts.sum())
     coff = _int_array(ch.get("offset"), total, 0, MAX_TENSOR_BYTES, "chunks.offset", k)
@@ -302,6 +373,37 @@ def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] =
     for a in tables:  # a parsed manifest is immutable, whichever path checked it
         a.flags.writeable = False
     return _make_entry(k, shape_t, dtype, sharding, path, geom, *tables[:1], tuple(keys), *tables[1:], codec=codec)
+
+
+def _fill_derived(k: str, sh: dict[str, Any], ch: dict[str, Any], geom: TensorGeometry, codec: str,
+                  derived: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The shard and chunk tables with the columns of an entry in the derived form filled in
+    (FORMAT.md 5.14), after checking that the form is allowed; other entries unchanged."""
+    present = [c for c in _SHARD_DERIVED if c in sh] + [f"chunks.{c}" for c in _CHUNK_DERIVED if c in ch]
+    if len(present) == len(_SHARD_DERIVED) + len(_CHUNK_DERIVED):
+        return sh, ch
+    if present:
+        _fail("tensor entry leaves out some of the derivable columns but not all (FORMAT.md 5.14)", key=k,
+              expected="all of shards.offset, shards.key, shards.nbytes, chunks.offset, chunks.nbytes, or none",
+              found=f"present: {present}")
+    if not derived:
+        _fail("tensor entry leaves out shards.offset, shards.key, shards.nbytes, chunks.offset and chunks.nbytes "
+              "without the extension ckptfmt.derived in must_understand", key=k,
+              expected="all five columns (or ckptfmt.derived listed)", found="none of them")
+    if codec != "raw":
+        _fail("only a tensor with codec 'raw' may be in the derived form (FORMAT.md 5.14)", key=k,
+              expected="raw", found=codec)
+    n = math.prod(geom.grid)  # checked against the document's own columns before anything is built from it
+    for col in ("writer", "index_crc32c"):
+        if len(_typed(sh.get(col), list, f"shards.{col}", k)) != n:
+            _fail(f"shards.{col} has the wrong length", key=k, expected=n, found=len(sh[col]))
+    crcs = _typed(ch.get("crc32c"), list, "chunks.crc32c", k)
+    try:
+        cols = derived_columns(geom, max_chunks=len(crcs))
+    except ValueError as e:
+        _fail("chunks.crc32c has the wrong length", key=k, expected=str(e).split(" ")[0], found=len(crcs))
+    return (sh | {"offset": cols.offset.tolist(), "key": list(cols.key), "nbytes": cols.nbytes.tolist()},
+            ch | {"offset": cols.chunk_offset.tolist(), "nbytes": cols.chunk_nbytes.tolist()})
 
 
 def _check_shard_boxes(k: str, geom: TensorGeometry, offset: np.ndarray, keys: list[Any]) -> None:

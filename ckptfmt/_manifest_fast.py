@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import re
+from json.encoder import encode_basestring as _jstr  # type: ignore[attr-defined]
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ._manifest_entries import derived_columns
 from .errors import InvalidManifestError
 from .plan import TensorGeometry
 
@@ -34,6 +36,8 @@ _TENSOR = frozenset({"shape", "dtype", "sharding", "array", "shards", "chunks"})
 _ARRAY = frozenset({"path", "shard_shape", "chunk_shape", "codec"})
 _SHARDS = frozenset({"offset", "writer", "key", "nbytes", "index_crc32c"})
 _CHUNKS = frozenset({"offset", "nbytes", "crc32c"})
+_SHARDS_DERIVED = frozenset({"writer", "index_crc32c"})  # the derived form (FORMAT.md 5.14)
+_CHUNKS_DERIVED = frozenset({"crc32c"})
 # Keys made only of these characters, with no segment starting with ".", pass every rule of
 # check_object_key except the length and the prefix (both checked next to it).
 _SAFE_PATH = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*(?:/[A-Za-z0-9_-][A-Za-z0-9_.-]*)*")
@@ -95,14 +99,16 @@ class _Layout:
 
 def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Callable[..., Any],
                  make: Callable[..., Any], max_key_len: int, max_object_key_len: int,
-                 no_float_or_bool: bool = False) -> dict[str, Any]:
+                 no_float_or_bool: bool = False, derived: bool = False) -> dict[str, Any]:
     """Validate and build every tensor entry of ``doc`` (the manifest's "tensors" member).
 
     ``prefix`` is the save's arrays prefix (``saves/<save_id>/t/``, :func:`ckptfmt.layout.arrays_prefix`).
     ``exact(k, t, prefix, writers)`` is the exact per-tensor parser and ``make(...)`` builds a
     TensorEntry from checked parts. ``no_float_or_bool`` is the caller's word (from counting
     the JSON literals) that no tensor entry holds a float or a boolean; without it the columns
-    compared by value are also type-checked. Raises :class:`Fallback` on anything it cannot accept.
+    compared by value are also type-checked. ``derived``: the manifest lists ckptfmt.derived, so
+    entries may be in the derived form (FORMAT.md 5.14); ``exact`` must then accept that form too.
+    Raises :class:`Fallback` on anything it cannot accept.
     """
     cache: dict[tuple, _Layout | None] = {}
     out: list[Any] = []           # per tensor: a finished entry, or the index of a fast record
@@ -118,8 +124,10 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
             raise Fallback
         if type(t) is dict and t.keys() == _TENSOR:
             a, sh, ch = t["array"], t["shards"], t["chunks"]
-            if (type(a) is dict and a.keys() == _ARRAY and type(sh) is dict and sh.keys() == _SHARDS
-                    and type(ch) is dict and ch.keys() == _CHUNKS):
+            full = type(sh) is dict and sh.keys() == _SHARDS and type(ch) is dict and ch.keys() == _CHUNKS
+            short = (not full and derived and type(sh) is dict and sh.keys() == _SHARDS_DERIVED
+                     and type(ch) is dict and ch.keys() == _CHUNKS_DERIVED)
+            if type(a) is dict and a.keys() == _ARRAY and (full or short):
                 shape, ss, cs, path, sharding = t["shape"], a["shard_shape"], a["chunk_shape"], a["path"], t["sharding"]
                 if (type(shape) is list and type(ss) is list and type(cs) is list and type(path) is str
                         and (sharding is None or type(sharding) is dict) and a["codec"] == "raw"
@@ -136,9 +144,9 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
                             _take(entry, paths, out)
                             continue
                     w_, ic_, cc_ = sh["writer"], sh["index_crc32c"], ch["crc32c"]
-                    if (lay is not None and sh["key"] == lay.keys and sh["offset"] == lay.offsets_list
-                            and sh["nbytes"] == lay.nbytes_list and ch["offset"] == lay.coff_list
-                            and ch["nbytes"] == lay.cnb_list and type(w_) is list and type(ic_) is list
+                    if (lay is not None and (short or (sh["key"] == lay.keys and sh["offset"] == lay.offsets_list
+                                                       and sh["nbytes"] == lay.nbytes_list and ch["offset"] == lay.coff_list
+                                                       and ch["nbytes"] == lay.cnb_list)) and type(w_) is list and type(ic_) is list
                             and type(cc_) is list and len(w_) == len(ic_) == lay.n and len(cc_) == lay.total):
                         if path in paths:
                             raise Fallback
@@ -147,6 +155,7 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
                             header += shape
                             header += ss
                             header += cs
+                        if not no_float_or_bool and full:
                             by_value.extend(chain.from_iterable(sh["offset"]))
                             by_value += sh["nbytes"]
                             by_value += ch["offset"]
@@ -232,18 +241,31 @@ def _dump(v: Any) -> str:
     return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def encode_tensors(tensors: Mapping[str, Any]) -> str:
+def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> str:
     """The canonical JSON text of the manifest's "tensors" member: exactly what ``json.dumps``
-    (sorted keys, compact separators, no ASCII escaping) gives for ``{k: t.to_json()}``, built
+    (sorted keys, compact separators, no ASCII escaping) gives for ``{k: t.to_json(cols)}``, built
     from per-column pieces. The columns a geometry determines (shard keys, offsets and sizes,
-    chunk offsets and sizes) repeat across the tensors of a model and are encoded once each."""
+    chunk offsets and sizes) repeat across the tensors of a model and are encoded once each; with
+    ``derived`` (the manifest lists ckptfmt.derived) they are left out of every entry that holds
+    exactly the derived columns (FORMAT.md 5.14; ``cols`` is then that entry's
+    :func:`derived_columns`, else None)."""
+    dump = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
     memo: dict[bytes, str] = {}
+    small: dict[Any, str] = {}  # shapes, dtypes and codecs repeat across tensors
+    derived_of: dict[Any, Any] = {}
 
     def col(a: np.ndarray) -> str:
         raw = a.dtype.str.encode() + repr(a.shape).encode() + a.tobytes()
         text = memo.get(raw)
         if text is None:
-            text = memo[raw] = _dump(a.tolist())
+            text = memo[raw] = dump(a.tolist())
+        return text
+
+    def val(v: Any) -> str:
+        key = repr(v)  # not v: (1,), (1.0,) and (True,) are equal keys but encode differently
+        text = small.get(key)
+        if text is None:
+            text = small[key] = dump(list(v) if type(v) is tuple else v)
         return text
 
     keys_memo: dict[tuple[str, ...], str] = {}
@@ -251,18 +273,35 @@ def encode_tensors(tensors: Mapping[str, Any]) -> str:
     for k in sorted(tensors):
         t = tensors[k]
         sh, ch, ar = t.shards, t.chunks, t.array
+        # Strings through the very function json.dumps uses for them (ensure_ascii=False).
+        head = (f'{_jstr(k)}:{{"array":{{"chunk_shape":{val(ar.chunk_shape)},"codec":{val(ar.codec)},'
+                f'"path":{_jstr(ar.path)},"shard_shape":{val(ar.shard_shape)}}},')
+        mid = (f'"dtype":{val(t.dtype)},"shape":{val(t.shape)},'
+               f'"sharding":{"null" if t.sharding is None else dump(t.sharding)},')
+        if derived:
+            cols = derived_of.get(t.geometry)
+            if cols is None:
+                cols = derived_of[t.geometry] = derived_columns(t.geometry)
+            if cols.matches(t):
+                parts.append(f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)}}},{mid}'
+                             f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},"writer":{_ints_text(sh.writer)}}}}}')
+                continue
         keys = keys_memo.get(sh.key)
         if keys is None:
-            keys = keys_memo[sh.key] = _dump(list(sh.key))
+            keys = keys_memo[sh.key] = dump(list(sh.key))
         offset = col(np.ascontiguousarray(sh.offset).reshape(len(sh), len(t.shape)))
         parts.append(
-            f'{_dump(k)}:{{"array":{{"chunk_shape":{_dump(list(ar.chunk_shape))},"codec":{_dump(ar.codec)},'
-            f'"path":{_dump(ar.path)},"shard_shape":{_dump(list(ar.shard_shape))}}},'
-            f'"chunks":{{"crc32c":{_dump(ch.crc32c.tolist())},"nbytes":{col(ch.nbytes)},"offset":{col(ch.offset)}}},'
-            f'"dtype":{_dump(t.dtype)},"shape":{_dump(list(t.shape))},"sharding":{_dump(t.sharding)},'
-            f'"shards":{{"index_crc32c":{_dump(sh.index_crc32c.tolist())},"key":{keys},"nbytes":{col(sh.nbytes)},'
-            f'"offset":{offset},"writer":{_dump(sh.writer.tolist())}}}}}')
+            f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)},"nbytes":{col(ch.nbytes)},"offset":{col(ch.offset)}}},{mid}'
+            f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},"key":{keys},"nbytes":{col(sh.nbytes)},'
+            f'"offset":{offset},"writer":{_ints_text(sh.writer)}}}}}')
     return "{" + ",".join(parts) + "}"
+
+
+def _ints_text(a: np.ndarray) -> str:
+    """``json.dumps(a.tolist())`` with compact separators, for a 1-d integer array."""
+    if a.dtype.kind not in "iu" or a.ndim != 1:
+        return _dump(a.tolist())
+    return "[" + ",".join(map(str, a.tolist())) + "]"
 
 
 def check_encodable(doc: Any) -> None:

@@ -1,5 +1,6 @@
 """The extension ``ckptfmt.references`` (FORMAT.md 5.13, revision 1.1): shard rows whose object
-belongs to an earlier committed save of the same repository.
+belongs to an earlier committed save of the same repository. Also the names of the other
+extensions, and when a save uses ``ckptfmt.derived`` (5.14).
 
 The payload, under ``extensions["ckptfmt.references"]``::
 
@@ -20,12 +21,25 @@ from typing import Any, Mapping
 from ._manifest_entries import TensorEntry, _fail, _typed, check_object_key
 from .layout import SAVE_ID_RE, arrays_prefix
 
-__all__ = ["REFERENCES", "ZSTD", "KNOWN_EXTENSIONS", "apply_references", "references_payload", "referenced_saves"]
+__all__ = ["REFERENCES", "ZSTD", "DERIVED", "KNOWN_EXTENSIONS", "MANIFEST_COLUMNS", "DERIVED_MIN_ROWS", "wants_derived", "apply_references", "references_payload", "referenced_saves"]
 
 REFERENCES = "ckptfmt.references"
 ZSTD = "ckptfmt.zstd"
-#: The extensions this reader implements (FORMAT.md 11.2): those of revision 1.1.
-KNOWN_EXTENSIONS: frozenset[str] = frozenset({REFERENCES, ZSTD})
+#: Revision 1.2 (FORMAT.md 5.14): tensor entries may leave out the columns their geometry determines.
+DERIVED = "ckptfmt.derived"
+#: The extensions this reader implements (FORMAT.md 11.2): those of revisions 1.1 and 1.2.
+KNOWN_EXTENSIONS: frozenset[str] = frozenset({REFERENCES, ZSTD, DERIVED})
+#: ``SaveOptions.manifest_columns``: "auto" writes the derived form from this many shard rows on
+#: (below it the explicit columns cost under ~0.2 s to parse, and old readers keep reading).
+MANIFEST_COLUMNS = ("auto", "explicit", "derived")
+DERIVED_MIN_ROWS = 1 << 16
+
+
+def wants_derived(option: str, shard_rows: int) -> bool:
+    """Whether a save writes its manifest in the derived form (FORMAT.md 5.14)."""
+    if option not in MANIFEST_COLUMNS:
+        raise ValueError(f"SaveOptions.manifest_columns must be one of {MANIFEST_COLUMNS}, got {option!r}")
+    return option == "derived" or (option == "auto" and shard_rows >= DERIVED_MIN_ROWS)
 
 _GROUP = frozenset({"save_id", "path", "shards"})
 

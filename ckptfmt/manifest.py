@@ -33,10 +33,12 @@ from ._manifest_entries import _make_entry as _make_entry
 from ._manifest_entries import _tensor as _tensor
 from ._manifest_entries import _tensors_exact as _tensors_exact
 from ._manifest_entries import check_object_key as check_object_key
+from ._manifest_entries import derived_columns
 from ._manifest_fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
 from ._manifest_refs import KNOWN_EXTENSIONS as KNOWN_EXTENSIONS
 from ._manifest_refs import REFERENCES as REFERENCES
 from ._manifest_refs import ZSTD as ZSTD
+from ._manifest_refs import DERIVED as DERIVED
 from ._manifest_refs import apply_references, referenced_saves
 from .layout import MARKER_BYTES as MARKER_BYTES
 from .layout import MARKER_KEY as MARKER_KEY
@@ -46,7 +48,7 @@ from .layout import manifest_key as manifest_key
 from .layout import arrays_prefix, state_key, state_name, state_prefix
 from .layout import step_of_manifest_key as step_of_manifest_key
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS", "REFERENCES", "ZSTD",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS", "REFERENCES", "ZSTD", "DERIVED",
            "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
            "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key",
            "manifest_key", "step_of_manifest_key", "MARKER_KEY", "MARKER_BYTES"]
@@ -54,8 +56,8 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS
 FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
 #: The document revision this reader implements (FORMAT.md header): format version 1 with the
-#: extensions of revision 1.1 (``ckptfmt.references``, ``ckptfmt.zstd``).
-FORMAT_REVISION = "1.1.1"
+#: extensions of revision 1.1 (``ckptfmt.references``, ``ckptfmt.zstd``) and 1.2 (``ckptfmt.derived``).
+FORMAT_REVISION = "1.2"
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,7 +104,16 @@ class Manifest:
         }
 
     def to_json(self) -> dict[str, Any]:
-        return self._head() | {"tensors": {k: self.tensors[k].to_json() for k in sorted(self.tensors)}}
+        """The manifest's JSON document; tensor entries in the derived form (FORMAT.md 5.14)
+        wherever the manifest lists ckptfmt.derived and the entry allows it."""
+        if DERIVED not in self.must_understand:
+            return self._head() | {"tensors": {k: self.tensors[k].to_json() for k in sorted(self.tensors)}}
+        cols: dict[Any, Any] = {}
+        for t in self.tensors.values():
+            if t.geometry not in cols:
+                cols[t.geometry] = derived_columns(t.geometry)
+        return self._head() | {"tensors": {k: self.tensors[k].to_json(cols[self.tensors[k].geometry])
+                                           for k in sorted(self.tensors)}}
 
     def to_bytes(self) -> bytes:
         """Canonical encoding: UTF-8 JSON, sorted keys, compact separators, trailing newline.
@@ -118,7 +129,7 @@ class Manifest:
                 # '"tensors":{}' is the top-level member (metadata may hold one of its own).
                 before, sep, after = text.rpartition('"tensors":{}')
                 assert sep, "the tensors member is missing from the encoded head"
-                return (before + '"tensors":' + encode_tensors(self.tensors) + after + "\n").encode()
+                return (before + '"tensors":' + encode_tensors(self.tensors, DERIVED in self.must_understand) + after + "\n").encode()
             except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as e:  # NaN, a lone surrogate, a non-JSON value
                 raise InvalidManifestError("manifest cannot be encoded as canonical JSON",
                                            found=f"{type(e).__name__}: {str(e)[:200]}") from None
@@ -272,12 +283,13 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         f1, b1 = count_literals([t.get("sharding") for t in tensors_doc.values() if type(t) is dict])
         clean = literals == (f0 + f1, b0 + b1)
     codecs = ("raw", "zstd") if ZSTD in mu else ("raw",)
+    derived = DERIVED in mu
     try:
-        tensors = tensors_fast(tensors_doc, prefix, writers, exact=functools.partial(_tensor, codecs=codecs),
+        tensors = tensors_fast(tensors_doc, prefix, writers, exact=functools.partial(_tensor, codecs=codecs, derived=derived),
                                make=_make_entry, max_key_len=MAX_KEY_LEN, max_object_key_len=MAX_OBJECT_KEY_LEN,
-                               no_float_or_bool=clean)
+                               no_float_or_bool=clean, derived=derived)
     except Fallback:  # something is off: the exact checks find it and name it
-        tensors = _tensors_exact(tensors_doc, prefix, writers, codecs)
+        tensors = _tensors_exact(tensors_doc, prefix, writers, codecs, derived)
     if REFERENCES in mu:
         tensors = apply_references(extensions[REFERENCES], tensors, save_id)
     state = _state_entries(_typed(doc["state"], dict, "state"), save_id, writers)
@@ -294,8 +306,9 @@ def _check_declared(mu: list[str], extensions: dict[str, Any]) -> None:
             _fail(f"extension {name} must be both listed in must_understand and present in extensions",
                   object=name, expected="both or neither",
                   found="only in must_understand" if name in mu else "only in extensions")
-    if ZSTD in mu and extensions[ZSTD] != {}:
-        _fail(f"{ZSTD} takes an empty object", object=ZSTD, expected={}, found=repr(extensions[ZSTD])[:80])
+    for name in (ZSTD, DERIVED):
+        if name in mu and extensions[name] != {}:
+            _fail(f"{name} takes an empty object", object=name, expected={}, found=repr(extensions[name])[:80])
 
 
 def _check_rows(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
@@ -303,10 +316,14 @@ def _check_rows(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
     shard_rows = chunk_rows = 0
     for t in tensors_doc.values():
         sh, ch = (t.get("shards"), t.get("chunks")) if type(t) is dict else (None, None)
-        if type(sh) is dict and type(sh.get("key")) is list:
-            shard_rows += len(sh["key"])
-        if type(ch) is dict and type(ch.get("offset")) is list:
-            chunk_rows += len(ch["offset"])
+        # An entry in the derived form (FORMAT.md 5.14) is counted by the columns it still holds:
+        # its derived tables are checked against their lengths before they are built.
+        rows = sh.get("key", sh.get("writer")) if type(sh) is dict else None
+        if type(rows) is list:
+            shard_rows += len(rows)
+        rows = ch.get("offset", ch.get("crc32c")) if type(ch) is dict else None
+        if type(rows) is list:
+            chunk_rows += len(rows)
     for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
         if rows > cap:
             raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)

@@ -11,19 +11,19 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from itertools import chain
-from operator import attrgetter, itemgetter
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from . import layout
+from ._boxcols import Held, _padded, gather, unpack_held
 from ._types import Box
 from .errors import ShapeMismatchError, StepMismatchError
 from .layout import cell_key as cell_key
 
 __all__ = [
     "TensorGeometry", "WriteItem", "TensorWritePlan", "ReadItem", "shard_grid", "chunk_shape_for",
-    "plan_save", "plan_reads", "cell_key", "stored_chunk_counts", "chunk_count_table",
+    "plan_save", "plan_save_packed", "plan_reads", "cell_key", "stored_chunk_counts", "chunk_count_table",
 ]
 
 DEFAULT_CHUNK_TARGET_BYTES = 4 << 20
@@ -173,11 +173,27 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
     Raises StepMismatchError when a box falls outside its tensor, a rank names an unknown
     tensor, or part of a tensor is held by no rank.
     """
-    world = max(1, len(rank_boxes))
     keys = sorted(inventory)
+    width = max((len(inventory[k][0]) for k in keys), default=0)
+    held = gather({k: i for i, k in enumerate(keys)}, rank_boxes, width)
+    return _plan(inventory, keys, held, max(1, len(rank_boxes)), chunk_target_bytes)
+
+
+def plan_save_packed(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], packed: Sequence[Mapping[str, Any]],
+                     chunk_target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES) -> list[TensorWritePlan]:
+    """:func:`plan_save` from every rank's :func:`ckptfmt._boxcols.pack_boxes` columns (the save
+    protocol's freeze messages, rank ``r`` being ``packed[r]``): the same plan, without a Python
+    object per box."""
+    keys = sorted(inventory)
+    width = max((len(inventory[k][0]) for k in keys), default=0)
+    held = unpack_held({k: i for i, k in enumerate(keys)}, packed, width)
+    return _plan(inventory, keys, held, max(1, len(packed)), chunk_target_bytes)
+
+
+def _plan(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], keys: list[str], held: Held, world: int,
+          chunk_target_bytes: int) -> list[TensorWritePlan]:
     specs = [inventory[k] for k in keys]
     shapes = [tuple(s[0]) for s in specs]
-    held = _gather({k: i for i, k in enumerate(keys)}, rank_boxes, max(map(len, shapes), default=0))
     # Every tensor whose boxes are each exactly one grid cell is planned at once, vectorized;
     # any other tensor (including every one that fails) takes the per-tensor path, in key order.
     fast = _regular_owners(shapes, held, world)
@@ -192,7 +208,7 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
                 order = np.argsort(held.tensor, kind="stable")
                 bounds = np.searchsorted(held.tensor[order], np.arange(len(keys) + 1)).tolist()
             mine = order[bounds[index]:bounds[index + 1]].tolist()
-            boxes = [(int(held.rank[j]), held.boxes[j], held.reps[j], bool(held.writable[j])) for j in mine]
+            boxes = [(int(held.rank[j]), held.box(j), int(held.reps[j]), bool(held.writable[j])) for j in mine]
             plans.append(_plan_tensor(index, key, shape, dtype, itemsize, boxes, world, chunk_target_bytes))
             continue
         like = shared.get((shape, gcds[index], itemsize))
@@ -206,74 +222,6 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
     return plans
 
 
-class _Held(NamedTuple):
-    """Every held box of every rank, flattened in rank order (then each rank's own order)."""
-
-    tensor: np.ndarray  # (N,) index into the sorted keys
-    rank: np.ndarray    # (N,)
-    boxes: list[Box]
-    reps: list[int]
-    writable: np.ndarray  # (N,) bool: the holder offers data for the box
-    ndim: np.ndarray    # (N,) dimensions of each box
-    offs: np.ndarray    # (N, D) offsets, padded with 0 up to the widest tensor or box
-    shps: np.ndarray    # (N, D) shapes, padded with 1
-
-
-def _gather(index: Mapping[str, int], rank_boxes: Sequence[Mapping[str, Sequence[tuple[Box, int]]]],
-            width: int) -> _Held:
-    """One pass over every rank's boxes; raises StepMismatchError for a key not in ``index``."""
-    tensor: list[np.ndarray] = []
-    rank: list[np.ndarray] = []
-    pairs: list[tuple[Box, int]] = []
-    last: list[str] | None = None
-    for r, hb in enumerate(rank_boxes):
-        keys = list(hb)
-        if keys != last:  # ranks usually hold the same keys in the same order
-            if not index.keys() >= hb.keys():
-                key = next(k for k in hb if k not in index)
-                raise StepMismatchError("a rank holds a tensor the inventory does not list",
-                                        key=key, expected="a key of rank 0's inventory", found=f"rank {r}")
-            tids, last = np.fromiter(map(index.__getitem__, keys), np.int64, count=len(keys)), keys
-        vals = list(hb.values())
-        try:
-            counts = list(map(len, vals))
-        except TypeError:  # an iterator, not a sequence
-            vals = [list(v) for v in vals]
-            counts = list(map(len, vals))
-        if counts.count(1) == len(counts):  # one box per tensor: the common case
-            pairs.extend(map(itemgetter(0), vals))
-            tensor.append(tids)
-        else:
-            pairs.extend(chain.from_iterable(vals))
-            tensor.append(np.repeat(tids, counts))
-        rank.append(np.full(sum(counts), r, np.int64))
-    boxes = list(map(itemgetter(0), pairs))
-    reps = list(map(itemgetter(1), pairs))
-    if all(len(p) == 2 for p in pairs):  # (box, replica_id): every holder offers data
-        writable = np.ones(len(pairs), bool)
-    else:
-        writable = np.fromiter((bool(p[2]) if len(p) > 2 else True for p in pairs), bool, count=len(pairs))
-    offsets = list(map(attrgetter("offset"), boxes))
-    widths = set(map(len, offsets))
-    ndim = np.full(len(boxes), widths.pop(), np.int64) if len(widths) == 1 else \
-        np.fromiter(map(len, offsets), np.int64, count=len(boxes))
-    width = max(width, int(ndim.max(initial=0)))
-    cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
-    return _Held(cat(tensor), cat(rank), boxes, reps, writable, ndim, _padded(offsets, ndim, width, 0),
-                 _padded(list(map(attrgetter("shape"), boxes)), ndim, width, 1))
-
-
-def _padded(rows: Sequence[Sequence[int]], lens: np.ndarray, width: int, fill: int) -> np.ndarray:
-    """(len(rows), width) int64 array of ragged ``rows`` (``lens[i]`` long), padded with ``fill``."""
-    flat = np.fromiter(chain.from_iterable(rows), np.int64, count=int(lens.sum()))
-    if (lens == width).all():
-        return flat.reshape(len(rows), width)
-    out = np.full((len(rows), width), fill, np.int64)
-    starts = np.repeat(np.cumsum(lens) - lens, lens)
-    out[np.repeat(np.arange(len(rows)), lens), np.arange(len(flat)) - starts] = flat
-    return out
-
-
 @dataclass(frozen=True, eq=False)
 class _Owners:
     """The vectorized plan. For each tensor ``t`` that is not ``slow[t]`` (those need the per-tensor path):"""
@@ -284,13 +232,13 @@ class _Owners:
     writers: np.ndarray
 
 
-def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held, world: int) -> _Owners:
+def _regular_owners(shapes: Sequence[tuple[int, ...]], held: Held, world: int) -> _Owners:
     """Vectorized plan of every tensor whose boxes all lie inside it, are non-empty, have its
     rank and cover exactly one grid cell each, and whose every cell is held."""
     t, offs, shps = held.tensor, held.offs, held.shps
     T, D = len(shapes), offs.shape[1]
     tndim = np.fromiter(map(len, shapes), np.int64, count=T)
-    tshape = _padded(shapes, tndim, D, 1).T  # (D, T)
+    tshape = _padded(np.fromiter(chain.from_iterable(shapes), np.int64, count=int(tndim.sum())), tndim, D, 1).T  # (D, T)
     bad = held.ndim != tndim[t]
     gcds = np.zeros((D, T), np.int64)
     for d in range(D):  # column by column: D is small, the box count large
@@ -318,7 +266,7 @@ def _regular_owners(shapes: Sequence[tuple[int, ...]], held: _Held, world: int) 
     of_cell = np.repeat(np.arange(T), ncells)
     # Each cell's turn: its tensor's position in key order plus its flat index in the tensor.
     turn = of_cell + np.arange(total) - np.repeat(base, ncells)
-    owner = _deal((cell + base[t])[good], held.rank[good], np.array(held.reps, np.int64)[good],
+    owner = _deal((cell + base[t])[good], held.rank[good], held.reps[good],
                   held.writable[good], total, turn)
     slow[of_cell[owner < 0]] = True  # gaps: the slow path raises
     return _Owners(slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner)

@@ -5,7 +5,7 @@ Call order on every rank (all collectives are named and bounded by ``timeout_s``
 1. rank 0 creates the repository marker ``ckptfmt.json`` if absent, picks the save id and writes
    ``saves/<id>/LEASE``; ``broadcast("save/begin")``.
 2. ``allgather("save/freeze")`` of (step, inventory digest, held boxes). Every rank computes the
-   same pure plan (:func:`ckptfmt.plan.plan_save`); any disagreement raises StepMismatchError on
+   same pure plan (:func:`ckptfmt.plan.plan_save_packed`); any disagreement raises StepMismatchError on
    every rank before a byte of tensor data is written.
 3. each rank writes the shards it owns (rank 0 also every ``zarr.json`` and the global state;
    each rank its own per-rank state) and verifies them: object size, index checksum, and every
@@ -36,9 +36,10 @@ import numpy as np
 
 from . import errors as _errors
 from . import _reuse
-from ._manifest_refs import REFERENCES, ZSTD, references_payload
+from ._boxcols import pack_boxes
+from ._manifest_refs import DERIVED, REFERENCES, ZSTD, references_payload, wants_derived
 from ._shardwriter import ShardRecord, state_from_wire, state_to_wire, write_and_verify, write_state
-from ._types import Box, LocalShard
+from ._types import LocalShard
 from .coord import Coordinator, LocalCoordinator
 from .dtypes import dtype_name, numpy_dtype
 from .errors import (CheckpointError, IncompleteSaveError, InvalidManifestError, StepAlreadyCommittedError,
@@ -47,7 +48,7 @@ from .layout import MARKER_BYTES, MARKER_KEY, MAX_STEP, array_path, cell_key, le
 from .layout import lease_key as lease_key
 from .layout import new_save_id as new_save_id
 from .manifest import MAX_NESTING, ArraySpec, ChunkTable, Manifest, ShardTable, StateEntry, TensorEntry, parse_manifest
-from .plan import DEFAULT_CHUNK_TARGET_BYTES, TensorWritePlan, plan_save
+from .plan import DEFAULT_CHUNK_TARGET_BYTES, TensorWritePlan, plan_save_packed
 from .storage import NO_VALUE, Storage
 
 __all__ = ["SaveOptions", "save", "lease_key", "new_save_id"]
@@ -76,6 +77,10 @@ class SaveOptions:
     #: (revision 1.1, extension ckptfmt.zstd; crc32c over the encoded bytes).
     codec: str = "raw"
     codec_level: int = 3
+    #: The manifest's tensor columns (FORMAT.md 5.14, revision 1.2): "auto" (default) leaves out the
+    #: five a tensor's geometry determines when the manifest holds >= 65,536 shard rows, "derived"
+    #: always, "explicit" never (readers of revisions 1.0 and 1.1 read only explicit manifests).
+    manifest_columns: str = "auto"
     #: If given, this rank adds the seconds of each save phase into it ("plan", "stage", "write",
     #: "fsync", "verify", "state", "commit"), for profiles and the bench; never changes the save.
     timings: dict[str, float] | None = None
@@ -204,6 +209,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
     opts = options or SaveOptions()
     if opts.reuse not in _reuse.REUSE_MODES:  # a usage error, the same on every rank: raised before anything
         raise ValueError(f"SaveOptions.reuse must be one of {_reuse.REUSE_MODES}, got {opts.reuse!r}")
+    wants_derived(opts.manifest_columns, 0)  # ValueError for an unknown value, before anything is written
     if opts.codec not in ("raw", "zstd") or isinstance(opts.codec_level, bool) or not -7 <= int(opts.codec_level) <= 22:
         raise ValueError(f"SaveOptions.codec must be 'raw' or 'zstd' and codec_level in [-7, 22], got "
                          f"{opts.codec!r}, {opts.codec_level!r}")
@@ -373,9 +379,10 @@ def _freeze(coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
     """Step 2: agree on step, inventory and ownership before any write; every rank's same plan."""
     inventory = {k: (list(v[0].global_shape), dtype_name(v[0].dtype)) for k, v in sorted(local.items())}
     digest = hashlib.sha256(_pack(sorted(inventory.items()))).hexdigest()
-    # Each held box with its replica id and whether this rank offers its data (a candidate writer).
-    boxes = {k: [[list(s.box.offset), list(s.box.shape), int(s.replica_id), s.data is not None] for s in v]
-             for k, v in local.items()}
+    # Each held box with its replica id and whether this rank offers its data (a candidate writer),
+    # as columns: gathering 640,000 boxes from 64 ranks is then 64 concatenations.
+    boxes = pack_boxes({k: [(s.box, int(s.replica_id), s.data is not None) for s in v] for k, v in sorted(local.items())},
+                       keys_known=list(inventory))  # the digest below proves every rank holds these keys
     gathered = [_unpack(b) for b in coord.allgather("save/freeze", _pack(
         {"step": step, "digest": digest, "save_id": save_id, "boxes": boxes}), opts.timeout_s)]
     for r, g in enumerate(gathered):
@@ -390,8 +397,7 @@ def _freeze(coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
             raise StepMismatchError("ranks disagree on the tensor inventory (keys, shapes or dtypes)",
                                     expected=f"digest {digest[:12]}", found=f"rank {r} digest {g['digest'][:12]}")
     inv = {k: (tuple(shape), dt, numpy_dtype(dt).itemsize) for k, (shape, dt) in inventory.items()}
-    rank_boxes = [{k: [(Box(o, s), rep, bool(w)) for o, s, rep, w in v] for k, v in g["boxes"].items()} for g in gathered]
-    return plan_save(inv, rank_boxes, opts.chunk_target_bytes)
+    return plan_save_packed(inv, [g["boxes"] for g in gathered], opts.chunk_target_bytes)
 
 
 def _commit(repository: Any, storage: Storage, heartbeat: "_Heartbeat | None", save_id: str, step: int, world: int,
@@ -486,6 +492,9 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
     if opts.codec != "raw":
         mu.append(ZSTD)
         extensions[ZSTD] = {}
+    if wants_derived(opts.manifest_columns, sum(len(t.shards) for t in tensors.values())):
+        mu.append(DERIVED)
+        extensions[DERIVED] = {}
     ext = {"must_understand": tuple(sorted(mu)), "extensions": extensions} if mu else {}
     return Manifest(save_id=save_id, step=step, created_unix=opts.created_unix if opts.created_unix is not None else time.time(),
                     writers=world, tensors=tensors, state=state, versions=_versions(versions), metadata=dict(metadata or {}),

@@ -9,6 +9,9 @@
 * The revision 1.1 example (spec/examples/repo-1.1, FORMAT.md 5.13) regenerates byte for byte;
   ckptfmt reads both its steps; the spec-only reader, which reads revision 1.0 only, reads step 1
   and rejects step 2 (it references step 1's objects) with a clear error.
+* The revision 1.2 example (spec/examples/repo-1.2, FORMAT.md 5.14) regenerates byte for byte and
+  holds the section 12 objects byte for byte; the spec-only reader of revision 1.0 rejects it by
+  name, and the same reader taught 5.14 from the text alone (``_derive``) reconstructs every tensor.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "spec" / "examples"
 GOLDEN = EXAMPLES / "repo"
 GOLDEN_V11 = EXAMPLES / "repo-1.1"
+GOLDEN_V12 = EXAMPLES / "repo-1.2"
 STEP = 7
 
 
@@ -95,18 +99,41 @@ def _crc(b: bytes) -> int:
     return _crc32c.crc32c(b)
 
 
-def spec_read(root: Path, step: int) -> tuple[dict[str, np.ndarray], dict[str, bytes]]:
+def _derive(t: dict, itemsize: int) -> tuple[dict, dict]:
+    """The shard and chunk tables of an entry in the derived form, computed from FORMAT.md 5.14's
+    text alone (no ckptfmt code): grid cells in C order, chunks back to back from byte 0."""
+    shape, a = t["shape"], t["array"]
+    ss, cs = a["shard_shape"], a["chunk_shape"]
+    chunk_nbytes = math.prod(cs) * itemsize + 4
+    index_nbytes = 16 * math.prod(s // c for s, c in zip(ss, cs)) + 4
+    sh = {"offset": [], "key": [], "nbytes": []} | t["shards"]
+    ch = {"offset": [], "nbytes": []} | t["chunks"]
+    for cell in product(*(range(-(-n // s)) for n, s in zip(shape, ss))):
+        off = [c * s for c, s in zip(cell, ss)]
+        clipped = [min(s, n - o) for s, n, o in zip(ss, shape, off)]
+        stored = math.prod(-(-c // k) for c, k in zip(clipped, cs))
+        sh["offset"].append(off)
+        sh["key"].append("c" + "".join(f"/{c}" for c in cell))
+        sh["nbytes"].append(stored * chunk_nbytes + index_nbytes)
+        ch["offset"] += [r * chunk_nbytes for r in range(stored)]
+        ch["nbytes"] += [chunk_nbytes] * stored
+    return sh, ch
+
+
+def spec_read(root: Path, step: int, revision: str = "1.0") -> tuple[dict[str, np.ndarray], dict[str, bytes]]:
     """Reconstruct every tensor and return every state object's bytes, following FORMAT.md 9 only.
     Reads format version 1 of revision 1.0 (``SPEC_READER_VERSIONS``): a manifest that needs an
-    extension (11.2; revision 1.1's ``ckptfmt.references``) raises SpecError naming it."""
+    extension (11.2; revision 1.1's ``ckptfmt.references``) raises SpecError naming it. With
+    ``revision="1.2"`` it also implements 5.14 (``ckptfmt.derived``), through ``_derive``."""
     m = json.loads((root / f"manifests/{step:020d}.json").read_bytes())
     if m["format"] != "ckptfmt" or m["format_version"] != SPEC_READER_VERSIONS["format_version"]:
         raise SpecError(f"unsupported format {m['format']!r} version {m['format_version']!r}; this reader reads "
                         "format version 1 only")
-    needs = [x for x in m.get("must_understand", []) if x not in SPEC_READER_VERSIONS["extensions"]]
+    known = SPEC_READER_VERSIONS["extensions"] + (("ckptfmt.derived",) if revision == "1.2" else ())
+    needs = [x for x in m.get("must_understand", []) if x not in known]
     if needs:
         raise SpecError(f"manifest requires extensions {needs} that this reader (format version 1, revision "
-                        f"{SPEC_READER_VERSIONS['revision']}) does not implement")
+                        f"{revision}) does not implement")
     out: dict[str, np.ndarray] = {}
     for key, t in m["tensors"].items():
         dt = _DTYPES.get(t["dtype"]) or np.dtype(t["dtype"]).newbyteorder("<")
@@ -116,6 +143,8 @@ def spec_read(root: Path, step: int) -> tuple[dict[str, np.ndarray], dict[str, b
         n_inner = math.prod(inner)
         arr = np.zeros(shape, dtype=dt)
         sh, ch = t["shards"], t["chunks"]
+        if "ckptfmt.derived" in m.get("must_understand", []) and "key" not in sh:
+            sh, ch = _derive(t, dt.itemsize)
         row = 0  # next row of the chunk table
         for j, off in enumerate(sh["offset"]):
             path = root / a["path"] / sh["key"][j]
@@ -263,3 +292,56 @@ def test_ckptfmt_reads_and_verifies_the_v11_example() -> None:
         ck = repo.open(step)
         for k, v in make_example.v11_tensors(step).items():
             _assert_same(ck.read(k), v)
+
+
+# ------------------------------------------------------------------ revision 1.2: derived columns
+
+
+def test_regenerated_v12_example_is_byte_identical_and_holds_the_v10_objects(tmp_path: Path) -> None:
+    out = tmp_path / "repo-1.2"
+    make_example.generate(out, manifest_columns="derived")
+    want, got = _files(GOLDEN_V12), _files(out)
+    assert sorted(got) == sorted(want), "the 1.2 example's object keys changed"
+    for key in want:
+        assert got[key] == want[key], f"{key} differs from the committed 1.2 golden file"
+    # Only the manifest differs from the section 12 example: 5.14 changes no object byte.
+    v10 = _files(GOLDEN)
+    manifest = f"manifests/{STEP:020d}.json"
+    assert sorted(v10) == sorted(want)
+    assert [k for k in want if want[k] != v10[k]] == [manifest]
+    doc = json.loads(want[manifest])
+    assert doc["must_understand"] == ["ckptfmt.derived"] and doc["extensions"] == {"ckptfmt.derived": {}}
+    for t in doc["tensors"].values():
+        assert set(t["shards"]) == {"writer", "index_crc32c"} and set(t["chunks"]) == {"crc32c"}
+
+
+def test_spec_readers_of_1_0_and_1_2_on_the_v12_example() -> None:
+    # The 1.0 reader rejects it by name, before reading anything; its control reads the 1.0 example.
+    spec_read(GOLDEN, STEP)
+    with pytest.raises(SpecError, match=r"requires extensions \['ckptfmt.derived'\].*revision 1.0"):
+        spec_read(GOLDEN_V12, STEP)
+    # Taught 5.14 from the text alone, the same reader reconstructs every tensor and state object,
+    # with every checksum and index comparison of section 9 against the derived rows.
+    tensors, states = spec_read(GOLDEN_V12, STEP, revision="1.2")
+    want_t, want_s = spec_read(GOLDEN, STEP)
+    for k, v in make_example.tensors().items():
+        _assert_same(tensors[k], v)
+        _assert_same(tensors[k], want_t[k])
+    assert states == want_s
+
+
+def test_ckptfmt_reads_the_v12_example_with_the_v10_tables() -> None:
+    m12, m10 = ckptfmt.Repository(str(GOLDEN_V12)).manifest(STEP), ckptfmt.Repository(str(GOLDEN)).manifest(STEP)
+    assert m12.must_understand == ("ckptfmt.derived",) and m10.must_understand == ()
+    for k, t in m10.tensors.items():
+        d = m12.tensors[k]
+        assert d.shards.key == t.shards.key and d.array == t.array
+        for a, b in ((d.shards.offset, t.shards.offset), (d.shards.nbytes, t.shards.nbytes), (d.shards.writer, t.shards.writer),
+                     (d.shards.index_crc32c, t.shards.index_crc32c), (d.chunks.offset, t.chunks.offset),
+                     (d.chunks.nbytes, t.chunks.nbytes), (d.chunks.crc32c, t.chunks.crc32c)):
+            assert np.array_equal(a, b), k
+    repo = ckptfmt.Repository(str(GOLDEN_V12))
+    assert repo.verify(STEP) == m12.nbytes == m10.nbytes
+    ck = repo.open(STEP)
+    for k, v in make_example.tensors().items():
+        _assert_same(ck.read(k), v)

@@ -97,6 +97,7 @@ def test_plan_reads_covers_request_exactly():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from ckptfmt import _boxcols  # noqa: E402
 from ckptfmt import plan as _plan  # noqa: E402
 
 
@@ -172,7 +173,7 @@ def test_regular_layouts_take_the_vectorised_path(layout):
     inventory, rank_boxes, _, regular = layout
     keys = sorted(inventory)
     shapes = [tuple(inventory[k][0]) for k in keys]
-    held = _plan._gather({k: i for i, k in enumerate(keys)}, rank_boxes, max(map(len, shapes), default=0))
+    held = _boxcols.gather({k: i for i, k in enumerate(keys)}, rank_boxes, max(map(len, shapes), default=0))
     slow = _plan._regular_owners(shapes, held, max(1, len(rank_boxes))).slow
     assert regular <= {k for i, k in enumerate(keys) if not slow[i]}
 
@@ -186,3 +187,55 @@ def test_control_the_comparison_sees_a_wrong_owner(monkeypatch):
     real = _plan._regular_owners
     monkeypatch.setattr(_plan, "_regular_owners", lambda *a: (lambda r: _plan._Owners(r.slow, r.gcds, r.base, r.writers[::-1]))(real(*a)))
     assert not same(plan_save(inv, boxes), _general(inv, boxes, 4 << 20))
+
+
+def _packed(rank_boxes, keys_known=None):
+    """Every rank's boxes as the save protocol sends them: pack_boxes columns through msgpack
+    (a rank holding exactly ``keys_known``, in order, leaves its keys out)."""
+    import msgpack
+
+    return [msgpack.unpackb(msgpack.packb(_boxcols.pack_boxes(
+        {k: [(h[0], h[1], h[2] if len(h) > 2 else True) for h in v] for k, v in hb.items()}, keys_known),
+        use_bin_type=True), raw=False) for hb in rank_boxes]
+
+
+@given(_layouts())
+@settings(max_examples=200, deadline=None)
+def test_packed_columns_plan_like_box_objects(layout):
+    """The save protocol plans from every rank's packed columns (plan_save_packed): the same plans
+    as plan_save from Box objects, and the same error on bad inputs. Ranks that hold every tensor
+    leave their keys out of the message; the others send them."""
+    inventory, rank_boxes, target, _ = layout
+    packed = _packed(rank_boxes, sorted(inventory))
+    try:
+        want = plan_save(inventory, rank_boxes, target)
+    except StepMismatchError as e:
+        with pytest.raises(StepMismatchError) as got:
+            _plan.plan_save_packed(inventory, packed, target)
+        assert str(got.value) == str(e)
+        return
+    got = _plan.plan_save_packed(inventory, packed, target)
+    assert [(p.key, p.index, p.dtype, p.geometry) for p in got] == [(p.key, p.index, p.dtype, p.geometry) for p in want]
+    for g, w in zip(got, want):
+        assert np.array_equal(g.cells, w.cells) and np.array_equal(g.writers, w.writers), g.key
+
+
+@pytest.mark.parametrize("damage", ["short_offsets", "counts_vs_rows", "missing_column", "unknown_key"])
+def test_malformed_freeze_message_is_a_step_mismatch(damage):
+    """Broken controls: a message whose columns disagree is refused, naming the rank; the intact
+    message plans."""
+    inv = {"w": ((8, 2), "float32", 4)}
+    boxes = [{"w": [(Box((4 * r, 0), (4, 2)), 0)]} for r in range(2)]
+    packed = _packed(boxes)
+    assert [p.writers.tolist() for p in _plan.plan_save_packed(inv, packed)] == [[0, 1]]
+    bad = dict(packed[1])
+    if damage == "short_offsets":
+        bad["offset"] = bad["offset"][:-8]
+    elif damage == "counts_vs_rows":
+        bad["counts"] = [2]
+    elif damage == "missing_column":
+        del bad["replica"]
+    else:
+        bad["keys"] = ["v"]
+    with pytest.raises(StepMismatchError, match="rank 1"):
+        _plan.plan_save_packed(inv, [packed[0], bad])

@@ -89,6 +89,12 @@ def _layouts() -> dict[str, Callable[[], dict[str, Any]]]:
         "every_dtype": lambda: _save([_whole(f"dtypes/{k}", v) for k, v in DTYPE_ARRAYS.items()
                                   if not k.startswith("complex")]),
     "complex": lambda: _save([_whole(f"dtypes/{k}", v) for k, v in DTYPE_ARRAYS.items() if k.startswith("complex")]),
+        "golden_1_2_derived": lambda: json.loads((ROOT / "spec" / "examples" / "repo-1.2" / "manifests" /
+                                                  GOLDEN.name).read_bytes()),
+        "derived_blocks_and_uneven_rows": lambda: _save(
+            [LocalShard("w", rows.shape, rows.dtype, Box((r, c), (5, 2)), rows[r:r + 5, c:c + 2])
+             for r in (0, 5) for c in (0, 2)] + _split_rows("u", rows, 8),
+            options=ckptfmt.SaveOptions(chunk_target_bytes=12, manifest_columns="derived")),
         "large_step_pytree_and_fqn_keys": lambda: _save(
             [_whole("opt_state/0/mu/dense/kernel", rows), _whole("layers.0.attn.q_proj.weight", rows)],
             step=(1 << 63) - 1),
@@ -156,6 +162,9 @@ BROKEN: dict[str, Callable[[dict[str, Any]], None]] = {
     "missing_tensor_shape": _del(f"{W}.shape"),
     "missing_tensor_array": _del(f"{W}.array"),
     "missing_shards_nbytes": _del(f"{W}.shards.nbytes"),
+    # the derived form (FORMAT.md 5.14): both tables at once, and only with its extension
+    "derived_shards_explicit_chunks": lambda d: [_del(f"{W}.shards.{c}")(d) for c in ("offset", "key", "nbytes")],
+    "explicit_shards_derived_chunks": lambda d: [_del(f"{W}.chunks.{c}")(d) for c in ("offset", "nbytes")],
     "missing_chunks_crc32c": _del(f"{W}.chunks.crc32c"),
     "missing_state_crc32c": _del(f"{S}.crc32c"),
     # wrong types

@@ -1,7 +1,8 @@
 """Metadata at scale: a manifest of many small shards, written, loaded, validated and planned.
 
 The layout is ``tensors x 64`` row shards of one inner chunk each (the shape of
-a large model saved by 64 writers), for several shard-entry counts. Next to it,
+a large model saved by 64 writers), for several shard-entry counts; the manifest takes the form
+a default save writes (from 65,536 shard rows on, the derived form of FORMAT.md 5.14). Next to it,
 torch DCP's ``Metadata`` for the same layout (one chunk entry and one storage
 entry per shard), pickled and unpickled, which is what DCP writes and loads.
 Each phase is timed once per size (these are deterministic CPU work).
@@ -22,6 +23,9 @@ _ROWS_PER_SHARD, _COLS = 16, 256
 
 
 def _manifest(tensors: int):
+    """The manifest a save of this layout commits: in the derived form (FORMAT.md 5.14) exactly when
+    ``SaveOptions(manifest_columns="auto")``, the default, would write it so."""
+    from ckptfmt._manifest_refs import DERIVED, wants_derived
     from ckptfmt.manifest import ArraySpec, ChunkTable, Manifest, ShardTable, TensorEntry
     from ckptfmt.plan import TensorGeometry, cell_key
 
@@ -53,7 +57,8 @@ def _manifest(tensors: int):
                 crc32c=rng.integers(0, 1 << 32, SHARDS, dtype=np.uint32),
             ),
         )
-    return Manifest(save_id=save_id, step=1, created_unix=time.time(), writers=SHARDS, tensors=entries)
+    ext = {"must_understand": (DERIVED,), "extensions": {DERIVED: {}}} if wants_derived("auto", tensors * SHARDS) else {}
+    return Manifest(save_id=save_id, step=1, created_unix=time.time(), writers=SHARDS, tensors=entries, **ext)
 
 
 def _timed(fn):
@@ -64,8 +69,11 @@ def _timed(fn):
 
 def ckptfmt_phases(tensors: int, tmp: str) -> dict:
     from ckptfmt.manifest import parse_manifest
-    from ckptfmt.plan import plan_reads, plan_save
+    import msgpack
+
     from ckptfmt import Box
+    from ckptfmt._boxcols import pack_boxes
+    from ckptfmt.plan import plan_reads, plan_save_packed
 
     m, build_s = _timed(lambda: _manifest(tensors))
     path = os.path.join(tmp, "manifest.json")
@@ -84,13 +92,18 @@ def ckptfmt_phases(tensors: int, tmp: str) -> dict:
 
     loaded, load_s = _timed(load)
     _, validate_s = _timed(loaded.validate)
-    # Save-side plan: every one of the 64 writers' boxes, as the save protocol gathers them.
+    # Save-side plan, as the save protocol's freeze step runs it on every rank: each of the 64
+    # writers packs its own boxes into columns (in parallel, on its own rank: timed apart, one
+    # rank's share), all 64 messages arrive as msgpack bytes, and every rank decodes them and plans.
     first = next(iter(loaded.tensors.values()))
     inventory = {k: (t.shape, t.dtype, 4) for k, t in loaded.tensors.items()}
     rank_boxes = [
-        {k: [(Box((r * _ROWS_PER_SHARD, 0), (_ROWS_PER_SHARD, _COLS)), 0)] for k in loaded.tensors} for r in range(SHARDS)
+        {k: [(Box((r * _ROWS_PER_SHARD, 0), (_ROWS_PER_SHARD, _COLS)), 0, True)] for k in loaded.tensors} for r in range(SHARDS)
     ]
-    _, plan_save_s = _timed(lambda: plan_save(inventory, rank_boxes))
+    known = sorted(inventory)
+    wires, pack_s = _timed(lambda: [msgpack.packb({"boxes": pack_boxes(b, known)}, use_bin_type=True) for b in rank_boxes])
+    _, plan_save_s = _timed(lambda: plan_save_packed(
+        inventory, [msgpack.unpackb(w, raw=False, strict_map_key=False)["boxes"] for w in wires]))
 
     # Read-side plan: one reader of 4 asks for its quarter of every tensor (resharding 64 -> 4).
     quarter = Box((0, 0), (first.shape[0] // 4, first.shape[1]))
@@ -101,7 +114,8 @@ def ckptfmt_phases(tensors: int, tmp: str) -> dict:
     items, plan_read_s = _timed(plan_read)
     return {
         "tensors": tensors, "shards": SHARDS, "entries": tensors * SHARDS, "bytes": nbytes, "build_s": build_s,
-        "write_s": write_s, "load_s": load_s, "validate_s": validate_s, "plan_save_s": plan_save_s,
+        "form": "derived" if m.must_understand else "explicit",
+        "write_s": write_s, "load_s": load_s, "validate_s": validate_s, "plan_save_s": plan_save_s, "pack_one_rank_s": pack_s / SHARDS,
         "plan_read_s": plan_read_s, "plan_s": max(plan_save_s, plan_read_s), "read_items": items,
     }
 

@@ -256,13 +256,13 @@ def table(result: Any) -> str:
 def metadata_lines(md: dict) -> list[str]:
     out = ["Metadata at scale (seconds; ckptfmt manifest JSON vs DCP pickled Metadata; "
            "load includes full validation; plan save = the 64-writer save plan, plan read = one of 4 readers):", "",
-           "| shard entries | tensors x shards | ckptfmt bytes | write | load | validate | plan save | plan read | DCP bytes | DCP dump | DCP load |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| shard entries | tensors x shards | form | ckptfmt bytes | write | load | validate | plan save | plan read | DCP bytes | DCP dump | DCP load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     dcp = {d["entries"]: d for d in md.get("dcp", [])}
     for c in md.get("ckptfmt", []):
         d = dcp.get(c["entries"], {})
         out.append(
-            f"| {c['entries']:,} | {c['tensors']:,} x {c['shards']} | {_mb(c.get('bytes'))} | {_s(c.get('write_s'))} | {_s(c.get('load_s'))} | "
+            f"| {c['entries']:,} | {c['tensors']:,} x {c['shards']} | {c.get('form', '-')} | {_mb(c.get('bytes'))} | {_s(c.get('write_s'))} | {_s(c.get('load_s'))} | "
             f"{_s(c.get('validate_s'))} | {_s(c.get('plan_save_s'))} | {_s(c.get('plan_read_s'))} | {_mb(d.get('bytes')) if d else '-'} | {_s(d.get('dump_s'))} | {_s(d.get('load_s'))} |"
         )
     out += [f"note: {x}" for x in md.get("notes", [])]

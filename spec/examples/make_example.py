@@ -19,6 +19,12 @@ step 1 and step 2 of a frozen base and a trained adapter: step 2 references step
 ``base/w`` (extension ``ckptfmt.references``) and writes only ``adapter/a``.
 
     .venv/bin/python spec/examples/make_example.py --v11 --out DIR  # a fresh 1.1 repository at DIR
+
+The revision 1.2 example (spec/examples/repo-1.2/, FORMAT.md 5.14) is the section 12 example saved
+with ``SaveOptions(manifest_columns="derived")``: the same objects byte for byte, and a manifest
+whose tensor entries leave out the five columns their geometry determines.
+
+    .venv/bin/python spec/examples/make_example.py --v12 --out DIR  # a fresh 1.2 repository at DIR
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ WORLD = 2
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "repo"
 DEFAULT_OUT_V11 = HERE / "repo-1.1"
+DEFAULT_OUT_V12 = HERE / "repo-1.2"
 #: The revision 1.1 example: two steps of one writer, save ids and times fixed.
 V11_SAVES = {1: ("000000000001-20260101T000000-0000beef", 1767225601.0),
              2: ("000000000002-20260101T000000-0001beef", 1767225602.0)}
@@ -89,14 +96,15 @@ def local_shards(rank: int) -> list[LocalShard]:
     ]
 
 
-def generate(out: str | os.PathLike[str]) -> ckptfmt.Manifest:
-    """Write the example repository at ``out`` (which must not exist yet) and return its manifest."""
+def generate(out: str | os.PathLike[str], manifest_columns: str = "explicit") -> ckptfmt.Manifest:
+    """Write the example repository at ``out`` (which must not exist yet) and return its manifest.
+    ``manifest_columns="derived"`` gives the revision 1.2 example (FORMAT.md 5.14)."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a fresh directory")
     out.mkdir(parents=True)
     options = SaveOptions(save_id=SAVE_ID, created_unix=CREATED_UNIX, chunk_target_bytes=CHUNK_TARGET_BYTES,
-                          timeout_s=60.0)
+                          timeout_s=60.0, manifest_columns=manifest_columns)
     address = f"127.0.0.1:{free_port()}"
     results: dict[int, object] = {}
 
@@ -147,15 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="a fresh directory (default: rewrite spec/examples/repo)")
     ap.add_argument("--v11", action="store_true", help="the revision 1.1 example (default out: spec/examples/repo-1.1)")
+    ap.add_argument("--v12", action="store_true", help="the revision 1.2 example (default out: spec/examples/repo-1.2)")
     args = ap.parse_args(argv)
-    default = DEFAULT_OUT_V11 if args.v11 else DEFAULT_OUT
+    default = DEFAULT_OUT_V11 if args.v11 else DEFAULT_OUT_V12 if args.v12 else DEFAULT_OUT
     if args.out is None:
         if default.exists():
             shutil.rmtree(default)
         out = default
     else:
         out = Path(args.out)
-    m = generate_v11(out) if args.v11 else generate(out)
+    m = generate_v11(out) if args.v11 else generate(out, "derived") if args.v12 else generate(out)
     for p in sorted(out.rglob("*")):
         if p.is_file():
             print(f"{p.stat().st_size:6d}  {p.relative_to(out)}")
