@@ -95,13 +95,17 @@ def ckptfmt_phases(tensors: int, tmp: str) -> dict:
     # Save-side plan, as the save protocol's freeze step runs it on every rank: each of the 64
     # writers packs its own boxes into columns (in parallel, on its own rank: timed apart, one
     # rank's share), all 64 messages arrive as msgpack bytes, and every rank decodes them and plans.
+    # (One rank's Box objects at a time, as each rank holds only its own.)
     first = next(iter(loaded.tensors.values()))
     inventory = {k: (t.shape, t.dtype, 4) for k, t in loaded.tensors.items()}
-    rank_boxes = [
-        {k: [(Box((r * _ROWS_PER_SHARD, 0), (_ROWS_PER_SHARD, _COLS)), 0, True)] for k in loaded.tensors} for r in range(SHARDS)
-    ]
     known = sorted(inventory)
-    wires, pack_s = _timed(lambda: [msgpack.packb({"boxes": pack_boxes(b, known)}, use_bin_type=True) for b in rank_boxes])
+    wires, pack_s = [], 0.0
+    for r in range(SHARDS):
+        mine = {k: [(Box((r * _ROWS_PER_SHARD, 0), (_ROWS_PER_SHARD, _COLS)), 0, True)] for k in known}
+        wire, dt = _timed(lambda: msgpack.packb({"boxes": pack_boxes(mine, known)}, use_bin_type=True))
+        wires.append(wire)
+        pack_s += dt
+    del mine
     _, plan_save_s = _timed(lambda: plan_save_packed(
         inventory, [msgpack.unpackb(w, raw=False, strict_map_key=False)["boxes"] for w in wires]))
 
