@@ -31,6 +31,7 @@ from ckptfmt import Box, CheckpointError, LocalShard, Repository, SaveOptions, p
 from ckptfmt import manifest as mf
 from ckptfmt._manifest_refs import DERIVED_MIN_ROWS, wants_derived
 from ckptfmt.layout import arrays_prefix
+from manifest_common import mutate, same_tables
 
 SAVE_ID = "000000000003-20260101T000000-00dec0de"
 STEP = 3
@@ -72,19 +73,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, ckpt
 
 def _doc(url: str) -> dict:
     return json.loads((Path(url) / f"manifests/{STEP:020d}.json").read_bytes())
-
-
-def same_tables(a: dict, b: dict) -> None:
-    assert list(a) == list(b)
-    for k in a:
-        x, y = a[k], b[k]
-        assert (x.shape, x.dtype, x.sharding, x.array) == (y.shape, y.dtype, y.sharding, y.array), k
-        assert x.shards.key == y.shards.key, k
-        for f in ("offset", "writer", "nbytes", "index_crc32c"):
-            assert np.array_equal(getattr(x.shards, f), getattr(y.shards, f)), (k, f)
-        for f in ("offset", "nbytes", "crc32c"):
-            assert np.array_equal(getattr(x.chunks, f), getattr(y.chunks, f)), (k, f)
-        assert np.array_equal(x.chunk_start, y.chunk_start), k
 
 
 def test_derived_manifest_leaves_out_the_five_columns(saved) -> None:
@@ -246,16 +234,7 @@ def test_fast_path_equals_the_exact_path_on_derived_manifests(good, data) -> Non
     path accepts only what the exact path accepts, with equal tables, else raises its error."""
     d = copy.deepcopy(good)
     for _ in range(data.draw(st.integers(0, 2), label="edits")):
-        key = data.draw(st.sampled_from(sorted(d["tensors"])), label="tensor")
-        path = data.draw(st.sampled_from(_COLUMNS), label="column")
-        parent = d["tensors"][key]
-        for p in path[:-1]:
-            parent = parent[p]
-        col, value = parent[path[-1]], data.draw(_VALUES, label="value")
-        if isinstance(col, list) and col and data.draw(st.booleans(), label="element"):
-            col[data.draw(st.integers(0, len(col) - 1), label="index")] = value
-        else:
-            parent[path[-1]] = value
+        mutate(d, data, _COLUMNS, _VALUES)
     try:
         want, err = exact(d), None
     except CheckpointError as e:

@@ -19,6 +19,7 @@ import pytest
 from ckptfmt import Box, CheckpointError, LocalShard, parse_manifest, save
 from ckptfmt import manifest as mf
 from ckptfmt.layout import arrays_prefix
+from manifest_common import mutate, same_tables
 
 WRITERS = 4
 
@@ -43,19 +44,6 @@ def good(tmp_path_factory):
 def exact(doc):
     """The reference: every tensor through the exact per-tensor checks."""
     return mf._tensors_exact(doc["tensors"], arrays_prefix(doc["save_id"]), doc["writers"])
-
-
-def same_tables(a, b):
-    assert list(a) == list(b)
-    for k in a:
-        x, y = a[k], b[k]
-        assert (x.shape, x.dtype, x.sharding, x.array) == (y.shape, y.dtype, y.sharding, y.array), k
-        assert x.shards.key == y.shards.key, k
-        for f in ("offset", "writer", "nbytes", "index_crc32c"):
-            assert np.array_equal(getattr(x.shards, f), getattr(y.shards, f)), (k, f)
-        for f in ("offset", "nbytes", "crc32c"):
-            assert np.array_equal(getattr(x.chunks, f), getattr(y.chunks, f)), (k, f)
-        assert np.array_equal(x.chunk_start, y.chunk_start), k
 
 
 def T(d, i=2):
@@ -285,20 +273,7 @@ _VALUES = st.one_of(
 
 
 def _mutate(d, data):
-    key = data.draw(st.sampled_from(sorted(d["tensors"])), label="tensor")
-    path = data.draw(st.sampled_from(_COLUMNS), label="column")
-    parent = d["tensors"][key]
-    for p in path[:-1]:
-        parent = parent[p]
-    col, value = parent[path[-1]], data.draw(_VALUES, label="value")
-    if isinstance(col, list) and col and data.draw(st.booleans(), label="element"):
-        i = data.draw(st.integers(0, len(col) - 1), label="index")
-        if isinstance(col[i], list) and col[i] and data.draw(st.booleans(), label="inner"):
-            col[i][data.draw(st.integers(0, len(col[i]) - 1), label="inner index")] = value
-        else:
-            col[i] = value
-    else:
-        parent[path[-1]] = value
+    mutate(d, data, _COLUMNS, _VALUES)
 
 
 @given(st.data())
