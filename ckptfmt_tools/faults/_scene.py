@@ -69,8 +69,9 @@ class Scene:
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def shard_path(self, step: int, tensor: str = TARGET_TENSOR, shard: int = TARGET_SHARD) -> Path:
-        t = self.manifest_doc(step)["tensors"][tensor]
-        return self.root / t["array"]["path"] / t["shards"]["key"][shard]
+        from ckptfmt.manifest import parse_manifest  # the parsed key: the manifest may be in the derived form
+
+        return self.root / parse_manifest(self.manifest_path(step).read_bytes()).tensors[tensor].object_key(shard)
 
     def shard_layout(self, step: int, tensor: str = TARGET_TENSOR, shard: int = TARGET_SHARD) -> dict[str, int]:
         """Byte layout of one shard object: first chunk's data offset, index start, total size."""
