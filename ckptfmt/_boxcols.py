@@ -136,7 +136,7 @@ def unpack_held(index: Mapping[str, int], packed: Sequence[Mapping[str, Any]], w
             tids, last = np.fromiter(map(index.__getitem__, keys), np.int64, count=len(keys)), keys
         cols["tensor"].append(np.repeat(tids, counts))
         cols["rank"].append(np.full(n, r, np.int64))
-        for c, a in (("reps", reps), ("writable", writable.astype(bool)), ("ndim", ndim), ("offs", offs), ("shps", shps)):
+        for c, a in (("reps", reps), ("writable", writable), ("ndim", ndim), ("offs", offs), ("shps", shps)):
             cols[c].append(a)
     c = {k: _cat(v) for k, v in cols.items()}
     return _held(c["tensor"], c["rank"], c["reps"], c["writable"].astype(bool), c["ndim"], c["offs"], c["shps"], width)

@@ -94,10 +94,18 @@ class DerivedColumns:
         return same
 
 
+class TooManyChunks(ValueError):
+    """A geometry stores more chunks than the caller allows (``total``, the number it stores)."""
+
+    def __init__(self, total: int, limit: int):
+        super().__init__(f"{total} stored chunks, more than {limit}")
+        self.total = total
+
+
 def derived_columns(geom: TensorGeometry, max_chunks: int | None = None) -> DerivedColumns:
     """The columns FORMAT.md 5.14 derives from ``geom`` (pure; callers memoize by geometry).
-    ValueError when the tensor has more than ``max_chunks`` stored chunks (checked before the
-    chunk columns are built: a hostile geometry must not size them)."""
+    :class:`TooManyChunks` when the tensor stores more than ``max_chunks`` chunks (checked before
+    the chunk columns are built: a hostile geometry must not size them)."""
     nd, n = len(geom.shape), math.prod(geom.grid)
     if n == 0:  # an empty tensor: no shards, no chunks
         offsets = np.zeros((0, nd), np.int64)
@@ -109,7 +117,7 @@ def derived_columns(geom: TensorGeometry, max_chunks: int | None = None) -> Deri
     start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
     total = int(start[-1])
     if max_chunks is not None and total > max_chunks:
-        raise ValueError(f"{total} stored chunks, more than {max_chunks}")
+        raise TooManyChunks(total, max_chunks)
     cn = geom.chunk_nbytes
     coff = (np.arange(total, dtype=np.int64) - np.repeat(start[:-1], counts)) * cn
     arrays = (offsets.reshape(n, nd), counts * cn + geom.index_nbytes, coff, np.full(total, cn, np.int64), start)
@@ -400,8 +408,8 @@ def _fill_derived(k: str, sh: dict[str, Any], ch: dict[str, Any], geom: TensorGe
     crcs = _typed(ch.get("crc32c"), list, "chunks.crc32c", k)
     try:
         cols = derived_columns(geom, max_chunks=len(crcs))
-    except ValueError as e:
-        _fail("chunks.crc32c has the wrong length", key=k, expected=str(e).split(" ")[0], found=len(crcs))
+    except TooManyChunks as e:
+        _fail("chunks.crc32c has the wrong length", key=k, expected=e.total, found=len(crcs))
     return (sh | {"offset": cols.offset.tolist(), "key": list(cols.key), "nbytes": cols.nbytes.tolist()},
             ch | {"offset": cols.chunk_offset.tolist(), "nbytes": cols.chunk_nbytes.tolist()})
 

@@ -74,27 +74,15 @@ class _Layout:
 
     @classmethod
     def of(cls, entry: Any) -> "_Layout | None":
-        """The layout of an accepted entry when it is canonical, else None. 0-d and empty tensors
-        have one too (one shard "c"; no shards), so that a manifest of many of them is as cheap."""
-        g = entry.geometry
-        n = len(entry.shards)
-        if n:
-            grid = np.indices(g.grid, dtype=np.int64).reshape(len(g.shape), n)
-            offsets = grid.T * np.asarray(g.shard_shape, np.int64)
-        else:  # an empty tensor (np.indices would size its grid by the non-zero dimensions)
-            offsets = np.zeros((0, len(g.shape)), np.int64)
-        start = entry.chunk_start
-        counts = np.diff(start)
-        total = int(start[-1])
-        nbytes = counts * g.chunk_nbytes + g.index_nbytes
-        coff = (np.arange(total, dtype=np.int64) - np.repeat(start[:-1], counts)) * g.chunk_nbytes
-        cnb = np.full(total, g.chunk_nbytes, np.int64)
-        if not (np.array_equal(offsets, entry.shards.offset) and np.array_equal(nbytes, entry.shards.nbytes)
-                and np.array_equal(coff, entry.chunks.offset)):
+        """The layout of an accepted entry when it holds exactly the columns its geometry derives
+        (FORMAT.md 5.14), else None. 0-d and empty tensors have one too (one shard "c"; no
+        shards), so that a manifest of many of them is as cheap."""
+        c = derived_columns(entry.geometry)
+        if not c.matches(entry):
             return None
-        return cls(g, list(entry.shards.key), tuple(entry.shards.key), offsets.tolist(), nbytes.tolist(),
-                   coff.tolist(), cnb.tolist(), _readonly(offsets), _readonly(nbytes), _readonly(coff),
-                   _readonly(cnb), _readonly(start.copy()), n, total)
+        return cls(entry.geometry, list(c.key), c.key, c.offset.tolist(), c.nbytes.tolist(), c.chunk_offset.tolist(),
+                   c.chunk_nbytes.tolist(), c.offset, c.nbytes, c.chunk_offset, c.chunk_nbytes, c.chunk_start,
+                   len(c.key), len(c.chunk_offset))
 
 
 def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Callable[..., Any],

@@ -28,7 +28,7 @@ import math
 import platform
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import msgpack
