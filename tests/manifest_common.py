@@ -2,6 +2,7 @@
 column of a manifest document (hypothesis)."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -30,7 +31,9 @@ def mutate(d: dict, data: Any, columns: Sequence[tuple[str, ...]], values: Any) 
     parent = d["tensors"][key]
     for p in path[:-1]:
         parent = parent[p]
-    col, value = parent[path[-1]], data.draw(values, label="value")
+    # A copy: a strategy's sampled literal (a list) is one object shared by every example, and a
+    # second edit of the same column could otherwise put that list inside itself.
+    col, value = parent[path[-1]], copy.deepcopy(data.draw(values, label="value"))
     if isinstance(col, list) and col and data.draw(st.booleans(), label="element"):
         i = data.draw(st.integers(0, len(col) - 1), label="index")
         if isinstance(col[i], list) and col[i] and data.draw(st.booleans(), label="inner"):
