@@ -79,6 +79,42 @@ def test_report_ratios_and_targets_from_synthetic_runs(tmp_path):
     assert "| ckptfmt | 1.200 | 895 | 0.800 |" in r.table and (tmp_path / "bench.json").exists()
 
 
+def test_resharded_ratio_balances_the_places_after_the_save(tmp_path):
+    """Three repetitions, the second restore of each pair 30% slower whatever its topology, the
+    resharded one second in two of them: the ratio of medians says 1.3x (the place), the
+    balanced ratio says 1.0x (no resharding cost); a real 20% cost shows in both orders."""
+    from ckptfmt_tools.bench import report
+    from ckptfmt_tools.bench.runner import BenchResult
+
+    def runs(cost: float) -> dict:
+        same, rs = [], []
+        for rep, rs_place in enumerate((2, 1, 2)):
+            t = {1: 1.0, 2: 1.3}
+            same.append(_phase(t[3 - rs_place], rep=rep, place=3 - rs_place))
+            rs.append(_phase(t[rs_place] * cost, rep=rep, place=rs_place))
+        return {"ckptfmt": {"restore_8to8": same, "restore_8to4": rs}}
+
+    def result(cost: float) -> BenchResult:
+        r = BenchResult(options={"save_devices": 8, "restore_devices": [8, 4], "repetitions": 3},
+                        layout={"tensors": 1, "rows": 1, "cols": 1, "nbytes": 1}, cache="cold", runs=runs(cost),
+                        summary={}, ratios={}, targets=[], notes=[], skipped={}, errors={})
+        report.finish(r, tmp_path, make_plot=False)
+        return r
+
+    flat = result(1.0)
+    assert flat.ratios["resharded_over_same"]["ckptfmt"] == pytest.approx(1.3)
+    assert flat.ratios["resharded_over_same_balanced"]["ckptfmt"] == pytest.approx(1.0)
+    assert "places after the save balanced): ckptfmt 1.00x" in flat.table
+    assert "rep" not in flat.summary["ckptfmt"]["restore_8to8"]  # tags are not measurements
+    holds = {t["target"]: t for t in flat.targets}
+    assert holds["resharded restore / same-topology restore (places balanced)"]["holds"] is True
+    costly = result(1.2)  # the control: a resharding cost the balance must not hide
+    assert costly.ratios["resharded_over_same_balanced"]["ckptfmt"] == pytest.approx(1.2)
+    assert {t["target"]: t["holds"] for t in costly.targets}["resharded restore / same-topology restore (places balanced)"] is False
+    one_order = report.balanced_ratio(runs(1.0)["ckptfmt"]["restore_8to4"][:1], runs(1.0)["ckptfmt"]["restore_8to8"])
+    assert one_order is None  # both orders needed: no balance from one
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -128,6 +164,8 @@ def test_bench_end_to_end_tiny(tmp_path, monkeypatch):
     assert doc["ratios"]["save_fraction_of_raw_write"]["ckptfmt"] > 0
     if HAVE_ORBAX:
         assert doc["ratios"]["save_speedup_vs"]["orbax"] > 0
+    assert [(r["rep"], r["place"]) for r in doc["runs"]["ckptfmt"]["restore_8to8"]] == [(0, 1)]
+    assert [(r["rep"], r["place"]) for r in doc["runs"]["ckptfmt"]["restore_8to4"]] == [(0, 2)]
     names = [t["target"] for t in doc["targets"]]
     assert any("resharded restore / same" in n for n in names)
     assert any("slice reader" in n for n in names)

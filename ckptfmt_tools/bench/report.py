@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 FIXED_OVERHEAD_BYTES = 64 << 20
 #: ckptfmt's save phases (SaveOptions.timings), in the order they run.
 _SAVE_PHASES = ("plan", "stage", "write", "fsync", "verify", "state", "ack", "commit")
+#: Fields the runner adds to a run to say where it ran (repetition, place after the save), not measurements.
+_TAGS = frozenset({"rep", "place"})
 
 
 
@@ -28,7 +31,8 @@ def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dic
     for system, phases in runs.items():
         for phase, reps in phases.items():
             s: dict[str, Any] = {"n": len(reps)}
-            fields = sorted({k for r in reps for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            fields = sorted({k for r in reps for k, v in r.items()
+                             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _TAGS})
             for f in fields:
                 m = _median([r.get(f) for r in reps])
                 if m is not None:
@@ -42,6 +46,30 @@ def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dic
                     s[f] = reps[0][f]
             out.setdefault(system, {})[phase] = s
     return out
+
+
+def balanced_ratio(reps_a: list[dict], reps_b: list[dict]) -> float | None:
+    """Restore ``a`` over restore ``b`` of one system with their places after the save balanced.
+
+    Within a repetition the topologies restore one after the other from the same save, and the
+    bench alternates which goes first. On a virtual disk the place matters (the restore right
+    after another one was the slower of its pair in most repetitions, for every system), so with
+    an odd number of repetitions a ratio of medians leans on whichever topology went second more
+    often. Here each repetition gives one paired ratio ``a/b``; the pairs where ``a`` went first
+    and those where ``b`` did are summarised apart (medians), and the result is the geometric
+    mean of the two, in which a place effect that multiplies the time cancels. None unless both
+    orders ran."""
+    by_rep = {r.get("rep"): r for r in reps_b if r.get("rep") is not None}
+    first: list[float] = []
+    second: list[float] = []
+    for ra in reps_a:
+        rb = by_rep.get(ra.get("rep"))
+        if rb is None or not ra.get("wall_s") or not rb.get("wall_s") or ra.get("place") == rb.get("place"):
+            continue
+        (first if ra["place"] < rb["place"] else second).append(ra["wall_s"] / rb["wall_s"])
+    if not first or not second:
+        return None
+    return math.sqrt(statistics.median(first) * statistics.median(second))
 
 
 def _t(summary: dict, system: str, phase: str) -> float | None:
@@ -74,6 +102,10 @@ def ratios_and_targets(result: Any) -> tuple[dict[str, Any], list[dict[str, Any]
     for system in summary:
         if rs and _t(summary, system, rs) and _t(summary, system, same):
             ratios.setdefault("resharded_over_same", {})[system] = _t(summary, system, rs) / _t(summary, system, same)
+            runs = getattr(result, "runs", {}).get(system, {})
+            bal = balanced_ratio(runs.get(rs, []), runs.get(same, []))
+            if bal is not None:
+                ratios.setdefault("resharded_over_same_balanced", {})[system] = bal
     raw_w = summary.get("raw", {}).get("save", {}).get("throughput_Bps")
     raw_r = summary.get("raw", {}).get("restore", {}).get("throughput_Bps")
     ours_w = summary.get("ckptfmt", {}).get("save", {}).get("throughput_Bps")
@@ -104,7 +136,12 @@ def ratios_and_targets(result: Any) -> tuple[dict[str, Any], list[dict[str, Any]
         b = best_peer(rs)
         target(f"resharded restore ({rs[8:].replace('to', '->')}) vs the faster peer", ">= 1.25x", f"{b[1]:.2f}x vs {b[0]}" if b else "n/a", b[1] >= 1.25 if b else None)
         r = ratios.get("resharded_over_same", {}).get("ckptfmt")
-        target("resharded restore / same-topology restore", "<= 1.1x", f"{r:.2f}x" if r else "n/a", r <= 1.1 if r else None)
+        bal = ratios.get("resharded_over_same_balanced", {}).get("ckptfmt")
+        if bal is not None:  # judged on the place-balanced ratio; the ratio of medians shown beside it
+            target("resharded restore / same-topology restore (places balanced)", "<= 1.1x",
+                   f"{bal:.2f}x ({r:.2f}x of medians)", bal <= 1.1)
+        else:
+            target("resharded restore / same-topology restore", "<= 1.1x", f"{r:.2f}x" if r else "n/a", r <= 1.1 if r else None)
     ours = summary.get("ckptfmt", {})
     # Peak RSS: the rise above the phase's start, per run, median. A save starts with the state
     # resident, so it may add 10% of it; a restore starts without it, so it may add 110% of what
@@ -225,7 +262,11 @@ def table(result: Any) -> str:
     if apis:
         lines.append("ckptfmt driven through: " + ", ".join(apis))
     if r.get("resharded_over_same"):
-        lines.append("resharded / same-topology restore: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["resharded_over_same"].items()))
+        lines.append("resharded / same-topology restore (ratio of medians): "
+                     + ", ".join(f"{k} {v:.2f}x" for k, v in r["resharded_over_same"].items()))
+    if r.get("resharded_over_same_balanced"):
+        lines.append("resharded / same-topology restore (places after the save balanced): "
+                     + ", ".join(f"{k} {v:.2f}x" for k, v in r["resharded_over_same_balanced"].items()))
     if result.safety:
         lines += ["", "Safety: 64 bytes flipped inside tensor data of each checkpoint, then a restore:"]
         for system, r in result.safety.items():

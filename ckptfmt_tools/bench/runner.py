@@ -172,8 +172,9 @@ class _Session:
         if self.cache == "cold":
             drop_page_cache()
 
-    def record(self, system: str, phase: str, fn: Callable[[], dict]) -> bool:
-        """Run one measured phase; keep its numbers, or the system's first error (then skip the rest of it)."""
+    def record(self, system: str, phase: str, fn: Callable[[], dict], **tags: int) -> bool:
+        """Run one measured phase; keep its numbers (with ``tags``: the repetition and the restore's
+        place after the save), or the system's first error (then skip the rest of it)."""
         if system in self.errors:
             return False
         try:
@@ -182,7 +183,7 @@ class _Session:
             self.errors[system] = f"{phase}: {e}"
             self.log(f"{system} {phase} FAILED: {str(e).splitlines()[0]}")
             return False
-        ph = r["phase"] | dict(r.get("disk", {})) | {"process_wall_s": r.get("process_wall_s")}
+        ph = r["phase"] | dict(r.get("disk", {})) | {"process_wall_s": r.get("process_wall_s")} | tags
         self.runs[system].setdefault(phase, []).append(ph)
         self.log(f"{system:8s} {phase:12s} {ph['wall_s']:8.3f} s  peak RSS {ph['rss_peak'] / 2**20:8.0f} MiB")
         if r.get("steady"):  # the second save in the same process
@@ -211,9 +212,9 @@ class _Session:
             # save and one after another restore are not on the same footing on a virtual disk.
             tops = tuple(self.o.restore_devices)
             j = rep % len(tops) if tops else 0
-            for m in tops[j:] + tops[:j]:
+            for place, m in enumerate(tops[j:] + tops[:j], 1):
                 self.before_read()
-                self.record(system, f"restore_{n}to{m}", lambda m=m: self.child(*restore(m)))
+                self.record(system, f"restore_{n}to{m}", lambda m=m: self.child(*restore(m)), rep=rep, place=place)
             if system == "ckptfmt":
                 self.before_read()
                 self.record(system, f"slice_1of{n}", lambda: self.child("ckptfmt_tools.bench.ours:read_slice", p | {"parts": n}))
