@@ -3,6 +3,14 @@ import sys
 import uuid
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run of `make test` (CI included), so that a
+# failure reproduces from the commit alone; `HYPOTHESIS_PROFILE=explore make test` draws fresh
+# random examples each run, to look for new counterexamples.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
