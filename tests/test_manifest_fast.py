@@ -272,10 +272,6 @@ _VALUES = st.one_of(
     st.sampled_from(["5", "c/0/0", "c/1/0", None, [], [0, 0], {}, "saves/x/t/000009"]))
 
 
-def _mutate(d, data):
-    mutate(d, data, _COLUMNS, _VALUES)
-
-
 @given(st.data())
 @settings(max_examples=300, deadline=None)
 def test_fast_path_equals_the_exact_path(good, data):
@@ -291,7 +287,7 @@ def test_fast_path_equals_the_exact_path(good, data):
         del d["metadata"]["note"]                      # literal count then lets the fast path skip its type checks
     edits = data.draw(st.integers(0, 2), label="edits")
     for _ in range(edits):
-        _mutate(d, data)
+        mutate(d, data, _COLUMNS, _VALUES)
     try:
         fast = tensors_fast(d["tensors"], arrays_prefix(d["save_id"]), d["writers"], exact=mf._tensor,
                             make=mf._make_entry, max_key_len=mf.MAX_KEY_LEN, max_object_key_len=mf.MAX_OBJECT_KEY_LEN)

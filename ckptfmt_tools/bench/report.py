@@ -102,7 +102,7 @@ def ratios_and_targets(result: Any) -> tuple[dict[str, Any], list[dict[str, Any]
     for system in summary:
         if rs and _t(summary, system, rs) and _t(summary, system, same):
             ratios.setdefault("resharded_over_same", {})[system] = _t(summary, system, rs) / _t(summary, system, same)
-            runs = getattr(result, "runs", {}).get(system, {})
+            runs = result.runs.get(system, {})
             bal = balanced_ratio(runs.get(rs, []), runs.get(same, []))
             if bal is not None:
                 ratios.setdefault("resharded_over_same_balanced", {})[system] = bal
