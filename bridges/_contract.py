@@ -18,13 +18,25 @@ from ckptfmt.errors import TopologyChangedError
 from ckptfmt.reader import RANK_STATE_POLICIES, check_rank_state_policy
 
 __all__ = ["RESTORE_BATCH_BYTES", "Batch", "read_batches", "check_topology", "rank_state", "renamed_keyword",
-           "UNSET"]
+           "UNSET", "effective_policy"]
 
 #: Host bytes read per batch during restore: bounds the host copies alive at once. Read at each
 #: call, so a process may set it (``bridges._contract.RESTORE_BATCH_BYTES = ...``) for every bridge.
 RESTORE_BATCH_BYTES = 64 << 20
 
 Request = tuple[str, Box]
+
+
+def effective_policy(ckpt: Any, world: int, policy: str | None, *, caller_state: bool = True) -> str | None:
+    """The per-rank-state policy a restore applies: ``policy`` as given, except that a restore on
+    another number of processes, with no policy, of a checkpoint whose per-rank state holds nothing
+    the caller asked to save (``caller_state=False``: only what a bridge recorded itself, such as
+    the torch RNG states) drops that state (``"drop"``) instead of raising: per-rank state the
+    caller did not ask for must not stop a restore of what it did ask for (bridges/README.md)."""
+    check_rank_state_policy(policy)
+    if policy is None and not caller_state and int(ckpt.saved_world) != world:
+        return "drop"
+    return policy
 
 
 def check_topology(ckpt: Any, world: int, policy: str | None) -> None:

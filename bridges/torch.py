@@ -47,7 +47,7 @@ from ckptfmt.interop import open_source
 from ckptfmt.state import decode_state, encode_state
 
 from ._contract import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
-from ._contract import UNSET, check_topology, read_batches, renamed_keyword
+from ._contract import UNSET, check_topology, effective_policy, read_batches, renamed_keyword
 from ._contract import rank_state as _rank_state
 from ._extra import json_keys
 from ._rules import closest_key
@@ -371,7 +371,10 @@ def save(url: str, state: TMapping[str, Any], *, step: int, extra: Any = None, r
 
     def stage() -> tuple[Any, int]:
         shards, objects = _shards(state, copy=not blocking, mapping=mapping)
-        global_state = {"torch": {"objects": objects}, "extra": json_keys(extra, "extra")}
+        # torch.rank_state: whether the caller asked for per-rank state (FORMAT.md 13.3); without
+        # it the per-rank objects hold only the RNG states the bridge records itself.
+        global_state = {"torch": {"objects": objects, "rank_state": rank_state is not None},
+                        "extra": json_keys(extra, "extra")}
         per_rank = {"torch": {"rng": rng_state() if save_rng else None}, "extra": json_keys(rank_state, "rank_state")}
         # InvalidStateError here, before any collective; async saves keep a snapshot, not references.
         blobs = encode_state(global_state), encode_state(per_rank)
@@ -469,19 +472,22 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_
     rule, the transform and the reason; a shape or dtype that does not match raises
     ShapeMismatchError naming the key; corrupt data raises the core's CheckpointError, and nothing
     is returned before every batch of reads is verified. Per-rank state (``rank_state``, ``rng``)
-    saved by another number of ranks raises TopologyChangedError, naming the policies, before
-    anything is read, unless ``rank_state_policy`` is "drop" (None), "rank0" (rank 0's) or
-    "same-rank"; any other ``rank_state_policy`` raises ValueError naming the accepted ones,
-    before anything is opened. ``rank_policy`` is its deprecated name (DeprecationWarning).
+    saved by another number of ranks: when the save was given a ``rank_state``, raises
+    TopologyChangedError, naming the policies, before any tensor is read, unless
+    ``rank_state_policy`` is "drop" (None), "rank0" (rank 0's) or "same-rank"; when it was not
+    (the per-rank state is only the RNG states the bridge recorded), the restore goes on with
+    ``rng`` None unless a policy asks for them. Any other ``rank_state_policy`` raises ValueError
+    naming the accepted ones, before anything is opened. ``rank_policy`` is its deprecated name (DeprecationWarning).
     ``target`` is never modified.
     """
     rank_state_policy = renamed_keyword("load", "rank_policy", "rank_state_policy", rank_policy, rank_state_policy)
     check_rank_state_policy(rank_state_policy)  # a usage error, raised before anything is opened
     mapping = mapping or IDENTITY
     ckpt = _open(url, step)
+    gstate = ckpt.state() or {}
+    rank_state_policy = _policy(ckpt, gstate, rank_state_policy)
     check_topology(ckpt, _world(), rank_state_policy)
     src_keys = set(ckpt.keys())
-    gstate = ckpt.state() or {}
     saved_objects = _saved_objects(gstate)
 
     flat = list(_flatten(target))
@@ -607,11 +613,23 @@ def load_rank_state(url: str, step: int | None = None, *, rank_state_policy: str
     """This rank's ``rank_state`` (as passed to :func:`save`) of step ``step``, under the
     topology-change policy of :func:`load`; None when none was saved. The RNG states come with
     :func:`load` (``Loaded.rng``). Raises ValueError for an unknown policy before anything is
-    opened, and TopologyChangedError (naming the policies) at another world size without one.
+    opened, and TopologyChangedError (naming the policies) at another world size without one
+    when the save was given a ``rank_state`` (None otherwise: nothing was asked for).
     """
     check_rank_state_policy(rank_state_policy)
-    rs = _rank_state(_open(url, step), _rank(), _world(), rank_state_policy)
+    ckpt = _open(url, step)
+    rs = _rank_state(ckpt, _rank(), _world(), _policy(ckpt, ckpt.state() or {}, rank_state_policy))
     return rs.get("extra") if isinstance(rs, dict) else None
+
+
+def _policy(ckpt: Any, gstate: Any, policy: str | None) -> str | None:
+    """The per-rank-state policy of a restore (bridges._contract.effective_policy): a checkpoint
+    whose ``torch.rank_state`` is false holds only the bridge's RNG states per rank, which another
+    world size drops unless ``policy`` asks for them. A checkpoint without the flag (written before
+    it existed, or by another profile) is taken to hold the caller's per-rank state."""
+    record = gstate.get(_OBJECTS[0]) if isinstance(gstate, dict) else None
+    asked = not (isinstance(record, dict) and record.get("rank_state") is False)
+    return effective_policy(ckpt, _world(), policy, caller_state=asked)
 
 
 def _saved_objects(gstate: Any) -> dict[str, Any]:

@@ -265,6 +265,20 @@ def test_save_world8_load_worlds_4_2_1(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_new_world_size_needs_no_policy_without_caller_rank_state(tmp_path):
+    """Issue 26: a plain torch save from 4 ranks loads on 2 with no policy; the RNG states the
+    bridge recorded come back only on the same world size or when a policy asks. Control: the same
+    save with a rank_state still raises TopologyChangedError without a policy."""
+    url = str(tmp_path / "repo")
+    saved = run_world("plain_save", 4, tmp_path, {"url": url})
+    assert all(r["rng_restored"] for r in saved), saved
+    for r in run_world("plain_load", 2, tmp_path, {"url": url}):
+        assert r["ok"] and not r["rng"] and r["rank_state"] is None and r["load_rank_state"] is None, r
+        assert r["asked_rng"], r  # asked for: rank 0's RNG states
+        assert r["step2"] == "TopologyChangedError" and r["step2_drop"] is None, r  # the control
+
+
+@pytest.mark.multiprocess
 def test_jax_to_torch_acceptance(tmp_path):
     """Flax NNX + optax adamw on 8 JAX devices -> 4 torch ranks -> one more step -> back to JAX."""
     pytest.importorskip("jax")

@@ -173,9 +173,10 @@ def resume(args: argparse.Namespace) -> dict:
             continue
         try:
             with bt.CheckpointManager(task["url"], fallback=task.get("fallback", True)) as mgr:
-                # Saved by 2 ranks, resumed by 1: their RNG states have no owner here (the contract's
-                # default would raise TopologyChangedError); the data cursor travels in extra.
-                got = mgr.restore(job.state_dict(), step=task.get("step"), rank_state_policy="drop")
+                # Saved by 2 ranks, resumed by 1, with no policy: the per-rank state is only the RNG
+                # states the bridge recorded (the job passes no rank_state), so the restore drops
+                # them by default (issue 26); the data cursor travels in extra.
+                got = mgr.restore(job.state_dict(), step=task.get("step"))
             job.load(got.state)
             r.update(step=got.step, skipped=[[k.step, k.error] for k in got.skipped], digests=job.digests())
             loss, ids = job.train_step()

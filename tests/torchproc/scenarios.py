@@ -225,6 +225,43 @@ def load_world(args: dict[str, Any]) -> dict[str, Any]:
             "without_policy_message": without_policy_message, "listing": listing}
 
 
+def plain_save(args: dict[str, Any]) -> dict[str, Any]:
+    """The torch user's plain save (issue 26): {"w": Shard(0), "b": Replicate}, no rank_state
+    (step 1); step 2 the same with a rank_state (the control: the caller asked for per-rank state)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    m = mesh((world,))
+    state = {"w": distribute_tensor(global_value("w", (8, 3), torch.float32), m, [S0]),
+             "b": distribute_tensor(global_value("b", (3,), torch.float32), m, [R])}
+    torch.manual_seed(50 + rank)
+    bt.save(args["url"], state, step=1)
+    drawn = torch.rand(2)
+    bt.save(args["url"], state, step=2, rank_state={"cursor": 10 + rank})
+    same = bt.load(args["url"], state, step=1)  # same world: the RNG states the bridge saved come back
+    bt.set_rng_state(same.rng)
+    return {"rng_restored": torch.equal(torch.rand(2), drawn)}
+
+
+def plain_load(args: dict[str, Any]) -> dict[str, Any]:
+    """Another world size, no policy: step 1 (no per-rank state asked for) loads; step 2 raises."""
+    from ckptfmt.errors import TopologyChangedError
+    world = dist.get_world_size()
+    m = mesh((world,))
+    target = {"w": distribute_tensor(torch.zeros(8, 3), m, [S0]), "b": distribute_tensor(torch.zeros(3), m, [R])}
+    got = bt.load(args["url"], target, step=1)
+    out: dict[str, Any] = {"ok": same_bits(got["w"], global_value("w", (8, 3), torch.float32))
+                           and same_bits(got["b"], global_value("b", (3,), torch.float32)),
+                           "rng": got.rng is not None, "rank_state": got.rank_state,
+                           "load_rank_state": bt.load_rank_state(args["url"], step=1),
+                           "asked_rng": bt.load(args["url"], target, step=1, rank_state_policy="rank0").rng is not None}
+    try:
+        bt.load(args["url"], target, step=2)
+        out["step2"] = "loaded"
+    except TopologyChangedError as e:
+        out["step2"] = type(e).__name__
+    out["step2_drop"] = bt.load(args["url"], target, step=2, rank_state_policy="drop").rank_state
+    return out
+
+
 def _rank0_listing_fails(args: dict[str, Any]) -> dict[str, Any]:
     """load(step=None) where rank 0's listing of the repository fails (its path is a regular file,
     so listing manifests/ is a StorageError): every rank raises that error class at once, no rank
