@@ -15,31 +15,42 @@ Call order (DCP drives it, every rank): ``reset`` -> ``read_metadata`` -> ``set_
   dict until every byte has passed its checksum.
 * Keys: checkpoint key paths use ``/``; DCP flattens nested dicts with ``.``. By default ``/``
   becomes ``.`` (``model/fc.weight`` -> ``model.fc.weight``); pass ``fqn=`` to change that.
-* Only tensors are served. Non-tensor leaves (DCP ``BYTE_IO`` items) would require torch.save
-  pickles; load those with :func:`bridges.torch.load`, or use ``DefaultLoadPlanner(
-  allow_partial_load=True)`` and leave them out of the DCP state dict.
+* Non-tensor values (the torch profile's ``torch.objects``: optimizer ``param_groups``, a
+  scheduler's state, what a ``Stateful`` returned) are served to DCP's ``BYTE_IO`` items from
+  the msgpack state, never through a pickle: each object is offered under its fqn and under the
+  fqn of every value nested in it (``optim.param_groups.0.lr``, as DCP flattens a list of maps),
+  and the decoded value is placed in the planner's state dict directly, as
+  ``DefaultLoadPlanner.load_bytes`` places what it unpickles. A planner that is not a
+  ``DefaultLoadPlanner`` gets a KeyMismatchError for a non-tensor entry.
 
-There is no StorageWriter: see ``bridges/MAPPING.md`` ("DCP") for why it does not fit cleanly.
+The writer is :class:`CkptfmtStorageWriter` (``bridges/_dcp_writer.py``).
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Callable
 
 import torch
 from torch.futures import Future
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, StorageMeta,
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 import ckptfmt
 from ckptfmt import Box
 from ckptfmt.errors import CheckpointError, KeyMismatchError
 
-from .torch import _BY_NAME, from_numpy
+from ._dcp_writer import CkptfmtStorageWriter
+from .torch import _BY_NAME, _saved_objects, from_numpy
 
-__all__ = ["CkptfmtStorageReader"]
+__all__ = ["CkptfmtStorageReader", "CkptfmtStorageWriter"]
+
+#: How deep an object's nested values are offered under their own fqns (DCP's flattening).
+_OBJECT_DEPTH = 16
 
 
 def _default_fqn(key: str) -> str:
@@ -57,6 +68,7 @@ class CkptfmtStorageReader(StorageReader):
         self.fqn = fqn
         self._ckpt: Any = None
         self._keys: dict[str, str] = {}  # DCP fqn -> checkpoint key
+        self._objects: dict[str, Any] = {}  # DCP fqn -> a non-tensor value (torch.objects)
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -64,6 +76,7 @@ class CkptfmtStorageReader(StorageReader):
             self.url = os.fspath(checkpoint_id)
         self._ckpt = None
         self._keys = {}
+        self._objects = {}
 
     def _open(self) -> Any:
         if self._ckpt is None:
@@ -100,6 +113,13 @@ class CkptfmtStorageReader(StorageReader):
             md[name] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype),
                                              size=torch.Size(shape), chunks=chunks)
         self._keys = keys
+        self._objects = {}
+        for key, value in _offered_objects(_saved_objects(ckpt.state() or {}), set(ckpt.keys())).items():
+            for name, v in _object_fqns(self.fqn(key), value):
+                if name in keys or name in self._objects:
+                    continue  # a tensor's fqn wins; a nested value never shadows another object
+                self._objects[name] = v
+                md[name] = BytesStorageMetadata()
         return Metadata(state_dict_metadata=md,
                         storage_meta=StorageMeta(checkpoint_id=self.url, load_id=None))
 
@@ -117,10 +137,10 @@ class CkptfmtStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         ckpt = self._open()
         requests: list[tuple[str, Box]] = []
+        objects = [item for item in plan.items if item.type != LoadItemType.TENSOR]
         for item in plan.items:
             if item.type != LoadItemType.TENSOR:
-                raise KeyMismatchError("non-tensor DCP entries are not served by ckptfmt; load "
-                                       "them with bridges.torch.load", key=item.storage_index.fqn)
+                continue
             key = self._keys[item.storage_index.fqn]
             base = tuple(item.storage_index.offset or ())
             off = tuple(int(b) + int(s) for b, s in zip(base, item.storage_offsets))
@@ -128,7 +148,9 @@ class CkptfmtStorageReader(StorageReader):
         before = _bytes(ckpt)
         blocks = ckpt.read_boxes(requests) if requests else []  # every byte verified first
         self.bytes_read += _bytes(ckpt) - before
-        for item, block in zip(plan.items, blocks):
+        for item in objects:
+            _put_object(planner, item, self._objects)
+        for item, block in zip([i for i in plan.items if i.type == LoadItemType.TENSOR], blocks):
             dest = planner.resolve_tensor(item).detach()
             if tuple(dest.shape) != tuple(block.shape):
                 raise CheckpointError("DCP destination does not match the read box",
@@ -146,6 +168,55 @@ class CkptfmtStorageReader(StorageReader):
             return ckptfmt.Repository(os.fspath(checkpoint_id)).latest() is not None
         except Exception:
             return False
+
+
+def _offered_objects(objects: dict[str, Any], tensor_keys: set[str]) -> dict[str, Any]:
+    """The objects, plus each key-path prefix under which only objects lie, as the map of them:
+    DCP asks for a ``Stateful`` (a data loader) or a map of plain values as one entry."""
+    out = dict(objects)
+    holds_tensor = {"/".join(k.split("/")[:i]) for k in tensor_keys for i in range(1, k.count("/") + 1)}
+    for key in sorted(objects):
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            prefix = "/".join(parts[:i])
+            if prefix in holds_tensor or prefix in objects:
+                continue
+            node = out.setdefault(prefix, {})
+            if isinstance(node, dict):
+                rest = parts[i:]
+                for part in rest[:-1]:
+                    node = node.setdefault(part, {})
+                node[rest[-1]] = objects[key]
+    return out
+
+
+def _object_fqns(name: str, value: Any, depth: int = 0) -> list[tuple[str, Any]]:
+    """``(fqn, value)`` for an object and every value nested in it, as DCP names them."""
+    out = [(name, value)]
+    if depth >= _OBJECT_DEPTH:
+        return out
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        out.extend(_object_fqns(f"{name}.{k}", v, depth + 1))
+    return out
+
+
+def _put_object(planner: LoadPlanner, item: ReadItem, objects: dict[str, Any]) -> None:
+    """Place a decoded non-tensor value where ``DefaultLoadPlanner.load_bytes`` would (no pickle)."""
+    fqn = item.storage_index.fqn
+    if fqn not in objects:
+        raise KeyMismatchError("DCP asks for a non-tensor entry the checkpoint does not hold", key=fqn,
+                               expected="an object of torch.objects", found="none")
+    if not isinstance(planner, DefaultLoadPlanner):
+        raise KeyMismatchError("non-tensor DCP entries are served to a DefaultLoadPlanner (or a subclass) "
+                               "only; load them with bridges.torch.load", key=fqn,
+                               expected="DefaultLoadPlanner", found=type(planner).__name__)
+    value = copy.deepcopy(objects[fqn])  # two targets never share one decoded value
+    dest = item.dest_index.fqn
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[dest], value)
+    else:
+        planner.state_dict[dest] = value
 
 
 def _bytes(ckpt: Any) -> int:

@@ -57,3 +57,29 @@ def test_dcp_reshards_and_fails_closed(tmp_path):
         assert c["broadcast"] == "from-2" and c["mismatch"] == "CheckpointError", c
         assert c["after_error"] == "unusable", c
         assert c.get("timeout") == (None if rank == 3 else "missing [3]"), c
+
+
+@pytest.mark.multiprocess
+def test_dcp_writer_saves_every_kind_of_state_and_loads_at_another_world(tmp_path):
+    """Issue 26: dcp.save / dcp.async_save with CkptfmtStorageWriter on 4 ranks write committed
+    ckptfmt steps (no pickle in storage); dcp.load on 2 ranks restores tensors, param groups, the
+    LR scheduler and a Stateful loader. Control: an unencodable value commits nothing."""
+    import pickletools  # noqa: F401  (the scan below looks for pickle protocol headers)
+
+    url = str(tmp_path / "repo")
+    saved = run_world("dcp_writer_save", 4, tmp_path, {"url": url})
+    for r in saved:
+        assert r["steps"] == [1, 2], r
+        assert "InvalidStateError" in r["bad"] and "bad/fn" in r["bad"], r["bad"][:500]
+    for p in Path(url).rglob("*"):
+        if p.is_file():
+            head = p.read_bytes()[:2]
+            assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")), p
+    assert not list(Path(url).rglob(".metadata"))
+    for r in run_world("dcp_writer_load", 2, tmp_path, {"url": url}):
+        assert r["tensors_ok"], r
+        assert r["lr"] == saved[0]["lr"] and r["bt_lr"] == saved[0]["lr"], (r, saved[0]["lr"])
+        assert r["groups"][0]["betas"] == [0.9, 0.99] or tuple(r["groups"][0]["betas"]) == (0.9, 0.99), r
+        assert r["groups"][0]["weight_decay"] == 0.05, r
+        assert r["sched"]["last_epoch"] == saved[0]["sched"]["last_epoch"] == 3, (r, saved[0])
+        assert r["cursor"] == 38, r

@@ -433,3 +433,86 @@ def bench_load(args: dict[str, Any]) -> dict[str, Any]:
     res["median_s"] = {k: float(np.median(v)) for k, v in runs.items()}
     res["runs_s"] = runs
     return res
+
+
+# ------------------------------------------------------------------ DCP writer (issue 26)
+
+
+class _Loader:
+    """A data loader's position as a DCP ``Stateful``."""
+
+    def __init__(self, cursor: int) -> None:
+        self.cursor = cursor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "epoch": 2, "seen": [1, 2, 3]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.cursor = int(sd["cursor"])
+
+
+def _dcp_train_state(world: int, seed: int, steps: int) -> tuple[Any, Any, Any]:
+    net, opt = net_and_optim(seed=seed, world=world)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(steps):
+        fake_step(net, opt, world)
+        sched.step()
+    return net, opt, sched
+
+
+def dcp_writer_save(args: dict[str, Any]) -> dict[str, Any]:
+    """Save model, AdamW, an LR scheduler and a Stateful loader through dcp.save (step 1) and
+    dcp.async_save (step 2) with CkptfmtStorageWriter; an unencodable value must commit nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    from bridges.dcp import CkptfmtStorageWriter
+    world, rank = dist.get_world_size(), dist.get_rank()
+    net, opt, sched = _dcp_train_state(world, seed=1, steps=2)
+    msd, osd = train_state(net, opt)
+    state = {"model": msd, "optim": osd, "sched": sched.state_dict(), "loader": _Loader(37)}
+    dcp.save(state, storage_writer=CkptfmtStorageWriter(args["url"], step=1))
+    fake_step(net, opt, world)
+    sched.step()
+    msd, osd = train_state(net, opt)
+    state = {"model": msd, "optim": osd, "sched": sched.state_dict(), "loader": _Loader(38)}
+    dcp.async_save(state, storage_writer=CkptfmtStorageWriter(args["url"], step=2)).result()
+    expect = full_np({"model": msd, "optim": osd})
+    if rank == 0:
+        np.savez(Path(args["workdir"]) / "dcp_state.npz", **{k.replace("/", "|"): v for k, v in expect.items()})
+    try:
+        dcp.save({"model": msd, "bad": {"fn": object()}}, storage_writer=CkptfmtStorageWriter(args["url"], step=3))
+        bad = "saved"
+    except BaseException as exc:  # DCP wraps rank errors in CheckpointException(BaseException)
+        inner = [f[0] if isinstance(f, tuple) else getattr(f, "exception", f)
+                 for f in getattr(exc, "failures", {}).values()]
+        bad = type(exc).__name__ + ": " + " | ".join(f"{type(e).__name__}: {e}" for e in inner)[:1500]
+    import ckptfmt
+    return {"steps": ckptfmt.Repository(args["url"]).steps(), "bad": bad,
+            "lr": opt.param_groups[0]["lr"], "sched": sched.state_dict()}
+
+
+def dcp_writer_load(args: dict[str, Any]) -> dict[str, Any]:
+    """Another world size: dcp.load with CkptfmtStorageReader restores tensors, param groups, the
+    scheduler and the Stateful loader of step 2; bridges.torch.load reads the same step."""
+    import torch.distributed.checkpoint as dcp
+
+    from bridges.dcp import CkptfmtStorageReader
+    world = dist.get_world_size()
+    net, opt, sched = _dcp_train_state(world, seed=2, steps=1)  # other values, same structure
+    msd, osd = train_state(net, opt)
+    loader = _Loader(0)
+    state = {"model": msd, "optim": osd, "sched": sched.state_dict(), "loader": loader}
+    dcp.load(state, storage_reader=CkptfmtStorageReader(args["url"], step=2))
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    sched.load_state_dict(state["sched"])
+    got = full_np(dict(zip(("model", "optim"), train_state(net, opt))))
+    want = dict(np.load(Path(args["workdir"]) / "dcp_state.npz"))
+    tensors_ok = sorted(k.replace("/", "|") for k in got) == sorted(want) and all(
+        got[k].tobytes() == want[k.replace("/", "|")].tobytes() for k in got)
+    msd2, osd2 = train_state(*_dcp_train_state(world, seed=3, steps=1)[:2])
+    loaded = bt.load(args["url"], {"model": msd2, "optim": osd2}, step=2, strict=False)
+    return {"tensors_ok": tensors_ok, "lr": opt.param_groups[0]["lr"],
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "sched": sched.state_dict(), "cursor": loader.cursor,
+            "bt_lr": loaded["optim"]["param_groups"][0]["lr"]}
