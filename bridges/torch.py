@@ -13,7 +13,9 @@ becomes a checkpoint tensor; any other leaf (ints, floats, lists such as optimiz
 
 Sharding: a DTensor's local block is its global box, from
 ``compute_local_shape_and_global_offset`` (``Shard(d)`` incl. uneven and empty torch.chunk
-shards, ``Replicate()``, 1-D and N-D meshes). ``replica_id`` is the rank's linear coordinate on
+shards, ``Replicate()``, 1-D and N-D meshes, several placements on one dimension); a strided
+layout (``_StridedShard``, FSDP2 over tensor parallelism) is several boxes, each written and read
+by global coordinates (:mod:`bridges._dtensor`). ``replica_id`` is the rank's linear coordinate on
 the replicated mesh dims; each replicated box is written once, by one of the ranks holding it,
 and the ranks take turns (FORMAT.md 8.1). A plain tensor on a multi-rank world is treated as
 replicated over all ranks (one rank's copy is written).
@@ -49,6 +51,7 @@ from ckptfmt.state import decode_state, encode_state
 from ._contract import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
 from ._contract import UNSET, check_topology, effective_policy, read_batches, renamed_keyword
 from ._contract import rank_state as _rank_state
+from ._dtensor import dtensor_pieces
 from ._extra import json_keys
 from ._rules import closest_key
 from .mapping import IDENTITY, KeptValuesWarning, LoadReport, Mapping, MappingError, Resolved
@@ -56,12 +59,7 @@ from .mapping import IDENTITY, KeptValuesWarning, LoadReport, Mapping, MappingEr
 __all__ = ["save", "load", "load_extra", "load_rank_state", "Loaded", "rng_state", "set_rng_state", "local_box",
            "to_numpy", "from_numpy", "layer_kinds", "RESTORE_BATCH_BYTES", "CheckpointManager"]
 
-try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
-    compute_local_shape_and_global_offset = None  # type: ignore[assignment]
+from ._dtensor import DTensor
 
 _OBJECTS = ("torch", "objects")
 
@@ -142,33 +140,18 @@ def local_box(t: torch.Tensor) -> tuple[Box | None, int, TensorSharding | None]:
     """This rank's (global box, replica_id, sharding description) of ``t``.
 
     The box is None when this rank is not part of the DTensor's mesh. Plain tensors: the full
-    box, replica_id = this rank (one rank writes it, FORMAT.md 8.1). Raises ValueError for placements other than
-    ``Shard`` and ``Replicate`` (a ``Partial`` must be reduced first).
+    box, replica_id = this rank (one rank writes it, FORMAT.md 8.1). Raises InvalidStateError for
+    a placement that cannot be saved (a ``Partial`` must be reduced first) and for a strided
+    layout whose local block is several boxes (``bridges._dtensor.dtensor_pieces`` gives those).
     """
     if DTensor is not None and isinstance(t, DTensor):
-        mesh, placements = t.device_mesh, t.placements
-        coord = mesh.get_coordinate()
-        if coord is None:
+        pieces, rid, sharding = dtensor_pieces(t, "<tensor>")
+        if pieces is None:
             return None, 0, None
-        names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
-        partition: list[list[str]] = [[] for _ in range(t.ndim)]
-        replicated: list[int] = []
-        for i, p in enumerate(placements):
-            if type(p) is Shard:
-                partition[p.dim % max(t.ndim, 1)].append(names[i])
-            elif type(p) is Replicate:
-                replicated.append(i)
-            else:
-                raise ValueError(f"placement {p} on mesh dim {i} is not supported; redistribute "
-                                 "to Shard/Replicate before saving")
-        shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-        rid = 0
-        for i in replicated:
-            rid = rid * mesh.size(i) + coord[i]
-        sharding = TensorSharding("torch", tuple(mesh.shape), names,
-                                  tuple(tuple(p) if p else None for p in partition),
-                                  tuple(names[i] for i in replicated))
-        return Box(offset, shape), rid, sharding
+        if len(pieces) != 1:
+            raise InvalidStateError("the DTensor's local block is several global boxes",
+                                    key="<tensor>", expected="one box", found=len(pieces))
+        return pieces[0].box, rid, sharding
     return Box.full(tuple(t.shape)), _rank(), None
 
 
@@ -274,6 +257,53 @@ def _select_sizes(items: list[tuple[str, Any, Resolved]]) -> dict[tuple[str, ...
     return out
 
 
+def _target_boxes(v: torch.Tensor, key: str) -> list[tuple[Box, tuple[slice, ...] | None]] | None:
+    """The global boxes a target value's local tensor covers, with where each lies in it (None:
+    the whole local tensor is that one box); None when this rank is not on the DTensor's mesh."""
+    if DTensor is None or not isinstance(v, DTensor):
+        return [(Box.full(tuple(v.shape)), None)]
+    pieces, _, _ = dtensor_pieces(v, key)
+    if pieces is None:
+        return None
+    if len(pieces) == 1 and pieces[0].box.shape == tuple(_local(v).shape):
+        return [(pieces[0].box, None)]
+    return [(p.box, p.local) for p in pieces]
+
+
+def _assemble(chain: Any, pieces: list[tuple[Box, Any, list]], blocks: TMapping[Any, np.ndarray],
+              local_shape: tuple[int, ...]) -> np.ndarray:
+    """The local array of a target value from its pieces' verified blocks."""
+    if len(pieces) == 1 and pieces[0][1] is None:
+        box, _, reads = pieces[0]
+        return chain.assemble(box, [blocks[r] for r in reads])
+    out: np.ndarray | None = None
+    for box, where, reads in pieces:
+        part = chain.assemble(box, [blocks[r] for r in reads])
+        if out is None:
+            out = np.empty(local_shape, dtype=part.dtype)
+        out[where] = part
+    assert out is not None
+    return out
+
+
+def _local_parts(v: torch.Tensor, key: str) -> tuple[list[tuple[Box, np.ndarray]] | None, int, TensorSharding | None]:
+    """This rank's (global box, block) pairs of ``v`` (None: not on its mesh), replica id and
+    sharding description: one pair for a plain tensor or a Shard/Replicate DTensor, several for
+    a strided layout (bridges/_dtensor.py)."""
+    if DTensor is None or not isinstance(v, DTensor):
+        return [(Box.full(tuple(v.shape)), to_numpy(v))], _rank(), None
+    pieces, rid, sharding = dtensor_pieces(v, key)
+    if pieces is None:
+        return None, rid, None
+    local = _local(v)
+    data = to_numpy(local)
+    covered = sum(int(np.prod(p.box.shape)) for p in pieces)
+    if covered != int(np.prod(tuple(local.shape))):
+        raise InvalidStateError("the DTensor's local tensor does not match the boxes its placements give",
+                                key=key, expected=[str(p.box) for p in pieces][:4], found=tuple(local.shape))
+    return [(p.box, data[p.local]) for p in pieces], rid, sharding
+
+
 def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None
             ) -> tuple[list[LocalShard], dict[str, Any]]:
     shards: list[LocalShard] = []
@@ -288,24 +318,20 @@ def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None
     written: dict[tuple[str, Box], tuple[str, Any]] = {}  # (checkpoint key, box) -> (state key, block)
     declared: dict[str, tuple[tuple[int, ...], Any]] = {}  # checkpoint key -> (global shape, dtype)
     for key, v, res in items:
-        box, rid, sharding = local_box(v)
-        local = _local(v)
-        if box is not None and tuple(local.shape) != box.shape:
-            raise ValueError(f"{key!r}: local tensor shape {tuple(local.shape)} != computed box {box}")
-        data = to_numpy(local) if box is not None else None
+        parts, rid, sharding = _local_parts(v, key)
         dtype = numpy_dtype(dtype_name(v.dtype, key))
         if not res.transforms and res.source_keys == (key,):
-            pieces = [] if box is None else [(key, box, data)]
+            pieces = [] if parts is None else [(key, box, data) for box, data in parts]
             gshapes = {key: (tuple(v.shape), dtype)}
         else:  # store in the checkpoint's layout: each piece is a box of a checkpoint-side tensor
             chain = res.chain_for_target(tuple(v.shape), dtype, sizes.get(res.source_keys))
-            pieces = [] if box is None else chain.writes(box, data)
+            pieces = [] if parts is None else [w for box, data in parts for w in chain.writes(box, data)]
             gshapes = {k: (s, d) for k, s, d in zip(chain.source_keys, chain.source_shapes, chain.source_dtypes)}
             sharding = None
         for ckey, spec in gshapes.items():
             if declared.setdefault(ckey, spec) != spec:
                 raise ValueError(f"{key!r} maps to {ckey!r} as {spec}, another state key as {declared[ckey]}")
-        if box is None:
+        if parts is None:
             continue
         for ckey in gshapes:  # every rank lists every checkpoint key, even without a piece of it
             if not any(p[0] == ckey for p in pieces):
@@ -539,11 +565,12 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_
                                                  f"(source {res.source_key!r})", key=key,
                                                  expected=str(dst_dt), found=str(chain.target_dtype)))
             continue
-        box, _, _ = local_box(v)
-        if box is None:  # this rank holds no part of the DTensor
+        boxes = _target_boxes(v, key)
+        if boxes is None:  # this rank holds no part of the DTensor
             plan[key] = None
             continue
-        plan[key] = (chain, box, [] if box.is_empty() else chain.reads(box))
+        pieces = [(b, sl, [] if b.is_empty() else chain.reads(b)) for b, sl in boxes]
+        plan[key] = (chain, pieces, [r for _, _, rs in pieces for r in rs])
 
     unexpected = sorted(k for k in (src_keys | set(saved_objects)) - used if not mapping.is_ignored(k))
     if len(mismatches) == 1:
@@ -574,9 +601,9 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_
         batches += 1
         for i in batch.groups:
             key = order[i]
-            chain, box, reads = plan[key]  # type: ignore[misc]
+            chain, pieces, reads = plan[key]  # type: ignore[misc]
             blocks = [batch.blocks[r] for r in reads]
-            arr = chain.assemble(box, blocks)
+            arr = _assemble(chain, pieces, batch.blocks, tuple(_local(targets[key]).shape))
             if any(r in batch.shared for r in reads) and any(np.shares_memory(arr, b) for b in blocks):
                 arr = arr.copy()  # a block read once for several keys: no two tensors share memory
             v = targets[key]

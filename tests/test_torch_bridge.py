@@ -393,3 +393,18 @@ def test_extra_takes_what_json_takes(tmp_path):
     with pytest.raises(InvalidStateError, match="tuple"):
         bt.save(url, {"w": torch.ones(1)}, step=2, extra={(1, 2): "a"})
     assert ckptfmt.Repository(url).steps() == [1]
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_with_tensor_parallel_saves_and_restores_on_other_meshes(tmp_path):
+    """Issue 26: FSDP2 (fully_shard) over TP (parallelize_module) on a (2, 2) mesh of 4 gloo ranks
+    produces _StridedShard placements; they are saved box-exact and restored bit for bit on 2
+    ranks (Shard(0)), on 1 (plain tensors), and on a (1, 4) FSDP2 + TP mesh."""
+    url = str(tmp_path / "repo")
+    saved = run_world("fsdp_tp_save", 4, tmp_path, {"url": url})
+    assert any("_StridedShard" in p for p in saved[0]["placements"]), saved[0]  # really strided
+    for world, args in ((2, {"layout": "shard0"}), (1, {"layout": "plain"}),
+                        (4, {"layout": "fsdp_tp", "mesh": [1, 4]})):
+        for r in run_world("fsdp_tp_load", world, tmp_path / f"w{world}",
+                           dict(args, url=url, expect=str(tmp_path / "fsdp_tp.npz"))):
+            assert r["ok"] and all(r["ok"].values()), (world, r)
