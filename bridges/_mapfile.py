@@ -17,27 +17,59 @@ The document (docs/INTEROP.md, "Mapping files")::
      "ignore": ["optimizer/*"], "keep": []}
 
 Every member is checked: an unknown member, op or transform field, or a value of the wrong type
-is a ValueError naming the rule, so a typo never silently maps nothing. Transforms are the
-frozen dataclasses of :mod:`bridges.mapping`; their fields are the dataclass fields.
+is an :class:`InvalidMappingError` (a ValueError) naming the rule, so a typo never silently maps
+nothing. Transforms are the frozen dataclasses of :mod:`bridges.mapping`; their fields are the
+dataclass fields.
+
+Caps (bridges/MAPPING.md, "Mapping files: caps"): a document costs what its caps allow, never
+what it declares. They are checked on the parsed document before any transform is built, and
+every integer a transform declares is checked before anything is enumerated from it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 from typing import Any
+
+from ckptfmt.errors import CheckpointError
 
 from ._joins import Concat, Part, Stack
 from ._reshape import Merge, Unmerge
 from ._rules import Mapping, Rule
 from ._transforms import Cast, Reorder, Scale, Select, Transform, Transpose
 
-__all__ = ["mapping_to_json", "mapping_from_json", "load_mapping_file", "MAPPING_VERSION"]
+__all__ = ["mapping_to_json", "mapping_from_json", "load_mapping_file", "InvalidMappingError", "MAPPING_VERSION",
+           "MAX_FILE_BYTES", "MAX_NESTING", "MAX_RULES", "MAX_SOURCES", "MAX_TRANSFORMS", "MAX_PATTERN_CHARS",
+           "MAX_PLACEHOLDERS", "MAX_GLOBS", "MAX_AXES", "MAX_STACKED", "MAX_DIM"]
 
 MAPPING_VERSION = 1
 _OPS: dict[str, type] = {c.__name__: c for c in (Select, Merge, Unmerge, Transpose, Reorder, Concat, Part,
                                                    Stack, Scale, Cast)}
-_MAX_FILE_BYTES = 16 << 20
+#: Caps of a mapping document (bridges/MAPPING.md, "Mapping files: caps").
+MAX_FILE_BYTES = 16 << 20
+MAX_NESTING = 8             # levels of arrays and objects; the document is level 1 (a field's list is level 6)
+MAX_RULES = 1 << 14
+MAX_SOURCES = 1024          # source patterns of one rule (a Concat's inputs)
+MAX_TRANSFORMS = 64         # transforms of one rule
+MAX_PATTERN_CHARS = 4096    # a source or target pattern, or a glob (a manifest's key cap)
+MAX_PLACEHOLDERS = 8        # placeholders in one pattern
+MAX_GLOBS = 4096            # ignore and keep globs, each
+MAX_AXES = 64               # an axis number (|axis| < 64), and the length of axes/sizes lists: a manifest's rank cap
+MAX_STACKED = 1 << 20       # Select/Stack size and index, Part index: the stacked length (a manifest's tensor cap)
+MAX_DIM = 1 << 62           # any other size (a manifest's dimension cap)
+_PLACEHOLDER_OPEN = "{"
+
+
+class InvalidMappingError(CheckpointError, ValueError):
+    """A mapping document is malformed or over a cap (bridges/MAPPING.md): which rule, which member,
+    the cap against the value found. Raised before anything is enumerated or written."""
+
+
+def _bad(where: str, what: str, expected: Any = None, found: Any = None) -> InvalidMappingError:
+    return InvalidMappingError(f"{where}: {what}", object=where, expected=expected, found=found)
 
 
 def _plain(v: Any) -> Any:
@@ -77,85 +109,195 @@ def _tuples(v: Any) -> Any:
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
+def _int_in(lo: int, hi: int) -> Any:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _ints(lo: int, hi: int, least: int, most: int | None) -> Any:
+    one = _int_in(lo, hi)
+    return lambda v: (isinstance(v, list) and least <= len(v) and (most is None or len(v) <= most)
+                      and all(one(x) for x in v))
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+#: What each transform field may hold: (test, description). "?" after a kind: null allowed.
+_KINDS: dict[str, tuple[Any, str]] = {
+    "axis": (_int_in(1 - MAX_AXES, MAX_AXES - 1), f"an integer axis, |axis| < {MAX_AXES}"),
+    "index": (lambda v: _int_in(0, MAX_STACKED - 1)(v) or (isinstance(v, str) and _NAME.fullmatch(v) is not None),
+              f"an integer index 0 <= index < {MAX_STACKED}, or a placeholder name"),
+    "name": (lambda v: isinstance(v, str) and _NAME.fullmatch(v) is not None, "a placeholder name"),
+    "stacked": (_int_in(1, MAX_STACKED), f"an integer 1 <= size <= {MAX_STACKED}"),
+    "merge": (lambda v: _int_in(2, MAX_AXES)(v) or _ints(1, MAX_DIM, 2, MAX_AXES)(v),
+              f"a count 2..{MAX_AXES}, or 2..{MAX_AXES} sizes of 1..{MAX_DIM}"),
+    "dims": (_ints(1, MAX_DIM, 2, MAX_AXES), f"2..{MAX_AXES} sizes of 1..{MAX_DIM}"),
+    "axes": (_ints(0, MAX_AXES - 1, 0, MAX_AXES), f"at most {MAX_AXES} axes, each < {MAX_AXES}"),
+    "perm": (_ints(0, MAX_DIM, 0, None), "a list of indices"),
+    "concat": (_ints(0, MAX_DIM, 1, MAX_SOURCES), f"1..{MAX_SOURCES} sizes of 0..{MAX_DIM}"),
+    "part": (_int_in(0, MAX_SOURCES - 1), f"an integer 0 <= index < {MAX_SOURCES}"),
+    "parts": (lambda v: _int_in(1, MAX_SOURCES)(v) or _ints(0, MAX_DIM, 1, MAX_SOURCES)(v),
+              f"a count 1..{MAX_SOURCES}, or 1..{MAX_SOURCES} sizes"),
+    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+               "a finite number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "dtype": (lambda v: isinstance(v, str) and 0 < len(v) <= 64, "a dtype name"),
+}
+_FIELDS: dict[str, dict[str, str]] = {
+    "Select": {"axis": "axis", "index": "index", "size": "stacked?"},
+    "Merge": {"axis": "axis", "sizes": "merge"}, "Unmerge": {"axis": "axis", "sizes": "dims"},
+    "Transpose": {"axes": "axes"}, "Reorder": {"axis": "axis", "perm": "perm"},
+    "Concat": {"axis": "axis", "sizes": "concat?"}, "Part": {"axis": "axis", "index": "part", "parts": "parts"},
+    "Stack": {"axis": "axis", "over": "name", "size": "stacked?"},
+    "Scale": {"factor": "number", "divide": "bool", "allow_inexact_inverse": "bool"},
+    "Cast": {"dtype": "dtype", "source_dtype": "dtype?"},
+}
+
+
 def _transform_from_json(doc: Any, where: str) -> Transform:
     if not isinstance(doc, dict) or not isinstance(doc.get("op"), str):
-        raise ValueError(f"{where}: a transform is an object with an 'op' (one of {sorted(_OPS)})")
+        raise _bad(where, f"a transform is an object with an 'op' (one of {sorted(_OPS)})")
     cls = _OPS.get(doc["op"])
     if cls is None:
-        raise ValueError(f"{where}: unknown op {doc['op']!r}; known: {sorted(_OPS)}")
+        raise _bad(where, f"unknown op {doc['op'][:64]!r}; known: {sorted(_OPS)}")
     fields = {f.name for f in dataclasses.fields(cls)}
-    flags = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, bool)}
     extra = sorted(set(doc) - fields - {"op"})
     if extra:
-        raise ValueError(f"{where}: {doc['op']} has no field(s) {extra}; its fields: {sorted(fields)}")
+        raise _bad(where, f"{doc['op']} has no field(s) {extra[:8]}; its fields: {sorted(fields)}")
     kwargs = {}
     for k, v in doc.items():
         if k == "op":
             continue
-        if isinstance(v, dict) or (isinstance(v, bool) != (k in flags)):
-            raise ValueError(f"{where}: {doc['op']}.{k} has the wrong type: {v!r}")
+        kind = _FIELDS[doc["op"]][k]
+        test, what = _KINDS[kind.rstrip("?")]
+        if not ((v is None and kind.endswith("?")) or test(v)):
+            shown = v if not isinstance(v, list) else (v[:8] + ["..."] if len(v) > 8 else v)
+            raise _bad(where, f"{doc['op']}.{k} has the wrong type or is over its cap", expected=what,
+                       found=f"{shown!r}"[:200] + (f" ({len(v)} entries)" if isinstance(v, list) else ""))
         kwargs[k] = _tuples(v)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {doc['op']}({kwargs}) is not valid: {e}") from None
+        raise _bad(where, f"{doc['op']} is not valid: {str(e)[:200]}") from None
+
+
+def _check_nesting(doc: Any) -> None:
+    """InvalidMappingError when the document nests arrays and objects deeper than MAX_NESTING."""
+    stack = [(doc, 1)]
+    while stack:
+        value, level = stack.pop()
+        if level > MAX_NESTING:
+            raise _bad("the mapping document", "nests arrays and objects too deeply",
+                       expected=f"<= {MAX_NESTING} levels", found=f"more than {MAX_NESTING}")
+        for c in (value.values() if isinstance(value, dict) else value):
+            if isinstance(c, (dict, list)):
+                stack.append((c, level + 1))
+
+
+def _check_pattern(p: Any, where: str, what: str) -> None:
+    if not isinstance(p, str):
+        raise _bad(where, f"{what} must be a string", found=type(p).__name__)
+    if len(p) > MAX_PATTERN_CHARS:
+        raise _bad(where, f"{what} is too long", expected=f"<= {MAX_PATTERN_CHARS} characters", found=len(p))
+    n = p.count(_PLACEHOLDER_OPEN)
+    if n > MAX_PLACEHOLDERS:
+        raise _bad(where, f"{what} has too many placeholders", expected=f"<= {MAX_PLACEHOLDERS}", found=n)
+
+
+def _check_counts(doc: dict[str, Any]) -> None:
+    """The count caps, on the parsed document, before anything is built from it."""
+    rules = doc.get("rules", [])
+    if not isinstance(rules, list):
+        raise _bad("the mapping document", "rules must be a list", found=type(rules).__name__)
+    if len(rules) > MAX_RULES:
+        raise _bad("the mapping document", "has too many rules", expected=f"<= {MAX_RULES}", found=len(rules))
+    for name in ("ignore", "keep"):
+        globs = doc.get(name, [])
+        if not isinstance(globs, list) or not all(isinstance(g, str) for g in globs):
+            raise _bad("the mapping document", f"{name} must be a list of glob strings")
+        if len(globs) > MAX_GLOBS:
+            raise _bad("the mapping document", f"has too many {name} globs", expected=f"<= {MAX_GLOBS}",
+                       found=len(globs))
+        for g in globs:
+            _check_pattern(g, f"{name} glob", "a glob")
+    for i, r in enumerate(rules):
+        if not isinstance(r, dict):
+            continue
+        where = f"rule {i}"
+        src, ops, perm = r.get("source"), r.get("transforms", []), r.get("permute")
+        if isinstance(src, list) and len(src) > MAX_SOURCES:
+            raise _bad(where, "has too many sources", expected=f"<= {MAX_SOURCES}", found=len(src))
+        for p in (src if isinstance(src, list) else [src]):
+            _check_pattern(p, where, "source")
+        _check_pattern(r.get("target"), where, "target")
+        if isinstance(ops, list) and len(ops) > MAX_TRANSFORMS:
+            raise _bad(where, "has too many transforms", expected=f"<= {MAX_TRANSFORMS}", found=len(ops))
+        if isinstance(perm, dict) and (len(perm) > MAX_AXES or any(not isinstance(a, list) or len(a) > MAX_AXES
+                                                                   for a in perm.values())):
+            raise _bad(where, "permute has too many entries or axes", expected=f"<= {MAX_AXES} each",
+                       found=len(perm))
 
 
 def mapping_from_json(doc: Any) -> Mapping:
-    """A :class:`Mapping` from its JSON document (see the module docstring). ValueError naming the
-    rule for anything malformed."""
+    """A :class:`Mapping` from its JSON document (see the module docstring). InvalidMappingError
+    (a ValueError) naming the rule for anything malformed or over a cap, before any rule is built."""
     if not isinstance(doc, dict):
-        raise ValueError("a mapping document is a JSON object")
+        raise _bad("the mapping document", "a mapping document is a JSON object", found=type(doc).__name__)
     allowed = {"mapping", "source_sep", "target_sep", "rules", "ignore", "keep"}
     extra = sorted(set(doc) - allowed)
     if extra:
-        raise ValueError(f"unknown member(s) {extra} of a mapping document; known: {sorted(allowed)}")
+        raise _bad("the mapping document", f"unknown member(s) {extra[:8]} of a mapping document; known: {sorted(allowed)}")
     if doc.get("mapping", MAPPING_VERSION) != MAPPING_VERSION:
-        raise ValueError(f"mapping document version {doc.get('mapping')!r}; this reader knows {MAPPING_VERSION}")
+        raise _bad("the mapping document", f"mapping document version {doc.get('mapping')!r}; this reader knows "
+                   f"{MAPPING_VERSION}")
+    _check_nesting(doc)
+    _check_counts(doc)
     rules = []
     for i, r in enumerate(doc.get("rules", [])):
         where = f"rule {i}"
         if not isinstance(r, dict) or set(r) - {"source", "target", "transforms", "permute"} or "target" not in r:
-            raise ValueError(f"{where}: a rule is an object with source, target and transforms or permute")
+            raise _bad(where, "a rule is an object with source, target and transforms or permute")
         src = r.get("source")
         if not (isinstance(src, str) or (isinstance(src, list) and src and all(isinstance(s, str) for s in src))):
-            raise ValueError(f"{where}: source must be a string or a list of strings")
-        if not isinstance(r["target"], str):
-            raise ValueError(f"{where}: target must be a string")
+            raise _bad(where, "source must be a string or a list of strings")
         ops = r.get("transforms", [])
         if not isinstance(ops, list):
-            raise ValueError(f"{where}: transforms must be a list")
+            raise _bad(where, "transforms must be a list")
         perm = r.get("permute")
         if perm is not None:
             if not isinstance(perm, dict):
-                raise ValueError(f"{where}: permute maps ndim (a string) to axes")
-            try:
-                perm = {int(n): tuple(int(a) for a in axes) for n, axes in perm.items()}
-            except (TypeError, ValueError):
-                raise ValueError(f"{where}: permute maps ndim to a list of axes") from None
+                raise _bad(where, "permute maps ndim (a string) to axes")
+            if not all(_int_in(0, MAX_AXES)(_digits(n)) and _ints(0, MAX_AXES - 1, 0, MAX_AXES)(a)
+                       for n, a in perm.items()):
+                raise _bad(where, "permute maps ndim to a list of axes", expected=f"ndim and axes < {MAX_AXES}")
+            perm = {int(n): tuple(axes) for n, axes in perm.items()}
         try:
             rules.append(Rule(src if isinstance(src, str) else tuple(src), r["target"], perm,
                               tuple(_transform_from_json(op, f"{where} transform {j}") for j, op in enumerate(ops))))
+        except InvalidMappingError:
+            raise
         except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-    for name in ("ignore", "keep"):
-        if not isinstance(doc.get(name, []), list) or not all(isinstance(g, str) for g in doc.get(name, [])):
-            raise ValueError(f"{name} must be a list of glob strings")
+            raise _bad(where, str(e)[:300]) from None
     seps = [doc.get("source_sep", "/"), doc.get("target_sep", "/")]
-    if not all(isinstance(s, str) and s for s in seps):
-        raise ValueError("source_sep and target_sep must be non-empty strings")
+    if not all(isinstance(s, str) and 0 < len(s) <= 16 for s in seps):
+        raise _bad("the mapping document", "source_sep and target_sep must be non-empty strings (at most 16 characters)")
     return Mapping(tuple(rules), tuple(doc.get("ignore", [])), tuple(doc.get("keep", [])), seps[0], seps[1])
 
 
+def _digits(n: str) -> int | None:
+    return int(n) if isinstance(n, str) and n.isdigit() and len(n) <= 3 else None
+
+
 def load_mapping_file(path: str | os.PathLike) -> Mapping:
-    """Read a mapping document from a JSON file (at most 16 MiB). ValueError when malformed."""
+    """Read a mapping document from a JSON file of at most MAX_FILE_BYTES. InvalidMappingError (a
+    ValueError) when malformed or over a cap; OSError when it cannot be read."""
     with open(path, "rb") as fh:
-        data = fh.read(_MAX_FILE_BYTES + 1)
-    if len(data) > _MAX_FILE_BYTES:
-        raise ValueError(f"{path}: a mapping file is at most {_MAX_FILE_BYTES} bytes")
+        data = fh.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise _bad(str(path), "a mapping file is too large", expected=f"<= {MAX_FILE_BYTES} B",
+                   found=f"more than {MAX_FILE_BYTES} B")
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{path}: not JSON: {e}") from None
+    except RecursionError:
+        raise _bad(str(path), "not JSON: nested too deeply to parse", expected=f"<= {MAX_NESTING} levels") from None
+    except ValueError as e:
+        raise _bad(str(path), f"not JSON: {str(e)[:200]}") from None
     return mapping_from_json(doc)
-

@@ -86,6 +86,16 @@ def _fill(pattern: str, values: TMapping[str, Any]) -> str:
     return _PLACEHOLDER.sub(lambda mm: str(values[mm.group(1)]), pattern)
 
 
+def _family_length(found: Sequence[int]) -> int:
+    """How many keys of a Stack's family to name, from the sorted distinct indices present: all of
+    them when they are 0..n-1, else up to the first gap (that key is then reported missing).
+    Never more than one past the keys present, whatever index a key spells."""
+    for i, v in enumerate(found):
+        if v != i:
+            return i + 1
+    return max(1, len(found))
+
+
 def _invert(axes: Sequence[int]) -> tuple[int, ...]:
     inv = [0] * len(axes)
     for i, a in enumerate(axes):
@@ -362,9 +372,8 @@ class Mapping:
                 return None
             if stack is not None and [n for n in names if n not in got] == [stack.over]:
                 rx = _compile(pattern, got, ints=(stack.over,))
-                found = sorted(int(m.group(stack.over)) for k in keys if (m := rx.match(k)))
-                n = found[-1] + 1 if found else 1
-                out += [_fill(pattern, {**got, stack.over: i}) for i in range(n)]
+                found = sorted({int(m.group(stack.over)) for k in keys if (m := rx.match(k))})
+                out += [_fill(pattern, {**got, stack.over: i}) for i in range(_family_length(found))]
                 continue
             rx = _compile(pattern, got)
             cands = sorted(k for k in keys if rx.match(k))

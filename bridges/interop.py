@@ -25,19 +25,20 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Mapping as TMapping
+from typing import Any, Callable, Mapping as TMapping, Sequence
 
 from ckptfmt import errors as _errors
+from ckptfmt._exportfiles import read_config
 from ckptfmt.errors import CheckpointError, IncompleteSaveError
-from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportReport, ImportReport, check_out_dir, finish_export,
-                             import_safetensors, prepare_export, write_part)
+from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportReport, ImportReport, begin_export, discard_parts,
+                             finish_export, import_safetensors, prepare_export, write_part)
 
-from ._export_map import PRESETS, mapped_tensors, preset_mapping, strip_target_prefix
-from ._mapfile import load_mapping_file, mapping_from_json, mapping_to_json
+from ._export_map import PRESETS, Coverage, export_tensors, mapped_tensors, preset_mapping, strip_target_prefix
+from ._mapfile import InvalidMappingError, load_mapping_file, mapping_from_json, mapping_to_json
 from ._rules import Mapping
 
 __all__ = ["export", "import_checkpoint", "import_orbax", "import_dcp", "import_safetensors", "load_mapping",
-           "preset_mapping", "IMPORT_FORMATS",
+           "preset_mapping", "IMPORT_FORMATS", "InvalidMappingError", "Coverage", "export_tensors",
            "strip_target_prefix", "mapping_to_json", "mapping_from_json", "mapped_tensors", "PRESETS"]
 
 Progress = Callable[[int, int], None]
@@ -45,13 +46,14 @@ Progress = Callable[[int, int], None]
 
 def load_mapping(spec: str | Mapping | None, config: Any = None) -> Mapping | None:
     """A mapping from a preset name (:data:`PRESETS`; needs ``config``: a dict, an HF config, or a
-    ``config.json`` path), a mapping JSON file path, or a Mapping as is. ValueError otherwise."""
+    ``config.json`` path), a mapping JSON file path, or a Mapping as is. ValueError otherwise;
+    InvalidMappingError / InvalidConfigError (both ValueErrors) for a malformed file."""
     if spec is None or isinstance(spec, Mapping):
         return spec
     if spec in PRESETS:
         if config is None:
             raise ValueError(f"the preset {spec!r} needs the model's config (--config config.json)")
-        return preset_mapping(spec, _read_config(config) if isinstance(config, (str, os.PathLike)) else config)
+        return preset_mapping(spec, read_config(config) if isinstance(config, (str, os.PathLike)) else config)
     if os.path.isfile(spec):
         return load_mapping_file(spec)
     raise ValueError(f"--mapping {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a mapping file")
@@ -61,54 +63,76 @@ _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
-def _read_config(path: str | os.PathLike) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as fh:
-        doc = json.load(fh)
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: a model config is a JSON object")
-    return doc
-
-
-def _tensors_for(mapping: Mapping | None, dtype: str | None) -> Any:
+def _with_ignore(mapping: Mapping | None, ignore: Sequence[str]) -> Mapping | None:
+    if not ignore:
+        return mapping
     if mapping is None:
-        return None
-    return lambda ckpt: mapped_tensors(ckpt, mapping, dtype)[:2]
+        raise ValueError("--ignore needs --mapping: without a mapping every tensor is exported")
+    if isinstance(ignore, str) or not all(isinstance(g, str) for g in ignore):
+        raise ValueError(f"ignore is a list of glob strings, got {ignore!r}")
+    return Mapping(mapping.rules, mapping.ignore + tuple(ignore), mapping.keep, mapping.source_sep, mapping.target_sep)
 
 
 def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step: int | None = None,
            dtype: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
            config: TMapping[str, Any] | str | os.PathLike | None = None, processes: int = 1,
+           allow_partial: bool = False, ignore: Sequence[str] = (),
            progress: Progress | None = None) -> ExportReport:
     """Export step ``step`` (None: latest) of ``url`` as a Hugging Face safetensors directory.
 
     ``mapping`` (checkpoint keys -> file names and layouts; None: every tensor as is): a Mapping
     (e.g. ``preset_mapping("hf_llama_from_nnx", config)``), a preset name or a mapping file
-    (:func:`load_mapping`). Checkpoint keys that no output reads are left out and listed in the
-    report's ``unmapped``. ``dtype`` casts floating-point tensors (``bfloat16``, ``float16``, ...).
-    ``processes``: writer processes (this one and N-1 started here), each writing whole files.
-    ``config`` (a dict or a ``config.json`` path) becomes ``config.json`` and configures a preset.
-    ``progress(done, total)``: tensor bytes written by all writers.
+    (:func:`load_mapping`). Through a mapping the export is complete or refused: every target
+    tensor the mapping names for the whole model is written, every checkpoint key is read (but
+    those its ``ignore`` globs, or ``ignore``, name), every rule names something; else
+    KeyMismatchError, unless ``allow_partial=True`` asks for what fits (the report lists
+    ``unmapped`` checkpoint keys and ``unwritten`` targets). ``dtype`` casts floating-point
+    tensors (``bfloat16``, ``float16``, ...). ``processes``: writer processes (this one and N-1
+    started here), each writing whole files. ``config`` (a dict or a ``config.json`` path)
+    becomes ``config.json`` and configures a preset. ``progress(done, total)``: tensor bytes
+    written by all writers.
 
     Streaming and verified as :func:`ckptfmt.interop.export_safetensors` (host memory: the reader's
-    window and one block per process). Fails closed: MappingError (a rule that does not fit),
-    FileExistsError (``out_dir`` holds safetensors files), any writer's CheckpointError; then no
-    index is written and no file of this export is left under its final name.
+    window and one block per process); files are created and published as it does, never over
+    or through an existing name. Fails closed: before any byte is written, MappingError (a rule
+    that does not fit), KeyMismatchError (an incomplete export), InvalidMappingError /
+    InvalidConfigError (a mapping file or config over its caps or malformed), OutputExistsError
+    (``out_dir`` holds safetensors files, an index, ``config.json`` or a temporary name, as files
+    or links); later any writer's CheckpointError; then no index is written and no file of this
+    export is left.
     """
     t0 = time.perf_counter()
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     if isinstance(config, (str, os.PathLike)):
-        config = _read_config(config)
-    mapping = load_mapping(mapping, config)
+        config = read_config(config)
+    mapping = _with_ignore(load_mapping(mapping, config), ignore)
     dtype = _DTYPE_ALIASES.get(dtype, dtype) if dtype is not None else None
     if dtype is not None and dtype not in _FLOAT_DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(_FLOAT_DTYPES)} (floating-point tensors are cast)")
-    ckpt, plan, unmapped = prepare_export(url, step=step, tensors=_tensors_for(mapping, dtype), dtype=dtype,
-                                          max_shard_size=max_shard_size)
-    check_out_dir(out_dir)
+    coverage: list[Coverage] = []
+
+    def tensors(ckpt: Any) -> Any:
+        outs, unmapped, cov = export_tensors(ckpt, mapping, dtype, allow_partial=allow_partial)
+        coverage.append(cov)
+        return outs, unmapped
+
+    ckpt, plan, unmapped = prepare_export(url, step=step, tensors=tensors if mapping is not None else None,
+                                          dtype=dtype, max_shard_size=max_shard_size)
+    begin_export(out_dir, plan, config)
+    read = _write_all(ckpt, plan, out_dir, config, processes, progress, {
+        "url": str(url), "step": plan.step, "mapping": mapping_to_json(mapping) if mapping is not None else None,
+        "dtype": dtype, "max_shard_size": max_shard_size, "out_dir": str(out_dir), "digest": plan.digest})
+    return ExportReport(str(out_dir), tuple(f.name for f in plan.files), sum(len(f.tensors) for f in plan.files),
+                        plan.nbytes, read, time.perf_counter() - t0, plan.step, plan.save_id, tuple(unmapped),
+                        coverage[0].unwritten if coverage else ())
+
+
+def _write_all(ckpt: Any, plan: Any, out_dir: str, config: Any, processes: int, progress: Progress | None,
+               spec: dict[str, Any]) -> int:
+    """Write every file (this process and N-1 writers), then publish; bytes read by all writers.
+    On failure kills the writers, removes every temporary file of the export, and raises."""
     world = min(processes, max(1, len(plan.files)))
-    spec = {"url": str(url), "step": plan.step, "mapping": mapping_to_json(mapping) if mapping is not None else None,
-            "dtype": dtype, "max_shard_size": max_shard_size, "out_dir": str(out_dir), "digest": plan.digest}
     done = [0] * world
     lock = threading.Lock()
 
@@ -129,15 +153,12 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
     except BaseException:
         for w in workers:
             w.kill()
-        for f in plan.files:  # no partial export under final names
-            try:
-                os.unlink(os.path.join(out_dir, f.name))
-            except OSError:
-                pass
+        # Ours: rank 0's files and those a writer reported written or was writing when killed
+        # (a writer that failed removed its own; discard_parts leaves links alone).
+        ours = [f.name for i, f in enumerate(plan.files) if i % world == 0 or workers[i % world - 1].owns_files]
+        discard_parts(out_dir, ours)
         raise
-    read = int(ckpt.stats.bytes_read) + sum(int((w.result or {}).get("bytes_read", 0)) for w in workers)
-    return ExportReport(str(out_dir), tuple(f.name for f in plan.files), sum(len(f.tensors) for f in plan.files),
-                        plan.nbytes, read, time.perf_counter() - t0, plan.step, plan.save_id, tuple(unmapped))
+    return int(ckpt.stats.bytes_read) + sum(int((w.result or {}).get("bytes_read", 0)) for w in workers)
 
 
 class _Worker:
@@ -188,6 +209,11 @@ class _Worker:
                 return cls(f"export writer {self.rank}: {e.get('message')}", key=e.get("key"), object=e.get("object"),
                            expected=e.get("expected"), found=e.get("found"))
         return IncompleteSaveError(f"export writer {self.rank} failed (exit {rc})", found=(err or str(res))[-800:])
+
+    @property
+    def owns_files(self) -> bool:
+        """False once the writer reported an error: it then removed the files it created."""
+        return not isinstance((self.result or {}).get("error"), dict)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -2,9 +2,11 @@
 
 Call order: :func:`plan_export` (pure: which tensor goes to which file, their dtypes, the digest
 every writer must agree on) -> :func:`write_part` on each writer (its files only, disjoint by file
-number) -> :func:`finish_export` once every writer succeeded (``model.safetensors.index.json``
-and ``config.json``, each written to a temporary name and renamed: the index appears last, so a
-directory with an index is complete).
+number; each file under its temporary name) -> :func:`finish_export` once every writer
+succeeded (writes the temporary ``config.json`` and ``model.safetensors.index.json``, then gives
+every file its final name, the index last: a directory with an index is complete). Files are
+created and published as :mod:`ckptfmt._exportfiles` says: never over, or through, a name that
+exists in the output directory.
 
 Each output tensor is produced block by block: a block is a C-contiguous range of the output
 (rows of the leading axis, or of a later axis when one row is larger than the block), its
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -30,6 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import crc32c as _crc32c
 import numpy as np
 
+from ._exportfiles import CONFIG_NAME, check_out_dir, create_exclusive, encode_config, publish, temp_name
 from ._safetensors import (FORMAT_DTYPES, META_BLOCK, META_CRC, META_TABLE_CRC, META_VERSION, encode_header,
                            table_crc)
 from ._types import Box
@@ -37,7 +41,7 @@ from .dtypes import DTYPES, dtype_name, numpy_dtype
 from .errors import StorageError
 
 __all__ = ["ExportTensor", "ExportFile", "ExportPlan", "ExportReport", "Identity", "plan_export", "write_part",
-           "finish_export", "check_out_dir", "output_dtype", "parse_size", "natural_key", "INDEX_NAME", "CRC_BLOCK",
+           "finish_export", "begin_export", "discard_parts", "check_out_dir", "output_dtype", "parse_size", "natural_key", "INDEX_NAME", "CRC_BLOCK",
            "BLOCK_BYTES", "READ_WINDOW"]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -109,7 +113,9 @@ class ExportPlan:
 
 @dataclass(frozen=True)
 class ExportReport:
-    """What an export wrote: files, tensors, tensor bytes, bytes read from the checkpoint, seconds."""
+    """What an export wrote: files, tensors, tensor bytes, bytes read from the checkpoint, seconds;
+    ``unmapped``: checkpoint keys no output reads; ``unwritten``: target tensors the mapping names
+    for the whole model that a partial export (``allow_partial``) left out."""
 
     out_dir: str
     files: tuple[str, ...]
@@ -120,6 +126,7 @@ class ExportReport:
     step: int
     save_id: str
     unmapped: tuple[str, ...] = ()
+    unwritten: tuple[str, ...] = ()
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?i?B?)\s*", re.IGNORECASE)
@@ -231,14 +238,25 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, path: str) -> None:
                            found=str(e)) from None
 
 
+def begin_export(out_dir: str, plan: ExportPlan, config: Mapping[str, Any] | None = None) -> None:
+    """Check what can be checked before any byte is written, and create ``out_dir``: the config
+    encodes (InvalidConfigError), and ``out_dir`` holds no safetensors file or index and none of
+    this export's names or temporary names (OutputExistsError, links included)."""
+    if config is not None:
+        encode_config(config)
+    names = [f.name for f in plan.files] + [INDEX_NAME] + ([CONFIG_NAME] if config is not None else [])
+    check_out_dir(out_dir, names)
+
+
 def write_part(ckpt: Any, plan: ExportPlan, out_dir: str, *, part: tuple[int, int] = (0, 1),
                progress: Progress | None = None) -> list[str]:
     """Write the files whose number ``i`` has ``i % world == rank`` (``part = (rank, world)``).
 
     Every byte read is verified by the checkpoint's reader before it is written; each file is
-    written under a temporary name, fsynced and renamed into place. Returns the file names written.
-    On failure raises the reader's CheckpointError (or StorageError) and leaves no file of this
-    call in place under its final name.
+    created under its temporary name (:func:`ckptfmt._exportfiles.temp_name`) with ``O_EXCL |
+    O_NOFOLLOW`` and fsynced; :func:`finish_export` gives it its final name. Returns the file names
+    written. On failure raises the reader's CheckpointError, StorageError or OutputExistsError (a
+    temporary name exists: nothing is truncated or followed) and removes the files it created.
     """
     rank, world = part
     mine = [f for i, f in enumerate(plan.files) if i % world == rank]
@@ -250,13 +268,21 @@ def write_part(ckpt: Any, plan: ExportPlan, out_dir: str, *, part: tuple[int, in
             done = _write_file(ckpt, plan, f, out_dir, done, total, progress)
             written.append(f.name)
     except BaseException:
-        for name in written:
-            try:
-                os.unlink(os.path.join(out_dir, name))
-            except OSError:
-                pass
+        discard_parts(out_dir, written)
         raise
     return written
+
+
+def discard_parts(out_dir: str, names: Sequence[str]) -> None:
+    """Remove the temporary files of ``names`` that are regular files (what :func:`write_part`
+    wrote); links and final names are left alone."""
+    for name in names:
+        tmp = os.path.join(out_dir, temp_name(name))
+        try:
+            if stat.S_ISREG(os.lstat(tmp).st_mode):
+                os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def _write_file(ckpt: Any, plan: ExportPlan, f: ExportFile, out_dir: str, done: int, total: int,
@@ -265,10 +291,9 @@ def _write_file(ckpt: Any, plan: ExportPlan, f: ExportFile, out_dir: str, done: 
     layout = [(t.name, t.dtype, t.shape) for t in f.tensors]
     header, entries = encode_header(layout, _metadata(plan, dummy, "0" * 8))
     table = table_crc(entries, len(header))
-    path = os.path.join(out_dir, f.name)
-    tmp = os.path.join(out_dir, f".{f.name}.partial")
+    tmp = os.path.join(out_dir, temp_name(f.name))
     blocks = [(t, b) for t in f.tensors for b in _blocks(t.shape, DTYPES[t.dtype], BLOCK_BYTES)]
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = create_exclusive(tmp)
     try:
         crcs = {t.name: _BlockCrc(CRC_BLOCK) for t in f.tensors}
         pos = {e.name: e.begin for e in entries}
@@ -311,18 +336,22 @@ def _write_file(ckpt: Any, plan: ExportPlan, f: ExportFile, out_dir: str, done: 
             pass
         raise
     os.close(fd)
-    os.replace(tmp, path)
     return done
 
 
-def _write_json(out_dir: str, name: str, doc: Any) -> None:
-    tmp = os.path.join(out_dir, f".{name}.partial")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2, sort_keys=False)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(out_dir, name))
+def _write_new(out_dir: str, name: str, data: bytes) -> str:
+    """``data`` in a new temporary file for ``name`` (created exclusively), fsynced; its path."""
+    tmp = os.path.join(out_dir, temp_name(name))
+    fd = create_exclusive(tmp)
+    try:
+        _pwrite_all(fd, memoryview(data), 0, tmp)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    return tmp
 
 
 def _fsync_dir(path: str) -> None:
@@ -334,31 +363,50 @@ def _fsync_dir(path: str) -> None:
 
 
 def finish_export(out_dir: str, plan: ExportPlan, config: Mapping[str, Any] | None = None) -> None:
-    """Write ``config.json`` (when given) and then the index, each fsynced and renamed into place.
-    Call once every :func:`write_part` succeeded; raises StorageError if a planned file is absent."""
+    """Publish the export once every :func:`write_part` succeeded: write the temporary
+    ``config.json`` (when given) and index, then give every file its final name, weights first
+    and the index last (a directory with an index is complete), fsyncing the directory.
+
+    Raises before publishing anything: InvalidConfigError for a config that cannot be written,
+    StorageError when a planned file's temporary file is absent (or not a regular file). Never
+    replaces or follows an existing name: OutputExistsError, after which (as after any failure)
+    every name it published and every temporary file of this export is removed.
+    """
+    blob = encode_config(config) if config is not None else None
     for f in plan.files:
-        if not os.path.isfile(os.path.join(out_dir, f.name)):
-            raise StorageError("a planned safetensors file was not written", object=f.name, expected="present",
-                               found="missing")
-    _fsync_dir(out_dir)
-    if config is not None:
-        _write_json(out_dir, "config.json", dict(config))
+        tmp = os.path.join(out_dir, temp_name(f.name))
+        try:
+            regular = stat.S_ISREG(os.lstat(tmp).st_mode)
+        except FileNotFoundError:
+            regular = None
+        if not regular:
+            raise StorageError("a planned safetensors file was not written", object=tmp,
+                               expected="a regular file", found="missing" if regular is None else "not a regular file")
     weight_map = {t.name: f.name for f in plan.files for t in f.tensors}
     meta = {"total_size": plan.nbytes, META_VERSION: "1", "ckptfmt.source": plan.url,
             "ckptfmt.step": str(plan.step), "ckptfmt.save_id": plan.save_id}
-    _write_json(out_dir, INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(weight_map.items(),
-                                                                                   key=lambda kv: natural_key(kv[0])))})
-    _fsync_dir(out_dir)
-
-
-def check_out_dir(out_dir: str) -> None:
-    """Create ``out_dir`` if needed; FileExistsError if it already holds safetensors files or an index
-    (an export never mixes its files with another's)."""
-    os.makedirs(out_dir, exist_ok=True)
-    clash = sorted(n for n in os.listdir(out_dir) if n.endswith(".safetensors") or n.endswith(".safetensors.index.json"))
-    if clash:
-        raise FileExistsError(f"{out_dir} already holds {clash[:3]}{' ...' if len(clash) > 3 else ''}; "
-                              "export into an empty directory")
+    index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items(), key=lambda kv: natural_key(kv[0])))}
+    names = [f.name for f in plan.files]
+    published: list[str] = []
+    try:
+        _fsync_dir(out_dir)
+        if blob is not None:
+            _write_new(out_dir, CONFIG_NAME, blob)
+            names.append(CONFIG_NAME)
+        _write_new(out_dir, INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode("utf-8"))
+        names.append(INDEX_NAME)
+        for name in names:
+            publish(os.path.join(out_dir, temp_name(name)), os.path.join(out_dir, name))
+            published.append(name)
+        _fsync_dir(out_dir)
+    except BaseException:
+        for name in published:
+            try:
+                os.unlink(os.path.join(out_dir, name))
+            except OSError:
+                pass
+        discard_parts(out_dir, [n for n in names if n not in published])
+        raise
 
 
 def output_dtype(source: str, dtype: str | None) -> str:

@@ -17,6 +17,7 @@ __all__ = [
     "NotARepositoryError",
     "InvalidDataError", "AllocationError",
     "InvalidSourceError",
+    "OutputExistsError", "InvalidConfigError",
 ]
 
 
@@ -149,3 +150,14 @@ class NotARepositoryError(CheckpointError):
 class InvalidSourceError(CheckpointError):
     """A source of another format (a safetensors header or index, an Orbax or DCP checkpoint) is
     malformed or inconsistent; nothing was read past the check that failed (docs/INTEROP.md)."""
+
+
+class OutputExistsError(StorageError, FileExistsError):
+    """An export's output name (a final or a temporary file) already exists in the output directory,
+    as a file or as a link; nothing was written over it or through it (docs/INTEROP.md, section 3).
+    Also a FileExistsError, which this refusal was before it was typed."""
+
+
+class InvalidConfigError(CheckpointError, ValueError):
+    """A model config given to an export (``config.json`` or a dict) is not a JSON object within the
+    caps (size, nesting), or cannot be written as JSON; checked before anything is written."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from ._stexport import (BLOCK_BYTES, CRC_BLOCK, READ_WINDOW, ExportFile, ExportPlan, ExportReport, ExportTensor,
-                        Identity, check_out_dir, finish_export, natural_key, output_dtype, parse_size, plan_export,
+                        Identity, begin_export, check_out_dir, discard_parts, finish_export, natural_key, output_dtype, parse_size, plan_export,
                         write_part)
 from ._stimport import ImportReport, ImportTensor, import_tensors
 from ._stsource import SafetensorsSource, SourceTensor, find_safetensors
@@ -33,7 +33,7 @@ from .repository import Repository
 __all__ = ["open_source", "export_safetensors", "prepare_export", "import_safetensors", "import_tensors",
            "identity_tensors", "safetensors_provenance", "SafetensorsSource", "SourceTensor", "find_safetensors",
            "ExportTensor", "ExportFile", "ExportPlan", "ExportReport", "ImportTensor", "ImportReport", "Identity",
-           "parse_size", "check_out_dir", "write_part", "finish_export", "output_dtype", "CRC_BLOCK", "BLOCK_BYTES",
+           "parse_size", "check_out_dir", "begin_export", "write_part", "discard_parts", "finish_export", "output_dtype", "CRC_BLOCK", "BLOCK_BYTES",
            "MAX_HEADER_BYTES", "DEFAULT_MAX_SHARD_SIZE"]
 
 #: transformers' own default for ``save_pretrained(max_shard_size=...)``.
@@ -97,15 +97,23 @@ def export_safetensors(url: str, out_dir: str, *, step: int | None = None, tenso
     ``model.safetensors.index.json``. ``dtype`` casts floating-point tensors (e.g. ``"bfloat16"``).
     ``progress(done, total)`` is called with tensor bytes written.
 
-    Fails closed: FileExistsError when ``out_dir`` already holds safetensors files; the reader's
-    CheckpointError (ChecksumMismatchError, MissingShardError, ...) or StorageError, after which
-    no file of this export is left under its final name and no index exists.
+    Every file is created under its temporary name with ``O_EXCL | O_NOFOLLOW`` and published
+    without replacing anything (docs/INTEROP.md, section 3): nothing is written outside ``out_dir``.
+    Fails closed: before any byte is written, OutputExistsError when ``out_dir`` already holds
+    safetensors files, an index, a ``config.json`` (when ``config`` is given) or one of the
+    export's temporary names (files or links), InvalidConfigError for a config that cannot be
+    written; later the reader's CheckpointError (ChecksumMismatchError, MissingShardError, ...) or
+    StorageError, after which no file of this export is left and no index exists.
     """
     t0 = time.perf_counter()
     ckpt, plan, unmapped = prepare_export(url, step=step, tensors=tensors, dtype=dtype, max_shard_size=max_shard_size)
-    check_out_dir(out_dir)
+    begin_export(out_dir, plan, config)
     files = write_part(ckpt, plan, out_dir, progress=progress)
-    finish_export(out_dir, plan, config)
+    try:
+        finish_export(out_dir, plan, config)
+    except BaseException:
+        discard_parts(out_dir, files)
+        raise
     return ExportReport(str(out_dir), tuple(files), sum(len(f.tensors) for f in plan.files), plan.nbytes,
                         int(ckpt.stats.bytes_read), time.perf_counter() - t0, plan.step, plan.save_id, tuple(unmapped))
 

@@ -19,9 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from typer.testing import CliRunner  # noqa: E402
 
 from bridges import torch as bt  # noqa: E402
-from bridges.interop import (export, mapped_tensors, mapping_from_json, mapping_to_json, preset_mapping,  # noqa: E402
-                             strip_target_prefix)
+from bridges._mapfile import (MAX_AXES, MAX_GLOBS, MAX_PATTERN_CHARS, MAX_PLACEHOLDERS, MAX_RULES,  # noqa: E402
+                              MAX_SOURCES, MAX_STACKED, MAX_TRANSFORMS, load_mapping_file)
+from bridges.interop import (InvalidMappingError, export, mapped_tensors, mapping_from_json, mapping_to_json,  # noqa: E402
+                             preset_mapping, strip_target_prefix)
 from bridges.mapping import MappingError  # noqa: E402
+from ckptfmt.errors import CheckpointError, KeyMismatchError  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 from bridges.presets import hf_gpt2_from_nnx, hf_llama_from_maxtext, hf_llama_from_nnx  # noqa: E402
 from ckptfmt import Repository  # noqa: E402
 from ckptfmt_tools.cli import app  # noqa: E402
@@ -75,7 +79,9 @@ def test_presets_name_exactly_the_hf_state_dict(llama_step, tmp_path):
     outs, unmapped, notes = mapped_tensors(ckpt, preset_mapping("hf_llama_from_nnx", LLAMA))
     sd = hf_model("llama").state_dict()
     assert {t.name: t.shape for t in outs} == {k: tuple(v.shape) for k, v in sd.items()}
-    assert unmapped == ["optimizer/moment"] and notes == []
+    assert unmapped == [] and notes == []  # the export preset ignores the training state (optimizer/*)
+    _, unmapped, _ = mapped_tensors(ckpt, strip_target_prefix(hf_llama_from_nnx(LLAMA, optimizer=None), "model/"))
+    assert unmapped == ["optimizer/moment"]  # ... which a mapping without that glob reports
     gpt = {k: np.asarray(v.numpy()) for k, v in hf_model("gpt2").state_dict().items()}
     L, dm = GPT2["n_layer"], GPT2["n_embd"]
     r = np.random.default_rng(2)
@@ -134,3 +140,153 @@ def test_export_with_a_mapping_file_equals_the_preset_and_a_misfit_is_refused(ll
     assert r.exit_code == 2  # a preset needs --config
     with pytest.raises(MappingError):
         export(url, str(tmp_path / "e"), mapping=mapping_from_json(doc))
+
+
+# ------------------------------------------------------------------ issue 24: complete or refused; caps
+
+
+#: The llama_step parameters under other names: attention under layers/self_attn, the final norm
+#: under final_norm (what a model whose names differ from the preset's looks like).
+_RENAMES = {"layers/attn/q/kernel": "layers/self_attn/q/kernel", "layers/attn/k/kernel": "layers/self_attn/k/kernel",
+            "layers/attn/v/kernel": "layers/self_attn/v/kernel", "layers/attn/o/kernel": "layers/self_attn/o/kernel",
+            "norm/scale": "final_norm/scale"}
+_FIT = {"q_kernel": "layers/self_attn/q/kernel", "k_kernel": "layers/self_attn/k/kernel",
+        "v_kernel": "layers/self_attn/v/kernel", "o_kernel": "layers/self_attn/o/kernel", "norm": "final_norm/scale"}
+
+
+def test_an_export_that_leaves_target_tensors_unwritten_is_refused(llama_step, tmp_path):
+    """Item 6. The preset by name on a model whose attention and final norm have other names: the
+    API raises KeyMismatchError naming the unwritten targets and the unmatched checkpoint keys and
+    saying how to fit them; the CLI exits 1 with that error; OUT holds nothing. --allow-partial
+    writes what fits and lists what it left out. Broken control: the same step exported with the
+    names fitted (preset_mapping(..., names=...)) loads with from_pretrained and gives exactly the
+    logits of the step with the preset's own names."""
+    _, url, params = llama_step
+    renamed = {_RENAMES.get(k, k): v for k, v in params.items()}
+    rurl = str(tmp_path / "renamed")
+    bt.save(rurl, {"model": _nest(renamed), "optimizer": {"moment": torch.zeros(3)}}, step=3)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(LLAMA, model_type="llama")))
+    with pytest.raises(KeyMismatchError) as e:
+        export(rurl, str(tmp_path / "a"), mapping="hf_llama_from_nnx", config=str(cfg))
+    msg = str(e.value)
+    for needle in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight", "model/layers/self_attn/q/kernel",
+                   "model/final_norm/scale", "names=", "mapping file", "--allow-partial"):
+        assert needle in msg, needle
+    assert not (tmp_path / "a").exists()
+    r = runner.invoke(app, ["export", rurl, str(tmp_path / "b"), "--mapping", "hf_llama_from_nnx", "--config", str(cfg),
+                            "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["error"] == "KeyMismatchError", r.output
+    assert not (tmp_path / "b").exists()
+    r = runner.invoke(app, ["export", rurl, str(tmp_path / "c"), "--mapping", "hf_llama_from_nnx", "--config", str(cfg),
+                            "--allow-partial", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)["report"]
+    L = LLAMA["num_hidden_layers"]
+    assert rep["tensors"] == 21 - 4 * L - 1 and len(rep["unwritten"]) == 4 * L + 1 and "model.norm.weight" in rep["unwritten"]
+    assert sorted(rep["unmapped"]) == sorted(f"model/{v}" for v in _RENAMES.values())
+    good = export(url, str(tmp_path / "ref"), mapping="hf_llama_from_nnx", config=str(cfg))
+    fitted = export(rurl, str(tmp_path / "fitted"), mapping=preset_mapping("hf_llama_from_nnx", LLAMA, names=_FIT),
+                    config=str(cfg), max_shard_size="64KB", processes=2)  # a second writer process
+    assert fitted.tensors == good.tensors == 21 and fitted.unmapped == fitted.unwritten == ()
+    assert len(fitted.files) >= 2 and not [p for p in (tmp_path / "fitted").iterdir() if p.name.startswith(".")]
+    ref = tf.LlamaForCausalLM.from_pretrained(str(tmp_path / "ref")).eval()
+    got = tf.LlamaForCausalLM.from_pretrained(str(tmp_path / "fitted")).eval()
+    assert np.array_equal(logits(got), logits(ref))
+
+
+def test_a_checkpoint_key_no_rule_reads_is_refused_unless_ignored(llama_step, tmp_path):
+    """Every target written but a checkpoint key under the model no rule reads (a bias the config
+    does not know of): KeyMismatchError naming it. Controls: ignore=[glob] (--ignore) leaves it out
+    on purpose and the export succeeds; the preset's own training-state glob already leaves
+    optimizer/* out."""
+    _, _, params = llama_step
+    L, d = LLAMA["num_hidden_layers"], LLAMA["hidden_size"]
+    xurl = str(tmp_path / "extra")
+    bt.save(xurl, {"model": _nest(dict(params, **{"layers/attn/o/bias": np.ones((L, d), np.float32)})),
+                   "optimizer": {"moment": torch.zeros(3)}}, step=1)
+    with pytest.raises(KeyMismatchError, match="model/layers/attn/o/bias"):
+        export(xurl, str(tmp_path / "a"), mapping=preset_mapping("hf_llama_from_nnx", LLAMA))
+    assert not (tmp_path / "a").exists()
+    rep = export(xurl, str(tmp_path / "b"), mapping=preset_mapping("hf_llama_from_nnx", LLAMA),
+                 ignore=["model/layers/attn/o/bias"])
+    assert rep.tensors == 21 and rep.unmapped == ()
+    (tmp_path / "cfg.json").write_text(json.dumps(LLAMA))
+    r = runner.invoke(app, ["export", xurl, str(tmp_path / "c"), "--mapping", "hf_llama_from_nnx", "--config",
+                            str(tmp_path / "cfg.json"), "--ignore", "model/*/o/bias"])
+    assert r.exit_code == 0, r.output
+
+
+#: Item 10: 130 bytes that declared a billion layers (22 GB and an OOM kill before the fix).
+_HOSTILE = {"rules": [{"source": "model/layers/mlp_norm/scale", "target": "l.{i}.w",
+                       "transforms": [{"op": "Select", "axis": 0, "index": "i", "size": 1000000000}]}]}
+
+
+def _with(doc: dict, **select) -> dict:
+    out = json.loads(json.dumps(doc))
+    out["rules"][0]["transforms"][0].update(select)
+    return out
+
+
+def test_a_tiny_mapping_file_declaring_a_huge_select_is_refused_by_its_caps(llama_step, tmp_path):
+    """The hostile file (size 1e9 as an integer and as a float): InvalidMappingError naming the rule,
+    the field and the value, before anything is enumerated (CLI: exit 1, typed). Within the cap but
+    contradicted by the checkpoint (size 10^6, the tensor has 2 layers): MappingError naming the
+    rule, before anything is enumerated; a rule of 10^6 targets that matches nothing: the
+    incomplete-export error with the count, not 10^6 names. Control: the same rule with the real
+    size exports its 2 tensors."""
+    _, url, params = llama_step
+    L = LLAMA["num_hidden_layers"]
+    for size in (1000000000, 1e9):
+        p = tmp_path / f"hostile-{size!r}.json"
+        p.write_text(json.dumps(_with(_HOSTILE, size=size)))
+        assert p.stat().st_size < 160
+        with pytest.raises(InvalidMappingError) as e:
+            load_mapping_file(p)
+        assert e.value.object == "rule 0 transform 0" and "Select.size" in e.value.message
+        assert str(size) in str(e.value.found) and str(MAX_STACKED) in e.value.expected
+        r = runner.invoke(app, ["export", url, str(tmp_path / "out"), "--mapping", str(p), "--json"])
+        assert r.exit_code == 1 and json.loads(r.stdout)["error"] == "InvalidMappingError", r.output
+    with pytest.raises(MappingError, match="declares a stacked length of 1000000"):
+        export(url, str(tmp_path / "o1"), mapping=mapping_from_json(_with(_HOSTILE, size=10**6)), allow_partial=True)
+    idle = json.loads(json.dumps(_with(_HOSTILE, size=10**6)))
+    idle["rules"][0]["source"] = "nothing/here"
+    with pytest.raises(KeyMismatchError, match="1000000 target"):
+        export(url, str(tmp_path / "o2"), mapping=mapping_from_json(idle))
+    ok = _with(_HOSTILE, size=L)
+    ok["ignore"] = ["*"]  # the rest of the step is left out on purpose
+    rep = export(url, str(tmp_path / "o3"), mapping=mapping_from_json(ok))
+    assert rep.tensors == L
+    got = load_file(str(tmp_path / "o3" / rep.files[0]))
+    assert all(np.array_equal(got[f"l.{i}.w"], params["layers/mlp_norm/scale"][i]) for i in range(L))
+
+
+def _rule(**kw) -> dict:
+    return {"rules": [dict({"source": "a", "target": "b"}, **kw)]}
+
+
+@pytest.mark.parametrize("doc, what", [
+    ({"rules": [{"source": "a", "target": "b"}] * (MAX_RULES + 1)}, "too many rules"),
+    (_rule(source=["a{x}"] * (MAX_SOURCES + 1), transforms=[{"op": "Concat", "axis": 0}]), "too many sources"),
+    (_rule(transforms=[{"op": "Transpose", "axes": [0]}] * (MAX_TRANSFORMS + 1)), "too many transforms"),
+    (_rule(target="b" * (MAX_PATTERN_CHARS + 1)), "too long"),
+    (_rule(source="".join(f"{{p{i}}}/" for i in range(MAX_PLACEHOLDERS + 1))), "too many placeholders"),
+    (_rule(transforms=[{"op": "Merge", "axis": 0, "sizes": 10**9}]), "Merge.sizes"),
+    (_rule(transforms=[{"op": "Select", "axis": 10**9, "index": 0}]), "Select.axis"),
+    (_rule(transforms=[{"op": "Part", "axis": 0, "index": 0, "parts": 10**9}]), "Part.parts"),
+    (_rule(transforms=[{"op": "Transpose", "axes": list(range(MAX_AXES + 1))}]), "Transpose.axes"),
+    (_rule(target="l.{i}", transforms=[{"op": "Select", "axis": 0, "index": "i", "size": True}]), "Select.size"),
+    ({"rules": [], "ignore": ["*"] * (MAX_GLOBS + 1)}, "too many ignore globs"),
+    (_rule(transforms=[{"op": "Merge", "axis": 0, "sizes": [[[[[[2]]]]]]}]), "too deeply"),
+])
+def test_mapping_caps_are_typed_errors_naming_the_rule_and_the_value(doc, what):
+    """Each structural cap of bridges/MAPPING.md, one over: InvalidMappingError (a CheckpointError
+    and a ValueError) saying which cap. Control: the same shape at the cap loads."""
+    with pytest.raises(InvalidMappingError, match=what) as e:
+        mapping_from_json(doc)
+    assert isinstance(e.value, CheckpointError) and isinstance(e.value, ValueError)
+    assert mapping_from_json({"rules": [{"source": "a", "target": "b"}] * 8, "ignore": ["*"] * MAX_GLOBS})
+    assert mapping_from_json(_rule(target="l.{i}", transforms=[{"op": "Select", "axis": 0, "index": "i",
+                                                                 "size": MAX_STACKED}]))
+    assert mapping_from_json(_rule(source="".join(f"{{p{i}}}/" for i in range(MAX_PLACEHOLDERS)),
+                                   target="".join(f"{{p{i}}}." for i in range(MAX_PLACEHOLDERS))))

@@ -2,13 +2,14 @@
 and ``ckptfmt.interop``). Registered on the app by importing this module.
 
 Exit codes as every command: 0 success; 1 a CheckpointError (printed, or the JSON document with
-``"ok": false`` under ``--json``); 2 usage (a bad option, an unknown preset, an output directory
-that already holds safetensors files, a DCP import without ``--trust-pickle``).
+``"ok": false`` under ``--json``: an incomplete export, an output name that exists, a mapping file
+or config over its caps, ...); 2 usage (a bad option, an unknown preset, a preset without
+``--config``, a DCP import without ``--trust-pickle``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 
@@ -53,8 +54,14 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                config: Optional[str] = typer.Option(None, "--config", help="The model's config.json: configures "
                                                     "a preset and is copied into OUT_DIR."),
                processes: int = typer.Option(1, "--processes", min=1, help="Writer processes (disjoint files)."),
+               allow_partial: bool = typer.Option(False, "--allow-partial", help="Write what the mapping fits even "
+                                                  "if target tensors are left unwritten or checkpoint keys unread "
+                                                  "(default: refuse, writing nothing)."),
+               ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Checkpoint keys to leave out on "
+                                                          "purpose (a glob; repeatable; needs --mapping)."),
                as_json: bool = JsonOpt) -> None:
-    """Export a step as Hugging Face safetensors files (+ index), loadable by from_pretrained."""
+    """Export a step as Hugging Face safetensors files (+ index), loadable by from_pretrained.
+    Through a mapping it is complete or refused (--allow-partial to write what fits)."""
     from ckptfmt.errors import CheckpointError
 
     if fmt != "safetensors":
@@ -64,10 +71,11 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     try:
         with _bar(f"export {url}", quiet=as_json) as progress:
             report = export(url, out_dir, mapping=mapping, step=step, dtype=dtype, max_shard_size=max_shard_size,
-                            config=config, processes=processes, progress=progress)
+                            config=config, processes=processes, allow_partial=allow_partial,
+                            ignore=tuple(ignore or ()), progress=progress)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
-    except (ValueError, FileExistsError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc))
     doc = _render.plain(report)
     if as_json:
@@ -81,6 +89,10 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
         shown = ", ".join(_render.safe(k) for k in report.unmapped[:8])
         more = f" and {len(report.unmapped) - 8} more" if len(report.unmapped) > 8 else ""
         out.print(f"[yellow]not exported (no mapping rule reads them):[/] {shown}{more}")
+    if report.unwritten:
+        shown = ", ".join(_render.safe(k) for k in report.unwritten[:8])
+        more = f" and {len(report.unwritten) - 8} more" if len(report.unwritten) > 8 else ""
+        out.print(f"[yellow]partial export (--allow-partial): target tensors not written:[/] {shown}{more}")
 
 
 @app.command("import")
