@@ -291,5 +291,6 @@ class ReusePlanner:
                 continue
             sid, path = r.ref if r.ref is not None else (save_id, layout.array_path(save_id, r.tensor))
             cnb = tuple(r.chunk_nbytes) or (seen.chunk_nbytes,) * len(r.chunk_offsets)
-            self.memory.remember(seen.source, seen.where, Remembered(StoredShard(
-                sid, path, r.nbytes, r.index_crc32c, tuple(r.chunk_offsets), tuple(r.chunk_crc32c), cnb), seen.digest.result()))
+            stored = StoredShard(sid, path, r.nbytes, r.index_crc32c, tuple(r.chunk_offsets),
+                                 tuple(r.chunk_crc32c), cnb)
+            self.memory.remember(seen.source, seen.where, Remembered(stored, seen.digest.result()))

@@ -116,7 +116,8 @@ def test_jax_aliased_array_mutated_in_place_is_not_stale(tmp_path):
     """Identity alone is no proof: an array aliased by numpy and changed in place is written again
     (both aliasing routes), and an unchanged array is still proven without reading a shard."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", _ALIAS, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run([sys.executable, "-c", _ALIAS, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["device_put"]["aliased"] and got["dlpack"]["aliased"] and not got["owned"]["aliased"]

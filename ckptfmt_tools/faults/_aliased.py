@@ -98,8 +98,8 @@ def aliased_mutated(scene: Any, ctx: Any) -> ReuseAttempt:
     lines = p.stdout.strip().splitlines()
     if p.returncode != 0 or not lines:
         tail = p.stderr.strip().splitlines()[-1:] or [f"exit {p.returncode}"]
-        return ReuseAttempt("saves of steps 3-5 from one aliased array", error={"error": "ProcessFailed", "message": tail[0],
-                                                                                 "untyped": True})
+        return ReuseAttempt("saves of steps 3-5 from one aliased array",
+                            error={"error": "ProcessFailed", "message": tail[0], "untyped": True})
     doc = json.loads(lines[-1])
     a = ReuseAttempt(f"steps 3-5 saved from one array ({doc['route']}), changed in place before step 4",
                      doc["steps"], doc.get("error"))
