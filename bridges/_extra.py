@@ -17,7 +17,9 @@ key            stored (and returned)  note
 Tuples come back as lists. Values are otherwise stored as they are (msgpack also takes bytes and
 numpy arrays, which JSON does not). Two keys of one dict that render alike (``1`` and ``"1"``),
 or a key of another type (a numpy integer, a tuple), raise InvalidStateError naming the key path
-before anything is written; ``json.dumps`` would raise too, or silently keep only one.
+before anything is written; ``json.dumps`` would raise too, or silently keep only one. A dict or
+list that contains itself raises ReferenceCycleError (an InvalidStateError) naming the key path
+where the cycle closes, as ``json.dumps`` raises ValueError("Circular reference detected").
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ckptfmt.errors import InvalidStateError
+from ckptfmt.errors import InvalidStateError, ReferenceCycleError
 
 __all__ = ["json_keys"]
 
@@ -53,9 +55,21 @@ def _key(k: Any, path: str) -> str:
 def json_keys(value: Any, path: str = "") -> Any:
     """A copy of ``value`` whose dict keys (at any depth) are rendered as JSON renders them.
 
-    Raises InvalidStateError for a key JSON cannot render or two keys that render alike.
-    ``value`` is not modified.
+    Raises InvalidStateError for a key JSON cannot render or two keys that render alike, and
+    ReferenceCycleError (naming the key path where the cycle closes) for a dict or list that
+    contains itself. ``value`` is not modified.
     """
+    return _rendered(value, path, set())
+
+
+def _rendered(value: Any, path: str, within: set[int]) -> Any:
+    if not isinstance(value, (Mapping, list, tuple)):
+        return value
+    if id(value) in within:
+        where = path or "<root>"
+        raise ReferenceCycleError(f"{where!r} contains itself (a reference cycle closes here)", key=where,
+                                  expected="a tree of values", found=f"a {type(value).__name__} seen above")
+    within.add(id(value))
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for k, v in value.items():
@@ -63,8 +77,9 @@ def json_keys(value: Any, path: str = "") -> Any:
             if text in out:
                 raise InvalidStateError(f"two keys under {path or '<root>'!r} are both stored as {text!r}",
                                         key=f"{path}/{text}" if path else text, found=repr(k))
-            out[text] = json_keys(v, f"{path}/{text}" if path else text)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [json_keys(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(value)]
-    return value
+            out[text] = _rendered(v, f"{path}/{text}" if path else text, within)
+    else:
+        out = [_rendered(v, f"{path}/{i}" if path else str(i), within)  # type: ignore[assignment]
+               for i, v in enumerate(value)]
+    within.discard(id(value))
+    return out

@@ -14,7 +14,8 @@ pytree key entry            example                                     componen
 Components are joined with ``/``. A component must be non-empty and must not contain ``/``;
 dict keys must be ``str`` or ``int``. Two leaves whose paths render to the same string are an
 error (``{0: a, "0": b}``). Violations raise ``ValueError`` naming the offending path, before
-anything is written.
+anything is written; a node that contains itself raises ``ReferenceCycleError`` naming the key
+path where the cycle closes (checked before ``jax.tree_util`` sees the tree).
 """
 from __future__ import annotations
 
@@ -26,11 +27,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ckptfmt import Box, TensorSharding
+from ckptfmt.errors import ReferenceCycleError
 
 __all__ = [
     "render_path", "flatten_with_keys", "index_to_box", "describe_sharding", "is_prng_key",
-    "physical_sharding", "nest",
+    "physical_sharding", "nest", "check_acyclic",
 ]
+
+_LEAVES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, str, bytes)
 
 
 def _component(entry: Any, so_far: str) -> str:
@@ -65,12 +69,61 @@ def render_path(path: Iterable[Any]) -> str:
     return out
 
 
+def _children(node: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``node``'s direct pytree children with their key entries (``[((), node)]`` for a leaf):
+    jax.tree_util's own flattening, one level deep (every node below the first is a leaf)."""
+    first = [True]
+
+    def below(_: Any) -> bool:
+        was, first[0] = first[0], False
+        return not was
+
+    return jax.tree_util.tree_flatten_with_path(node, is_leaf=below)[0]
+
+
+def _where(so_far: str, path: tuple[Any, ...]) -> str:
+    try:
+        rest = render_path(path)
+    except ValueError:  # an unrenderable key is reported later, by flatten_with_keys
+        rest = jax.tree_util.keystr(path)
+    return f"{so_far}/{rest}" if so_far else rest
+
+
+def check_acyclic(tree: Any) -> None:
+    """Raise ReferenceCycleError, naming the key path where the cycle closes, if a node of
+    ``tree`` contains itself. jax.tree_util meets such a tree with a SystemError (after a
+    RecursionError inside its C++ code), so this runs first, iteratively, one level at a time."""
+    above = {id(tree)}
+    stack = [(tree, "", iter(_children(tree)))]
+    while stack:
+        node, where, kids = stack[-1]
+        nxt = next(kids, None)
+        if nxt is None:
+            above.discard(id(node))
+            stack.pop()
+            continue
+        path, child = nxt
+        if isinstance(child, _LEAVES) or child is None:
+            continue
+        key = _where(where, path)
+        if id(child) in above:
+            raise ReferenceCycleError(f"pytree node {key!r} contains itself (a reference cycle closes here)", key=key,
+                                      expected="a tree", found=f"a {type(child).__name__} seen above")
+        grand = _children(child)
+        if len(grand) == 1 and not grand[0][0] and grand[0][1] is child:
+            continue  # a leaf
+        above.add(id(child))
+        stack.append((child, key, iter(grand)))
+
+
 def flatten_with_keys(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     """Flatten ``tree`` to ``[(key path, leaf)]`` in pytree order, plus its treedef.
 
     Raises ValueError for a bare leaf (no key path), an unrenderable key, or two leaves
-    whose key paths collide.
+    whose key paths collide; ReferenceCycleError (a CheckpointError) for a node that contains
+    itself.
     """
+    check_acyclic(tree)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     out: list[tuple[str, Any]] = []
     seen: set[str] = set()

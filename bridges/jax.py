@@ -105,7 +105,7 @@ def _array_shards(key: str, arr: jax.Array, copy: bool) -> list[LocalShard]:
         if sh.replica_id == lowest[box]:
             data = np.asarray(sh.data) if copy else (lambda d=sh.data: np.asarray(d))
         out.append(LocalShard(key, shape, dtype, box, data, replica_id=int(sh.replica_id), sharding=desc,
-                              source=arr if sh.replica_id == 0 else None))  # jax.Array: immutable
+                              source=arr if sh.replica_id == 0 else None))  # identity + digest (8.4)
     if not out:
         # Held by other processes only. Every rank must list the same inventory, so declare
         # the tensor: an empty box holds nothing (a scalar's box cannot be empty, so it claims

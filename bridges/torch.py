@@ -43,7 +43,8 @@ import ckptfmt
 from ckptfmt import Box, LocalShard, SaveHandle, TensorSharding, agree_step
 from ckptfmt.asyncsave import save_in_flight, start_async
 from ckptfmt.dtypes import DTYPES, ML_DTYPES, numpy_dtype, same_width_int
-from ckptfmt.errors import InvalidStateError, KeyMismatchError, SaveInProgressError, ShapeMismatchError
+from ckptfmt.errors import (InvalidStateError, KeyMismatchError, ReferenceCycleError, SaveInProgressError,
+                            ShapeMismatchError)
 from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.interop import open_source
 from ckptfmt.state import decode_state, encode_state
@@ -108,15 +109,21 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype, device: torch.device | str = "
 # ----------------------------------------------------------------------------- flattening
 
 
-def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(key path, leaf) pairs; dicts recurse, everything else is a leaf."""
+def _flatten(tree: Any, prefix: str = "", within: frozenset[int] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """(key path, leaf) pairs; dicts recurse, everything else is a leaf. A dict that contains
+    itself (``within``: the ids of the dicts above) raises ReferenceCycleError at the key path
+    where the cycle closes."""
     if isinstance(tree, TMapping):
+        if id(tree) in within:
+            raise ReferenceCycleError(f"state dict entry {prefix!r} contains itself (a reference cycle closes here)",
+                                      key=prefix, expected="a tree of dicts", found="a dict seen above")
+        inner = within | {id(tree)}
         for k, v in tree.items():
             part = str(k)
             if not part or "/" in part:
                 raise ValueError(f"state dict key {k!r} under {prefix or '<root>'!r} cannot be part "
                                  "of a key path (empty or contains '/')")
-            yield from _flatten(v, f"{prefix}/{part}" if prefix else part)
+            yield from _flatten(v, f"{prefix}/{part}" if prefix else part, inner)
     else:
         if not prefix:
             raise ValueError("the state is a single leaf; wrap it in a dict, e.g. {'x': tensor}")

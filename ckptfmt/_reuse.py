@@ -10,11 +10,16 @@ a reference record or None ("write it"). A shard is referenced only when ``P`` s
 tensor, box, dtype and geometry and its bytes are proven equal; a crc32c match alone is never
 proof (FORMAT.md 8.4):
 
-* **identity proof** (``reuse="auto"``, for shards with an immutable ``LocalShard.source``, the
+* **identity and digest proof** (``reuse="auto"``, for shards with a ``LocalShard.source``, the
   global ``jax.Array`` the JAX bridge passes): this process saved that very object, still alive
-  and not deleted, in an earlier committed save of this repository, and the object it recorded
-  then (save id, path, size, every checksum) is the one ``P`` names for this shard. Nothing is
-  read: the bytes are those this process wrote and verified from the same immutable buffer.
+  and not deleted, in an earlier committed save of this repository; the object it recorded then
+  (save id, path, size, every checksum) is the one ``P`` names for this shard; and the source
+  block's digest (:mod:`ckptfmt._digest`, SHA-256) now equals the one taken of the block it
+  wrote (or proved) then. No stored
+  byte is read. The identity alone proves nothing: a ``jax.Array`` may share its buffer with a
+  mutable host object (on CPU, ``jax.device_put`` of a 64-byte-aligned numpy array, or
+  ``jax.dlpack.from_dlpack``), and JAX exposes no way to tell such an array from one that owns
+  its buffer; the digest catches a change made through the other object.
 * **byte proof** (``reuse="auto"`` for every other shard and where the identity proof fails,
   ``reuse="compare"`` for all): the
   chunk crc32c (computed anyway) equal ``P``'s, then the stored object is read, checked against
@@ -34,12 +39,13 @@ import numpy as np
 
 from . import layout
 from ._blockcheck import BlockChecks
+from ._digest import DigestWindow, PendingDigest, start_digest
 from ._shardwriter import padded_chunks
 from .errors import CheckpointError
 from .manifest import Manifest, TensorEntry
 
 if TYPE_CHECKING:
-    from ._shardwriter import ShardRecord
+    from ._shardwriter import Materialize, ShardRecord
     from ._types import LocalShard
     from .plan import TensorWritePlan, WriteItem
 
@@ -70,18 +76,26 @@ class StoredShard:
                    tuple(t.chunks.nbytes[c0:c1].tolist()))
 
 
+@dataclass(frozen=True)
+class Remembered:
+    """What this process stored for one source shard: the object, and its block's digest."""
+
+    shard: StoredShard
+    digest: bytes
+
+
 class ReuseMemory:
-    """What this process saved from which immutable source object: the identity proof's record.
+    """What this process saved from which source object: the identity proof's record.
 
     Keyed by the source object itself, held weakly (an entry dies with its object, so a recycled
     ``id`` never matches), then by (repository, key path, box, dtype, geometry). Thread-safe.
     """
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[weakref.ref, dict[tuple, StoredShard]]] = {}
+        self._by_id: dict[int, tuple[weakref.ref, dict[tuple, Remembered]]] = {}
         self._lock = threading.Lock()
 
-    def remember(self, source: Any, where: tuple, shard: StoredShard) -> None:
+    def remember(self, source: Any, where: tuple, shard: Remembered) -> None:
         with self._lock:
             entry = self._by_id.get(id(source))
             if entry is None or entry[0]() is not source:
@@ -92,7 +106,7 @@ class ReuseMemory:
                 entry = self._by_id[id(source)] = (ref, {})
             entry[1][where] = shard
 
-    def recall(self, source: Any, where: tuple) -> StoredShard | None:
+    def recall(self, source: Any, where: tuple) -> Remembered | None:
         with self._lock:
             entry = self._by_id.get(id(source))
             if entry is None or entry[0]() is not source:
@@ -162,11 +176,12 @@ def previous_manifest(repo: Any, pinned: Any) -> Manifest | None:
     return m if m.save_id == save_id else None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Seen:
     source: Any
     where: tuple
     chunk_nbytes: int  # of a raw chunk, for records that do not list their chunks' lengths
+    digest: PendingDigest | None = None  # of the block written or proved; None: nothing to remember
 
 
 class ReusePlanner:
@@ -182,10 +197,11 @@ class ReusePlanner:
         self._rows: dict[str, dict[tuple[int, ...], int]] = {}
         self._seen: dict[tuple[int, tuple[int, ...]], _Seen] = {}
         self._checks = BlockChecks()
+        self._digests = DigestWindow()
         self.referenced = 0
 
     def __call__(self, plan: "TensorWritePlan", item: "WriteItem", holder: "LocalShard",
-                 materialize: Callable[[], tuple[np.ndarray, list[int]]]) -> "ShardRecord | None":
+                 materialize: "Materialize") -> "ShardRecord | None":
         """A reference record for this shard, or None to write it. Never raises for a bad earlier
         object: it is then simply written anew."""
         if self.mode == "off":
@@ -194,21 +210,38 @@ class ReusePlanner:
         where = (self.repo_id, plan.key, item.box.offset, item.box.shape, g.shape, plan.dtype, g.shard_shape,
                  g.chunk_shape, self.codec)
         source = getattr(holder, "source", None)
+        seen = None
         if source is not None and self.mode == "auto":
-            self._seen[(plan.index, item.cell)] = _Seen(source, where, g.chunk_nbytes)
+            seen = self._seen[(plan.index, item.cell)] = _Seen(source, where, g.chunk_nbytes)
         found = self._stored(plan, item)
-        if found is None:
+        if found is None or not self._proven(found, seen, materialize):
+            if seen is not None:  # to be written: its digest, for the next save's identity proof
+                seen.digest = self._digests.add(start_digest(materialize(False)[0]))
             return None
-        t, s, stored = found
-        proven = (source is not None and self.mode == "auto" and _alive(source)
-                  and self.memory.recall(source, where) == stored)
-        if not proven and not self._same_bytes(t, s, stored, materialize):
-            return None
+        stored = found[2]
         from ._shardwriter import ShardRecord
 
         self.referenced += 1
         return ShardRecord(plan.index, item.cell, stored.nbytes, stored.index_crc32c, stored.chunk_offsets,
                            stored.chunk_crc32c, (stored.save_id, stored.path), stored.chunk_nbytes)
+
+    def _proven(self, found: tuple[TensorEntry, int, StoredShard], seen: _Seen | None,
+                materialize: "Materialize") -> bool:
+        """The identity and digest proof where the source is tracked and was saved as ``P``'s
+        row, else the byte proof. Sets ``seen.digest`` when the shard is proven."""
+        t, s, stored = found
+        known = self.memory.recall(seen.source, seen.where) if seen is not None and _alive(seen.source) else None
+        if seen is not None and known is not None and known.shard == stored:
+            digest = start_digest(materialize(False)[0])
+            if digest.result() != known.digest:
+                return False  # changed (through a host object sharing its buffer): written again
+            seen.digest = digest
+            return True
+        if not self._same_bytes(t, s, stored, materialize):
+            return False
+        if seen is not None:
+            seen.digest = self._digests.add(start_digest(materialize()[0]))
+        return True
 
     def _stored(self, plan: "TensorWritePlan", item: "WriteItem") -> tuple[TensorEntry, int, StoredShard] | None:
         """``P``'s row for this shard, when ``P`` holds the same tensor with the same geometry."""
@@ -228,7 +261,7 @@ class ReusePlanner:
         return t, s, StoredShard.of(t, s)
 
     def _same_bytes(self, t: TensorEntry, s: int, stored: StoredShard,
-                    materialize: Callable[[], tuple[np.ndarray, list[int]]]) -> bool:
+                    materialize: "Materialize") -> bool:
         """The byte proof: the chunk crc32c equal, then the stored object, checked against ``P``'s
         manifest (size, index, every chunk's crc32c), holds exactly the source's chunks."""
         block, crcs = materialize()
@@ -254,9 +287,10 @@ class ReusePlanner:
         """After the commit: which object now holds each identity-tracked source's bytes."""
         for r in records:
             seen = self._seen.get((r.tensor, r.cell))
-            if seen is None or not _alive(seen.source):
+            if seen is None or seen.digest is None or not _alive(seen.source):
                 continue
             sid, path = r.ref if r.ref is not None else (save_id, layout.array_path(save_id, r.tensor))
             cnb = tuple(r.chunk_nbytes) or (seen.chunk_nbytes,) * len(r.chunk_offsets)
-            self.memory.remember(seen.source, seen.where, StoredShard(
-                sid, path, r.nbytes, r.index_crc32c, tuple(r.chunk_offsets), tuple(r.chunk_crc32c), cnb))
+            stored = StoredShard(sid, path, r.nbytes, r.index_crc32c, tuple(r.chunk_offsets),
+                                 tuple(r.chunk_crc32c), cnb)
+            self.memory.remember(seen.source, seen.where, Remembered(stored, seen.digest.result()))

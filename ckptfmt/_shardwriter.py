@@ -103,10 +103,11 @@ def holders(mine: list[tuple[TensorWritePlan, WriteItem]], local: dict[str, list
 
 #: The per-shard hook of an incremental save (:class:`ckptfmt._reuse.ReusePlanner`): called before
 #: a shard is written with (plan, item, holder, materialize), where ``materialize()`` returns the
-#: shard's source block and its chunk crc32c (computed once, shared with the write). It returns a
+#: shard's source block (the very block then written) and its chunk crc32c (computed once, shared
+#: with the write); ``materialize(False)`` may leave the crc32c out (None). It returns a
 #: reference record (the shard is then not written) or None.
-ReuseHook = Callable[[TensorWritePlan, WriteItem, LocalShard, Callable[[], tuple[np.ndarray, list[int]]]],
-                     "ShardRecord | None"]
+Materialize = Callable[..., tuple[np.ndarray, "list[int] | None"]]
+ReuseHook = Callable[[TensorWritePlan, WriteItem, LocalShard, Materialize], "ShardRecord | None"]
 
 
 def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
@@ -152,8 +153,9 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
         holder = found[n_item]
         made: list[tuple[np.ndarray, list[int]]] = []
 
-        def materialize(p: TensorWritePlan = p, it: WriteItem = it, holder: LocalShard = holder) -> tuple[np.ndarray, list[int]]:
-            if not made:
+        def materialize(crcs: bool = True, p: TensorWritePlan = p, it: WriteItem = it,
+                        holder: LocalShard = holder) -> tuple[np.ndarray, list[int]]:
+            if not made:  # the crc32c are always taken here: this path needs them for the write
                 block = shard_block(holder, p, it, cache, dt_cache)
                 made.append((block, _chunk_crcs(block, p.geometry.chunk_shape)))
             return made[0]

@@ -90,9 +90,10 @@ class LocalShard:
     (for lazy device-to-host copies), or None: the region is held but this process offers no
     data for it. Each shard is written once, by one holder that offers data; copies of the same
     region on several processes (replicas) take turns (FORMAT.md 8.1). ``source``, when given, is
-    an immutable object (the JAX bridge passes the global ``jax.Array``) whose identity proves
-    that ``data`` holds the same bytes as the last time this process saved it (an incremental
-    save's identity proof, FORMAT.md 8.4); never pass a mutable object there.
+    the object ``data`` comes from (the JAX bridge passes the global ``jax.Array``): the same
+    object with the same digest of its block as the last time this process saved it proves the
+    bytes equal without reading the stored object (an incremental save's identity proof,
+    FORMAT.md 8.4; the identity alone proves nothing, as a buffer may be shared).
     """
 
     key: str

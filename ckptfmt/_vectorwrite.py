@@ -194,12 +194,12 @@ def _decide(entry: tuple[TensorWritePlan, WriteItem], holder: LocalShard, n: int
         return made
     p, it = entry
 
-    def with_crcs() -> tuple[np.ndarray, list[int]]:
+    def with_crcs(crcs: bool = True) -> tuple[np.ndarray, list[int] | None]:
         if not made:
             made.append(shard_block(holder, p, it, cache, dt_cache))
-        if len(made) < 2:
+        if crcs and len(made) < 2:
             made.append(_chunk_crcs(made[0], p.geometry.chunk_shape))
-        return made[0], made[1]
+        return made[0], made[1] if len(made) > 1 else None
 
     ref = reuse(p, it, holder, with_crcs)
     if ref is None:

@@ -16,7 +16,7 @@ __all__ = [
     "InvalidURLError",
     "NotARepositoryError",
     "InvalidDataError", "AllocationError",
-    "InvalidSourceError",
+    "InvalidSourceError", "ReferenceCycleError",
     "OutputExistsError", "InvalidConfigError",
 ]
 
@@ -125,6 +125,11 @@ class StorageError(CheckpointError):
 
 class InvalidStateError(CheckpointError):
     """Non-tensor state cannot be encoded, or stored state is hostile or malformed."""
+
+
+class ReferenceCycleError(InvalidStateError):
+    """State to be saved (a pytree, a state dict, ``extra``, per-rank state) contains itself; ``key``
+    is the key path where the cycle closes. Raised before anything is written."""
 
 
 class ShapeMismatchError(CheckpointError):

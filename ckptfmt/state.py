@@ -29,7 +29,7 @@ import msgpack
 import numpy as np
 
 from ckptfmt.dtypes import STATE_DTYPES
-from ckptfmt.errors import InvalidStateError
+from ckptfmt.errors import InvalidStateError, ReferenceCycleError
 
 __all__ = ["encode_state", "decode_state", "MAX_DEPTH", "MAX_ELEMENTS", "ALLOWED_DTYPES"]
 
@@ -82,8 +82,9 @@ def _array_to_ext(array: np.ndarray, code: int, path: tuple[str, ...]) -> msgpac
     return msgpack.ExtType(code, payload)
 
 
-def _to_packable(obj: Any, path: tuple[str, ...], depth: int) -> Any:
-    """Return a fresh msgpack-ready copy of ``obj``; the input is never modified."""
+def _to_packable(obj: Any, path: tuple[str, ...], depth: int, within: set[int]) -> Any:
+    """Return a fresh msgpack-ready copy of ``obj``; the input is never modified. ``within``: the
+    ids of the containers on the path to ``obj`` (one of them again is a reference cycle)."""
     if obj is None:
         return None
     if type(obj) in (np.ndarray, np.memmap):  # not subclasses: a masked array would lose its mask
@@ -101,31 +102,40 @@ def _to_packable(obj: Any, path: tuple[str, ...], depth: int) -> Any:
         return str.__str__(obj)
     if isinstance(obj, (bytes, bytearray)):
         return bytes(obj)
+    if not isinstance(obj, (list, tuple, Mapping)):
+        raise _fail(path, f"type {type(obj).__module__}.{type(obj).__qualname__} is not allowed",
+                    found=type(obj).__qualname__)
+    if id(obj) in within:
+        where = _path_str(path)
+        raise ReferenceCycleError(f"state at {where!r} contains itself (a reference cycle closes here)",
+                                  key=where, expected="a tree of values", found=f"a {type(obj).__name__} seen above")
     if depth >= MAX_DEPTH:
-        raise _fail(path, f"nesting deeper than {MAX_DEPTH} levels (or a reference cycle)")
+        raise _fail(path, f"nesting deeper than {MAX_DEPTH} levels")
+    within.add(id(obj))
     if isinstance(obj, (list, tuple)):
-        return [_to_packable(item, path + (str(i),), depth + 1) for i, item in enumerate(obj)]
-    if isinstance(obj, Mapping):
-        out: dict[str, Any] = {}
-        for key, value in obj.items():
-            if not isinstance(key, str):
-                raise _fail(path, f"dict key {key!r} has type {type(key).__name__}, expected str",
-                            found=type(key).__name__)
-            out[str(key)] = _to_packable(value, path + (key,), depth + 1)
-        return out
-    raise _fail(path, f"type {type(obj).__module__}.{type(obj).__qualname__} is not allowed",
-                found=type(obj).__qualname__)
+        items = [_to_packable(item, path + (str(i),), depth + 1, within) for i, item in enumerate(obj)]
+        within.discard(id(obj))
+        return items
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        if not isinstance(key, str):
+            raise _fail(path, f"dict key {key!r} has type {type(key).__name__}, expected str",
+                        found=type(key).__name__)
+        out[str(key)] = _to_packable(value, path + (key,), depth + 1, within)
+    within.discard(id(obj))
+    return out
 
 
 def encode_state(obj: object, *, max_bytes: int = 64 << 20, max_elements: int = MAX_ELEMENTS) -> bytes:
     """Encode ``obj`` as msgpack bytes.
 
     Raises :class:`InvalidStateError` naming the key path of the first value whose type is not
-    allowed, or if the encoding would be larger than ``max_bytes`` or hold more than
+    allowed (:class:`ReferenceCycleError` where a container contains itself), or if the encoding
+    would be larger than ``max_bytes`` or hold more than
     ``max_elements`` msgpack elements (so that a save never writes state that :func:`decode_state`
     would refuse with its default limits). ``obj`` is not modified.
     """
-    data = msgpack.packb(_to_packable(obj, (), 0), use_bin_type=True)
+    data = msgpack.packb(_to_packable(obj, (), 0, set()), use_bin_type=True)
     if len(data) > max_bytes:
         raise InvalidStateError(f"encoded state is {len(data)} bytes, more than max_bytes={max_bytes}",
                                 expected=max_bytes, found=len(data))

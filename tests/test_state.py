@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptfmt.errors import InvalidStateError
+from ckptfmt.errors import InvalidStateError, ReferenceCycleError
 from ckptfmt.state import EXT_BIGINT, EXT_NDARRAY, EXT_NPSCALAR, MAX_DEPTH, decode_state, encode_state
 
 
@@ -132,8 +132,17 @@ def test_disallowed_types_name_the_key_path(state: Any, path: str, found: str) -
 def test_reference_cycle_and_deep_nesting_rejected_on_encode() -> None:
     cyclic: list[Any] = []
     cyclic.append(cyclic)
-    with pytest.raises(InvalidStateError, match="deeper"):
+    with pytest.raises(ReferenceCycleError, match="contains itself") as info:
         encode_state(cyclic)
+    assert isinstance(info.value, InvalidStateError) and info.value.key == "0"  # where the cycle closes
+    loop: dict[str, Any] = {"a": 1}
+    loop["x"] = {"ys": (1, loop)}  # through a dict and a tuple
+    with pytest.raises(ReferenceCycleError) as info:
+        encode_state({"opt": loop})
+    assert info.value.key == "opt/x/ys/1"
+    shared = {"lr": [0.1, 0.2]}  # control: one value reached twice is a tree, not a cycle
+    assert decode_state(encode_state({"a": shared, "b": shared, "c": [shared, shared]})) == {
+        "a": shared, "b": shared, "c": [shared, shared]}
     deep: Any = 1
     for _ in range(MAX_DEPTH + 1):
         deep = [deep]

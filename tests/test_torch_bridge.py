@@ -23,7 +23,8 @@ import ckptfmt  # noqa: E402
 from bridges import torch as bt  # noqa: E402
 from bridges.mapping import flax_nnx_to_torch  # noqa: E402
 from ckptfmt.errors import (CheckpointError, ChecksumMismatchError, InvalidStateError,  # noqa: E402
-                            KeyMismatchError, SaveInProgressError, ShapeMismatchError, TopologyChangedError)
+                            KeyMismatchError, ReferenceCycleError, SaveInProgressError, ShapeMismatchError,
+                            TopologyChangedError)
 from torchproc.launch import REPO, child_env, run_world  # noqa: E402
 
 
@@ -375,6 +376,30 @@ def test_layer_kinds_knows_rmsnorm_classes_and_conv1d():
     assert bt.layer_kinds(gpt2)["transformer.h.0.ln_1"] == "norm"
     assert bt.layer_kinds(llama)["model.layers.0.input_layernorm"] == "norm"
     assert bt.layer_kinds(llama)["model.norm"] == "norm"
+
+
+def test_state_dict_that_contains_itself_is_refused_before_writing(tmp_path):
+    """A state dict, a non-tensor value or ``extra`` that contains itself: ReferenceCycleError
+    naming where the cycle closes (was RecursionError), nothing written; the same process then
+    saves a normal state dict, and one with a shared (acyclic) sub-dict."""
+    url = str(tmp_path / "r")
+    sd: dict = {"w": torch.ones(3)}
+    sd["self"] = sd
+    loop: list = [1]
+    loop.append(loop)
+    ex: dict = {"note": 1}
+    ex["again"] = {"up": ex}
+    cases = [(sd, {}, "self"), ({"w": torch.ones(3), "l": loop}, {}, "torch/objects/l/1"),
+             ({"w": torch.ones(3)}, {"extra": ex}, "extra/again/up")]
+    for state, kw, where in cases:
+        with pytest.raises(ReferenceCycleError) as info:
+            bt.save(url, state, step=1, save_rng=False, **kw)
+        assert info.value.key == where and where in str(info.value)
+        assert not (tmp_path / "r").exists()  # raised before anything was written
+    sub = {"w": torch.arange(3.0)}
+    bt.save(url, {"a": sub, "b": sub, "n": [1, 2]}, step=1, save_rng=False, extra={"p": [1], "q": [1]})
+    back = bt.load(url, {"a": {"w": torch.zeros(3)}, "b": {"w": torch.zeros(3)}, "n": None})
+    assert torch.equal(back["a"]["w"], sub["w"]) and torch.equal(back["b"]["w"], sub["w"]) and back["n"] == [1, 2]
 
 
 def test_extra_takes_what_json_takes(tmp_path):

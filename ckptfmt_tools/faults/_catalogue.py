@@ -3,7 +3,9 @@
 Faults of kind ``"disk"`` damage the newest committed step (2) of a two-writer save on disk;
 the check then restores step 2 into live buffers and verifies it. Faults of kind ``"save"``
 break a new save (step 3) while it runs. Faults of kind ``"gc"`` make the repository hostile to
-garbage collection (:mod:`ckptfmt_tools.faults._gcfaults`). Either way the prior step must stay intact.
+garbage collection (:mod:`ckptfmt_tools.faults._gcfaults`). Faults of kind ``"reuse"`` change a
+source between incremental saves (:mod:`ckptfmt_tools.faults._aliased`): each saved step must
+restore the values it was saved with. Either way the prior step must stay intact.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any, Callable
 
 from ckptfmt import errors as E
 from ckptfmt_tools.faults import _gcfaults as G
+from ckptfmt_tools.faults._aliased import aliased_mutated
 from ckptfmt_tools.faults._scene import TARGET_SHARD, TARGET_TENSOR, Scene, flip
 
 __all__ = ["Fault", "CATALOGUE", "SaveAttempt", "by_name"]
@@ -40,8 +43,8 @@ class SaveAttempt:
 class Fault:
     name: str
     where: str
-    kind: str  # "disk" | "save" | "gc"
-    expect: tuple[type[E.CheckpointError], ...]  # "gc": what gc must raise; () for "must not raise"
+    kind: str  # "disk" | "save" | "gc" | "reuse"
+    expect: tuple[type[E.CheckpointError], ...]  # "gc": what gc must raise; () for "must not raise" ("reuse": always)
     action: Callable[..., Any]
     names: tuple[str, ...] = ()  # the error's message must contain one of these (when given)
 
@@ -434,6 +437,7 @@ CATALOGUE: list[Fault] = [
     Fault("gc-stray-objects", "saves/, manifests/", "gc", (), G.stray_objects),
     Fault("gc-shared-save-id", "manifests/<step 9>.json", "gc", (), G.shared_save_id),
     Fault("gc-oversized-manifest", "manifests/<step 1>.json", "gc", (), G.oversized_manifest),
+    Fault("aliased-array-mutated", "steps 3-5 from one aliased array", "reuse", (), aliased_mutated),
 ]
 
 

@@ -52,7 +52,7 @@ class Context:
     # Broken controls (tests only): each weakens one guarantee, and the outcome must then FAIL.
     after_save: Callable[[Scene], None] | None = None  # runs after a save fault, before the checks
     enospc_fill: bool = True         # False: the tmpfs is not filled, so the save has room
-    writer_weaken: str | None = None  # passed to writer processes (see _writer.WEAKEN)
+    writer_weaken: str | None = None  # passed to writer processes (see _writer.WEAKEN, _aliased.WEAKEN)
 
 
 @dataclass
@@ -352,6 +352,34 @@ def _save_fault(fault: Fault, scene: Scene, ctx: Context, out: Outcome) -> None:
             attempt.cleanup()
 
 
+def _reuse_fault(fault: Fault, scene: Scene, ctx: Context, out: Outcome) -> None:
+    """A ``"reuse"`` fault: the saves must not raise, and every step restores the values it had
+    when it was saved (see :mod:`ckptfmt_tools.faults._aliased`)."""
+    seed, prior = scene.seed, 2
+    attempt = fault.action(scene, ctx)
+    out.where, out.hung = _short(attempt.where), attempt.hung
+    out.notes += attempt.notes
+    err = attempt.error
+    out.raised.append("no error" if err is None else str(err.get("error")))
+    if err is not None:
+        out.message = str(err.get("message", ""))[:300]
+    out.typed = err is None and not attempt.notes and len(attempt.steps) == 3
+    stale = [s["step"] for s in attempt.steps if not s["same"]]
+    unverified = [s["step"] for s in attempt.steps if not s["verified"]]
+    out.exposed = bool(stale or unverified)
+    if stale:
+        out.notes.append(f"step(s) {stale} restored other values than were saved (a stale reference)")
+    if unverified:
+        out.notes.append(f"step(s) {unverified} do not verify")
+    for s in attempt.steps:
+        out.notes.append(f"step {s['step']}: {s['referenced']} bytes referenced")
+    ok, why = prior_intact(scene.repo(), prior, _data.truth(seed, prior), _truth_state(seed, prior))
+    out.prior_intact = ok
+    if not ok:
+        out.notes.append(why)
+    _gc_check(scene, out, prior, ctx)
+
+
 def run_fault(fault: Fault | str, base: Path, workdir: Path, ctx: Context | None = None,
               seed: int = SEED) -> Outcome:
     """Copy ``base`` into ``workdir/<fault>/repo``, inject the fault, and judge the outcome."""
@@ -372,6 +400,8 @@ def run_fault(fault: Fault | str, base: Path, workdir: Path, ctx: Context | None
             from ckptfmt_tools.faults._gcfaults import judge
 
             judge(fault, scene, ctx, out, _within)
+        elif fault.kind == "reuse":
+            _reuse_fault(fault, scene, ctx, out)
         else:
             _save_fault(fault, scene, ctx, out)
     except Exception as exc:  # a fixture failure is a failed row, with the reason

@@ -18,6 +18,7 @@ CAP = 1 << 20
 DISK = [f.name for f in faults.CATALOGUE if f.kind == "disk"]
 SAVE = [f.name for f in faults.CATALOGUE if f.kind == "save"]
 GC = [f.name for f in faults.CATALOGUE if f.kind == "gc"]
+REUSE = [f.name for f in faults.CATALOGUE if f.kind == "reuse"]
 #: The naive reader blocks forever opening a FIFO (tests/test_reader.py shows that hang and
 #: unblocks it), and spends 10 s decoding the element flood (tests/test_state.py has its control).
 NAIVE_SKIP = {"shard-fifo", "state-element-flood"}
@@ -57,14 +58,16 @@ def test_catalogue_covers_the_issue():
                      # issue 12, part A
                      "writer-frozen-at-commit", "gc-symlink-escape", "gc-not-a-repository",
                      "gc-retention-newest-truncated", "gc-retention-newest-data-missing", "gc-stray-objects",
-                     "gc-shared-save-id", "gc-oversized-manifest"):
+                     "gc-shared-save-id", "gc-oversized-manifest",
+                     # issue 24
+                     "aliased-array-mutated"):
         assert required in names
     for f in faults.CATALOGUE:
-        assert f.expect or f.kind == "gc"  # a "gc" fault without errors: gc must not raise
+        assert f.expect or f.kind in ("gc", "reuse")  # without errors: gc / the saves must not raise
         assert all(issubclass(e, E.CheckpointError) for e in f.expect)
 
 
-@pytest.mark.parametrize("name", DISK + SAVE + GC)
+@pytest.mark.parametrize("name", DISK + SAVE + GC + REUSE)
 def test_fault_outcome_is_terminal_and_correct(name, base, tmp_path):
     o = faults.run_fault(name, base, tmp_path, _ctx())
     assert o.passed, _explain(o)
@@ -118,6 +121,14 @@ def test_control_commit_without_fence(base, tmp_path):
     o = faults.run_fault("writer-frozen-at-commit", base, tmp_path, _ctx(writer_weaken="no_commit_fence"))
     assert _failed_for_real(o) and o.exposed, _explain(o)
     assert any("not a complete save" in n for n in o.notes), _explain(o)
+
+
+def test_control_aliased_identity_without_digest(base, tmp_path):
+    """The identity proof without its digest (as before issue 24): the array changed in place is
+    referenced unread, so step 4 restores step 3's values, and verify finds nothing wrong."""
+    o = faults.run_fault("aliased-array-mutated", base, tmp_path, _ctx(writer_weaken="identity_only"))
+    assert _failed_for_real(o) and o.exposed and o.typed, _explain(o)
+    assert any(n.startswith("step(s) [4") and "stale" in n for n in o.notes), _explain(o)
 
 
 def _tensorstore_delete_prefix(self, prefix):

@@ -359,6 +359,38 @@ def extra_rank_state_and_latest(d):
 
 
 @check
+def reference_cycles(d):
+    """A pytree, extra or rank_state that contains itself: ReferenceCycleError naming where the
+    cycle closes, nothing written, and the interpreter still sound (jax.tree_util raised a
+    SystemError on such a list)."""
+    from ckptfmt import ReferenceCycleError
+
+    loop = [jnp.ones(3)]
+    loop.append(loop)
+    ex = {"note": 1}
+    ex["self"] = ex
+    rs = [1]
+    rs.append(rs)
+    cases = [({"l": loop}, {}, "l/1"), ({"a": jnp.ones(2)}, {"extra": ex}, "extra/self"),
+             ({"a": jnp.ones(2)}, {"rank_state": {"r": rs}}, "rank_state/r/1")]
+    for _ in range(2):  # twice: the first failure leaves nothing behind
+        for state, kw, where in cases:
+            try:
+                bj.save(d, state, step=1, **kw)
+                raise AssertionError(f"a cycle at {where} was saved")
+            except ReferenceCycleError as e:
+                assert e.key == where and where in str(e), e
+            assert not os.path.exists(d), os.listdir(d)  # raised before anything was written
+    # Control: the same process saves and restores a normal state, and a shared (acyclic) subtree.
+    sub = {"w": jnp.arange(3.0)}
+    bj.save(d, {"p": sub, "q": sub, "l": [jnp.ones(3)]}, step=1, extra={"a": [1], "b": [1]})
+    got = bj.restore(d)
+    same(got["p"]["w"], sub["w"])
+    same(got["q"]["w"], sub["w"])
+    assert jax.tree_util.tree_structure({"x": [1, 2]}).num_leaves == 2
+
+
+@check
 def profile_record_checked(d):
     # FORMAT.md 13.1/13.2: a malformed JAX profile record is refused (InvalidStateError), never
     # guessed at; each bad record sits beside the good one it was derived from (the control).
