@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from ._manifest_entries import TensorEntry, _fail, _typed, check_object_key
-from .layout import SAVE_ID_RE, arrays_prefix
+from .layout import arrays_prefix, is_save_id
 
 __all__ = ["REFERENCES", "ZSTD", "DERIVED", "KNOWN_EXTENSIONS", "MANIFEST_COLUMNS", "DERIVED_MIN_ROWS", "wants_derived", "apply_references", "references_payload", "referenced_saves"]
 
@@ -71,7 +71,7 @@ def apply_references(payload: Any, tensors: dict[str, TensorEntry], save_id: str
                 _fail(f"a {REFERENCES} group has the wrong members", key=key, object=REFERENCES,
                       expected=sorted(_GROUP), found=sorted(map(str, g))[:10])
             sid = g["save_id"]
-            if type(sid) is not str or not SAVE_ID_RE.match(sid) or sid == save_id:
+            if type(sid) is not str or not is_save_id(sid) or sid == save_id:
                 _fail(f"a {REFERENCES} group must name an earlier save, not this one", key=key, object=REFERENCES,
                       expected=f"a save id other than {save_id}", found=repr(sid)[:80])
             path = check_object_key(g["path"], prefix=arrays_prefix(sid), key=key)
