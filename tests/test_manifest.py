@@ -181,3 +181,19 @@ def test_a_save_id_with_a_trailing_line_feed_is_rejected(good):
     for bad in (good["save_id"] + "\n", "my-run\n"):
         with pytest.raises(InvalidManifestError, match="save_id"):
             parse_manifest(empty(bad))
+
+
+def test_version_checks_come_before_every_other_rule(good):
+    """FORMAT.md 5.12 ordering 2 (issue 24): a manifest of a later revision that also has a member
+    this revision does not define, and a tensor this revision would call broken, is unsupported,
+    not malformed."""
+    def later(d):
+        d.update(must_understand=["org.example.v2"], extensions={"org.example.v2": {}}, new_member=1)
+        W(d)["shards"]["offset"][1] = [0, 0]  # a duplicate box to this reader
+
+    with pytest.raises(UnsupportedVersionError):
+        parse_manifest(mutate(good, later))
+    # Control: without the extension the same manifest is malformed (and not "unsupported").
+    with pytest.raises(InvalidManifestError) as e:
+        parse_manifest(mutate(good, lambda d: (later(d), d.update(must_understand=[], extensions={}))))
+    assert not isinstance(e.value, UnsupportedVersionError)
