@@ -16,7 +16,7 @@ from typing import Iterator
 
 from .layout import LEASE_NAME
 
-__all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir", "LOCK_SUFFIX"]
+__all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir", "link_on_path", "LOCK_SUFFIX"]
 
 LOCK_SUFFIX = ".__lock"  # tensorstore's file driver: the temporary file of a write in flight
 
@@ -69,6 +69,33 @@ def plain_dir(root: str, rel: str) -> bool | None:
     except OSError:
         return False
     return True
+
+
+def link_on_path(root: str, key: str, checked: set[str]) -> str | None:
+    """The first component of ``key`` below ``root`` (which ends with "/") that is a symbolic
+    link, as a key ("saves/<id>/" for a directory), or None. Judged with ``lstat``, one per
+    component; directories in ``checked`` (keys ending in "/") are skipped, and each one found to be
+    a plain directory is added, so a caller that keeps ``checked`` pays one ``lstat`` per directory
+    and one per object. An absent or unreadable component ends the walk with None: the read that
+    follows reports it."""
+    parts = key.split("/")
+    rel = ""
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        rel += part if last else part + "/"
+        if not last and rel in checked:
+            continue
+        try:
+            mode = os.lstat(root + rel.rstrip("/")).st_mode  # with a trailing "/", lstat follows a link
+        except OSError:
+            return None
+        if stat.S_ISLNK(mode):
+            return rel
+        if not last:
+            if not stat.S_ISDIR(mode):
+                return None
+            checked.add(rel)
+    return None
 
 
 def walk(top: str) -> Iterator[tuple[str, os.stat_result]]:

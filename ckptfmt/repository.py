@@ -96,6 +96,7 @@ class Repository:
         return m
 
     def _read_manifest_bytes(self, key: str) -> bytes | None:
+        self.storage.check_no_links(key, set())  # a reader does not leave the repository (FORMAT.md 4.2)
         # One byte at the cap first: an oversized manifest is rejected without being read.
         if self.storage.larger_than(key, self.max_manifest_bytes):
             raise ManifestTooLargeError("manifest exceeds the size cap", object=key,
