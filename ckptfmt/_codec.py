@@ -1,11 +1,13 @@
 """Decoding encoded inner chunks (codec "zstd", FORMAT.md 6.3) on the verified read path.
 
-Decoding goes through tensorstore's own zarr v3 codec chain (``bytes`` then ``zstd``), the same
-implementation that encoded the chunks, so the core needs no other compression library. A
+Decoding goes through tensorstore's own zarr v3 codec chain (``bytes``, ``zstd``, ``crc32c``), the
+same implementation that encoded the chunks, so the core needs no other compression library. A
 :class:`ChunkDecoder` owns a small in-memory zarr3 array whose every chunk has the tensor's
-``chunk_shape``: one decode writes the verified encoded bytes under a fresh chunk key, reads that
-chunk back decoded, and deletes the key. tensorstore decodes into the chunk's fixed size and fails on
-a frame that would decode to more or fewer bytes, so a hostile frame costs at most one chunk.
+``chunk_shape``: one decode writes the verified encoded bytes and their trailer under a fresh chunk
+key, reads that chunk back decoded, and deletes the key. tensorstore decodes into the chunk's fixed
+size and fails on a frame that would decode to more or fewer bytes, so a hostile frame costs at most
+one chunk. With the ``crc32c`` codec after ``zstd`` (as in every ckptfmt array) it also fails on any
+byte after the frame (a skippable frame, an empty frame, garbage); without it, it lets them pass.
 
 Only bytes that already passed their crc32c check against the manifest are ever decoded.
 """
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import layout
+from .checksum import crc32c
 from .errors import InvalidDataError
 
 __all__ = ["ChunkDecoder", "decoder_for", "verify_encoded"]
@@ -41,7 +44,7 @@ class ChunkDecoder:
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *inner] if self.chunk_shape else [1]}},
                 "chunk_key_encoding": {"name": "default"},
                 "fill_value": layout.fill_value(zarr_dtype),
-                "codecs": layout.inner_codecs(zarr_dtype, "zstd")[:2]}  # the crc32c was checked before decoding
+                "codecs": layout.inner_codecs(zarr_dtype, "zstd")}  # the crc32c codec makes tensorstore refuse trailing bytes
         self._array = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory"}, "metadata": meta, "create": True,
                                "fill_missing_data_reads": False, "recheck_cached_data": False},
                               context=ts.Context()).result()
@@ -51,18 +54,19 @@ class ChunkDecoder:
         self._lock = threading.Lock()
 
     def decode(self, data: Any, *, key: str, obj: str) -> np.ndarray:
-        """The decoded chunk (shape ``chunk_shape``). InvalidDataError, naming ``key`` and ``obj``,
-        when ``data`` is not one zstd frame of exactly the chunk's size."""
+        """The decoded chunk (shape ``chunk_shape``) of the encoded bytes ``data`` (the chunk without
+        its trailer). InvalidDataError, naming ``key`` and ``obj``, when ``data`` is not exactly one
+        zstd frame of exactly the chunk's size with nothing after it (FORMAT.md 6.3)."""
         with self._lock:
             slot = next(self._slots) % _SLOTS
         ck = f"c/{slot}{self._zeros}"
         try:
-            self._kv.write(ck, bytes(data)).result()
+            self._kv.write(ck, b"".join((data, crc32c(data).to_bytes(layout.CRC_BYTES, "little")))).result()
             out = self._array[slot].read().result()
         except Exception as e:  # tensorstore raises ValueError for a frame it cannot decode
-            raise InvalidDataError("encoded chunk does not decode to its chunk shape", key=key, object=obj,
-                                   expected=f"a zstd frame of {int(np.prod(self.chunk_shape, dtype=np.int64)) * self.dtype.itemsize} "
-                                            "decoded bytes", found=str(e)[:200]) from None
+            raise InvalidDataError("encoded chunk is not exactly one zstd frame of its chunk size", key=key, object=obj,
+                                   expected=f"exactly one zstd frame of {int(np.prod(self.chunk_shape, dtype=np.int64)) * self.dtype.itemsize} "
+                                            "decoded bytes and nothing after it", found=str(e)[:200]) from None
         finally:
             try:
                 self._kv.delete_range(_range(ck)).result()
@@ -96,7 +100,6 @@ def verify_encoded(storage: Any, written: list[Any], save_id: str) -> list[Any]:
     IncompleteSaveError when anything differs; returns the shards' records."""
     from ._manifest_entries import max_encoded_chunk_nbytes
     from ._shardwriter import ShardRecord
-    from .checksum import crc32c
     from .errors import IncompleteSaveError
     from .plan import stored_chunk_counts
 

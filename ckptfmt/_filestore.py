@@ -10,6 +10,8 @@
 - Deletes of a prefix and the walks that judge ages go through :mod:`ckptfmt._localfs`, which
   never follows a symbolic link (tensorstore's ``delete_range`` does).
 - Lock files (``<key>.__lock``) left by writes that were killed midway are removed once stale.
+- A reader never leaves the repository: :meth:`LocalFileStorage.check_no_links` refuses an object
+  that is, or lies below, a symbolic link (FORMAT.md 4.2, 9 step 4), judged with ``lstat``.
 """
 from __future__ import annotations
 
@@ -68,6 +70,16 @@ class LocalFileStorage(KvStoreStorage):
         return super().read_with_generation(keys)
 
     # ------------------------------------------------------------------ objects a manifest names
+    def check_no_links(self, key: str, checked: set[str], *, tensor: str | None = None) -> None:
+        bad = _localfs.link_on_path(self.root, key, checked)
+        if bad is None:
+            return
+        if bad == key:
+            raise StorageError("object is a symbolic link; a reader does not leave the repository", key=tensor,
+                               object=key, expected="a regular file", found="a symbolic link")
+        raise StorageError("object lies below a symbolic link; a reader does not leave the repository", key=tensor,
+                           object=key, expected=f"{bad} a directory", found=f"{bad} a symbolic link")
+
     def size_check(self, key: str, nbytes: int, *, tensor: str | None = None) -> Pending[None]:
         """Decided at once from ``stat``: raises here, never from the result."""
         st = self._stat(key, tensor)

@@ -16,7 +16,7 @@ from typing import Iterator
 
 from .layout import LEASE_NAME
 
-__all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir", "LOCK_SUFFIX"]
+__all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir", "link_on_path", "LOCK_SUFFIX"]
 
 LOCK_SUFFIX = ".__lock"  # tensorstore's file driver: the temporary file of a write in flight
 
@@ -69,6 +69,34 @@ def plain_dir(root: str, rel: str) -> bool | None:
     except OSError:
         return False
     return True
+
+
+def link_on_path(root: str, key: str, checked: set[str]) -> str | None:
+    """The first component of ``key`` below ``root`` (which ends with "/") that is a symbolic
+    link, as a key ("saves/<id>/" for a directory), or None. Judged with ``lstat``: the object, and
+    each directory on the way that is not in ``checked`` (keys ending in "/"), top down; each one
+    found to be a plain directory is added, so a caller that keeps ``checked`` pays one ``lstat``
+    per directory and one per object. An absent or unreadable component ends the walk with None:
+    the read that follows reports it."""
+    todo = []
+    cut = key.rfind("/")
+    while cut >= 0 and key[:cut + 1] not in checked:  # up to the deepest directory known plain
+        todo.append(cut)
+        cut = key.rfind("/", 0, cut)
+    for cut in reversed(todo):
+        try:
+            mode = os.lstat(root + key[:cut]).st_mode  # no trailing "/": with one, lstat follows a link
+        except OSError:
+            return None
+        if stat.S_ISLNK(mode):
+            return key[:cut + 1]
+        if not stat.S_ISDIR(mode):
+            return None
+        checked.add(key[:cut + 1])
+    try:
+        return key if stat.S_ISLNK(os.lstat(root + key).st_mode) else None
+    except OSError:
+        return None
 
 
 def walk(top: str) -> Iterator[tuple[str, os.stat_result]]:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from ._manifest_entries import TensorEntry, _fail, _typed, check_object_key
-from .layout import SAVE_ID_RE, arrays_prefix
+from ._manifest_entries import DerivedColumns, TensorEntry, _fail, _typed, check_object_key, derived_columns
+from .layout import arrays_prefix, is_save_id
 
-__all__ = ["REFERENCES", "ZSTD", "DERIVED", "KNOWN_EXTENSIONS", "MANIFEST_COLUMNS", "DERIVED_MIN_ROWS", "wants_derived", "apply_references", "references_payload", "referenced_saves"]
+__all__ = ["REFERENCES", "ZSTD", "DERIVED", "KNOWN_EXTENSIONS", "MANIFEST_COLUMNS", "DERIVED_MIN_ROWS", "wants_derived", "any_in_derived_form", "apply_references", "references_payload", "referenced_saves"]
 
 REFERENCES = "ckptfmt.references"
 ZSTD = "ckptfmt.zstd"
@@ -40,6 +40,21 @@ def wants_derived(option: str, shard_rows: int) -> bool:
     if option not in MANIFEST_COLUMNS:
         raise ValueError(f"SaveOptions.manifest_columns must be one of {MANIFEST_COLUMNS}, got {option!r}")
     return option == "derived" or (option == "auto" and shard_rows >= DERIVED_MIN_ROWS)
+
+
+def any_in_derived_form(tensors: Mapping[str, TensorEntry]) -> bool:
+    """Whether a manifest that lists ckptfmt.derived would write some entry with shard rows in the
+    derived form (codec "raw", exactly the columns its geometry determines; FORMAT.md 5.14). A save
+    lists the extension only then: a manifest that leaves nothing out stays readable by revision 1.1."""
+    cols: dict[Any, DerivedColumns] = {}
+    for t in tensors.values():
+        if t.array.codec != "raw" or not len(t.shards):
+            continue
+        if t.geometry not in cols:
+            cols[t.geometry] = derived_columns(t.geometry)
+        if cols[t.geometry].matches(t):
+            return True
+    return False
 
 _GROUP = frozenset({"save_id", "path", "shards"})
 
@@ -71,7 +86,7 @@ def apply_references(payload: Any, tensors: dict[str, TensorEntry], save_id: str
                 _fail(f"a {REFERENCES} group has the wrong members", key=key, object=REFERENCES,
                       expected=sorted(_GROUP), found=sorted(map(str, g))[:10])
             sid = g["save_id"]
-            if type(sid) is not str or not SAVE_ID_RE.match(sid) or sid == save_id:
+            if type(sid) is not str or not is_save_id(sid) or sid == save_id:
                 _fail(f"a {REFERENCES} group must name an earlier save, not this one", key=key, object=REFERENCES,
                       expected=f"a save id other than {save_id}", found=repr(sid)[:80])
             path = check_object_key(g["path"], prefix=arrays_prefix(sid), key=key)

@@ -33,12 +33,13 @@ _IOV_MAX = 1024
 
 
 class PositionalReads(BlockChecks):
-    """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats`` and
-    ``_starts``."""
+    """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats``,
+    ``_plain_dirs`` and ``_starts``."""
 
     storage: Any
     manifest: Any
     stats: Any
+    _plain_dirs: set[str]
 
     def _starts(self, t: TensorEntry) -> np.ndarray:
         raise NotImplementedError
@@ -97,6 +98,7 @@ class PositionalReads(BlockChecks):
         if t.array.codec != "raw":  # encoded chunks never land in an output before they are decoded
             direct = {}
         tr = time.perf_counter()
+        self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
         with self.storage.open_positional(obj, tensor=key) as f:
             want = int(t.shards.nbytes[s])
             if f.size != want:

@@ -198,6 +198,7 @@ class ReusePlanner:
         self._seen: dict[tuple[int, tuple[int, ...]], _Seen] = {}
         self._checks = BlockChecks()
         self._digests = DigestWindow()
+        self._plain_dirs: set[str] = set()  # directories of P found to be no symbolic link
         self.referenced = 0
 
     def __call__(self, plan: "TensorWritePlan", item: "WriteItem", holder: "LocalShard",
@@ -269,6 +270,7 @@ class ReusePlanner:
             return False  # (an encoded chunk's crc32c covers its encoded bytes: compared decoded below)
         obj = t.object_key(s)
         try:
+            self.storage.check_no_links(obj, self._plain_dirs, tensor=t.key)  # a reader would refuse it
             probe = self.storage.size_check(obj, stored.nbytes, tensor=t.key)
             buf = self.storage.read_range(obj, 0, stored.nbytes, tensor=t.key).result()
             probe.result()

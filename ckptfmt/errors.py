@@ -149,7 +149,8 @@ class SaveInProgressError(CheckpointError):
 
 
 class NotARepositoryError(CheckpointError):
-    """A collector found no ckptfmt repository at the URL (FORMAT.md 4.5), so it deleted nothing."""
+    """No ckptfmt repository at the URL (FORMAT.md 4.5): a collector deleted nothing, and a tool
+    (``ls``, ``inspect``, ``verify``, ``export``) read nothing."""
 
 
 class InvalidSourceError(CheckpointError):

@@ -143,8 +143,9 @@ def parse_writer_save_id(name: str) -> WriterSaveId | None:
 
 
 def is_save_id(name: Any) -> bool:
-    """Whether a reader accepts ``name`` as a save id."""
-    return isinstance(name, str) and SAVE_ID_RE.match(name) is not None
+    """Whether a reader accepts ``name`` as a save id: the whole string matches (``$`` alone would
+    also let a trailing line feed through)."""
+    return isinstance(name, str) and SAVE_ID_RE.fullmatch(name) is not None
 
 
 def writer_save_ids_in(data: bytes, wanted: set[str]) -> set[str]:

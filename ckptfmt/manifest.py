@@ -45,7 +45,7 @@ from .layout import MARKER_KEY as MARKER_KEY
 from .layout import MAX_STEP as MAX_STEP
 from .layout import SAVE_ID_RE as SAVE_ID_RE
 from .layout import manifest_key as manifest_key
-from .layout import arrays_prefix, state_key, state_name, state_prefix
+from .layout import arrays_prefix, is_save_id, state_key, state_name, state_prefix
 from .layout import step_of_manifest_key as step_of_manifest_key
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS", "REFERENCES", "ZSTD", "DERIVED",
@@ -254,7 +254,7 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
     if missing:
         _fail("manifest lacks required fields", expected=sorted(_TOP), found=f"missing {missing}")
     save_id = _typed(doc["save_id"], str, "save_id")
-    if not SAVE_ID_RE.match(save_id):
+    if not is_save_id(save_id):
         _fail("save_id has invalid characters", expected=SAVE_ID_RE.pattern, found=save_id[:80])
     step = _int(doc["step"], 0, MAX_STEP, "step")
     created = _typed(doc["created_unix"], (int, float), "created_unix")

@@ -70,6 +70,8 @@ class Checkpoint(PositionalReads):
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = stats or ReadStats()
         self._chunk_start: dict[str, np.ndarray] = {}
+        # Directories found to be no symbolic link while this step is open (FORMAT.md 9 step 4).
+        self._plain_dirs: set[str] = set()
 
     @property
     def step(self) -> int:
@@ -194,6 +196,7 @@ class Checkpoint(PositionalReads):
         chunks = sorted({it.chunk for it in items})
         nbytes = int(t.shards.nbytes[s])
         self.stats.objects += 1
+        self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
         # Every range ends at or before nbytes; the size is checked apart (stat, or one byte at nbytes).
         probe = self.storage.size_check(obj, nbytes, tensor=key)
         self.stats.requests += probe.requests
@@ -250,6 +253,7 @@ class Checkpoint(PositionalReads):
         if e.nbytes > MAX_STATE_BYTES:  # refuse before reading anything
             raise InvalidStateError("state object is larger than the state cap", key=name, object=e.key,
                                     expected=f"<= {MAX_STATE_BYTES} bytes", found=e.nbytes)
+        self.storage.check_no_links(e.key, self._plain_dirs, tensor=name)
         probe = self.storage.size_check(e.key, e.nbytes, tensor=name)
         fut = self.storage.read_range(e.key, 0, e.nbytes, tensor=name)
         probe.result()
@@ -316,6 +320,7 @@ class Checkpoint(PositionalReads):
                     report(self._verify_whole(t, reads, starts))
                     reads, held = [], 0
                 # Each object read up to its recorded size, its length checked apart.
+                self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
                 reads.append(_WholeRead(s, obj, n, self.storage.size_check(obj, n, tensor=key),
                                         self.storage.read_range(obj, 0, n, tensor=key)))
                 held += n
@@ -345,6 +350,7 @@ class Checkpoint(PositionalReads):
         c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
         biggest = int(t.chunks.nbytes[c0:c1].max()) if c1 > c0 else 0
         require_memory(max(biggest, g.index_nbytes), t.key, obj, "one chunk or index")
+        self.storage.check_no_links(obj, self._plain_dirs, tensor=t.key)
         probe = self.storage.size_check(obj, n, tensor=t.key)
         index = self.storage.read_range(obj, n - g.index_nbytes, n, tensor=t.key)
         probe.result()

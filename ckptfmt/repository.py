@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from . import _gc
+from . import _gc, _recognise
 from ._gc import DEFAULT_LEASE_GRACE_S as DEFAULT_LEASE_GRACE_S
 from ._gc import GcReport as GcReport
 from .errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
@@ -63,6 +63,13 @@ class Repository:
         """Keys under ``manifests/`` that discovery ignores (FORMAT.md 4.2), for tools to report."""
         return [k for k in self.storage.list(MANIFESTS) if step_of_manifest_key(k) is None]
 
+    def recognise(self) -> None:
+        """Return when the URL holds a ckptfmt repository (FORMAT.md 4.5: its marker, or for one
+        written before the marker a valid committed manifest), even one with no committed step;
+        else raise NotARepositoryError naming the URL. Tools call it first wherever "no committed
+        step" would hide a mistyped path. StorageError when the store cannot be read."""
+        _recognise.recognise(self, self.steps())
+
     def latest(self) -> int | None:
         """The newest committed step, or None when there is none."""
         s = self.steps()
@@ -89,6 +96,7 @@ class Repository:
         return m
 
     def _read_manifest_bytes(self, key: str) -> bytes | None:
+        self.storage.check_no_links(key, set())  # a reader does not leave the repository (FORMAT.md 4.2)
         # One byte at the cap first: an oversized manifest is rejected without being read.
         if self.storage.larger_than(key, self.max_manifest_bytes):
             raise ManifestTooLargeError("manifest exceeds the size cap", object=key,

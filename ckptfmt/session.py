@@ -37,7 +37,7 @@ import numpy as np
 from . import errors as _errors
 from . import _reuse
 from ._boxcols import pack_boxes
-from ._manifest_refs import DERIVED, REFERENCES, ZSTD, references_payload, wants_derived
+from ._manifest_refs import DERIVED, REFERENCES, ZSTD, any_in_derived_form, references_payload, wants_derived
 from ._shardwriter import ShardRecord, state_from_wire, state_to_wire, write_and_verify, write_state
 from ._types import LocalShard
 from .coord import Coordinator, LocalCoordinator
@@ -492,7 +492,7 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
     if opts.codec != "raw":
         mu.append(ZSTD)
         extensions[ZSTD] = {}
-    if wants_derived(opts.manifest_columns, sum(len(t.shards) for t in tensors.values())):
+    if wants_derived(opts.manifest_columns, sum(len(t.shards) for t in tensors.values())) and any_in_derived_form(tensors):
         mu.append(DERIVED)
         extensions[DERIVED] = {}
     ext = {"must_understand": tuple(sorted(mu)), "extensions": extensions} if mu else {}

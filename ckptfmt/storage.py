@@ -126,6 +126,14 @@ class Storage(ABC):
         """Each ``(key, nbytes)`` object that is missing, not a plain object, or not exactly
         ``nbytes`` long, described in a few words (at most the first 8). Reads no data."""
 
+    def check_no_links(self, key: str, checked: set[str], *, tensor: str | None = None) -> None:
+        """Raise StorageError (naming ``tensor`` and ``key``) when reading ``key`` would leave the
+        repository through a symbolic link, at the object or at a directory on the way to it
+        (FORMAT.md 9 step 4). ``checked``: directories (keys ending in "/") the caller already
+        found plain; the call adds those it judges, so a reader that keeps one set per open pays
+        once per directory. Called before the object is read; an absent object is left to the
+        read. A store without links (every store but a file system) has nothing to check."""
+
     @property
     def positional_reads(self) -> bool:
         """Whether :meth:`open_positional` is available (local files)."""
@@ -244,6 +252,9 @@ class DelegatingStorage(Storage):
 
     def size_faults(self, objects: Sequence[tuple[str, int]]) -> list[str]:
         return self.inner.size_faults(objects)
+
+    def check_no_links(self, key: str, checked: set[str], *, tensor: str | None = None) -> None:
+        self.inner.check_no_links(key, checked, tensor=tensor)
 
     @property
     def positional_reads(self) -> bool:

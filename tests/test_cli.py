@@ -96,6 +96,72 @@ def test_verify_missing_step_and_bad_url(tmp_path, repo):
     assert r.exit_code == 2
 
 
+# ------------------------------------------------------------------ a path that holds no repository
+
+def _made(path: Path, files: dict[str, str] | None = None, dirs: tuple[str, ...] = ()) -> Path:
+    path.mkdir(parents=True)
+    for d in dirs:
+        (path / d).mkdir(parents=True)
+    for name, text in (files or {}).items():
+        (path / name).write_text(text)
+    return path
+
+
+NOT_A_REPO = {
+    "absent": lambda d: d / "no" / "such" / "dir",
+    "empty directory": lambda d: _made(d / "empty"),
+    "a home with a saves/ folder": lambda d: _made(d / "home", dirs=("saves/photos",)),
+    "a marker of another format": lambda d: _made(d / "m", {"ckptfmt.json": '{"format":"zarr"}'}),
+}
+READERS = {"ls": [], "inspect": [], "inspect --step": ["--step", "3"], "verify": [], "verify --all": ["--all"],
+           "verify --step": ["--step", "3"], "gc": ["--grace-s", "0"], "export": ["OUT"]}
+
+
+@pytest.mark.parametrize("place", sorted(NOT_A_REPO))
+@pytest.mark.parametrize("command", sorted(READERS))
+def test_every_reading_command_says_the_path_is_not_a_repository(tmp_path, place, command):
+    """Issue 24 item 12: never "no committed steps" (exit 0) for a path that holds no repository."""
+    url = str(NOT_A_REPO[place](tmp_path))
+    extra = [str(tmp_path / "out") if a == "OUT" else a for a in READERS[command]]
+    args = [command.split()[0], url, *extra]
+    code, doc = _json(args + ["--json"])
+    assert code == 1 and doc["ok"] is False and doc["error"] == "NotARepositoryError" and doc["object"] == url
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1 and "NotARepositoryError" in r.output and "no ckptfmt repository" in r.output
+    assert not (tmp_path / "out").exists()  # export touched nothing
+
+
+def test_an_empty_repository_is_still_a_repository(tmp_path):
+    """Control: a repository with its marker and no step (a first save that died before its
+    commit) keeps today's answers: ``ls`` lists no step and exits 0, ``verify --all`` checks none
+    and exits 0, ``inspect`` and ``verify`` of the latest step exit 1 with StepNotFoundError."""
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "ckptfmt.json").write_bytes(ckptfmt.manifest.MARKER_BYTES)
+    code, doc = _json(["ls", str(root), "--json"])
+    assert code == 0 and doc["ok"] and doc["steps"] == []
+    r = runner.invoke(app, ["ls", str(root)])
+    assert r.exit_code == 0 and "no committed steps" in r.output
+    code, doc = _json(["verify", str(root), "--all", "--json"])
+    assert code == 0 and doc["steps"] == []
+    for args in (["inspect", str(root)], ["verify", str(root)], ["verify", str(root), "--step", "3"]):
+        code, doc = _json(args + ["--json"])
+        assert code == 1, args
+        assert (doc.get("error") or doc["steps"][0]["error"]) == "StepNotFoundError", args
+
+
+def test_a_repository_from_before_the_marker_is_recognised_by_a_valid_manifest(repo):
+    (repo / "ckptfmt.json").unlink()
+    code, doc = _json(["ls", str(repo), "--json"])
+    assert code == 0 and [s["step"] for s in doc["steps"]] == [10, 20]
+    assert runner.invoke(app, ["verify", str(repo), "--all"]).exit_code == 0
+    # Broken control: with no manifest that validates, it is not a repository.
+    for step in (10, 20):
+        Scene(repo, SEED).manifest_path(step).write_text("{not json")
+    code, doc = _json(["ls", str(repo), "--json"])
+    assert code == 1 and doc["error"] == "NotARepositoryError" and "2 manifest name(s)" in doc["found"]
+
+
 def test_ls_shows_an_unreadable_manifest(repo):
     Scene(repo, SEED).manifest_path(20).write_text("{not json")
     code, doc = _json(["ls", str(repo), "--json"])
@@ -264,7 +330,10 @@ def test_json_ok_agrees_with_the_exit_code(repo, tmp_path):
     assert (code, doc["ok"]) == (0, True)  # the control: the same repository, a clean step
     code, doc = _json(["verify", str(repo), "--step", "20", "--json"])
     assert (code, doc["ok"]) == (1, False)
-    code, doc = _json(["ls", str(tmp_path / "empty"), "--json"])
+    code, doc = _json(["ls", str(tmp_path / "absent"), "--json"])  # no repository (issue 24 item 12)
+    assert (code, doc["ok"], doc["error"]) == (1, False, "NotARepositoryError")
+    _made(tmp_path / "empty", {"ckptfmt.json": ckptfmt.manifest.MARKER_BYTES.decode()})
+    code, doc = _json(["ls", str(tmp_path / "empty"), "--json"])  # a repository with no step
     assert (code, doc["ok"]) == (0, True)
     code, doc = _json(["faults", "--list", "--json"])
     assert (code, doc["ok"]) == (0, True)

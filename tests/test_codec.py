@@ -6,6 +6,7 @@ each rejection below is shown next to the intact case it differs from.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import ml_dtypes
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import ckptfmt
+import ckptfmt.checksum
 from ckptfmt import (Box, ChecksumMismatchError, InvalidDataError, LocalShard, Repository, SaveOptions,
                      UnsupportedVersionError)
 from ckptfmt._codec import ChunkDecoder
@@ -117,3 +119,83 @@ def test_zstd_codec_must_be_declared(tmp_path: Path) -> None:
     doc["extensions"][ZSTD] = {"level": 3}
     with pytest.raises(ckptfmt.InvalidManifestError):
         parse_manifest(json.dumps(doc).encode())
+
+
+# Bytes after the one zstd frame of a chunk (issue 24, spec text): tensorstore's zarr3 driver
+# refuses each of them, and so does ckptfmt (FORMAT.md 6.3: exactly one frame, nothing else).
+SKIPPABLE_FRAME = struct.pack("<II", 0x184D2A50, 3) + b"abc"
+EMPTY_FRAME = bytes.fromhex("28b52ffd2000010000")  # a complete frame whose content is 0 bytes
+TRAILERS = {"skippable-frame": SKIPPABLE_FRAME, "garbage-byte": b"\x00", "empty-frame": EMPTY_FRAME}
+
+
+def _one_chunk_step(tmp_path: Path) -> tuple[str, bytes]:
+    """A zstd step whose tensor ``w`` is one shard of one chunk; returns the URL and that chunk's frame."""
+    url = str(tmp_path / "r")
+    w = np.arange(64, dtype=np.float32)
+    m = ckptfmt.save(url, 0, [LocalShard("w", w.shape, w.dtype, Box.full(w.shape), w),
+                              LocalShard("v", w.shape, w.dtype, Box.full(w.shape), w + 1)], options=SaveOptions(codec="zstd"))
+    t = m.tensors["w"]
+    obj = (Path(url) / t.object_key(0)).read_bytes()
+    return url, obj[int(t.chunks.offset[0]):int(t.chunks.offset[0]) + int(t.chunks.nbytes[0]) - 4]
+
+
+def _store_chunk(url: str, encoded: bytes) -> str:
+    """Rewrite ``w``'s one shard to hold ``encoded`` as its chunk, with every checksum and size in
+    the object and the manifest made to match: only the chunk's content is wrong. Returns the object key."""
+    path = Path(url) / "manifests" / f"{0:020d}.json"
+    doc = json.loads(path.read_bytes())
+    e = doc["tensors"]["w"]
+    crc = ckptfmt.checksum.crc32c(encoded)
+    chunk = encoded + struct.pack("<I", crc)
+    entry = struct.pack("<QQ", 0, len(chunk))
+    key = e["array"]["path"] + "/" + e["shards"]["key"][0]
+    (Path(url) / key).write_bytes(chunk + entry + struct.pack("<I", ckptfmt.checksum.crc32c(entry)))
+    e["chunks"] = {"crc32c": [crc], "nbytes": [len(chunk)], "offset": [0]}
+    e["shards"]["nbytes"], e["shards"]["index_crc32c"] = [len(chunk) + 20], [ckptfmt.checksum.crc32c(entry)]
+    path.write_text(json.dumps(doc))
+    return key
+
+
+def _tensorstore_reads(url: str) -> bool:
+    import tensorstore as ts
+
+    path = Path(url) / json.loads((Path(url) / "manifests" / f"{0:020d}.json").read_bytes())["tensors"]["w"]["array"]["path"]
+    try:
+        ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path) + "/"}}).result().read().result()
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(TRAILERS))
+def test_bytes_after_the_frame_are_invalid_data(tmp_path: Path, name: str) -> None:
+    url, frame = _one_chunk_step(tmp_path)
+    obj = _store_chunk(url, frame)  # control: the clean frame, re-stored the same way, reads
+    repo = Repository(url)
+    assert repo.open(0).read("w").tobytes() == np.arange(64, dtype=np.float32).tobytes()
+    assert repo.verify(0) and _tensorstore_reads(url)
+    _store_chunk(url, frame + TRAILERS[name])
+    for read in (lambda: Repository(url).open(0).read("w"), lambda: Repository(url).verify(0),
+                 lambda: Repository(url, options={"positional_reads": False}).open(0).read("w")):
+        with pytest.raises(InvalidDataError) as e:
+            read()
+        assert e.value.key == "w" and e.value.object == obj and "one zstd frame" in str(e.value.expected)
+    assert not _tensorstore_reads(url)  # tensorstore's zarr3 driver agrees
+    assert Repository(url).open(0).read("v").tobytes() == (np.arange(64, dtype=np.float32) + 1).tobytes()
+
+
+def test_the_decoder_refuses_each_trailer() -> None:
+    dec = ChunkDecoder("float32", np.dtype(np.float32), (4,))
+    import tensorstore as ts
+
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory"}, "create": True, "metadata": {
+        "shape": [4], "data_type": "float32", "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4]}},
+        "chunk_key_encoding": {"name": "default"}, "fill_value": 0,
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                   {"name": "zstd", "configuration": {"level": 3, "checksum": False}}]}}).result()
+    arr.write(np.arange(4, dtype=np.float32)).result()
+    frame = arr.kvstore.read("c/0").result().value
+    assert dec.decode(frame, key="k", obj="o").tolist() == [0, 1, 2, 3]  # control
+    for tail in TRAILERS.values():
+        with pytest.raises(InvalidDataError):
+            dec.decode(frame + tail, key="k", obj="o")

@@ -25,6 +25,8 @@ def test_names_outside_the_writer_form_are_not_parsed():
                 "my-run", ""):
         assert L.parse_writer_save_id(bad) is None, bad
     assert L.is_save_id("my-run") and not L.is_save_id("../x") and not L.is_save_id(3)
+    # The whole name must match: "$" alone also matches before a final line feed (issue 24).
+    assert L.is_save_id(good) and not L.is_save_id(good + "\n") and not L.is_save_id("my-run\n")
 
 
 @given(st.lists(st.integers(0, L.MAX_STEP), min_size=1, max_size=40), st.binary(max_size=64), st.data())

@@ -167,3 +167,33 @@ def test_count_caps_are_checked_before_entries_are_built(good, what):
     assert not isinstance(at_cap.value, ManifestTooLargeError)
     with pytest.raises(ManifestTooLargeError, match=f"too many {what.split()[0]}"):
         parse_manifest(doc(n + 1), max_bytes=1 << 20)
+
+
+def test_a_save_id_with_a_trailing_line_feed_is_rejected(good):
+    """Issue 24: the save-id pattern ends in ``$``, which also matches before a final line feed; the
+    whole id must match. An empty manifest, so that no object key carries the id (where rule 5 of
+    FORMAT.md 5.9, control characters, would reject it anyway)."""
+    def empty(sid):
+        return mutate(good, lambda d: d.update(tensors={}, state={}, save_id=sid))
+
+    assert parse_manifest(empty(good["save_id"])).save_id == good["save_id"]  # control
+    assert parse_manifest(empty("my-run")).save_id == "my-run"
+    for bad in (good["save_id"] + "\n", "my-run\n"):
+        with pytest.raises(InvalidManifestError, match="save_id"):
+            parse_manifest(empty(bad))
+
+
+def test_version_checks_come_before_every_other_rule(good):
+    """FORMAT.md 5.12 ordering 2 (issue 24): a manifest of a later revision that also has a member
+    this revision does not define, and a tensor this revision would call broken, is unsupported,
+    not malformed."""
+    def later(d):
+        d.update(must_understand=["org.example.v2"], extensions={"org.example.v2": {}}, new_member=1)
+        W(d)["shards"]["offset"][1] = [0, 0]  # a duplicate box to this reader
+
+    with pytest.raises(UnsupportedVersionError):
+        parse_manifest(mutate(good, later))
+    # Control: without the extension the same manifest is malformed (and not "unsupported").
+    with pytest.raises(InvalidManifestError) as e:
+        parse_manifest(mutate(good, lambda d: (later(d), d.update(must_understand=[], extensions={}))))
+    assert not isinstance(e.value, UnsupportedVersionError)

@@ -274,6 +274,28 @@ def _doc_at(url: str, step: int) -> dict:
     return json.loads((Path(url) / f"manifests/{step:020d}.json").read_bytes())
 
 
+@pytest.mark.parametrize("case", ["zstd", "state only", "empty tensor only"])
+def test_the_extension_is_listed_only_when_an_entry_is_derived(tmp_path: Path, case: str) -> None:
+    """Issue 24: with manifest_columns="derived", a save whose entries all keep their columns (codec
+    zstd; no tensor with shard rows) does not list ckptfmt.derived, so a 1.1 reader reads it."""
+    url = str(tmp_path / "r")
+    v = values()
+    opts = SaveOptions(manifest_columns="derived", chunk_target_bytes=256)
+    given = {"zstd": (shards(v), {}), "state only": ([], {"step": 1}), "empty tensor only": (shards({"e": v["e"]}), {})}
+    parts, state = given[case]
+    m = ckptfmt.save(url, 0, parts, state=state or None,
+                     options=SaveOptions(manifest_columns="derived", chunk_target_bytes=256,
+                                         codec="zstd" if case == "zstd" else "raw"))
+    doc = _doc_at(url, 0)
+    assert mf.DERIVED not in m.must_understand and mf.DERIVED not in doc["must_understand"]
+    assert mf.DERIVED not in doc["extensions"]
+    assert all("key" in e["shards"] and "offset" in e["chunks"] for e in doc["tensors"].values())
+    assert Repository(url).verify(0) == m.nbytes
+    # Control: the same save with one raw tensor that has shard rows lists it, and that entry is derived.
+    m1 = ckptfmt.save(url, 1, parts + shards({"b/0": v["b/0"]}), state=state or None, options=opts)
+    assert mf.DERIVED in m1.must_understand and set(_doc_at(url, 1)["tensors"]["b/0"]["shards"]) == {"writer", "index_crc32c"}
+
+
 def test_incremental_save_references_rows_of_a_derived_table(tmp_path: Path) -> None:
     """Row numbers of ckptfmt.references index the derived table (5.14); the later step reads back."""
     url = str(tmp_path / "inc")

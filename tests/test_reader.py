@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -456,3 +457,88 @@ def test_verify_of_shards_larger_than_the_window_checks_every_byte(tmp_path, whe
     _swap_index_entries(url)
     with pytest.raises(ChecksumMismatchError, match="chunk table"):
         repo.verify(1)
+
+
+# ------------------------------------------------------------------ links leave the repository (issue 24 item 13)
+
+LINKED = {  # what is replaced by a link into another repository holding the very same bytes
+    "save directory": lambda m: f"saves/{m.save_id}/",
+    "tensor directory": lambda m: m.tensors["x"].array.path + "/",
+    "shard directory": lambda m: m.tensors["x"].object_key(1).rsplit("/", 1)[0] + "/",
+    "shard object": lambda m: m.tensors["x"].object_key(1),
+    "state object": lambda m: m.state["global"].key,
+}
+
+
+def _link_into(other: str, url: str, rel: str) -> None:
+    """Replace ``url/rel`` by a link to the same path in the repository ``other``."""
+    path = os.path.join(url, rel.rstrip("/"))
+    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+    os.symlink(os.path.join(other, rel.rstrip("/")), path, target_is_directory=rel.endswith("/"))
+
+
+@pytest.mark.parametrize("linked", sorted(LINKED))
+@pytest.mark.parametrize("where", ["positional", "tensorstore"])
+def test_a_link_into_another_repository_is_not_read(tmp_path, where, linked):
+    """A reader does not leave the repository (FORMAT.md 4.2, 9 step 4): ``saves/<id>`` (or a
+    directory or object below it) that links to a copy in another repository, byte for byte the
+    same, is refused with a StorageError naming the tensor and the object; the control, the same
+    repository with its own directory, reads. Checked once per directory per open."""
+    repo, url = _repo(where, tmp_path)
+    m = repo.manifest(1)
+    other = str(tmp_path / "other")
+    shutil.copytree(url, other, symlinks=True)
+    for op in sorted(OPS):  # control: the repository's own copy, and the other repository, read
+        OPS[op](repo)
+        OPS[op](Repository(other))
+    rel = LINKED[linked](m)
+    _link_into(other, url, rel)
+    shard_keys = {m.tensors["x"].object_key(s) for s in range(len(m.tensors["x"].shards))}
+    touched = {k for k in shard_keys | {m.state["global"].key} if k.startswith(rel)}
+    assert touched
+    refused = 0
+    for op in sorted(OPS):
+        keys = {"read-one-element": {_target(repo, op)[0]}, "read-whole": shard_keys, "state": {m.state["global"].key},
+                "verify": shard_keys | {m.state["global"].key}}[op]
+        if not keys & touched:
+            OPS[op](repo)  # an object that no link is on the way to still reads
+            continue
+        with pytest.raises(StorageError) as e:
+            OPS[op](repo)
+        assert e.value.object in touched and e.value.key in ("x", "global"), (op, e.value)
+        assert "symbolic link" in str(e.value.found) and "does not leave the repository" in e.value.message
+        refused += 1
+    assert refused
+    # What the check prevents: the store itself follows the link and hands out the other bytes.
+    key = sorted(touched)[0]
+    assert repo.storage.kv.read(key).result().value == Path(other, key).read_bytes()
+
+
+def test_a_manifest_that_is_a_link_is_not_read(tmp_path):
+    repo, url = _repo("positional", tmp_path)
+    other = str(tmp_path / "other")
+    shutil.copytree(url, other)
+    _link_into(other, url, f"manifests/{1:020d}.json")
+    with pytest.raises(StorageError) as e:
+        Repository(url).manifest(1)
+    assert e.value.object == f"manifests/{1:020d}.json" and e.value.found == "a symbolic link"
+    assert Repository(other).manifest(1).step == 1  # control: the real file
+
+
+def test_a_save_does_not_reference_objects_reached_through_a_link(tmp_path):
+    """The byte proof of an incremental save (FORMAT.md 8.4) reads the earlier objects as a reader
+    does, so it never references one that a reader would refuse: a later step behind a linked
+    ``saves/<id>`` writes its own objects. Control: with the real directory it references them."""
+    url = str(tmp_path / "repo")
+    m1 = _save(url)
+    again = [LocalShard("x", X.shape, X.dtype, Box((32 * r, 0), (32, 32)), X[32 * r:32 * r + 32].copy()) for r in range(2)]
+    m2 = ckptfmt.save(url, 2, again, options=SaveOptions(chunk_target_bytes=1024))
+    assert set(m2.tensors["x"].objects) == {0, 1}  # control: referenced
+    other = str(tmp_path / "other")
+    shutil.copytree(url, other)
+    _link_into(other, url, f"saves/{m1.save_id}/")
+    m3 = ckptfmt.save(url, 3, again, options=SaveOptions(chunk_target_bytes=1024))
+    assert not m3.referenced_saves and not m3.tensors["x"].objects
+    assert Repository(url).open(3).read("x").tobytes() == X.tobytes()
+    with pytest.raises(StorageError):
+        Repository(url).open(2).read("x")  # step 2 references step 1's objects, now behind the link

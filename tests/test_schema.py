@@ -223,6 +223,53 @@ def test_broken_control_is_rejected_by_schema_and_parser(name: str) -> None:
         ckptfmt.parse_manifest(json.dumps(doc).encode())
 
 
+GOLDEN_1_2 = ROOT / "spec" / "examples" / "repo-1.2" / "manifests" / GOLDEN.name
+
+
+def _zstd_codec(d: dict[str, Any]) -> None:
+    """params/w in the derived form with codec zstd, its extension declared: only the codec is wrong."""
+    d["must_understand"] = sorted(d["must_understand"] + ["ckptfmt.zstd"])
+    d["extensions"]["ckptfmt.zstd"] = {}
+    d["tensors"]["params/w"]["array"]["codec"] = "zstd"
+
+
+def _explicit_shards(d: dict[str, Any]) -> None:
+    """params/b's shard table written out, its chunk table left derived: some but not all five."""
+    t = d["tensors"]["params/b"]
+    t["shards"].update(offset=[[0], [2]], key=["c/0", "c/1"], nbytes=[44, 44])
+
+
+# The ckptfmt.derived rules of FORMAT.md 5.14 (issue 24), from the 1.2 golden example.
+BROKEN_DERIVED: dict[str, Callable[[dict[str, Any]], None]] = {
+    "listed_without_payload": lambda d: d["extensions"].pop("ckptfmt.derived"),
+    "payload_without_listing": _set("must_understand", []),
+    "derived_entries_without_extension": lambda d: d.update(must_understand=[], extensions={}),
+    "payload_not_empty": lambda d: d["extensions"].update({"ckptfmt.derived": {"columns": 5}}),
+    "derived_entry_with_codec_zstd": _zstd_codec,
+    "some_but_not_all_five_columns": _explicit_shards,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_DERIVED))
+def test_broken_derived_manifest_is_rejected_by_schema_and_parser(name: str) -> None:
+    doc = json.loads(GOLDEN_1_2.read_bytes())
+    assert _schema_errors(doc) == []  # the control: the 1.2 golden example
+    ckptfmt.parse_manifest(json.dumps(doc).encode())
+    BROKEN_DERIVED[name](doc)
+    assert _schema_errors(doc), f"schema accepted broken control {name}"
+    with pytest.raises(ckptfmt.InvalidManifestError):
+        ckptfmt.parse_manifest(json.dumps(doc).encode())
+
+
+def test_the_derived_extension_may_be_listed_over_explicit_entries() -> None:
+    """A reader accepts ckptfmt.derived over entries that all keep their columns (a writer SHOULD NOT
+    write that, 5.14, but it is valid); the schema accepts it too."""
+    doc = _golden()
+    doc["must_understand"], doc["extensions"] = ["ckptfmt.derived"], {"ckptfmt.derived": {}}
+    assert _schema_errors(doc) == []
+    assert ckptfmt.parse_manifest(json.dumps(doc).encode()).must_understand == ("ckptfmt.derived",)
+
+
 def test_unknown_format_version_is_an_unsupported_version_error() -> None:
     doc = _golden()
     doc["format_version"] = 2

@@ -46,6 +46,23 @@ def test_ints_outside_int64_use_the_bigint_extension() -> None:
     assert msgpack.unpackb(encode_state(2**63 - 1)) == 2**63 - 1  # plain msgpack inside int64
 
 
+@pytest.mark.parametrize("value", [2**63, 2**63 + 1, 2**64 - 1])
+def test_ints_from_2_63_to_2_64_have_two_encodings(value: int) -> None:
+    """FORMAT.md 7.2 (issue 24): an int in [2^63, 2^64) is a msgpack uint 64 or an ext 1; readers
+    accept both as the same int, and ckptfmt writes ext 1. Everywhere else one encoding only."""
+    plain = msgpack.packb(value)
+    assert plain[0] == 0xCF  # msgpack's uint 64, as any msgpack writer packs it
+    ours = encode_state(value)
+    assert msgpack.unpackb(ours) == msgpack.ExtType(EXT_BIGINT, value.to_bytes(9, "big", signed=True))
+    assert decode_state(plain) == decode_state(ours) == value
+    # Control: below 2^63 and from 2^64 on there is one encoding (ext 1 of 2^63 - 1 is refused,
+    # and msgpack has no plain int for 2^64).
+    with pytest.raises(InvalidStateError, match="fits in int64"):
+        decode_state(msgpack.packb(msgpack.ExtType(EXT_BIGINT, (2**63 - 1).to_bytes(8, "big", signed=True))))
+    with pytest.raises(OverflowError):
+        msgpack.packb(2**64)
+
+
 def test_nested_plain_values() -> None:
     state = {"step": 7, "lr": 3e-4, "name": "run-α", "blob": b"\x00\xff", "done": False,
              "none": None, "nested": {"a": [1, [2, {"b": [None, 1.5]}]]}, "t": (1, (2, 3))}

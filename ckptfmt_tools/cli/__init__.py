@@ -6,7 +6,9 @@ Commands: ``ls``, ``inspect``, ``verify``, ``gc``, ``faults``, and pass-through 
 Exit codes: 0 success; 1 a :class:`~ckptfmt.errors.CheckpointError` (its class name, tensor
 key, object, expected and found are printed, or emitted as JSON with ``--json``); 2 usage.
 Every command takes ``--json`` and then prints exactly one JSON document on stdout, whose
-``"ok"`` is true exactly when the command exits 0.
+``"ok"`` is true exactly when the command exits 0. A command that reads a repository (``ls``,
+``inspect``, ``verify``, ``gc``, ``export``) exits 1 with ``NotARepositoryError`` when the URL holds
+none (FORMAT.md 4.5); an empty repository is not an error for ``ls`` ("no committed steps", exit 0).
 
 Human-readable output passes every string through :func:`ckptfmt_tools.cli._render.safe` (terminal
 controls made visible, rich markup escaped); JSON output keeps every string exact.
@@ -85,10 +87,16 @@ def _print_foreign(keys: list[str]) -> None:
         _out().print(f"[yellow]foreign objects under manifests/ (not steps, ignored):[/] {shown}{more}")
 
 
-def _repo(url: str):
+def _repo(url: str, *, recognise: bool = True):
+    """The repository at ``url``; with ``recognise`` (every command that reads one), first
+    NotARepositoryError unless the URL holds a repository (FORMAT.md 4.5), so that a mistyped path
+    is never reported as a repository with no committed step."""
     from ckptfmt import Repository
 
-    return Repository(url)
+    repo = Repository(url)
+    if recognise:
+        repo.recognise()
+    return repo
 
 
 # ----------------------------------------------------------------------------------- ls
@@ -197,7 +205,7 @@ def gc_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     from ckptfmt.errors import CheckpointError
 
     try:
-        report = _repo(url).gc(grace_s=grace_s, keep_last=keep_last, keep_every=keep_every)
+        report = _repo(url, recognise=False).gc(grace_s=grace_s, keep_last=keep_last, keep_every=keep_every)  # gc recognises it
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     doc = _render.plain(report)

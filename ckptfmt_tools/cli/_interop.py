@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 
-from ckptfmt_tools.cli import JsonOpt, _emit_json, _err, _fail, _out, _render, app
+from ckptfmt_tools.cli import JsonOpt, _emit_json, _err, _fail, _out, _render, _repo, app
 
 __all__ = ["export_cmd", "import_cmd"]
 
@@ -69,6 +69,7 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     from bridges.interop import export
 
     try:
+        _repo(url)  # NotARepositoryError before OUT_DIR is touched
         with _bar(f"export {url}", quiet=as_json) as progress:
             report = export(url, out_dir, mapping=mapping, step=step, dtype=dtype, max_shard_size=max_shard_size,
                             config=config, processes=processes, allow_partial=allow_partial,
