@@ -61,7 +61,7 @@ def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
     """
     import torch
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
     from .torch import dtype_name
 
@@ -73,13 +73,18 @@ def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
         md = FileSystemReader(path).read_metadata()  # a pickle: the caller trusts this source
     except Exception as e:
         raise _typed(e, "read .metadata", None, path) from None
-    need: dict[str, int] = {}
-    for info in getattr(md, "storage_data", {}).values():
-        rel = str(info.relative_path)
-        if os.path.isabs(rel) or ".." in rel.split("/"):
-            raise InvalidSourceError("DCP metadata names a file outside the checkpoint", object=rel,
-                                     expected="a file in the directory", found=rel)
-        need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    # The pickle may hold anything: check its form before any attribute of it is used.
+    if (not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict)
+            or not all(isinstance(k, str) for k in md.state_dict_metadata)
+            or not isinstance(getattr(md, "storage_data", None) or {}, dict)):
+        raise InvalidSourceError("DCP .metadata does not hold a checkpoint's metadata", object=os.path.join(path, ".metadata"),
+                                 expected="torch.distributed.checkpoint.metadata.Metadata with dict members",
+                                 found=type(md).__name__)
+    try:
+        need = _files_needed(md)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise InvalidSourceError("DCP .metadata names a data file in a form torch does not write",
+                                 object=os.path.join(path, ".metadata"), found=f"{type(e).__name__}: {e}"[:300]) from None
     for rel, n in sorted(need.items()):
         f = os.path.join(path, rel)
         if not os.path.isfile(f):
@@ -95,7 +100,12 @@ def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
             skipped.append(fqn)
             continue
         key = _key(fqn, planner_data)
-        tensors[key] = (fqn, tuple(int(n) for n in meta.size), dtype_name(meta.properties.dtype, key), meta.properties.dtype)
+        try:
+            tensors[key] = (fqn, tuple(int(n) for n in meta.size), dtype_name(meta.properties.dtype, key),
+                            meta.properties.dtype)
+        except (AttributeError, TypeError, ValueError) as e:
+            raise InvalidSourceError("DCP .metadata describes a tensor in a form torch does not write", key=key,
+                                     object=os.path.join(path, ".metadata"), found=f"{type(e).__name__}: {e}"[:300]) from None
     reader = _Reader(path, tensors, torch)
     items = [ImportTensor(prefix + k, shape, dt, (lambda box, k=k: reader.read(k, box)))
              for k, (_, shape, dt, _) in sorted(tensors.items())]
@@ -104,6 +114,19 @@ def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
                   "tensors": len(items), "bytes": sum(t.nbytes for t in items), "skipped_non_tensors": skipped,
                   "source_checksums": "none: DCP keeps no checksums; data files' presence and sizes verified"}
     return import_tensors(url, 0 if step is None else int(step), items, provenance=provenance, progress=progress)
+
+
+def _files_needed(md: Any) -> dict[str, int]:
+    """Each data file the metadata names, with the length it needs; InvalidSourceError for a path
+    that leaves the checkpoint directory."""
+    need: dict[str, int] = {}
+    for info in (getattr(md, "storage_data", None) or {}).values():
+        rel = str(info.relative_path)
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            raise InvalidSourceError("DCP metadata names a file outside the checkpoint", object=rel,
+                                     expected="a file in the directory", found=rel)
+        need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    return need
 
 
 class _Reader:

@@ -8,16 +8,19 @@ from Box objects, for :func:`ckptfmt.plan.plan_save`.
 """
 from __future__ import annotations
 
+import math
 from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from ._types import Box
-from .errors import StepMismatchError
+from ._types import Box, LocalShard
+from .dtypes import dtype_name
+from .errors import ShapeMismatchError, StepMismatchError
+from .layout import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES
 
-__all__ = ["Held", "gather", "pack_boxes", "unpack_held"]
+__all__ = ["Held", "check_held", "gather", "pack_boxes", "unpack_held"]
 
 _I8 = "<i8"
 
@@ -36,6 +39,29 @@ class Held(NamedTuple):
     def box(self, j: int) -> Box:
         nd = int(self.ndim[j])
         return Box(tuple(self.offs[j, :nd].tolist()), tuple(self.shps[j, :nd].tolist()))
+
+
+def check_held(s: LocalShard) -> None:
+    """A held block that a manifest can record (FORMAT.md 5.10), checked before anything is packed
+    or written: a dtype the format stores (InvalidManifestError), a tensor of at most MAX_NDIM
+    dimensions, each in [0, 2^62], of at most 2^62 bytes (ShapeMismatchError), and a box of its
+    rank inside it (StepMismatchError, as the planner says it). Each names the tensor."""
+    dtype_name(s.dtype, key=s.key)
+    shape, box = s.global_shape, s.box
+    if len(shape) > MAX_NDIM:
+        raise ShapeMismatchError("tensor has more dimensions than the format stores", key=s.key,
+                                 expected=f"<= {MAX_NDIM} dimensions", found=len(shape))
+    if any(not 0 <= n <= MAX_DIM for n in shape):
+        raise ShapeMismatchError("a dimension of the tensor is out of range", key=s.key,
+                                 expected="each dimension in [0, 2^62]", found=list(shape))
+    if math.prod(max(n, 1) for n in shape) * s.dtype.itemsize > MAX_TENSOR_BYTES:
+        raise ShapeMismatchError("tensor too large (shape x itemsize)", key=s.key,
+                                 expected=f"<= {MAX_TENSOR_BYTES} bytes", found=f"{list(shape)} x {s.dtype.itemsize} B")
+    if box.ndim != len(shape):
+        raise StepMismatchError("a held box has the wrong rank", key=s.key, expected=f"{len(shape)} dims", found=str(box))
+    if any(o < 0 or b < 0 or o + b > n for o, b, n in zip(box.offset, box.shape, shape)):
+        raise StepMismatchError("a held box lies outside its tensor", key=s.key, expected=f"inside {shape}",
+                                found=str(box))
 
 
 def _unknown_key(index: Mapping[str, int], keys: Any, rank: int) -> StepMismatchError:

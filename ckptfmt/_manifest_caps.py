@@ -12,7 +12,7 @@ import numpy as np
 from .errors import InvalidManifestError
 
 __all__ = ["MAX_MANIFEST_BYTES", "MAX_NESTING", "MAX_STRUCTURAL_BYTES", "MAX_TENSORS", "MAX_SHARD_ROWS",
-           "MAX_CHUNK_ROWS", "CountCaps", "count_structural", "check_nesting"]
+           "MAX_CHUNK_ROWS", "MAX_OFFSET_ELEMENTS", "CountCaps", "count_structural", "check_nesting"]
 
 MAX_MANIFEST_BYTES = 256 << 20
 #: Nesting of arrays and objects in a manifest: the top-level object is level 1.
@@ -22,6 +22,9 @@ MAX_STRUCTURAL_BYTES = 1 << 25  # "{", "[" and "," in the text: one per JSON val
 MAX_TENSORS = 1 << 20
 MAX_SHARD_ROWS = 1 << 23
 MAX_CHUNK_ROWS = 1 << 24
+#: Shard offset elements, summed over every tensor (rows x rank): what a derived entry expands to
+#: (FORMAT.md 5.14). An explicit manifest within the structural cap never exceeds it.
+MAX_OFFSET_ELEMENTS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class CountCaps:
     tensors: int = MAX_TENSORS
     shard_rows: int = MAX_SHARD_ROWS
     chunk_rows: int = MAX_CHUNK_ROWS
+    offset_elements: int = MAX_OFFSET_ELEMENTS
     count_rows: bool = True  # False: the document's structural bytes already bound every column below the row caps
 
     @classmethod
@@ -39,7 +43,8 @@ class CountCaps:
         if max_bytes >= MAX_MANIFEST_BYTES:
             return cls()
         return cls(*(cap * max(0, max_bytes) // MAX_MANIFEST_BYTES for cap in
-                     (MAX_STRUCTURAL_BYTES, MAX_TENSORS, MAX_SHARD_ROWS, MAX_CHUNK_ROWS)))
+                     (MAX_STRUCTURAL_BYTES, MAX_TENSORS, MAX_SHARD_ROWS, MAX_CHUNK_ROWS,
+                                                                 MAX_OFFSET_ELEMENTS)))
 
     def after_counting(self, structural: int) -> "CountCaps":
         # Every array element follows a "[" or a ",": no column can be longer than the structural count.

@@ -5,6 +5,7 @@ once and falls back on :func:`_tensors_exact` here."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from itertools import chain
@@ -14,15 +15,12 @@ import numpy as np
 
 from .dtypes import DTYPES, itemsize_of
 from .errors import DuplicateShardError, InvalidManifestError, UnsupportedVersionError
-from .layout import CRC_BYTES, shard_key
+from .layout import CRC_BYTES, MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, shard_key
 from .plan import TensorGeometry, chunk_count_table
 
 __all__ = ["ArraySpec", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key", "CODECS",
            "max_encoded_chunk_nbytes", "DerivedColumns", "derived_columns"]
 
-MAX_NDIM = 64
-MAX_DIM = 1 << 62
-MAX_TENSOR_BYTES = 1 << 62
 MAX_KEY_LEN = 4096
 MAX_OBJECT_KEY_LEN = 1024
 _U32 = 1 << 32
@@ -105,22 +103,33 @@ class TooManyChunks(ValueError):
 def derived_columns(geom: TensorGeometry, max_chunks: int | None = None) -> DerivedColumns:
     """The columns FORMAT.md 5.14 derives from ``geom`` (pure; callers memoize by geometry).
     :class:`TooManyChunks` when the tensor stores more than ``max_chunks`` chunks (checked before
-    the chunk columns are built: a hostile geometry must not size them)."""
-    nd, n = len(geom.shape), math.prod(geom.grid)
-    if n == 0:  # an empty tensor: no shards, no chunks
-        offsets = np.zeros((0, nd), np.int64)
-    else:
-        offsets = np.indices(geom.grid, dtype=np.int64).reshape(nd, n).T * np.asarray(geom.shard_shape, np.int64)
-    cells = offsets // np.asarray(geom.shard_shape, np.int64) if nd else offsets
-    keys = tuple(map(("c" + "/{}" * nd).format, *cells.T.tolist())) if nd else ("c",) * n
-    counts = np.prod(chunk_count_table(geom, offsets), axis=1, dtype=np.int64) if n else np.zeros(0, np.int64)
-    start = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+    the chunk columns are built: a hostile geometry must not size them).
+
+    Built from per-dimension pieces, with no Python object per row but the shard keys: the
+    offset table is written in place one dimension at a time, and the chunk counts are an outer
+    product of per-dimension counts (what a shard stores along a dimension depends on its cell
+    along that dimension only). Memory: the returned arrays plus one column."""
+    nd, grid, n = len(geom.shape), geom.grid, math.prod(geom.grid)
+    offsets = np.empty((n, nd), np.int64)
+    counts = np.ones(n, np.int64) if nd == 0 else np.zeros(0, np.int64)
+    if nd and n:
+        cube = offsets.reshape(*grid, nd)
+        per_dim = []
+        for d, (g, s, c, size) in enumerate(zip(grid, geom.shard_shape, geom.chunk_shape, geom.shape)):
+            cell = np.arange(g, dtype=np.int64)
+            cube[..., d] = (cell * s).reshape((1,) * d + (g,) + (1,) * (nd - d - 1))
+            per_dim.append(-(-np.minimum(s, size - cell * s) // c))
+        counts = functools.reduce(np.multiply.outer, per_dim).reshape(n)
+    # An empty tensor has no shards, however long its other dimensions are.
+    keys = tuple(map("/".join, itertools.product(("c",), *(list(map(str, range(g))) for g in grid)))) if n else ()
+    start = np.zeros(n + 1, np.int64)
+    np.cumsum(counts, out=start[1:])
     total = int(start[-1])
     if max_chunks is not None and total > max_chunks:
         raise TooManyChunks(total, max_chunks)
     cn = geom.chunk_nbytes
     coff = (np.arange(total, dtype=np.int64) - np.repeat(start[:-1], counts)) * cn
-    arrays = (offsets.reshape(n, nd), counts * cn + geom.index_nbytes, coff, np.full(total, cn, np.int64), start)
+    arrays = (offsets, counts * cn + geom.index_nbytes, coff, np.full(total, cn, np.int64), start)
     for a in arrays:
         a.flags.writeable = False
     return DerivedColumns(arrays[0], keys, *arrays[1:])
@@ -351,7 +360,9 @@ def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] =
     _members(sh, {"offset", "writer", "key", "nbytes", "index_crc32c"}, "shards", k)
     ch = _typed(t.get("chunks"), dict, "chunks", k)
     _members(ch, {"offset", "nbytes", "crc32c"}, "chunks", k)
-    sh, ch = _fill_derived(k, sh, ch, geom, codec, derived)
+    cols = _fill_derived(k, sh, ch, geom, codec, derived)
+    if cols is not None:
+        return _derived_entry(k, shape_t, dtype, sharding, path, geom, sh, ch, writers, cols)
     keys = _typed(sh.get("key"), list, "shards.key", k)
     n = len(keys)
     expected_n = math.prod(geom.grid)
@@ -383,13 +394,38 @@ def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] =
     return _make_entry(k, shape_t, dtype, sharding, path, geom, *tables[:1], tuple(keys), *tables[1:], codec=codec)
 
 
+def _derived_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[str, Any] | None, path: str,
+                   geom: TensorGeometry, sh: dict[str, Any], ch: dict[str, Any], writers: int,
+                   cols: DerivedColumns) -> TensorEntry:
+    """The entry of a tensor in the derived form: the derived columns as they are (they tile the
+    tensor and its shards' bytes by construction, FORMAT.md 5.14), the written ones checked."""
+    n, total = len(cols.key), len(cols.chunk_offset)
+    writer = _int_array(sh.get("writer"), n, 0, writers - 1, "shards.writer", k)
+    # The largest shard is shard 0 (whole along every dimension): its size, in exact arithmetic.
+    top = math.prod(geom.inner) * geom.chunk_nbytes + geom.index_nbytes if n else 0
+    if top > MAX_TENSOR_BYTES:
+        _fail("shards.nbytes out of range", key=k, expected=f"[{geom.index_nbytes}, {MAX_TENSOR_BYTES}]",
+              found=f"{top} (derived)")
+    icrc = _int_array(sh.get("index_crc32c"), n, 0, _U32 - 1, "shards.index_crc32c", k)
+    ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)
+    tables = (writer, icrc.astype(np.uint32), ccrc.astype(np.uint32))
+    for a in tables:
+        a.flags.writeable = False
+    e = _make_entry(k, shape, dtype, sharding, path, geom, cols.offset, cols.key, tables[0], cols.nbytes, tables[1],
+                    cols.chunk_offset, cols.chunk_nbytes, tables[2])
+    e.__dict__["geometry"] = geom  # functools.cached_property slots: already known
+    e.__dict__["chunk_start"] = cols.chunk_start
+    return e
+
+
 def _fill_derived(k: str, sh: dict[str, Any], ch: dict[str, Any], geom: TensorGeometry, codec: str,
-                  derived: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The shard and chunk tables with the columns of an entry in the derived form filled in
-    (FORMAT.md 5.14), after checking that the form is allowed; other entries unchanged."""
+                  derived: bool) -> DerivedColumns | None:
+    """The derived columns of an entry in the derived form (FORMAT.md 5.14), after checking that
+    the form is allowed and that the columns it holds have the lengths the geometry implies (so
+    that nothing is sized by the geometry alone); None for an entry holding all its columns."""
     present = [c for c in _SHARD_DERIVED if c in sh] + [f"chunks.{c}" for c in _CHUNK_DERIVED if c in ch]
     if len(present) == len(_SHARD_DERIVED) + len(_CHUNK_DERIVED):
-        return sh, ch
+        return None
     if present:
         _fail("tensor entry leaves out some of the derivable columns but not all (FORMAT.md 5.14)", key=k,
               expected="all of shards.offset, shards.key, shards.nbytes, chunks.offset, chunks.nbytes, or none",
@@ -410,8 +446,7 @@ def _fill_derived(k: str, sh: dict[str, Any], ch: dict[str, Any], geom: TensorGe
         cols = derived_columns(geom, max_chunks=len(crcs))
     except TooManyChunks as e:
         _fail("chunks.crc32c has the wrong length", key=k, expected=e.total, found=len(crcs))
-    return (sh | {"offset": cols.offset.tolist(), "key": list(cols.key), "nbytes": cols.nbytes.tolist()},
-            ch | {"offset": cols.chunk_offset.tolist(), "nbytes": cols.chunk_nbytes.tolist()})
+    return cols
 
 
 def _check_shard_boxes(k: str, geom: TensorGeometry, offset: np.ndarray, keys: list[Any]) -> None:

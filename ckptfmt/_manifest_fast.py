@@ -17,6 +17,7 @@ the fast path). Both paths accept exactly the same manifests (tests/test_manifes
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from json.encoder import encode_basestring as _jstr  # type: ignore[attr-defined]
@@ -55,34 +56,46 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class _Layout:
-    """What a canonical tensor of one geometry holds, derived once from an entry the exact checks accepted."""
+    """What a canonical tensor of one geometry holds, derived once from an entry the exact checks
+    accepted. The lists, compared with an explicit entry's columns, are built on first use: a
+    geometry seen only in the derived form never needs them (no Python object per row)."""
 
     geom: TensorGeometry
-    keys: list[str]
     keys_t: tuple[str, ...]
-    offsets_list: list[list[int]]
-    nbytes_list: list[int]        # shard object sizes
-    coff_list: list[int]          # chunk offsets, back to back inside each shard
-    cnb_list: list[int]           # chunk sizes
-    offsets: np.ndarray           # read-only twins of the lists above
-    nbytes: np.ndarray
-    coff: np.ndarray
-    cnb: np.ndarray
+    offsets: np.ndarray           # read-only (S, ndim)
+    nbytes: np.ndarray            # shard object sizes
+    coff: np.ndarray              # chunk offsets, back to back inside each shard
+    cnb: np.ndarray               # chunk sizes
     chunk_start: np.ndarray
     n: int
     total: int
 
+    @functools.cached_property
+    def lists(self) -> tuple[list[str], list[list[int]], list[int], list[int], list[int]]:
+        """keys, offsets, nbytes, chunk offsets and chunk sizes as JSON decodes them."""
+        return list(self.keys_t), self.offsets.tolist(), self.nbytes.tolist(), self.coff.tolist(), self.cnb.tolist()
+
     @classmethod
-    def of(cls, entry: Any) -> "_Layout | None":
+    def of(cls, entry: Any, derived: bool = False) -> "_Layout | None":
         """The layout of an accepted entry when it holds exactly the columns its geometry derives
-        (FORMAT.md 5.14), else None. 0-d and empty tensors have one too (one shard "c"; no
+        (FORMAT.md 5.14), else None. ``derived``: the entry was in the derived form, so its columns
+        are the derived ones already. 0-d and empty tensors have one too (one shard "c"; no
         shards), so that a manifest of many of them is as cheap."""
+        if derived:
+            sh, ch = entry.shards, entry.chunks
+            return cls(entry.geometry, sh.key, sh.offset, sh.nbytes, ch.offset, ch.nbytes, entry.chunk_start,
+                       len(sh.key), len(ch.offset))
         c = derived_columns(entry.geometry)
         if not c.matches(entry):
             return None
-        return cls(entry.geometry, list(c.key), c.key, c.offset.tolist(), c.nbytes.tolist(), c.chunk_offset.tolist(),
-                   c.chunk_nbytes.tolist(), c.offset, c.nbytes, c.chunk_offset, c.chunk_nbytes, c.chunk_start,
+        return cls(entry.geometry, c.key, c.offset, c.nbytes, c.chunk_offset, c.chunk_nbytes, c.chunk_start,
                    len(c.key), len(c.chunk_offset))
+
+    def holds(self, sh: dict[str, Any], ch: dict[str, Any]) -> bool:
+        """Whether an explicit entry's five derivable columns equal this layout's, by value."""
+        keys, offsets, nbytes, coff, cnb = self.lists
+        return (sh["key"] == keys and sh["offset"] == offsets and sh["nbytes"] == nbytes and ch["offset"] == coff
+                and ch["nbytes"] == cnb)
 
 
 def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Callable[..., Any],
@@ -127,14 +140,12 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
                         ck, lay = None, None
                     if lay is False:
                         entry = _exact(exact, k, t, prefix, writers)
-                        lay = cache[ck] = _Layout.of(entry)  # type: ignore[index]
+                        lay = cache[ck] = _Layout.of(entry, short)  # type: ignore[index]
                         if lay is None:
                             _take(entry, paths, out)
                             continue
                     w_, ic_, cc_ = sh["writer"], sh["index_crc32c"], ch["crc32c"]
-                    if (lay is not None and (short or (sh["key"] == lay.keys and sh["offset"] == lay.offsets_list
-                                                       and sh["nbytes"] == lay.nbytes_list and ch["offset"] == lay.coff_list
-                                                       and ch["nbytes"] == lay.cnb_list)) and type(w_) is list and type(ic_) is list
+                    if (lay is not None and (short or lay.holds(sh, ch)) and type(w_) is list and type(ic_) is list
                             and type(cc_) is list and len(w_) == len(ic_) == lay.n and len(cc_) == lay.total):
                         if path in paths:
                             raise Fallback

@@ -23,21 +23,31 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ._manifest_caps import MAX_NESTING, MAX_TENSORS, CountCaps, check_nesting, count_structural
 from .checksum import crc32c
 from .dtypes import DTYPES
-from .errors import InvalidSourceError
+from .errors import InvalidManifestError, InvalidSourceError
 
 __all__ = ["StEntry", "StHeader", "parse_header", "encode_header", "ST_DTYPES", "FORMAT_DTYPES",
            "MAX_HEADER_BYTES", "META_CRC", "META_TABLE_CRC", "META_BLOCK", "table_crc", "header_size",
-           "strict_pairs", "reject_constant"]
+           "strict_pairs", "reject_constant", "check_json_caps", "check_text", "HEADER_STRUCTURAL", "MAX_TENSORS",
+           "MAX_INDEX_BYTES", "INDEX_STRUCTURAL", "parse_index"]
 
 #: The safetensors reference implementation's own cap on the header (100 MB).
 MAX_HEADER_BYTES = 100_000_000
+#: Structural bytes ("{", "[", ",") a header may hold: the manifest's cap (FORMAT.md 5.10) scaled
+#: to the header's size cap, so that decoding builds at most about 1 GB, whatever the text.
+HEADER_STRUCTURAL = CountCaps.for_size_cap(MAX_HEADER_BYTES).structural
+#: Largest index file accepted (a 400B-parameter model's index is a few MB), and its structural bytes.
+MAX_INDEX_BYTES = 64 << 20
+INDEX_STRUCTURAL = CountCaps.for_size_cap(MAX_INDEX_BYTES).structural
+_FILE_NAME = re.compile(r"[^/\\\x00]{1,255}")
 #: Largest integer accepted for a dimension or an offset (the format's own bound on sizes).
 _MAX_INT = (1 << 63) - 1
 _MAX_NDIM = 64
@@ -117,6 +127,27 @@ def reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def check_json_caps(data: bytes, structural_cap: int, obj: str, what: str) -> None:
+    """InvalidSourceError, before ``data`` is decoded, when its text holds more JSON values than
+    ``structural_cap`` allows (FORMAT.md 5.10's structural bytes: every value but the root follows
+    a "{", "[" or ","; counted with a byte search)."""
+    n = count_structural(data)
+    if n > structural_cap:
+        raise InvalidSourceError(f"{what} holds too many JSON values", object=obj,
+                                 expected=f"<= {structural_cap} structural bytes ({{ [ ,)", found=n)
+
+
+def check_text(names: Any, obj: str, what: str) -> None:
+    """InvalidSourceError for a string UTF-8 cannot encode (a lone surrogate from a \\uD800 escape):
+    it could never become a key path, a file name or manifest text."""
+    for v in names:
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidSourceError(f"{what} is not valid Unicode (a lone surrogate)", object=obj, key=ascii(v)[:200],
+                                     expected="UTF-8 encodable text", found=ascii(v)[:200]) from None
+
+
 def _int(v: Any, what: str, obj: str, key: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _MAX_INT:
         raise _bad(f"{what} must be an integer in [0, 2^63)", obj, key=key, expected="0 <= int < 2^63",
@@ -124,17 +155,21 @@ def _int(v: Any, what: str, obj: str, key: str) -> int:
     return v
 
 
-def parse_header(header: bytes, file_size: int | None, obj: str) -> StHeader:
+def parse_header(header: bytes, file_size: int | None, obj: str, max_tensors: int = MAX_TENSORS) -> StHeader:
     """Validate the header bytes (the ``N`` bytes after the length) of a file of ``file_size`` bytes
     (None on an object store without a cheap size: the returned ``size`` is then the size the
     header implies, which the caller must confirm before reading tensor bytes).
 
-    Pure: reads nothing, allocates nothing but the parsed JSON. Raises InvalidSourceError, naming
-    the tensor and what was expected and found, for any violation listed in the module docstring.
+    Pure: reads nothing, allocates nothing but the parsed JSON, and that within the caps: at most
+    :data:`HEADER_STRUCTURAL` JSON values (counted before decoding) and ``max_tensors`` tensors
+    (counted before any per-tensor work; an import's whole source shares the manifest's cap).
+    Raises InvalidSourceError, naming the tensor and what was expected and found, for any
+    violation listed in the module docstring.
     """
     n = len(header)
     if not header[:1] == b"{":
         raise _bad("header does not start with '{'", obj, expected="{", found=header[:8].decode("latin-1"))
+    check_json_caps(header, HEADER_STRUCTURAL, obj, "safetensors header")
     try:
         doc = json.loads(bytes(header).decode("utf-8"), object_pairs_hook=strict_pairs, parse_constant=reject_constant)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -142,12 +177,19 @@ def parse_header(header: bytes, file_size: int | None, obj: str) -> StHeader:
                    found=f"{type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(doc, dict):
         raise _bad("header is not a JSON object", obj, expected="object", found=type(doc).__name__)
+    if len(doc) - ("__metadata__" in doc) > max_tensors:
+        raise _bad("header holds too many tensors", obj, expected=f"<= {max_tensors} tensors",
+                   found=len(doc) - ("__metadata__" in doc))
+    if b"\\" in header:  # only a \u escape can smuggle in a lone surrogate (strict UTF-8 decoding rejects raw ones)
+        check_text(doc, obj, "a tensor name")
     data_start = 8 + n
     data_len = None if file_size is None else file_size - data_start
     meta = doc.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise _bad("__metadata__ must map strings to strings", obj, key="__metadata__", expected="{str: str}",
                    found=type(meta).__name__)
+    if b"\\" in header:
+        check_text([*meta, *meta.values()], obj, "a __metadata__ string")
     entries: list[StEntry] = []
     for name, e in doc.items():
         if not name:
@@ -192,6 +234,39 @@ def parse_header(header: bytes, file_size: int | None, obj: str) -> StHeader:
         raise _bad("the data section is not exactly covered by the tensors", obj,
                    expected=f"{pos} bytes in the file", found=f"{file_size} bytes")
     return StHeader({t.name: t for t in entries}, dict(meta), data_start, pos)
+
+
+def parse_index(data: bytes, obj: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """(weight_map, metadata) of an index file's bytes, checked within the manifest's caps
+    (FORMAT.md 5.10): its JSON values counted before decoding, its nesting after, its tensors before
+    any file is opened; names UTF-8 encodable; files plain names of the index's directory. Pure.
+    Raises InvalidSourceError naming the index (and the tensor, where one is at fault)."""
+    check_json_caps(data, INDEX_STRUCTURAL, obj, "safetensors index")
+    try:
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=strict_pairs, parse_constant=reject_constant)
+        if isinstance(doc, (dict, list)):
+            check_nesting(doc, 1, "safetensors index")
+    except (ValueError, RecursionError) as e:
+        raise InvalidSourceError("safetensors index is not strict JSON", object=obj,
+                                 expected="a JSON object with unique names", found=f"{type(e).__name__}: {str(e)[:200]}") from None
+    except InvalidManifestError as e:
+        raise InvalidSourceError("safetensors index nests arrays and objects too deeply", object=obj,
+                                 expected=f"<= {MAX_NESTING} levels", found=e.found) from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in wm.items()):
+        raise InvalidSourceError("safetensors index has no weight_map of names to files", object=obj,
+                                 expected="{'weight_map': {name: file}}", found=type(wm).__name__)
+    if len(wm) > MAX_TENSORS:
+        raise InvalidSourceError("safetensors index names too many tensors", object=obj,
+                                 expected=f"<= {MAX_TENSORS} tensors", found=len(wm))
+    if b"\\" in data:
+        check_text([*wm, *wm.values()], obj, "a name in the index")
+    for k, v in wm.items():
+        if not _FILE_NAME.fullmatch(v) or v in (".", ".."):
+            raise InvalidSourceError("the index names a file outside its directory", key=k, object=obj,
+                                     expected="a plain file name", found=v[:200])
+    meta = doc.get("metadata")
+    return wm, meta if isinstance(meta, dict) else {}
 
 
 def table_crc(entries: Sequence[StEntry], data_start: int) -> str:

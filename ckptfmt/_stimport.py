@@ -84,12 +84,16 @@ def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, prov
     Returns an :class:`ImportReport` once the step is committed. On any failure nothing is
     committed and the first error a source read raised (a CheckpointError: ChecksumMismatchError,
     SizeMismatchError, MissingShardError, InvalidSourceError ...) is raised, else the save's own.
+    A source with no tensors is InvalidSourceError (nothing committed), never an empty step.
     ``provenance`` (plain JSON) becomes ``metadata["import"]``; ``state`` the global non-tensor
     state (e.g. the JAX profile's record of scalar leaves).
     """
     from .session import SaveOptions, save
 
     t0 = time.perf_counter()
+    if not tensors:  # an empty step would look like a successful import of nothing
+        raise InvalidSourceError("the source holds no tensors: nothing to import", object=str(provenance.get("source")),
+                                 expected="at least one tensor", found="none")
     keys = [t.key for t in tensors]
     if len(set(keys)) != len(keys):
         dup = sorted(k for k in set(keys) if keys.count(k) > 1)

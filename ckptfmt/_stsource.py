@@ -32,8 +32,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from ._alloc import allocate, check_outputs_fit
-from ._safetensors import (META_BLOCK, META_CRC, META_TABLE_CRC, META_VERSION, bool_bytes_valid, header_size,
-                           parse_header, reject_constant, strict_pairs, table_crc)
+from ._safetensors import (MAX_INDEX_BYTES, MAX_TENSORS, META_BLOCK, META_CRC, META_TABLE_CRC, META_VERSION,
+                           bool_bytes_valid, header_size, parse_header, parse_index, table_crc)
 from ._types import Box
 from .checksum import crc32c
 from .dtypes import numpy_dtype
@@ -44,13 +44,10 @@ from .storage import PositionalFile, open_storage
 
 __all__ = ["SafetensorsSource", "SourceTensor", "SourceManifest", "find_safetensors", "MAX_INDEX_BYTES"]
 
-#: Largest index file accepted (a 400B-parameter model's index is a few MB).
-MAX_INDEX_BYTES = 64 << 20
 #: Bytes fetched and held at once by one read (the checksummed path's scratch, in block units).
 READ_WINDOW = 16 << 20
 #: Remote stores: byte ranges closer than this are fetched as one request.
 REMOTE_GAP = 64 << 10
-_FILE_NAME = re.compile(r"[^/\\\x00]{1,255}")
 
 
 @dataclass(frozen=True)
@@ -127,14 +124,6 @@ def find_safetensors(url: str, options: Mapping[str, Any] | None = None) -> tupl
     return None
 
 
-def _strict_json(data: bytes, obj: str) -> Any:
-    try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=strict_pairs, parse_constant=reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise InvalidSourceError("safetensors index is not strict JSON", object=obj,
-                                 expected="a JSON object with unique names", found=f"{type(e).__name__}: {str(e)[:200]}") from None
-
-
 class SafetensorsSource:
     """A safetensors source opened for reading (see the module docstring for what is verified).
 
@@ -161,7 +150,9 @@ class SafetensorsSource:
         self.file_sizes: dict[str, int] = {}
         self.file_metadata: dict[str, dict[str, str]] = {}
         tensors: dict[str, SourceTensor] = {}
-        headers = {f: self._header(f) for f in files}  # every file present and consistent first
+        headers: dict[str, Any] = {}
+        for f in files:  # every file present and consistent first; the whole source within the tensor cap
+            headers[f] = self._header(f, MAX_TENSORS - sum(len(h.tensors) for h in headers.values()))
         for f, header in headers.items():
             self.file_sizes[f] = header.size
             self.file_metadata[f] = dict(header.metadata)
@@ -191,33 +182,40 @@ class SafetensorsSource:
     def _files(self, name: str) -> tuple[list[str], dict[str, str] | None]:
         if self.index_name is None:
             return [name], None
+        self._local_file(name)
         data = self.storage.read(name, max_bytes=MAX_INDEX_BYTES)
         if data is None:
             raise InvalidSourceError("safetensors index is missing", object=name, expected="present", found="missing")
         if len(data) > MAX_INDEX_BYTES:
             raise InvalidSourceError("safetensors index exceeds the size cap", object=name,
                                      expected=f"<= {MAX_INDEX_BYTES} bytes", found="larger")
-        doc = _strict_json(data, name)
-        wm = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in wm.items()):
-            raise InvalidSourceError("safetensors index has no weight_map of names to files", object=name,
-                                     expected="{'weight_map': {name: file}}", found=type(wm).__name__)
-        for k, v in wm.items():
-            if not _FILE_NAME.fullmatch(v) or v in (".", ".."):
-                raise InvalidSourceError("the index names a file outside its directory", key=k, object=name,
-                                         expected="a plain file name", found=v[:200])
-        meta = doc.get("metadata")
-        self.index_metadata = meta if isinstance(meta, dict) else {}
+        wm, self.index_metadata = parse_index(data, name)
         return sorted(set(wm.values())), wm
 
-    def _header(self, f: str) -> Any:
+    def _local_file(self, f: str) -> None:
+        """On a local directory: InvalidSourceError unless ``f`` is a plain file of the source directory
+        (docs/INTEROP.md: the importer never follows a link, nor reads outside the source)."""
+        root = getattr(self.storage, "root", None)
+        if root is None:  # an object store: keys, no links
+            return
+        path = root + f
+        if os.path.islink(path):
+            raise InvalidSourceError("a safetensors source file is a symbolic link", object=f,
+                                     expected="a plain file in the source directory", found=f"a link to {os.readlink(path)!r}")
+        real, base = os.path.realpath(path), os.path.realpath(root)
+        if os.path.commonpath([real, base]) != base:
+            raise InvalidSourceError("a safetensors source file resolves outside the source directory", object=f,
+                                     expected=f"a file under {base}", found=real)
+
+    def _header(self, f: str, max_tensors: int = MAX_TENSORS) -> Any:
+        self._local_file(f)
         size = None  # on an object store the header implies the size (checked below)
         if self.storage.positional_reads:
             with self.storage.open_positional(f) as pf:  # MissingShardError when absent
                 size = pf.size
         prefix = self._range(f, 0, 8, size)
         n = header_size(prefix, size if size is not None else 1 << 62, f)
-        header = parse_header(self._range(f, 8, 8 + n, size), size, f)
+        header = parse_header(self._range(f, 8, 8 + n, size), size, f, max(0, max_tensors))
         if size is None:  # an object store: the header implies the size; check it (two one-byte probes)
             faults = self.storage.size_faults([(f, header.size)])
             if faults:
@@ -382,6 +380,7 @@ class SafetensorsSource:
         if self.storage.positional_reads:
             pf = fds.get(t.file)
             if pf is None:
+                self._local_file(t.file)  # checked at open too; a file swapped for a link since then is refused
                 pf = fds[t.file] = self.storage.open_positional(t.file, tensor=t.key)
                 size = pf.size
                 if size != self.file_sizes[t.file]:

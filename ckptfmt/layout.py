@@ -31,7 +31,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 __all__ = [
-    "MARKER_KEY", "MARKER_BYTES", "MANIFESTS", "SAVES", "LEASE_NAME", "MAX_STEP", "manifest_key",
+    "MARKER_KEY", "MARKER_BYTES", "MANIFESTS", "SAVES", "LEASE_NAME", "MAX_STEP", "MAX_NDIM",
+    "MAX_DIM", "MAX_TENSOR_BYTES", "manifest_key",
     "step_of_manifest_key", "save_prefix", "arrays_prefix", "state_prefix", "lease_key", "array_path",
     "cell_key", "shard_key", "fill_value", "inner_codecs", "state_name", "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WRITER_ID_TAIL",
     "WriterSaveId", "new_save_id", "parse_writer_save_id", "is_save_id", "writer_save_ids_in", "CRC_BYTES",
@@ -40,6 +41,11 @@ __all__ = [
 ]
 
 MAX_STEP = (1 << 63) - 1
+#: Largest tensor rank (FORMAT.md 5.10): a zarr v3 sharded array's shard index has one dimension
+#: more than the array, and tensorstore, which writes and reads the arrays, allows at most 32.
+MAX_NDIM = 31
+MAX_DIM = 1 << 62
+MAX_TENSOR_BYTES = 1 << 62
 
 # ----------------------------------------------------------------------------- keys
 #: The repository marker (FORMAT.md 4.5): written once by the first save's leader.

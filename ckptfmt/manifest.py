@@ -19,11 +19,12 @@ from .errors import CheckpointError, InvalidManifestError, ManifestTooLargeError
 from ._manifest_caps import MAX_CHUNK_ROWS as MAX_CHUNK_ROWS
 from ._manifest_caps import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
 from ._manifest_caps import MAX_NESTING as MAX_NESTING
+from ._manifest_caps import MAX_OFFSET_ELEMENTS as MAX_OFFSET_ELEMENTS
 from ._manifest_caps import MAX_SHARD_ROWS as MAX_SHARD_ROWS
 from ._manifest_caps import MAX_STRUCTURAL_BYTES as MAX_STRUCTURAL_BYTES
 from ._manifest_caps import MAX_TENSORS as MAX_TENSORS
 from ._manifest_caps import CountCaps, check_nesting, count_structural
-from ._manifest_entries import MAX_KEY_LEN, MAX_OBJECT_KEY_LEN, MAX_TENSOR_BYTES, _U32, _fail, _int, _members, _typed
+from ._manifest_entries import MAX_KEY_LEN, MAX_NDIM, MAX_OBJECT_KEY_LEN, MAX_TENSOR_BYTES, _U32, _fail, _int, _members, _typed
 from ._manifest_entries import ArraySpec as ArraySpec
 from ._manifest_entries import ChunkTable as ChunkTable
 from ._manifest_entries import ShardTable as ShardTable
@@ -277,6 +278,8 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
             check_nesting(sd, 4, "sharding", key=k)
     if caps.count_rows:  # else the structural count already keeps every column below the row caps
         _check_rows(tensors_doc, caps)
+    if DERIVED in mu:  # only a derived entry expands: an explicit entry's offsets are values of the text
+        _check_offset_elements(tensors_doc, caps)
     clean = False
     if literals is not None:
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
@@ -327,6 +330,26 @@ def _check_rows(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
     for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
         if rows > cap:
             raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)
+
+
+def _check_offset_elements(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
+    """ManifestTooLargeError, before any table is derived, when the shard offset tables would hold
+    more than the cap of elements (FORMAT.md 5.10): rows x rank summed over every tensor, the rows
+    of a derived entry counted by its writer column (its derived table has exactly that many)."""
+    elements, top, largest = 0, 0, None
+    for k, t in tensors_doc.items():
+        if type(t) is not dict or type(sh := t.get("shards")) is not dict or type(shape := t.get("shape")) is not list:
+            continue
+        rows = sh.get("key", sh.get("writer"))
+        if type(rows) is list and len(shape) <= MAX_NDIM:  # a deeper shape is refused before anything is built
+            n = len(rows) * len(shape)
+            elements += n
+            if n > top:
+                top, largest = n, k
+    if elements > caps.offset_elements:
+        raise ManifestTooLargeError("manifest's shard offset tables would hold too many elements (shard rows x rank, "
+                                    "summed over the tensors; the key named holds the most)", key=largest,
+                                    expected=f"<= {caps.offset_elements}", found=elements)
 
 
 def _state_entries(state_doc: dict[str, Any], save_id: str, writers: int) -> dict[str, StateEntry]:

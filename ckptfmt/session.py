@@ -36,7 +36,7 @@ import numpy as np
 
 from . import errors as _errors
 from . import _reuse
-from ._boxcols import pack_boxes
+from ._boxcols import check_held, pack_boxes
 from ._manifest_refs import DERIVED, REFERENCES, ZSTD, any_in_derived_form, references_payload, wants_derived
 from ._shardwriter import ShardRecord, state_from_wire, state_to_wire, write_and_verify, write_state
 from ._types import LocalShard
@@ -322,7 +322,7 @@ def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:
     for s in shards:
         if not isinstance(s, LocalShard):
             raise StepMismatchError("save() takes LocalShard objects", expected="LocalShard", found=type(s).__name__)
-        dtype_name(s.dtype, key=s.key)
+        check_held(s)
         prev = out.get(s.key)
         if prev and (prev[0].global_shape != s.global_shape or prev[0].dtype != s.dtype):
             raise StepMismatchError("one tensor key has two shapes or dtypes on this rank", key=s.key,

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +149,36 @@ def test_orbax_import_then_restore_onto_4_devices(work):
         assert d["steps_done"] == 7 and d["provenance"]["format"] == "orbax"
         assert d["provenance"]["ocdbt"] == (layout == "ocdbt")
         assert d["fault"] in ("SizeMismatchError", "MissingShardError", "InvalidSourceError") and d["fault_committed"] == []
+
+
+@pytest.mark.parametrize("payload, words", [
+    (["not", "metadata"], "DCP could not read .metadata"),  # torch itself fails on it
+    (types.SimpleNamespace(), "does not hold a checkpoint's metadata"),  # read_metadata accepts these
+    (types.SimpleNamespace(state_dict_metadata=[1, 2], storage_data={}), "does not hold a checkpoint's metadata"),
+])
+def test_trusted_dcp_metadata_of_the_wrong_type_is_a_typed_error(tmp_path, payload, words):
+    """Issue 24 item 11: a --trust-pickle .metadata that unpickles to another type raised an
+    AttributeError traceback (no JSON under --json). It is InvalidSourceError, as JSON, exit 1,
+    nothing committed; the control: the intact checkpoint imports."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(6, dtype=torch.float32)}, checkpoint_id=str(src))
+    good = tmp_path / "good"
+    r = runner.invoke(app, ["import", str(src), str(good), "--from", "dcp", "--trust-pickle", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["report"]["tensors"] == 1, r.output  # the control
+    (src / ".metadata").write_bytes(pickle.dumps(payload))
+    url = tmp_path / "repo"
+    r = runner.invoke(app, ["import", str(src), str(url), "--from", "dcp", "--trust-pickle", "--json"])
+    assert r.exit_code == 1, r.output
+    err = json.loads(r.stdout)
+    assert err["error"] == "InvalidSourceError" and words in err["message"], err
+    assert not url.exists() or ckptfmt.Repository(str(url)).steps() == []
 
 
 def test_dcp_import_then_torch_load_at_4_ranks(work):

@@ -17,7 +17,10 @@ saves on a real file system through tensorstore, one in each form, with the same
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -336,3 +339,111 @@ def test_count_caps_count_the_rows_of_derived_entries(good, table, column, cap_o
     assert not isinstance(at_cap.value, ManifestTooLargeError) and "wrong length" in str(at_cap.value)
     with pytest.raises(ManifestTooLargeError, match=f"too many {table[:-1]} rows"):
         parse_manifest(doc(cap + 1), max_bytes=1 << 20)
+
+
+# ------------------------------------------------------------------ issue 24 item 7: what a derived entry expands to
+
+
+def _one_tensor(shape: list[int], shard_shape: list[int], *, extra: int = 0) -> dict:
+    """A derived manifest of one uint8 tensor with one chunk per shard (and ``extra`` more 1-d
+    tensors of one shard each), every checksum 0: only the column lengths matter here."""
+    prefix = arrays_prefix(SAVE_ID)
+    rows = int(np.prod([-(-n // s) for n, s in zip(shape, shard_shape)]))
+
+    def entry(i: int, shp: list[int], ss: list[int], n: int) -> dict:
+        return {"shape": shp, "dtype": "uint8", "sharding": None,
+                "array": {"path": f"{prefix}{i:06d}", "shard_shape": list(ss), "chunk_shape": list(ss), "codec": "raw"},
+                "shards": {"writer": [0] * n, "index_crc32c": [0] * n}, "chunks": {"crc32c": [0] * n}}
+
+    tensors = {"t": entry(0, shape, shard_shape, rows)} | {f"x/{i}": entry(i + 1, [1], [1], 1) for i in range(extra)}
+    return {"format": "ckptfmt", "format_version": 1, "must_understand": [mf.DERIVED], "extensions": {mf.DERIVED: {}},
+            "save_id": SAVE_ID, "step": STEP, "created_unix": 0.0, "writers": 1, "versions": {}, "metadata": {},
+            "state": {}, "tensors": tensors}
+
+
+_PARSE_AND_MEASURE = """
+import json, resource, sys
+from ckptfmt import CheckpointError, parse_manifest
+out = []
+for path in sys.argv[1:]:
+    try:
+        parse_manifest(open(path, "rb").read())
+        out.append({"error": None})
+    except CheckpointError as e:
+        out.append({"error": type(e).__name__, "message": str(e), "key": e.key, "found": e.found})
+print(json.dumps({"results": out, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def test_hostile_derived_expansion_is_refused_before_anything_is_derived(tmp_path: Path) -> None:
+    """Issue 24 item 7: 6.3 MB of derived columns (one rank-63 tensor of 2^20 shards) cost 3.5 GB
+    and 34 s to parse. At the default caps, in a fresh process: a rank-31 tensor of 5 x 2^18 shards
+    (40.6 million offset elements, 7.9 MB) is ManifestTooLargeError naming it, and the issue's
+    rank-63 one is refused for its rank, both before anything is derived: the process's peak RSS
+    stays far below what deriving either would take (about 2 GB and 3.5 GB)."""
+    hostile = _one_tensor([5] + [2] * 18 + [1] * 12, [1] * 31)
+    rows = len(hostile["tensors"]["t"]["shards"]["writer"])
+    assert rows * 31 > mf.MAX_OFFSET_ELEMENTS
+    files = []
+    for name, doc in (("hostile", hostile), ("issue", _one_tensor([2] * 20 + [1] * 43, [1] * 63))):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_bytes(json.dumps(doc, separators=(",", ":")).encode())
+    p = subprocess.run([sys.executable, "-c", _PARSE_AND_MEASURE, *map(str, files)], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout)
+    over, issue = got["results"]
+    assert over["error"] == "ManifestTooLargeError" and "offset tables would hold too many elements" in over["message"]
+    assert over["key"] == "t" and over["found"] == rows * 31
+    assert issue["error"] == "InvalidManifestError" and "too many dimensions" in issue["message"] and issue["key"] == "t"
+    assert got["maxrss_kib"] < 1 << 20  # 1 GiB: the interpreter, ckptfmt and the decoded JSON
+
+
+def test_offset_element_cap_boundary_and_a_large_derived_manifest_parses() -> None:
+    """The cap, at a 1 MiB size cap (2^17 elements): exactly at it parses, one tensor more is refused;
+    the tables derived equal those the explicit checks accept for the same manifest written out
+    (the control that a legitimately large derived manifest is still read, and read right)."""
+    from ckptfmt import ManifestTooLargeError
+    from ckptfmt.manifest import CountCaps
+
+    cap = CountCaps.for_size_cap(1 << 20).offset_elements
+    assert cap == 1 << 17
+    shape = [2] * 12 + [3, 1, 1, 1]  # 16 dimensions
+    ss = [1] * 12 + [2, 1, 1, 1]     # 2^13 shard rows x 16 = 2^17; edge shards along dimension 12
+    doc = _one_tensor(shape, ss)
+    n = len(doc["tensors"]["t"]["shards"]["writer"])
+    assert n * 16 == cap
+    m = parse_manifest(json.dumps(doc).encode(), max_bytes=1 << 20)
+    over = json.dumps(_one_tensor(shape, ss, extra=1)).encode()
+    with pytest.raises(ManifestTooLargeError, match="too many elements") as e:
+        parse_manifest(over, max_bytes=1 << 20)
+    assert e.value.found == cap + 1
+    parse_manifest(over)  # the default caps hold it
+    explicit = dataclasses.replace(m, must_understand=(), extensions={}).to_json()
+    assert "key" in explicit["tensors"]["t"]["shards"]
+    same_tables(parse_manifest(json.dumps(explicit).encode()).tensors, m.tensors)
+    same_tables(exact(explicit), m.tensors)
+    t = m.tensors["t"]
+    assert t.shards.offset.shape == (n, 16) and t.shards.key[1] == "c/" + "0/" * 12 + "1/0/0/0"
+    assert list(t.chunk_start[:3]) == [0, 1, 2] and int(t.shards.nbytes[1]) == int(t.shards.nbytes[0])
+
+
+@pytest.mark.parametrize("form", ["derived", "explicit"])
+def test_reader_refuses_the_ranks_the_writer_refuses(form) -> None:
+    """Issue 24 item 11: FORMAT.md 5.10's rank limit is 31, what tensorstore's zarr3 sharding can
+    write (tests/test_session.py checks the writer); 32 is refused, 31 (the control) parses."""
+    d31 = _one_tensor([2] + [1] * 30, [1] * 31)
+    if form == "explicit":
+        m = parse_manifest(json.dumps(d31).encode())
+        d31 = dataclasses.replace(m, must_understand=(), extensions={}).to_json()
+    d32 = copy.deepcopy(d31)
+    t = d32["tensors"]["t"]
+    for v in (t["shape"], t["array"]["shard_shape"], t["array"]["chunk_shape"]):
+        v.append(1)
+    if form == "explicit":  # one more dimension of length 1: the same shards, one more 0 in each box
+        t["shards"]["offset"] = [o + [0] for o in t["shards"]["offset"]]
+        t["shards"]["key"] = [k + "/0" for k in t["shards"]["key"]]
+    assert len(parse_manifest(json.dumps(d31).encode()).tensors["t"].shape) == 31
+    with pytest.raises(mf.InvalidManifestError, match="too many dimensions") as e:
+        parse_manifest(json.dumps(d32).encode())
+    assert e.value.key == "t" and e.value.expected == "<= 31"

@@ -364,3 +364,144 @@ def test_streaming_export_and_import_stay_within_the_memory_bound(tmp_path):
         print(f"{phase}: {doc[phase]['bytes'] / 2**20:.0f} MiB in {doc[phase]['seconds']:.2f} s, "
               f"peak RSS rise {rise / 2**20:.0f} MiB (bound {(doc['largest'] + (256 << 20)) / 2**20:.0f} MiB)")
         assert rise <= doc["largest"] + (256 << 20) and rise < doc["size"], doc
+
+
+# ------------------------------------------------------------------ issue 24: caps, names, empty sources, links
+
+
+def _raw_file(path: Path, header: bytes, data: bytes = b"") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+    return path
+
+
+def _traced_peak(fn) -> tuple[BaseException | None, int]:
+    tracemalloc.start()
+    try:
+        fn()
+        err = None
+    except Exception as e:  # noqa: BLE001  (the caller asserts on it)
+        err = e
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return err, peak
+
+
+def test_header_and_index_holding_too_many_json_values_are_refused_before_decoding(tmp_path):
+    """Issue 24 item 8: a 100 MB header of empty arrays cost 2.6 GB before its error, a 64 MiB
+    index of {} 1.7 GB and an empty commit. FORMAT.md 5.10's structural cap, scaled to each size
+    cap, is counted before decoding: one value over is refused with a peak far below what decoding
+    would build (about 1 GB); the controls, a real header and index, open."""
+    from ckptfmt._safetensors import HEADER_STRUCTURAL, INDEX_STRUCTURAL
+
+    header = b'{"a":[' + b",".join([b"[]"] * (HEADER_STRUCTURAL // 2 + 1)) + b"]}"  # "[" and "," per element
+    f = _raw_file(tmp_path / "values" / "model.safetensors", header)
+    err, peak = _traced_peak(lambda: SafetensorsSource(str(f)))
+    assert isinstance(err, InvalidSourceError) and "too many JSON values" in str(err), err
+    assert err.found == HEADER_STRUCTURAL + 3 and peak < 3 * len(header) + (32 << 20), peak  # {, [ and 2 per element
+    d = tmp_path / "index"
+    _write(d / "model-00001-of-00001.safetensors", {"w": np.ones(3, np.float32)})
+    index = d / "model.safetensors.index.json"
+    index.write_bytes(b'{"weight_map":{},"metadata":{"x":[' + b",".join([b"{}"] * (INDEX_STRUCTURAL // 2)) + b"]}}")
+    err, peak = _traced_peak(lambda: SafetensorsSource(str(d)))
+    assert isinstance(err, InvalidSourceError) and "index holds too many JSON values" in str(err), err
+    assert peak < 3 * index.stat().st_size + (32 << 20), peak
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    assert _same(SafetensorsSource(str(d)).read("w"), np.ones(3, np.float32))  # the control
+
+
+def test_index_nesting_and_tensor_caps(tmp_path):
+    """FORMAT.md 5.10's nesting (64 levels) and tensor (2^20) caps on an index; the controls: 64
+    levels, and the tensor cap through parse_header's own budget (at it: accepted)."""
+    from ckptfmt._safetensors import MAX_TENSORS, parse_index
+
+    def nested(levels: int) -> bytes:  # the index object is level 1
+        return b'{"weight_map":{"w":"m.safetensors"},"metadata":' + b'{"a":' * (levels - 2) + b"{}" + b"}" * (levels - 1)
+
+    parse_index(nested(64), "i")  # the control
+    with pytest.raises(InvalidSourceError, match="nests arrays and objects too deeply"):
+        parse_index(nested(65), "i")
+    many = b'{"weight_map":{' + b",".join(b'"t%d":"m.safetensors"' % i for i in range(MAX_TENSORS + 1)) + b"}}"
+    with pytest.raises(InvalidSourceError, match="names too many tensors") as e:
+        parse_index(many, "i")
+    assert e.value.found == MAX_TENSORS + 1
+    body = json.dumps({f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(3)}).encode()
+    assert len(parse_header(body, 8 + len(body), "f", max_tensors=3).tensors) == 3  # the control
+    with pytest.raises(InvalidSourceError, match="too many tensors"):
+        parse_header(body, 8 + len(body), "f", max_tensors=2)
+
+
+def test_lone_surrogate_names_are_refused_before_anything_is_written(tmp_path):
+    """Issue 24 item 11: a tensor name "\\ud800" raised UnicodeEncodeError. In a header and in an
+    index it is InvalidSourceError at open, and an import commits nothing; the control, a valid
+    escape ("\\u00e9"), imports."""
+    data = np.ones(2, np.float32).tobytes()
+
+    def header(name: str) -> bytes:
+        return ('{"%s":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}' % name).encode()
+
+    bad = _raw_file(tmp_path / "bad" / "model.safetensors", header("w\\ud800"), data)
+    with pytest.raises(InvalidSourceError, match="lone surrogate") as e:
+        SafetensorsSource(str(bad))
+    assert "\\ud800" in e.value.key
+    url = str(tmp_path / "repo")
+    with pytest.raises(InvalidSourceError, match="lone surrogate"):
+        import_safetensors(str(bad.parent), url)
+    assert not Path(url).exists() or Repository(url).steps() == []
+    d = tmp_path / "idx"
+    _raw_file(d / "m.safetensors", header("w"), data)
+    (d / "model.safetensors.index.json").write_text('{"weight_map":{"w\\udfff":"m.safetensors"}}')
+    with pytest.raises(InvalidSourceError, match="lone surrogate"):
+        SafetensorsSource(str(d))
+    good = _raw_file(tmp_path / "good" / "model.safetensors", header("w\\u00e9"), data)
+    report = import_safetensors(str(good.parent), url)  # the control
+    assert report.tensors == 1 and Repository(url).open(0).keys() == ["w\u00e9"]
+
+
+def test_a_source_without_tensors_is_an_error_not_an_empty_step(tmp_path):
+    """Issue 24 item 8: an index of no tensors committed an empty step. A file or an index with no
+    tensors is InvalidSourceError and nothing is committed; the control imports one tensor."""
+    empty = _raw_file(tmp_path / "file" / "model.safetensors", b"{}")
+    d = tmp_path / "index"
+    _write(d / "m.safetensors", {"w": np.ones(2, np.float32)})
+    (d / "model.safetensors.index.json").write_text('{"weight_map":{}}')
+    url = str(tmp_path / "repo")
+    for src in (empty.parent, d):
+        with pytest.raises(InvalidSourceError, match="no tensors"):
+            import_safetensors(str(src), url)
+        assert not Path(url).exists() or Repository(url).steps() == []
+    (d / "model.safetensors.index.json").write_text('{"weight_map":{"w":"m.safetensors"}}')
+    assert import_safetensors(str(d), url).tensors == 1  # the control
+    assert Repository(url).steps() == [0]
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_the_importer_never_follows_a_link(tmp_path, where):
+    """Issue 24 item 13 (docs/INTEROP.md): a model.safetensors, or a shard file named by the index,
+    that is a symbolic link (out of the source directory, or inside it) is InvalidSourceError
+    naming the file, at open and at import, and nothing is written; the control: the same bytes as
+    a plain file import."""
+    t = {"w": np.arange(6, dtype=np.float32)}
+    target = _write((tmp_path / "elsewhere" if where == "outside" else tmp_path / "src" / "real") / "x.safetensors", t)
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "model.safetensors").symlink_to(target)
+    url = str(tmp_path / "repo")
+    for fn in (lambda: SafetensorsSource(str(src / "model.safetensors")), lambda: import_safetensors(str(src), url)):
+        with pytest.raises(InvalidSourceError, match="symbolic link") as e:
+            fn()
+        assert e.value.object == "model.safetensors"
+    assert not Path(url).exists() or Repository(url).steps() == []
+    sharded = tmp_path / "sharded"
+    _write(sharded / "a.safetensors", {"v": np.ones(2, np.int32)})
+    (sharded / "b.safetensors").symlink_to(target)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"v": "a.safetensors", "w": "b.safetensors"}}))
+    with pytest.raises(InvalidSourceError, match="symbolic link") as e:
+        SafetensorsSource(str(sharded))
+    assert e.value.object == "b.safetensors"
+    (sharded / "b.safetensors").unlink()
+    (sharded / "b.safetensors").write_bytes(target.read_bytes())
+    assert _same(SafetensorsSource(str(sharded)).read("w"), t["w"])  # the controls: plain files
+    (src / "model.safetensors").unlink()
+    (src / "model.safetensors").write_bytes(target.read_bytes())
+    assert import_safetensors(str(src), url).tensors == 1

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from ckptfmt import (Box, CoordinatorTimeoutError, LocalShard, Repository, SaveOptions, StepMismatchError,
+from ckptfmt import (Box, CheckpointError, CoordinatorTimeoutError, LocalShard, Repository, SaveOptions, StepMismatchError,
                      TcpCoordinator, TopologyChangedError, save)
 from ckptfmt.coord import free_port
 from ckptfmt.session import _Heartbeat, lease_key
@@ -103,6 +103,34 @@ def test_metadata_and_step_rejected_before_anything_is_written(repo_url):
     assert Repository(repo_url).storage.list("saves/") == []
     save(repo_url, 1, shards, metadata={"run": "a", "lr": 0.1, "tags": ["x"]})  # control
     assert Repository(repo_url).manifest(1).metadata["tags"] == ["x"]
+
+
+def _block(shape, box=None, dtype=np.uint8):
+    box = box or Box.full(shape)
+    return LocalShard("odd/t", shape, dtype, box, np.zeros(box.shape, dtype))
+
+
+@pytest.mark.parametrize("shard, error, words", [
+    # Issue 24 item 11: a rank-64 tensor raised ValueError from the planner, ranks 32-63 failed in tensorstore.
+    (lambda: _block((2,) + (1,) * 31), "ShapeMismatchError", "more dimensions than the format stores"),
+    (lambda: _block((2,) + (1,) * 63), "ShapeMismatchError", "more dimensions than the format stores"),
+    # A dimension of 2^63 raised OverflowError; 2^62 x 4 bytes ValueError ("array is too big").
+    (lambda: _block((1 << 63,), Box((0,), (1,))), "ShapeMismatchError", "dimension of the tensor is out of range"),
+    (lambda: _block((1 << 62, 4), Box((0, 0), (1, 4))), "ShapeMismatchError", "tensor too large"),
+    (lambda: _block((4,), Box((1 << 63,), (1,))), "StepMismatchError", "lies outside its tensor"),
+    (lambda: _block((4, 4), Box((0,), (4,))), "StepMismatchError", "wrong rank"),
+])
+def test_blocks_no_manifest_can_record_are_rejected_before_anything_is_written(repo_url, shard, error, words):
+    """FORMAT.md 5.10: at most 31 dimensions (tensorstore's zarr3 sharding), each in [0, 2^62], at
+    most 2^62 bytes, and a box inside its tensor: a typed error naming the tensor, nothing written."""
+    with pytest.raises(CheckpointError) as got:
+        save(repo_url, 1, [shard()])
+    assert type(got.value).__name__ == error and words in str(got.value) and got.value.key == "odd/t"
+    assert Repository(repo_url).storage.list("saves/") == []
+    # the control: a tensor of 31 dimensions, the most allowed, saves and reads back
+    x = np.arange(2, dtype=np.uint8).reshape((2,) + (1,) * 30)
+    save(repo_url, 1, [LocalShard("odd/t", x.shape, x.dtype, Box.full(x.shape), x)])
+    assert Repository(repo_url).open(1).read("odd/t").tobytes() == x.tobytes()
 
 
 def _nested(levels: int) -> dict:
