@@ -29,10 +29,16 @@ from ckptfmt.errors import CheckpointError, InvalidSourceError, MissingShardErro
 from ckptfmt.interop import ImportReport, ImportTensor, import_tensors
 from ckptfmt._stimport import BatchReader
 
-__all__ = ["import_orbax", "BATCH_BYTES"]
+__all__ = ["import_orbax", "BATCH_BYTES", "MAX_LEAF_BYTES"]
 
 #: Leaves restored by Orbax at once (a larger leaf alone).
 BATCH_BYTES = 64 << 20
+#: The largest array leaf imported by default. Orbax restores a leaf whole (an unsharded leaf is
+#: one stored chunk, which tensorstore decodes whole for any read), so host memory follows the
+#: leaf's declared size, not its bytes on disk: a 35 KB directory can declare a 1 GiB leaf of
+#: zeros. A larger leaf is refused before anything is read unless the caller raises the cap
+#: (``max_leaf_bytes=``, ``ckptfmt import --max-leaf-bytes``), accepting that cost.
+MAX_LEAF_BYTES = 512 << 20
 _BRIDGE_VERSION = 1  # the JAX profile's record (spec/FORMAT.md 13.2)
 
 
@@ -65,13 +71,16 @@ def _item_dir(src: str, step: int | None) -> str:
 
 
 def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "",
-                 progress: Callable[[int, int], None] | None = None) -> ImportReport:
+                 progress: Callable[[int, int], None] | None = None,
+                 max_leaf_bytes: int = MAX_LEAF_BYTES) -> ImportReport:
     """Import the Orbax checkpoint at ``src`` (``step``: a ``CheckpointManager`` root's step) as step
     ``step`` (default 0) of ``url``; key paths are ``prefix`` + the pytree path rendered with ``/``.
 
     Fails closed: InvalidSourceError (not an Orbax checkpoint, an unfinished save, a tree Orbax
-    cannot read), MissingShardError / SizeMismatchError (a missing or truncated file, as Orbax
-    reports it), StepAlreadyCommittedError; nothing committed.
+    cannot read, an array leaf declaring more than ``max_leaf_bytes``: checked from the metadata
+    before any leaf is read), MissingShardError / SizeMismatchError (a missing or truncated file,
+    as Orbax reports it), StepAlreadyCommittedError; nothing committed. Host memory is bounded by
+    about one batch of :data:`BATCH_BYTES` or the largest leaf, whichever is larger.
     """
     import jax
     import orbax.checkpoint as ocp
@@ -95,6 +104,7 @@ def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "
             arrays[key] = (tuple(int(n) for n in m.shape), dtype_name(np.dtype(m.dtype), key=key))
         else:
             leaves[key] = m
+    _check_leaf_sizes(arrays, int(max_leaf_bytes), path)
     paths = {key: p for (key, _), (p, _) in zip(flat, jax.tree_util.tree_flatten_with_path(tree)[0])}
     reader = _Reader(checkpointer, path, tree, paths, arrays)
     scalars = reader.scalars(sorted(leaves)) if leaves else {}
@@ -110,6 +120,20 @@ def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "
                         "leaves": {prefix + k: v for k, v in scalars.items()}}, "extra": None}
     return import_tensors(url, 0 if step is None else int(step), tensors, provenance=provenance, progress=progress,
                           state=state)
+
+
+def _check_leaf_sizes(arrays: dict[str, tuple[tuple[int, ...], str]], cap: int, path: str) -> None:
+    """Refuse, before anything is read, an array leaf whose declared size exceeds ``cap``."""
+    for key, (shape, dt) in sorted(arrays.items()):
+        n = DTYPES[dt]
+        for dim in shape:  # exact integers: a declared shape cannot overflow the check
+            n *= int(dim)
+        if n > cap:
+            raise InvalidSourceError(
+                f"an Orbax leaf declares {n:,} bytes, over the import cap of {cap:,}: Orbax restores a leaf whole, "
+                "so the import would need that much host memory; pass max_leaf_bytes= (ckptfmt import "
+                "--max-leaf-bytes) to import it anyway", key=key, object=path,
+                expected=f"<= {cap} bytes per leaf", found=f"{shape} {dt} = {n} bytes")
 
 
 class _Reader:

@@ -222,10 +222,12 @@ class _Worker:
 
 
 def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "",
-                 progress: Progress | None = None) -> ImportReport:
-    """Import an Orbax checkpoint (see :func:`bridges._orbax_import.import_orbax`)."""
-    from ._orbax_import import import_orbax as run
-    return run(src, url, step=step, prefix=prefix, progress=progress)
+                 progress: Progress | None = None, max_leaf_bytes: int | None = None) -> ImportReport:
+    """Import an Orbax checkpoint (see :func:`bridges._orbax_import.import_orbax`; ``max_leaf_bytes``
+    None: its default cap, ``MAX_LEAF_BYTES``)."""
+    from ._orbax_import import MAX_LEAF_BYTES, import_orbax as run
+    return run(src, url, step=step, prefix=prefix, progress=progress,
+               max_leaf_bytes=MAX_LEAF_BYTES if max_leaf_bytes is None else int(max_leaf_bytes))
 
 
 def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
@@ -241,15 +243,16 @@ IMPORT_FORMATS = ("safetensors", "orbax", "dcp")
 
 
 def import_checkpoint(src: str, url: str, *, source_format: str, step: int | None = None, prefix: str = "",
-                      trust_pickle: bool = False, progress: Progress | None = None) -> ImportReport:
+                      trust_pickle: bool = False, progress: Progress | None = None,
+                      max_leaf_bytes: int | None = None) -> ImportReport:
     """The ``ckptfmt import`` verb: ``src`` in ``source_format`` (:data:`IMPORT_FORMATS`) -> one
-    committed step of ``url``. DCP needs ``trust_pickle=True`` (its metadata is a pickle: trusted
+    committed step of ``url``. ``max_leaf_bytes``: Orbax only, the largest leaf to import. DCP needs ``trust_pickle=True`` (its metadata is a pickle: trusted
     sources only). ValueError for an unknown format or a DCP import without that consent; otherwise
     fails closed as the format's importer does."""
     if source_format == "safetensors":
         return import_safetensors(src, url, step=step, prefix=prefix, progress=progress)
     if source_format == "orbax":
-        return import_orbax(src, url, step=step, prefix=prefix, progress=progress)
+        return import_orbax(src, url, step=step, prefix=prefix, progress=progress, max_leaf_bytes=max_leaf_bytes)
     if source_format == "dcp":
         if not trust_pickle:
             raise ValueError("a DCP checkpoint's .metadata is a Python pickle: loading it runs code from the file. "

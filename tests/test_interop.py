@@ -206,3 +206,30 @@ def test_dcp_import_then_torch_load_at_4_ranks(work):
         assert all(x["same"].values()), (rank, x)
     print("DCP (8 ranks) -> import -> bridges.torch.load (4 ranks): bit for bit; read per rank "
           + ", ".join(f"{x['bytes_read']:,} B" for x in res))
+
+
+def test_orbax_leaf_over_the_cap_is_refused_before_reading(tmp_path):
+    """Issue 24 item 9: Orbax restores a leaf whole, so memory followed the declared leaf (a 35 KB
+    directory declaring 1 GiB of zeros cost 1.36 GB). A leaf over ``max_leaf_bytes`` (default
+    512 MiB) is refused from the metadata, before any read, naming the leaf and the option; the
+    control: the same checkpoint imports under a cap that fits it (and through the CLI flag)."""
+    src = tmp_path / "orbax"
+    code = ("import numpy as np, orbax.checkpoint as ocp, sys\n"
+            "c = ocp.StandardCheckpointer()\n"
+            "c.save(sys.argv[1], {'big': np.zeros((1024, 1024), np.float32), 'small': np.arange(4, dtype=np.int32)})\n"
+            "c.wait_until_finished()\n")
+    subprocess.run([sys.executable, "-c", code, str(src)], env=child_env(JAX_PLATFORMS="cpu"), check=True,
+                   timeout=300, cwd=str(REPO))
+    from bridges.interop import import_checkpoint
+
+    url = tmp_path / "repo"
+    with pytest.raises(ckptfmt.InvalidSourceError) as e:
+        import_checkpoint(str(src), str(url), source_format="orbax", max_leaf_bytes=1 << 20)
+    assert e.value.key == "big" and "--max-leaf-bytes" in str(e.value), str(e.value)
+    assert not (url / "manifests").exists() or ckptfmt.Repository(str(url)).steps() == []
+    r = runner.invoke(app, ["import", str(src), str(url), "--from", "orbax", "--max-leaf-bytes", str(4 << 20),
+                            "--json"])
+    assert r.exit_code == 0, r.output  # the control: 4 MiB fits
+    ckpt = ckptfmt.Repository(str(url)).open()
+    assert np.array_equal(ckpt.read("big"), np.zeros((1024, 1024), np.float32))
+    assert np.array_equal(ckpt.read("small"), np.arange(4, dtype=np.int32))

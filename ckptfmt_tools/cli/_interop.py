@@ -107,6 +107,9 @@ def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file o
                prefix: str = typer.Option("", "--prefix", help="Put every key path under this prefix (e.g. model/)."),
                trust_pickle: bool = typer.Option(False, "--trust-pickle", help="DCP only: I trust this source "
                                                  "(its .metadata is a pickle, which runs code when loaded)."),
+               max_leaf_bytes: Optional[int] = typer.Option(None, "--max-leaf-bytes", help="Orbax only: the "
+                                                            "largest leaf to import, in bytes (default 512 MiB: "
+                                                            "Orbax restores a leaf whole, in host memory)."),
                as_json: bool = JsonOpt) -> None:
     """Import a safetensors, Orbax or DCP checkpoint as one committed step, with its provenance."""
     from ckptfmt.errors import CheckpointError
@@ -121,7 +124,7 @@ def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file o
     try:
         with _bar(f"import {source_format}", quiet=as_json) as progress:
             report = import_checkpoint(src, url, source_format=source_format, step=step, prefix=prefix,
-                                       trust_pickle=trust_pickle, progress=progress)
+                                       trust_pickle=trust_pickle, progress=progress, max_leaf_bytes=max_leaf_bytes)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     except (ValueError, OSError) as exc:
