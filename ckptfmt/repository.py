@@ -8,7 +8,7 @@ from . import _gc
 from ._gc import DEFAULT_LEASE_GRACE_S as DEFAULT_LEASE_GRACE_S
 from ._gc import GcReport as GcReport
 from .errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
-from .layout import MANIFESTS, manifest_key, save_prefix, step_of_manifest_key
+from .layout import MANIFESTS, manifest_key, step_of_manifest_key
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .reader import DEFAULT_READ_WINDOW, Checkpoint, Progress, ReadStats
 from .storage import Storage, open_storage
@@ -115,11 +115,14 @@ class Repository:
     def delete(self, step: int) -> None:
         """Un-commit a step (its manifest goes first, atomically), then remove its objects.
 
-        The objects stay when another committed manifest names or mentions the same save id (or
-        one cannot be read: a manifest of revision 1.1 names the saves whose objects it
-        references), when the lease of a save in progress pins it (FORMAT.md 8.4), and when this step's manifest is damaged (gc judges them then);
-        links are never followed (FORMAT.md 4.4). Raises StepNotFoundError when the step is not
-        committed, and StorageError when the manifest cannot be deleted.
+        The objects stay when the lease of a save in progress pins the save id (FORMAT.md 8.4),
+        when another committed manifest names or mentions it (or one cannot be read: a manifest
+        of revision 1.1 names the saves whose objects it references), judged in that order, and
+        when this step's manifest is damaged (gc judges them then). Before removing them it
+        claims the save and looks at the leases and manifests again (the fence of FORMAT.md
+        10.3), so a save that pinned them meanwhile keeps them. Links are never followed
+        (FORMAT.md 4.4). Raises StepNotFoundError when the step is not committed, and
+        StorageError when the manifest cannot be deleted.
         """
         step = int(step)
         try:
@@ -129,9 +132,8 @@ class Repository:
         except CheckpointError:
             save_id = None  # damaged: it does not name its objects reliably
         self.storage.delete(manifest_key(step))
-        if (save_id is not None and not _gc.referenced_elsewhere(self, save_id, but=step)
-                and not _gc.pinned_by_a_save(self, save_id)):
-            self.storage.delete_prefix(save_prefix(save_id))
+        if save_id is not None:
+            _gc.remove_unreferenced(self, save_id, but=step)
 
     def gc(self, *, grace_s: float | None = None, keep_last: int | None = None,
            keep_every: int | None = None) -> GcReport:
