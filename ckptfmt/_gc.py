@@ -4,8 +4,9 @@ Order of work in :func:`collect` (10.3):
 
 0. Recognise the repository: the marker ``ckptfmt.json``, or a valid committed manifest. Otherwise
    raise NotARepositoryError before anything is deleted.
-1. Retention (``keep_last``): count restorable steps from the newest down (10.4) and un-commit
-   the older ones, manifest first. Their save ids become candidates below.
+1. Retention (``keep_last``): count restorable steps from the newest down (10.4), the newest
+   one counted verified byte for byte (:mod:`ckptfmt._verified`), and un-commit the older ones,
+   manifest first (and their verification records). Their save ids become candidates below.
 2. List the names under ``saves/`` without following links (file driver: ``lstat``). Links,
    non-directories and names outside the writer's save-id form are foreign: reported, never
    touched.
@@ -37,6 +38,7 @@ from ._gcfence import claim, lease_pins, pinned_by_leases, remove_save
 from ._gcfence import parse_lease as _parse_lease
 from ._localfs import Entry
 from ._retention import Retention
+from ._verified import forget, unverified
 from .errors import CheckpointError, NotARepositoryError, StorageError
 from .layout import (MANIFESTS, MARKER_KEY, SAVES, is_save_id, lease_key, manifest_key, parse_writer_save_id, save_prefix,
                      step_of_manifest_key)
@@ -207,7 +209,8 @@ def _recognise(repo: Any, steps: list[int]) -> None:
 
 def unrestorable(repo: Any, step: int) -> str | None:
     """Why ``step`` cannot be restored, or None (FORMAT.md 10.4: the manifest validates, and every
-    object it references exists with its recorded size). Reads no data."""
+    object it references exists with its recorded size). Reads no data: retention also asks
+    :func:`ckptfmt._verified.unverified` of the newest step it counts."""
     try:
         m = repo.manifest(step)
     except CheckpointError as e:
@@ -221,13 +224,14 @@ def unrestorable(repo: Any, step: int) -> str | None:
     return "; ".join(faults[:3]) if faults else None
 
 
-_unrestorable = unrestorable  # gc asks through this name (the fault tests take the check out by it)
+_unrestorable = unrestorable  # gc asks through these names (the fault tests take the checks out by them)
+_unverified = unverified
 
 
 def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport) -> dict[str, int]:
     """Un-commit the steps that retention deletes, manifest first; their save ids."""
     plan = Retention(keep_last=keep_last, keep_every=keep_every or None).plan(
-        steps, unrestorable=lambda s: _unrestorable(repo, s))
+        steps, unrestorable=lambda s: _unrestorable(repo, s), unverified=lambda s: _unverified(repo, s))
     report.problems.extend(plan.notes)
     retired: dict[str, int] = {}
     for s in plan.steps:
@@ -242,6 +246,7 @@ def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | No
             continue
         report.removed_steps.append(s)
         if sid is not None:
+            forget(repo.storage, sid)
             retired[sid] = s
         else:
             report.problems.append(f"step {s}: its manifest was damaged; its objects are left to collection")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from . import _gc
+from . import _gc, _verified
 from ._gc import DEFAULT_LEASE_GRACE_S as DEFAULT_LEASE_GRACE_S
 from ._gc import GcReport as GcReport
 from .errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
@@ -133,6 +133,7 @@ class Repository:
             save_id = None  # damaged: it does not name its objects reliably
         self.storage.delete(manifest_key(step))
         if save_id is not None:
+            _verified.forget(self.storage, save_id)
             _gc.remove_unreferenced(self, save_id, but=step)
 
     def gc(self, *, grace_s: float | None = None, keep_last: int | None = None,
@@ -140,8 +141,9 @@ class Repository:
         """Apply retention, then remove the objects of abandoned saves (FORMAT.md 10).
 
         Retention keeps the newest ``keep_last`` restorable steps (and every step divisible by
-        ``keep_every``, and every newer step, restorable or not); it never removes the newest
-        restorable step. A save whose lease was refreshed within ``grace_s`` seconds (or, with no
+        ``keep_every``, and every newer step, restorable or not); it removes a step only while a
+        newer kept step has been verified byte for byte (its verification record, FORMAT.md 10.4,
+        or a read of every byte), so it never removes the newest verified step. A save whose lease was refreshed within ``grace_s`` seconds (or, with no
         lease on a local disk, whose newest object is that young) is in progress and never
         touched. Nothing a committed manifest names or mentions is removed, even when that manifest
         is damaged; symbolic links are never followed, and names that are not the writer's save

@@ -126,6 +126,13 @@ class Storage(ABC):
         """Each ``(key, nbytes)`` object that is missing, not a plain object, or not exactly
         ``nbytes`` long, described in a few words (at most the first 8). Reads no data."""
 
+    def stamps(self, objects: Sequence[tuple[str, int]]) -> list[str] | None:
+        """One token per ``(key, nbytes)`` object that changes whenever the object is written or
+        replaced (its size and storage generation), or None when this store cannot tell, or an
+        object is missing or not a plain object. A verification record binds these tokens
+        (FORMAT.md 10.4): with None it is never trusted. Reads no data."""
+        return None
+
     @property
     def positional_reads(self) -> bool:
         """Whether :meth:`open_positional` is available (local files)."""
@@ -244,6 +251,9 @@ class DelegatingStorage(Storage):
 
     def size_faults(self, objects: Sequence[tuple[str, int]]) -> list[str]:
         return self.inner.size_faults(objects)
+
+    def stamps(self, objects: Sequence[tuple[str, int]]) -> list[str] | None:
+        return self.inner.stamps(objects)
 
     @property
     def positional_reads(self) -> bool:

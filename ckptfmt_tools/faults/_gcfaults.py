@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptfmt._verified import RECORD_NAME
 from ckptfmt_tools.faults._scene import Scene
 
 __all__ = ["GcAttempt", "judge", "symlink_escape", "not_a_repository", "retention_newest_truncated",
@@ -181,7 +182,8 @@ def oversized_manifest(s: Scene) -> GcAttempt:
 
 
 def _tree(path: Path) -> dict[str, tuple[str, int | str]]:
-    """What lies at ``path``, judged with lstat: {relative path: (kind, size or link target)}."""
+    """What lies at ``path``, judged with lstat: {relative path: (kind, size or link target)}.
+    A save's verification record (FORMAT.md 10.4) is not part of what must survive unchanged."""
     out: dict[str, tuple[str, int | str]] = {}
     if not os.path.lexists(path):
         return out
@@ -193,6 +195,8 @@ def _tree(path: Path) -> dict[str, tuple[str, int | str]]:
         for n in dirs + files:
             full = os.path.join(root, n)
             rel = os.path.relpath(full, path)
+            if rel == RECORD_NAME:
+                continue
             if os.path.islink(full):
                 out[rel] = ("link", os.readlink(full))
             elif os.path.isfile(full):

@@ -145,8 +145,10 @@ _NO_ID = re.compile(rb"(?!)(x)")  # a pattern that never matches
     ("gc-symlink-escape", [("ckptfmt._filestore.LocalFileStorage.delete_prefix", _tensorstore_delete_prefix),
                            ("ckptfmt._filestore.LocalFileStorage.scan_children", "links-as-saves")]),
     ("gc-not-a-repository", [("ckptfmt._gc._recognise", lambda *a: None)]),
-    ("gc-retention-newest-truncated", [("ckptfmt._gc._unrestorable", lambda *a: None)]),
-    ("gc-retention-newest-data-missing", [("ckptfmt._gc._unrestorable", lambda *a: None)]),
+    ("gc-retention-newest-truncated", [("ckptfmt._gc._unrestorable", lambda *a: None),
+                                       ("ckptfmt._gc._unverified", lambda *a: None)]),
+    ("gc-retention-newest-data-missing", [("ckptfmt._gc._unrestorable", lambda *a: None),
+                                          ("ckptfmt._gc._unverified", lambda *a: None)]),
     ("gc-shared-save-id", [("ckptfmt._gc._mentions", lambda data, candidates: set()),
                            ("ckptfmt._gc._DECLARED", _NO_ID)]),
 ])
