@@ -57,7 +57,9 @@ def test_catalogue_covers_the_issue():
                      # issue 12, part A
                      "writer-frozen-at-commit", "gc-symlink-escape", "gc-not-a-repository",
                      "gc-retention-newest-truncated", "gc-retention-newest-data-missing", "gc-stray-objects",
-                     "gc-shared-save-id", "gc-oversized-manifest"):
+                     "gc-shared-save-id", "gc-oversized-manifest",
+                     # issue 24
+                     "gc-retention-newest-flipped", "gc-delete-racing-a-save"):
         assert required in names
     for f in faults.CATALOGUE:
         assert f.expect or f.kind == "gc"  # a "gc" fault without errors: gc must not raise
@@ -141,6 +143,17 @@ def _links_as_saves():
 _NO_ID = re.compile(rb"(?!)(x)")  # a pattern that never matches
 
 
+def _delete_in_the_old_order(repo, save_id, *, but):
+    # Repository.delete before 1.2.1: manifests first, then leases, and no claim.
+    from ckptfmt import _gc
+    from ckptfmt.layout import save_prefix
+
+    if not _gc.referenced_elsewhere(repo, save_id, but=but) and not _gc.pinned_by_a_save(repo, save_id):
+        repo.storage.delete_prefix(save_prefix(save_id))
+        return True
+    return False
+
+
 @pytest.mark.parametrize("name, patches", [
     ("gc-symlink-escape", [("ckptfmt._filestore.LocalFileStorage.delete_prefix", _tensorstore_delete_prefix),
                            ("ckptfmt._filestore.LocalFileStorage.scan_children", "links-as-saves")]),
@@ -151,6 +164,8 @@ _NO_ID = re.compile(rb"(?!)(x)")  # a pattern that never matches
                                           ("ckptfmt._gc._unverified", lambda *a: None)]),
     ("gc-shared-save-id", [("ckptfmt._gc._mentions", lambda data, candidates: set()),
                            ("ckptfmt._gc._DECLARED", _NO_ID)]),
+    ("gc-retention-newest-flipped", [("ckptfmt._gc._unverified", lambda *a: None)]),
+    ("gc-delete-racing-a-save", [("ckptfmt._gc.remove_unreferenced", _delete_in_the_old_order)]),
 ])
 def test_control_gc_without_its_check(name, patches, base, tmp_path, monkeypatch):
     """Each gc fault, with the check that stops it taken out, destroys something or loses the
