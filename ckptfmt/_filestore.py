@@ -103,6 +103,20 @@ class LocalFileStorage(KvStoreStorage):
                 break
         return faults
 
+    def stamps(self, objects: Sequence[tuple[str, int]]) -> list[str] | None:
+        """From ``stat``: size, inode, mtime and ctime. A write, a replacement or a ``utime`` that
+        puts the mtime back all change the ctime, which user space cannot set."""
+        out: list[str] = []
+        for key, n in objects:
+            try:
+                st = os.stat(self.root + key)
+            except OSError:
+                return None
+            if not stat.S_ISREG(st.st_mode) or st.st_size != n:
+                return None
+            out.append(f"{st.st_size}:{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}")
+        return out
+
     @property
     def positional_reads(self) -> bool:
         return bool(self.options.get("positional_reads", True))

@@ -4,8 +4,9 @@ Order of work in :func:`collect` (10.3):
 
 0. Recognise the repository: the marker ``ckptfmt.json``, or a valid committed manifest. Otherwise
    raise NotARepositoryError before anything is deleted.
-1. Retention (``keep_last``): count restorable steps from the newest down (10.4) and un-commit
-   the older ones, manifest first. Their save ids become candidates below.
+1. Retention (``keep_last``): count restorable steps from the newest down (10.4), the newest
+   one counted verified byte for byte (:mod:`ckptfmt._verified`), and un-commit the older ones,
+   manifest first (and their verification records). Their save ids become candidates below.
 2. List the names under ``saves/`` without following links (file driver: ``lstat``). Links,
    non-directories and names outside the writer's save-id form are foreign: reported, never
    touched.
@@ -13,9 +14,12 @@ Order of work in :func:`collect` (10.3):
    the saves that a live lease pins (``refs``: an incremental save may reference them, 8.4).
 4. Only then list ``manifests/`` and read every manifest (one-byte probe, then at most the cap);
    note every save id each one names or mentions.
-5. For each candidate left: point-read its step's manifest slot, claim its lease by a
-   conditional rewrite to ``collected`` (8.3: this is what a paused leader's commit loses to),
-   then delete its objects without following links.
+5. For each candidate left: point-read its step's manifest slot, and claim it: a conditional
+   rewrite of its lease to ``collected`` (8.3: this is what a paused leader's commit loses to),
+   or, for a save without a lease, a ``collected`` lease created only if absent.
+6. The last look (:mod:`ckptfmt._gcfence`): list ``saves/`` again and read every lease, then
+   list and scan ``manifests/`` again; a claimed save that either pins or names is kept (it
+   stays claimed). Only then delete the others' objects, each lease last, never following links.
 
 What cannot be decided is kept and reported (``uncertain``, ``problems``); nothing here raises
 for bad content in the repository.
@@ -28,14 +32,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import layout
+from ._gcfence import Lease as _Lease
+from ._gcfence import claim, lease_pins, pinned_by_leases, remove_save
+from ._gcfence import parse_lease as _parse_lease
 from ._localfs import Entry
 from ._recognise import recognise
 from ._retention import Retention
+from ._verified import forget, unverified
 from .errors import CheckpointError, StorageError
 from .layout import (MANIFESTS, SAVES, is_save_id, lease_key, manifest_key, parse_writer_save_id, save_prefix,
                      step_of_manifest_key)
+from .storage import NO_VALUE
 
-__all__ = ["GcReport", "collect", "referenced_elsewhere", "pinned_by_a_save", "pinned_by_leases", "unrestorable", "DEFAULT_LEASE_GRACE_S"]
+__all__ = ["GcReport", "collect", "referenced_elsewhere", "pinned_by_a_save", "pinned_by_leases", "unrestorable",
+           "remove_unreferenced", "DEFAULT_LEASE_GRACE_S"]
 
 DEFAULT_LEASE_GRACE_S = 600.0  # FORMAT.md 10.2
 LEASE_MAX_BYTES = layout.LEASE_MAX_BYTES
@@ -76,29 +86,6 @@ class GcReport:
                 "in_progress": self.in_progress, "objects_removed": self.objects_removed,
                 "uncertain": self.uncertain, "foreign": self.foreign, "problems": self.problems,
                 "pinned": self.pinned}
-
-
-@dataclass(frozen=True)
-class _Lease:
-    generation: bytes
-    heartbeat_unix: float  # 0.0 when unreadable: such a lease is stale
-    state: str             # "writing" | "committing" | "collected"
-    step: int | None
-    refs: frozenset[str] = frozenset()  # the saves it pins (FORMAT.md 10.1)
-
-
-def _parse_lease(value: bytes, generation: bytes) -> _Lease:
-    lease = layout.parse_lease(value)
-    return _Lease(generation, lease.heartbeat_unix, lease.state, lease.step, lease.refs)
-
-
-def pinned_by_leases(leases: Any) -> set[str]:
-    """The save ids that leases not marked ``collected`` pin (FORMAT.md 10.1, 10.3 step 2)."""
-    return {r for lease in leases if lease.state != "collected" for r in lease.refs}
-
-
-def _collected_lease(sid: str) -> bytes:
-    return layout.lease_bytes({"save_id": sid, "state": "collected"})
 
 
 def _mentions(data: bytes, candidates: set[str]) -> set[str]:
@@ -158,7 +145,7 @@ def _listed_steps(repo: Any) -> tuple[list[int], list[str]]:
     return sorted(steps), foreign
 
 
-def referenced_elsewhere(repo: Any, save_id: str, *, but: int) -> bool:
+def referenced_elsewhere(repo: Any, save_id: str, *, but: int | None) -> bool:
     """Whether a committed manifest other than step ``but``'s names or mentions ``save_id``.
     A manifest that cannot be read is assumed to (FORMAT.md 4.4)."""
     steps, _ = _listed_steps(repo)
@@ -175,25 +162,32 @@ def pinned_by_a_save(repo: Any, save_id: str) -> bool:
     """Whether the lease of a save not yet collected pins ``save_id`` (FORMAT.md 4.4, 10.1): an
     incremental save in progress may reference its objects. A lease or listing that cannot be
     read is assumed to pin it."""
-    st = repo.storage
-    try:
-        entries = [e for e in st.scan_children(SAVES) if e.kind == "dir" and e.lease is not None and e.name != save_id]
-    except StorageError:
-        return True
-    if any(e.lease != "file" for e in entries):
-        return True
-    got = st.read_each_with_generation([lease_key(e.name) for e in entries], LEASE_MAX_BYTES)
-    for g in got:
-        if isinstance(g, StorageError):
-            return True
-        if g[0] is not None and save_id in pinned_by_leases([_parse_lease(g[0], g[1])]):
-            return True
-    return False
+    pins = lease_pins(repo.storage, but=save_id)
+    return pins is None or save_id in pins
+
+
+def _free(repo: Any, save_id: str, *, but: int | None) -> bool:
+    """Leases first, then manifests (FORMAT.md 4.4): no live lease pins ``save_id`` and no
+    committed manifest (other than step ``but``'s) names or mentions it."""
+    return not pinned_by_a_save(repo, save_id) and not referenced_elsewhere(repo, save_id, but=but)
+
+
+def remove_unreferenced(repo: Any, save_id: str, *, but: int) -> bool:
+    """After step ``but`` was un-committed: remove ``save_id``'s objects unless something may
+    still reference them (FORMAT.md 4.4, 10.3): leases, then manifests; the claim; leases and
+    manifests again; then the objects, the lease last. True when they were removed."""
+    if not _free(repo, save_id, but=but) or claim(repo.storage, save_id) is not None:
+        return False
+    if not _free(repo, save_id, but=but):
+        return False  # pinned or named since the claim: kept, and stays claimed
+    remove_save(repo.storage, save_id)
+    return True
 
 
 def unrestorable(repo: Any, step: int) -> str | None:
     """Why ``step`` cannot be restored, or None (FORMAT.md 10.4: the manifest validates, and every
-    object it references exists with its recorded size). Reads no data."""
+    object it references exists with its recorded size). Reads no data: retention also asks
+    :func:`ckptfmt._verified.unverified` of the newest step it counts."""
     try:
         m = repo.manifest(step)
     except CheckpointError as e:
@@ -207,14 +201,15 @@ def unrestorable(repo: Any, step: int) -> str | None:
     return "; ".join(faults[:3]) if faults else None
 
 
-_unrestorable = unrestorable  # gc asks through this name (the fault tests take the check out by it)
-_recognise = recognise        # the same
+_unrestorable = unrestorable  # gc asks through these names (the fault tests take the checks out by them)
+_unverified = unverified
+_recognise = recognise
 
 
 def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport) -> dict[str, int]:
     """Un-commit the steps that retention deletes, manifest first; their save ids."""
     plan = Retention(keep_last=keep_last, keep_every=keep_every or None).plan(
-        steps, unrestorable=lambda s: _unrestorable(repo, s))
+        steps, unrestorable=lambda s: _unrestorable(repo, s), unverified=lambda s: _unverified(repo, s))
     report.problems.extend(plan.notes)
     retired: dict[str, int] = {}
     for s in plan.steps:
@@ -229,6 +224,7 @@ def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | No
             continue
         report.removed_steps.append(s)
         if sid is not None:
+            forget(repo.storage, sid)
             retired[sid] = s
         else:
             report.problems.append(f"step {s}: its manifest was damaged; its objects are left to collection")
@@ -267,7 +263,7 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
         report.problems.append(f"{live.unreadable} lease(s) could not be read and may pin any save; "
                                "no save was collected")
     held = (live.pending - committed.referenced) & pinned
-    _tidy_committed(st, committed.referenced, live.leases, report, now, grace_s)
+    _tidy_committed(st, committed.referenced, report, now, grace_s)
     claimed = _collect_pending(repo, names, replace(live, pending=live.pending - pinned), committed, retired,
                                report, now, grace_s)
     # A lease this run claimed can no longer commit, so its pins are released (FORMAT.md 10.3):
@@ -275,8 +271,9 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
     freed = set() if live.unreadable else held - live.custom_pins - pinned_by_leases(
         lease for sid, lease in live.leases.items() if sid not in claimed)
     if freed:
-        _collect_pending(repo, names, replace(live, pending=freed), committed, retired, report, now, grace_s)
+        claimed |= _collect_pending(repo, names, replace(live, pending=freed), committed, retired, report, now, grace_s)
     report.pinned = sorted(held - freed)
+    _settle(repo, names, claimed, retired, report)
     foreign.sort()
     if len(foreign) > MAX_LISTED_FOREIGN:
         report.problems.append(f"{len(foreign) - MAX_LISTED_FOREIGN} more foreign object(s) not listed")
@@ -409,25 +406,24 @@ def _scan_committed(repo: Any, names: _Names, live: _Liveness, foreign: list[str
     return _Committed(referenced, damaged, blind)
 
 
-def _tidy_committed(st: Any, referenced: set[str], leases: dict[str, _Lease], report: GcReport, now: float,
-                    grace_s: float) -> None:
-    """Committed saves: remove what their writers left behind (a stale lease, stale lock files)."""
+def _tidy_committed(st: Any, referenced: set[str], report: GcReport, now: float, grace_s: float) -> None:
+    """Committed saves: remove the stale lock files their writers left behind. A lease left
+    behind stays (it is harmless, FORMAT.md 8.3): a conditional delete is a HEAD and a DELETE on
+    S3, which would remove a claim written between the two (10.3)."""
     for sid in sorted(referenced):
-        lease = leases.get(sid)
-        if lease is not None and now - lease.heartbeat_unix >= grace_s:
-            try:
-                st.write_if(lease_key(sid), None, lease.generation)
-            except CheckpointError as e:
-                report.problems.append(f"{SAVES}{sid}: stale lease of a committed save not removed ({e.message})")
         report.objects_removed += st.remove_stale_locks(save_prefix(sid), now - grace_s)
 
 
 def _collect_pending(repo: Any, names: _Names, live: _Liveness, committed: _Committed, retired: dict[str, int],
                      report: GcReport, now: float, grace_s: float) -> set[str]:
-    """Step 5: decide each save left, and collect it (its lease claimed first). Returns the
-    saves whose lease this run holds as ``collected`` (claimed here, or found so)."""
+    """Step 5: decide each save left, and claim it. Returns the saves whose lease this run holds
+    as ``collected`` (claimed here, or found so); step 6 deletes them."""
     claimed: set[str] = set()
     for sid in sorted(live.pending - committed.referenced):
+        if names.candidates[sid].lease not in (None, "file"):
+            report.uncertain.append(sid)
+            report.problems.append(f"{SAVES}{sid}: its LEASE is not a file and cannot be claimed; kept")
+            continue
         why = _decide(repo, sid, live.leases.get(sid), retired, committed.damaged, committed.blind, now, grace_s)
         if why == "in progress":
             report.in_progress.append(sid)
@@ -438,15 +434,39 @@ def _collect_pending(repo: Any, names: _Names, live: _Liveness, committed: _Comm
             report.problems.append(f"{SAVES}{sid}: {why}; kept")
         else:
             claimed.add(sid)
-            try:
-                repo.storage.delete_prefix(save_prefix(sid))
-            except CheckpointError as e:
-                report.problems.append(f"{SAVES}{sid}: could not be deleted ({e.found}); will retry next run")
-                continue
-            report.objects_removed += names.candidates[sid].objects
-            if sid not in retired:
-                report.removed_saves.append(sid)
     return claimed
+
+
+def _settle(repo: Any, names: _Names, claimed: set[str], retired: dict[str, int], report: GcReport) -> None:
+    """Step 6, the last look (FORMAT.md 10.3): after every claim, every lease, then every manifest;
+    a claimed save that one pins or names is kept (and stays claimed), the others are deleted."""
+    if not claimed:
+        return
+    pins = lease_pins(repo.storage)
+    named: set[str] = set()
+    blind = None if pins is not None else "a lease could not be read"
+    if blind is None:
+        for s in _listed_steps(repo)[0]:
+            scan = _scan_manifest(repo, s, claimed - pins - named)
+            if scan.status == "unreadable":
+                blind = f"step {s}: {scan.why}"
+                break
+            named |= (scan.declared & claimed) | scan.mentions
+    for sid in sorted(claimed):
+        if blind is not None or sid in pins or sid in named:
+            report.pinned.append(sid)
+            report.problems.append(f"{SAVES}{sid}: claimed, then " + (f"the last look failed ({blind})" if blind else
+                                   "pinned by a lease" if sid in pins else "named by a manifest") + "; kept")
+            continue
+        try:
+            remove_save(repo.storage, sid)
+        except CheckpointError as e:
+            report.problems.append(f"{SAVES}{sid}: could not be deleted ({e.found}); will retry next run")
+            continue
+        report.objects_removed += names.candidates[sid].objects
+        if sid not in retired:
+            report.removed_saves.append(sid)
+    report.pinned.sort()
 
 
 def _decide(repo: Any, sid: str, lease: _Lease | None, retired: dict[str, int],
@@ -477,14 +497,11 @@ def _decide(repo: Any, sid: str, lease: _Lease | None, retired: dict[str, int],
                 f"{step} is empty: its writer may still commit")
         if not slot.declared:
             return f"the manifest of step {step} names no save id and may be this save's"
-    if lease is not None and lease.state != "collected":
-        if lease.state == "writing" and now - lease.heartbeat_unix < grace_s:
-            return "in progress"
-        # The claim (FORMAT.md 8.3, 10.3): a conditional rewrite, never a conditional delete.
-        try:
-            won = st.write_if(lease_key(sid), _collected_lease(sid), lease.generation)
-        except CheckpointError as e:
-            return f"its lease could not be claimed ({e.found})"
-        if not won:
-            return "in progress"  # refreshed or switched to committing since it was read
-    return None
+    if lease is not None and lease.state == "writing" and now - lease.heartbeat_unix < grace_s:
+        return "in progress"
+    # The claim (FORMAT.md 8.3, 10.3): a conditional rewrite, never a conditional delete; a save
+    # without a lease gets a "collected" one, created only if absent.
+    why = claim(st, sid, lease.generation if lease is not None else NO_VALUE)
+    if why == "its lease changed since it was judged":
+        return "in progress"  # refreshed or switched to committing since it was read
+    return why

@@ -204,6 +204,23 @@ class KvStoreStorage(Storage):
                     return faults
         return faults
 
+    def stamps(self, objects: Sequence[tuple[str, int]], *, batch: int = 4096) -> list[str] | None:
+        """The storage generation (an S3 ETag, a memory counter) from a one-byte read of each
+        object's last byte, with its size; None when one is missing or shorter."""
+        out: list[str] = []
+        for i in range(0, len(objects), batch):
+            part = objects[i:i + batch]
+            futs = [self.kv.read(k, byte_range=slice(n - 1, n)) if n else self.kv.read(k) for k, n in part]
+            for (k, n), f in zip(part, futs):
+                try:
+                    r = f.result()
+                except Exception:  # noqa: BLE001 - out of range, unreadable: no stamp, never trusted
+                    return None
+                if r.state != "value":
+                    return None
+                out.append(f"{n}:{bytes(r.stamp.generation).hex()}")
+        return out
+
     # ------------------------------------------------------------------ writes
     def write(self, key: str, data: bytes) -> None:
         with kv_errors("write failed", object=key):

@@ -187,8 +187,12 @@ def _rmtree_at(parent: int, name: str) -> None:
     # Post-order, one open fd per level: each directory is opened with O_NOFOLLOW relative to its
     # parent's fd, so swapping a directory for a link mid-walk cannot redirect the deletion.
     stack: list[tuple[int, str, int]] = []
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     try:
-        stack.append((parent, name, os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)))
+        try:
+            stack.append((parent, name, os.open(name, flags, dir_fd=parent)))
+        except FileNotFoundError:
+            return  # removed meanwhile by another collector
         while stack:
             pfd, nm, fd = stack[-1]
             sub = None
@@ -202,7 +206,10 @@ def _rmtree_at(parent: int, name: str) -> None:
                     except FileNotFoundError:
                         pass
             if sub is not None:
-                stack.append((fd, sub, os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)))
+                try:
+                    stack.append((fd, sub, os.open(sub, flags, dir_fd=fd)))
+                except FileNotFoundError:
+                    pass  # another collector removed it meanwhile: scan this level again
                 continue
             stack.pop()
             os.close(fd)

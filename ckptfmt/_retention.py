@@ -4,7 +4,10 @@ One planner serves both ``Repository.gc(keep_last=, keep_every=)`` and the check
 (which adds ``keep_best``). Whatever the rules, it counts only **restorable** steps (the caller
 says which are not, and why) and never deletes the newest restorable step, the newest step, nor a
 protected one; when fewer steps are restorable than ``keep_last`` asks for, or none is, it
-deletes nothing.
+deletes nothing. A step is deleted only while a newer kept step has been **verified** byte for
+byte (the caller's ``unverified``; FORMAT.md 10.4): the newest restorable step the rules count
+first must verify, or it is not counted, so the newest verified step always survives. It is
+asked only when the plan deletes something.
 """
 from __future__ import annotations
 
@@ -77,19 +80,38 @@ class Retention:
         return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best))
 
     def plan(self, steps: Iterable[int], metric_of: Callable[[int], float | None] | None = None,
-             protected: Iterable[int] = (), *, unrestorable: Callable[[int], str | None] | None = None) -> RetentionPlan:
+             protected: Iterable[int] = (), *, unrestorable: Callable[[int], str | None] | None = None,
+             unverified: Callable[[int], str | None] | None = None) -> RetentionPlan:
         """The committed steps to delete, oldest first.
 
         ``unrestorable(step)`` says why a step cannot be restored (None: it can); it is asked
         lazily, newest first, only for the steps the rules need to count, and at most once per
-        step. ``metric_of`` is asked only when ``keep_best`` is set. ``protected`` steps (being
-        read), the newest step and the newest restorable step are never returned.
+        step. ``unverified(step)`` says why a step is not verified byte for byte (None: it is);
+        only when the plan deletes something, it is asked for the newest step the rules count,
+        and a step that fails is counted as not restorable (then the next one is asked). Every
+        deleted step is older than a kept step that passed it. ``metric_of`` is asked only when
+        ``keep_best`` is set. ``protected`` steps (being read), the newest step and every step
+        from the newest restorable one on are never returned.
         """
         steps = sorted(set(int(s) for s in steps))
         if not self.active or not steps:
             return RetentionPlan()
         notes: list[str] = []
         judged: dict[int, str | None] = {}
+        while True:  # each round verifies one more step, or ends
+            plan, licence = self._plan_once(steps, metric_of, protected, unrestorable, judged, notes)
+            if not plan.delete or unverified is None or licence is None:
+                return plan
+            why = unverified(licence)
+            if why is None:
+                return plan
+            judged[licence] = f"fails verification: {why}"
+            notes.append(f"step {licence} is not restorable ({judged[licence]}); retention does not count it")
+
+    def _plan_once(self, steps: list[int], metric_of: Callable[[int], float | None] | None, protected: Iterable[int],
+                   unrestorable: Callable[[int], str | None] | None, judged: dict[int, str | None],
+                   notes: list[str]) -> tuple[RetentionPlan, int | None]:
+        """One plan, and the kept step that must verify for it to stand (the newest one counted)."""
 
         def why_not(s: int) -> str | None:
             if s not in judged:
@@ -110,25 +132,23 @@ class Retention:
                 if len(steps) > self.keep_last:
                     notes.append(f"only {len(restorable)} restorable step(s), fewer than --keep-last "
                                  f"{self.keep_last}: retention removed nothing")
-                return RetentionPlan((), tuple(notes))
+                return RetentionPlan((), tuple(notes)), None
             keep.update(s for s in steps if s >= restorable[-1])
+            licence = restorable[0]
         else:
-            newest_ok = next((s for s in reversed(steps) if why_not(s) is None), None)
-            if newest_ok is None:
+            licence = next((s for s in reversed(steps) if why_not(s) is None), None)
+            if licence is None:
                 notes.append("no step is restorable: retention removed nothing")
-                return RetentionPlan((), tuple(notes))
-            keep.add(newest_ok)
+                return RetentionPlan((), tuple(notes)), None
+            keep.update(s for s in steps if s >= licence)  # nothing newer than the step that must verify
         if self.keep_every is not None:
             keep.update(s for s in steps if s % self.keep_every == 0)
         metrics: dict[int, float | None] = {}
         if self.keep_best is not None:
             metrics = {s: (metric_of(s) if metric_of is not None else None) for s in steps}
             keep.update(self._best(metrics, why_not))
-        out = []
-        for s in steps:
-            if s not in keep:
-                out.append(Deletion(s, self._reason(s, metrics, judged.get(s))))
-        return RetentionPlan(tuple(out), tuple(notes))
+        out = [Deletion(s, self._reason(s, metrics, judged.get(s))) for s in steps if s not in keep]
+        return RetentionPlan(tuple(out), tuple(notes)), licence
 
     def best(self, metrics: dict[int, float | None]) -> list[int]:
         """The ``keep_best`` best steps (ties: the newer step wins), best first."""

@@ -26,7 +26,9 @@ proof (FORMAT.md 8.4):
   ``P``'s manifest as a restore checks it, and compared byte for byte with the source.
 * ``reuse="off"``: every shard is written.
 
-A reference names the object's own save (one level deep), never a chain through ``P``.
+A reference names the object's own save (one level deep), never a chain through ``P``. After
+its lease pins them, the leader reads the lease of every pinned save: nothing of a save whose
+lease says ``collected`` (a collector has claimed it, FORMAT.md 10.3) is referenced.
 """
 from __future__ import annotations
 
@@ -188,10 +190,11 @@ class ReusePlanner:
     """The per-shard hook of one rank's save (see the module docstring). Not shared across saves."""
 
     def __init__(self, storage: Any, previous: Manifest | None, *, mode: str,
-                 memory: ReuseMemory | None = None, codec: str = "raw") -> None:
+                 memory: ReuseMemory | None = None, codec: str = "raw", exclude: frozenset[str] = frozenset()) -> None:
         if mode not in REUSE_MODES:
             raise ValueError(f"SaveOptions.reuse must be one of {REUSE_MODES}, got {mode!r}")
         self.storage, self.previous, self.mode, self.codec = storage, previous, mode, codec
+        self.exclude = exclude  # saves a collector has claimed: never referenced (FORMAT.md 8.4)
         self.memory = memory if memory is not None else default_memory()
         self.repo_id = str(getattr(storage, "url", id(storage)))
         self._rows: dict[str, dict[tuple[int, ...], int]] = {}
@@ -259,7 +262,8 @@ class ReusePlanner:
         s = rows.get(tuple(item.box.offset))
         if s is None:  # same shape and shard_shape: the same offset is the same grid cell and box
             return None
-        return t, s, StoredShard.of(t, s)
+        stored = StoredShard.of(t, s)
+        return None if stored.save_id in self.exclude else (t, s, stored)
 
     def _same_bytes(self, t: TensorEntry, s: int, stored: StoredShard,
                     materialize: "Materialize") -> bool:

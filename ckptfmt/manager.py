@@ -39,6 +39,7 @@ import numpy as np
 from ._manager_types import (RestoreResult, SaveRecord, SkippedStep, _check_step, _clean_metrics, _err_from,
                              _err_json, _is_damage, _Job)
 from ._gc import unrestorable
+from ._verified import unverified
 from ._retention import Retention, metric_value
 from ._types import Box, LocalShard
 from .coord import Coordinator, LocalCoordinator
@@ -104,7 +105,6 @@ class CheckpointManager:
         self._reading: dict[int, int] = {}
         self._lock = threading.Lock()
         self._metric_cache: dict[int, float | None] = {}
-        self._restorable: set[int] = set()
         self._last_gc: float | None = None
         self._metrics_out: Any = None
         self._preempted_at: int | None = None
@@ -345,14 +345,10 @@ class CheckpointManager:
         return self._metric_cache[step]
 
     def _unrestorable(self, step: int) -> str | None:
-        # A step judged restorable stays so for this manager (its objects are write-once), so each
-        # step's objects are probed once, not after every save.
-        if step in self._restorable:
-            return None
-        why = unrestorable(self.repository, step)
-        if why is None:
-            self._restorable.add(step)
-        return why
+        return unrestorable(self.repository, step)
+
+    def _unverified(self, step: int) -> str | None:
+        return unverified(self.repository, step)
 
     def _retain(self) -> None:
         """Apply retention (rank 0, after a commit). Failures are logged; they never fail the save."""
@@ -365,8 +361,11 @@ class CheckpointManager:
             for s in list(self._metric_cache):
                 if s not in steps:
                     del self._metric_cache[s]
-            self._restorable &= set(steps)
-            plan = self.retention.plan(steps, self._metric, protected, unrestorable=self._unrestorable)
+            # Nothing about restorability is cached here: sizes are probed for each decision, and
+            # the step that licenses a deletion is verified byte for byte (or by its record,
+            # which any write to its objects invalidates; FORMAT.md 10.4, 14.7).
+            plan = self.retention.plan(steps, self._metric, protected, unrestorable=self._unrestorable,
+                                       unverified=self._unverified)
             for note in plan.notes:
                 _log.warning("retention: %s", note)
             for d in plan.delete:

@@ -4,11 +4,11 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from . import _gc, _recognise
+from . import _gc, _recognise, _verified
 from ._gc import DEFAULT_LEASE_GRACE_S as DEFAULT_LEASE_GRACE_S
 from ._gc import GcReport as GcReport
 from .errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
-from .layout import MANIFESTS, manifest_key, save_prefix, step_of_manifest_key
+from .layout import MANIFESTS, manifest_key, step_of_manifest_key
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .reader import DEFAULT_READ_WINDOW, Checkpoint, Progress, ReadStats
 from .storage import Storage, open_storage
@@ -123,11 +123,14 @@ class Repository:
     def delete(self, step: int) -> None:
         """Un-commit a step (its manifest goes first, atomically), then remove its objects.
 
-        The objects stay when another committed manifest names or mentions the same save id (or
-        one cannot be read: a manifest of revision 1.1 names the saves whose objects it
-        references), when the lease of a save in progress pins it (FORMAT.md 8.4), and when this step's manifest is damaged (gc judges them then);
-        links are never followed (FORMAT.md 4.4). Raises StepNotFoundError when the step is not
-        committed, and StorageError when the manifest cannot be deleted.
+        The objects stay when the lease of a save in progress pins the save id (FORMAT.md 8.4),
+        when another committed manifest names or mentions it (or one cannot be read: a manifest
+        of revision 1.1 names the saves whose objects it references), judged in that order, and
+        when this step's manifest is damaged (gc judges them then). Before removing them it
+        claims the save and looks at the leases and manifests again (the fence of FORMAT.md
+        10.3), so a save that pinned them meanwhile keeps them. Links are never followed
+        (FORMAT.md 4.4). Raises StepNotFoundError when the step is not committed, and
+        StorageError when the manifest cannot be deleted.
         """
         step = int(step)
         try:
@@ -137,17 +140,18 @@ class Repository:
         except CheckpointError:
             save_id = None  # damaged: it does not name its objects reliably
         self.storage.delete(manifest_key(step))
-        if (save_id is not None and not _gc.referenced_elsewhere(self, save_id, but=step)
-                and not _gc.pinned_by_a_save(self, save_id)):
-            self.storage.delete_prefix(save_prefix(save_id))
+        if save_id is not None:
+            _verified.forget(self.storage, save_id)
+            _gc.remove_unreferenced(self, save_id, but=step)
 
     def gc(self, *, grace_s: float | None = None, keep_last: int | None = None,
            keep_every: int | None = None) -> GcReport:
         """Apply retention, then remove the objects of abandoned saves (FORMAT.md 10).
 
         Retention keeps the newest ``keep_last`` restorable steps (and every step divisible by
-        ``keep_every``, and every newer step, restorable or not); it never removes the newest
-        restorable step. A save whose lease was refreshed within ``grace_s`` seconds (or, with no
+        ``keep_every``, and every newer step, restorable or not); it removes a step only while a
+        newer kept step has been verified byte for byte (its verification record, FORMAT.md 10.4,
+        or a read of every byte), so it never removes the newest verified step. A save whose lease was refreshed within ``grace_s`` seconds (or, with no
         lease on a local disk, whose newest object is that young) is in progress and never
         touched. Nothing a committed manifest names or mentions is removed, even when that manifest
         is damaged; symbolic links are never followed, and names that are not the writer's save

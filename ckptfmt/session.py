@@ -37,6 +37,7 @@ import numpy as np
 from . import errors as _errors
 from . import _reuse
 from ._boxcols import check_held, pack_boxes
+from ._gcfence import excluded
 from ._manifest_refs import DERIVED, REFERENCES, ZSTD, any_in_derived_form, references_payload, wants_derived
 from ._shardwriter import ShardRecord, state_from_wire, state_to_wire, write_and_verify, write_state
 from ._types import LocalShard
@@ -267,8 +268,10 @@ def _begin(repository: Any, opts: SaveOptions, step: int, world: int,
             body["refs"] = _reuse.lease_refs(previous)
         heartbeat = _Heartbeat(storage, lease_key(save_id), body, opts.heartbeat_s).start()
         begin: dict[str, Any] = {"save_id": save_id}
-        if previous is not None:  # pinned; each rank confirms it is still committed (FORMAT.md 8.4)
-            begin["previous"] = [previous.step, previous.save_id]
+        if previous is not None:
+            # Pinned. Now the claims (FORMAT.md 8.4, 10.3): nothing of a save whose lease says
+            # "collected" is referenced; then each rank confirms P is still committed.
+            begin["previous"] = [previous.step, previous.save_id, sorted(excluded(storage, body["refs"]))]
         return heartbeat, begin
     except CheckpointError as e:
         return None, {"error": _err_json(e)}
@@ -346,7 +349,7 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
 
     # 3. write privately and verify; 4. acknowledge (records or the error).
     reuse = _reuse.ReusePlanner(storage, _reuse.previous_manifest(repository, pinned), mode=opts.reuse,
-                                codec=opts.codec)
+                                codec=opts.codec, exclude=frozenset(pinned[2]) if pinned else frozenset())
     records: list[ShardRecord] = []
     try:
         records = write_and_verify(storage, plans, local, save_id, rank, opts, reuse=reuse)

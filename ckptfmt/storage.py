@@ -134,6 +134,13 @@ class Storage(ABC):
         once per directory. Called before the object is read; an absent object is left to the
         read. A store without links (every store but a file system) has nothing to check."""
 
+    def stamps(self, objects: Sequence[tuple[str, int]]) -> list[str] | None:
+        """One token per ``(key, nbytes)`` object that changes whenever the object is written or
+        replaced (its size and storage generation), or None when this store cannot tell, or an
+        object is missing or not a plain object. A verification record binds these tokens
+        (FORMAT.md 10.4): with None it is never trusted. Reads no data."""
+        return None
+
     @property
     def positional_reads(self) -> bool:
         """Whether :meth:`open_positional` is available (local files)."""
@@ -255,6 +262,9 @@ class DelegatingStorage(Storage):
 
     def check_no_links(self, key: str, checked: set[str], *, tensor: str | None = None) -> None:
         self.inner.check_no_links(key, checked, tensor=tensor)
+
+    def stamps(self, objects: Sequence[tuple[str, int]]) -> list[str] | None:
+        return self.inner.stamps(objects)
 
     @property
     def positional_reads(self) -> bool:

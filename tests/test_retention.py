@@ -101,6 +101,52 @@ def test_control_manager_counting_every_step_deletes_the_good_ones(tmp_path):
         def _unrestorable(self, step: int) -> str | None:
             return None
 
+        def _unverified(self, step: int) -> str | None:
+            return None
+
     with Blind(url, keep_last=1, async_save=False) as m:
         m.save(3, _state(3), force=True)
     assert Repository(url).steps() == [10]  # nothing restorable is left
+
+
+def test_a_step_is_deleted_only_while_a_newer_kept_step_verifies():
+    flipped = {3: "ChecksumMismatchError: chunk crc32c differs"}
+    asked: list[int] = []
+
+    def verify(s: int) -> str | None:
+        asked.append(s)
+        return flipped.get(s)
+
+    plan = Retention(keep_last=1).plan([1, 2, 3], unverified=verify)
+    assert plan.steps == [1] and asked == [3, 2]  # 3 fails, so 2 is counted, and verifies
+    assert any("step 3 is not restorable (fails verification" in n for n in plan.notes)
+    assert Retention(keep_last=1).plan([1, 3], unverified=verify).steps == []  # 1 is the newest verified
+    assert Retention(keep_last=1).plan([1, 3]).steps == [1]  # broken control: nothing read, 1 goes
+    asked.clear()
+    assert Retention(keep_last=3).plan([1, 2, 3], unverified=verify).steps == [] and asked == []  # no deletion, no read
+
+
+@given(st.sets(st.integers(0, 40), min_size=1, max_size=12), st.sets(st.integers(0, 40), max_size=6),
+       st.sets(st.integers(0, 40), max_size=6), st.one_of(st.none(), st.integers(1, 4)),
+       st.one_of(st.none(), st.integers(1, 5)), st.one_of(st.none(), st.integers(1, 3)))
+@settings(max_examples=300, deadline=None)
+def test_every_deleted_step_is_older_than_a_kept_verified_step(steps, damaged, flipped, keep_last, keep_every,
+                                                               keep_best):
+    r = Retention(keep_last, keep_every, keep_best, "m" if keep_best else None)
+    verified: list[int] = []
+
+    def verify(s: int) -> str | None:
+        if s in flipped:
+            return "flipped"
+        verified.append(s)
+        return None
+
+    plan = r.plan(steps, lambda s: float(s % 7), unrestorable=lambda s: "damaged" if s in damaged else None,
+                  unverified=verify)
+    gone = set(plan.steps)
+    kept_good = [s for s in verified if s in steps and s not in gone and s not in damaged]
+    if gone:
+        assert kept_good and all(s < max(kept_good) for s in gone)
+    good = sorted(s for s in steps if s not in damaged and s not in flipped)
+    if good:
+        assert good[-1] not in gone  # the newest step that restores and verifies survives

@@ -157,14 +157,19 @@ _inherit_conformance_suite()
 
 
 def _inherit_gc_suite() -> None:
-    """The storage-neutral gc checks of tests/test_gc.py (those taking ``repo_url``), on S3."""
+    """The storage-neutral gc checks of tests/test_gc.py, the races of tests/test_gc_races.py and
+    the verification records of tests/test_verified.py (those taking ``repo_url``), on S3."""
     import inspect
 
     import test_gc
+    import test_gc_races
+    import test_verified
 
-    for name, fn in vars(test_gc).items():
-        if name.startswith("test_") and callable(fn) and "repo_url" in inspect.signature(fn).parameters:
-            globals()["test_gc_" + name[len("test_"):]] = fn
+    for prefix, module in (("test_gc_", test_gc), ("test_gc_race_", test_gc_races),
+                           ("test_verified_", test_verified)):
+        for name, fn in vars(module).items():
+            if name.startswith("test_") and callable(fn) and "repo_url" in inspect.signature(fn).parameters:
+                globals()[prefix + name[len("test_"):]] = fn
 
 
 _inherit_gc_suite()

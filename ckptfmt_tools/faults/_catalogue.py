@@ -18,6 +18,7 @@ from typing import Any, Callable
 from ckptfmt import errors as E
 from ckptfmt_tools.faults import _gcfaults as G
 from ckptfmt_tools.faults._aliased import aliased_mutated
+from ckptfmt_tools.faults import _gcraces as R
 from ckptfmt_tools.faults._scene import TARGET_SHARD, TARGET_TENSOR, Scene, flip
 
 __all__ = ["Fault", "CATALOGUE", "SaveAttempt", "by_name"]
@@ -437,6 +438,9 @@ CATALOGUE: list[Fault] = [
     Fault("gc-stray-objects", "saves/, manifests/", "gc", (), G.stray_objects),
     Fault("gc-shared-save-id", "manifests/<step 9>.json", "gc", (), G.shared_save_id),
     Fault("gc-oversized-manifest", "manifests/<step 1>.json", "gc", (), G.oversized_manifest),
+    # issue 24
+    Fault("gc-retention-newest-flipped", _SHARD + " (step 2) chunk data", "gc", (), R.retention_newest_flipped),
+    Fault("gc-delete-racing-a-save", "delete of step 2, save of step 3", "gc", (), R.delete_racing_a_save),
     Fault("aliased-array-mutated", "steps 3-5 from one aliased array", "reuse", (), aliased_mutated),
 ]
 

@@ -107,6 +107,7 @@ def describe_leftovers(inv: Inventory) -> list[str]:
 
 
 def inventory(root: str | os.PathLike) -> Inventory:
+    from ckptfmt._verified import record_key
     from ckptfmt.errors import CheckpointError
     from ckptfmt.manifest import parse_manifest
 
@@ -124,6 +125,7 @@ def inventory(root: str | os.PathLike) -> Inventory:
             continue
         inv.committed_ids.add(m.save_id)
         inv.referenced_ids |= m.referenced_saves
+        inv.committed.add(record_key(m.save_id))  # its verification record, if any (FORMAT.md 10.4)
         for t in m.tensors.values():
             inv.committed.add(f"{t.array.path}/zarr.json")
             for s in range(len(t.shards)):

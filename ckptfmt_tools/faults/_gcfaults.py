@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptfmt._verified import RECORD_NAME
 from ckptfmt_tools.faults._scene import Scene
 
 __all__ = ["GcAttempt", "judge", "symlink_escape", "not_a_repository", "retention_newest_truncated",
@@ -44,6 +45,8 @@ class GcAttempt:
     prior: int = 2                          # must stay listed and restorable
     latest: int | None = 2                  # what latest() must return after gc (None: not checked)
     notes: list[str] = field(default_factory=list)
+    operation: Any = None                   # run this instead of gc (a delete racing a save, say)
+    prior_data: int | None = None           # the step whose data ``prior`` holds (None: ``prior``)
 
 
 def _age(path: Path) -> None:
@@ -181,7 +184,8 @@ def oversized_manifest(s: Scene) -> GcAttempt:
 
 
 def _tree(path: Path) -> dict[str, tuple[str, int | str]]:
-    """What lies at ``path``, judged with lstat: {relative path: (kind, size or link target)}."""
+    """What lies at ``path``, judged with lstat: {relative path: (kind, size or link target)}.
+    A save's verification record (FORMAT.md 10.4) is not part of what must survive unchanged."""
     out: dict[str, tuple[str, int | str]] = {}
     if not os.path.lexists(path):
         return out
@@ -193,6 +197,8 @@ def _tree(path: Path) -> dict[str, tuple[str, int | str]]:
         for n in dirs + files:
             full = os.path.join(root, n)
             rel = os.path.relpath(full, path)
+            if rel == RECORD_NAME:
+                continue
             if os.path.islink(full):
                 out[rel] = ("link", os.readlink(full))
             elif os.path.isfile(full):
@@ -204,7 +210,7 @@ def _tree(path: Path) -> dict[str, tuple[str, int | str]]:
 
 def judge(fault: Any, scene: Scene, ctx: Any, out: Any, run_within: Any) -> None:
     """Run gc for a ``"gc"`` fault and judge it (see the module docstring)."""
-    from ckptfmt import Repository
+    from ckptfmt import GcReport, Repository
     from ckptfmt_tools.faults import _data
     from ckptfmt_tools.faults._checks import inventory, prior_intact
 
@@ -216,8 +222,8 @@ def judge(fault: Any, scene: Scene, ctx: Any, out: Any, run_within: Any) -> None
     before = {p: _tree(p) for p in attempt.protected}
     inv_before = inventory(scene.root)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    done, report, exc = run_within(ctx.check_timeout_s, lambda: Repository(url, **kw).gc(
-        grace_s=attempt.grace_s, keep_last=attempt.keep_last))
+    done, report, exc = run_within(ctx.check_timeout_s, attempt.operation or (lambda: Repository(url, **kw).gc(
+        grace_s=attempt.grace_s, keep_last=attempt.keep_last)))
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) // 1024
     if not done:
         out.hung = True
@@ -243,8 +249,9 @@ def judge(fault: Any, scene: Scene, ctx: Any, out: Any, run_within: Any) -> None
         out.notes.append(f"gc removed objects that a listed step references: {lost[:3]}")
     # prior intact, and latest() still what it should be
     repo = scene.repo()
-    ok, why = prior_intact(repo, attempt.prior, _data.truth(scene.seed, attempt.prior),
-                           _data.global_state(scene.seed, attempt.prior))
+    data_step = attempt.prior if attempt.prior_data is None else attempt.prior_data
+    ok, why = prior_intact(repo, attempt.prior, _data.truth(scene.seed, data_step),
+                           _data.global_state(scene.seed, data_step))
     if ok and attempt.latest is not None and repo.latest() != attempt.latest:
         ok, why = False, f"latest() is {repo.latest()}, expected {attempt.latest}"
     out.prior_intact = ok
@@ -252,12 +259,12 @@ def judge(fault: Any, scene: Scene, ctx: Any, out: Any, run_within: Any) -> None
         out.notes.append(why)
     # gc clean: what had to go is gone, and the foreign objects are named
     left = [str(p.relative_to(scene.root.parent)) for p in attempt.collected if os.path.lexists(p)]
-    listed = report.foreign if report is not None else []
+    listed = report.foreign if isinstance(report, GcReport) else []
     unnamed = [n for n in attempt.foreign if n not in listed]
     out.gc_clean = not left and not unnamed
     if left:
         out.notes.append(f"gc left {left}")
     if unnamed:
         out.notes.append(f"gc did not report the foreign objects {unnamed}")
-    if report is not None and report.problems:
+    if isinstance(report, GcReport) and report.problems:
         out.notes.append(f"gc reported {len(report.problems)} problem(s), first: {report.problems[0][:160]}")

@@ -152,6 +152,11 @@ def _gc(repo: Any, root: Path, report: SoakReport) -> None:
     # pins (FORMAT.md 10.1, 10.3 step 2): those stay too, but only those its lease names.
     kept = set(undecided) | {r for lease in undecided.values() for r in lease.refs}
     after.save_files = {k for k in after.save_files if k.split("/")[1] not in kept}
+    # A lease of a save that a listed manifest names or references stays (FORMAT.md 8.3, 10.3,
+    # revision 1.2.1): one left behind by a writer killed after its commit, or a claim whose save
+    # the last look kept. gc never deletes a lease conditionally (on S3 that could remove a claim).
+    named = after.committed_ids | after.referenced_ids
+    after.save_files = {k for k in after.save_files if not (k.endswith("/LEASE") and k.split("/")[1] in named)}
     for what in describe_leftovers(after):
         msg = f"gc left {what}"
         if msg not in report.violations:

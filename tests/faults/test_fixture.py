@@ -60,7 +60,7 @@ def test_catalogue_covers_the_issue():
                      "gc-retention-newest-truncated", "gc-retention-newest-data-missing", "gc-stray-objects",
                      "gc-shared-save-id", "gc-oversized-manifest",
                      # issue 24
-                     "aliased-array-mutated"):
+                     "aliased-array-mutated", "gc-retention-newest-flipped", "gc-delete-racing-a-save"):
         assert required in names
     for f in faults.CATALOGUE:
         assert f.expect or f.kind in ("gc", "reuse")  # without errors: gc / the saves must not raise
@@ -152,14 +152,29 @@ def _links_as_saves():
 _NO_ID = re.compile(rb"(?!)(x)")  # a pattern that never matches
 
 
+def _delete_in_the_old_order(repo, save_id, *, but):
+    # Repository.delete before 1.2.1: manifests first, then leases, and no claim.
+    from ckptfmt import _gc
+    from ckptfmt.layout import save_prefix
+
+    if not _gc.referenced_elsewhere(repo, save_id, but=but) and not _gc.pinned_by_a_save(repo, save_id):
+        repo.storage.delete_prefix(save_prefix(save_id))
+        return True
+    return False
+
+
 @pytest.mark.parametrize("name, patches", [
     ("gc-symlink-escape", [("ckptfmt._filestore.LocalFileStorage.delete_prefix", _tensorstore_delete_prefix),
                            ("ckptfmt._filestore.LocalFileStorage.scan_children", "links-as-saves")]),
     ("gc-not-a-repository", [("ckptfmt._gc._recognise", lambda *a: None)]),
-    ("gc-retention-newest-truncated", [("ckptfmt._gc._unrestorable", lambda *a: None)]),
-    ("gc-retention-newest-data-missing", [("ckptfmt._gc._unrestorable", lambda *a: None)]),
+    ("gc-retention-newest-truncated", [("ckptfmt._gc._unrestorable", lambda *a: None),
+                                       ("ckptfmt._gc._unverified", lambda *a: None)]),
+    ("gc-retention-newest-data-missing", [("ckptfmt._gc._unrestorable", lambda *a: None),
+                                          ("ckptfmt._gc._unverified", lambda *a: None)]),
     ("gc-shared-save-id", [("ckptfmt._gc._mentions", lambda data, candidates: set()),
                            ("ckptfmt._gc._DECLARED", _NO_ID)]),
+    ("gc-retention-newest-flipped", [("ckptfmt._gc._unverified", lambda *a: None)]),
+    ("gc-delete-racing-a-save", [("ckptfmt._gc.remove_unreferenced", _delete_in_the_old_order)]),
 ])
 def test_control_gc_without_its_check(name, patches, base, tmp_path, monkeypatch):
     """Each gc fault, with the check that stops it taken out, destroys something or loses the

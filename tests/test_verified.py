@@ -1,0 +1,194 @@
+"""Retention never deletes on unread bytes (FORMAT.md 10.4, 14.7; issue 24 item 1).
+
+A step is deleted by retention only while a newer kept step has been verified byte for byte; the
+verification record that makes this cheap is trusted only while everything it binds still
+matches. Real files, memory and S3 (tests/test_s3.py runs the ``repo_url`` tests again there);
+each check beside its broken control.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ckptfmt import Box, LocalShard, Repository, _verified, save
+from ckptfmt._verified import record_key, unverified
+from ckptfmt.errors import ChecksumMismatchError
+from ckptfmt.layout import manifest_key
+from ckptfmt.manager import CheckpointManager
+from ckptfmt.storage import DelegatingStorage, open_storage
+
+
+def shards(value: int) -> list[LocalShard]:
+    x = (np.arange(16 * 4, dtype=np.float32) + value).reshape(16, 4)
+    return [LocalShard("x", x.shape, x.dtype, Box((0, 0), x.shape), x)]
+
+
+def flip(r: Repository, step: int) -> None:
+    """One bit of the first chunk's data of ``step``'s first shard, the size unchanged, written
+    through the store (as any process that can write the repository could)."""
+    t = r.manifest(step).tensors["x"]
+    key = t.object_key(0)
+    data = bytearray(r.storage.read(key))
+    data[int(t.chunks.offset[int(t.chunk_start[0])]) + 5] ^= 0x10
+    r.storage.write(key, bytes(data))
+
+
+class FrozenStamps(DelegatingStorage):
+    """Broken: a store whose stamps never change, so a record outlives a write."""
+
+    def stamps(self, objects: Any) -> list[str] | None:
+        return ["same"] * len(objects)
+
+
+class CountingReads(DelegatingStorage):
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.reads = 0
+
+    def read_range(self, key: str, start: int, stop: int | None, *, tensor: str | None = None) -> Any:
+        self.reads += 1
+        return super().read_range(key, start, stop, tensor=tensor)
+
+    def open_positional(self, key: str, *, tensor: str | None = None) -> Any:
+        self.reads += 1
+        return super().open_positional(key, tensor=tensor)
+
+
+def _cli(*args: str) -> tuple[int, dict[str, Any]]:
+    p = subprocess.run([sys.executable, "-m", "ckptfmt", *args, "--json"], capture_output=True, text=True, timeout=300)
+    return p.returncode, json.loads(p.stdout)
+
+
+def test_cli_gc_keeps_the_only_good_step_when_the_newest_has_a_flipped_bit(tmp_path, monkeypatch):
+    for broken in (False, True):
+        url = str(tmp_path / f"r{int(broken)}")
+        for s in (1, 2):
+            save(url, s, shards(s))
+        flip(Repository(url), 2)
+        if not broken:
+            rc, out = _cli("gc", url, "--keep-last", "1")
+            assert rc == 0 and out["report"]["removed_steps"] == []
+            assert any("step 2 is not restorable (fails verification: ChecksumMismatchError" in p
+                       for p in out["report"]["problems"])
+        else:  # broken control: retention that reads nothing deletes the only good step
+            monkeypatch.setattr("ckptfmt._gc._unverified", lambda *a: None)
+            assert Repository(url).gc(keep_last=1).removed_steps == [1]
+        rc, out = _cli("verify", url, "--all")
+        assert rc != 0 and [s["step"] for s in out["steps"] if s["ok"]] == ([] if broken else [1])
+
+
+def test_the_record_binds_the_manifest_and_every_object_and_is_paid_once(repo_url):
+    r = Repository(repo_url)
+    for s in (1, 2, 3):
+        save(r, s, shards(s))
+    assert r.gc(keep_last=2).removed_steps == [1]
+    m3 = r.manifest(3)
+    doc = json.loads(r.storage.read(record_key(m3.save_id)))
+    assert set(doc) == {"format", "step", "save_id", "manifest_sha256", "stamps_sha256", "verified_unix", "bytes"}
+    assert (doc["format"], doc["step"], doc["save_id"]) == ("ckptfmt.verified", 3, m3.save_id)
+    assert doc["manifest_sha256"] == hashlib.sha256(r.storage.read(manifest_key(3))).hexdigest()
+    assert doc["bytes"] == r.verify(3)
+    counting = CountingReads(open_storage(repo_url))
+    assert Repository(repo_url, storage=counting).gc(keep_last=1).removed_steps == [2]
+    assert counting.reads == 0  # step 3's record licensed it: no shard was read
+    # Control: without the record the same decision reads every shard of step 3.
+    r.storage.delete(record_key(m3.save_id))
+    save(r, 4, shards(4))
+    counting = CountingReads(open_storage(repo_url))
+    assert Repository(repo_url, storage=counting).gc(keep_last=1).removed_steps == [3] and counting.reads > 0
+
+
+@pytest.mark.parametrize("stamps", ["bound", "frozen (control)"])
+def test_a_stale_record_never_deletes_the_only_good_step(repo_url, stamps):
+    r = Repository(repo_url)
+    for s in (1, 2, 3):
+        save(r, s, shards(s))
+    st = open_storage(repo_url) if stamps == "bound" else FrozenStamps(open_storage(repo_url))
+    assert Repository(repo_url, storage=st).gc(keep_last=2).removed_steps == [1]  # verifies 3, records it
+    flip(r, 3)                                                                     # after the record
+    report = Repository(repo_url, storage=st).gc(keep_last=1)
+    if stamps == "bound":
+        assert report.removed_steps == [] and r.steps() == [2, 3]
+        assert any("step 3 is not restorable (fails verification" in p for p in report.problems)
+        r.verify(2)
+    else:
+        assert report.removed_steps == [2] and r.steps() == [3]
+        with pytest.raises(ChecksumMismatchError):
+            r.verify(3)
+
+
+def _hostile(r: Repository, step: int, how: str) -> None:
+    m = r.manifest(step)
+    good = json.loads(r.storage.read(record_key(m.save_id)))
+    doc = dict(good)
+    if how == "garbage":
+        r.storage.write(record_key(m.save_id), b"\x00{not json")
+        return
+    if how == "oversized":
+        doc["pad"] = "x" * 5000
+    elif how == "other manifest":
+        doc["manifest_sha256"] = "0" * 64
+    elif how == "extra field":
+        doc["trusted"] = True
+    elif how == "future":
+        doc["verified_unix"] = 1e12
+    elif how == "other step":
+        doc["step"] = step + 1
+    r.storage.write(record_key(m.save_id), json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("how", ["garbage", "oversized", "other manifest", "extra field", "future", "other step",
+                                 "consistent forgery (control)"])
+def test_a_hostile_record_never_causes_a_deletion(repo_url, how):
+    r = Repository(repo_url)
+    for s in (1, 2):
+        save(r, s, shards(s))
+    flip(r, 2)
+    # The record a verifier would write for step 2's bytes as they are now (forged: they are bad).
+    m = r.manifest(2)
+    want = _verified._bindings(m, r.storage.read(manifest_key(2)), r.storage.stamps(_verified._objects(m)))
+    r.storage.write(record_key(m.save_id), json.dumps(dict(want, verified_unix=0.0, bytes=1)).encode())
+    if how != "consistent forgery (control)":
+        _hostile(r, 2, how)
+        assert r.gc(keep_last=1).removed_steps == [] and r.steps() == [1, 2]
+        r.verify(1)
+        assert unverified(r, 2) is not None
+    else:  # not authenticated: whoever can write the repository can forge one (FORMAT.md 10.4)
+        assert r.gc(keep_last=1).removed_steps == [1]
+
+
+def test_delete_removes_the_record_even_when_the_objects_stay(repo_url):
+    r = Repository(repo_url)
+    save(r, 1, shards(1))
+    save(r, 2, shards(1))                     # references step 1's objects
+    sid1, sid2 = r.manifest(1).save_id, r.manifest(2).save_id
+    assert sid1 in r.manifest(2).referenced_saves
+    assert unverified(r, 1) is None and unverified(r, 2) is None
+    r.delete(1)
+    assert r.storage.read(record_key(sid1)) is None       # the record went with its step
+    assert r.storage.list(f"saves/{sid1}/t/")              # ... while step 2 keeps the objects
+    assert r.storage.read(record_key(sid2)) is not None   # control: step 2's record stays
+    r.verify(2)
+
+
+@pytest.mark.parametrize("stamps", ["bound", "frozen (control)"])
+def test_the_manager_notices_a_flip_after_its_step_was_verified(tmp_path, stamps):
+    url = str(tmp_path / "r")
+    for s in (1, 2):
+        save(url, s, shards(s))
+    repo = Repository(url) if stamps == "bound" else Repository(url, storage=FrozenStamps(open_storage(url)))
+    assert unverified(repo, 2) is None                     # verified once, and recorded
+    flip(repo, 2)
+    with CheckpointManager(url, keep_last=1, async_save=False) as m:
+        m.repository = repo
+        m._retain()                                        # the next retention decision
+    steps = Repository(url).steps()
+    assert steps == ([1, 2] if stamps == "bound" else [2])
+    if stamps == "bound":
+        Repository(url).verify(1)
