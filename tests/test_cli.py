@@ -371,3 +371,38 @@ def test_ls_inspect_verify_show_written_and_referenced_bytes(tmp_path):
     obj.write_bytes(bytes(b))
     code, doc = _json(["verify", str(root), "--all", "--json"])
     assert code == 1 and [s["error"] for s in doc["steps"]] == ["ChecksumMismatchError"] * 2
+
+
+def test_delete_one_step_and_version(tmp_path):
+    """Issue 30: ``ckptfmt delete URL STEP`` removes one committed step through Repository.delete
+    (the step's objects go, the others' stay and still verify); the newest step needs --force; a
+    step that is not committed and a path that is no repository are typed errors, nothing deleted.
+    ``--version`` prints the version and the format revision."""
+    import json as _json
+
+    import numpy as np
+
+    import ckptfmt
+    from ckptfmt import LocalShard
+    from ckptfmt_tools.cli import app as cli
+
+    url = str(tmp_path / "repo")
+    for step in (1, 2, 3):
+        ckptfmt.save(url, step, [LocalShard("w", (4,), "float32", ckptfmt.Box.full((4,)),
+                                            np.full(4, step, np.float32))])
+    r = CliRunner().invoke(cli, ["delete", url, "3", "--json"])
+    assert r.exit_code == 1 and _json.loads(r.stdout)["error"] == "StepNotFoundError", r.output  # newest: refused
+    r = CliRunner().invoke(cli, ["delete", url, "7", "--json"])
+    assert r.exit_code == 1 and _json.loads(r.stdout)["error"] == "StepNotFoundError", r.output
+    r = CliRunner().invoke(cli, ["delete", str(tmp_path / "nothing"), "1", "--json"])
+    assert r.exit_code == 1 and _json.loads(r.stdout)["error"] == "NotARepositoryError", r.output
+    assert ckptfmt.Repository(url).steps() == [1, 2, 3]
+    r = CliRunner().invoke(cli, ["delete", url, "2", "--json"])
+    assert r.exit_code == 0 and _json.loads(r.stdout)["steps"] == [1, 3], r.output
+    repo = ckptfmt.Repository(url)
+    assert repo.steps() == [1, 3] and repo.verify(1) > 0 and repo.verify(3) > 0
+    assert np.array_equal(repo.open(1).read("w"), np.full(4, 1, np.float32))
+    r = CliRunner().invoke(cli, ["delete", url, "3", "--force", "--json"])
+    assert r.exit_code == 0 and ckptfmt.Repository(url).steps() == [1], r.output
+    r = CliRunner().invoke(cli, ["--version"])
+    assert r.exit_code == 0 and r.stdout.startswith(f"ckptfmt {ckptfmt.__version__} (format version 1"), r.output

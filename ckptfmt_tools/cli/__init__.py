@@ -30,7 +30,8 @@ __all__ = ["app", "main"]
 
 app = typer.Typer(
     name="ckptfmt",
-    help="Inspect, verify and garbage-collect ckptfmt checkpoints; run the fault table.",
+    help="Inspect, verify, garbage-collect, delete, import and export ckptfmt checkpoints; run the demo, "
+         "the fault table, the recovery drill and the bench.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -40,6 +41,22 @@ _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
                  "help_option_names": []}
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout instead of tables.")
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        import ckptfmt
+        from ckptfmt.manifest import FORMAT_REVISION
+
+        sys.stdout.write(f"ckptfmt {ckptfmt.__version__} (format version 1, revision {FORMAT_REVISION})\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                       help="Print the library's version and the format revision it writes, then exit.")
+          ) -> None:
+    """ckptfmt's command line."""
 
 
 def _out() -> Console:
@@ -213,6 +230,37 @@ def gc_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
         _emit_json({"ok": True, "url": url, "report": doc})
     else:
         _render.gc_view(_out(), url, doc)
+
+
+# ------------------------------------------------------------------------------- delete
+
+
+@app.command("delete")
+def delete_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
+               step: int = typer.Argument(..., help="The committed step to delete."),
+               force: bool = typer.Option(False, "--force", help="Also delete the newest committed step."),
+               as_json: bool = JsonOpt) -> None:
+    """Delete one committed step, its manifest first, then the objects nothing else needs (FORMAT.md 4.4)."""
+    from ckptfmt.errors import CheckpointError, StepNotFoundError
+
+    try:
+        repo = _repo(url)
+        steps = repo.steps()
+        if step not in steps:
+            raise StepNotFoundError("no such committed step; nothing deleted", object=url,
+                                    expected=f"one of {steps[-8:]}", found=step)
+        if step == steps[-1] and not force:
+            raise StepNotFoundError("refusing to delete the newest committed step without --force; nothing deleted",
+                                    object=url, expected=f"a step older than {step}, or --force", found=step)
+        repo.delete(step)
+    except CheckpointError as exc:
+        raise _fail(exc, as_json)
+    left = repo.steps()
+    if as_json:
+        _emit_json({"ok": True, "url": url, "deleted": step, "steps": left})
+    else:
+        _out().print(f"deleted step {step} of {_render.safe(url)}; committed steps now: "
+                     f"{', '.join(map(str, left[-12:])) or 'none'}")
 
 
 # ------------------------------------------------------------------------------- faults
