@@ -170,6 +170,12 @@ def parse_header(header: bytes, file_size: int | None, obj: str, max_tensors: in
     if not header[:1] == b"{":
         raise _bad("header does not start with '{'", obj, expected="{", found=header[:8].decode("latin-1"))
     check_json_caps(header, HEADER_STRUCTURAL, obj, "safetensors header")
+    # Every tensor entry has a "data_offsets" member, so more of those tokens than the cap allows
+    # is refused before the (costly) decoding; an escaped spelling falls to the count below.
+    listed = bytes(header).count(b'"data_offsets"')
+    if listed > max_tensors:
+        raise _bad("header holds too many tensors", obj, expected=f"<= {max_tensors} tensors",
+                   found=f"{listed} data_offsets members")
     try:
         doc = json.loads(bytes(header).decode("utf-8"), object_pairs_hook=strict_pairs, parse_constant=reject_constant)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

@@ -429,6 +429,13 @@ def test_index_nesting_and_tensor_caps(tmp_path):
     assert len(parse_header(body, 8 + len(body), "f", max_tensors=3).tensors) == 3  # the control
     with pytest.raises(InvalidSourceError, match="too many tensors"):
         parse_header(body, 8 + len(body), "f", max_tensors=2)
+    # Over the cap, refused from its data_offsets members before any JSON is decoded: the peak stays
+    # a small fraction of the header (decoding it would cost several times its size).
+    entry = b'"t%d":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}'
+    big = b"{" + b",".join(entry % i for i in range(MAX_TENSORS + 1)) + b"}"
+    err, peak = _traced_peak(lambda: parse_header(big, 8 + len(big), "f"))
+    assert isinstance(err, InvalidSourceError) and "too many tensors" in str(err), err
+    assert peak < (8 << 20), peak
 
 
 def test_lone_surrogate_names_are_refused_before_anything_is_written(tmp_path):
