@@ -24,7 +24,7 @@ drill: $(STAMP)
 	$(BIN)/python -m ckptfmt drill --out drill-out
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/python -m ckptfmt bench

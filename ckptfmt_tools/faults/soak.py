@@ -212,6 +212,7 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
     report.save_seconds = float(res.get("seconds", 0.1))
     _check_listed(repo, seed, seen, report, incremental)
 
+    misses = 0  # runs in a row that committed nothing
     for i in range(runs):
         step = i + 2
         world = 2 if (multi_writer_every and not publish_first and i % multi_writer_every == multi_writer_every - 1) else 1
@@ -224,8 +225,12 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         # The kill time is drawn relative to the writer's own clock stamp of the start of ``save()``,
         # not to when this process read the line: on a loaded machine that read can lag by more
         # than a whole save, and every kill would land after the commit.
+        # The window follows the machine: on a loaded one a save can take longer than the
+        # calibration did, and every kill would land mid-save; after each 8 runs in a row without a
+        # commit the window grows by half (at most 8x), so that some saves still commit.
+        widen = min(8.0, 1.5 ** (misses // 8))
         kill_at = (float(started["t"]) if started and "t" in started else time.time()) \
-            + rng.uniform(0.0, (2.5 if incremental else 1.3) * report.save_seconds)  # gc shares the CPU then
+            + rng.uniform(0.0, (2.5 if incremental else 1.3) * widen * report.save_seconds)  # gc shares the CPU then
         time.sleep(max(0.0, kill_at - time.time()))
         collector = _retention_thread(repo, report, i) if incremental else None
         victims = list(range(world)) if world == 1 else [rng.randrange(world)]
@@ -247,8 +252,10 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         results = [d for rd in readers for d in rd.lines if "ok" in d]
         if any(d.get("ok") for d in results):
             report.committed += 1
+            misses = 0
         else:
             report.killed_mid_save += 1
+            misses += 1
         for r, p in enumerate(run.procs):
             if r in victims:
                 continue
