@@ -51,7 +51,7 @@ def _key(fqn: str, planner_data: Any) -> str:
 
 
 def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
-               progress: Callable[[int, int], None] | None = None) -> ImportReport:
+               progress: Callable[[int, int], None] | None = None, max_tensors: int | None = None) -> ImportReport:
     """Import the DCP checkpoint directory ``src`` (a TRUSTED source: see the module docstring) as
     step ``step`` (default 0) of ``url``; key paths are ``prefix`` + the state dict's path.
 
@@ -113,7 +113,8 @@ def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
                   "files": [{"name": r, "bytes": os.path.getsize(os.path.join(path, r))} for r in sorted(need)],
                   "tensors": len(items), "bytes": sum(t.nbytes for t in items), "skipped_non_tensors": skipped,
                   "source_checksums": "none: DCP keeps no checksums; data files' presence and sizes verified"}
-    return import_tensors(url, 0 if step is None else int(step), items, provenance=provenance, progress=progress)
+    return import_tensors(url, 0 if step is None else int(step), items, provenance=provenance, progress=progress,
+                          max_tensors=max_tensors)
 
 
 def _files_needed(md: Any) -> dict[str, int]:

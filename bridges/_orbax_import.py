@@ -72,7 +72,7 @@ def _item_dir(src: str, step: int | None) -> str:
 
 def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "",
                  progress: Callable[[int, int], None] | None = None,
-                 max_leaf_bytes: int = MAX_LEAF_BYTES) -> ImportReport:
+                 max_leaf_bytes: int = MAX_LEAF_BYTES, max_tensors: int | None = None) -> ImportReport:
     """Import the Orbax checkpoint at ``src`` (``step``: a ``CheckpointManager`` root's step) as step
     ``step`` (default 0) of ``url``; key paths are ``prefix`` + the pytree path rendered with ``/``.
 
@@ -119,7 +119,7 @@ def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "
     state = {"bridge": {"name": "jax", "version": _BRIDGE_VERSION, "prng_impls": {},
                         "leaves": {prefix + k: v for k, v in scalars.items()}}, "extra": None}
     return import_tensors(url, 0 if step is None else int(step), tensors, provenance=provenance, progress=progress,
-                          state=state)
+                          state=state, max_tensors=max_tensors)
 
 
 def _check_leaf_sizes(arrays: dict[str, tuple[tuple[int, ...], str]], cap: int, path: str) -> None:

@@ -222,20 +222,21 @@ class _Worker:
 
 
 def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "",
-                 progress: Progress | None = None, max_leaf_bytes: int | None = None) -> ImportReport:
+                 progress: Progress | None = None, max_leaf_bytes: int | None = None,
+                 max_tensors: int | None = None) -> ImportReport:
     """Import an Orbax checkpoint (see :func:`bridges._orbax_import.import_orbax`; ``max_leaf_bytes``
     None: its default cap, ``MAX_LEAF_BYTES``)."""
     from ._orbax_import import MAX_LEAF_BYTES, import_orbax as run
     return run(src, url, step=step, prefix=prefix, progress=progress,
-               max_leaf_bytes=MAX_LEAF_BYTES if max_leaf_bytes is None else int(max_leaf_bytes))
+               max_leaf_bytes=MAX_LEAF_BYTES if max_leaf_bytes is None else int(max_leaf_bytes), max_tensors=max_tensors)
 
 
 def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
-               progress: Progress | None = None) -> ImportReport:
+               progress: Progress | None = None, max_tensors: int | None = None) -> ImportReport:
     """Import a torch DCP checkpoint; its ``.metadata`` is a pickle: trusted sources only (see
     :func:`bridges._dcp_import.import_dcp`)."""
     from ._dcp_import import import_dcp as run
-    return run(src, url, step=step, prefix=prefix, progress=progress)
+    return run(src, url, step=step, prefix=prefix, progress=progress, max_tensors=max_tensors)
 
 
 #: Formats :func:`import_checkpoint` reads.
@@ -244,18 +245,19 @@ IMPORT_FORMATS = ("safetensors", "orbax", "dcp")
 
 def import_checkpoint(src: str, url: str, *, source_format: str, step: int | None = None, prefix: str = "",
                       trust_pickle: bool = False, progress: Progress | None = None,
-                      max_leaf_bytes: int | None = None) -> ImportReport:
+                      max_leaf_bytes: int | None = None, max_tensors: int | None = None) -> ImportReport:
     """The ``ckptfmt import`` verb: ``src`` in ``source_format`` (:data:`IMPORT_FORMATS`) -> one
     committed step of ``url``. ``max_leaf_bytes``: Orbax only, the largest leaf to import. DCP needs ``trust_pickle=True`` (its metadata is a pickle: trusted
     sources only). ValueError for an unknown format or a DCP import without that consent; otherwise
     fails closed as the format's importer does."""
     if source_format == "safetensors":
-        return import_safetensors(src, url, step=step, prefix=prefix, progress=progress)
+        return import_safetensors(src, url, step=step, prefix=prefix, progress=progress, max_tensors=max_tensors)
     if source_format == "orbax":
-        return import_orbax(src, url, step=step, prefix=prefix, progress=progress, max_leaf_bytes=max_leaf_bytes)
+        return import_orbax(src, url, step=step, prefix=prefix, progress=progress, max_leaf_bytes=max_leaf_bytes,
+                            max_tensors=max_tensors)
     if source_format == "dcp":
         if not trust_pickle:
             raise ValueError("a DCP checkpoint's .metadata is a Python pickle: loading it runs code from the file. "
                              "Import only a checkpoint you trust, and say so with --trust-pickle.")
-        return import_dcp(src, url, step=step, prefix=prefix, progress=progress)
+        return import_dcp(src, url, step=step, prefix=prefix, progress=progress, max_tensors=max_tensors)
     raise ValueError(f"unknown source format {source_format!r}; one of {', '.join(IMPORT_FORMATS)}")

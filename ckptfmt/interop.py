@@ -130,7 +130,8 @@ def safetensors_provenance(source: SafetensorsSource, src: str) -> dict[str, Any
 
 
 def import_safetensors(src: str, url: str, *, step: int | None = None, prefix: str = "",
-                       progress: Progress | None = None, options: Mapping[str, Any] | None = None) -> ImportReport:
+                       progress: Progress | None = None, options: Mapping[str, Any] | None = None,
+                       max_tensors: int | None = None) -> ImportReport:
     """Import a safetensors file or sharded directory (with its index; local, ``s3://``, ...) as
     step ``step`` of ``url`` (None: the step an export of ours recorded, else 0). Tensor ``name``
     becomes key path ``prefix + name``.
@@ -148,4 +149,5 @@ def import_safetensors(src: str, url: str, *, step: int | None = None, prefix: s
     tensors = [ImportTensor(prefix + k, tuple(source.tensor(k).shape), source.tensor(k).dtype, reader(k))
                for k in sorted(source.keys(), key=natural_key)]
     return import_tensors(url, source.step if step is None else step, tensors,
-                          provenance=safetensors_provenance(source, str(src)), progress=progress)
+                          provenance=safetensors_provenance(source, str(src)), progress=progress,
+                          max_tensors=max_tensors)

@@ -512,3 +512,21 @@ def test_the_importer_never_follows_a_link(tmp_path, where):
     (src / "model.safetensors").unlink()
     (src / "model.safetensors").write_bytes(target.read_bytes())
     assert import_safetensors(str(src), url).tensors == 1
+
+
+def test_import_over_the_tensor_cap_is_refused_before_anything_is_read(tmp_path):
+    """Issue 24 item 8: a 5.8 MB header of 100k empty tensors imported for 170-309 s and 1.5 GB (the
+    save's cost per tensor). An import takes at most MAX_IMPORT_TENSORS (2^17) unless asked: over
+    the cap it is InvalidSourceError naming the count and the option, nothing read or committed;
+    the control: the same file under a cap that fits it imports every tensor."""
+    from ckptfmt._stimport import MAX_IMPORT_TENSORS
+
+    assert MAX_IMPORT_TENSORS == 1 << 17
+    src = _write(tmp_path / "m.safetensors", {f"t{i}": np.full(2, i, np.float32) for i in range(5)})
+    url = str(tmp_path / "repo")
+    with pytest.raises(InvalidSourceError, match="over the import cap") as e:
+        import_safetensors(str(src), url, max_tensors=4)
+    assert e.value.found == 5 and "--max-tensors" in str(e.value)
+    assert not Path(url, "manifests").exists() or Repository(url).steps() == []
+    report = import_safetensors(str(src), url, max_tensors=5)  # the control
+    assert report.tensors == 5 and _same(Repository(url).open().read("t4"), np.full(2, 4, np.float32))

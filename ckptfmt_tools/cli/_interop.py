@@ -110,6 +110,8 @@ def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file o
                max_leaf_bytes: Optional[int] = typer.Option(None, "--max-leaf-bytes", help="Orbax only: the "
                                                             "largest leaf to import, in bytes (default 512 MiB: "
                                                             "Orbax restores a leaf whole, in host memory)."),
+               max_tensors: Optional[int] = typer.Option(None, "--max-tensors", help="The most tensors to import "
+                                                         "(default 131,072; each costs the save memory and time)."),
                as_json: bool = JsonOpt) -> None:
     """Import a safetensors, Orbax or DCP checkpoint as one committed step, with its provenance."""
     from ckptfmt.errors import CheckpointError
@@ -124,7 +126,8 @@ def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file o
     try:
         with _bar(f"import {source_format}", quiet=as_json) as progress:
             report = import_checkpoint(src, url, source_format=source_format, step=step, prefix=prefix,
-                                       trust_pickle=trust_pickle, progress=progress, max_leaf_bytes=max_leaf_bytes)
+                                       trust_pickle=trust_pickle, progress=progress, max_leaf_bytes=max_leaf_bytes,
+                                       max_tensors=max_tensors)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     except (ValueError, OSError) as exc:
