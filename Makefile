@@ -4,11 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench drill faults
+.PHONY: demo test venv clean bench drill faults docs
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[jax,torch,cli,dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[jax,torch,cli,dev,docs]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,5 +32,10 @@ bench: $(STAMP)
 faults: $(STAMP)
 	$(BIN)/python -m ckptfmt faults --peers
 
+# The documentation site (mkdocs.yml) into site/; --strict fails on a broken link or a missing reference.
+# `$(BIN)/mkdocs serve` serves it at http://127.0.0.1:8000 and rebuilds on every edit.
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build site *.egg-info

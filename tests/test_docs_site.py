@@ -1,0 +1,105 @@
+"""The documentation site (issue 30 item 5): ``mkdocs build --strict`` of mkdocs.yml passes, its API
+reference renders every public name (each package's ``__all__``), and a strict build is rejected
+for a broken link, a link to a repository file that does not exist, an unresolved cross-reference
+and a missing API reference (broken controls, on a small copy of the site's own config and hook).
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("mkdocs")
+pytest.importorskip("material")
+pytest.importorskip("mkdocstrings_handlers.python")
+
+ROOT = Path(__file__).resolve().parent.parent
+API_MODULES = ("ckptfmt", "bridges.jax", "bridges.flax", "bridges.torch", "bridges.dcp", "bridges.presets",
+               "bridges.mapping", "bridges.interop")
+
+
+def _build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=config.parent)
+
+
+def _public_names(module: str) -> list[str]:
+    """``__all__`` read from the source (bridges.jax imports jax; the reference must not need it)."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    for node in ast.parse(Path(spec.origin).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            names = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+            if module == "ckptfmt":  # its __all__ ends with *errors.__all__
+                names += _public_names("ckptfmt.errors")
+            return names
+    raise AssertionError(f"{module} has no __all__")
+
+
+def test_site_builds_strict_with_every_public_name(tmp_path: Path) -> None:
+    out = _build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for module in API_MODULES:
+        page = tmp_path / "site" / "docs" / "api" / Path(*module.split(".")) / "index.html"
+        if module == "ckptfmt":
+            page = tmp_path / "site" / "docs" / "api" / "ckptfmt" / "index.html"
+        html = page.read_text()
+        missing = [n for n in _public_names(module) if f'id="{module}.{n}"' not in html]
+        assert not missing, f"{page}: no reference entry for {module}.{missing}"
+    # Pages outside docs/ keep their repository paths, so their relative links work here as on GitHub.
+    for page in ("index.html", "spec/FORMAT/index.html", "bridges/index.html", "bridges/MAPPING/index.html",
+                 "spec/examples/index.html", "docs/INTEROP/index.html"):
+        assert (tmp_path / "site" / page).is_file(), page
+
+
+def _small_site(root: Path, page: str) -> Path:
+    """The real config and hook around ``docs/page.md``; the repository's pages that the hook publishes
+    (``REPO_PAGES``) are stubs, so the build costs little (the real pages are built above)."""
+    hook = root / "docs" / "hooks" / "repo_files.py"
+    hook.parent.mkdir(parents=True)
+    shutil.copy(ROOT / "docs" / "hooks" / "repo_files.py", hook)
+    spec = importlib.util.spec_from_file_location("repo_files", hook)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for rel in module.REPO_PAGES:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("# Stub\n\n## 4.1 Addressing\n")
+    (root / "ckptfmt").mkdir()
+    shutil.copy(ROOT / "ckptfmt" / "errors.py", root / "ckptfmt" / "errors.py")
+    (root / "docs" / "page.md").write_text(page)
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    config["nav"] = list(module.REPO_PAGES) + ["docs/page.md"]
+    config["watch"] = []
+    (root / "mkdocs.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return root / "mkdocs.yml"
+
+
+def test_strict_build_rejects_broken_links_and_missing_references(tmp_path: Path) -> None:
+    good = ("# Page\n\n[the spec](../spec/FORMAT.md#41-addressing), [a source](../ckptfmt/errors.py), "
+            "[save][ckptfmt.save]\n\n::: ckptfmt.save\n\n::: ckptfmt.Repository\n")
+    out = _build(_small_site(tmp_path / "good", good), tmp_path / "good-site")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "good-site" / "ckptfmt" / "errors.py").is_file()  # a linked repository file is published
+
+    # The same copy, each kind of broken link once: an anchor, a repository file, a page, a cross-reference.
+    # One strict build reports them all and fails.
+    bad = (good.replace("#41-addressing", "#41-no-such-section").replace("errors.py", "no_such_module.py")
+           .replace("[ckptfmt.save]", "[ckptfmt.no_such_function]") + "\n[gone](no-such-page.md)\n")
+    out = _build(_small_site(tmp_path / "bad", bad), tmp_path / "bad-site")
+    log = out.stdout + out.stderr
+    assert out.returncode != 0, log
+    for needle in ("#41-no-such-section", "no_such_module.py", "no-such-page.md", "ckptfmt.no_such_function"):
+        assert needle in log, f"{needle} not reported:\n{log}"
+
+    # A missing API reference stops the build at that page.
+    out = _build(_small_site(tmp_path / "ref", good.replace("ckptfmt.Repository", "ckptfmt.NoSuchClass")),
+                 tmp_path / "ref-site")
+    assert out.returncode != 0 and "ckptfmt.NoSuchClass" in out.stdout + out.stderr, out.stdout + out.stderr
