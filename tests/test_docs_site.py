@@ -2,12 +2,15 @@
 reference renders every public name (each package's ``__all__``), and a strict build is rejected
 for a broken link, a link to a repository file that does not exist, an unresolved cross-reference
 and a missing API reference (broken controls, on a small copy of the site's own config and hook).
+The README's python blocks parse and take only public names from the bridges (a renamed name is
+caught: the control).
 """
 from __future__ import annotations
 
 import ast
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -101,3 +104,32 @@ def test_strict_build_rejects_broken_links_and_missing_references(tmp_path: Path
     out = _build(_small_site(tmp_path / "ref", good.replace("::: ckptfmt.save", "::: ckptfmt.NoSuchClass")),
                  tmp_path / "ref-site")
     assert out.returncode != 0 and "ckptfmt.NoSuchClass" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def _readme_name_problems(readme: str) -> list[str]:
+    """Every python block of ``readme`` parses, and every name it takes from a bridges module is in that
+    module's ``__all__`` (the blocks themselves run outside the suite: they train and load a Llama)."""
+    problems = []
+    for block in re.findall(r"```python\n(.*?)```", readme, re.S):
+        tree = ast.parse(block)
+        modules: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith("bridges.")})
+            elif isinstance(node, ast.ImportFrom) and node.module == "bridges":
+                modules.update({a.asname or a.name: f"bridges.{a.name}" for a in node.names})
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bridges."):
+                problems += [f"{node.module}.{a.name}" for a in node.names if a.name not in _public_names(node.module)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                if node.attr not in _public_names(modules[node.value.id]):
+                    problems.append(f"{modules[node.value.id]}.{node.attr}")
+    return problems
+
+
+def test_readme_code_uses_public_names() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert readme.count("```python") == 3 and not _readme_name_problems(readme), _readme_name_problems(readme)
+    # Controls: a renamed class in an import, a renamed function through a module alias.
+    broken = readme.replace("CkptfmtStorageWriter", "CkptfmtWriter").replace("bjax.abstract_target", "bjax.target")
+    assert sorted(_readme_name_problems(broken)) == ["bridges.dcp.CkptfmtWriter", "bridges.jax.target"]
