@@ -277,6 +277,7 @@ def test_run_commands_declare_every_option_of_their_runners():
     assert _options(demo.parser()) == declared("demo")
     assert _options(_config.parser()) == declared("drill")
     compression = {"--compression", "--size", "--levels", "--json"}
+    assert "--json" in _options(bench_args.build_parser())  # the bench itself, not only its other modes
     assert _options(bench_args.build_parser()) | _options(incremental._parser()) | compression == declared("bench")
 
 

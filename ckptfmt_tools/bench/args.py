@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ckptfmt_tools/bench/incremental.py for its own options)")
     p.add_argument("--compression", action="store_true",
                    help="the zstd ratio/speed bench instead (see ckptfmt_tools/bench/compression.py)")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as one JSON document on stdout (bench.json is still written); no progress")
     return p
 
 

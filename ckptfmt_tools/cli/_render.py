@@ -154,8 +154,9 @@ def describe_step(repo: Any, step: int | None) -> dict[str, Any]:
 
 
 def verify_with_progress(repo: Any, step: int, console: Console, *, quiet: bool) -> int:
-    """Verify every byte of ``step`` with a progress bar on ``console``; return bytes checked."""
-    if quiet:
+    """Verify every byte of ``step`` with a progress bar on ``console`` (only on a terminal); return
+    bytes checked."""
+    if quiet or not console.is_terminal:
         return repo.verify(step)
     with Progress(TextColumn(f"verify step {step}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False) as bar:
@@ -277,8 +278,8 @@ def fault_list(console: Console, names: list[dict[str, Any]]) -> None:
 
 @contextlib.contextmanager
 def fault_progress(console: Console, *, quiet: bool, total: int) -> Iterator[Callable[[Any], None]]:
-    """A progress bar that counts finished faults (stderr); yields the per-outcome callback."""
-    if quiet:
+    """A progress bar that counts finished faults (stderr, only on a terminal); yields the per-outcome callback."""
+    if quiet or not console.is_terminal:
         yield lambda o: None
         return
     with Progress(TextColumn("faults"), BarColumn(), TaskProgressColumn(), TextColumn("{task.description}"),
