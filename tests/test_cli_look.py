@@ -139,3 +139,15 @@ def test_inspect_never_cuts_a_key_path(tmp_path, monkeypatch):
     wide = runner.invoke(app, ["inspect", url, "--wide"])
     assert wide.exit_code == 0 and key in wide.stdout  # on one line
     assert "1 writer," in wide.stdout and "1 tensor," in wide.stdout
+
+
+def test_the_command_line_imports_no_library_until_a_command_runs():
+    import subprocess
+    import sys
+
+    code = "import sys, ckptfmt_tools.cli; print(sorted(m for m in ('ckptfmt', 'numpy', 'tensorstore') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout  # show/diff/ls import theirs when they run
+    control = subprocess.run([sys.executable, "-c", code.replace("ckptfmt_tools.cli", "ckptfmt_tools.cli._compare")],
+                             capture_output=True, text=True, timeout=60, check=True)
+    assert "numpy" in control.stdout  # control: the module the commands import does pull them in

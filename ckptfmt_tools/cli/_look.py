@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from ckptfmt_tools.cli import JsonOpt, _compare, _emit_json, _fail, _out, _repo, app
+from ckptfmt_tools.cli import JsonOpt, _emit_json, _fail, _out, _repo, app
 
 __all__ = ["show_cmd", "diff_cmd"]
 
@@ -30,6 +30,7 @@ def show_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     """Print one tensor's values and statistics (min, max, mean, NaN count) for a slice, reading only
     the chunks the slice overlaps; --json reports the bytes read."""
     from ckptfmt.errors import CheckpointError
+    from ckptfmt_tools.cli import _compare  # numpy and the library: not imported for --help
 
     try:
         doc = _compare.show_tensor(_repo(url), step, key, slice_text, values=not stats_only)
@@ -51,6 +52,7 @@ def diff_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     """Tensors added, removed and changed from step A to step B (shapes, dtypes; --values: max abs
     difference), and the bytes B wrote against those it references from earlier saves."""
     from ckptfmt.errors import CheckpointError
+    from ckptfmt_tools.cli import _compare  # numpy and the library: not imported for --help
 
     try:
         doc = _compare.diff_steps(_repo(url), a, b, values=values)

@@ -20,8 +20,6 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColu
 from rich.table import Table
 from rich.tree import Tree
 
-from ckptfmt._manager_query import recorded_metrics
-
 __all__ = ["safe", "visible", "size", "plural", "step_summary", "describe_step", "verify_with_progress", "plain", "error", "steps_table",
            "inspect_view", "verify_summary", "gc_view", "fault_list", "fault_progress"]
 
@@ -98,6 +96,7 @@ def plain(obj: Any) -> Any:
 
 def step_summary(repo: Any, step: int) -> dict[str, Any]:
     """One row of ``ls``; a manifest that cannot be read becomes a row with its error."""
+    from ckptfmt._manager_query import recorded_metrics
     from ckptfmt.errors import CheckpointError
 
     try:
