@@ -164,10 +164,12 @@ def _json_values(x: np.ndarray) -> Any:
     return np.where(np.isfinite(f), f, None).tolist()
 
 
-def show_tensor(repo: Any, step: int | None, key: str, slice_text: str | None, *, values: bool) -> dict[str, Any]:
-    """One slice of one tensor: its statistics (NaNs left out of min, max and mean) and, with
-    ``values``, the values; ``bytes_read``: what the reader fetched for it (only the chunks the slice
-    overlaps). Raises the reader's CheckpointError, or ShapeMismatchError for a slice that does not fit."""
+def show_tensor(repo: Any, step: int | None, key: str, slice_text: str | None, *,
+                values: bool) -> tuple[dict[str, Any], np.ndarray]:
+    """One slice of one tensor: (its document, the values read). The document holds the statistics
+    (NaNs left out of min, max and mean), with ``values`` the values as JSON, and ``bytes_read``: what
+    the reader fetched for it (only the chunks the slice overlaps). Raises the reader's
+    CheckpointError, or ShapeMismatchError for a slice that does not fit."""
     ckpt = repo.open(step)
     t = ckpt.tensor(key)
     box, drop = parse_slice(slice_text, tuple(t.shape), key)
@@ -180,11 +182,10 @@ def show_tensor(repo: Any, step: int | None, key: str, slice_text: str | None, *
                            "stored_bytes": int(t.shards.nbytes.sum()), "stats": _stats(x)}
     if values:
         doc["values"] = _json_values(got)
-    doc["_array"] = got
-    return doc
+    return doc, got
 
 
-def show_view(console: Console, url: str, doc: dict[str, Any]) -> None:
+def show_view(console: Console, url: str, doc: dict[str, Any], got: np.ndarray) -> None:
     s = doc["stats"]
 
     def num(v: Any) -> str:
@@ -197,5 +198,5 @@ def show_view(console: Console, url: str, doc: dict[str, Any]) -> None:
     console.print(f"read {size(doc['bytes_read'])} of the tensor's {size(doc['stored_bytes'])} stored "
                   f"(the slice holds {size(doc['slice_bytes'])})")
     if "values" in doc:
-        for line in np.array2string(doc["_array"], threshold=200, max_line_width=console.width or 120).splitlines():
+        for line in np.array2string(got, threshold=200, max_line_width=console.width or 120).splitlines():
             console.print(safe(line))

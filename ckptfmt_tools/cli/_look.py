@@ -33,13 +33,13 @@ def show_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     from ckptfmt_tools.cli import _compare  # numpy and the library: not imported for --help
 
     try:
-        doc = _compare.show_tensor(_repo(url), step, key, slice_text, values=not stats_only)
+        doc, got = _compare.show_tensor(_repo(url), step, key, slice_text, values=not stats_only)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     if as_json:
-        _emit_json({"ok": True, "url": url, **{k: v for k, v in doc.items() if not k.startswith("_")}})
+        _emit_json({"ok": True, "url": url, **doc})
     else:
-        _compare.show_view(_out(), url, doc)
+        _compare.show_view(_out(), url, doc, got)
 
 
 @app.command("diff")
