@@ -9,8 +9,9 @@ Exit codes: 0 success; 1 a :class:`~ckptfmt.errors.CheckpointError` (its class n
 key, object, expected and found are printed, or emitted as JSON with ``--json``); 2 usage.
 Every command takes ``--json`` and then prints exactly one JSON document on stdout, whose
 ``"ok"`` is true exactly when the command exits 0. A command that reads a repository (``ls``,
-``inspect``, ``show``, ``diff``, ``verify``, ``gc``, ``export``) exits 1 with ``NotARepositoryError`` when the URL holds
-none (FORMAT.md 4.5); an empty repository is not an error for ``ls`` ("no committed steps", exit 0).
+``inspect``, ``show``, ``diff``, ``verify``, ``gc``, ``export``) exits 1 with
+``NotARepositoryError`` when the URL holds none (FORMAT.md 4.5); an empty repository is not an
+error for ``ls`` ("no committed steps", exit 0).
 The long commands (``verify``, ``faults``, ``bench``, ``drill``) show their progress on stderr
 (on a terminal, and never with ``--json``).
 
