@@ -40,6 +40,9 @@ class CheckpointManager(_CoreManager):
     the restored pytree and whose ``stats`` are that restore's phase timings. Every process of a
     ``jax.distributed`` job constructs the manager (after ``jax.distributed.initialize()``), saves
     and restores.
+
+    ``all_steps()``, ``metrics(step)``, ``best_step()`` and ``restore(target, best=True)`` are the
+    core manager's (rank 0 picks the best step for every process).
     """
 
     def _process(self) -> tuple[int, int]:

@@ -36,6 +36,9 @@ class CheckpointManager(_CoreManager):
     ``restore(target)`` takes the target
     ``bridges.torch.load`` takes and returns a RestoreResult whose ``state`` is its ``Loaded``.
     Every rank of the default process group constructs the manager, saves and restores.
+
+    ``all_steps()``, ``metrics(step)``, ``best_step()`` and ``restore(target, best=True)`` are the
+    core manager's (rank 0 picks the best step for every process).
     """
 
     def _process(self) -> tuple[int, int]:

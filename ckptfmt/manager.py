@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 import msgpack
 import numpy as np
 
+from ._manager_query import METADATA_KEY, best_step, candidate_steps, forget_deleted, recorded_metrics
 from ._manager_types import (RestoreResult, SaveRecord, SkippedStep, _check_step, _clean_metrics, _err_from,
                              _err_json, _is_damage, _Job)
 from ._gc import unrestorable
@@ -43,7 +44,7 @@ from ._verified import unverified
 from ._retention import Retention, metric_value
 from ._types import Box, LocalShard
 from .coord import Coordinator, LocalCoordinator
-from .errors import CheckpointError, IncompleteSaveError, KeyMismatchError, StepNotFoundError
+from .errors import CheckpointError, IncompleteSaveError, KeyMismatchError
 from .manifest import Manifest
 from .repository import Repository
 from .session import SaveOptions
@@ -52,8 +53,6 @@ __all__ = ["CheckpointManager", "SaveRecord", "SkippedStep", "RestoreResult", "R
 
 _log = logging.getLogger("ckptfmt.manager")
 
-#: The manager's entry in a manifest's ``metadata``: ``{"metrics": {name: value}}`` (spec 13.7).
-METADATA_KEY = "ckptfmt.manager"
 #: Seconds between two gc passes of the retention thread (gc's own grace period is 600 s, so
 #: running it more often finds nothing new to collect).
 GC_INTERVAL_S = 600.0
@@ -104,7 +103,8 @@ class CheckpointManager:
         self._history: list[SaveRecord] = []
         self._reading: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._metric_cache: dict[int, float | None] = {}
+        self._metrics_cache: dict[int, dict[str, Any]] = {}
+        self._seen: tuple[int, dict[str, Any]] | None = None  # the last step given metrics, and them
         self._last_gc: float | None = None
         self._metrics_out: Any = None
         self._preempted_at: int | None = None
@@ -199,7 +199,8 @@ class CheckpointManager:
         """Save ``state`` as ``step`` when the cadence says so (or ``force``); True when a save started.
 
         ``metrics`` (name -> number) go into the manifest's metadata; ``best_metric`` is read from
-        there. ``rank_state``: this process's per-rank state, passed to the bridge's save verb.
+        there. A save without ``metrics`` at the step whose earlier ``save`` call (skipped by the
+        cadence) was given some records those (the preemption save ``save(step, state, force=True)``). ``rank_state``: this process's per-rank state, passed to the bridge's save verb.
         First waits for the save in flight (back-pressure) and raises its error if it failed. A step
         already started by this manager is not saved twice (False). With ``async_save`` the save's
         own errors surface at the next ``save``/``wait``/``close``; nothing is ever half-visible.
@@ -207,6 +208,10 @@ class CheckpointManager:
         self._check_open()
         step = _check_step(step)
         clean = _clean_metrics(metrics)
+        if metrics is not None:
+            self._seen = (step, clean)
+        elif self._seen is not None and self._seen[0] == step:
+            clean = dict(self._seen[1])
         if not force and not self.should_save(step):
             return False
         if step == self._last_started:
@@ -335,14 +340,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
     def _metric(self, step: int) -> float | None:
-        if step not in self._metric_cache:
-            try:
-                meta = self.repository.manifest(step).metadata.get(METADATA_KEY) or {}
-                value = (meta.get("metrics") or {}).get(self.retention.best_metric) if isinstance(meta, dict) else None
-            except CheckpointError:
-                value = None  # unreadable: never among the best
-            self._metric_cache[step] = metric_value(value)
-        return self._metric_cache[step]
+        try:
+            return metric_value(self.metrics(step).get(self.retention.best_metric))  # type: ignore[arg-type]
+        except CheckpointError:
+            return None  # unreadable: never among the best
 
     def _unrestorable(self, step: int) -> str | None:
         return unrestorable(self.repository, step)
@@ -358,9 +359,7 @@ class CheckpointManager:
             steps = self.repository.steps()
             with self._lock:
                 protected = {s for s, n in self._reading.items() if n > 0}
-            for s in list(self._metric_cache):
-                if s not in steps:
-                    del self._metric_cache[s]
+            forget_deleted(self._metrics_cache, steps)
             # Nothing about restorability is cached here: sizes are probed for each decision, and
             # the step that licenses a deletion is verified byte for byte (or by its record,
             # which any write to its objects invalidates; FORMAT.md 10.4, 14.7).
@@ -374,7 +373,7 @@ class CheckpointManager:
                 except CheckpointError as e:
                     _log.warning("retention: could not delete step %d: %s", d.step, e)
                     continue
-                self._metric_cache.pop(d.step, None)
+                self._metrics_cache.pop(d.step, None)
                 _log.info("retention: deleted step %d: %s", d.step, d.reason)
                 self._emit({"event": "delete", "step": d.step, "reason": d.reason, "unix": time.time()})
             if self._last_gc is None or time.monotonic() - self._last_gc >= GC_INTERVAL_S:
@@ -391,33 +390,25 @@ class CheckpointManager:
         storage failure raises StorageError."""
         return self.repository.latest()
 
-    def _candidates(self, step: int | None) -> list[int]:
-        """Steps to try, newest first; rank 0 lists and every rank gets its answer (or its error)."""
-        payload: dict[str, Any] = {}
-        if self.rank == 0:
-            try:
-                steps = self.repository.steps()
-                if step is not None:
-                    if step not in steps:
-                        raise StepNotFoundError(f"step {step} is not committed", object=self.url,
-                                                expected=f"one of {steps[-5:]}{' ...' if len(steps) > 5 else ''}",
-                                                found="no manifest")
-                    payload = {"steps": [step]}
-                elif not steps:
-                    raise StepNotFoundError("the repository has no committed step", object=self.url,
-                                            expected=">= 1 step", found=0)
-                else:
-                    payload = {"steps": steps[::-1]}
-            except CheckpointError as e:
-                if self.world == 1:
-                    raise
-                payload = {"error": e.to_json()}
-        if self.world > 1:
-            raw = self._coord.broadcast("manager/restore/steps", msgpack.packb(payload) if self.rank == 0 else None)
-            payload = msgpack.unpackb(raw, raw=False)
-        if "error" in payload:
-            raise _err_from(payload["error"], 0)
-        return [int(s) for s in payload["steps"]]
+    def all_steps(self) -> list[int]:
+        """Every committed step, oldest first, as this process lists it now. Not a collective; a
+        storage failure raises StorageError."""
+        return self.repository.steps()
+
+    def metrics(self, step: int) -> dict[str, float | int]:
+        """The metrics saved with ``step`` (FORMAT.md 14.7; non-finite values as floats), {} when it
+        recorded none. StepNotFoundError when ``step`` is not committed, InvalidManifestError when
+        its manifest does not validate."""
+        step = _check_step(step)
+        if step not in self._metrics_cache:
+            self._metrics_cache[step] = recorded_metrics(self.repository.manifest(step))
+        return dict(self._metrics_cache[step])
+
+    def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
+        """The committed step with the best finite ``metric`` (default: ``best_metric``) by ``mode``
+        (default: ``best_mode``; a tie goes to the newer step), or None when no step recorded it. A
+        step whose manifest does not read is skipped. ValueError without a metric name or with a bad mode."""
+        return best_step(self, metric or self.retention.best_metric, mode or self.retention.best_mode)
 
     def _attempt(self, target: Any, step: int, policy: str | None = None
                  ) -> tuple[Any, BaseException | None, list[tuple[int, dict[str, Any]]]]:
@@ -445,7 +436,7 @@ class CheckpointManager:
             raise local
         return value, local, errs
 
-    def restore(self, target: Any = None, *, step: int | None = None,
+    def restore(self, target: Any = None, *, step: int | None = None, best: bool = False,
                 rank_state_policy: str | None = None) -> RestoreResult:
         """Restore ``step`` (None: the newest committed step) into ``target``; every process calls it.
 
@@ -456,6 +447,8 @@ class CheckpointManager:
         committed (never starts fresh), the step's own typed error with ``fallback=False`` or an
         explicit ``step``, and the bridge's error for a target that does not match (no fallback: an
         older step would not match either). Every process returns the same step, or raises.
+        ``best=True`` restores :meth:`best_step` (rank 0 decides; no fallback; StepNotFoundError when
+        no step recorded ``best_metric``); with ``step`` too it raises ValueError.
 
         ``rank_state_policy`` goes to the bridge's restore verb (bridges/README.md): per-rank state
         saved by another number of processes raises TopologyChangedError (naming the policies)
@@ -467,10 +460,12 @@ class CheckpointManager:
         self._check_open()
         if step is not None:
             step = _check_step(step)
+        if best and (step is not None or not self.retention.best_metric):
+            raise ValueError("restore(best=True) takes no step, and needs the manager's best_metric")
         self.wait()
         skipped: list[SkippedStep] = []
         errors: list[CheckpointError] = []
-        for s in self._candidates(step):
+        for s in candidate_steps(self, step, best):
             value, local, errs = self._attempt(target, s, rank_state_policy)
             if not errs:
                 state, extra, stats = value
@@ -480,7 +475,7 @@ class CheckpointManager:
                 return RestoreResult(state, s, tuple(skipped), extra, dict(stats or {}))
             err = local if local is not None else _err_from(errs[0][1], errs[0][0])
             # Decided on the gathered errors, which every rank holds: all ranks fall back, or none.
-            if step is not None or not self.fallback or not all(_is_damage(e) for _, e in errs):
+            if step is not None or best or not self.fallback or not all(_is_damage(e) for _, e in errs):
                 raise err
             agreed = _err_from(errs[0][1], errs[0][0])  # the same on every rank
             skipped.append(SkippedStep(s, type(agreed).__name__, str(agreed)))

@@ -61,7 +61,7 @@ def _print_receipt(res: dict[str, Any]) -> None:
     w(f"  saving topology     {s['topology']}")
     w(f"  restoring topology  {r['topology']}")
     w(f"  checkpoint          step {s['step']}: {len(s['writer_lists'])} tensors, {_fmt_bytes(s['saved_bytes'])} "
-      f"stored, {s['writers']} writer(s), saved in {s['save_s']:.3f} s")
+      f"stored, {s['writers']} writer{'' if s['writers'] == 1 else 's'}, saved in {s['save_s']:.3f} s")
     if "error" in good:
         w(f"  restore FAILED      {good['error']}: {good.get('message', '')}")
     else:
@@ -88,9 +88,8 @@ def _print_receipt(res: dict[str, Any]) -> None:
     w(f"RECEIPT: {'PASS' if res['ok'] else 'FAIL'}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo and print the receipt. Returns 0 when the receipt passes, 1 when it fails,
-    2 when the JAX extra is not installed."""
+def parser() -> argparse.ArgumentParser:
+    """The demo's options (``ckptfmt demo`` declares the same ones)."""
     ap = argparse.ArgumentParser(prog="ckptfmt demo", description=__doc__.splitlines()[0])
     ap.add_argument("--dir", help="work directory (default: a temporary one, removed afterwards)")
     ap.add_argument("--k", type=int, default=3, help="the step to save (default 3)")
@@ -99,7 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restore-devices", type=int, default=4)
     ap.add_argument("--restore-mesh", default="2x2", help="data x model mesh of the restoring side")
     ap.add_argument("--json", action="store_true", help="print the full results as JSON")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo and print the receipt. Returns 0 when the receipt passes, 1 when it fails,
+    2 when the JAX extra is not installed."""
+    args = parser().parse_args(argv)
     missing = [m for m in ("jax", "flax", "optax") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"ckptfmt demo needs {', '.join(missing)}: pip install -e '.[jax]'", file=sys.stderr)

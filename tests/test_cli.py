@@ -230,22 +230,63 @@ def test_faults_one_row_json(tmp_path):
     assert row["state_exposed"] is False and row["prior_intact"] is True
 
 
-@pytest.mark.parametrize("command", ["demo", "bench", "drill"])
-def test_pass_through_commands(command, monkeypatch):
+@pytest.mark.parametrize("command,module,args,want", [
+    ("demo", "ckptfmt_tools.demo", ["--k", "4", "--json"], ["--k", "4", "--json"]),
+    ("bench", "ckptfmt_tools.bench.args", ["-r", "2", "--size", "1G", "--no-steady", "--json"],
+     ["--size", "1G", "--repetitions", "2", "--no-steady", "--json"]),
+    ("bench", "ckptfmt_tools.bench.args", ["--incremental", "--saves", "3"], ["--incremental", "--saves", "3"]),
+    ("drill", "ckptfmt_tools.drill", ["--out", "d", "--no-control", "--seed", "5"],
+     ["--out", "d", "--seed", "5", "--no-control"]),
+])
+def test_run_commands_forward_the_options_given(command, module, args, want, monkeypatch):
     seen = {}
-    fake = types.ModuleType(f"ckptfmt_tools.{command}")
+    fake = types.ModuleType(module)
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
-    monkeypatch.setitem(sys.modules, f"ckptfmt_tools.{command}", fake)
-    r = runner.invoke(app, [command, "--size", "1G", "--help", "extra"])
+    monkeypatch.setitem(sys.modules, module, fake)
+    r = runner.invoke(app, [command, *args])
     assert r.exit_code == 0, r.output
-    assert seen["argv"] == ["--size", "1G", "--help", "extra"]
+    assert seen["argv"] == want  # only what was given: the module's defaults apply to the rest
+    # Broken controls: an unknown option and an option of another mode are usage errors (exit 2).
+    assert runner.invoke(app, [command, "--no-such-option"]).exit_code == 2
+    assert runner.invoke(app, ["bench", "--saves", "3"]).exit_code == 2
 
 
-def test_pass_through_exit_code(monkeypatch):
+def test_run_command_exit_code(monkeypatch):
     fake = types.ModuleType("ckptfmt_tools.drill")
     fake.main = lambda argv: 3
     monkeypatch.setitem(sys.modules, "ckptfmt_tools.drill", fake)
     assert runner.invoke(app, ["drill"]).exit_code == 3
+
+
+def _options(parser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings} - {"-h", "--help"}
+
+
+def test_run_commands_declare_every_option_of_their_runners():
+    from typer.main import get_command
+
+    from ckptfmt_tools import demo
+    from ckptfmt_tools.bench import args as bench_args, incremental
+    from ckptfmt_tools.drill import _config
+
+    group = get_command(app)
+
+    def declared(name: str) -> set[str]:
+        return {o for p in group.commands[name].params for o in p.opts} - {"--help"}
+
+    assert _options(demo.parser()) == declared("demo")
+    assert _options(_config.parser()) == declared("drill")
+    compression = {"--compression", "--size", "--levels", "--json"}
+    assert "--json" in _options(bench_args.build_parser())  # the bench itself, not only its other modes
+    assert _options(bench_args.build_parser()) | _options(incremental._parser()) | compression == declared("bench")
+
+
+def test_help_shows_flags_as_flags():
+    for cmd in (["ls", "--help"], ["bench", "--help"], ["drill", "--help"], ["inspect", "--help"]):
+        r = runner.invoke(app, cmd)
+        assert r.exit_code == 0 and "--json" in r.stdout, r.output
+        assert "<bool>" not in r.stdout, r.stdout
+    assert "--step <int>" in runner.invoke(app, ["inspect", "--help"]).stdout  # control: values still show a type
 
 
 def test_python_dash_m_entry_point(repo):

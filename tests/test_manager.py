@@ -315,3 +315,40 @@ def test_two_ranks_agree_on_cadence_preemption_and_fallback(tmp_path):
     flip_one_shard(url, 8, writer=0)
     out, errors = _two_ranks(url, lambda m: m.restore("wrong"))
     assert type(errors[0]) is ChecksumMismatchError and type(errors[1]) is KeyMismatchError, errors
+
+
+def test_steps_metrics_best_and_restore_best(tmp_path):
+    url = str(tmp_path / "r")
+    with CheckpointManager(url, save_every_steps=1, async_save=False, best_metric="loss") as m:
+        for step, loss in ((1, 0.5), (2, 0.25), (3, float("nan")), (4, 0.75)):
+            m.save(step, _state(step), metrics={"loss": loss, "acc": step})
+        m.save(5, _state(5))  # no metrics: never the best
+        assert m.all_steps() == [1, 2, 3, 4, 5]
+        assert m.metrics(2) == {"loss": 0.25, "acc": 2} and m.metrics(5) == {}
+        assert np.isnan(m.metrics(3)["loss"])
+        assert m.best_step() == 2 and m.best_step("acc", "max") == 4 and m.best_step("absent") is None
+        got = m.restore(best=True)
+        assert got.step == 2 and np.array_equal(got.state["w"], _state(2)["w"])
+        assert m.restore().step == 5  # control: without best, the newest step
+        with pytest.raises(StepNotFoundError):
+            m.metrics(9)
+        with pytest.raises(ValueError):
+            m.restore(best=True, step=1)
+        with pytest.raises(ValueError):
+            m.best_step("loss", "median")
+    with CheckpointManager(url, async_save=False) as m:  # no best_metric: restore(best=True) is a usage error
+        with pytest.raises(ValueError):
+            m.restore(best=True)
+        with pytest.raises(ValueError):
+            m.best_step()
+
+
+def test_forced_save_keeps_the_metrics_seen_at_its_step(tmp_path):
+    url = str(tmp_path / "r")
+    with CheckpointManager(url, save_every_steps=10, async_save=False, best_metric="loss") as m:
+        assert not m.save(3, _state(3), metrics={"loss": 0.1})  # the cadence skips step 3
+        assert m.save(3, _state(3), force=True)                 # the preemption save: keeps them
+        assert not m.save(4, _state(4), metrics={"loss": 0.2})
+        assert m.save(5, _state(5), force=True)  # control: another step's metrics are not carried over
+        assert m.save(10, _state(10), metrics={"loss": 0.3})
+        assert m.metrics(3) == {"loss": 0.1} and m.metrics(5) == {} and m.best_step() == 3

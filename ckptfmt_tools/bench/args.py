@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import sys
+
+from ckptfmt_tools.cli._progress import phase_line
 from .runner import BenchOptions, run_bench
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
@@ -70,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ckptfmt_tools/bench/incremental.py for its own options)")
     p.add_argument("--compression", action="store_true",
                    help="the zstd ratio/speed bench instead (see ckptfmt_tools/bench/compression.py)")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as one JSON document on stdout (bench.json is still written); no progress")
     return p
 
 
@@ -79,9 +85,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the bench from command-line arguments; print the table. Exit code 1 if a ckptfmt run failed."""
-    import sys
-
+    """Run the bench from command-line arguments; print the table (``--json``: one JSON document). Exit
+    code 1 if a ckptfmt run failed."""
     raw = list(sys.argv[1:] if argv is None else argv)
     if "--incremental" in raw:  # its own options; it runs in a child with the JAX device count set
         from .incremental import main as incremental_main
@@ -92,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return compression_main(raw)
     args = build_parser().parse_args(argv)
-    result = run_bench(options_from_args(args))
-    print(result.table)
+    with phase_line("bench", quiet=args.json) as say:
+        result = run_bench(options_from_args(args), log=say)
+    if args.json:
+        sys.stdout.write(json.dumps({"ok": "ckptfmt" not in result.errors, **result.to_json()}, default=str) + "\n")
+    else:
+        print(result.table)
     return 1 if "ckptfmt" in result.errors else 0
 

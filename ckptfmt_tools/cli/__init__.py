@@ -1,21 +1,25 @@
 """The ``ckptfmt`` command line (typer + rich).
 
-Commands: ``ls``, ``inspect``, ``verify``, ``gc``, ``faults``, and pass-through commands
-``demo``, ``bench``, ``drill`` whose options belong to the modules they call.
+Commands: ``ls``, ``inspect``, ``show``, ``diff``, ``verify``, ``gc``, ``delete``, ``export``,
+``import``, ``faults``, ``demo``, ``bench`` and ``drill``; every one is a typer command whose
+options ``--help`` lists (a flag is shown as a flag; ``demo``, ``bench`` and ``drill`` forward
+their options to the tools' runners, :mod:`ckptfmt_tools.cli._runs`).
 
 Exit codes: 0 success; 1 a :class:`~ckptfmt.errors.CheckpointError` (its class name, tensor
 key, object, expected and found are printed, or emitted as JSON with ``--json``); 2 usage.
 Every command takes ``--json`` and then prints exactly one JSON document on stdout, whose
 ``"ok"`` is true exactly when the command exits 0. A command that reads a repository (``ls``,
-``inspect``, ``verify``, ``gc``, ``export``) exits 1 with ``NotARepositoryError`` when the URL holds
-none (FORMAT.md 4.5); an empty repository is not an error for ``ls`` ("no committed steps", exit 0).
+``inspect``, ``show``, ``diff``, ``verify``, ``gc``, ``export``) exits 1 with
+``NotARepositoryError`` when the URL holds none (FORMAT.md 4.5); an empty repository is not an
+error for ``ls`` ("no committed steps", exit 0).
+The long commands (``verify``, ``faults``, ``bench``, ``drill``) show their progress on stderr
+(on a terminal, and never with ``--json``).
 
 Human-readable output passes every string through :func:`ckptfmt_tools.cli._render.safe` (terminal
 controls made visible, rich markup escaped); JSON output keeps every string exact.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -24,21 +28,20 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from ckptfmt_tools.cli import _render
+from ckptfmt_tools.cli import _render, _runs
 
 __all__ = ["app", "main"]
 
 app = typer.Typer(
     name="ckptfmt",
-    help="Inspect, verify, garbage-collect, delete, import and export ckptfmt checkpoints; run the demo, "
-         "the fault table, the recovery drill and the bench.",
+    help="Inspect, show, diff, verify, garbage-collect, delete, import and export ckptfmt checkpoints; "
+         "run the demo, the fault table, the recovery drill and the bench.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: typer's rich help prints a type after every flag ("--json <bool>"), as if it took a value.
+    rich_markup_mode=None,
 )
-
-_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
-                 "help_option_names": []}
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout instead of tables.")
 
@@ -59,10 +62,10 @@ def _root(version: bool = typer.Option(False, "--version", callback=_show_versio
     """ckptfmt's command line."""
 
 
-def _out() -> Console:
+def _out(width: int | None = None) -> Console:
     # Piped output (README pastes, CI logs) gets a wide page instead of rich's 80-column default.
     wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(highlight=False, soft_wrap=False, width=200 if wide else None)
+    return Console(highlight=False, soft_wrap=False, width=width or (200 if wide else None))
 
 
 def _err() -> Console:
@@ -146,6 +149,8 @@ def ls_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
 @app.command("inspect")
 def inspect_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                 step: Optional[int] = typer.Option(None, "--step", "-s", help="Step (default: latest)."),
+                wide: bool = typer.Option(False, "--wide", help="Keep each key path on one line, however wide "
+                                          "the table gets (default: long key paths wrap; none is cut)."),
                 as_json: bool = JsonOpt) -> None:
     """Show the tensors of one step (key path, shape, dtype, sharding, shards, bytes) and state keys."""
     from ckptfmt.errors import CheckpointError
@@ -158,7 +163,8 @@ def inspect_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     if as_json:
         _emit_json({"ok": True, "url": url, **doc})
     else:
-        _render.inspect_view(_out(), url, doc)
+        width = max(200, 110 + max((len(t["key"]) + len(t["sharding_text"]) for t in doc["tensors"]), default=0))
+        _render.inspect_view(_out(width if wide else None), url, doc, wide=wide)
 
 
 # ------------------------------------------------------------------------------- verify
@@ -301,52 +307,10 @@ def faults_cmd(as_json: bool = JsonOpt,
     _exit_unless(ok)
 
 
-# ------------------------------------------------------------------ pass-through commands
-
-
-def _delegate(module: str, argv: list[str]) -> None:
-    """Call ``module.main(argv)`` (or ``module.__main__.main``); its return value is the exit code."""
-    mod = importlib.import_module(module)
-    fn = getattr(mod, "main", None)
-    if fn is None:
-        try:
-            fn = getattr(importlib.import_module(module + ".__main__"), "main", None)
-        except ModuleNotFoundError:
-            fn = None
-    if fn is None:
-        import runpy
-
-        saved = sys.argv
-        sys.argv = [module] + list(argv)
-        try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        finally:
-            sys.argv = saved
-        return
-    code = fn(list(argv))
-    if isinstance(code, int) and code != 0:
-        raise typer.Exit(code=code)
-
-
-@app.command("demo", context_settings=_PASS_THROUGH, add_help_option=False)
-def demo_cmd(ctx: typer.Context) -> None:
-    """Run the end-to-end demo (options belong to ckptfmt_tools.demo; try `ckptfmt demo --help`)."""
-    _delegate("ckptfmt_tools.demo", ctx.args)
-
-
-@app.command("bench", context_settings=_PASS_THROUGH, add_help_option=False)
-def bench_cmd(ctx: typer.Context) -> None:
-    """Run the benchmarks (options belong to ckptfmt_tools.bench; try `ckptfmt bench --help`)."""
-    _delegate("ckptfmt_tools.bench", ctx.args)
-
-
-@app.command("drill", context_settings=_PASS_THROUGH, add_help_option=False)
-def drill_cmd(ctx: typer.Context) -> None:
-    """Run the restore drill (options belong to ckptfmt_tools.drill; try `ckptfmt drill --help`)."""
-    _delegate("ckptfmt_tools.drill", ctx.args)
-
-
 from ckptfmt_tools.cli import _interop as _interop  # noqa: E402,F401  (registers export and import)
+from ckptfmt_tools.cli import _look as _look  # noqa: E402,F401  (registers show and diff)
+
+_runs.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColu
 from rich.table import Table
 from rich.tree import Tree
 
-__all__ = ["safe", "visible", "step_summary", "describe_step", "verify_with_progress", "plain", "error", "steps_table",
+__all__ = ["safe", "visible", "size", "plural", "step_summary", "describe_step", "verify_with_progress", "plain", "error", "steps_table",
            "inspect_view", "verify_summary", "gc_view", "fault_list", "fault_progress"]
 
 # A backslash (so that an escape we print cannot be forged by the text itself), and any character
@@ -72,6 +72,16 @@ def _size(n: int | None) -> str:
     return str(n)
 
 
+def size(n: int | None) -> str:
+    """Bytes as text: ``512 B``, ``1.5 MiB``; ``-`` for None."""
+    return _size(n)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 writer``, ``2 writers``, ``0 writers``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def plain(obj: Any) -> Any:
     """A JSON-friendly copy of a report object (``to_json`` when it has one)."""
     if hasattr(obj, "to_json"):
@@ -86,6 +96,7 @@ def plain(obj: Any) -> Any:
 
 def step_summary(repo: Any, step: int) -> dict[str, Any]:
     """One row of ``ls``; a manifest that cannot be read becomes a row with its error."""
+    from ckptfmt._manager_query import recorded_metrics
     from ckptfmt.errors import CheckpointError
 
     try:
@@ -95,7 +106,7 @@ def step_summary(repo: Any, step: int) -> dict[str, Any]:
     return {"step": step, "save_id": m.save_id, "created_unix": m.created_unix, "created": _when(m.created_unix),
             "bytes": m.nbytes, "written_bytes": m.written_nbytes, "referenced_bytes": m.referenced_nbytes,
             "references": sorted(m.referenced_saves), "tensors": len(m.tensors), "writers": m.writers,
-            "state": sorted(m.state)}
+            "state": sorted(m.state), "metrics": recorded_metrics(m)}
 
 
 def _sharding_text(sh: dict[str, Any] | None) -> str:
@@ -142,8 +153,9 @@ def describe_step(repo: Any, step: int | None) -> dict[str, Any]:
 
 
 def verify_with_progress(repo: Any, step: int, console: Console, *, quiet: bool) -> int:
-    """Verify every byte of ``step`` with a progress bar on ``console``; return bytes checked."""
-    if quiet:
+    """Verify every byte of ``step`` with a progress bar on ``console`` (only on a terminal); return
+    bytes checked."""
+    if quiet or not console.is_terminal:
         return repo.verify(step)
     with Progress(TextColumn(f"verify step {step}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False) as bar:
@@ -168,30 +180,43 @@ def error(console: Console, doc: dict[str, Any], *, step: int | None = None) -> 
         console.print("  [red]this is not a CheckpointError: please report it as a ckptfmt bug[/]")
 
 
+def _metrics_text(metrics: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()) or "-"
+
+
 def steps_table(console: Console, url: str, rows: list[dict[str, Any]]) -> None:
+    """The ``ls`` table; the metrics column appears when any step recorded metrics (FORMAT.md 14.7)."""
+    with_metrics = any(r.get("metrics") for r in rows)
     t = Table(title=f"committed steps in {safe(url)}")
     for col, kw in (("step", {"justify": "right"}), ("committed", {"no_wrap": True}),
                     ("size", {"justify": "right", "no_wrap": True}), ("written", {"justify": "right", "no_wrap": True}),
                     ("referenced", {"justify": "right", "no_wrap": True}), ("tensors", {"justify": "right"}),
                     ("writers", {"justify": "right"}), ("save id", {"overflow": "fold"})):
         t.add_column(col, **kw)
+    if with_metrics:
+        t.add_column("metrics", overflow="fold")
     for r in rows:
         if r.get("error"):
-            t.add_row(str(r["step"]), f"[red]{safe(r['error'])}[/]", "-", "-", "-", "-", "-", safe(r["message"]))
+            cells = [str(r["step"]), f"[red]{safe(r['error'])}[/]", "-", "-", "-", "-", "-", safe(r["message"])]
         else:
-            t.add_row(str(r["step"]), safe(r["created"]), _size(r["bytes"]), _size(r["written_bytes"]),
-                      _size(r["referenced_bytes"]), str(r["tensors"]), str(r["writers"]), safe(r["save_id"]))
+            cells = [str(r["step"]), safe(r["created"]), _size(r["bytes"]), _size(r["written_bytes"]),
+                     _size(r["referenced_bytes"]), str(r["tensors"]), str(r["writers"]), safe(r["save_id"])]
+        t.add_row(*cells, *([safe(_metrics_text(r.get("metrics") or {}))] if with_metrics else []))
     if not rows:
         console.print(f"no committed steps in {safe(url)}")
         return
     console.print(t)
 
 
-def inspect_view(console: Console, url: str, doc: dict[str, Any]) -> None:
-    t = Table(title=f"step {doc['step']} of {safe(url)}: {len(doc['tensors'])} tensors, {_size(doc['bytes'])} "
+def inspect_view(console: Console, url: str, doc: dict[str, Any], *, wide: bool = False) -> None:
+    """The ``inspect`` table. The key path (the column that names a tensor) is never cut: it wraps,
+    or with ``wide`` stays on one line however long the row gets."""
+    t = Table(title=f"step {doc['step']} of {safe(url)}: {plural(len(doc['tensors']), 'tensor')}, {_size(doc['bytes'])} "
                     f"({_size(doc['written_bytes'])} written, {_size(doc['referenced_bytes'])} referenced in "
-                    f"{len(doc['references'])} earlier save(s)), {doc['writers']} writers, committed {safe(doc['created'])}")
-    for col, kw in (("key path", {}), ("shape", {}), ("dtype", {}), ("sharding", {"overflow": "fold"}),
+                    f"{plural(len(doc['references']), 'earlier save')}), {plural(doc['writers'], 'writer')}, "
+                    f"committed {safe(doc['created'])}")
+    key_kw: dict[str, Any] = {"no_wrap": True} if wide else {"overflow": "fold", "min_width": 12}
+    for col, kw in (("key path", key_kw), ("shape", {}), ("dtype", {}), ("sharding", {"overflow": "fold"}),
                     ("shards", {"justify": "right"}), ("bytes", {"justify": "right"}),
                     ("referenced", {"justify": "right"})):
         t.add_column(col, **kw)
@@ -210,15 +235,24 @@ def inspect_view(console: Console, url: str, doc: dict[str, Any]) -> None:
 
 
 def verify_summary(console: Console, results: list[dict[str, Any]]) -> None:
+    """The ``verify`` table: for a step that fails, the error, the tensor key path, the object, and
+    what differed (expected against found)."""
     t = Table(title="verify")
     t.add_column("step", justify="right")
-    t.add_column("result")
+    t.add_column("result", overflow="fold")
+    t.add_column("key path", overflow="fold")
+    t.add_column("object", overflow="fold")
+    t.add_column("what differed", overflow="fold")
     t.add_column("bytes checked", justify="right")
     for r in results:
         if r["ok"]:
-            t.add_row(str(r["step"]), "[green]clean[/]", _size(r["bytes"]))
-        else:
-            t.add_row(str(r["step"]), f"[bold red]{safe(r['error'])}[/]: {safe(r['message'])}", "-")
+            t.add_row(str(r["step"]), "[green]clean[/]", "-", "-", "-", _size(r["bytes"]))
+            continue
+        differed = safe(r["message"])
+        if r.get("expected") is not None or r.get("found") is not None:
+            differed += f" (expected {safe(r.get('expected'))}, found {safe(r.get('found'))})"
+        t.add_row(str(r["step"]), f"[bold red]{safe(r['error'])}[/]", safe(r.get("key") or "-"),
+                  safe(r.get("object") or "-"), differed, "-")
     console.print(t)
 
 
@@ -243,8 +277,8 @@ def fault_list(console: Console, names: list[dict[str, Any]]) -> None:
 
 @contextlib.contextmanager
 def fault_progress(console: Console, *, quiet: bool, total: int) -> Iterator[Callable[[Any], None]]:
-    """A progress bar that counts finished faults (stderr); yields the per-outcome callback."""
-    if quiet:
+    """A progress bar that counts finished faults (stderr, only on a terminal); yields the per-outcome callback."""
+    if quiet or not console.is_terminal:
         yield lambda o: None
         return
     with Progress(TextColumn("faults"), BarColumn(), TaskProgressColumn(), TextColumn("{task.description}"),

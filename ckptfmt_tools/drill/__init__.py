@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry (``ckptfmt drill``). Exit 0 when the receipt passes, 1 when not, 2 on usage."""
     from rich.console import Console
 
+    from ckptfmt_tools.cli._progress import phase_line
+
     from ._config import from_args, parser
     from ._report import print_report
     from ._run import DrillFailed, run_drill
@@ -48,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, highlight=False)
     if not err.is_terminal:
         err = Console(stderr=True, highlight=False, width=132)
-    progress = None if ns.json else (lambda msg: err.print(f"[dim]drill:[/] {msg}"))
     try:
-        receipt = run_drill(cfg, progress=progress)
+        with phase_line("drill", quiet=ns.json, console=err) as progress:
+            receipt = run_drill(cfg, progress=progress)
     except DrillFailed as exc:
         if ns.json:
             sys.stdout.write(json.dumps({"pass": False, **exc.receipt}, default=str) + "\n")

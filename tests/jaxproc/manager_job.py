@@ -70,7 +70,7 @@ def train(args: argparse.Namespace) -> dict:
                 mgr.options = SaveOptions(max_write_bytes_per_s=2000)
             if mgr.reached_preemption(step):
                 res["preempted_at"] = step
-                if mgr.save(step, state, force=True, metrics={"eval_loss": eval_loss(step)}):
+                if mgr.save(step, state, force=True):  # the documented line: keeps the metrics given above
                     res["started"].append(step)
                 if log:  # step's save is in flight now (forced, or started by the cadence)
                     log.write(json.dumps({"preempt_save_started": step}) + "\n")
