@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from ckptfmt_tools.archmetrics import imports_of  # the AST import reader the figures use too
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = ROOT / "ckptfmt" / "__main__.py"
@@ -69,3 +72,135 @@ def test_missing_cli_extra_names_the_extra():
     assert "pip install 'ckptfmt[cli]'" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     p = _python(run)
     assert p.returncode == 0 and "Usage: ckptfmt" in p.stdout, p.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ subpackages (issue 25 item 6)
+# The one table of ckptfmt's subpackages and what each may import. The reorganisation script writes
+# the block between the two marker lines; everything else in this file reads it from here.
+# FLOOR: top-level modules that every module may import and that import only each other.
+# SHIMS: top-level modules kept so a public import path still works: name -> the module it re-exports.
+# SUBPACKAGES: subpackage -> the subpackages it may import (the floor is always allowed).
+# CROSSINGS: imports that break the table today, each with its reason; each must still exist.
+# --- subpackage rules (written by the reorganisation) ---
+FLOOR: tuple[str, ...] = ()
+SHIMS: dict[str, str] = {}
+SUBPACKAGES: dict[str, tuple[str, ...]] = {}
+CROSSINGS: dict[tuple[str, str], str] = {}
+# --- end of subpackage rules ---
+FACES = ("__init__", "__main__")  # the package's face and its entry point may import anything
+
+
+def _group(root: Path, mod: str, floor: tuple[str, ...], shims: dict[str, str]) -> str:
+    """"face", "floor", "shim", a subpackage's name, or "?" for a top-level module in no list."""
+    parts = mod.split(".")[1:]
+    if not parts:
+        return "face"
+    if len(parts) == 1 and not (root / "ckptfmt" / parts[0] / "__init__.py").is_file():
+        name = parts[0]
+        return "face" if name in FACES else "floor" if name in floor else "shim" if name in shims else "?"
+    return parts[0]
+
+
+def subpackage_offenders(root: Path, floor: tuple[str, ...], shims: dict[str, str],
+                         subpackages: dict[str, tuple[str, ...]],
+                         crossings: dict[tuple[str, str], str]) -> list[str]:
+    """Every import inside ``root/ckptfmt`` that the rules forbid, as readable lines (empty: all
+    kept). Eager, deferred and type-only imports all count; a crossing that no longer occurs is
+    reported too, so that the table shrinks when the code improves."""
+    mods, edges, _ = imports_of(root, "ckptfmt")
+    out: list[str] = []
+    group = {m: _group(root, m, floor, shims) for m in mods}
+    for m, g in sorted(group.items()):
+        if g == "?":
+            out.append(f"{mods[m].relative_to(root)} is in no subpackage and not in FLOOR or SHIMS")
+        elif g not in ("face", "floor", "shim") and g not in subpackages:
+            out.append(f"{mods[m].relative_to(root)} is in subpackage {g!r}, which the table does not name")
+    for sub, may in sorted(subpackages.items()):
+        init = root / "ckptfmt" / sub / "__init__.py"
+        if not init.is_file():
+            out.append(f"the table names subpackage {sub!r} but ckptfmt/{sub}/__init__.py does not exist")
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        want = "May import: " + ", ".join(("floor",) + tuple(may)) + "."
+        if want not in " ".join(doc.split()):
+            out.append(f"ckptfmt/{sub}/__init__.py: its docstring must say {want!r} (the table's rule)")
+    seen: set[tuple[str, str]] = set()
+    for e in edges:
+        gs, gd = group[e.src], group[e.dst]
+        if gs == "face" or gs == gd:
+            continue
+        if gs == "shim":
+            if e.dst == shims[e.src.split(".")[-1]]:
+                continue
+        elif gd == "floor" or (gs not in ("floor", "?") and gd in subpackages.get(gs, ())):
+            continue
+        if (e.src, e.dst) in crossings:
+            seen.add((e.src, e.dst))
+            continue
+        allowed = "the floor only" if gs == "floor" else "its target only" if gs == "shim" else \
+            "the floor" + "".join(f", {s}" for s in subpackages.get(gs, ()))
+        out.append(f"{mods[e.src].relative_to(root)}:{e.line} ({gs}) imports {e.dst} ({gd}, {e.kind}); "
+                   f"{gs} may import {allowed}")
+    out += [f"crossing {a} -> {b} ({why}) no longer occurs: remove it from CROSSINGS"
+            for (a, b), why in sorted(crossings.items()) if (a, b) not in seen]
+    return out
+
+
+def test_subpackages_import_only_what_they_may():
+    if not SUBPACKAGES:  # the flat layout: a new subpackage must be entered in the table
+        assert [p.parent.name for p in (ROOT / "ckptfmt").glob("*/__init__.py")] == []
+        return
+    assert subpackage_offenders(ROOT, FLOOR, SHIMS, SUBPACKAGES, CROSSINGS) == []
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_a_forbidden_import_is_rejected(tmp_path):
+    """Broken controls of the subpackage rules on a small tree: the tree as written passes; a
+    lower subpackage importing a higher one, a floor module importing a subpackage, a module in no
+    subpackage, a docstring that does not state its rule and a stale crossing are each named."""
+    rules = dict(floor=("errors",), shims={"old": "ckptfmt.high.old"},
+                 subpackages={"low": (), "high": ("low",)}, crossings={})
+    files = {"ckptfmt/__init__.py": "from .high.old import f as f\n",
+             "ckptfmt/errors.py": '"""Errors."""\n',
+             "ckptfmt/old.py": "from ckptfmt.high.old import f as f\n",
+             "ckptfmt/low/__init__.py": '"""Low. May import: floor."""\n',
+             "ckptfmt/low/_a.py": "from ckptfmt.errors import *\n",
+             "ckptfmt/high/__init__.py": '"""High. May import: floor, low."""\n',
+             "ckptfmt/high/old.py": "from ckptfmt.low import _a\n\ndef f():\n    from ckptfmt.low._a import x\n"}
+    _write(tmp_path, files)
+    ok = lambda **kw: subpackage_offenders(tmp_path, **{**rules, **kw})  # noqa: E731
+    assert ok() == []
+    _write(tmp_path, {"ckptfmt/low/_a.py": "def g():\n    from ckptfmt.high import old\n"})
+    assert ok() == ["ckptfmt/low/_a.py:2 (low) imports ckptfmt.high.old (high, deferred); low may import the floor"]
+    assert ok(crossings={("ckptfmt.low._a", "ckptfmt.high.old"): "known"}) == []
+    _write(tmp_path, files)
+    assert ok(crossings={("ckptfmt.low._a", "ckptfmt.high.old"): "known"}) == [
+        "crossing ckptfmt.low._a -> ckptfmt.high.old (known) no longer occurs: remove it from CROSSINGS"]
+    _write(tmp_path, {"ckptfmt/errors.py": "from ckptfmt.low import _a\n"})
+    assert ok() == ["ckptfmt/errors.py:1 (floor) imports ckptfmt.low._a (low, eager); floor may import the floor only"]
+    _write(tmp_path, files)
+    _write(tmp_path, {"ckptfmt/stray.py": "x = 1\n"})
+    assert ok() == ["ckptfmt/stray.py is in no subpackage and not in FLOOR or SHIMS"]
+    (tmp_path / "ckptfmt/stray.py").unlink()
+    _write(tmp_path, {"ckptfmt/high/__init__.py": '"""High. May import: floor."""\n'})
+    assert ok() == ["ckptfmt/high/__init__.py: its docstring must say 'May import: floor, low.' (the table's rule)"]
+
+
+def test_the_real_tree_rejects_an_injected_forbidden_import(tmp_path):
+    """Broken control on a copy of the real tree: the copy passes as it is, and one import from the
+    lowest subpackage up into the highest is named."""
+    if not SUBPACKAGES:
+        return  # the flat layout has no subpackage to break; the small tree above covers the rules
+    shutil.copytree(ROOT / "ckptfmt", tmp_path / "ckptfmt", ignore=shutil.ignore_patterns("__pycache__"))
+    assert subpackage_offenders(tmp_path, FLOOR, SHIMS, SUBPACKAGES, CROSSINGS) == []
+    low = min(SUBPACKAGES, key=lambda s: (len(SUBPACKAGES[s]), s))
+    high = max(SUBPACKAGES, key=lambda s: (len(SUBPACKAGES[s]), s))
+    victim = sorted((tmp_path / "ckptfmt" / low).glob("*.py"))[-1]
+    victim.write_text(victim.read_text() + f"\n\ndef _injected():\n    import ckptfmt.{high}\n")
+    bad = subpackage_offenders(tmp_path, FLOOR, SHIMS, SUBPACKAGES, CROSSINGS)
+    assert len(bad) == 1 and f"({low}) imports ckptfmt.{high} ({high}, deferred)" in bad[0], bad
