@@ -269,6 +269,12 @@ def report(root: Path) -> str:
         out.append("|---" * (len(groups) + 1) + "|")
         for g in groups:
             out.append(f"| **{g}** | " + " | ".join(str(counts.get((g, h), "")) for h in groups) + " |")
+        gedges = [Import(group(e.src), group(e.dst), e.line, e.kind) for e in edges
+                  if group(e.src) != group(e.dst) and "." not in (group(e.src), group(e.dst))]
+        gcycles = cycles(groups, gedges, ("eager", "deferred", "type-only"))
+        out.append(f"Subpackage layers (over eager imports): **{max(layers(groups, gedges).values(), default=0)}**; "
+                   f"cycles between subpackages (any import): **{len(gcycles)}**"
+                   + "".join(f"; {' <-> '.join(c)}" for c in gcycles))
         out.append("")
 
     internal = [d for d in deferred if d[2].startswith(PACKAGE)]
