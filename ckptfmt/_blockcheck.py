@@ -14,7 +14,6 @@ import numpy as np
 from . import shard
 from ._codec import decoder_for
 from .dtypes import numpy_dtype
-from .layout import CRC_BYTES
 from .manifest import TensorEntry
 
 __all__ = ["BlockChecks"]
@@ -48,8 +47,8 @@ class BlockChecks:
         encoded ones are decoded (FORMAT.md 6.3), InvalidDataError when they do not decode."""
         g = t.geometry
         if t.array.codec == "raw":
-            return np.frombuffer(mv[:-CRC_BYTES], dtype=numpy_dtype(t.dtype)).reshape(g.chunk_shape)
-        out = self._decoder(t).decode(mv[:-CRC_BYTES], key=t.key, obj=obj)
+            return np.frombuffer(shard.chunk_data(mv), dtype=numpy_dtype(t.dtype)).reshape(g.chunk_shape)
+        out = self._decoder(t).decode(shard.chunk_data(mv), key=t.key, obj=obj)
         if t.dtype == "bool":
             shard.check_bool(t, c, obj, out.view(np.uint8), decoded=True)
         return out

@@ -13,7 +13,6 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import tensorstore as ts
 
-from . import layout
 from ._localfs import Entry
 from ._kverrors import OutOfRange as OutOfRange
 from ._kverrors import classify as classify
@@ -218,20 +217,20 @@ class KvStoreStorage(Storage):
                 keys = self.kv.list().result()
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
-    def scan_children(self, prefix: str) -> list[Entry]:
+    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[Entry]:
         """From the listing: no links here, and no modification times."""
         counts: dict[str, int] = {}
         plain: set[str] = set()
-        leases: set[str] = set()
+        marked: set[str] = set()
         for k in self.list(prefix):
             name, sep, rest = k[len(prefix):].partition("/")
             if sep:
                 counts[name] = counts.get(name, 0) + 1
-                if rest == layout.LEASE_NAME:
-                    leases.add(name)
+                if marker is not None and rest == marker:
+                    marked.add(name)
             else:
                 plain.add(name)
-        out = [Entry(n, "dir", c, None, "file" if n in leases else None) for n, c in counts.items()]
+        out = [Entry(n, "dir", c, None, "file" if n in marked else None) for n, c in counts.items()]
         out += [Entry(n, "file") for n in plain if n not in counts]
         return sorted(out, key=lambda e: e.name)
 

@@ -44,7 +44,7 @@ from ._blockcheck import BlockChecks
 from ._digest import DigestWindow, PendingDigest, start_digest
 from .errors import CheckpointError
 from .manifest import Manifest, TensorEntry
-from .shard import ShardRecord, padded_chunks
+from .shard import ShardRecord, chunk_data, padded_chunks
 
 if TYPE_CHECKING:
     from ._shardwriter import Materialize
@@ -253,7 +253,7 @@ class ReusePlanner:
             c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
             views = self._checks._check_whole(t, s, obj, buf, range(c0, c1))
             for c, want in zip(range(c0, c1), padded_chunks(block, t.geometry.chunk_shape)):
-                got = (np.frombuffer(views[c][:-layout.CRC_BYTES], np.uint8) if self.codec == "raw"
+                got = (np.frombuffer(chunk_data(views[c]), np.uint8) if self.codec == "raw"
                        else self._checks._decode(t, c, obj, views[c]).reshape(-1).view(np.uint8))
                 if not np.array_equal(got, want.reshape(-1).view(np.uint8)):
                     return False

@@ -132,7 +132,7 @@ Materialize = Callable[..., tuple[np.ndarray, "list[int] | None"]]
 ReuseHook = Callable[[TensorWritePlan, WriteItem, LocalShard, Materialize], "ShardRecord | None"]
 
 
-class _Save:
+class _RankWrites:
     """The state of one rank's shard writes: what it owns, the blocks cut so far, the records."""
 
     def __init__(self, storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
@@ -217,16 +217,16 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
     records. Raises StepMismatchError for source data that does not match its declaration,
     StorageError when a write fails, IncompleteSaveError when a shard does not read back as written."""
     t = time.perf_counter()
-    job = _Save(storage, plans, local, save_id, rank, settings, reuse)
+    w = _RankWrites(storage, plans, local, save_id, rank, settings, reuse)
     opened = {p.index: storage.open_array(layout.array_path(save_id, p.index), layout.zarr_array_metadata(
         p.geometry.shape, p.dtype, p.geometry.shard_shape, p.geometry.chunk_shape, settings.codec, settings.codec_level),
         create=(rank == 0)) for p in plans if rank == 0 or (settings.codec != "raw" and p.items_for(rank))}
     if settings.codec != "raw":  # tensorstore encodes: the arrays must be open before the writes
-        job.handles = {idx: _opened(fut, plans[idx], save_id) for idx, fut in opened.items()}
-    if settings.jitter_s > 0 and job.mine:
+        w.handles = {idx: _opened(fut, plans[idx], save_id) for idx, fut in opened.items()}
+    if settings.jitter_s > 0 and w.mine:
         time.sleep(secrets.SystemRandom().uniform(0, settings.jitter_s))
     t = clock.add("plan", t)
-    _schedule(job)
+    _schedule(w)
     for idx, fut in opened.items():
         _opened(fut, plans[idx], save_id)
     t = clock.add("write", t)
@@ -234,8 +234,8 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
     t = clock.add("fsync", t)
     try:
         if settings.codec == "raw":
-            return [r for r in job.records if r is not None] + job.referenced
-        return _verify_encoded(storage, job) + job.referenced
+            return [r for r in w.records if r is not None] + w.referenced
+        return _verify_encoded(storage, w) + w.referenced
     finally:
         clock.add("verify", t)
 
@@ -245,12 +245,12 @@ def _opened(fut: Any, p: TensorWritePlan, save_id: str) -> Any:
         return fut.result()
 
 
-def _schedule(job: _Save) -> None:
+def _schedule(w: _RankWrites) -> None:
     """Every owned item: reuse decisions in batches, then its writes on the writer threads in a
     sliding window of ``max_inflight_bytes``, paced to ``max_write_bytes_per_s``. The first failure
     raises; what has not started then never runs, and the rest ends before this returns."""
-    s, mine = job.settings, job.mine
-    pool = writer_pool(job.threads)
+    s, mine = w.settings, w.mine
+    pool = writer_pool(w.threads)
     window: deque[tuple[Any, int]] = deque()  # writes in flight, oldest first, with the bytes they hold
     inflight, pace_start, paced, n = 0, time.monotonic(), 0, 0
     try:
@@ -261,18 +261,18 @@ def _schedule(job: _Save) -> None:
             batch: list[tuple[int, list[Any]]] = []
             kept = 0
             while n < len(mine) and (not batch or kept < s.max_inflight_bytes * REUSE_BATCH_FRACTION):
-                made = job.decide(n)
+                made = w.decide(n)
                 if made is not None:
                     batch.append((n, made))
                     kept += mine[n][1].box.size * mine[n][0].geometry.itemsize
                 n += 1
             # Small objects go to the writer threads a few at a time (at most one task per thread
             # for the batch): a future per object was a quarter of what a small save allocated.
-            per_task = max(1, -(-len(batch) // job.threads))
+            per_task = max(1, -(-len(batch) // w.threads))
             group: list[tuple[ShardJob, int]] = []
             group_held = 0
             for m, made in batch:
-                one, held = job.job(m, made)
+                one, held = w.job(m, made)
                 group.append((one, m))
                 group_held += held
                 if s.max_write_bytes_per_s:
@@ -282,7 +282,7 @@ def _schedule(job: _Save) -> None:
                         time.sleep(ahead)
                 if len(group) < per_task and group_held < _SMALL_OBJECT_BYTES and m != batch[-1][0]:
                     continue
-                window.append((pool.submit(job.run, group), group_held))
+                window.append((pool.submit(w.run, group), group_held))
                 inflight += group_held
                 group, group_held = [], 0
                 while inflight > s.max_inflight_bytes and window:  # a sliding window, not a barrier
@@ -292,23 +292,23 @@ def _schedule(job: _Save) -> None:
         for fut, _ in window:
             fut.result()  # the first failure raises; the finally below waits for the rest
     finally:
-        job.stopped.set()  # after a failure: what has not started never runs, the rest ends here
+        w.stopped.set()  # after a failure: what has not started never runs, the rest ends here
         for fut, _ in window:
             fut.cancel()
         wait([f for f, _ in window])
-        job.cache.clear()
+        w.cache.clear()
 
 
-def _verify_encoded(storage: Storage, job: _Save) -> list[ShardRecord]:
+def _verify_encoded(storage: Storage, w: _RankWrites) -> list[ShardRecord]:
     """Phase 4 for encoded chunks (codec zstd, FORMAT.md 6.3): they differ in size and their crc32c
     covers the encoded bytes, so each written object is read back whole and checked by
     :func:`ckptfmt.shard.verify_encoded`, every chunk decoded, against the source's crc32c."""
     decoders: dict[tuple[str, tuple[int, ...]], Any] = {}
     out = []
-    for n, crcs in sorted(job.encoded.items()):
-        p, it = job.mine[n]
+    for n, crcs in sorted(w.encoded.items()):
+        p, it = w.mine[n]
         g = p.geometry
-        key = layout.shard_key(layout.array_path(job.save_id, p.index), it.cell)
+        key = layout.shard_key(layout.array_path(w.save_id, p.index), it.cell)
         dec = decoder_for(decoders, p.dtype, g.chunk_shape)
         out.append(verify_encoded(p.index, it.cell, p.key, key, g, it.box.offset, storage.read(key), crcs,
                                   max_encoded_chunk_nbytes(g.chunk_nbytes - layout.CRC_BYTES),

@@ -26,7 +26,7 @@ from .layout import CRC_BYTES, INDEX_ENTRY, NOT_STORED, index_entries, split_tra
 from .plan import TensorGeometry, stored_chunk_counts
 
 __all__ = ["ShardRecord", "records_to_wire", "records_from_wire", "EncodedShard", "encode", "padded_chunks",
-           "chunk_crcs", "index_body", "check_whole", "check_index", "check_index_crc", "check_entries", "check_chunk", "check_bool",
+           "chunk_crcs", "index_body", "back_to_back", "chunk_data", "check_whole", "check_index", "check_index_crc", "check_entries", "check_chunk", "check_bool",
            "verify_encoded"]
 
 _NOT_STORED = np.uint64(NOT_STORED)
@@ -177,6 +177,19 @@ def encode(tensor: int, cell: tuple[int, ...], block: np.ndarray, g: TensorGeome
            crcs: Sequence[int] | None = None) -> EncodedShard:
     """The raw shard object of ``block`` (the C-ordered block of the shard at ``offset``)."""
     return EncodedShard(tensor, cell, block, g, stored_chunk_counts(g, offset), crcs)
+
+
+def back_to_back(t: Any, c0: int, c1: int, nbytes: int) -> bool:
+    """True when chunk rows c0..c1 of a shard of ``nbytes`` lie back to back from offset 0 with
+    the index right after (the layout :func:`encode` writes): one read takes the whole object."""
+    n, cn = c1 - c0, t.geometry.chunk_nbytes
+    offs = t.chunks.offset[c0:c1]
+    return nbytes == n * cn + t.geometry.index_nbytes and bool(np.array_equal(offs, np.arange(n, dtype=np.int64) * cn))
+
+
+def chunk_data(mv: Any) -> Any:
+    """A stored chunk's bytes without its crc32c trailer."""
+    return mv[:-CRC_BYTES]
 
 
 # ---------------------------------------------------------------------- checks against a manifest (6.4, 9)

@@ -198,9 +198,11 @@ class Storage(ABC):
         """Keys under ``prefix``, sorted."""
 
     @abstractmethod
-    def scan_children(self, prefix: str) -> list[Entry]:
-        """Every name directly under ``prefix`` (ending with "/"), judged without following links.
-        StorageError when the prefix cannot be listed or is itself a link."""
+    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[Entry]:
+        """Every name directly under ``prefix`` (ending with "/"), judged without following links;
+        for each folder, the kind of the object ``<name>/<marker>`` when ``marker`` is given (the
+        caller says what to look for: the collector, a lease). StorageError when the prefix cannot
+        be listed or is itself a link."""
 
     @abstractmethod
     def plain_dir(self, prefix: str) -> bool:
@@ -304,8 +306,8 @@ class DelegatingStorage(Storage):
     def list(self, prefix: str = "") -> list[str]:
         return self.inner.list(prefix)
 
-    def scan_children(self, prefix: str) -> list[Entry]:
-        return self.inner.scan_children(prefix)
+    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[Entry]:
+        return self.inner.scan_children(prefix, marker=marker)
 
     def plain_dir(self, prefix: str) -> bool:
         return self.inner.plain_dir(prefix)
