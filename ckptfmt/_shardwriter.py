@@ -202,11 +202,7 @@ class _RankWrites:
                 self.handles[p.index][it.box.slices()].write(job.block, can_reference_source_data_indefinitely=True).result()
             return None
         enc = encode(p.index, it.cell, job.block, p.geometry, it.box.offset, job.crcs)
-        stored = self.storage.write_object(job.key, enc.buffers(), tensor=p.key)
-        if stored != enc.nbytes:  # FORMAT.md 8.1 phase 4: the trailers hold by construction
-            raise IncompleteSaveError("written shard has an unexpected size", key=p.key, object=job.key,
-                                      expected=enc.nbytes, found=stored)
-        return enc.record()
+        return enc.verified(self.storage.write_object(job.key, enc.buffers(), tensor=p.key), key=p.key, obj=job.key)
 
 
 def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],

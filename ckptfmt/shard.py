@@ -164,6 +164,16 @@ class EncodedShard:
         yield body
         yield self._index_crc.to_bytes(CRC_BYTES, "little")
 
+    def verified(self, stored: int, *, key: str, obj: str) -> ShardRecord:
+        """Verify after write (FORMAT.md 8.1 phase 4): the trailers and the index hold by
+        construction (each crc32c is that of the very bytes yielded), so what is left is the
+        object's length as the store reports it. Its record; IncompleteSaveError naming ``key``
+        and ``obj`` when the length differs."""
+        if stored != self.nbytes:
+            raise IncompleteSaveError("written shard has an unexpected size", key=key, object=obj,
+                                      expected=self.nbytes, found=stored)
+        return self.record()
+
     def record(self) -> ShardRecord:
         """The record of the object :meth:`buffers` yielded (raises if it was not consumed)."""
         if self._index_crc is None or len(self._crcs) != self.nchunks:
