@@ -22,7 +22,7 @@ from .reader import Checkpoint as Checkpoint
 from .reader import ReadStats as ReadStats
 from .repository import GcReport as GcReport
 from .repository import Repository as Repository
-from .session import SaveOptions as SaveOptions
+from ._saveopts import SaveOptions as SaveOptions
 from .session import save as save
 from .asyncsave import SaveHandle as SaveHandle
 from .asyncsave import save_async as save_async

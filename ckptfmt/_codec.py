@@ -21,9 +21,10 @@ import numpy as np
 
 from . import layout
 from .checksum import crc32c
+from .dtypes import numpy_dtype
 from .errors import InvalidDataError
 
-__all__ = ["ChunkDecoder", "decoder_for", "verify_encoded"]
+__all__ = ["ChunkDecoder", "decoder_for"]
 
 #: Chunk slots of one decoder's scratch array: enough for every reader thread to decode at once.
 _SLOTS = 1 << 16
@@ -33,7 +34,7 @@ class ChunkDecoder:
     """Decodes zstd inner chunks of one (dtype, chunk_shape) into fresh numpy arrays. Thread-safe."""
 
     def __init__(self, zarr_dtype: str, numpy_dtype: np.dtype, chunk_shape: tuple[int, ...]) -> None:
-        import tensorstore as ts
+        import tensorstore as ts  # here, not at import: `import ckptfmt` does not load tensorstore
 
         self.chunk_shape = tuple(chunk_shape)
         self.dtype = numpy_dtype
@@ -49,6 +50,7 @@ class ChunkDecoder:
                                "fill_missing_data_reads": False, "recheck_cached_data": False},
                               context=ts.Context()).result()
         self._kv = self._array.kvstore
+        self._key_range = ts.KvStore.KeyRange
         self._zeros = "/0" * len(self.chunk_shape)
         self._slots = itertools.count()
         self._lock = threading.Lock()
@@ -69,7 +71,7 @@ class ChunkDecoder:
                                             "decoded bytes and nothing after it", found=str(e)[:200]) from None
         finally:
             try:
-                self._kv.delete_range(_range(ck)).result()
+                self._kv.delete_range(self._key_range(ck, ck + "\x00")).result()
             except Exception:
                 pass
         return np.asarray(out, dtype=self.dtype).reshape(self.chunk_shape)
@@ -78,67 +80,7 @@ class ChunkDecoder:
 def decoder_for(cache: dict[tuple[str, tuple[int, ...]], ChunkDecoder], zarr_dtype: str,
                 chunk_shape: tuple[int, ...]) -> ChunkDecoder:
     """The decoder of ``cache`` for (dtype, chunk shape), made on first use."""
-    from .dtypes import numpy_dtype
-
     d = cache.get((zarr_dtype, chunk_shape))
     if d is None:
         d = cache.setdefault((zarr_dtype, chunk_shape), ChunkDecoder(zarr_dtype, numpy_dtype(zarr_dtype), chunk_shape))
     return d
-
-
-def _range(key: str) -> Any:
-    import tensorstore as ts
-
-    return ts.KvStore.KeyRange(key, key + "\x00")
-
-
-def verify_encoded(storage: Any, written: list[Any], save_id: str) -> list[Any]:
-    """Phase 4 for encoded chunks (codec zstd, FORMAT.md 6.3): they differ in size and their crc32c
-    covers the encoded bytes, so the source crc32c cannot be compared with the trailers. Each
-    written object is read back whole; its index and every trailer are checked against its bytes,
-    every chunk is decoded, and the decoded bytes' crc32c is compared with the source's.
-    IncompleteSaveError when anything differs; returns the shards' records."""
-    from ._manifest_entries import max_encoded_chunk_nbytes
-    from ._shardwriter import ShardRecord
-    from .errors import IncompleteSaveError
-    from .plan import stored_chunk_counts
-
-    decoders: dict[tuple[str, tuple[int, ...]], ChunkDecoder] = {}
-    records = []
-    for w in written:
-        p, it, g = w.plan, w.item, w.plan.geometry
-        key = layout.shard_key(layout.array_path(save_id, p.index), it.cell)
-        obj = storage.read(key)
-        if obj is None or len(obj) < g.index_nbytes:
-            raise IncompleteSaveError("written shard is missing or shorter than its index", key=p.key, object=key,
-                                      expected=f">= {g.index_nbytes} bytes", found=None if obj is None else len(obj))
-        total, view = len(obj), memoryview(obj)
-        body, stored = layout.split_trailer(view[total - g.index_nbytes:])
-        if crc32c(body) != stored:
-            raise IncompleteSaveError("written shard index fails its checksum", key=p.key, object=key)
-        entries = layout.index_entries(body)
-        dec = decoder_for(decoders, p.dtype, g.chunk_shape)
-        offs, sizes, crcs = [], [], []
-        limit = max_encoded_chunk_nbytes(g.chunk_nbytes - layout.CRC_BYTES)
-        cells = itertools.product(*(range(k) for k in stored_chunk_counts(g, it.box.offset)))
-        for cell, want in zip(cells, w.crcs):
-            flat = int(np.ravel_multi_index(cell, g.inner)) if g.inner else 0
-            off, nb = (int(x) for x in entries[flat])
-            if not layout.CRC_BYTES < nb <= limit or off + nb > total - g.index_nbytes:
-                raise IncompleteSaveError("written shard index points at an unexpected byte range", key=p.key,
-                                          object=key, expected=f"1..{limit} bytes inside the data section",
-                                          found=f"[{off}, {off + nb})")
-            data, trailer = layout.split_trailer(view[off:off + nb])
-            if crc32c(data) != trailer:
-                raise IncompleteSaveError("written chunk fails its checksum", key=p.key, object=key,
-                                          expected=trailer, found=crc32c(data))
-            got = crc32c(dec.decode(data, key=p.key, obj=key))
-            if got != want:
-                raise IncompleteSaveError("written chunk does not decode to the source bytes", key=p.key, object=key,
-                                          expected=f"crc32c {want} (decoded)", found=f"crc32c {got}")
-            offs.append(off)
-            sizes.append(nb)
-            crcs.append(trailer)
-        records.append(ShardRecord(p.index, it.cell, total, stored, tuple(offs), tuple(crcs),
-                                   chunk_nbytes=tuple(sizes)))
-    return records

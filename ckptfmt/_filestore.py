@@ -4,9 +4,11 @@
   appears; a device never ends), and a FIFO, device, socket or directory at a key is refused
   before tensorstore opens it.
 - Positional vectored reads (``preadv``) straight into the caller's buffers (option
-  ``positional_reads``, default True; False reads through the kvstore as every other store does),
-  and vectored shard writes (``pwritev``) straight from the source arrays (option
-  ``vectored_writes``, default True; see :mod:`ckptfmt._vectorwrite`).
+  ``positional_reads``, default True; False reads through the kvstore as every other store does).
+- Whole-object writes (:meth:`LocalFileStorage.write_object`) with ``pwritev`` straight from the
+  caller's buffers (a save's source arrays), ``fsync``'d, checked by size and renamed into place
+  (:mod:`ckptfmt._durable`); :meth:`LocalFileStorage.sync` then ``fsync``s every directory they
+  were renamed into (option ``fsync``, default True: False skips both ``fsync`` calls).
 - Deletes of a prefix and the walks that judge ages go through :mod:`ckptfmt._localfs`, which
   never follows a symbolic link (tensorstore's ``delete_range`` does).
 - Lock files (``<key>.__lock``) left by writes that were killed midway are removed once stale.
@@ -17,9 +19,10 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, Sequence
+import threading
+from typing import Any, Iterable, Mapping, Sequence
 
-from . import _localfs
+from . import _durable, _localfs
 from ._kvstore import KvStoreStorage, _check_folder_prefix
 from .errors import MissingShardError, SizeMismatchError, StorageError
 from .storage import Pending, PositionalFile
@@ -29,6 +32,11 @@ __all__ = ["LocalFileStorage"]
 
 class LocalFileStorage(KvStoreStorage):
     """A repository in a local directory (``root`` ends with "/")."""
+
+    def __init__(self, url: str, options: Mapping[str, Any], spec: dict[str, Any]) -> None:
+        super().__init__(url, options, spec)
+        self._dirs: set[str] = set()  # renamed into by write_object since the last sync of their prefix
+        self._dirs_lock = threading.Lock()
 
     @property
     def root(self) -> str:
@@ -140,14 +148,35 @@ class LocalFileStorage(KvStoreStorage):
         return _LocalFile(fd, st.st_size, key, tensor)
 
     # ------------------------------------------------------------------ writes
-    @property
-    def vectored_writes(self) -> bool:
-        """Option ``vectored_writes`` (default True): a save writes shard objects with ``pwritev``
-        straight from the source arrays (:mod:`ckptfmt._vectorwrite`); False: through tensorstore."""
-        return bool(self.options.get("vectored_writes", True))
+    def write_object(self, key: str, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
+        """Written to ``<key>.__lock`` (created exclusively), ``fsync``'d, checked by ``fstat``
+        size and renamed over ``key``; its directory is ``fsync``'d by :meth:`sync`."""
+        path = self.root + key
+        n = _durable.write_file(path, buffers, fsync=self._fsync, obj=key, tensor=tensor)
+        with self._dirs_lock:
+            self._dirs.add(os.path.dirname(path))
+        return n
 
-    def local_file(self, key: str) -> str:
-        return self.root + key
+    def sync(self, prefix: str) -> None:
+        """``fsync`` every directory an object under ``prefix`` was renamed into, and each one above
+        it up to ``prefix``'s own (created on the way), concurrently on the writer threads."""
+        top = os.path.dirname((self.root + prefix).rstrip("/"))
+        with self._dirs_lock:
+            mine = {d for d in self._dirs if d.startswith(top)}
+            self._dirs -= mine
+        if not self._fsync:
+            return
+        todo: set[str] = set()
+        for d in mine:
+            while d.startswith(top) and d != top and d not in todo:
+                todo.add(d)
+                d = os.path.dirname(d)
+        threads = max(1, min(len(todo), int(self.options.get("write_threads", _durable.DEFAULT_WRITE_THREADS))))
+        _durable.fsync_dirs(todo, threads)
+
+    @property
+    def _fsync(self) -> bool:
+        return bool(self.options.get("fsync", True))
 
     # ------------------------------------------------------------------ deletes and walks
     def delete_prefix(self, prefix: str) -> None:
@@ -159,10 +188,10 @@ class LocalFileStorage(KvStoreStorage):
         except OSError as e:
             raise StorageError("delete failed", object=prefix, found=f"{type(e).__name__}: {e}") from None
 
-    def scan_children(self, prefix: str) -> list[_localfs.Entry]:
+    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[_localfs.Entry]:
         """From ``lstat``: lock files of killed writes included, which the kvstore listing hides."""
         try:
-            return _localfs.scan_children(self.root, prefix)
+            return _localfs.scan_children(self.root, prefix, marker)
         except FileNotFoundError:
             return []
         except OSError as e:

@@ -33,14 +33,13 @@ from typing import Any
 
 from . import layout
 from ._gcfence import Lease as _Lease
-from ._gcfence import claim, lease_pins, pinned_by_leases, remove_save
+from ._gcfence import SaveNames, claim, lease_pins, list_saves, pinned_by_leases, remove_save
 from ._gcfence import parse_lease as _parse_lease
-from ._localfs import Entry
 from ._recognise import recognise
 from ._retention import Retention
 from ._verified import forget, unverified
 from .errors import CheckpointError, StorageError
-from .layout import (MANIFESTS, SAVES, is_save_id, lease_key, manifest_key, parse_writer_save_id, save_prefix,
+from .layout import (MANIFESTS, SAVES, lease_key, manifest_key, parse_writer_save_id, save_prefix,
                      step_of_manifest_key)
 from .storage import NO_VALUE
 
@@ -250,7 +249,7 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
             retired = _retention(repo, steps, keep_last, keep_every, report)
         else:
             report.problems.append("manifests/ is a symbolic link or not a folder: retention skipped")
-    names = _list_saves(st, retired, report, foreign)
+    names = list_saves(st, retired, report, foreign)
     if names is None:
         return report
     now = time.time()
@@ -284,37 +283,6 @@ def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_eve
 
 
 @dataclass(frozen=True)
-class _Names:
-    """Step 2: the directories under saves/ gc may collect, and the reader-valid ids outside the
-    writer form (committed, or foreign)."""
-
-    candidates: dict[str, Entry]
-    custom: dict[str, Entry]
-
-
-def _list_saves(st: Any, retired: dict[str, int], report: GcReport, foreign: list[str]) -> _Names | None:
-    """The names under saves/, judged without following links; None when saves/ cannot be listed."""
-    candidates: dict[str, Entry] = {}
-    custom: dict[str, Entry] = {}
-    try:
-        entries = st.scan_children(SAVES)
-    except StorageError as e:
-        report.problems.append(f"saves/ was not collected: {e.message} ({e.found})")
-        report.foreign.append(SAVES)
-        return None
-    for e in entries:
-        if e.kind != "dir":
-            foreign.append(f"{SAVES}{e.name}" + ("" if e.kind == "file" else f" ({'symbolic link' if e.kind == 'link' else 'special file'})"))
-        elif parse_writer_save_id(e.name) is not None or e.name in retired:
-            candidates[e.name] = e
-        elif is_save_id(e.name):
-            custom[e.name] = e
-        else:
-            foreign.append(f"{SAVES}{e.name}")
-    return _Names(candidates, custom)
-
-
-@dataclass(frozen=True)
 class _Liveness:
     """Step 3: the candidates' leases, and which saves may be in progress (``fresh``: unless a
     manifest turns out to name them) or are left to decide (``pending``)."""
@@ -327,15 +295,15 @@ class _Liveness:
     custom_pins: frozenset[str] = frozenset()  # those that saves outside the writer form pin (never claimed)
 
 
-def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcReport, now: float,
+def _read_leases(st: Any, names: SaveNames, retired: dict[str, int], report: GcReport, now: float,
                  grace_s: float) -> _Liveness:
     """Leases first (FORMAT.md 10.3 step 2): drop the saves in progress."""
     leases: dict[str, _Lease] = {}
-    read = [sid for sid, e in names.candidates.items() if e.lease == "file"]
+    read = [sid for sid, e in names.candidates.items() if e.marker == "file"]
     unreadable = 0
     for sid, e in names.candidates.items():
-        if e.lease not in (None, "file"):
-            report.problems.append(f"{SAVES}{sid}/LEASE is a {e.lease}, not a file: not read, the save counts as leaseless")
+        if e.marker not in (None, "file"):
+            report.problems.append(f"{SAVES}{sid}/LEASE is a {e.marker}, not a file: not read, the save counts as leaseless")
     for sid, got in zip(read, st.read_each_with_generation([lease_key(sid) for sid in read], LEASE_MAX_BYTES)):
         if isinstance(got, StorageError):
             unreadable += 1
@@ -366,10 +334,10 @@ def _read_leases(st: Any, names: _Names, retired: dict[str, int], report: GcRepo
                      frozenset(custom))
 
 
-def _custom_pins(st: Any, names: _Names) -> tuple[set[str], int]:
+def _custom_pins(st: Any, names: SaveNames) -> tuple[set[str], int]:
     """What the leases of saves outside the writer form pin (gc never claims those), and how
     many of those leases could not be read."""
-    read = [sid for sid, e in names.custom.items() if e.lease == "file"]
+    read = [sid for sid, e in names.custom.items() if e.marker == "file"]
     got = st.read_each_with_generation([lease_key(sid) for sid in read], LEASE_MAX_BYTES) if read else []
     pins = pinned_by_leases(_parse_lease(g[0], g[1]) for g in got if not isinstance(g, StorageError) and g[0] is not None)
     return pins, sum(isinstance(g, StorageError) for g in got)
@@ -385,7 +353,7 @@ class _Committed:
     blind: list[str]
 
 
-def _scan_committed(repo: Any, names: _Names, live: _Liveness, foreign: list[str]) -> _Committed:
+def _scan_committed(repo: Any, names: SaveNames, live: _Liveness, foreign: list[str]) -> _Committed:
     """Only after the leases, the manifests: every save id they name or mention is committed."""
     steps, foreign_manifests = _listed_steps(repo)
     foreign += foreign_manifests
@@ -414,13 +382,13 @@ def _tidy_committed(st: Any, referenced: set[str], report: GcReport, now: float,
         report.objects_removed += st.remove_stale_locks(save_prefix(sid), now - grace_s)
 
 
-def _collect_pending(repo: Any, names: _Names, live: _Liveness, committed: _Committed, retired: dict[str, int],
+def _collect_pending(repo: Any, names: SaveNames, live: _Liveness, committed: _Committed, retired: dict[str, int],
                      report: GcReport, now: float, grace_s: float) -> set[str]:
     """Step 5: decide each save left, and claim it. Returns the saves whose lease this run holds
     as ``collected`` (claimed here, or found so); step 6 deletes them."""
     claimed: set[str] = set()
     for sid in sorted(live.pending - committed.referenced):
-        if names.candidates[sid].lease not in (None, "file"):
+        if names.candidates[sid].marker not in (None, "file"):
             report.uncertain.append(sid)
             report.problems.append(f"{SAVES}{sid}: its LEASE is not a file and cannot be claimed; kept")
             continue
@@ -437,7 +405,7 @@ def _collect_pending(repo: Any, names: _Names, live: _Liveness, committed: _Comm
     return claimed
 
 
-def _settle(repo: Any, names: _Names, claimed: set[str], retired: dict[str, int], report: GcReport) -> None:
+def _settle(repo: Any, names: SaveNames, claimed: set[str], retired: dict[str, int], report: GcReport) -> None:
     """Step 6, the last look (FORMAT.md 10.3): after every claim, every lease, then every manifest;
     a claimed save that one pins or names is kept (and stays claimed), the others are deleted."""
     if not claimed:

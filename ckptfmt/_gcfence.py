@@ -21,15 +21,17 @@ interleaving with saves and other collectors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from . import layout
+from ._localfs import Entry
 from .errors import CheckpointError, StorageError
-from .layout import SAVES, arrays_prefix, lease_key, save_prefix, state_prefix
+from .layout import (LEASE_NAME, SAVES, arrays_prefix, is_save_id, lease_key, parse_writer_save_id, save_prefix,
+                     state_prefix)
 from .storage import NO_VALUE
 
-__all__ = ["Lease", "parse_lease", "pinned_by_leases", "collected_lease", "lease_pins", "claim", "excluded",
-           "remove_save"]
+__all__ = ["Lease", "parse_lease", "pinned_by_leases", "collected_lease", "scan_saves", "SaveNames", "list_saves",
+           "lease_pins", "claim", "excluded", "remove_save"]
 
 LEASE_MAX_BYTES = layout.LEASE_MAX_BYTES
 
@@ -57,15 +59,54 @@ def collected_lease(sid: str) -> bytes:
     return layout.lease_bytes({"save_id": sid, "state": "collected"})
 
 
+def scan_saves(st: Any) -> list[Entry]:
+    """Every name under ``saves/``, judged without following links (the store's
+    ``scan_children``); a directory's ``marker`` is the kind of its ``LEASE`` ("file", "link",
+    ...; None when it has none). The store knows nothing of leases: the collector says what to
+    look for."""
+    return st.scan_children(SAVES, marker=LEASE_NAME)
+
+
+@dataclass(frozen=True)
+class SaveNames:
+    """Step 2: the directories under saves/ gc may collect, and the reader-valid ids outside the
+    writer form (committed, or foreign)."""
+
+    candidates: dict[str, Entry]
+    custom: dict[str, Entry]
+
+
+def list_saves(st: Any, retired: Mapping[str, int], report: Any, foreign: list[str]) -> SaveNames | None:
+    """The names under saves/, judged without following links; None when saves/ cannot be listed."""
+    candidates: dict[str, Entry] = {}
+    custom: dict[str, Entry] = {}
+    try:
+        entries = scan_saves(st)
+    except StorageError as e:
+        report.problems.append(f"saves/ was not collected: {e.message} ({e.found})")
+        report.foreign.append(SAVES)
+        return None
+    for e in entries:
+        if e.kind != "dir":
+            foreign.append(f"{SAVES}{e.name}" + ("" if e.kind == "file" else f" ({'symbolic link' if e.kind == 'link' else 'special file'})"))
+        elif parse_writer_save_id(e.name) is not None or e.name in retired:
+            candidates[e.name] = e
+        elif is_save_id(e.name):
+            custom[e.name] = e
+        else:
+            foreign.append(f"{SAVES}{e.name}")
+    return SaveNames(candidates, custom)
+
+
 def lease_pins(st: Any, *, but: str | None = None) -> set[str] | None:
     """Every save id that the lease of any save under ``saves/`` (listed now, without following
     links; ``but``'s own lease aside) pins; None when a lease or the listing cannot be read, so
     that the caller keeps everything."""
     try:
-        entries = [e for e in st.scan_children(SAVES) if e.kind == "dir" and e.lease is not None and e.name != but]
+        entries = [e for e in scan_saves(st) if e.kind == "dir" and e.marker is not None and e.name != but]
     except StorageError:
         return None
-    if any(e.lease != "file" for e in entries):
+    if any(e.marker != "file" for e in entries):
         return None
     pins: set[str] = set()
     for g in st.read_each_with_generation([lease_key(e.name) for e in entries], LEASE_MAX_BYTES):

@@ -1,75 +1,27 @@
 """The generic backend: any tensorstore kvstore (S3, GCS; memory with a shared context).
 
 tensorstore raises plain exceptions whose text carries an absl status code and, for file I/O, the
-errno. They are classified here, in :func:`classify` and :func:`kv_errors`, and nowhere else: on a
-ranged read OUT_OF_RANGE (a byte range past the object's end) becomes :class:`OutOfRange`, which
-those callers catch; everything else becomes a StorageError whose message says what kind of
-failure it was (disk full, file too large, permission denied, not found).
+errno. They are classified in :mod:`ckptfmt._kverrors` (:func:`classify`, :func:`kv_errors`) and
+nowhere else: on a ranged read OUT_OF_RANGE (a byte range past the object's end) becomes
+:class:`OutOfRange`, which those callers catch; everything else becomes a StorageError whose
+message says what kind of failure it was (disk full, file too large, permission denied, not found).
 """
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import tensorstore as ts
 
-from . import layout
 from ._localfs import Entry
-from .errors import CheckpointError, MissingShardError, SizeMismatchError, StorageError
+from ._kverrors import OutOfRange as OutOfRange
+from ._kverrors import classify as classify
+from ._kverrors import kv_errors as kv_errors
+from ._kverrors import storage_error as storage_error
+from .errors import MissingShardError, SizeMismatchError, StorageError
 from .storage import NO_VALUE, Pending, Storage
 
 __all__ = ["KvStoreStorage", "MemoryStorage", "OutOfRange", "classify", "kv_errors"]
-
-
-class OutOfRange(StorageError):
-    """A byte range past the end of an object (tensorstore's OUT_OF_RANGE)."""
-
-
-#: (kind, the lower-case texts that mark it, what the message says). The first match wins: a write
-#: past RLIMIT_FSIZE (EFBIG) is reported as OUT_OF_RANGE too, so the errno kinds come first.
-_KINDS = (
-    ("no_space", ("no space", "space left", "not enough space", "enospc", "errno=28", "os_error_code='28'"), "disk full"),
-    ("too_large", ("file too large", "efbig", "errno=27", "os_error_code='27'"), "file too large"),
-    ("permission", ("permission_denied", "permission denied", "eacces", "access denied"), "permission denied"),
-    ("out_of_range", ("out_of_range",), "byte range past the end of the object"),
-    ("not_found", ("not_found",), "not found"),
-)
-
-
-def classify(e: BaseException) -> str:
-    """The kind of a tensorstore failure: "no_space", "too_large", "permission", "out_of_range",
-    "not_found" or "other"."""
-    text = str(e).lower()
-    for kind, marks, _ in _KINDS:
-        if any(m in text for m in marks):
-            return kind
-    return "other"
-
-
-def storage_error(what: str, e: BaseException, *, object: str, key: str | None = None,
-                  ranged: bool = False) -> StorageError:
-    """The typed error of a failed tensorstore call: OutOfRange for a ``ranged`` read past the
-    object's end, else a StorageError whose message names the kind of failure; ``found`` keeps
-    tensorstore's own text."""
-    kind = classify(e)
-    if kind == "out_of_range" and ranged:
-        return OutOfRange(what, key=key, object=object, found=str(e)[:300])
-    note = next((n for k, _, n in _KINDS if k == kind), None)
-    return StorageError(f"{what} ({note})" if note else what, key=key, object=object, found=str(e)[:300])
-
-
-@contextmanager
-def kv_errors(what: str, *, object: str, key: str | None = None, ranged: bool = False) -> Iterator[None]:
-    """Re-raise any tensorstore failure inside the block as :func:`storage_error` does (``ranged``:
-    the block is a byte-range read whose caller catches OutOfRange); a CheckpointError passes
-    through unchanged."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as e:  # tensorstore raises plain exceptions (ValueError, OSError, ...)
-        raise storage_error(what, e, object=object, key=key, ranged=ranged) from None
 
 
 def _value(r: Any) -> bytes | None:
@@ -226,6 +178,12 @@ class KvStoreStorage(Storage):
         with kv_errors("write failed", object=key):
             self.kv.write(key, data).result()
 
+    def write_object(self, key: str, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
+        data = b"".join(buffers)
+        with kv_errors("write failed", key=tensor, object=key):
+            self.kv.write(key, data).result()
+        return len(data)
+
     def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
         futs = [(k, self.kv.write(k, v)) for k, v in items]
         for k, f in futs:
@@ -259,20 +217,20 @@ class KvStoreStorage(Storage):
                 keys = self.kv.list().result()
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
-    def scan_children(self, prefix: str) -> list[Entry]:
+    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[Entry]:
         """From the listing: no links here, and no modification times."""
         counts: dict[str, int] = {}
         plain: set[str] = set()
-        leases: set[str] = set()
+        marked: set[str] = set()
         for k in self.list(prefix):
             name, sep, rest = k[len(prefix):].partition("/")
             if sep:
                 counts[name] = counts.get(name, 0) + 1
-                if rest == layout.LEASE_NAME:
-                    leases.add(name)
+                if marker is not None and rest == marker:
+                    marked.add(name)
             else:
                 plain.add(name)
-        out = [Entry(n, "dir", c, None, "file" if n in leases else None) for n, c in counts.items()]
+        out = [Entry(n, "dir", c, None, "file" if n in marked else None) for n, c in counts.items()]
         out += [Entry(n, "file") for n in plain if n not in counts]
         return sorted(out, key=lambda e: e.name)
 

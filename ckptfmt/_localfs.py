@@ -14,8 +14,6 @@ import stat
 from dataclasses import dataclass
 from typing import Iterator
 
-from .layout import LEASE_NAME
-
 __all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir", "link_on_path", "LOCK_SUFFIX"]
 
 LOCK_SUFFIX = ".__lock"  # tensorstore's file driver: the temporary file of a write in flight
@@ -29,7 +27,7 @@ class Entry:
     kind: str                    # "dir" | "link" | "file" | "other" (fifo, socket, device)
     objects: int = 0             # files below a directory, lock files of writes in flight excluded
     newest_mtime: float | None = None  # newest lstat mtime of the entry and of everything below it
-    lease: str | None = None     # kind of ``<name>/LEASE`` ("file", "link", ...), None when absent
+    marker: str | None = None    # kind of ``<name>/<marker>`` ("file", "link", ...), None when absent
     error: str | None = None     # why the walk below this directory stopped early
 
 
@@ -120,8 +118,9 @@ def walk(top: str) -> Iterator[tuple[str, os.stat_result]]:
                     stack.append(e.path)
 
 
-def scan_children(root: str, prefix: str) -> list[Entry]:
-    """Every name directly under ``root/prefix``, judged without following links.
+def scan_children(root: str, prefix: str, marker: str | None = None) -> list[Entry]:
+    """Every name directly under ``root/prefix``, judged without following links; for each
+    directory, the kind of ``<name>/<marker>`` (when given) found on the way.
 
     Raises FileNotFoundError when the prefix is absent, and OSError (ELOOP, ENOTDIR) when it or a
     component on the way is a link or not a directory."""
@@ -142,17 +141,18 @@ def scan_children(root: str, prefix: str) -> list[Entry]:
         if kind != "dir":
             out.append(Entry(name, kind))
             continue
-        objects, newest, lease, error = 0, None, None, None
+        objects, newest, found, error = 0, None, None, None
+        mark = os.path.join(path, marker) if marker else None
         try:
             for p, st in walk(path):
                 newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
                 if not stat.S_ISDIR(st.st_mode) and not p.endswith(LOCK_SUFFIX):
                     objects += 1
-                if p == os.path.join(path, LEASE_NAME):
-                    lease = _kind(st.st_mode)
+                if p == mark:
+                    found = _kind(st.st_mode)
         except OSError as e:
             error = f"{type(e).__name__}: {e.strerror or e}"
-        out.append(Entry(name, "dir", objects, newest, lease, error))
+        out.append(Entry(name, "dir", objects, newest, found, error))
     return out
 
 

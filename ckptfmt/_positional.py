@@ -20,6 +20,7 @@ from ._blockcheck import BlockChecks
 from .dtypes import numpy_dtype
 from .errors import SizeMismatchError
 from .layout import CRC_BYTES
+from .shard import back_to_back
 from .manifest import TensorEntry
 from .plan import ReadItem
 from .storage import PositionalFile
@@ -106,7 +107,7 @@ class PositionalReads(BlockChecks):
                                         expected=want, found=f.size)
             starts = self._starts(t)
             c0, c1 = int(starts[s]), int(starts[s + 1])
-            if direct and len(direct) == c1 - c0 and self._whole_layout(t, c0, c1, want):
+            if direct and len(direct) == c1 - c0 and 2 * (c1 - c0) + 1 <= _IOV_MAX and back_to_back(t, c0, c1, want):
                 return self._read_whole_direct(t, s, obj, f, c0, c1, direct, phases, tr)
             index = bytearray(g.index_nbytes)
             f.read_into([index], want - g.index_nbytes)
@@ -142,17 +143,6 @@ class PositionalReads(BlockChecks):
                         outs[it.request][it.dst or ...] = chunk[it.src or ...]  # type: ignore[index]
                     phases["assemble"] += time.perf_counter() - ta
         return _ShardStats(nbytes, requests, phases)
-
-    @staticmethod
-    def _whole_layout(t: TensorEntry, c0: int, c1: int, nbytes: int) -> bool:
-        """True when shard chunks c0..c1 lie back to back from offset 0 with the index right after
-        (the layout ckptfmt writes), few enough for one vectored read."""
-        n = c1 - c0
-        if 2 * n + 1 > _IOV_MAX:
-            return False
-        cn = t.geometry.chunk_nbytes
-        offs = t.chunks.offset[c0:c1]
-        return nbytes == n * cn + t.geometry.index_nbytes and bool(np.array_equal(offs, np.arange(n, dtype=np.int64) * cn))
 
     def _read_whole_direct(self, t: TensorEntry, s: int, obj: str, f: PositionalFile, c0: int, c1: int,
                            direct: dict[int, np.ndarray], phases: dict[str, float], tr: float) -> "_ShardStats":

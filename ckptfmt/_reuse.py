@@ -42,47 +42,24 @@ import numpy as np
 from . import layout
 from ._blockcheck import BlockChecks
 from ._digest import DigestWindow, PendingDigest, start_digest
-from ._shardwriter import padded_chunks
 from .errors import CheckpointError
 from .manifest import Manifest, TensorEntry
+from .shard import ShardRecord, chunk_data, padded_chunks
 
 if TYPE_CHECKING:
-    from ._shardwriter import Materialize, ShardRecord
+    from ._shardwriter import Materialize
     from ._types import LocalShard
     from .plan import TensorWritePlan, WriteItem
 
-__all__ = ["REUSE_MODES", "StoredShard", "ReuseMemory", "ReusePlanner", "default_memory", "pin_previous",
-           "previous_manifest"]
-
-REUSE_MODES = ("auto", "compare", "off")
-
-
-@dataclass(frozen=True)
-class StoredShard:
-    """One shard object as a committed manifest records it: where it lies, its size and checksums."""
-
-    save_id: str                       # the save that wrote the object
-    path: str                          # that save's array path
-    nbytes: int
-    index_crc32c: int
-    chunk_offsets: tuple[int, ...]
-    chunk_crc32c: tuple[int, ...]
-    chunk_nbytes: tuple[int, ...]
-
-    @classmethod
-    def of(cls, t: TensorEntry, s: int) -> "StoredShard":
-        path = t.objects.get(s, t.array.path) if t.objects else t.array.path
-        c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
-        return cls(path.split("/")[1], path, int(t.shards.nbytes[s]), int(t.shards.index_crc32c[s]),
-                   tuple(t.chunks.offset[c0:c1].tolist()), tuple(t.chunks.crc32c[c0:c1].tolist()),
-                   tuple(t.chunks.nbytes[c0:c1].tolist()))
+__all__ = ["ReuseMemory", "ReusePlanner", "default_memory", "pin_previous", "previous_manifest"]
 
 
 @dataclass(frozen=True)
 class Remembered:
-    """What this process stored for one source shard: the object, and its block's digest."""
+    """What this process stored for one source shard: the object (located, every chunk's length
+    listed, as :meth:`ShardRecord.of_manifest` reads it), and its block's digest."""
 
-    shard: StoredShard
+    shard: ShardRecord
     digest: bytes
 
 
@@ -191,8 +168,6 @@ class ReusePlanner:
 
     def __init__(self, storage: Any, previous: Manifest | None, *, mode: str,
                  memory: ReuseMemory | None = None, codec: str = "raw", exclude: frozenset[str] = frozenset()) -> None:
-        if mode not in REUSE_MODES:
-            raise ValueError(f"SaveOptions.reuse must be one of {REUSE_MODES}, got {mode!r}")
         self.storage, self.previous, self.mode, self.codec = storage, previous, mode, codec
         self.exclude = exclude  # saves a collector has claimed: never referenced (FORMAT.md 8.4)
         self.memory = memory if memory is not None else default_memory()
@@ -205,7 +180,7 @@ class ReusePlanner:
         self.referenced = 0
 
     def __call__(self, plan: "TensorWritePlan", item: "WriteItem", holder: "LocalShard",
-                 materialize: "Materialize") -> "ShardRecord | None":
+                 materialize: "Materialize") -> ShardRecord | None:
         """A reference record for this shard, or None to write it. Never raises for a bad earlier
         object: it is then simply written anew."""
         if self.mode == "off":
@@ -222,20 +197,16 @@ class ReusePlanner:
             if seen is not None:  # to be written: its digest, for the next save's identity proof
                 seen.digest = self._digests.add(start_digest(materialize(False)[0]))
             return None
-        stored = found[2]
-        from ._shardwriter import ShardRecord
-
         self.referenced += 1
-        return ShardRecord(plan.index, item.cell, stored.nbytes, stored.index_crc32c, stored.chunk_offsets,
-                           stored.chunk_crc32c, (stored.save_id, stored.path), stored.chunk_nbytes)
+        return found[2]
 
-    def _proven(self, found: tuple[TensorEntry, int, StoredShard], seen: _Seen | None,
+    def _proven(self, found: tuple[TensorEntry, int, ShardRecord], seen: _Seen | None,
                 materialize: "Materialize") -> bool:
         """The identity and digest proof where the source is tracked and was saved as ``P``'s
         row, else the byte proof. Sets ``seen.digest`` when the shard is proven."""
         t, s, stored = found
         known = self.memory.recall(seen.source, seen.where) if seen is not None and _alive(seen.source) else None
-        if seen is not None and known is not None and known.shard == stored:
+        if seen is not None and known is not None and known.shard.same_object(stored):
             digest = start_digest(materialize(False)[0])
             if digest.result() != known.digest:
                 return False  # changed (through a host object sharing its buffer): written again
@@ -247,8 +218,9 @@ class ReusePlanner:
             seen.digest = self._digests.add(start_digest(materialize()[0]))
         return True
 
-    def _stored(self, plan: "TensorWritePlan", item: "WriteItem") -> tuple[TensorEntry, int, StoredShard] | None:
-        """``P``'s row for this shard, when ``P`` holds the same tensor with the same geometry."""
+    def _stored(self, plan: "TensorWritePlan", item: "WriteItem") -> tuple[TensorEntry, int, ShardRecord] | None:
+        """``P``'s row for this shard, when ``P`` holds the same tensor with the same geometry: the
+        record this save acknowledges when it references the object."""
         if self.previous is None:
             return None
         t = self.previous.tensors.get(plan.key)
@@ -262,10 +234,10 @@ class ReusePlanner:
         s = rows.get(tuple(item.box.offset))
         if s is None:  # same shape and shard_shape: the same offset is the same grid cell and box
             return None
-        stored = StoredShard.of(t, s)
-        return None if stored.save_id in self.exclude else (t, s, stored)
+        stored = ShardRecord.of_manifest(t, s, tensor=plan.index, cell=item.cell)
+        return None if stored.ref[0] in self.exclude else (t, s, stored)  # type: ignore[index]
 
-    def _same_bytes(self, t: TensorEntry, s: int, stored: StoredShard,
+    def _same_bytes(self, t: TensorEntry, s: int, stored: ShardRecord,
                     materialize: "Materialize") -> bool:
         """The byte proof: the chunk crc32c equal, then the stored object, checked against ``P``'s
         manifest (size, index, every chunk's crc32c), holds exactly the source's chunks."""
@@ -281,7 +253,7 @@ class ReusePlanner:
             c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
             views = self._checks._check_whole(t, s, obj, buf, range(c0, c1))
             for c, want in zip(range(c0, c1), padded_chunks(block, t.geometry.chunk_shape)):
-                got = (np.frombuffer(views[c][:-layout.CRC_BYTES], np.uint8) if self.codec == "raw"
+                got = (np.frombuffer(chunk_data(views[c]), np.uint8) if self.codec == "raw"
                        else self._checks._decode(t, c, obj, views[c]).reshape(-1).view(np.uint8))
                 if not np.array_equal(got, want.reshape(-1).view(np.uint8)):
                     return False
@@ -289,14 +261,11 @@ class ReusePlanner:
             return False  # a damaged earlier object is never referenced
         return True
 
-    def remember(self, save_id: str, records: list["ShardRecord"]) -> None:
+    def remember(self, save_id: str, records: list[ShardRecord]) -> None:
         """After the commit: which object now holds each identity-tracked source's bytes."""
         for r in records:
             seen = self._seen.get((r.tensor, r.cell))
             if seen is None or seen.digest is None or not _alive(seen.source):
                 continue
-            sid, path = r.ref if r.ref is not None else (save_id, layout.array_path(save_id, r.tensor))
-            cnb = tuple(r.chunk_nbytes) or (seen.chunk_nbytes,) * len(r.chunk_offsets)
-            stored = StoredShard(sid, path, r.nbytes, r.index_crc32c, tuple(r.chunk_offsets),
-                                 tuple(r.chunk_crc32c), cnb)
+            stored = r.located(save_id, layout.array_path(save_id, r.tensor), seen.chunk_nbytes)
             self.memory.remember(seen.source, seen.where, Remembered(stored, seen.digest.result()))

@@ -1,76 +1,98 @@
 """Step 3 of the save protocol (see :mod:`ckptfmt.session`): write this rank's shards and state
-privately, then verify them, and describe them in records the leader builds the manifest from.
+privately, verify them, and describe them in records the leader builds the manifest from.
 
-A shard is verified by reading back its size, its index checksum, every index entry's byte range,
-and every inner chunk's stored crc32c against the crc32c computed from the source bytes. Nothing
-here decides whether the save commits: a failure raises, and the protocol reports it.
+One write scheduler serves every backend. It cuts each shard's block from the data this rank
+holds, asks the reuse hook (an incremental save, FORMAT.md 8.4) in batches whether the shard is
+referenced instead, and hands the rest to the process's writer threads, a few small objects per
+task, within a sliding window of bytes in flight, paced and jittered as asked. A raw shard is
+encoded here (:func:`ckptfmt.shard.encode`) and written whole with
+:meth:`ckptfmt.storage.Storage.write_object` (on local files: ``pwritev`` straight from the
+source arrays, ``fsync``, rename), then the save's prefix is :meth:`~ckptfmt.storage.Storage.sync`'d.
+Each chunk's crc32c is that of the very bytes written, so the verification of FORMAT.md 8.1 phase 4
+reduces to the object's length. A zstd shard is encoded by tensorstore's zarr3 codec through the
+array, and read back whole and checked (:func:`ckptfmt.shard.verify_encoded`).
+
+Nothing here decides whether the save commits: a failure raises, and the protocol reports it.
 """
 from __future__ import annotations
 
 import secrets
+import threading
 import time
+from collections import deque
+from concurrent.futures import wait
 from dataclasses import dataclass
-from itertools import product
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 from . import layout
-from ._kvstore import kv_errors
+from ._codec import decoder_for
+from ._durable import DEFAULT_WRITE_THREADS, writer_pool
+from ._kverrors import kv_errors
+from ._manifest_entries import max_encoded_chunk_nbytes
 from ._types import Box, LocalShard
 from .checksum import crc32c
 from .dtypes import numpy_dtype
 from .errors import IncompleteSaveError, StepMismatchError
 from .manifest import StateEntry
-from .plan import TensorWritePlan, WriteItem, stored_chunk_counts
-from .storage import Pending, Storage
+from .plan import TensorWritePlan, WriteItem
+from .shard import ShardRecord, chunk_crcs, encode, verify_encoded
+from .state import encode_state
+from .storage import Storage
 
-if TYPE_CHECKING:
-    from .session import SaveOptions
+__all__ = ["WriteSettings", "PhaseClock", "ShardJob", "write_and_verify", "write_state", "state_to_wire",
+           "state_from_wire", "holders", "shard_block"]
 
-__all__ = ["ShardRecord", "write_and_verify", "write_state", "state_to_wire", "state_from_wire"]
+#: Objects smaller than this are handed to the writer threads in groups (one task per few objects).
+_SMALL_OBJECT_BYTES = 1 << 20
+#: A batch of reuse decisions holds at most this fraction of ``max_inflight_bytes`` in blocks to write.
+REUSE_BATCH_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
-class ShardRecord:
-    """One written and verified shard, as its writer acknowledges it to the leader; or, with
-    ``ref`` set, a shard this save references in an earlier save (:mod:`ckptfmt._reuse`)."""
+class WriteSettings:
+    """What the scheduler needs of a save's options (the protocol builds it from SaveOptions)."""
 
-    tensor: int                      # the plan's tensor index
-    cell: tuple[int, ...]            # grid cell
-    nbytes: int                      # object length
-    index_crc32c: int
-    chunk_offsets: tuple[int, ...]   # stored inner chunks, in C order of the inner grid
-    chunk_crc32c: tuple[int, ...]
-    ref: tuple[str, str] | None = None  # (save id, array path) of the earlier save holding the object
-    chunk_nbytes: tuple[int, ...] = ()  # each stored chunk's length (codec zstd); () means chunk_nbytes each
+    max_inflight_bytes: int = 128 << 20
+    max_write_bytes_per_s: float | None = None
+    jitter_s: float = 0.0
+    codec: str = "raw"
+    codec_level: int = 3
 
-    def to_wire(self) -> list[Any]:
-        return [self.tensor, list(self.cell), self.nbytes, self.index_crc32c, list(self.chunk_offsets),
-                list(self.chunk_crc32c), list(self.ref) if self.ref else None, list(self.chunk_nbytes)]
 
-    @classmethod
-    def from_wire(cls, v: Sequence[Any]) -> "ShardRecord":
-        tensor, cell, nbytes, icrc, offs, crcs, ref, cnb = v
-        return cls(int(tensor), tuple(cell), int(nbytes), int(icrc), tuple(offs), tuple(crcs),
-                   (str(ref[0]), str(ref[1])) if ref else None, tuple(int(x) for x in cnb))
+class PhaseClock:
+    """Adds the seconds of each save phase into ``timings`` (when given); never changes the save."""
+
+    def __init__(self, timings: dict[str, float] | None = None) -> None:
+        self.timings = timings
+
+    def add(self, phase: str, since: float) -> float:
+        """Add ``now - since`` to ``timings[phase]``; returns now."""
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[phase] = self.timings.get(phase, 0.0) + now - since
+        return now
 
 
 def state_to_wire(e: StateEntry) -> list[Any]:
     return [e.name, e.key, e.nbytes, e.crc32c, e.scope, e.rank]
 
 
-def state_from_wire(v: Sequence[Any]) -> StateEntry:
+def state_from_wire(v: Any) -> StateEntry:
     return StateEntry(*v)
 
 
 @dataclass(frozen=True)
-class _Written:
-    """A shard this rank wrote, with the crc32c of each of its inner chunks from the source bytes."""
+class ShardJob:
+    """One shard object to write: its plan and item, the source block, its object key, and each
+    stored chunk's crc32c where the reuse check already computed them."""
 
     plan: TensorWritePlan
     item: WriteItem
-    crcs: list[int]
+    block: np.ndarray
+    key: str
+    crcs: tuple[int, ...] | None = None
 
 
 def _holder_order(s: LocalShard) -> tuple[bool, int]:
@@ -110,89 +132,184 @@ Materialize = Callable[..., tuple[np.ndarray, "list[int] | None"]]
 ReuseHook = Callable[[TensorWritePlan, WriteItem, LocalShard, Materialize], "ShardRecord | None"]
 
 
+class _RankWrites:
+    """The state of one rank's shard writes: what it owns, the blocks cut so far, the records."""
+
+    def __init__(self, storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
+                 save_id: str, rank: int, settings: WriteSettings, reuse: ReuseHook | None) -> None:
+        self.storage, self.plans, self.save_id, self.settings, self.reuse = storage, plans, save_id, settings, reuse
+        self.mine = [(p, it) for p in plans for it in p.items_for(rank)]
+        self.found = holders(self.mine, local)
+        # A block made by a callable (lazy data: device-to-host copies, an import's source reads)
+        # is let go after its last write is submitted, and counted as in flight until that write
+        # is done (the writes view it): a save holds about one such block plus the window.
+        self.lazy_last = {id(h): n for n, h in enumerate(self.found) if callable(h.data)}
+        self.cache: dict[int, np.ndarray] = {}
+        self.dt_cache: dict[str, np.dtype] = {}
+        self.records: list[Any] = [None] * len(self.mine)
+        self.referenced: list[ShardRecord] = []
+        self.handles: dict[int, Any] = {}
+        self.encoded: dict[int, tuple[int, ...]] = {}  # zstd: item -> its source chunks' crc32c
+        self.threads = max(1, min(len(self.mine), int(storage.options.get("write_threads", DEFAULT_WRITE_THREADS))))
+        self.stopped = threading.Event()  # set once this save ends: its queued objects are not written
+
+    def decide(self, n: int) -> list[Any] | None:
+        """The reuse decision for item ``n``: None when the hook referenced it (its record is kept),
+        else what the check made of it, to write: [] (nothing yet), [block], or [block, chunk
+        crc32c] (a shard it did not prove is written with these, not computed twice)."""
+        made: list[Any] = []
+        if self.reuse is None:
+            return made
+        (p, it), holder = self.mine[n], self.found[n]
+
+        def with_crcs(crcs: bool = True) -> tuple[np.ndarray, list[int] | None]:
+            if not made:
+                made.append(shard_block(holder, p, it, self.cache, self.dt_cache))
+            if crcs and len(made) < 2:
+                made.append(chunk_crcs(made[0], p.geometry.chunk_shape))
+            return made[0], made[1] if len(made) > 1 else None
+
+        ref = self.reuse(p, it, holder, with_crcs)
+        if ref is None:
+            return made
+        self.referenced.append(ref)
+        if self.lazy_last.get(id(holder)) == n:
+            self.cache.pop(id(holder), None)
+        return None
+
+    def job(self, n: int, made: list[Any]) -> tuple[ShardJob, int]:
+        """Item ``n``'s job, and the bytes it holds while in flight."""
+        (p, it), holder = self.mine[n], self.found[n]
+        block = made[0] if made else shard_block(holder, p, it, self.cache, self.dt_cache)
+        key = layout.shard_key(layout.array_path(self.save_id, p.index), it.cell)
+        held = block.nbytes + (self.cache.pop(id(holder)).nbytes if self.lazy_last.get(id(holder)) == n else 0)
+        return ShardJob(p, it, block, key, tuple(made[1]) if len(made) > 1 else None), held
+
+    def run(self, group: list[tuple[ShardJob, int]]) -> None:
+        """Write a group of shard objects one after another (in a writer thread), unless stopped."""
+        for job, n in group:
+            if self.stopped.is_set():
+                return
+            self.records[n] = self.write_one(job, n)
+
+    def write_one(self, job: ShardJob, n: int) -> ShardRecord | None:
+        """Write one shard object; its record (raw), or None (zstd: recorded once read back, and
+        ``encoded[n]`` holds its source chunks' crc32c)."""
+        p, it = job.plan, job.item
+        if self.settings.codec != "raw":
+            self.encoded[n] = job.crcs or tuple(chunk_crcs(job.block, p.geometry.chunk_shape))
+            with kv_errors("write failed", key=p.key, object=job.key):
+                self.handles[p.index][it.box.slices()].write(job.block, can_reference_source_data_indefinitely=True).result()
+            return None
+        enc = encode(p.index, it.cell, job.block, p.geometry, it.box.offset, job.crcs)
+        return enc.verified(self.storage.write_object(job.key, enc.buffers(), tensor=p.key), key=p.key, obj=job.key)
+
+
 def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
-                     save_id: str, rank: int, opts: "SaveOptions", reuse: ReuseHook | None = None) -> list[ShardRecord]:
-    """Write this rank's shards through tensorstore (rank 0 also every array's zarr.json), then
+                     save_id: str, rank: int, settings: WriteSettings, clock: PhaseClock,
+                     reuse: ReuseHook | None = None) -> list[ShardRecord]:
+    """Write this rank's shards (rank 0 also every array's zarr.json), make them durable, and
     verify them; shards the ``reuse`` hook references are not written, and come back as its
     records. Raises StepMismatchError for source data that does not match its declaration,
     StorageError when a write fails, IncompleteSaveError when a shard does not read back as written."""
-    if storage.vectored_writes and opts.codec == "raw":  # local files: written straight from the source arrays
-        from ._vectorwrite import write_local
-        return write_local(storage, plans, local, save_id, rank, opts, reuse=reuse)
-    from .session import add_time
-    t_begin = time.perf_counter()
-    opened: dict[int, Any] = {}
-    mine: list[tuple[TensorWritePlan, WriteItem]] = []
-    for p in plans:
-        items = p.items_for(rank)
-        if rank == 0 or items:
-            g = p.geometry
-            opened[p.index] = storage.open_array(
-                layout.array_path(save_id, p.index),
-                layout.zarr_array_metadata(g.shape, p.dtype, g.shard_shape, g.chunk_shape, opts.codec, opts.codec_level),
-                create=(rank == 0))
-        mine.extend((p, it) for it in items)
-    handles: dict[int, Any] = {}
+    t = time.perf_counter()
+    w = _RankWrites(storage, plans, local, save_id, rank, settings, reuse)
+    opened = {p.index: storage.open_array(layout.array_path(save_id, p.index), layout.zarr_array_metadata(
+        p.geometry.shape, p.dtype, p.geometry.shard_shape, p.geometry.chunk_shape, settings.codec, settings.codec_level),
+        create=(rank == 0)) for p in plans if rank == 0 or (settings.codec != "raw" and p.items_for(rank))}
+    if settings.codec != "raw":  # tensorstore encodes: the arrays must be open before the writes
+        w.handles = {idx: _opened(fut, plans[idx], save_id) for idx, fut in opened.items()}
+    if settings.jitter_s > 0 and w.mine:
+        time.sleep(secrets.SystemRandom().uniform(0, settings.jitter_s))
+    t = clock.add("plan", t)
+    _schedule(w)
     for idx, fut in opened.items():
-        with kv_errors("cannot create the tensor array", key=plans[idx].key, object=layout.array_path(save_id, idx)):
-            handles[idx] = fut.result()
-    if opts.jitter_s > 0 and mine:
-        time.sleep(secrets.SystemRandom().uniform(0, opts.jitter_s))
-    pending: list[tuple[Any, int]] = []
-    written: list[_Written] = []
-    cache: dict[int, np.ndarray] = {}
-    dt_cache: dict[str, np.dtype] = {}
-    inflight, pace_start, paced = 0, time.monotonic(), 0
-    # A block made by a callable (lazy data: device-to-host copies, an import's source reads) is
-    # let go after its last write is issued, and counted as in flight until the writes drain
-    # (they may view it): a save then holds about one such block plus the window, not all of them.
-    found = holders(mine, local)
-    lazy_last = {id(h): n for n, h in enumerate(found) if callable(h.data)}
-    referenced: list[ShardRecord] = []
-    for n_item, (p, it) in enumerate(mine):
-        holder = found[n_item]
-        made: list[tuple[np.ndarray, list[int]]] = []
-
-        def materialize(crcs: bool = True, p: TensorWritePlan = p, it: WriteItem = it,
-                        holder: LocalShard = holder) -> tuple[np.ndarray, list[int]]:
-            if not made:  # the crc32c are always taken here: this path needs them for the write
-                block = shard_block(holder, p, it, cache, dt_cache)
-                made.append((block, _chunk_crcs(block, p.geometry.chunk_shape)))
-            return made[0]
-
-        ref = reuse(p, it, holder, materialize) if reuse is not None else None
-        if ref is not None:
-            referenced.append(ref)
-            if lazy_last.get(id(holder)) == n_item:
-                cache.pop(id(holder), None)
-            continue
-        block, crcs = materialize()
-        written.append(_Written(p, it, crcs))
-        with kv_errors("write failed", key=p.key, object=f"{it.cell}"):
-            fut = handles[p.index][it.box.slices()].write(block, can_reference_source_data_indefinitely=True)
-        pending.append((fut, p.index))
-        inflight += block.nbytes
-        if lazy_last.get(id(holder)) == n_item:
-            inflight += cache.pop(id(holder)).nbytes
-        if opts.max_write_bytes_per_s:
-            paced += block.nbytes
-            ahead = paced / opts.max_write_bytes_per_s - (time.monotonic() - pace_start)
-            if ahead > 0:
-                time.sleep(ahead)
-        if inflight > opts.max_inflight_bytes:
-            _drain(pending, plans, save_id)
-            inflight = 0
-    _drain(pending, plans, save_id)
-    cache.clear()
-    t = add_time(opts, "write", t_begin)
+        _opened(fut, plans[idx], save_id)
+    t = clock.add("write", t)
+    storage.sync(layout.save_prefix(save_id))
+    t = clock.add("fsync", t)
     try:
-        if opts.codec != "raw":
-            from ._codec import verify_encoded
-
-            return verify_encoded(storage, written, save_id) + referenced
-        return _verify_written(storage, written, save_id) + referenced
+        if settings.codec == "raw":
+            return [r for r in w.records if r is not None] + w.referenced
+        return _verify_encoded(storage, w) + w.referenced
     finally:
-        add_time(opts, "verify", t)
+        clock.add("verify", t)
+
+
+def _opened(fut: Any, p: TensorWritePlan, save_id: str) -> Any:
+    with kv_errors("cannot create the tensor array", key=p.key, object=layout.array_path(save_id, p.index)):
+        return fut.result()
+
+
+def _schedule(w: _RankWrites) -> None:
+    """Every owned item: reuse decisions in batches, then its writes on the writer threads in a
+    sliding window of ``max_inflight_bytes``, paced to ``max_write_bytes_per_s``. The first failure
+    raises; what has not started then never runs, and the rest ends before this returns."""
+    s, mine = w.settings, w.mine
+    pool = writer_pool(w.threads)
+    window: deque[tuple[Any, int]] = deque()  # writes in flight, oldest first, with the bytes they hold
+    inflight, pace_start, paced, n = 0, time.monotonic(), 0, 0
+    try:
+        while n < len(mine):
+            # Decide a batch first, then submit its writes: the reuse checks (crc32c, device-to-host
+            # copies) release the GIL, and each wait to take it back behind busy writer threads
+            # costs up to a switch interval, which made the checks of a small save 5x slower.
+            batch: list[tuple[int, list[Any]]] = []
+            kept = 0
+            while n < len(mine) and (not batch or kept < s.max_inflight_bytes * REUSE_BATCH_FRACTION):
+                made = w.decide(n)
+                if made is not None:
+                    batch.append((n, made))
+                    kept += mine[n][1].box.size * mine[n][0].geometry.itemsize
+                n += 1
+            # Small objects go to the writer threads a few at a time (at most one task per thread
+            # for the batch): a future per object was a quarter of what a small save allocated.
+            per_task = max(1, -(-len(batch) // w.threads))
+            group: list[tuple[ShardJob, int]] = []
+            group_held = 0
+            for m, made in batch:
+                one, held = w.job(m, made)
+                group.append((one, m))
+                group_held += held
+                if s.max_write_bytes_per_s:
+                    paced += one.block.nbytes
+                    ahead = paced / s.max_write_bytes_per_s - (time.monotonic() - pace_start)
+                    if ahead > 0:
+                        time.sleep(ahead)
+                if len(group) < per_task and group_held < _SMALL_OBJECT_BYTES and m != batch[-1][0]:
+                    continue
+                window.append((pool.submit(w.run, group), group_held))
+                inflight += group_held
+                group, group_held = [], 0
+                while inflight > s.max_inflight_bytes and window:  # a sliding window, not a barrier
+                    fut, nbytes = window.popleft()
+                    fut.result()
+                    inflight -= nbytes
+        for fut, _ in window:
+            fut.result()  # the first failure raises; the finally below waits for the rest
+    finally:
+        w.stopped.set()  # after a failure: what has not started never runs, the rest ends here
+        for fut, _ in window:
+            fut.cancel()
+        wait([f for f, _ in window])
+        w.cache.clear()
+
+
+def _verify_encoded(storage: Storage, w: _RankWrites) -> list[ShardRecord]:
+    """Phase 4 for encoded chunks (codec zstd, FORMAT.md 6.3): they differ in size and their crc32c
+    covers the encoded bytes, so each written object is read back whole and checked by
+    :func:`ckptfmt.shard.verify_encoded`, every chunk decoded, against the source's crc32c."""
+    decoders: dict[tuple[str, tuple[int, ...]], Any] = {}
+    out = []
+    for n, crcs in sorted(w.encoded.items()):
+        p, it = w.mine[n]
+        g = p.geometry
+        key = layout.shard_key(layout.array_path(w.save_id, p.index), it.cell)
+        dec = decoder_for(decoders, p.dtype, g.chunk_shape)
+        out.append(verify_encoded(p.index, it.cell, p.key, key, g, it.box.offset, storage.read(key), crcs,
+                                  max_encoded_chunk_nbytes(g.chunk_nbytes - layout.CRC_BYTES),
+                                  lambda data, key=key, p=p, dec=dec: dec.decode(data, key=p.key, obj=key)))
+    return out
 
 
 def shard_block(holder: LocalShard, p: TensorWritePlan, it: WriteItem, cache: dict[int, np.ndarray],
@@ -220,85 +337,8 @@ def _source(holder: LocalShard, key: str) -> np.ndarray:
     return src
 
 
-def _drain(pending: list[tuple[Any, int]], plans: list[TensorWritePlan], save_id: str) -> None:
-    for fut, idx in pending:
-        with kv_errors("write failed", key=plans[idx].key, object=layout.array_path(save_id, idx)):
-            fut.result()
-    pending.clear()
-
-
-def padded_chunks(block: np.ndarray, chunk_shape: tuple[int, ...]) -> Iterator[np.ndarray]:
-    """The stored inner chunks of a shard block, in C order, edge chunks zero-padded (FORMAT.md 6.3)."""
-    counts = tuple(-(-n // c) for n, c in zip(block.shape, chunk_shape))
-    for idx in product(*(range(k) for k in counts)):
-        sl = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunk_shape))
-        part = block[sl] if sl else block
-        if part.shape != tuple(chunk_shape):
-            pad = np.zeros(chunk_shape, dtype=block.dtype)
-            pad[tuple(slice(0, n) for n in part.shape)] = part
-            part = pad
-        yield np.ascontiguousarray(part)
-
-
-def _chunk_crcs(block: np.ndarray, chunk_shape: tuple[int, ...]) -> list[int]:
-    """crc32c of each stored inner chunk of a shard block, in C order; edge chunks zero-padded."""
-    return [crc32c(part) for part in padded_chunks(block, chunk_shape)]
-
-
-@dataclass(frozen=True)
-class _Readback:
-    """The index of one written shard, being read back."""
-
-    written: _Written
-    key: str
-    total: int           # the object's length, as written
-    index: Pending[bytes]
-
-
-def _verify_written(storage: Storage, written: list[_Written], save_id: str) -> list[ShardRecord]:
-    """Read back each written shard's index and every chunk trailer; compare with the source crc32c."""
-    reads = []
-    for w in written:
-        g = w.plan.geometry
-        key = layout.shard_key(layout.array_path(save_id, w.plan.index), w.item.cell)
-        total = len(w.crcs) * g.chunk_nbytes + g.index_nbytes
-        reads.append(_Readback(w, key, total, storage.read_range(key, total - g.index_nbytes, None, tensor=w.plan.key)))
-    records: list[ShardRecord] = []
-    trailers: list[tuple[_Readback, list[Pending[bytes]]]] = []
-    for r in reads:
-        p, it, g = r.written.plan, r.written.item, r.written.plan.geometry
-        index = r.index.result()
-        if len(index) != g.index_nbytes:
-            raise IncompleteSaveError("written shard has an unexpected size", key=p.key, object=r.key,
-                                      expected=r.total, found=r.total - g.index_nbytes + len(index))
-        body, stored = layout.split_trailer(index)
-        if crc32c(body) != stored:
-            raise IncompleteSaveError("written shard index fails its checksum", key=p.key, object=r.key)
-        entries = layout.index_entries(body)
-        offs = []
-        for cell in product(*(range(k) for k in stored_chunk_counts(g, it.box.offset))):
-            flat = int(np.ravel_multi_index(cell, g.inner)) if g.inner else 0
-            off, nb = (int(x) for x in entries[flat])
-            if nb != g.chunk_nbytes or off + nb > r.total - g.index_nbytes:
-                raise IncompleteSaveError("written shard index points at an unexpected byte range", key=p.key,
-                                          object=r.key, expected=f"{g.chunk_nbytes} bytes inside the data section",
-                                          found=f"[{off}, {off + nb})")
-            offs.append(off)
-        end = [o + g.chunk_nbytes for o in offs]
-        trailers.append((r, [storage.read_range(r.key, e - layout.CRC_BYTES, e, tensor=p.key) for e in end]))
-        records.append(ShardRecord(p.index, it.cell, r.total, stored, tuple(offs), tuple(r.written.crcs)))
-    for r, futs in trailers:
-        for i, (c, f) in enumerate(zip(r.written.crcs, futs)):
-            got = int.from_bytes(f.result(), "little")
-            if got != c:
-                raise IncompleteSaveError("written chunk does not match the source bytes", key=r.written.plan.key,
-                                          object=r.key, expected=f"crc32c {c} (chunk {i})", found=f"crc32c {got}")
-    return records
-
-
 def write_state(storage: Storage, save_id: str, rank: int, state: Any, rank_state: Any) -> list[StateEntry]:
     """Write the global state (rank 0) and this rank's own state, then read each back."""
-    from .state import encode_state
     items: list[tuple[int | None, bytes]] = []
     if rank == 0 and state is not None:
         items.append((None, encode_state(state)))

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import crc32c as _crc32c
 import numpy as np
 
+from ._durable import fill, fsync_dir, pwritev_all
 from ._exportfiles import CONFIG_NAME, check_out_dir, create_exclusive, encode_config, publish, temp_name
 from ._safetensors import (FORMAT_DTYPES, META_BLOCK, META_CRC, META_TABLE_CRC, META_VERSION, encode_header,
                            table_crc)
@@ -228,16 +229,6 @@ def _metadata(plan: ExportPlan, crcs: Mapping[str, str], table: str) -> dict[str
             META_CRC: json.dumps(dict(crcs), separators=(",", ":")), META_TABLE_CRC: table}
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int, path: str) -> None:
-    try:
-        while len(data):
-            n = os.pwrite(fd, data, offset)
-            data, offset = data[n:], offset + n
-    except OSError as e:
-        raise StorageError("write failed" + (" (disk full)" if e.errno == 28 else ""), object=path,
-                           found=str(e)) from None
-
-
 def begin_export(out_dir: str, plan: ExportPlan, config: Mapping[str, Any] | None = None) -> None:
     """Check what can be checked before any byte is written, and create ``out_dir``: the config
     encodes (InvalidConfigError), and ``out_dir`` holds no safetensors file or index and none of
@@ -311,7 +302,7 @@ def _write_file(ckpt: Any, plan: ExportPlan, f: ExportFile, out_dir: str, done: 
                                        object=f.name, expected=box.shape, found=arr.shape)
                 data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
                 crcs[t.name].feed(data)
-                _pwrite_all(fd, data, pos[t.name], tmp)
+                pwritev_all(fd, [data], pos[t.name], obj=tmp)
                 pos[t.name] += len(data)
                 done += len(data)
                 del arr, got
@@ -326,7 +317,7 @@ def _write_file(ckpt: Any, plan: ExportPlan, f: ExportFile, out_dir: str, done: 
         final, _ = encode_header(layout, _metadata(plan, {n: c.hex() for n, c in crcs.items()}, table))
         if len(final) != len(header):  # fixed-width digits: cannot differ
             raise StorageError("the header changed size", object=f.name, expected=len(header), found=len(final))
-        _pwrite_all(fd, memoryview(final), 0, tmp)
+        pwritev_all(fd, [final], 0, obj=tmp)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -342,24 +333,8 @@ def _write_file(ckpt: Any, plan: ExportPlan, f: ExportFile, out_dir: str, done: 
 def _write_new(out_dir: str, name: str, data: bytes) -> str:
     """``data`` in a new temporary file for ``name`` (created exclusively), fsynced; its path."""
     tmp = os.path.join(out_dir, temp_name(name))
-    fd = create_exclusive(tmp)
-    try:
-        _pwrite_all(fd, memoryview(data), 0, tmp)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
+    fill(create_exclusive(tmp), tmp, [data])
     return tmp
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def finish_export(out_dir: str, plan: ExportPlan, config: Mapping[str, Any] | None = None) -> None:
@@ -389,7 +364,7 @@ def finish_export(out_dir: str, plan: ExportPlan, config: Mapping[str, Any] | No
     names = [f.name for f in plan.files]
     published: list[str] = []
     try:
-        _fsync_dir(out_dir)
+        fsync_dir(out_dir)
         if blob is not None:
             _write_new(out_dir, CONFIG_NAME, blob)
             names.append(CONFIG_NAME)
@@ -398,7 +373,7 @@ def finish_export(out_dir: str, plan: ExportPlan, config: Mapping[str, Any] | No
         for name in names:
             publish(os.path.join(out_dir, temp_name(name)), os.path.join(out_dir, name))
             published.append(name)
-        _fsync_dir(out_dir)
+        fsync_dir(out_dir)
     except BaseException:
         for name in published:
             try:

@@ -23,6 +23,7 @@ import numpy as np
 from ._types import Box, LocalShard
 from .dtypes import dtype_name, numpy_dtype
 from .errors import CheckpointError, InvalidSourceError, ShapeMismatchError
+from .session import SaveOptions, save
 
 __all__ = ["ImportTensor", "ImportReport", "import_tensors", "row_boxes", "BatchReader", "BLOCK_BYTES", "SAVE_WINDOW",
            "BATCH_BYTES", "MAX_IMPORT_TENSORS"]
@@ -96,8 +97,6 @@ def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, prov
     ``provenance`` (plain JSON) becomes ``metadata["import"]``; ``state`` the global non-tensor
     state (e.g. the JAX profile's record of scalar leaves).
     """
-    from .session import SaveOptions, save
-
     t0 = time.perf_counter()
     if not tensors:  # an empty step would look like a successful import of nothing
         raise InvalidSourceError("the source holds no tensors: nothing to import", object=str(provenance.get("source")),

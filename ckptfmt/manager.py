@@ -46,8 +46,11 @@ from ._types import Box, LocalShard
 from .coord import Coordinator, LocalCoordinator
 from .errors import CheckpointError, IncompleteSaveError, KeyMismatchError
 from .manifest import Manifest
+from ._saveopts import SaveOptions
+from .asyncsave import save_async
+from .reader import check_rank_state_policy
 from .repository import Repository
-from .session import SaveOptions
+from .session import save
 
 __all__ = ["CheckpointManager", "SaveRecord", "SkippedStep", "RestoreResult", "Retention", "METADATA_KEY"]
 
@@ -131,9 +134,6 @@ class CheckpointManager:
 
         Returns once the state is snapshotted (``blocking=False``) or committed. Bridge hook; this
         one saves a flat dict of numpy arrays."""
-        from .asyncsave import save_async
-        from .session import save
-
         if not isinstance(state, Mapping):
             raise TypeError("the core manager saves a flat dict of numpy arrays; use a bridge's manager for others")
         shards = [LocalShard(str(k), np.shape(a), np.asarray(a).dtype, Box.full(np.shape(a)), np.asarray(a))
@@ -454,8 +454,6 @@ class CheckpointManager:
         saved by another number of processes raises TopologyChangedError (naming the policies)
         unless it is "drop", "rank0" or "same-rank"; any other value raises ValueError at once.
         """
-        from .reader import check_rank_state_policy
-
         check_rank_state_policy(rank_state_policy)
         self._check_open()
         if step is not None:

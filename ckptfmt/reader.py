@@ -20,6 +20,7 @@ from .dtypes import numpy_dtype
 from .errors import ChecksumMismatchError, InvalidStateError, KeyMismatchError, SizeMismatchError, TopologyChangedError
 from .manifest import Manifest, TensorEntry
 from .plan import ReadItem, plan_reads
+from .state import decode_state
 from .storage import Pending, Storage
 
 __all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy"]
@@ -246,7 +247,6 @@ class Checkpoint(PositionalReads):
 
     # ------------------------------------------------------------------ non-tensor state
     def _state_object(self, name: str) -> Any:
-        from .state import decode_state
         e = self.manifest.state.get(name)
         if e is None:
             return None

@@ -22,9 +22,9 @@ class Repository:
     ``options``: ``read_window_bytes`` (bytes of reads in flight per reader, default 256 MiB),
     ``read_threads`` (local-file reader threads, default 32), ``positional_reads`` (file driver: read
     shards with preadv straight into the outputs, default True; False reads through tensorstore's
-    kvstore as on every other store), ``vectored_writes`` (file driver: a save writes shard objects
-    with pwritev straight from the source arrays, default True; False writes through tensorstore),
-    ``write_threads`` (its writer threads, default 16), ``fsync`` (file driver, default True),
+    kvstore as on every other store), ``write_threads`` (a save's writer threads, default 16; on
+    local files they write shard objects with pwritev straight from the source arrays),
+    ``fsync`` (file driver, default True),
     ``io_concurrency``, ``copy_concurrency``, and
     ``kvstore`` (extra kvstore options such as an S3 endpoint).
 

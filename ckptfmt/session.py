@@ -11,7 +11,7 @@ Call order on every rank (all collectives are named and bounded by ``timeout_s``
    each rank its own per-rank state) and verifies them: object size, index checksum, and every
    inner chunk's stored crc32c against the crc32c computed from the source bytes
    (:mod:`ckptfmt._shardwriter`; keys and byte layout from :mod:`ckptfmt.layout`).
-4. ``allgather("save/ack")`` of the shard records (:class:`~ckptfmt._shardwriter.ShardRecord`)
+4. ``allgather("save/ack")`` of the shard records (:class:`~ckptfmt.shard.ShardRecord`, named columns)
    and state entries, or of the writer's error.
 5. rank 0 builds and validates the manifest, switches its lease to ``committing`` (a write
    conditional on the lease generation it last wrote: the fence against gc, FORMAT.md 8.3), and
@@ -28,18 +28,20 @@ import math
 import platform
 import threading
 import time
-from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Iterable, Mapping
 
 import msgpack
 import numpy as np
 
+from . import __version__
 from . import errors as _errors
 from . import _reuse
 from ._boxcols import check_held, pack_boxes
 from ._gcfence import excluded
 from ._manifest_refs import DERIVED, REFERENCES, ZSTD, any_in_derived_form, references_payload, wants_derived
-from ._shardwriter import ShardRecord, state_from_wire, state_to_wire, write_and_verify, write_state
+from ._saveopts import SaveOptions as SaveOptions
+from ._shardwriter import PhaseClock, WriteSettings, state_from_wire, state_to_wire, write_and_verify, write_state
 from ._types import LocalShard
 from .coord import Coordinator, LocalCoordinator
 from .dtypes import dtype_name, numpy_dtype
@@ -49,50 +51,12 @@ from .layout import MARKER_BYTES, MARKER_KEY, MAX_STEP, array_path, cell_key, le
 from .layout import lease_key as lease_key
 from .layout import new_save_id as new_save_id
 from .manifest import MAX_NESTING, ArraySpec, ChunkTable, Manifest, ShardTable, StateEntry, TensorEntry, parse_manifest
-from .plan import DEFAULT_CHUNK_TARGET_BYTES, TensorWritePlan, plan_save_packed
+from .plan import TensorWritePlan, plan_save_packed
+from .repository import Repository
+from .shard import ShardRecord, records_from_wire, records_to_wire
 from .storage import NO_VALUE, Storage
 
 __all__ = ["SaveOptions", "save", "lease_key", "new_save_id"]
-
-
-@dataclass(frozen=True)
-class SaveOptions:
-    """Tuning and test knobs of a save. ``save_id``/``created_unix`` exist for reproducible examples."""
-
-    timeout_s: float = 300.0
-    chunk_target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES
-    max_inflight_bytes: int = 128 << 20
-    heartbeat_s: float = 10.0
-    save_id: str | None = None
-    created_unix: float | None = None
-    #: Bounding storage pressure: at most this many bytes/s written by this process (None: no limit),
-    max_write_bytes_per_s: float | None = None
-    #: and a random delay in [0, jitter_s) before this rank's first write, so that ranks do not
-    #: burst the storage in lock-step. Both apply after the freeze; neither changes the format.
-    jitter_s: float = 0.0
-    #: Incremental saves (FORMAT.md 8.4): "auto" references a shard of the previous committed step
-    #: whose bytes are proven equal instead of writing it again; "compare" proves every such shard
-    #: by a full byte comparison; "off" writes every shard (a format 1.0 manifest).
-    reuse: str = "auto"
-    #: The inner-chunk codec (FORMAT.md 6.3): "raw" (default), or "zstd" at ``codec_level``
-    #: (revision 1.1, extension ckptfmt.zstd; crc32c over the encoded bytes).
-    codec: str = "raw"
-    codec_level: int = 3
-    #: The manifest's tensor columns (FORMAT.md 5.14, revision 1.2): "auto" (default) leaves out the
-    #: five a tensor's geometry determines when the manifest holds >= 65,536 shard rows, "derived"
-    #: always, "explicit" never (readers of revisions 1.0 and 1.1 read only explicit manifests).
-    manifest_columns: str = "auto"
-    #: If given, this rank adds the seconds of each save phase into it ("plan", "stage", "write",
-    #: "fsync", "verify", "state", "commit"), for profiles and the bench; never changes the save.
-    timings: dict[str, float] | None = None
-
-
-def add_time(opts: SaveOptions, phase: str, since: float) -> float:
-    """Add ``now - since`` to ``opts.timings[phase]`` (when timings are kept); returns now."""
-    now = time.perf_counter()
-    if opts.timings is not None:
-        opts.timings[phase] = opts.timings.get(phase, 0.0) + now - since
-    return now
 
 
 def _pack(obj: Any) -> bytes:
@@ -104,15 +68,11 @@ def _unpack(b: bytes) -> Any:
 
 
 def _versions(extra: Mapping[str, str] | None) -> dict[str, str]:
-    import tensorstore
-    from . import __version__
-    v = {"ckptfmt": __version__, "python": platform.python_version(), "numpy": np.__version__,
-         "tensorstore": getattr(tensorstore, "__version__", "unknown")}
+    v = {"ckptfmt": __version__, "python": platform.python_version(), "numpy": np.__version__}
     try:
-        from importlib.metadata import version
         v["tensorstore"] = version("tensorstore")
-    except Exception:
-        pass
+    except (PackageNotFoundError, ValueError):
+        v["tensorstore"] = "unknown"
     v.update({str(k): str(x) for k, x in (extra or {}).items()})
     return v
 
@@ -202,18 +162,12 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
 
     With ``options.reuse`` "auto" (the default) or "compare", a shard whose bytes are proven equal
     to the previous committed step's is referenced there instead of written (FORMAT.md 8.4).
+    ``options`` were checked when built (:class:`SaveOptions` raises ValueError then).
     """
-    from .repository import Repository
     repository = repo if isinstance(repo, Repository) else Repository(str(repo))
     storage = repository.storage
     coord = coordinator or LocalCoordinator()
     opts = options or SaveOptions()
-    if opts.reuse not in _reuse.REUSE_MODES:  # a usage error, the same on every rank: raised before anything
-        raise ValueError(f"SaveOptions.reuse must be one of {_reuse.REUSE_MODES}, got {opts.reuse!r}")
-    wants_derived(opts.manifest_columns, 0)  # ValueError for an unknown value, before anything is written
-    if opts.codec not in ("raw", "zstd") or isinstance(opts.codec_level, bool) or not -7 <= int(opts.codec_level) <= 22:
-        raise ValueError(f"SaveOptions.codec must be 'raw' or 'zstd' and codec_level in [-7, 22], got "
-                         f"{opts.codec!r}, {opts.codec_level!r}")
     rank, world = coord.rank, coord.world
     # Inputs are checked on every rank before anything is written. A rank whose inputs are bad
     # still joins the collectives and reports its error there, so that every rank fails the same
@@ -343,26 +297,29 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
         coord.allgather("save/freeze", _pack({"error": _err_json(local)}), opts.timeout_s)
         raise local
     # 2. freeze: agree on step, inventory and ownership before any write.
+    clock = PhaseClock(opts.timings)
     t = time.perf_counter()
     plans = _freeze(coord, opts, step, save_id, local)
-    t = add_time(opts, "plan", t)
+    t = clock.add("plan", t)
 
     # 3. write privately and verify; 4. acknowledge (records or the error).
     reuse = _reuse.ReusePlanner(storage, _reuse.previous_manifest(repository, pinned), mode=opts.reuse,
                                 codec=opts.codec, exclude=frozenset(pinned[2]) if pinned else frozenset())
     records: list[ShardRecord] = []
     try:
-        records = write_and_verify(storage, plans, local, save_id, rank, opts, reuse=reuse)
+        settings = WriteSettings(opts.max_inflight_bytes, opts.max_write_bytes_per_s, opts.jitter_s, opts.codec,
+                                 opts.codec_level)
+        records = write_and_verify(storage, plans, local, save_id, rank, settings, clock, reuse=reuse)
         t = time.perf_counter()
         state_entries = write_state(storage, save_id, rank, state, rank_state)
-        t = add_time(opts, "state", t)
-        ack: dict[str, Any] = {"records": [r.to_wire() for r in records], "state": [state_to_wire(e) for e in state_entries]}
+        t = clock.add("state", t)
+        ack: dict[str, Any] = {"records": records_to_wire(records), "state": [state_to_wire(e) for e in state_entries]}
     except CheckpointError as e:
         ack = {"error": _err_json(e)}
     except Exception as e:  # a writer bug must still reach every rank, not hang them
         ack = {"error": _err_json(IncompleteSaveError(f"writer failed: {type(e).__name__}: {e}"))}
     acks = [_unpack(b) for b in coord.allgather("save/ack", _pack(ack), opts.timeout_s)]
-    t = add_time(opts, "ack", t)
+    t = clock.add("ack", t)
 
     # 5. commit (rank 0), then tell everyone.
     outcome: dict[str, Any] = {}
@@ -370,7 +327,7 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
         outcome = _commit(repository, storage, heartbeat, save_id, step, world, plans, acks, local, metadata, versions, opts)
     checked = outcome.pop("parsed", None)  # rank 0 validated the manifest it created: not parsed twice
     outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
-    add_time(opts, "commit", t)
+    clock.add("commit", t)
     if "error" in outcome:
         raise _err_from(outcome["error"])
     reuse.remember(save_id, records)
@@ -453,8 +410,7 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
     when a planned shard was not acknowledged."""
     by_cell: dict[tuple[int, tuple[int, ...]], ShardRecord] = {}
     for a in acks:
-        for wire in a["records"]:
-            r = ShardRecord.from_wire(wire)
+        for r in records_from_wire(a["records"]):
             by_cell[(r.tensor, r.cell)] = r
     tensors: dict[str, TensorEntry] = {}
     refs: dict[str, dict[int, tuple[str, str]]] = {}

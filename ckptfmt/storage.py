@@ -22,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
 
+from ._kvurl import kvstore_spec
 from ._localfs import Entry
 from .errors import StorageError
 
@@ -152,17 +153,6 @@ class Storage(ABC):
         raise StorageError("this store has no positional reads", key=tensor, object=key,
                            expected="a local-file repository", found=type(self).__name__)
 
-    @property
-    def vectored_writes(self) -> bool:
-        """Whether a save may write shard objects itself as the local files :meth:`local_file`
-        names (:mod:`ckptfmt._vectorwrite`) instead of through :meth:`open_array`."""
-        return False
-
-    def local_file(self, key: str) -> str:
-        """The local file path of ``key``; only where :attr:`vectored_writes` is True."""
-        raise StorageError("this store has no local files", object=key, expected="a local-file repository",
-                           found=type(self).__name__)
-
     # ------------------------------------------------------------------ writes
     @abstractmethod
     def write(self, key: str, data: bytes) -> None: ...
@@ -170,6 +160,20 @@ class Storage(ABC):
     @abstractmethod
     def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
         """Write every (key, bytes) concurrently; StorageError naming the first that failed."""
+
+    def write_object(self, key: str, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
+        """Write one whole object whose bytes are ``buffers`` (bytes-like, in order), replacing
+        any object at ``key``; returns its length as stored. Called from several threads at once.
+        The object is durable, with its name, once :meth:`sync` of a prefix above it has returned.
+        StorageError (naming ``tensor`` and ``key``) when the write fails; the object is then
+        absent or left for gc to remove. Default: one :meth:`write` of the joined bytes."""
+        data = b"".join(buffers)
+        self.write(key, data)
+        return len(data)
+
+    def sync(self, prefix: str) -> None:
+        """Make every object :meth:`write_object` wrote under ``prefix`` (ending with "/") durable,
+        names included. Default: nothing, for stores whose writes are durable when they return."""
 
     @abstractmethod
     def write_if(self, key: str, data: bytes | None, if_equal: bytes) -> bytes:
@@ -194,9 +198,11 @@ class Storage(ABC):
         """Keys under ``prefix``, sorted."""
 
     @abstractmethod
-    def scan_children(self, prefix: str) -> list[Entry]:
-        """Every name directly under ``prefix`` (ending with "/"), judged without following links.
-        StorageError when the prefix cannot be listed or is itself a link."""
+    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[Entry]:
+        """Every name directly under ``prefix`` (ending with "/"), judged without following links;
+        for each folder, the kind of the object ``<name>/<marker>`` when ``marker`` is given (the
+        caller says what to look for: the collector, a lease). StorageError when the prefix cannot
+        be listed or is itself a link."""
 
     @abstractmethod
     def plain_dir(self, prefix: str) -> bool:
@@ -273,18 +279,17 @@ class DelegatingStorage(Storage):
     def open_positional(self, key: str, *, tensor: str | None = None) -> PositionalFile:
         return self.inner.open_positional(key, tensor=tensor)
 
-    @property
-    def vectored_writes(self) -> bool:
-        return self.inner.vectored_writes
-
-    def local_file(self, key: str) -> str:
-        return self.inner.local_file(key)
-
     def write(self, key: str, data: bytes) -> None:
         self.inner.write(key, data)
 
     def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
         self.inner.write_many(items)
+
+    def write_object(self, key: str, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
+        return self.inner.write_object(key, buffers, tensor=tensor)
+
+    def sync(self, prefix: str) -> None:
+        self.inner.sync(prefix)
 
     def write_if(self, key: str, data: bytes | None, if_equal: bytes) -> bytes:
         return self.inner.write_if(key, data, if_equal)
@@ -301,8 +306,8 @@ class DelegatingStorage(Storage):
     def list(self, prefix: str = "") -> list[str]:
         return self.inner.list(prefix)
 
-    def scan_children(self, prefix: str) -> list[Entry]:
-        return self.inner.scan_children(prefix)
+    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[Entry]:
+        return self.inner.scan_children(prefix, marker=marker)
 
     def plain_dir(self, prefix: str) -> bool:
         return self.inner.plain_dir(prefix)
@@ -318,9 +323,10 @@ def open_storage(url: str, options: Mapping[str, Any] | None = None) -> Storage:
     """The backend for a repository URL (see :mod:`ckptfmt._kvurl` for the accepted forms).
     Raises InvalidURLError for a URL it cannot address and StorageError when the store cannot
     be opened."""
+    # The backends import tensorstore: imported here, when a repository is opened, so that
+    # `import ckptfmt` stays quick (and they subclass Storage, defined above).
     from ._filestore import LocalFileStorage
     from ._kvstore import KvStoreStorage, MemoryStorage
-    from ._kvurl import kvstore_spec
 
     opts = dict(options or {})
     spec = kvstore_spec(url, opts.get("kvstore"))

@@ -50,9 +50,9 @@ class Hooked(DelegatingStorage):
         self._fire("list", prefix, "before")
         return super().list(prefix)
 
-    def scan_children(self, prefix: str) -> Any:
+    def scan_children(self, prefix: str, **kw: Any) -> Any:
         self._fire("scan_children", prefix, "before")
-        out = super().scan_children(prefix)
+        out = super().scan_children(prefix, **kw)
         self._fire("scan_children", prefix, "after")
         return out
 

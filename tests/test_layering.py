@@ -204,3 +204,58 @@ def test_the_real_tree_rejects_an_injected_forbidden_import(tmp_path):
     victim.write_text(victim.read_text() + f"\n\ndef _injected():\n    import ckptfmt.{high}\n")
     bad = subpackage_offenders(tmp_path, FLOOR, SHIMS, SUBPACKAGES, CROSSINGS)
     assert len(bad) == 1 and f"({low}) imports ckptfmt.{high} ({high}, deferred)" in bad[0], bad
+
+
+def test_import_ckptfmt_loads_tensorstore_only_when_a_repository_opens(tmp_path):
+    """``import ckptfmt`` stays quick (issue 30 item 4): tensorstore is imported when a repository
+    (its storage) is opened. Control: opening one does import it, so the first check is not vacuous."""
+    p = _python("import sys, ckptfmt; assert 'tensorstore' not in sys.modules, 'imported at import'")
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = _python(f"import sys, ckptfmt; ckptfmt.Repository({str(tmp_path / 'r')!r}).steps(); "
+                "assert 'tensorstore' in sys.modules, 'not imported by an open repository'")
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the ckptfmt modules it imports (relative imports anywhere in it, function-level
+    included; TYPE_CHECKING blocks excluded)."""
+    mods = {p.stem: p for p in (ROOT / "ckptfmt").glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        deps: set[str] = set()
+
+        def visit(node: ast.AST) -> None:
+            for ch in ast.iter_child_nodes(node):
+                if isinstance(ch, ast.If) and "TYPE_CHECKING" in ast.unparse(ch.test):
+                    continue
+                if isinstance(ch, ast.ImportFrom) and ch.level == 1:
+                    deps.update([ch.module.split(".")[0]] if ch.module else [a.name for a in ch.names])
+                visit(ch)
+
+        visit(ast.parse(path.read_text()))
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module."""
+    reach = {m: set() for m in graph}
+    for m in graph:
+        todo = list(graph[m])
+        while todo:
+            d = todo.pop()
+            if d not in reach[m]:
+                reach[m].add(d)
+                todo.extend(graph[d])
+    comps = {frozenset({m} | {d for d in reach[m] if m in reach[d]}) for m in graph}
+    return sorted((set(c) for c in comps if len(c) > 1), key=sorted)
+
+
+def test_no_import_cycle_inside_ckptfmt():
+    """Issue 25: the writer, reader and protocol no longer import each other. The one pair left is
+    storage.open_storage importing the backends it picks (they subclass Storage, and import
+    tensorstore, so they load when a repository opens). Control: a made-up back edge is found."""
+    graph = _module_graph()
+    assert _cycles(graph) == [{"storage", "_filestore", "_kvstore"}]
+    graph["shard"] = graph["shard"] | {"session"}  # control: the writer's record importing the protocol
+    assert any({"shard", "session"} <= c for c in _cycles(graph))

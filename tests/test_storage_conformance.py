@@ -38,6 +38,21 @@ def test_write_read_and_missing(store):
     assert value == b"hello" and gen and absent is None
 
 
+def test_write_object_from_buffers(store):
+    """The save's one write path: an object from a list of buffers (bytes, a memoryview, a numpy
+    view), its stored length returned, replaced whole by a later write, durable after sync."""
+    import numpy as np
+
+    chunk = np.arange(6, dtype=np.uint8).reshape(2, 3)[:, 1:]  # a strided source: copied by the caller
+    n = store.write_object("saves/s/t/0/c/0", [b"ab", memoryview(b"cd"), np.ascontiguousarray(chunk).reshape(-1)],
+                           tensor="w")
+    store.sync("saves/s/")
+    assert n == 8 and store.read("saves/s/t/0/c/0") == b"abcd" + bytes([1, 2, 4, 5])
+    assert store.write_object("saves/s/t/0/c/0", [b"xyz"]) == 3  # control: it replaces, never appends
+    store.sync("saves/s/")
+    assert store.read("saves/s/t/0/c/0") == b"xyz" and store.list("saves/s/") == ["saves/s/t/0/c/0"]
+
+
 def test_bounded_whole_reads(store):
     store.write("k", b"0123456789")
     assert store.read("k", max_bytes=4) == b"01234"          # at most max_bytes + 1
@@ -156,10 +171,11 @@ def test_scan_children(store):
     store.write("saves/s1/t/0", b"x")
     store.write("saves/s2/t/0", b"x")
     store.write("saves/stray", b"x")
-    got = {e.name: e for e in store.scan_children("saves/")}
+    got = {e.name: e for e in store.scan_children("saves/", marker="LEASE")}
     assert sorted(got) == ["s1", "s2", "stray"]
-    assert (got["s1"].kind, got["s1"].objects, got["s1"].lease) == ("dir", 2, "file")
-    assert (got["s2"].kind, got["s2"].lease) == ("dir", None) and got["stray"].kind == "file"
+    assert (got["s1"].kind, got["s1"].objects, got["s1"].marker) == ("dir", 2, "file")
+    assert (got["s2"].kind, got["s2"].marker) == ("dir", None) and got["stray"].kind == "file"
+    assert store.scan_children("saves/")[0].marker is None  # the store looks for nothing unless told
     assert store.scan_children("nothing/") == [] and store.plain_dir("nothing/")
 
 

@@ -1,5 +1,6 @@
-"""The vectored shard writer (ckptfmt._vectorwrite) against its slow twin, tensorstore's zarr3 codec:
-the same save writes the same bytes on disk either way, and faults surface as typed errors."""
+"""The shard encoder (ckptfmt.shard.encode) and the local-file write (LocalFileStorage.write_object)
+against their slow twin, tensorstore's zarr3 codec: a save writes the bytes tensorstore writes for
+the same arrays, and faults surface as typed errors."""
 import subprocess
 import sys
 import tempfile
@@ -11,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptfmt import Box, LocalShard, Repository, SaveOptions, save
+from ckptfmt import Box, LocalShard, Repository, SaveOptions, layout, save
+from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.storage import DelegatingStorage
 
 _DTYPES = [np.float32, np.float64, np.int8, np.uint16, np.bool_, ml_dtypes.bfloat16, np.complex64]
@@ -22,15 +24,22 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 def _save_both(tmp: Path, shards: list[LocalShard], chunk_bytes: int) -> tuple[dict, dict]:
-    out = []
-    for vectored in (True, False):
-        root = tmp / ("fast" if vectored else "slow")
-        repo = Repository(str(root), options={"vectored_writes": vectored})
-        assert repo.storage.vectored_writes is vectored
-        save(repo, 3, shards, state={"k": 1}, options=SaveOptions(
-            save_id="000000000003-20261130T000000-00000000", created_unix=1.0, chunk_target_bytes=chunk_bytes))
-        out.append(_tree(root))
-    return out[0], out[1]
+    """The shard objects of a save, and those tensorstore writes for the same global arrays."""
+    root = tmp / "fast"
+    m = save(Repository(str(root)), 3, shards, state={"k": 1}, options=SaveOptions(
+        save_id="000000000003-20261130T000000-00000000", created_unix=1.0, chunk_target_bytes=chunk_bytes))
+    twin = Repository(str(tmp / "slow")).storage
+    for key, t in m.tensors.items():
+        a = np.zeros(t.shape, numpy_dtype(t.dtype))
+        for s in (s for s in shards if s.key == key):
+            a[s.box.slices()] = s.materialize()
+        if a.dtype == np.bool_:  # the format stores 0x00/0x01 only
+            a = np.not_equal(a.view(np.uint8), 0)
+        meta = layout.zarr_array_metadata(t.shape, t.dtype, t.array.shard_shape, t.array.chunk_shape)
+        twin.open_array(t.array.path, meta, create=True).result().write(a).result()
+    fast, slow = _tree(root), _tree(tmp / "slow")
+    return ({k: v for k, v in fast.items() if "/c" in k and not k.endswith("zarr.json")},
+            {k: v for k, v in slow.items() if "/c" in k and not k.endswith("zarr.json")})
 
 
 @st.composite
@@ -98,10 +107,17 @@ def test_vectored_writes_restore_and_detect_a_flip(tmp_path):
         Repository(url).open(1).read_boxes([("x", Box.full(x.shape))])
 
 
-def test_delegating_storage_keeps_vectored_writes(tmp_path):
+def test_delegating_storage_keeps_the_local_write(tmp_path):
+    """A DelegatingStorage forwards write_object and sync to the local-file backend (its durable
+    write, not the default's one write of the joined bytes); a memory store takes the default."""
     inner = Repository(str(tmp_path / "r")).storage
-    assert DelegatingStorage(inner).vectored_writes
-    assert not Repository("memory://vw-test").storage.vectored_writes   # the general path stays for other stores
+    wrapped = DelegatingStorage(inner)
+    assert wrapped.write_object("saves/x/t/0/c/0", [b"ab", memoryview(b"cd")]) == 4
+    wrapped.sync("saves/x/")
+    assert (tmp_path / "r" / "saves/x/t/0/c/0").read_bytes() == b"abcd"
+    assert not list((tmp_path / "r").rglob("*.__lock"))
+    mem = Repository("memory://vw-test").storage
+    assert mem.write_object("saves/x/o", [b"ab", b"cd"]) == 4 and mem.read("saves/x/o") == b"abcd"
 
 
 _EFBIG_CHILD = r"""
@@ -152,7 +168,7 @@ print("step 3 saved")
 
 @pytest.mark.parametrize("limit", [4096, 1 << 30])  # step 2 fails on the writer threads; control: it does not
 def test_the_writer_threads_outlive_a_failed_save(tmp_path, limit):
-    """The process-wide writer threads (ckptfmt._vectorwrite.writer_pool): a save that fails on them
+    """The process-wide writer threads (ckptfmt._durable.writer_pool): a save that fails on them
     leaves them usable for the next save, with no lock file left behind."""
     url = str(tmp_path / "r")
     r = subprocess.run([sys.executable, "-c", _POOL_CHILD, url, str(limit)], capture_output=True, text=True,
@@ -166,7 +182,7 @@ def test_the_writer_threads_outlive_a_failed_save(tmp_path, limit):
 
 @pytest.mark.parametrize("blocked", [True, False])  # an object that cannot be created, and its control
 def test_small_objects_written_in_groups_fail_closed(tmp_path, blocked):
-    """32 small shard objects on 4 writer threads go out as 4 groups of 8 (_vectorwrite.write_local).
+    """32 small shard objects on 4 writer threads go out as 4 groups of 8 (the one write scheduler).
     An object that cannot be created, in the middle of a group, fails the save with a typed error
     naming it; the step is not committed, none of its objects stay, and the step before it still
     restores. Control: the same save without the obstacle commits every object."""
@@ -183,7 +199,7 @@ def test_small_objects_written_in_groups_fail_closed(tmp_path, blocked):
     sid = "000000000002-20261130T000000-0000cafe"
     keys = [layout.shard_key(layout.array_path(sid, 0), (r, 0)) for r in range(rows)]
     if blocked:  # a directory where object 9's lock file goes: its O_EXCL create fails
-        Path(repo.storage.local_file(keys[9]) + ".__lock").mkdir(parents=True)
+        (tmp_path / "r" / (keys[9] + ".__lock")).mkdir(parents=True)
     opts = SaveOptions(save_id=sid, chunk_target_bytes=256)
     if blocked:
         with pytest.raises(CheckpointError) as e:
@@ -194,6 +210,6 @@ def test_small_objects_written_in_groups_fail_closed(tmp_path, blocked):
     else:
         save(repo, 2, shards(2.0), options=opts)
         assert repo.steps() == [1, 2]
-        assert all(Path(repo.storage.local_file(k)).is_file() for k in keys)
+        assert all((tmp_path / "r" / k).is_file() for k in keys)
         assert np.array_equal(repo.open(2).read("x"), np.full((rows, 64), 2.0, np.float32))
     assert np.array_equal(repo.open(1).read("x"), np.full((rows, 64), 1.0, np.float32))

@@ -22,8 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--saves", type=int, default=2)
-    p.add_argument("--general", action="store_true", help="write through tensorstore (vectored_writes=False)")
-    p.add_argument("--write-threads", type=int, default=None, help="the vectored writer's threads (default 16)")
+    p.add_argument("--write-threads", type=int, default=None, help="the save's writer threads (default 16)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N functions by cumulative time")
     a = p.parse_args(argv)
     from .args import parse_size
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         prof = cProfile.Profile() if a.cprofile else None
         if prof:
             prof.enable()
-        opts = {"vectored_writes": not a.general} | ({"write_threads": a.write_threads} if a.write_threads else {})
+        opts = {"write_threads": a.write_threads} if a.write_threads else {}
         repo = Repository(os.path.join(root, f"s{n}"), options=opts)
         bj.save(repo, state, step=1, options=SaveOptions(timings=phases))
         if prof:

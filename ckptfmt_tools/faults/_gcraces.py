@@ -77,11 +77,11 @@ class _AtFirstLeaseRead(DelegatingStorage):
         super().__init__(inner)
         self.fn: Any = fn
 
-    def scan_children(self, prefix: str) -> Any:
+    def scan_children(self, prefix: str, **kw: Any) -> Any:
         if prefix == "saves/" and self.fn is not None:
             fn, self.fn = self.fn, None
             fn()
-        return super().scan_children(prefix)
+        return super().scan_children(prefix, **kw)
 
 
 def delete_racing_a_save(s: Scene) -> GcAttempt:

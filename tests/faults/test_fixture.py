@@ -145,8 +145,8 @@ def _links_as_saves():
     from ckptfmt._filestore import LocalFileStorage
 
     scan = LocalFileStorage.scan_children
-    return lambda self, prefix: [dataclasses.replace(e, kind="dir") if e.kind == "link" else e
-                                 for e in scan(self, prefix)]
+    return lambda self, prefix, **kw: [dataclasses.replace(e, kind="dir") if e.kind == "link" else e
+                                       for e in scan(self, prefix, **kw)]
 
 
 _NO_ID = re.compile(rb"(?!)(x)")  # a pattern that never matches
