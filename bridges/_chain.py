@@ -13,18 +13,23 @@ from typing import Sequence
 import numpy as np
 
 from ckptfmt import Box
-from ckptfmt.errors import ShapeMismatchError
+from ckptfmt.errors import CheckpointError, ShapeMismatchError
 
 from ._joins import Join
 from ._transforms import Cast, NotApplicable, NotExact, Select, Transform
 
-__all__ = ["Chain", "MappingError", "split_chain"]
+__all__ = ["Chain", "MappingError", "InvalidRuleError", "split_chain"]
 
 Shape = tuple[int, ...]
 
 
 class MappingError(ShapeMismatchError):
     """A mapping rule matched a key but does not apply to it (which rule, which transform, why)."""
+
+
+class InvalidRuleError(CheckpointError, ValueError):
+    """A rule or mapping is refused as written, before any data is touched: transforms that do not
+    compose, or rules a save cannot choose between (which key, which rules, the way out)."""
 
 
 def split_chain(ops: Sequence[Transform]) -> tuple[tuple[Transform, ...], Join | None, tuple[Transform, ...]]:

@@ -250,7 +250,7 @@ def _coverage(mapping: Mapping, w: _Walk) -> Coverage:
     written = {t.name for t in w.outs}
     unwritten, idle = list(w.dropped), []
     budget = _MATCH_BUDGET
-    for i, (rule, rx) in enumerate(mapping._compiled):
+    for i, (rule, rx, _) in enumerate(mapping._compiled):
         sizes = _sized(rule)
         src = rule.source if isinstance(rule.source, str) else list(rule.source)
         if sizes is not None:

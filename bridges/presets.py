@@ -17,7 +17,10 @@ model definitions: the presets name the layout a JAX model must have (tables bel
   ``c_attn``) from a Flax NNX GPT-2 with separate q/k/v.
 
 Adam moments (optax ``mu``/``nu`` -> torch AdamW ``exp_avg``/``exp_avg_sq``) follow their
-parameters through the same transforms; optax's one ``count`` feeds every torch ``step``.
+parameters through the same transforms; optax's one ``count`` (int32) feeds every torch ``step``
+(float32) through a ``Cast``, and a torch save writes it back as the int32 ``count`` and, by an
+``also`` copy, as NNX's ``optimizer/step`` (uint32), so JAX -> torch -> JAX gives back every leaf
+of ``nnx.Optimizer(model, optax.adamw(...))`` bit for bit.
 
 MaxText facts relied on (read from AI-Hypercomputer/maxtext):
 
@@ -48,7 +51,7 @@ import math
 from typing import Any, Sequence
 
 from .mapping import (Concat, Mapping, Merge, Reorder, Rule, Scale, Select, Transform, Transpose,
-                      interleaved_to_halves)
+                      interleaved_to_halves, optimizer_step_rules)
 
 __all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "llama_dims"]
 
@@ -87,11 +90,12 @@ def _rope(rope: str, axis: int, head_dim: int) -> tuple[Transform, ...]:
 
 def _mapping(entries: Sequence[tuple[Any, str, tuple[Transform, ...]]], model: tuple[str, str],
              optimizer: tuple[str, str] | None, moments: str, ignore: Sequence[str],
-             keep: Sequence[str]) -> Mapping:
+             keep: Sequence[str], step: tuple[str, str] | None = None) -> Mapping:
     """Rules for the parameters and, with ``optimizer``, their Adam moments and the step count.
 
     ``entries``: (source path(s) relative to the parameter tree, torch FQN pattern, transforms).
     ``moments``: the path under ``{optimizer}/mu`` that mirrors the parameter tree's root.
+    ``step``: (checkpoint key, dtype) of the framework's own update counter, or None.
     """
     def under(prefix: str, src: Any) -> Any:
         join = (lambda s: f"{prefix}/{s}" if prefix else s)
@@ -104,7 +108,7 @@ def _mapping(entries: Sequence[tuple[Any, str, tuple[Transform, ...]]], model: t
         for moment, slot in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
             base = "/".join(p for p in (src_o, moment, moments) if p)
             rules += [Rule(under(base, s), f"{dst_o}/{t}/{slot}", transforms=ops) for s, t, ops in entries]
-        rules.append(Rule(f"{src_o}/count", f"{dst_o}/{{p}}/step"))
+        rules += optimizer_step_rules(src_o, dst_o, step)
     return Mapping(tuple(rules), ignore=tuple(ignore), keep=tuple(keep), source_sep="/", target_sep=".")
 
 
@@ -165,7 +169,8 @@ def hf_llama_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"
                       optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
                       rope: str = "halves", names: dict[str, str] | None = None,
                       ignore: Sequence[str] = ("optimizer/step",),
-                      keep: Sequence[str] = ("optim/param_groups",)) -> Mapping:
+                      keep: Sequence[str] = ("optim/param_groups",),
+                      step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
     """Mapping from a Flax NNX Llama-family decoder (``nnx.scan`` layout) to HF ``LlamaForCausalLM``.
 
     ``config``: the HF config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config`` or a dict).
@@ -177,13 +182,14 @@ def hf_llama_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"
     ``rotate_half``: no change) or ``"interleaved"`` (pairs (0, 1), (2, 3), ...: rows reordered).
     ``model`` / ``optimizer``: (checkpoint prefix, torch state prefix) of the parameters and of
     optax's ``ScaleByAdamState`` (element 0 of an adamw chain); None for weights only.
-    Raises ValueError for an unknown ``rope`` and KeyError/TypeError for a config without the
+    ``step``: (checkpoint key, dtype) of ``nnx.Optimizer``'s counter, which a torch save writes
+    from torch's ``step`` (None: not written). Raises ValueError for an unknown ``rope`` and KeyError/TypeError for a config without the
     sizes; a checkpoint whose tensors do not fit raises MappingError at load, naming the rule.
     """
     dims = llama_dims(config)
     table = dict(LLAMA_NNX_NAMES, **(names or {}))
     entries = _llama_entries(dims, table, rope)
-    return _mapping(entries, model, optimizer, "", ignore, keep)
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
 
 def hf_llama_from_maxtext(config: Any, *, params: str = "params/params",
@@ -271,14 +277,15 @@ GPT2_NNX_NAMES: dict[str, str] = {
 def hf_gpt2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"),
                      optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
                      names: dict[str, str] | None = None, ignore: Sequence[str] = ("optimizer/step",),
-                     keep: Sequence[str] = ("optim/param_groups",)) -> Mapping:
+                     keep: Sequence[str] = ("optim/param_groups",),
+                     step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
     """Mapping from a Flax NNX GPT-2 (layers stacked on axis 0) to HF ``GPT2LMHeadModel``.
 
     HF's ``Conv1D`` stores weights (in, out), as Flax kernels are: no transposes. Its fused
     ``c_attn`` (d, 3d) is the concatenation of the q, k, v kernels along the output axis (and
     ``c_attn.bias`` of their biases); a torch -> JAX save splits it back. ``lm_head.weight`` is
-    tied to ``wte``: both read ``wte/embedding``. A checkpoint that does not fit raises
-    MappingError at load, naming the rule.
+    tied to ``wte``: both read ``wte/embedding``. ``step`` as for :func:`hf_llama_from_nnx`. A
+    checkpoint that does not fit raises MappingError at load, naming the rule.
     """
     n = dict(GPT2_NNX_NAMES, **(names or {}))
     L, d = int(_get(config, "n_layer")), int(_get(config, "n_embd"))
@@ -297,4 +304,4 @@ def hf_gpt2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model")
         entries += [(f"{n[src]}/scale", f"{h}.{dst}.weight", (sel,)), (f"{n[src]}/bias", f"{h}.{dst}.bias", (sel,))]
     for src, dst in (("attn_proj", "attn.c_proj"), ("fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")):
         entries += [(f"{n[src]}/kernel", f"{h}.{dst}.weight", (sel,)), (f"{n[src]}/bias", f"{h}.{dst}.bias", (sel,))]
-    return _mapping(entries, model, optimizer, "", ignore, keep)
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
