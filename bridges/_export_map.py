@@ -113,8 +113,8 @@ def _targets(mapping: Mapping, rule: Rule, keys: Sequence[str], shapes: dict[str
     """(target key, source ndim) for every checkpoint key the rule's first source pattern matches.
     ``budget[0]``: names still allowed (MAX_OUTPUTS in all); each key's count is checked before
     its names are enumerated."""
-    stack = next((op for op in rule.transforms if isinstance(op, Stack)), None)
-    rx = _compile(rule.sources[0], ints=(stack.over,) if stack is not None else ())
+    overs = {op.over for op in rule.transforms if isinstance(op, Stack)}  # key families (layers, experts)
+    rx = _compile(rule.sources[0], ints=overs)
     tnames = _placeholders(rule.target)
     selects = {op.index for op in rule.transforms if isinstance(op, Select) and isinstance(op.index, str)}
     out: list[tuple[str, int]] = []
@@ -122,7 +122,7 @@ def _targets(mapping: Mapping, rule: Rule, keys: Sequence[str], shapes: dict[str
         m = rx.match(key)
         if m is None:
             continue
-        got = {k: v for k, v in m.groupdict().items() if stack is None or k != stack.over}
+        got = {k: v for k, v in m.groupdict().items() if k not in overs}
         bound = {n: got[n].replace(mapping.source_sep, mapping.target_sep) for n in tnames if n in got}
         free = [n for n in tnames if n not in bound]
         if any(n not in selects for n in free):

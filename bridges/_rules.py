@@ -5,6 +5,7 @@ import difflib
 import fnmatch
 import re
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Any, Iterable, Mapping as TMapping, Sequence
 
 import numpy as np
@@ -108,8 +109,9 @@ class Rule:
     """``source`` pattern(s) <-> ``target`` pattern, with a chain of layout transforms.
 
     ``transforms`` apply in order from the source layout to the target layout; one
-    :class:`Concat` or :class:`Stack` may join several sources (transforms before it apply to
-    each source, those after it to the joined tensor). ``permute`` (the older form) maps
+    :class:`Concat`, or one or more adjacent :class:`Stack` s (a family over several placeholders:
+    layers and experts), may join several sources (transforms before it apply to each source,
+    those after it to the joined tensor). ``permute`` (the older form) maps
     ndim -> axes with ``target = source.transpose(axes)``; a rule whose table lacks the tensor's
     ndim does not apply. Give one or the other.
 
@@ -147,7 +149,7 @@ class Rule:
         for op in self.transforms:
             if not isinstance(op, Transform):
                 raise ValueError(f"{where}: {op!r} is not a transform")
-        _, join, _ = split_chain(self.transforms)  # ValueError for two joins
+        _, join, _ = split_chain(self.transforms)  # InvalidRuleError for joins that do not compose
         srcs = self.sources
         if isinstance(join, Concat) and len(srcs) < 2:
             raise ValueError(f"{where}: Concat needs two or more sources")
@@ -203,7 +205,7 @@ class Rule:
             n = len(self.sources)
             return tuple(Rule(self.target, src, transforms=tuple(tail + [join.inverse_part(k, n)] + head))
                          for k, src in enumerate(self.sources))
-        mid = [join.inverse()] if join is not None else []
+        mid = join.inverse_ops() if join is not None else []
         return (Rule(self.target, self.sources[0], transforms=tuple(tail + mid + head)),)
 
     def inverse(self) -> "Rule":
@@ -395,9 +397,10 @@ class Mapping:
         except NotApplicable as e:
             return f"{where} matched but {e.reason}"
 
-    def _sources(self, rule: Rule, got: dict[str, str], keys: Any) -> tuple[str, ...] | None:
+    def _sources(self, rule: Rule, got: dict[str, str], keys: Any,
+                 family: dict[str, int] | None = None) -> tuple[str, ...] | None:
         """Source keys for a match; None when they cannot be known (source-only placeholders, no keys)."""
-        stack = next((op for op in rule.transforms if isinstance(op, Stack)), None)
+        overs = [op.over for op in rule.transforms if isinstance(op, Stack)][::-1]  # outermost first
         out: list[str] = []
         for pattern in rule.sources:
             names = _placeholders(pattern)
@@ -406,10 +409,13 @@ class Mapping:
                 continue
             if keys is None:
                 return None
-            if stack is not None and [n for n in names if n not in got] == [stack.over]:
-                rx = _compile(pattern, got, ints=(stack.over,))
-                found = sorted({int(m.group(stack.over)) for k in keys if (m := rx.match(k))})
-                out += [_fill(pattern, {**got, stack.over: i}) for i in range(_family_length(found))]
+            if overs and sorted({n for n in names if n not in got}) == sorted(overs):
+                rx = _compile(pattern, got, ints=overs)
+                hits = [m for k in keys if (m := rx.match(k))]
+                sizes = [_family_length(sorted({int(m.group(o)) for m in hits})) for o in overs]
+                if family is not None:
+                    family.update(zip(overs, sizes))
+                out += [_fill(pattern, {**got, **dict(zip(overs, idx))}) for idx in product(*map(range, sizes))]
                 continue
             rx = _compile(pattern, got)
             cands = sorted(k for k in keys if rx.match(k))
@@ -438,9 +444,13 @@ class Mapping:
             if isinstance(ops, str):
                 notes.append(ops)
                 continue
-            srcs = self._sources(rule, got, keys)
+            family: dict[str, int] = {}
+            srcs = self._sources(rule, got, keys, family)
             if srcs is None:
                 continue
+            if len(family) > 1:  # the family's sizes tell the Stacks how its keys are laid out
+                ops = tuple(Stack(op.axis, op.over, family[op.over]) if isinstance(op, Stack) and op.size is None
+                            else op for op in ops)
             lacking = [] if keys is None else [s for s in srcs if s not in keys]
             if not lacking:
                 return Resolved(target_key, srcs, ops, rule, tuple(notes))
