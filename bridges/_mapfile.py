@@ -41,7 +41,8 @@ from ._reshape import Merge, Unmerge
 from ._rules import Mapping, Rule
 from ._transforms import Cast, Reorder, Scale, Select, Transform, Transpose
 
-__all__ = ["mapping_to_json", "mapping_from_json", "load_mapping_file", "InvalidMappingError", "MAPPING_VERSION",
+__all__ = ["mapping_to_json", "mapping_from_json", "load_mapping_file", "load_names_file", "InvalidMappingError",
+           "MAPPING_VERSION", "MAX_NAMES_BYTES",
            "MAX_FILE_BYTES", "MAX_NESTING", "MAX_RULES", "MAX_SOURCES", "MAX_TRANSFORMS", "MAX_PATTERN_CHARS",
            "MAX_PLACEHOLDERS", "MAX_GLOBS", "MAX_AXES", "MAX_STACKED", "MAX_DIM"]
 
@@ -61,6 +62,7 @@ MAX_AXES = 64               # an axis number (|axis| < 64), and the length of ax
 MAX_STACKED = 1 << 20       # Select/Stack size and index, Part index: the stacked length (a manifest's tensor cap)
 MAX_DIM = 1 << 62           # any other size (a manifest's dimension cap)
 _PLACEHOLDER_OPEN = "{"
+MAX_NAMES_BYTES = 1 << 20   # a names file (ckptfmt export --names): a preset's name table, a few KB
 
 
 class InvalidMappingError(CheckpointError, ValueError):
@@ -312,3 +314,25 @@ def load_mapping_file(path: str | os.PathLike) -> Mapping:
     except ValueError as e:
         raise _bad(str(path), f"not JSON: {str(e)[:200]}") from None
     return mapping_from_json(doc)
+
+
+def load_names_file(path: str | os.PathLike) -> dict[str, str]:
+    """A preset's ``names=`` from a JSON file (``ckptfmt export --names``): one object of name key ->
+    path, at most MAX_NAMES_BYTES. InvalidMappingError (a ValueError) when it is not that, naming
+    the member; the preset itself rejects a name key it lacks (ValueError)."""
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_NAMES_BYTES + 1)
+    if len(data) > MAX_NAMES_BYTES:
+        raise _bad(str(path), "a names file is too large", expected=f"<= {MAX_NAMES_BYTES} B",
+                   found=f"more than {MAX_NAMES_BYTES} B")
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (RecursionError, ValueError) as e:
+        raise _bad(str(path), f"not JSON: {str(e)[:200]}") from None
+    if not isinstance(doc, dict):
+        raise _bad(str(path), "a names file is one JSON object of name key -> path", found=type(doc).__name__)
+    for k, v in doc.items():
+        if not isinstance(v, str) or not v:
+            raise _bad(str(path), f"names[{k[:64]!r}] must be a non-empty path string", found=f"{v!r}"[:200])
+        _check_pattern(v, f"{path}: names[{k[:64]!r}]", "a path")
+    return dict(doc)

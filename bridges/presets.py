@@ -53,7 +53,8 @@ from typing import Any, Sequence
 from .mapping import (Concat, Mapping, Merge, Reorder, Rule, Scale, Select, Transform, Transpose,
                       interleaved_to_halves, optimizer_step_rules)
 
-__all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "llama_dims"]
+__all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "llama_dims", "LLAMA_NNX_NAMES",
+           "MAXTEXT_LLAMA_NAMES", "GPT2_NNX_NAMES", "NAME_TABLES", "names_markdown"]
 
 ROPE_LAYOUTS = ("halves", "interleaved")
 
@@ -79,6 +80,17 @@ def llama_dims(config: Any) -> dict[str, Any]:
         qkv_bias=qwen2 or bool(_get(config, "attention_bias", False)),
         o_bias=(not qwen2) and bool(_get(config, "attention_bias", False)),
         mlp_bias=bool(_get(config, "mlp_bias", False)))
+
+
+def _names(defaults: dict[str, str], names: dict[str, str] | None, preset: str) -> dict[str, str]:
+    """The preset's name table with the user's ``names`` (ValueError for a name key it lacks)."""
+    unknown = sorted(set(names or {}) - set(defaults))
+    if unknown:
+        raise ValueError(f"{preset}: unknown name key(s) {unknown}; its name keys: {sorted(defaults)}")
+    bad = [k for k, v in (names or {}).items() if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"{preset}: names[{bad[0]!r}] must be a non-empty path string")
+    return dict(defaults, **(names or {}))
 
 
 def _rope(rope: str, axis: int, head_dim: int) -> tuple[Transform, ...]:
@@ -187,7 +199,7 @@ def hf_llama_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"
     sizes; a checkpoint whose tensors do not fit raises MappingError at load, naming the rule.
     """
     dims = llama_dims(config)
-    table = dict(LLAMA_NNX_NAMES, **(names or {}))
+    table = _names(LLAMA_NNX_NAMES, names, "hf_llama_from_nnx")
     entries = _llama_entries(dims, table, rope)
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
@@ -196,7 +208,8 @@ def hf_llama_from_maxtext(config: Any, *, params: str = "params/params",
                           optimizer: tuple[str, str] | None = ("opt_state/0", "optim/state"),
                           model: str = "model", rope: str = "interleaved", scan_axis: int = 1,
                           allow_inexact_save: bool = False,
-                          ignore: Sequence[str] = ("step",), keep: Sequence[str] = ("optim/param_groups",)) -> Mapping:
+                          ignore: Sequence[str] = ("step",), keep: Sequence[str] = ("optim/param_groups",),
+                          names: dict[str, str] | None = None) -> Mapping:
     """Mapping from MaxText's scanned Llama/Mistral parameter tree to HF ``LlamaForCausalLM``.
 
     ``params``: where MaxText's Linen variables sit in the checkpoint (a MaxText ``TrainState``
@@ -207,30 +220,36 @@ def hf_llama_from_maxtext(config: Any, *, params: str = "params/params",
     ``"halves"`` for its default ``RotaryEmbedding`` (Llama 2, Mistral). The query kernel is
     multiplied by ``sqrt(head_dim)`` (MaxText pre-scales it); saving torch -> MaxText divides, which
     is exact only for a power-of-two ``sqrt(head_dim)`` (head_dim 4, 16, 64, 256): otherwise the
-    save is refused unless ``allow_inexact_save=True`` accepts the rounding.
-    Raises ValueError for an unknown ``rope`` or ``scan_axis``; a tree that does not fit raises
+    save is refused unless ``allow_inexact_save=True`` accepts the rounding. ``names`` overrides
+    paths of :data:`MAXTEXT_LLAMA_NAMES` (relative to ``params``).
+    Raises ValueError for an unknown ``rope``, ``scan_axis`` or name key; a tree that does not fit raises
     MappingError at load, naming the rule.
     """
     dims = llama_dims(config)
     if scan_axis not in (0, 1):
         raise ValueError(f"scan_axis must be 0 or 1, got {scan_axis}")
     scale = Scale(math.sqrt(dims["head_dim"]), allow_inexact_inverse=allow_inexact_save)
-    table = {
-        "embed": "token_embedder/embedding", "norm": "decoder/decoder_norm/scale",
-        "lm_head": "decoder/logits_dense/kernel",
-        "q_kernel": "decoder/layers/self_attention/query/kernel",
-        "k_kernel": "decoder/layers/self_attention/key/kernel",
-        "v_kernel": "decoder/layers/self_attention/value/kernel",
-        "o_kernel": "decoder/layers/self_attention/out/kernel",
-        "gate_kernel": "decoder/layers/mlp/wi_0/kernel", "up_kernel": "decoder/layers/mlp/wi_1/kernel",
-        "down_kernel": "decoder/layers/mlp/wo/kernel",
-        "attn_norm": "decoder/layers/pre_self_attention_layer_norm/scale",
-        "mlp_norm": "decoder/layers/post_self_attention_layer_norm/scale",
-    }
+    table = _names(MAXTEXT_LLAMA_NAMES, names, "hf_llama_from_maxtext")
     dims = dict(dims, qkv_bias=False, o_bias=False, mlp_bias=False)  # MaxText's Llama has no biases
     entries = _maxtext_entries(dims, table, scan_axis, rope, scale)
     moments = params.split("/", 1)[1] if "/" in params else ""
     return _mapping(entries, (params, model), optimizer, moments, ignore, keep)
+
+
+#: MaxText's scanned Llama tree as :func:`hf_llama_from_maxtext` expects it (paths under ``params``;
+#: the layer axis of ``decoder/layers/...`` at ``scan_axis``).
+MAXTEXT_LLAMA_NAMES: dict[str, str] = {
+    "embed": "token_embedder/embedding", "norm": "decoder/decoder_norm/scale",
+    "lm_head": "decoder/logits_dense/kernel",
+    "q_kernel": "decoder/layers/self_attention/query/kernel",
+    "k_kernel": "decoder/layers/self_attention/key/kernel",
+    "v_kernel": "decoder/layers/self_attention/value/kernel",
+    "o_kernel": "decoder/layers/self_attention/out/kernel",
+    "gate_kernel": "decoder/layers/mlp/wi_0/kernel", "up_kernel": "decoder/layers/mlp/wi_1/kernel",
+    "down_kernel": "decoder/layers/mlp/wo/kernel",
+    "attn_norm": "decoder/layers/pre_self_attention_layer_norm/scale",
+    "mlp_norm": "decoder/layers/post_self_attention_layer_norm/scale",
+}
 
 
 def _maxtext_entries(dims: dict[str, Any], names: dict[str, str], axis: int, rope: str,
@@ -287,7 +306,7 @@ def hf_gpt2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model")
     tied to ``wte``: both read ``wte/embedding``. ``step`` as for :func:`hf_llama_from_nnx`. A
     checkpoint that does not fit raises MappingError at load, naming the rule.
     """
-    n = dict(GPT2_NNX_NAMES, **(names or {}))
+    n = _names(GPT2_NNX_NAMES, names, "hf_gpt2_from_nnx")
     L, d = int(_get(config, "n_layer")), int(_get(config, "n_embd"))
     sel = Select(0, "i", L)
     h = "transformer.h.{i}"
@@ -305,3 +324,29 @@ def hf_gpt2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model")
     for src, dst in (("attn_proj", "attn.c_proj"), ("fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")):
         entries += [(f"{n[src]}/kernel", f"{h}.{dst}.weight", (sel,)), (f"{n[src]}/bias", f"{h}.{dst}.bias", (sel,))]
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
+#: Each preset's name table (name key -> default path under the parameter tree): ``names=`` overrides.
+NAME_TABLES: dict[str, dict[str, str]] = {"hf_llama_from_nnx": LLAMA_NNX_NAMES,
+                                          "hf_llama_from_maxtext": MAXTEXT_LLAMA_NAMES,
+                                          "hf_gpt2_from_nnx": GPT2_NNX_NAMES}
+#: Configs that between them turn on every option a preset reads (for naming its tensors).
+_SIZES = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+          "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16}
+_TABLE_CONFIGS = (dict(_SIZES, model_type="qwen2", mlp_bias=True), dict(_SIZES, attention_bias=True))
+
+
+def names_markdown(preset: str) -> str:
+    """The name table of ``preset`` as bridges/MAPPING.md prints it: each name key, its default
+    path, and the Hugging Face tensors that read it (all options on: biases, untied head).
+    KeyError for an unknown preset."""
+    table = NAME_TABLES[preset]
+    kw = {"optimizer": None} if preset != "hf_llama_from_maxtext" else {"optimizer": None, "params": ""}
+    rules = [r for cfg in _TABLE_CONFIGS for r in globals()[preset](cfg, **kw).rules]
+    under = "" if preset == "hf_llama_from_maxtext" else "model/"
+    rows = ["| name key | default path | Hugging Face tensor(s) |", "|---|---|---|"]
+    for key, path in table.items():
+        hits = sorted({r.target.split("/", 1)[1] for r in rules for src in r.sources
+                       if src == under + path or src.startswith(under + path + "/")})
+        rows.append(f"| `{key}` | `{path}` | {', '.join(f'`{h}`' for h in hits) or '—'} |")
+    return "\n".join(rows)

@@ -263,6 +263,82 @@ def test_preset_rule_override_on_save_and_load(tmp_path):
     assert m.inverse().tiers[0] == 0 and set(m.inverse().tiers[1:]) == {1}
 
 
+#: bridges/MAPPING.md 4.1's worked example: a Llama with the reference implementation's names.
+OWN_NAMES = {"embed": "tok_embeddings/embedding",
+             "q_kernel": "blocks/attention/wq/kernel", "k_kernel": "blocks/attention/wk/kernel",
+             "v_kernel": "blocks/attention/wv/kernel", "o_kernel": "blocks/attention/wo/kernel",
+             "gate_kernel": "blocks/feed_forward/w1/kernel", "up_kernel": "blocks/feed_forward/w3/kernel",
+             "down_kernel": "blocks/feed_forward/w2/kernel",
+             "attn_norm": "blocks/attention_norm/scale", "mlp_norm": "blocks/ffn_norm/scale",
+             "norm": "norm/scale", "lm_head": "output/kernel"}
+
+
+def test_name_tables_in_mapping_md_match_presets():
+    """Every preset's name table in bridges/MAPPING.md is the one bridges/presets.py generates
+    (control: a table edited by one row is told apart)."""
+    from bridges.presets import NAME_TABLES, names_markdown
+
+    doc = (REPO / "bridges" / "MAPPING.md").read_text()
+    for name in NAME_TABLES:
+        begin, end = f"<!-- names:{name} -->\n", f"\n<!-- /names:{name} -->"
+        assert begin in doc and end in doc, name
+        shown = doc.split(begin, 1)[1].split(end, 1)[0]
+        assert shown == names_markdown(name), (f"{name}: regenerate with python -c \"from bridges.presets import "
+                                               f"names_markdown; print(names_markdown('{name}'))\"")
+        rows = shown.splitlines()
+        assert "\n".join(rows[:2] + rows[3:] + rows[2:3]) != names_markdown(name)  # control: rows reordered
+
+
+def test_fitting_your_own_names(tmp_path):
+    """MAPPING.md 4.1: a Llama with other parameter names loads through names= (logits equal the
+    numpy forward) and exports through ckptfmt export --names (from_pretrained gives the same
+    logits); broken controls: without names the load and the export are refused, naming the key;
+    an unknown name key is a ValueError."""
+    from typer.testing import CliRunner
+    from ckptfmt_tools.cli import app
+
+    cfg = dict(LLAMA)
+    params = _nnx_llama_params(cfg, np.random.default_rng(5), bias=False)
+    mine = {OWN_NAMES[k]: v for k, v in _by_name_key(params).items()}
+    url = str(tmp_path / "own")
+    bt.save(url, {"model": _nest(mine)}, step=1)
+    want = llama_forward(EVAL_IDS, layers=cfg["num_hidden_layers"],
+                         layer=lambda n, i: None if n.endswith("_bias") else params[_REF[n]][i],
+                         embed=params["embed/embedding"], norm=params["norm/scale"], head=params["lm_head/kernel"],
+                         eps=cfg["rms_norm_eps"], theta=10000.0)
+    model, out = _load(tf.LlamaForCausalLM(tf.LlamaConfig(**cfg)).eval(), url,
+                       hf_llama_from_nnx(cfg, optimizer=None, names=OWN_NAMES))
+    err = float(np.abs(logits(model) - want).max())
+    with pytest.raises(ckptfmt.KeyMismatchError, match="model/embed/embedding"):  # control: no names
+        _load("llama", url, hf_llama_from_nnx(cfg, optimizer=None))
+    with pytest.raises(ValueError, match="unknown name key"):
+        hf_llama_from_nnx(cfg, names={"q_kernal": "x"})
+    (tmp_path / "names.json").write_text(json.dumps(OWN_NAMES))
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, model_type="llama", architectures=["LlamaForCausalLM"])))
+    runner = CliRunner()
+    base = ["export", url, "--mapping", "hf_llama_from_nnx", "--config", str(tmp_path / "config.json")]
+    r = runner.invoke(app, base + [str(tmp_path / "hf"), "--names", str(tmp_path / "names.json")])
+    assert r.exit_code == 0, r.output
+    hf = tf.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    eerr = float(np.abs(logits(hf) - want).max())
+    bad = runner.invoke(app, base + [str(tmp_path / "hf_without"), "--json"])  # control: no --names
+    assert bad.exit_code != 0 and "KeyMismatchError" in bad.output, bad.output
+    print(f"own names: load {err:.2e}, export --names -> from_pretrained {eerr:.2e} (max |logit diff| vs numpy)")
+    assert err < LOGIT_ATOL and eerr < LOGIT_ATOL and out.report.missing == ()
+
+
+_REF = {"q": "layers/attn/q/kernel", "k": "layers/attn/k/kernel", "v": "layers/attn/v/kernel", "o": "layers/attn/o/kernel",
+        "gate": "layers/mlp/gate/kernel", "up": "layers/mlp/up/kernel", "down": "layers/mlp/down/kernel",
+        "attn_norm": "layers/attn_norm/scale", "mlp_norm": "layers/mlp_norm/scale"}
+
+
+def _by_name_key(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The NNX-layout parameters keyed by the preset's name keys."""
+    from bridges.presets import LLAMA_NNX_NAMES
+
+    return {k: params[p] for k, p in LLAMA_NNX_NAMES.items() if p in params}
+
+
 # ------------------------------------------------------------------ real JAX training
 
 
