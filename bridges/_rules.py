@@ -12,11 +12,12 @@ import numpy as np
 
 from ._chain import Chain, InvalidRuleError, split_chain, with_select_size
 from ._joins import Concat, Stack
+from ._pattern import PLACEHOLDER, Pattern
 from ._transforms import NotApplicable, Select, Transform, Transpose
 
 __all__ = ["Rule", "Mapping", "Resolved", "LoadReport", "KeptValuesWarning", "closest_key"]
 
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_PLACEHOLDER = PLACEHOLDER
 _CLOSE_MAX = 4096  # checkpoints with more keys get no "closest key" hint (difflib is slow)
 
 
@@ -63,24 +64,10 @@ def _placeholders(pattern: str) -> list[str]:
     return _PLACEHOLDER.findall(pattern)
 
 
-def _compile(pattern: str, known: TMapping[str, str] | None = None, ints: Iterable[str] = ()) -> re.Pattern[str]:
-    """Anchored regex for ``pattern``; placeholders in ``known`` must equal the given text, those in
-    ``ints`` match decimal digits only."""
-    ints = set(ints)
-    out, pos, seen = [], 0, set()
-    for m in _PLACEHOLDER.finditer(pattern):
-        out.append(re.escape(pattern[pos:m.start()]))
-        name = m.group(1)
-        if known is not None and name in known:
-            out.append(re.escape(known[name]))
-        elif name in seen:
-            out.append(f"(?P={name})")
-        else:
-            out.append(f"(?P<{name}>[0-9]+)" if name in ints else f"(?P<{name}>.+?)")
-            seen.add(name)
-        pos = m.end()
-    out.append(re.escape(pattern[pos:]))
-    return re.compile("".join(out) + r"\Z")
+def _compile(pattern: str, known: TMapping[str, str] | None = None, ints: Iterable[str] = ()) -> Pattern:
+    """The matcher of ``pattern`` (:mod:`bridges._pattern`): placeholders in ``known`` must equal
+    the given text, those in ``ints`` match decimal digits only."""
+    return Pattern(pattern, known, ints)
 
 
 def _fill(pattern: str, values: TMapping[str, Any]) -> str:
