@@ -13,12 +13,12 @@ from typing import Sequence
 import numpy as np
 
 from ckptfmt import Box
-from ckptfmt.errors import ShapeMismatchError
+from ckptfmt.errors import CheckpointError, ShapeMismatchError
 
-from ._joins import Join
+from ._joins import Join, Stack, Stacks
 from ._transforms import Cast, NotApplicable, NotExact, Select, Transform
 
-__all__ = ["Chain", "MappingError", "split_chain"]
+__all__ = ["Chain", "MappingError", "InvalidRuleError", "split_chain"]
 
 Shape = tuple[int, ...]
 
@@ -27,14 +27,33 @@ class MappingError(ShapeMismatchError):
     """A mapping rule matched a key but does not apply to it (which rule, which transform, why)."""
 
 
+class InvalidRuleError(CheckpointError, ValueError):
+    """A rule or mapping is refused as written, before any data is touched: transforms that do not
+    compose, or rules a save cannot choose between (which key, which rules, the way out)."""
+
+
 def split_chain(ops: Sequence[Transform]) -> tuple[tuple[Transform, ...], Join | None, tuple[Transform, ...]]:
-    """(per-source transforms, the join or None, transforms after the join). At most one join."""
+    """(per-source transforms, the join or None, transforms after the join). One Concat, or one
+    or more adjacent Stacks (several become one :class:`Stacks` join: layer and expert families);
+    InvalidRuleError (a ValueError) for anything else, naming the joins found."""
     joins = [i for i, op in enumerate(ops) if op.join]
-    if len(joins) > 1:
-        raise ValueError(f"a rule may have one Concat/Stack, found {len(joins)}")
     if not joins:
         return tuple(ops), None, ()
     j = joins[0]
+    if len(joins) > 1:
+        stacks = [ops[i] for i in joins]
+        adjacent = joins == list(range(j, j + len(joins)))
+        if not (adjacent and all(isinstance(op, Stack) for op in stacks)):
+            raise InvalidRuleError(
+                "a rule may join its sources once: one Concat, or Stacks next to each other (a key family "
+                "over several placeholders); split the rule, or move the transforms between the Stacks "
+                "before or after them", expected="one Concat or adjacent Stacks",
+                found=[f"{i}: {ops[i]}" for i in joins])
+        overs = [op.over for op in stacks]  # type: ignore[attr-defined]
+        if len(set(overs)) != len(overs):
+            raise InvalidRuleError("two Stacks of one rule stack the same placeholder", expected="distinct placeholders",
+                                   found=overs)
+        return tuple(ops[:j]), Stacks(tuple(stacks)), tuple(ops[joins[-1] + 1:])  # type: ignore[arg-type]
     return tuple(ops[:j]), ops[j], tuple(ops[j + 1:])  # type: ignore[return-value]
 
 
@@ -214,5 +233,11 @@ def _in_dtype(op: Transform, dtype: np.dtype) -> np.dtype:
 
 
 def with_select_size(ops: Sequence[Transform], size: int) -> tuple[Transform, ...]:
-    """``ops`` with every unsized :class:`Select` given ``size`` (a save infers it from the layers)."""
+    """``ops`` with every unsized :class:`Select` given ``size`` (a save infers it from the layers).
+    InvalidRuleError when two are unsized: one inferred length cannot size both (layers, experts)."""
+    unsized = [op for op in ops if isinstance(op, Select) and op.size is None]
+    if len(unsized) > 1:
+        raise InvalidRuleError("a save infers one stacked length, and this rule has several unsized Selects: give "
+                               "Select(size=...) to all but one", expected="at most one unsized Select",
+                               found=[str(op) for op in unsized])
     return tuple(Select(op.axis, op.index, size) if isinstance(op, Select) and op.size is None else op for op in ops)

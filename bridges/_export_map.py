@@ -55,10 +55,11 @@ def strip_target_prefix(mapping: Mapping, prefix: str) -> Mapping:
     """The rules whose target starts with ``prefix``, with it removed (e.g. ``"model/"``: a
     preset's state-dict targets ``model/model.layers.{i}...`` become the file names
     ``model.layers.{i}...``); other rules are dropped, ``keep`` globs likewise."""
-    rules = tuple(Rule(r.source, r.target[len(prefix):], r.permute, r.transforms)
-                  for r in mapping.rules if r.target.startswith(prefix) and len(r.target) > len(prefix))
+    pairs = [(Rule(r.source, r.target[len(prefix):], r.permute, r.transforms, also=r.also), t)
+             for r, t in zip(mapping.rules, mapping.tiers) if r.target.startswith(prefix) and len(r.target) > len(prefix)]
     keep = tuple(g[len(prefix):] for g in mapping.keep if g.startswith(prefix))
-    return Mapping(rules, mapping.ignore, keep, mapping.source_sep, mapping.target_sep)
+    return Mapping(tuple(r for r, _ in pairs), mapping.ignore, keep, mapping.source_sep, mapping.target_sep,
+                   tuple(t for _, t in pairs))
 
 
 def preset_mapping(name: str, config: Any, **kwargs: Any) -> Mapping:
@@ -66,13 +67,20 @@ def preset_mapping(name: str, config: Any, **kwargs: Any) -> Mapping:
     them in files (``model.layers.0.self_attn.q_proj.weight``): the mapping an export applies, and
     whose ``.inverse()`` restores a ``save_pretrained`` directory into the JAX layout. It ignores
     the checkpoint's training state (``optimizer/*``; MaxText: ``opt_state/*``, ``step``).
-    ValueError for an unknown name; the preset's own errors for a config without its sizes."""
+
+    ``kwargs`` are the preset function's own (``names=``, ``model=``, ``rope=``, ``ignore=``, ...;
+    ``optimizer`` defaults to None here, and the optimizer's rules name no file tensor anyway).
+    ValueError for an unknown name or name key; TypeError for an argument the preset lacks; the
+    preset's own errors for a config without its sizes."""
     from . import presets
 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    m = strip_target_prefix(getattr(presets, name)(config, optimizer=None, **kwargs), "model/")
-    return Mapping(m.rules, m.ignore + _TRAINING_STATE[name], m.keep, m.source_sep, m.target_sep)
+    kwargs.setdefault("optimizer", None)
+    model = kwargs.get("model", "model")
+    prefix = (model if isinstance(model, str) else model[1]) + "/"  # the torch state dict's prefix
+    m = strip_target_prefix(getattr(presets, name)(config, **kwargs), prefix)
+    return Mapping(m.rules, m.ignore + _TRAINING_STATE[name], m.keep, m.source_sep, m.target_sep, m.tiers)
 
 
 def _select_sizes(rule: Rule, names: Sequence[str], key: str, shape: tuple[int, ...]) -> list[int]:
@@ -113,8 +121,8 @@ def _targets(mapping: Mapping, rule: Rule, keys: Sequence[str], shapes: dict[str
     """(target key, source ndim) for every checkpoint key the rule's first source pattern matches.
     ``budget[0]``: names still allowed (MAX_OUTPUTS in all); each key's count is checked before
     its names are enumerated."""
-    stack = next((op for op in rule.transforms if isinstance(op, Stack)), None)
-    rx = _compile(rule.sources[0], ints=(stack.over,) if stack is not None else ())
+    overs = {op.over for op in rule.transforms if isinstance(op, Stack)}  # key families (layers, experts)
+    rx = _compile(rule.sources[0], ints=overs)
     tnames = _placeholders(rule.target)
     selects = {op.index for op in rule.transforms if isinstance(op, Select) and isinstance(op.index, str)}
     out: list[tuple[str, int]] = []
@@ -122,7 +130,7 @@ def _targets(mapping: Mapping, rule: Rule, keys: Sequence[str], shapes: dict[str
         m = rx.match(key)
         if m is None:
             continue
-        got = {k: v for k, v in m.groupdict().items() if stack is None or k != stack.over}
+        got = {k: v for k, v in m.groupdict().items() if k not in overs}
         bound = {n: got[n].replace(mapping.source_sep, mapping.target_sep) for n in tnames if n in got}
         free = [n for n in tnames if n not in bound]
         if any(n not in selects for n in free):
@@ -250,7 +258,7 @@ def _coverage(mapping: Mapping, w: _Walk) -> Coverage:
     written = {t.name for t in w.outs}
     unwritten, idle = list(w.dropped), []
     budget = _MATCH_BUDGET
-    for i, (rule, rx) in enumerate(mapping._compiled):
+    for i, (rule, rx, _) in enumerate(mapping._compiled):
         sizes = _sized(rule)
         src = rule.source if isinstance(rule.source, str) else list(rule.source)
         if sizes is not None:

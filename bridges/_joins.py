@@ -1,7 +1,9 @@
 """Splitting one axis into parts and joining several sources (Concat, Stack); see :mod:`bridges._transforms`."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from itertools import product
 from typing import Sequence
 
 import numpy as np
@@ -10,7 +12,7 @@ from ckptfmt import Box
 
 from ._transforms import NotApplicable, Select, Shape, Transform, _check_ndim, _ins, _put, _sl
 
-__all__ = ["Part", "Join", "Concat", "Stack"]
+__all__ = ["Part", "Join", "Concat", "Stack", "Stacks"]
 
 
 
@@ -89,6 +91,10 @@ class Join(Transform):
 
     def split(self, box: Box, block: np.ndarray, shapes: Sequence[Shape]) -> list[tuple[int, Box, np.ndarray]]:
         raise NotImplementedError
+
+    def inverse_ops(self) -> list[Transform]:
+        """The transforms that undo this join on the joined tensor (a Stack: its Select)."""
+        return [self.inverse()]
 
 
 def _intervals(box: Box, axis: int, sizes: Sequence[int]) -> list[tuple[int, int, int, int]]:
@@ -194,3 +200,117 @@ class Stack(Join):
 
     def inverse(self) -> Select:
         return Select(self.axis, self.over, self.size)
+
+
+def _drop(t: tuple, axis: int) -> tuple:
+    return t[:axis] + t[axis + 1:]
+
+
+@dataclass(frozen=True)
+class Stacks(Join):
+    """Several adjacent :class:`Stack` s of one rule as one join: the key family over every
+    placeholder (``layers.{i}.experts.{j}``) stacked into one tensor, ``stacks[0]`` applied first
+    (innermost). Sources are ordered with the last stack's index slowest (row-major (i, j) for
+    ``(Stack(0, "j"), Stack(0, "i"))``). Each stack's ``size`` is bound from the key family by the
+    mapping; at most one may be left to infer from the number of sources.
+
+    Box mapping: a target box touches the product of its index ranges along the stacked axes;
+    each source is read for the inner box only (an expert-parallel rank reads its experts' keys).
+    """
+
+    stacks: tuple[Stack, ...]
+
+    def _sizes(self, n: int) -> tuple[int, ...]:
+        known = [s.size for s in self.stacks]
+        free = [k for k, v in enumerate(known) if v is None]
+        fixed = math.prod(v for v in known if v is not None)
+        if len(free) > 1:
+            raise NotApplicable(f"Stacks over {self.overs} need the family sizes of all but one placeholder",
+                                expected="sized Stacks", found=known)
+        if free:
+            if fixed == 0 or n % fixed:
+                raise NotApplicable(f"{n} keys do not fill Stacks over {self.overs} of sizes {known}",
+                                    expected=f"a multiple of {fixed}", found=n)
+            known[free[0]] = n // fixed
+        if math.prod(known) != n:  # type: ignore[arg-type]
+            raise NotApplicable(f"Stacks over {self.overs} of sizes {known} expect {math.prod(known)} keys",  # type: ignore[arg-type]
+                                expected=math.prod(known), found=n)  # type: ignore[arg-type]
+        return tuple(known)  # type: ignore[arg-type]
+
+    @property
+    def overs(self) -> tuple[str, ...]:
+        return tuple(s.over for s in self.stacks)
+
+    def _index(self, outer_first: Sequence[int], sizes: Sequence[int]) -> int:
+        k = 0
+        for i, n in zip(outer_first, reversed(sizes)):
+            k = k * n + i
+        return k
+
+    def join_shape(self, shapes: Sequence[Shape]) -> Shape:
+        sizes = self._sizes(len(shapes))
+        for s in shapes[1:]:
+            if s != shapes[0]:
+                raise NotApplicable(f"Stacks over {self.overs} need equal shapes", expected=shapes[0], found=s)
+        out = shapes[0]
+        for st, n in zip(self.stacks, sizes):
+            _check_ndim(_ins(out, st.axis, n), st.axis + 1, f"Stack(axis={st.axis})")
+            out = _ins(out, st.axis, n)
+        return out
+
+    def part_shapes(self, shape: Shape, n: int | None) -> list[Shape]:
+        count = 1
+        for st in reversed(self.stacks):
+            count *= shape[st.axis]
+            shape = _drop(shape, st.axis)
+        return [shape] * count
+
+    def _grid(self, box: Box, sizes: Sequence[int]) -> tuple[list[tuple[int, ...]], Box]:
+        """The outer-first index tuples ``box`` touches, and the inner box they share."""
+        ranges = []
+        for st in reversed(self.stacks):
+            a = st.axis
+            ranges.append(range(box.offset[a], box.offset[a] + box.shape[a]))
+            box = Box(_drop(box.offset, a), _drop(box.shape, a))
+        return list(product(*ranges)), box
+
+    def part_boxes(self, box: Box, shapes: Sequence[Shape]) -> list[tuple[int, Box]]:
+        sizes = self._sizes(len(shapes))
+        grid, inner = self._grid(box, sizes)
+        return [(self._index(idx, sizes), inner) for idx in grid]
+
+    def join_blocks(self, blocks: Sequence[np.ndarray], box: Box) -> np.ndarray:
+        counts = []  # along each stacked axis, outermost first (peeled as _grid does)
+        for st in reversed(self.stacks):
+            counts.append(box.shape[st.axis])
+            box = Box(_drop(box.offset, st.axis), _drop(box.shape, st.axis))
+        counts.reverse()
+        level = list(blocks)
+        for st, n in zip(self.stacks, counts):  # consecutive runs of n share every outer index
+            level = [np.stack(level[k:k + n], axis=st.axis) for k in range(0, len(level), n)]
+        return level[0]
+
+    def split(self, box: Box, block: np.ndarray, shapes: Sequence[Shape]) -> list[tuple[int, Box, np.ndarray]]:
+        sizes = self._sizes(len(shapes))
+        out: list[tuple[int, Box, np.ndarray]] = []
+
+        def peel(level: int, b: Box, blk: np.ndarray, idx: tuple[int, ...]) -> None:
+            if level < 0:
+                out.append((self._index(idx, sizes), b, blk))
+                return
+            a = self.stacks[level].axis
+            inner = Box(_drop(b.offset, a), _drop(b.shape, a))
+            for j in range(b.shape[a]):
+                peel(level - 1, inner, np.take(blk, j, axis=a), idx + (b.offset[a] + j,))
+
+        peel(len(self.stacks) - 1, box, block, ())
+        return out
+
+    def out_shape(self, shape: Shape) -> Shape:
+        raise NotApplicable("Stacks join several sources")
+
+    def inverse(self) -> Transform:
+        raise ValueError("Stacks invert to several Selects: use inverse_ops()")
+
+    def inverse_ops(self) -> list[Transform]:
+        return [st.inverse() for st in reversed(self.stacks)]

@@ -41,7 +41,8 @@ from ._reshape import Merge, Unmerge
 from ._rules import Mapping, Rule
 from ._transforms import Cast, Reorder, Scale, Select, Transform, Transpose
 
-__all__ = ["mapping_to_json", "mapping_from_json", "load_mapping_file", "InvalidMappingError", "MAPPING_VERSION",
+__all__ = ["mapping_to_json", "mapping_from_json", "load_mapping_file", "load_names_file", "InvalidMappingError",
+           "MAPPING_VERSION", "MAX_NAMES_BYTES",
            "MAX_FILE_BYTES", "MAX_NESTING", "MAX_RULES", "MAX_SOURCES", "MAX_TRANSFORMS", "MAX_PATTERN_CHARS",
            "MAX_PLACEHOLDERS", "MAX_GLOBS", "MAX_AXES", "MAX_STACKED", "MAX_DIM"]
 
@@ -61,6 +62,7 @@ MAX_AXES = 64               # an axis number (|axis| < 64), and the length of ax
 MAX_STACKED = 1 << 20       # Select/Stack size and index, Part index: the stacked length (a manifest's tensor cap)
 MAX_DIM = 1 << 62           # any other size (a manifest's dimension cap)
 _PLACEHOLDER_OPEN = "{"
+MAX_NAMES_BYTES = 1 << 20   # a names file (ckptfmt export --names): a preset's name table, a few KB
 
 
 class InvalidMappingError(CheckpointError, ValueError):
@@ -94,12 +96,16 @@ def _transform_to_json(op: Transform) -> dict[str, Any]:
 def mapping_to_json(m: Mapping) -> dict[str, Any]:
     """The JSON document of ``m`` (every rule, transform, glob and separator)."""
     rules = []
-    for r in m.rules:
+    for r, tier in zip(m.rules, m.tiers):
         doc: dict[str, Any] = {"source": r.source if isinstance(r.source, str) else list(r.source), "target": r.target}
         if r.permute is not None:
             doc["permute"] = {str(n): list(a) for n, a in r.permute.items()}
         if r.transforms:
             doc["transforms"] = [_transform_to_json(op) for op in r.transforms]
+        if r.also:
+            doc["also"] = True
+        if tier:
+            doc["tier"] = tier
         rules.append(doc)
     return {"mapping": MAPPING_VERSION, "source_sep": m.source_sep, "target_sep": m.target_sep, "rules": rules,
             "ignore": list(m.ignore), "keep": list(m.keep)}
@@ -250,11 +256,16 @@ def mapping_from_json(doc: Any) -> Mapping:
                    f"{MAPPING_VERSION}")
     _check_nesting(doc)
     _check_counts(doc)
-    rules = []
+    rules, tiers = [], []
     for i, r in enumerate(doc.get("rules", [])):
         where = f"rule {i}"
-        if not isinstance(r, dict) or set(r) - {"source", "target", "transforms", "permute"} or "target" not in r:
-            raise _bad(where, "a rule is an object with source, target and transforms or permute")
+        if not isinstance(r, dict) or set(r) - {"source", "target", "transforms", "permute", "also", "tier"} \
+                or "target" not in r:
+            raise _bad(where, "a rule is an object with source, target and transforms or permute (and also, tier)")
+        if not isinstance(r.get("also", False), bool) or not _int_in(0, MAX_RULES)(r.get("tier", 0)):
+            raise _bad(where, "also must be true or false, tier an integer", expected=f"0 <= tier <= {MAX_RULES}",
+                       found=f"{r.get('also')!r}, {r.get('tier')!r}"[:200])
+        tiers.append(r.get("tier", 0))
         src = r.get("source")
         if not (isinstance(src, str) or (isinstance(src, list) and src and all(isinstance(s, str) for s in src))):
             raise _bad(where, "source must be a string or a list of strings")
@@ -271,7 +282,8 @@ def mapping_from_json(doc: Any) -> Mapping:
             perm = {int(n): tuple(axes) for n, axes in perm.items()}
         try:
             rules.append(Rule(src if isinstance(src, str) else tuple(src), r["target"], perm,
-                              tuple(_transform_from_json(op, f"{where} transform {j}") for j, op in enumerate(ops))))
+                              tuple(_transform_from_json(op, f"{where} transform {j}") for j, op in enumerate(ops)),
+                              also=r.get("also", False)))
         except InvalidMappingError:
             raise
         except ValueError as e:
@@ -279,7 +291,8 @@ def mapping_from_json(doc: Any) -> Mapping:
     seps = [doc.get("source_sep", "/"), doc.get("target_sep", "/")]
     if not all(isinstance(s, str) and 0 < len(s) <= 16 for s in seps):
         raise _bad("the mapping document", "source_sep and target_sep must be non-empty strings (at most 16 characters)")
-    return Mapping(tuple(rules), tuple(doc.get("ignore", [])), tuple(doc.get("keep", [])), seps[0], seps[1])
+    return Mapping(tuple(rules), tuple(doc.get("ignore", [])), tuple(doc.get("keep", [])), seps[0], seps[1],
+                   tuple(tiers))
 
 
 def _digits(n: str) -> int | None:
@@ -301,3 +314,25 @@ def load_mapping_file(path: str | os.PathLike) -> Mapping:
     except ValueError as e:
         raise _bad(str(path), f"not JSON: {str(e)[:200]}") from None
     return mapping_from_json(doc)
+
+
+def load_names_file(path: str | os.PathLike) -> dict[str, str]:
+    """A preset's ``names=`` from a JSON file (``ckptfmt export --names``): one object of name key ->
+    path, at most MAX_NAMES_BYTES. InvalidMappingError (a ValueError) when it is not that, naming
+    the member; the preset itself rejects a name key it lacks (ValueError)."""
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_NAMES_BYTES + 1)
+    if len(data) > MAX_NAMES_BYTES:
+        raise _bad(str(path), "a names file is too large", expected=f"<= {MAX_NAMES_BYTES} B",
+                   found=f"more than {MAX_NAMES_BYTES} B")
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (RecursionError, ValueError) as e:
+        raise _bad(str(path), f"not JSON: {str(e)[:200]}") from None
+    if not isinstance(doc, dict):
+        raise _bad(str(path), "a names file is one JSON object of name key -> path", found=type(doc).__name__)
+    for k, v in doc.items():
+        if not isinstance(v, str) or not v:
+            raise _bad(str(path), f"names[{k[:64]!r}] must be a non-empty path string", found=f"{v!r}"[:200])
+        _check_pattern(v, f"{path}: names[{k[:64]!r}]", "a path")
+    return dict(doc)

@@ -5,17 +5,19 @@ import difflib
 import fnmatch
 import re
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Any, Iterable, Mapping as TMapping, Sequence
 
 import numpy as np
 
-from ._chain import Chain, split_chain, with_select_size
+from ._chain import Chain, InvalidRuleError, split_chain, with_select_size
 from ._joins import Concat, Stack
-from ._transforms import NotApplicable, Select, Transform, Transpose
+from ._pattern import PLACEHOLDER, Pattern
+from ._transforms import Cast, NotApplicable, Select, Transform, Transpose
 
 __all__ = ["Rule", "Mapping", "Resolved", "LoadReport", "KeptValuesWarning", "closest_key"]
 
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_PLACEHOLDER = PLACEHOLDER
 _CLOSE_MAX = 4096  # checkpoints with more keys get no "closest key" hint (difflib is slow)
 
 
@@ -62,24 +64,10 @@ def _placeholders(pattern: str) -> list[str]:
     return _PLACEHOLDER.findall(pattern)
 
 
-def _compile(pattern: str, known: TMapping[str, str] | None = None, ints: Iterable[str] = ()) -> re.Pattern[str]:
-    """Anchored regex for ``pattern``; placeholders in ``known`` must equal the given text, those in
-    ``ints`` match decimal digits only."""
-    ints = set(ints)
-    out, pos, seen = [], 0, set()
-    for m in _PLACEHOLDER.finditer(pattern):
-        out.append(re.escape(pattern[pos:m.start()]))
-        name = m.group(1)
-        if known is not None and name in known:
-            out.append(re.escape(known[name]))
-        elif name in seen:
-            out.append(f"(?P={name})")
-        else:
-            out.append(f"(?P<{name}>[0-9]+)" if name in ints else f"(?P<{name}>.+?)")
-            seen.add(name)
-        pos = m.end()
-    out.append(re.escape(pattern[pos:]))
-    return re.compile("".join(out) + r"\Z")
+def _compile(pattern: str, known: TMapping[str, str] | None = None, ints: Iterable[str] = ()) -> Pattern:
+    """The matcher of ``pattern`` (:mod:`bridges._pattern`): placeholders in ``known`` must equal
+    the given text, those in ``ints`` match decimal digits only."""
+    return Pattern(pattern, known, ints)
 
 
 def _fill(pattern: str, values: TMapping[str, Any]) -> str:
@@ -108,8 +96,9 @@ class Rule:
     """``source`` pattern(s) <-> ``target`` pattern, with a chain of layout transforms.
 
     ``transforms`` apply in order from the source layout to the target layout; one
-    :class:`Concat` or :class:`Stack` may join several sources (transforms before it apply to
-    each source, those after it to the joined tensor). ``permute`` (the older form) maps
+    :class:`Concat`, or one or more adjacent :class:`Stack` s (a family over several placeholders:
+    layers and experts), may join several sources (transforms before it apply to each source,
+    those after it to the joined tensor). ``permute`` (the older form) maps
     ndim -> axes with ``target = source.transpose(axes)``; a rule whose table lacks the tensor's
     ndim does not apply. Give one or the other.
 
@@ -118,12 +107,18 @@ class Rule:
     source: optax's single ``count`` feeds every torch ``step``). One that only the source has is
     either the key family of a :class:`Stack` (``layers.{i}`` for i = 0, 1, ...) or filled from the
     first matching checkpoint key in sorted order.
+
+    ``also=True`` makes the rule a copy: a save writes the target's value to this rule's source
+    too (besides the rule that resolves the key), and a load reads it only when no earlier rule
+    applies. torch's ``step`` is saved as optax's ``count`` and, by a copy, as NNX's
+    ``optimizer/step``.
     """
 
     source: str | tuple[str, ...]
     target: str
     permute: TMapping[int, tuple[int, ...]] | None = None
     transforms: tuple[Transform, ...] = ()
+    also: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str):
@@ -141,7 +136,7 @@ class Rule:
         for op in self.transforms:
             if not isinstance(op, Transform):
                 raise ValueError(f"{where}: {op!r} is not a transform")
-        _, join, _ = split_chain(self.transforms)  # ValueError for two joins
+        _, join, _ = split_chain(self.transforms)  # InvalidRuleError for joins that do not compose
         srcs = self.sources
         if isinstance(join, Concat) and len(srcs) < 2:
             raise ValueError(f"{where}: Concat needs two or more sources")
@@ -172,7 +167,7 @@ class Rule:
     def describe(self) -> str:
         src = self.source if isinstance(self.source, str) else list(self.source)
         ops = f" via {list(self.transforms)}" if self.transforms else (f" permute={self.permute}" if self.permute else "")
-        return f"rule {src!r} -> {self.target!r}{ops}"
+        return f"rule {src!r} -> {self.target!r}{ops}" + (" (also)" if self.also else "")
 
     def axes_for(self, ndim: int) -> tuple[int, ...] | None | bool:
         """The permute axes for ``ndim`` dims; None: identity; False: the permute table lacks ndim."""
@@ -197,7 +192,7 @@ class Rule:
             n = len(self.sources)
             return tuple(Rule(self.target, src, transforms=tuple(tail + [join.inverse_part(k, n)] + head))
                          for k, src in enumerate(self.sources))
-        mid = [join.inverse()] if join is not None else []
+        mid = join.inverse_ops() if join is not None else []
         return (Rule(self.target, self.sources[0], transforms=tuple(tail + mid + head)),)
 
     def inverse(self) -> "Rule":
@@ -264,10 +259,11 @@ class Resolved:
         return Chain.from_target(self.target_key, self.source_keys, ops, tuple(shape), np.dtype(dtype),  # type: ignore[arg-type]
                                  self.where)
 
-    # The transpose-only helpers of the first mapping version (whole tensors and boxes).
+    # The transpose-only helpers of the first mapping version (whole tensors and boxes); a Cast
+    # (the step counters' rules) is elementwise, so they take it too.
     def _transpose_only(self) -> None:
-        if any(not isinstance(op, Transpose) for op in self.transforms) or len(self.source_keys) != 1:
-            raise ValueError(f"{self.where}: this helper handles transposes only; use Resolved.chain()")
+        if any(not isinstance(op, (Transpose, Cast)) for op in self.transforms) or len(self.source_keys) != 1:
+            raise ValueError(f"{self.where}: this helper handles transposes and casts only; use Resolved.chain()")
 
     def source_shape(self, target_shape: Sequence[int]) -> tuple[int, ...]:
         self._transpose_only()
@@ -310,6 +306,10 @@ class Mapping:
     The first rule whose target pattern matches AND whose source keys all exist wins; if none
     does, the first matching rule's source keys are reported missing (with ``notes`` saying why
     each matching rule did not apply). No rule matching: identity.
+
+    ``tiers`` (one per rule; 0 when not given) is the precedence :meth:`override` records: of the
+    rules whose target pattern matches a key, only those of the lowest tier are considered, on
+    load and on save (a user's rule replaces the preset's rules for the keys it matches).
     """
 
     rules: tuple[Rule, ...] = ()
@@ -317,27 +317,53 @@ class Mapping:
     keep: tuple[str, ...] = ()
     source_sep: str = "/"
     target_sep: str = "/"
+    tiers: tuple[int, ...] = ()
     _compiled: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules))
         object.__setattr__(self, "ignore", tuple(self.ignore))
         object.__setattr__(self, "keep", tuple(self.keep))
-        self._compiled.extend((r, _compile(r.target, ints=r.index_names)) for r in self.rules)
+        tiers = tuple(int(t) for t in self.tiers) or (0,) * len(self.rules)
+        if len(tiers) != len(self.rules):
+            raise ValueError(f"tiers has {len(tiers)} entries for {len(self.rules)} rules")
+        object.__setattr__(self, "tiers", tiers)
+        self._compiled.extend((r, _compile(r.target, ints=r.index_names), t) for r, t in zip(self.rules, tiers))
 
     def __add__(self, other: "Mapping") -> "Mapping":
         if (self.source_sep, self.target_sep) != (other.source_sep, other.target_sep):
             raise ValueError("cannot combine mappings with different separators")
         return Mapping(self.rules + other.rules, self.ignore + other.ignore, self.keep + other.keep,
-                       self.source_sep, self.target_sep)
+                       self.source_sep, self.target_sep, self.tiers + other.tiers)
+
+    def override(self, *rules: Rule, ignore: Sequence[str] = (), keep: Sequence[str] = ()) -> "Mapping":
+        """This mapping with ``rules`` taking precedence (a fresh Mapping; ``self`` is unchanged).
+
+        For every key one of ``rules`` matches, this mapping's own rules are not considered, on
+        load or on save: that replaces a preset's rule (and its ``also`` copies); a key none of
+        them matches resolves as before, so a rule for a key the preset does not name adds one.
+        ``ignore`` / ``keep`` globs are added to this mapping's. Raises ValueError for a non-Rule.
+        """
+        for r in rules:
+            if not isinstance(r, Rule):
+                raise ValueError(f"override takes Rule objects, got {type(r).__name__}")
+        return Mapping(tuple(rules) + self.rules, self.ignore + tuple(ignore), self.keep + tuple(keep),
+                       self.source_sep, self.target_sep, (0,) * len(rules) + tuple(t + 1 for t in self.tiers))
 
     def inverse(self) -> "Mapping":
-        """The mapping for the opposite direction (target becomes source; ``ignore`` <-> ``keep``).
-
-        Raises ValueError when a rule has a transform without an inverse.
+        """The mapping for the opposite direction (target becomes source; ``ignore`` <-> ``keep``;
+        the precedence of :meth:`override` kept). Raises ValueError when a rule has a transform
+        without an inverse.
         """
-        return Mapping(tuple(r for rule in self.rules for r in rule.inverses()), ignore=self.keep,
-                       keep=self.ignore, source_sep=self.target_sep, target_sep=self.source_sep)
+        pairs = [(r, t) for rule, t in zip(self.rules, self.tiers) for r in rule.inverses()]
+        return Mapping(tuple(r for r, _ in pairs), ignore=self.keep, keep=self.ignore, source_sep=self.target_sep,
+                       target_sep=self.source_sep, tiers=tuple(t for _, t in pairs))
+
+    def _matching(self, target_key: str) -> list[tuple[int, Rule, re.Match[str]]]:
+        """(index, rule, match) of the rules whose target pattern matches, the lowest tier only."""
+        found = [(i, r, m, t) for i, (r, rx, t) in enumerate(self._compiled) if (m := rx.match(target_key))]
+        low = min((t for *_, t in found), default=0)
+        return [(i, r, m) for i, r, m, t in found if t == low]
 
     def is_ignored(self, source_key: str) -> bool:
         return any(fnmatch.fnmatchcase(source_key, g) for g in self.ignore)
@@ -359,9 +385,10 @@ class Mapping:
         except NotApplicable as e:
             return f"{where} matched but {e.reason}"
 
-    def _sources(self, rule: Rule, got: dict[str, str], keys: Any) -> tuple[str, ...] | None:
+    def _sources(self, rule: Rule, got: dict[str, str], keys: Any,
+                 family: dict[str, int] | None = None) -> tuple[str, ...] | None:
         """Source keys for a match; None when they cannot be known (source-only placeholders, no keys)."""
-        stack = next((op for op in rule.transforms if isinstance(op, Stack)), None)
+        overs = [op.over for op in rule.transforms if isinstance(op, Stack)][::-1]  # outermost first
         out: list[str] = []
         for pattern in rule.sources:
             names = _placeholders(pattern)
@@ -370,10 +397,13 @@ class Mapping:
                 continue
             if keys is None:
                 return None
-            if stack is not None and [n for n in names if n not in got] == [stack.over]:
-                rx = _compile(pattern, got, ints=(stack.over,))
-                found = sorted({int(m.group(stack.over)) for k in keys if (m := rx.match(k))})
-                out += [_fill(pattern, {**got, stack.over: i}) for i in range(_family_length(found))]
+            if overs and sorted({n for n in names if n not in got}) == sorted(overs):
+                rx = _compile(pattern, got, ints=overs)
+                hits = [m for k in keys if (m := rx.match(k))]
+                sizes = [_family_length(sorted({int(m.group(o)) for m in hits})) for o in overs]
+                if family is not None:
+                    family.update(zip(overs, sizes))
+                out += [_fill(pattern, {**got, **dict(zip(overs, idx))}) for idx in product(*map(range, sizes))]
                 continue
             rx = _compile(pattern, got)
             cands = sorted(k for k in keys if rx.match(k))
@@ -395,19 +425,20 @@ class Mapping:
             else set(source_keys)
         first: Resolved | None = None
         notes: list[str] = []
-        for idx, (rule, rx) in enumerate(self._compiled):
-            m = rx.match(target_key)
-            if m is None:
-                continue
+        for idx, rule, m in self._matching(target_key):
             where = f"rule {idx} ({rule.describe()})"
             got = {k: v.replace(self.target_sep, self.source_sep) for k, v in m.groupdict().items()}
             ops = self._bind(rule, ndim, got, where)
             if isinstance(ops, str):
                 notes.append(ops)
                 continue
-            srcs = self._sources(rule, got, keys)
+            family: dict[str, int] = {}
+            srcs = self._sources(rule, got, keys, family)
             if srcs is None:
                 continue
+            if len(family) > 1:  # the family's sizes tell the Stacks how its keys are laid out
+                ops = tuple(Stack(op.axis, op.over, family[op.over]) if isinstance(op, Stack) and op.size is None
+                            else op for op in ops)
             lacking = [] if keys is None else [s for s in srcs if s not in keys]
             if not lacking:
                 return Resolved(target_key, srcs, ops, rule, tuple(notes))
@@ -419,22 +450,31 @@ class Mapping:
 
     def resolve_unique(self, target_key: str, ndim: int) -> Resolved:
         """Like :meth:`resolve` without checkpoint keys (for writing), but every matching rule
-        must agree; ValueError names the candidates otherwise (e.g. a 2-D torch ``weight`` under
-        generic Flax rules: Dense kernel or Embed embedding)."""
+        must agree (``also`` copies aside: see :meth:`resolve_writes`); InvalidRuleError (a
+        ValueError) names the candidates otherwise (e.g. a 2-D torch ``weight`` under generic
+        Flax rules: Dense kernel or Embed embedding)."""
+        return self.resolve_writes(target_key, ndim)[0]
+
+    def resolve_writes(self, target_key: str, ndim: int) -> tuple[Resolved, ...]:
+        """Every checkpoint-side tensor a save writes ``target_key`` to: the one rule that resolves
+        it (all matching rules must agree), then the ``also`` copies. InvalidRuleError (a
+        ValueError) when matching rules disagree, naming them and the way out."""
         found: list[Resolved] = []
-        for rule, rx in self._compiled:
-            m = rx.match(target_key)
-            if m is None:
-                continue
+        for _, rule, m in self._matching(target_key):
             got = {k: v.replace(self.target_sep, self.source_sep) for k, v in m.groupdict().items()}
             ops = self._bind(rule, ndim, got, "")
             if isinstance(ops, str) or not all(n in got for s in rule.sources for n in _placeholders(s)):
                 continue
             found.append(Resolved(target_key, tuple(_fill(s, got) for s in rule.sources), ops, rule))
-        distinct = {(r.source_keys, r.transforms) for r in found}
+        main = [r for r in found if not r.rule.also] or found[:1]  # type: ignore[union-attr]
+        distinct = {(r.source_keys, r.transforms) for r in main}
         if len(distinct) > 1:
-            raise ValueError(f"{target_key!r} matches several mapping rules: {sorted(distinct, key=str)}; "
-                             "use exact rules (e.g. flax_nnx_to_torch(layers=...))")
-        return found[0] if found else Resolved(target_key, (target_key,))
-
-
+            raise InvalidRuleError(
+                f"{target_key!r} matches several mapping rules, so a save cannot tell where to write it: "
+                f"{sorted(distinct, key=str)}; use exact rules (e.g. flax_nnx_to_torch(layers=...)), or "
+                "mapping.override(Rule(...)) to replace a preset's rule for this key",
+                key=target_key, expected="one matching rule", found=[r.where for r in main][:4])
+        if not main:
+            return (Resolved(target_key, (target_key,)),)
+        copies = [r for r in found if r not in main and r.source_keys != main[0].source_keys]
+        return (main[0], *copies)

@@ -34,7 +34,7 @@ from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportReport, ImportReport,
                              finish_export, import_safetensors, prepare_export, write_part)
 
 from ._export_map import PRESETS, Coverage, export_tensors, mapped_tensors, preset_mapping, strip_target_prefix
-from ._mapfile import InvalidMappingError, load_mapping_file, mapping_from_json, mapping_to_json
+from ._mapfile import InvalidMappingError, load_mapping_file, load_names_file, mapping_from_json, mapping_to_json
 from ._rules import Mapping
 
 __all__ = ["export", "import_checkpoint", "import_orbax", "import_dcp", "import_safetensors", "load_mapping",
@@ -44,16 +44,24 @@ __all__ = ["export", "import_checkpoint", "import_orbax", "import_dcp", "import_
 Progress = Callable[[int, int], None]
 
 
-def load_mapping(spec: str | Mapping | None, config: Any = None) -> Mapping | None:
+def load_mapping(spec: str | Mapping | None, config: Any = None,
+                 names: TMapping[str, str] | str | os.PathLike | None = None) -> Mapping | None:
     """A mapping from a preset name (:data:`PRESETS`; needs ``config``: a dict, an HF config, or a
-    ``config.json`` path), a mapping JSON file path, or a Mapping as is. ValueError otherwise;
-    InvalidMappingError / InvalidConfigError (both ValueErrors) for a malformed file."""
+    ``config.json`` path; ``names``: the preset's ``names=``, a dict or a JSON file path), a
+    mapping JSON file path, or a Mapping as is. ValueError otherwise (``names`` without a preset,
+    an unknown name key); InvalidMappingError / InvalidConfigError (both ValueErrors) for a
+    malformed file."""
+    if names is not None and spec not in PRESETS:
+        raise ValueError(f"names (--names) fit a preset's name table; --mapping {spec!r} is not a preset "
+                         f"({', '.join(PRESETS)})")
     if spec is None or isinstance(spec, Mapping):
         return spec
     if spec in PRESETS:
         if config is None:
             raise ValueError(f"the preset {spec!r} needs the model's config (--config config.json)")
-        return preset_mapping(spec, read_config(config) if isinstance(config, (str, os.PathLike)) else config)
+        kw = {} if names is None else {"names": load_names_file(names) if isinstance(names, (str, os.PathLike))
+                                       else dict(names)}
+        return preset_mapping(spec, read_config(config) if isinstance(config, (str, os.PathLike)) else config, **kw)
     if os.path.isfile(spec):
         return load_mapping_file(spec)
     raise ValueError(f"--mapping {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a mapping file")
@@ -70,14 +78,16 @@ def _with_ignore(mapping: Mapping | None, ignore: Sequence[str]) -> Mapping | No
         raise ValueError("--ignore needs --mapping: without a mapping every tensor is exported")
     if isinstance(ignore, str) or not all(isinstance(g, str) for g in ignore):
         raise ValueError(f"ignore is a list of glob strings, got {ignore!r}")
-    return Mapping(mapping.rules, mapping.ignore + tuple(ignore), mapping.keep, mapping.source_sep, mapping.target_sep)
+    return Mapping(mapping.rules, mapping.ignore + tuple(ignore), mapping.keep, mapping.source_sep, mapping.target_sep,
+                   mapping.tiers)
 
 
 def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step: int | None = None,
            dtype: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
            config: TMapping[str, Any] | str | os.PathLike | None = None, processes: int = 1,
            allow_partial: bool = False, ignore: Sequence[str] = (),
-           progress: Progress | None = None) -> ExportReport:
+           progress: Progress | None = None, names: TMapping[str, str] | str | os.PathLike | None = None
+           ) -> ExportReport:
     """Export step ``step`` (None: latest) of ``url`` as a Hugging Face safetensors directory.
 
     ``mapping`` (checkpoint keys -> file names and layouts; None: every tensor as is): a Mapping
@@ -89,8 +99,9 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
     ``unmapped`` checkpoint keys and ``unwritten`` targets). ``dtype`` casts floating-point
     tensors (``bfloat16``, ``float16``, ...). ``processes``: writer processes (this one and N-1
     started here), each writing whole files. ``config`` (a dict or a ``config.json`` path)
-    becomes ``config.json`` and configures a preset. ``progress(done, total)``: tensor bytes
-    written by all writers.
+    becomes ``config.json`` and configures a preset; ``names`` (a dict or a JSON file of name key
+    -> path) fits a preset's name table to the model (bridges/MAPPING.md, "Fitting your own
+    model"). ``progress(done, total)``: tensor bytes written by all writers.
 
     Streaming and verified as :func:`ckptfmt.interop.export_safetensors` (host memory: the reader's
     window and one block per process); files are created and published as it does, never over
@@ -106,7 +117,7 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
         raise ValueError(f"processes must be >= 1, got {processes}")
     if isinstance(config, (str, os.PathLike)):
         config = read_config(config)
-    mapping = _with_ignore(load_mapping(mapping, config), ignore)
+    mapping = _with_ignore(load_mapping(mapping, config, names), ignore)
     dtype = _DTYPE_ALIASES.get(dtype, dtype) if dtype is not None else None
     if dtype is not None and dtype not in _FLOAT_DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(_FLOAT_DTYPES)} (floating-point tensors are cast)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping as TMapping, Sequence
 
-from ._chain import Chain, MappingError
+from ._chain import Chain, InvalidRuleError, MappingError
 from ._rules import KeptValuesWarning, LoadReport, Mapping, Resolved, Rule
 from ._joins import Concat, Part, Stack
 from ._reshape import Merge, Unmerge
@@ -38,7 +38,7 @@ __all__ = [
     "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES",
     "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge",
     "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Cast", "interleaved_to_halves",
-    "halves_to_interleaved",
+    "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError",
 ]
 
 #: Flax Dense kernel (in, out) -> torch Linear weight (out, in).
@@ -72,11 +72,25 @@ _GENERIC_LEAVES = (("kernel", "weight", {**DENSE_KERNEL_AXES, **CONV_KERNEL_AXES
                    ("mean", "running_mean", None), ("var", "running_var", None))
 
 
+def optimizer_step_rules(count_prefix: str, torch_state: str, step: tuple[str, str] | None = None) -> list[Rule]:
+    """optax's ``{count_prefix}/count`` (int32) <-> every torch ``{torch_state}/{p}/step`` (float32),
+    and with ``step`` = (key, dtype) the framework's own counter (NNX: ``("optimizer/step",
+    "uint32")``) as an ``also`` copy: a torch save writes it too, a load reads ``count`` first.
+    Each ``Cast`` checks on save that the float value is a whole number in range (MappingError)."""
+    rules = [Rule(_join(count_prefix, "count"), _join(torch_state, "{p}/step"),
+                  transforms=(Cast("float32", source_dtype="int32"),))]
+    if step is not None:
+        rules.append(Rule(step[0], _join(torch_state, "{p}/step"),
+                          transforms=(Cast("float32", source_dtype=step[1]),), also=True))
+    return rules
+
+
 def flax_nnx_to_torch(*, model: tuple[str, str] = ("model", "model"),
                       optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
                       layers: TMapping[str, str] | None = None,
                       ignore: Sequence[str] = ("optimizer/step",),
-                      keep: Sequence[str] = ("optim/param_groups",)) -> Mapping:
+                      keep: Sequence[str] = ("optim/param_groups",),
+                      step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
     """The ready mapping from a Flax NNX model (+ optax adam/adamw state) to torch.
 
     ``model``: (checkpoint prefix of the NNX ``Param`` tree, prefix of the torch model state dict).
@@ -87,6 +101,7 @@ def flax_nnx_to_torch(*, model: tuple[str, str] = ("model", "model"),
     every rule is exact; without it the rules are generic and a torch ``weight`` is told apart
     (kernel, scale or embedding) by which Flax key the checkpoint holds — which works for
     loading but is ambiguous for saving torch -> JAX, where ``layers`` is required.
+    ``step``: see :func:`optimizer_step_rules`.
     Flax paths use ``/``; torch module paths use ``.``; see MAPPING.md for the full table.
     """
     src_m, dst_m = model
@@ -106,7 +121,7 @@ def flax_nnx_to_torch(*, model: tuple[str, str] = ("model", "model"),
                       for fp, tp, leaves in per for f, t, p in leaves
                       if t not in ("running_mean", "running_var")]
         # optax keeps one shared count; torch keeps a step per parameter ({p} is target-only).
-        rules.append(Rule(_join(src_o, "count"), _join(dst_o, "{p}/step")))
+        rules += optimizer_step_rules(src_o, dst_o, step)
     return Mapping(tuple(rules), ignore=tuple(ignore), keep=tuple(keep),
                    source_sep="/", target_sep=".")
 

@@ -17,7 +17,10 @@ model definitions: the presets name the layout a JAX model must have (tables bel
   ``c_attn``) from a Flax NNX GPT-2 with separate q/k/v.
 
 Adam moments (optax ``mu``/``nu`` -> torch AdamW ``exp_avg``/``exp_avg_sq``) follow their
-parameters through the same transforms; optax's one ``count`` feeds every torch ``step``.
+parameters through the same transforms; optax's one ``count`` (int32) feeds every torch ``step``
+(float32) through a ``Cast``, and a torch save writes it back as the int32 ``count`` and, by an
+``also`` copy, as NNX's ``optimizer/step`` (uint32), so JAX -> torch -> JAX gives back every leaf
+of ``nnx.Optimizer(model, optax.adamw(...))`` bit for bit.
 
 MaxText facts relied on (read from AI-Hypercomputer/maxtext):
 
@@ -48,9 +51,10 @@ import math
 from typing import Any, Sequence
 
 from .mapping import (Concat, Mapping, Merge, Reorder, Rule, Scale, Select, Transform, Transpose,
-                      interleaved_to_halves)
+                      interleaved_to_halves, optimizer_step_rules)
 
-__all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "llama_dims"]
+__all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "llama_dims", "LLAMA_NNX_NAMES",
+           "MAXTEXT_LLAMA_NAMES", "GPT2_NNX_NAMES", "NAME_TABLES", "names_markdown"]
 
 ROPE_LAYOUTS = ("halves", "interleaved")
 
@@ -78,6 +82,17 @@ def llama_dims(config: Any) -> dict[str, Any]:
         mlp_bias=bool(_get(config, "mlp_bias", False)))
 
 
+def _names(defaults: dict[str, str], names: dict[str, str] | None, preset: str) -> dict[str, str]:
+    """The preset's name table with the user's ``names`` (ValueError for a name key it lacks)."""
+    unknown = sorted(set(names or {}) - set(defaults))
+    if unknown:
+        raise ValueError(f"{preset}: unknown name key(s) {unknown}; its name keys: {sorted(defaults)}")
+    bad = [k for k, v in (names or {}).items() if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"{preset}: names[{bad[0]!r}] must be a non-empty path string")
+    return dict(defaults, **(names or {}))
+
+
 def _rope(rope: str, axis: int, head_dim: int) -> tuple[Transform, ...]:
     if rope not in ROPE_LAYOUTS:
         raise ValueError(f"rope must be one of {ROPE_LAYOUTS}, got {rope!r}")
@@ -87,11 +102,12 @@ def _rope(rope: str, axis: int, head_dim: int) -> tuple[Transform, ...]:
 
 def _mapping(entries: Sequence[tuple[Any, str, tuple[Transform, ...]]], model: tuple[str, str],
              optimizer: tuple[str, str] | None, moments: str, ignore: Sequence[str],
-             keep: Sequence[str]) -> Mapping:
+             keep: Sequence[str], step: tuple[str, str] | None = None) -> Mapping:
     """Rules for the parameters and, with ``optimizer``, their Adam moments and the step count.
 
     ``entries``: (source path(s) relative to the parameter tree, torch FQN pattern, transforms).
     ``moments``: the path under ``{optimizer}/mu`` that mirrors the parameter tree's root.
+    ``step``: (checkpoint key, dtype) of the framework's own update counter, or None.
     """
     def under(prefix: str, src: Any) -> Any:
         join = (lambda s: f"{prefix}/{s}" if prefix else s)
@@ -104,7 +120,7 @@ def _mapping(entries: Sequence[tuple[Any, str, tuple[Transform, ...]]], model: t
         for moment, slot in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
             base = "/".join(p for p in (src_o, moment, moments) if p)
             rules += [Rule(under(base, s), f"{dst_o}/{t}/{slot}", transforms=ops) for s, t, ops in entries]
-        rules.append(Rule(f"{src_o}/count", f"{dst_o}/{{p}}/step"))
+        rules += optimizer_step_rules(src_o, dst_o, step)
     return Mapping(tuple(rules), ignore=tuple(ignore), keep=tuple(keep), source_sep="/", target_sep=".")
 
 
@@ -165,7 +181,8 @@ def hf_llama_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"
                       optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
                       rope: str = "halves", names: dict[str, str] | None = None,
                       ignore: Sequence[str] = ("optimizer/step",),
-                      keep: Sequence[str] = ("optim/param_groups",)) -> Mapping:
+                      keep: Sequence[str] = ("optim/param_groups",),
+                      step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
     """Mapping from a Flax NNX Llama-family decoder (``nnx.scan`` layout) to HF ``LlamaForCausalLM``.
 
     ``config``: the HF config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config`` or a dict).
@@ -177,20 +194,22 @@ def hf_llama_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"
     ``rotate_half``: no change) or ``"interleaved"`` (pairs (0, 1), (2, 3), ...: rows reordered).
     ``model`` / ``optimizer``: (checkpoint prefix, torch state prefix) of the parameters and of
     optax's ``ScaleByAdamState`` (element 0 of an adamw chain); None for weights only.
-    Raises ValueError for an unknown ``rope`` and KeyError/TypeError for a config without the
+    ``step``: (checkpoint key, dtype) of ``nnx.Optimizer``'s counter, which a torch save writes
+    from torch's ``step`` (None: not written). Raises ValueError for an unknown ``rope`` and KeyError/TypeError for a config without the
     sizes; a checkpoint whose tensors do not fit raises MappingError at load, naming the rule.
     """
     dims = llama_dims(config)
-    table = dict(LLAMA_NNX_NAMES, **(names or {}))
+    table = _names(LLAMA_NNX_NAMES, names, "hf_llama_from_nnx")
     entries = _llama_entries(dims, table, rope)
-    return _mapping(entries, model, optimizer, "", ignore, keep)
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
 
 def hf_llama_from_maxtext(config: Any, *, params: str = "params/params",
                           optimizer: tuple[str, str] | None = ("opt_state/0", "optim/state"),
                           model: str = "model", rope: str = "interleaved", scan_axis: int = 1,
                           allow_inexact_save: bool = False,
-                          ignore: Sequence[str] = ("step",), keep: Sequence[str] = ("optim/param_groups",)) -> Mapping:
+                          ignore: Sequence[str] = ("step",), keep: Sequence[str] = ("optim/param_groups",),
+                          names: dict[str, str] | None = None) -> Mapping:
     """Mapping from MaxText's scanned Llama/Mistral parameter tree to HF ``LlamaForCausalLM``.
 
     ``params``: where MaxText's Linen variables sit in the checkpoint (a MaxText ``TrainState``
@@ -201,30 +220,36 @@ def hf_llama_from_maxtext(config: Any, *, params: str = "params/params",
     ``"halves"`` for its default ``RotaryEmbedding`` (Llama 2, Mistral). The query kernel is
     multiplied by ``sqrt(head_dim)`` (MaxText pre-scales it); saving torch -> MaxText divides, which
     is exact only for a power-of-two ``sqrt(head_dim)`` (head_dim 4, 16, 64, 256): otherwise the
-    save is refused unless ``allow_inexact_save=True`` accepts the rounding.
-    Raises ValueError for an unknown ``rope`` or ``scan_axis``; a tree that does not fit raises
+    save is refused unless ``allow_inexact_save=True`` accepts the rounding. ``names`` overrides
+    paths of :data:`MAXTEXT_LLAMA_NAMES` (relative to ``params``).
+    Raises ValueError for an unknown ``rope``, ``scan_axis`` or name key; a tree that does not fit raises
     MappingError at load, naming the rule.
     """
     dims = llama_dims(config)
     if scan_axis not in (0, 1):
         raise ValueError(f"scan_axis must be 0 or 1, got {scan_axis}")
     scale = Scale(math.sqrt(dims["head_dim"]), allow_inexact_inverse=allow_inexact_save)
-    table = {
-        "embed": "token_embedder/embedding", "norm": "decoder/decoder_norm/scale",
-        "lm_head": "decoder/logits_dense/kernel",
-        "q_kernel": "decoder/layers/self_attention/query/kernel",
-        "k_kernel": "decoder/layers/self_attention/key/kernel",
-        "v_kernel": "decoder/layers/self_attention/value/kernel",
-        "o_kernel": "decoder/layers/self_attention/out/kernel",
-        "gate_kernel": "decoder/layers/mlp/wi_0/kernel", "up_kernel": "decoder/layers/mlp/wi_1/kernel",
-        "down_kernel": "decoder/layers/mlp/wo/kernel",
-        "attn_norm": "decoder/layers/pre_self_attention_layer_norm/scale",
-        "mlp_norm": "decoder/layers/post_self_attention_layer_norm/scale",
-    }
+    table = _names(MAXTEXT_LLAMA_NAMES, names, "hf_llama_from_maxtext")
     dims = dict(dims, qkv_bias=False, o_bias=False, mlp_bias=False)  # MaxText's Llama has no biases
     entries = _maxtext_entries(dims, table, scan_axis, rope, scale)
     moments = params.split("/", 1)[1] if "/" in params else ""
     return _mapping(entries, (params, model), optimizer, moments, ignore, keep)
+
+
+#: MaxText's scanned Llama tree as :func:`hf_llama_from_maxtext` expects it (paths under ``params``;
+#: the layer axis of ``decoder/layers/...`` at ``scan_axis``).
+MAXTEXT_LLAMA_NAMES: dict[str, str] = {
+    "embed": "token_embedder/embedding", "norm": "decoder/decoder_norm/scale",
+    "lm_head": "decoder/logits_dense/kernel",
+    "q_kernel": "decoder/layers/self_attention/query/kernel",
+    "k_kernel": "decoder/layers/self_attention/key/kernel",
+    "v_kernel": "decoder/layers/self_attention/value/kernel",
+    "o_kernel": "decoder/layers/self_attention/out/kernel",
+    "gate_kernel": "decoder/layers/mlp/wi_0/kernel", "up_kernel": "decoder/layers/mlp/wi_1/kernel",
+    "down_kernel": "decoder/layers/mlp/wo/kernel",
+    "attn_norm": "decoder/layers/pre_self_attention_layer_norm/scale",
+    "mlp_norm": "decoder/layers/post_self_attention_layer_norm/scale",
+}
 
 
 def _maxtext_entries(dims: dict[str, Any], names: dict[str, str], axis: int, rope: str,
@@ -271,16 +296,17 @@ GPT2_NNX_NAMES: dict[str, str] = {
 def hf_gpt2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"),
                      optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
                      names: dict[str, str] | None = None, ignore: Sequence[str] = ("optimizer/step",),
-                     keep: Sequence[str] = ("optim/param_groups",)) -> Mapping:
+                     keep: Sequence[str] = ("optim/param_groups",),
+                     step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
     """Mapping from a Flax NNX GPT-2 (layers stacked on axis 0) to HF ``GPT2LMHeadModel``.
 
     HF's ``Conv1D`` stores weights (in, out), as Flax kernels are: no transposes. Its fused
     ``c_attn`` (d, 3d) is the concatenation of the q, k, v kernels along the output axis (and
     ``c_attn.bias`` of their biases); a torch -> JAX save splits it back. ``lm_head.weight`` is
-    tied to ``wte``: both read ``wte/embedding``. A checkpoint that does not fit raises
-    MappingError at load, naming the rule.
+    tied to ``wte``: both read ``wte/embedding``. ``step`` as for :func:`hf_llama_from_nnx`. A
+    checkpoint that does not fit raises MappingError at load, naming the rule.
     """
-    n = dict(GPT2_NNX_NAMES, **(names or {}))
+    n = _names(GPT2_NNX_NAMES, names, "hf_gpt2_from_nnx")
     L, d = int(_get(config, "n_layer")), int(_get(config, "n_embd"))
     sel = Select(0, "i", L)
     h = "transformer.h.{i}"
@@ -297,4 +323,30 @@ def hf_gpt2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model")
         entries += [(f"{n[src]}/scale", f"{h}.{dst}.weight", (sel,)), (f"{n[src]}/bias", f"{h}.{dst}.bias", (sel,))]
     for src, dst in (("attn_proj", "attn.c_proj"), ("fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")):
         entries += [(f"{n[src]}/kernel", f"{h}.{dst}.weight", (sel,)), (f"{n[src]}/bias", f"{h}.{dst}.bias", (sel,))]
-    return _mapping(entries, model, optimizer, "", ignore, keep)
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
+#: Each preset's name table (name key -> default path under the parameter tree): ``names=`` overrides.
+NAME_TABLES: dict[str, dict[str, str]] = {"hf_llama_from_nnx": LLAMA_NNX_NAMES,
+                                          "hf_llama_from_maxtext": MAXTEXT_LLAMA_NAMES,
+                                          "hf_gpt2_from_nnx": GPT2_NNX_NAMES}
+#: Configs that between them turn on every option a preset reads (for naming its tensors).
+_SIZES = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
+          "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16}
+_TABLE_CONFIGS = (dict(_SIZES, model_type="qwen2", mlp_bias=True), dict(_SIZES, attention_bias=True))
+
+
+def names_markdown(preset: str) -> str:
+    """The name table of ``preset`` as bridges/MAPPING.md prints it: each name key, its default
+    path, and the Hugging Face tensors that read it (all options on: biases, untied head).
+    KeyError for an unknown preset."""
+    table = NAME_TABLES[preset]
+    kw = {"optimizer": None} if preset != "hf_llama_from_maxtext" else {"optimizer": None, "params": ""}
+    rules = [r for cfg in _TABLE_CONFIGS for r in globals()[preset](cfg, **kw).rules]
+    under = "" if preset == "hf_llama_from_maxtext" else "model/"
+    rows = ["| name key | default path | Hugging Face tensor(s) |", "|---|---|---|"]
+    for key, path in table.items():
+        hits = sorted({r.target.split("/", 1)[1] for r in rules for src in r.sources
+                       if src == under + path or src.startswith(under + path + "/")})
+        rows.append(f"| `{key}` | `{path}` | {', '.join(f'`{h}`' for h in hits) or '—'} |")
+    return "\n".join(rows)

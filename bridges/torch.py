@@ -320,7 +320,9 @@ def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None
         if not isinstance(v, torch.Tensor):
             objects[key] = v
             continue
-        items.append((key, v, mapping.resolve_unique(key, v.ndim) if mapping is not None else Resolved(key, key)))
+        # resolve_writes: the tensor(s) a key is written to (a rule's `also` copies: NNX's step).
+        items += [(key, v, r) for r in (mapping.resolve_writes(key, v.ndim) if mapping is not None
+                                        else (Resolved(key, key),))]
     sizes = _select_sizes(items)
     written: dict[tuple[str, Box], tuple[str, Any]] = {}  # (checkpoint key, box) -> (state key, block)
     declared: dict[str, tuple[tuple[int, ...], Any]] = {}  # checkpoint key -> (global shape, dtype)

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ckptfmt  # noqa: E402
 from _llama_ref import llama_forward  # noqa: E402
 from bridges import torch as bt  # noqa: E402
-from bridges.mapping import Concat, Mapping, MappingError, Merge, Rule, Select, Transpose  # noqa: E402
+from bridges.mapping import (Cast, Concat, InvalidRuleError, Mapping, MappingError, Merge, Rule, Select,  # noqa: E402
+                             Transpose)
 from bridges.presets import hf_llama_from_maxtext, hf_llama_from_nnx  # noqa: E402
 from torchproc.hf_configs import EVAL_IDS, GPT2, LLAMA, TRAIN_STEPS  # noqa: E402
 from torchproc.hf_side import hf_model, logits, preset  # noqa: E402
@@ -170,6 +171,174 @@ def test_maxtext_preset_matches_transformers(tmp_path):
             mapping=hf_llama_from_maxtext(cfg8, optimizer=None, allow_inexact_save=True))
 
 
+def _nnx_training_arrays(cfg: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Every leaf of {"model": nnx_state(model), "optimizer": nnx_state(nnx.Optimizer(model,
+    optax.adamw(...)))} for the NNX Llama layout, with the dtypes JAX writes."""
+    params = _nnx_llama_params(cfg, rng, bias=False)
+    out = {f"model/{k}": v for k, v in params.items()}
+    for moment in ("mu", "nu"):
+        out.update({f"optimizer/opt_state/0/{moment}/{k}": np.abs(rng.standard_normal(v.shape)).astype(np.float32)
+                    for k, v in params.items()})
+    out["optimizer/opt_state/0/count"] = np.array(3, np.int32)
+    out["optimizer/step"] = np.array(3, np.uint32)
+    return out
+
+
+def _write(url: str, step: int, arrays: dict[str, np.ndarray]) -> None:
+    ckptfmt.save(url, step, [ckptfmt.LocalShard(k, a.shape, a.dtype, ckptfmt.Box.full(a.shape), a)
+                             for k, a in arrays.items()])
+
+
+def _hf_with_adamw(cfg: dict) -> tuple:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    msd, osd = get_state_dict(model, opt)
+    return model, {"model": msd, "optim": osd}
+
+
+def _tensors(url: str, step: int) -> dict[str, np.ndarray]:
+    ckpt = ckptfmt.Repository(url).open(step)
+    return {k: np.asarray(ckpt.read(k)) for k in ckpt.keys()}
+
+
+def test_preset_carries_the_optimizer_both_ways(tmp_path):
+    """JAX layout (optax's int32 count, NNX's uint32 step) -> LlamaForCausalLM + AdamW (float32
+    step) -> bt.save(mapping=preset): every tensor of the JAX layout back bit for bit, dtypes
+    included, with no user rule. Broken control: the preset without its Casts writes the count
+    (and the step) as float32."""
+    cfg = dict(LLAMA)
+    arrays = _nnx_training_arrays(cfg, np.random.default_rng(3))
+    _write(str(tmp_path / "jax"), 1, arrays)
+    for name, mapping in (("preset", hf_llama_from_nnx(cfg)), ("nocast", _without_casts(hf_llama_from_nnx(cfg)))):
+        _, target = _hf_with_adamw(cfg)
+        loaded = bt.load(str(tmp_path / "jax"), target, mapping=mapping)
+        assert loaded.report.missing == () and loaded.report.unexpected == ()
+        steps = {float(v["step"]) for v in loaded["optim"]["state"].values()}
+        assert steps == {3.0} and all(v["step"].dtype == torch.float32 for v in loaded["optim"]["state"].values())
+        bt.save(str(tmp_path / name), {"model": loaded["model"], "optim": loaded["optim"]}, step=2, mapping=mapping)
+        got = _tensors(str(tmp_path / name), 2)
+        assert sorted(got) == sorted(arrays), sorted(set(got) ^ set(arrays))
+        differ = sorted(k for k in arrays if got[k].dtype != arrays[k].dtype or got[k].tobytes() != arrays[k].tobytes())
+        print(f"{name}: {len(arrays)} tensors, differing: {differ}")
+        if name == "preset":
+            assert differ == []
+        else:  # the control: the counters come back float32, everything else equal
+            assert differ == ["optimizer/opt_state/0/count", "optimizer/step"]
+            assert got["optimizer/opt_state/0/count"].dtype == np.float32
+
+
+def test_preset_rule_override_on_save_and_load(tmp_path):
+    """A user's rule replaces one preset rule on save and on load (mapping.override); broken
+    control: the same rule merely added (preset + Mapping) is ambiguous on save (InvalidRuleError
+    naming the key and the way out), and the override, unlike a fallback, does not read the
+    preset's source on load."""
+    cfg = dict(LLAMA)
+    preset_m = hf_llama_from_nnx(cfg, optimizer=None)
+    mine = Rule("model/final_norm/scale", "model/model.norm.weight")
+    model, _ = _hf_with_adamw(cfg)
+    state = {"model": model.state_dict()}
+    with pytest.raises(InvalidRuleError, match="override") as err:  # control: two rules, no precedence
+        bt.save(str(tmp_path / "added"), state, step=1, mapping=preset_m + Mapping((mine,), source_sep="/", target_sep="."))
+    assert isinstance(err.value, ckptfmt.CheckpointError) and err.value.key == "model/model.norm.weight"
+    m = preset_m.override(mine)
+    assert preset_m.rules[0] != mine and len(m.rules) == len(preset_m.rules) + 1  # the preset is untouched
+    bt.save(str(tmp_path / "mine"), state, step=1, mapping=m)
+    got = _tensors(str(tmp_path / "mine"), 1)
+    assert "model/final_norm/scale" in got and "model/norm/scale" not in got and "model/layers/attn/q/kernel" in got
+    assert np.array_equal(got["model/final_norm/scale"], model.model.norm.weight.detach().numpy())
+    fresh, _ = _hf_with_adamw(cfg)
+    loaded = bt.load(str(tmp_path / "mine"), {"model": fresh.state_dict()}, mapping=m)
+    assert torch.equal(loaded["model"]["model.norm.weight"], model.model.norm.weight)
+    assert loaded.report.missing == () and loaded.report.unexpected == ()
+    # The preset's own source is not a fallback for a key the user's rule took.
+    _write(str(tmp_path / "jax"), 1, {f"model/{k}": v for k, v in _nnx_llama_params(cfg, np.random.default_rng(4), False).items()})
+    with pytest.raises(ckptfmt.KeyMismatchError, match="final_norm"):
+        bt.load(str(tmp_path / "jax"), {"model": fresh.state_dict()}, mapping=m)
+    assert bt.load(str(tmp_path / "jax"), {"model": fresh.state_dict()}, mapping=preset_m).report.missing == ()
+    # inverse and JSON keep the precedence
+    from bridges._mapfile import mapping_from_json, mapping_to_json
+    assert mapping_from_json(json.loads(json.dumps(mapping_to_json(m)))) == m
+    assert m.inverse().tiers[0] == 0 and set(m.inverse().tiers[1:]) == {1}
+
+
+#: bridges/MAPPING.md 4.1's worked example: a Llama with the reference implementation's names.
+OWN_NAMES = {"embed": "tok_embeddings/embedding",
+             "q_kernel": "blocks/attention/wq/kernel", "k_kernel": "blocks/attention/wk/kernel",
+             "v_kernel": "blocks/attention/wv/kernel", "o_kernel": "blocks/attention/wo/kernel",
+             "gate_kernel": "blocks/feed_forward/w1/kernel", "up_kernel": "blocks/feed_forward/w3/kernel",
+             "down_kernel": "blocks/feed_forward/w2/kernel",
+             "attn_norm": "blocks/attention_norm/scale", "mlp_norm": "blocks/ffn_norm/scale",
+             "norm": "norm/scale", "lm_head": "output/kernel"}
+
+
+def test_name_tables_in_mapping_md_match_presets():
+    """Every preset's name table in bridges/MAPPING.md is the one bridges/presets.py generates
+    (control: a table edited by one row is told apart)."""
+    from bridges.presets import NAME_TABLES, names_markdown
+
+    doc = (REPO / "bridges" / "MAPPING.md").read_text()
+    for name in NAME_TABLES:
+        begin, end = f"<!-- names:{name} -->\n", f"\n<!-- /names:{name} -->"
+        assert begin in doc and end in doc, name
+        shown = doc.split(begin, 1)[1].split(end, 1)[0]
+        assert shown == names_markdown(name), (f"{name}: regenerate with python -c \"from bridges.presets import "
+                                               f"names_markdown; print(names_markdown('{name}'))\"")
+        rows = shown.splitlines()
+        assert "\n".join(rows[:2] + rows[3:] + rows[2:3]) != names_markdown(name)  # control: rows reordered
+
+
+def test_fitting_your_own_names(tmp_path):
+    """MAPPING.md 4.1: a Llama with other parameter names loads through names= (logits equal the
+    numpy forward) and exports through ckptfmt export --names (from_pretrained gives the same
+    logits); broken controls: without names the load and the export are refused, naming the key;
+    an unknown name key is a ValueError."""
+    from typer.testing import CliRunner
+    from ckptfmt_tools.cli import app
+
+    cfg = dict(LLAMA)
+    params = _nnx_llama_params(cfg, np.random.default_rng(5), bias=False)
+    mine = {OWN_NAMES[k]: v for k, v in _by_name_key(params).items()}
+    url = str(tmp_path / "own")
+    bt.save(url, {"model": _nest(mine)}, step=1)
+    want = llama_forward(EVAL_IDS, layers=cfg["num_hidden_layers"],
+                         layer=lambda n, i: None if n.endswith("_bias") else params[_REF[n]][i],
+                         embed=params["embed/embedding"], norm=params["norm/scale"], head=params["lm_head/kernel"],
+                         eps=cfg["rms_norm_eps"], theta=10000.0)
+    model, out = _load(tf.LlamaForCausalLM(tf.LlamaConfig(**cfg)).eval(), url,
+                       hf_llama_from_nnx(cfg, optimizer=None, names=OWN_NAMES))
+    err = float(np.abs(logits(model) - want).max())
+    with pytest.raises(ckptfmt.KeyMismatchError, match="model/embed/embedding"):  # control: no names
+        _load("llama", url, hf_llama_from_nnx(cfg, optimizer=None))
+    with pytest.raises(ValueError, match="unknown name key"):
+        hf_llama_from_nnx(cfg, names={"q_kernal": "x"})
+    (tmp_path / "names.json").write_text(json.dumps(OWN_NAMES))
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, model_type="llama", architectures=["LlamaForCausalLM"])))
+    runner = CliRunner()
+    base = ["export", url, "--mapping", "hf_llama_from_nnx", "--config", str(tmp_path / "config.json")]
+    r = runner.invoke(app, base + [str(tmp_path / "hf"), "--names", str(tmp_path / "names.json")])
+    assert r.exit_code == 0, r.output
+    hf = tf.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    eerr = float(np.abs(logits(hf) - want).max())
+    bad = runner.invoke(app, base + [str(tmp_path / "hf_without"), "--json"])  # control: no --names
+    assert bad.exit_code != 0 and "KeyMismatchError" in bad.output, bad.output
+    print(f"own names: load {err:.2e}, export --names -> from_pretrained {eerr:.2e} (max |logit diff| vs numpy)")
+    assert err < LOGIT_ATOL and eerr < LOGIT_ATOL and out.report.missing == ()
+
+
+_REF = {"q": "layers/attn/q/kernel", "k": "layers/attn/k/kernel", "v": "layers/attn/v/kernel", "o": "layers/attn/o/kernel",
+        "gate": "layers/mlp/gate/kernel", "up": "layers/mlp/up/kernel", "down": "layers/mlp/down/kernel",
+        "attn_norm": "layers/attn_norm/scale", "mlp_norm": "layers/mlp_norm/scale"}
+
+
+def _by_name_key(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The NNX-layout parameters keyed by the preset's name keys."""
+    from bridges.presets import LLAMA_NNX_NAMES
+
+    return {k: params[p] for k, p in LLAMA_NNX_NAMES.items() if p in params}
+
+
 # ------------------------------------------------------------------ real JAX training
 
 
@@ -273,12 +442,22 @@ def test_tensor_parallel_load_4_ranks(jax_ckpts):
         assert set(res[0][name]["placements"].values()) == {"(Shard(dim=0),)", "(Shard(dim=1),)"}
 
 
+def _without_casts(mapping: Mapping) -> Mapping:
+    """Broken control: the preset with every Cast removed (torch's float32 step written as is)."""
+    rules = tuple(Rule(r.source, r.target, r.permute, tuple(op for op in r.transforms if not isinstance(op, Cast)),
+                       also=r.also) for r in mapping.rules)
+    return Mapping(rules, mapping.ignore, mapping.keep, mapping.source_sep, mapping.target_sep)
+
+
 @pytest.mark.multiprocess
 def test_torch_jax_torch_round_trip(jax_ckpts, tmp_path):
     """Both models: load, one torch AdamW step, save twice (the JAX layout through the preset; the
-    HF layout as is), restore both in JAX on the (4, 2) mesh (the second through preset.inverse()):
-    identical; the restored Llama's JAX logits match torch's; JAX saves again and torch loads it:
-    parameters, Adam moments and steps bit for bit."""
+    HF layout as is), restore both in JAX on the (4, 2) mesh into the real ``nnx.Optimizer``
+    target (the second through preset.inverse()): identical; the restored Llama's JAX logits match
+    torch's; JAX saves again and torch loads it: parameters, Adam moments and steps bit for bit.
+    And JAX -> torch -> JAX with no user rule: every leaf of the model and of
+    ``nnx.Optimizer(model, optax.adamw(...))`` (optax's int32 count, NNX's uint32 step) bit for
+    bit; broken control: without the preset's Casts the restore fails on the count's dtype."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     before, torch_logits = {}, {}
@@ -299,11 +478,26 @@ def test_torch_jax_torch_round_trip(jax_ckpts, tmp_path):
         torch_logits[name] = logits(model)
         bt.save(str(jax_ckpts / f"{name}_mapped"), state, step=TRAIN_STEPS + 1, mapping=preset(name))
         bt.save(str(jax_ckpts / f"{name}_plain"), state, step=TRAIN_STEPS + 1)
+    # JAX -> torch -> JAX: the trained checkpoint into HF + AdamW and straight back through the
+    # preset; broken control: the same preset without its Casts.
+    for suffix, mapping in (("", preset("llama")), ("_nocast", _without_casts(preset("llama")))):
+        model = hf_model("llama")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        msd, osd = get_state_dict(model, opt)
+        loaded = bt.load(str(jax_ckpts / "llama"), {"model": msd, "optim": osd}, mapping=mapping)
+        assert loaded.report.unexpected == () and loaded.report.missing == ()
+        bt.save(str(jax_ckpts / f"llama_j2t{suffix}"), {"model": loaded["model"], "optim": loaded["optim"]},
+                step=TRAIN_STEPS, mapping=mapping, extra=loaded.extra)
     subprocess.run([sys.executable, str(REPO / "tests" / "torchproc" / "hf_jax_side.py"), "roundtrip", str(jax_ckpts)],
                    env=child_env(XLA_FLAGS=JAX_FLAGS, JAX_PLATFORMS="cpu"),
                    check=True, timeout=600, cwd=str(REPO))
     rt = dict(np.load(jax_ckpts / "roundtrip.npz"))
     assert bool(rt["llama_same"]) and bool(rt["gpt2_same"]) and bool(rt["llama_sharded"]) and bool(rt["gpt2_sharded"])
+    keys = [str(k) for k in rt["j2t_keys"]]
+    print(f"JAX -> torch -> JAX: {int(rt['j2t_leaves'])} leaves of model + nnx.Optimizer bit for bit: "
+          f"{bool(rt['j2t_same'])}; without the Casts: {str(rt['nocast_error'])[:200]}")
+    assert bool(rt["j2t_same"]) and "optimizer/step" in keys and "optimizer/opt_state/0/count" in keys
+    assert "ShapeMismatchError" in str(rt["nocast_error"]) and "int32" in str(rt["nocast_error"])
     jerr = float(np.abs(rt["llama_logits"] - torch_logits["llama"]).max())
     print(f"torch -> JAX: Llama logits max |JAX - torch| {jerr:.2e}")
     assert jerr < LOGIT_ATOL

@@ -59,6 +59,9 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                                                   "(default: refuse, writing nothing)."),
                ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Checkpoint keys to leave out on "
                                                           "purpose (a glob; repeatable; needs --mapping)."),
+               names: Optional[str] = typer.Option(None, "--names", help="A JSON object of name key -> path that "
+                                                   "fits a preset's name table to your model (needs a preset "
+                                                   "--mapping; bridges/MAPPING.md, 'Fitting your own model')."),
                as_json: bool = JsonOpt) -> None:
     """Export a step as Hugging Face safetensors files (+ index), loadable by from_pretrained.
     Through a mapping it is complete or refused (--allow-partial to write what fits)."""
@@ -73,7 +76,7 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
         with _bar(f"export {url}", quiet=as_json) as progress:
             report = export(url, out_dir, mapping=mapping, step=step, dtype=dtype, max_shard_size=max_shard_size,
                             config=config, processes=processes, allow_partial=allow_partial,
-                            ignore=tuple(ignore or ()), progress=progress)
+                            ignore=tuple(ignore or ()), progress=progress, names=names)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     except (ValueError, OSError) as exc:

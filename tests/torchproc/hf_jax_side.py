@@ -10,7 +10,13 @@ twice, onto the mesh: ``<name>_mapped`` (written by ``bridges.torch.save(mapping
 JAX layout: no mapping needed) and ``<name>_plain`` (the HF state dict as is, through
 ``preset.inverse()``); writes whether the two agree bit for bit and the restored Llama's logits
 (``roundtrip.npz``), and saves the restored state again with ``bridges.jax.save``
-(``<name>_back``) for the torch side to load.
+(``<name>_back``) for the torch side to load. The target is the real ``nnx.Optimizer``'s
+(optax's int32 ``count``, NNX's uint32 ``step``): the preset casts torch's float32 ``step``.
+
+JAX -> torch -> JAX (also in ``roundtrip``): ``llama_j2t`` (the trained checkpoint loaded into
+``LlamaForCausalLM`` + AdamW and saved straight back with ``mapping=preset``) restores into the
+``nnx.Optimizer`` target with every leaf equal to the original's (``j2t_same``); ``llama_j2t_nocast``
+(the same save through the preset with its Casts removed) must fail (``nocast_error``).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
@@ -51,6 +58,21 @@ def produce(workdir: str) -> None:
     np.savez(os.path.join(workdir, "jax_logits.npz"), **logits)
 
 
+def _jax_torch_jax(workdir: str, target: dict) -> dict[str, np.ndarray]:
+    """The trained Llama restored as JAX saved it, and after a trip through torch: bit for bit."""
+    kw = dict(step=TRAIN_STEPS, rank_state_policy="drop")
+    original = bj.restore(os.path.join(workdir, "llama"), target, **kw)
+    back = bj.restore(os.path.join(workdir, "llama_j2t"), target, **kw)
+    leaves = flatten_with_keys(original)[0]
+    try:
+        bj.restore(os.path.join(workdir, "llama_j2t_nocast"), target, **kw)
+        error = ""
+    except Exception as e:  # reported to the test, which checks the kind and the text
+        error = f"{type(e).__name__}: {e}"
+    return {"j2t_same": np.array(tree_equal_bits(original, back)), "j2t_leaves": np.array(len(leaves)),
+            "j2t_keys": np.array(sorted(k for k, _ in leaves)), "nocast_error": np.array(error)}
+
+
 def roundtrip(workdir: str) -> None:
     m = mesh()
     out = {}
@@ -58,8 +80,11 @@ def roundtrip(workdir: str) -> None:
         abstract = nnx.eval_shape(lambda: cls(SimpleNamespace(**cfg), nnx.Rngs(seed)))  # noqa: B023
         shard = lambda k, leaf: NamedSharding(m, spec_for(specs, k))  # noqa: E731,B023
         params = nnx_target(abstract, shard)
-        count = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(m, jax.sharding.PartitionSpec()))
-        target = {"model": params, "optimizer": {"opt_state": {"0": {"count": count, "mu": params, "nu": params}}}}
+        abstract_opt = nnx.eval_shape(lambda: nnx.Optimizer(  # noqa: B023
+            cls(SimpleNamespace(**cfg), nnx.Rngs(seed)), optax.adamw(1e-2, weight_decay=0.01), wrt=nnx.Param))
+        target = {"model": params, "optimizer": nnx_target(abstract_opt, shard)}
+        if name == "llama":
+            out.update(_jax_torch_jax(workdir, target))
         step = TRAIN_STEPS + 1
         mapped = bj.restore(os.path.join(workdir, f"{name}_mapped"), target, step=step, rank_state_policy="drop")
         plain = bj.restore(os.path.join(workdir, f"{name}_plain"), target, step=step, rank_state_policy="drop",
