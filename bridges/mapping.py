@@ -47,6 +47,9 @@ DENSE_KERNEL_AXES: dict[int, tuple[int, ...]] = {2: (1, 0)}
 CONV_KERNEL_AXES: dict[int, tuple[int, ...]] = {
     n: (n - 1, n - 2) + tuple(range(n - 2)) for n in (3, 4, 5)}
 
+#: optax's int32 ``count`` as torch's float32 AdamW ``step`` (and back: an exact inverse).
+STEP_CAST = Cast("float32", source_dtype="int32")
+
 
 #: No rules: every key maps to itself.
 IDENTITY = Mapping()
@@ -105,8 +108,9 @@ def flax_nnx_to_torch(*, model: tuple[str, str] = ("model", "model"),
             rules += [Rule(_join(src_o, f"{moment}/{fp}/{f}"), _join(dst_o, f"{tp}.{t}/{slot}"), p)
                       for fp, tp, leaves in per for f, t, p in leaves
                       if t not in ("running_mean", "running_var")]
-        # optax keeps one shared count; torch keeps a step per parameter ({p} is target-only).
-        rules.append(Rule(_join(src_o, "count"), _join(dst_o, "{p}/step")))
+        # optax keeps one shared count; torch keeps a step per parameter ({p} is target-only). The
+        # int32 count is cast to torch's float32 step explicitly: the restore casts within one kind only.
+        rules.append(Rule(_join(src_o, "count"), _join(dst_o, "{p}/step"), transforms=(STEP_CAST,)))
     return Mapping(tuple(rules), ignore=tuple(ignore), keep=tuple(keep),
                    source_sep="/", target_sep=".")
 

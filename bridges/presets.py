@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from .mapping import (Concat, Mapping, Merge, Reorder, Rule, Scale, Select, Transform, Transpose,
+from .mapping import (STEP_CAST, Concat, Mapping, Merge, Reorder, Rule, Scale, Select, Transform, Transpose,
                       interleaved_to_halves)
 
 __all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "llama_dims"]
@@ -104,7 +104,7 @@ def _mapping(entries: Sequence[tuple[Any, str, tuple[Transform, ...]]], model: t
         for moment, slot in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
             base = "/".join(p for p in (src_o, moment, moments) if p)
             rules += [Rule(under(base, s), f"{dst_o}/{t}/{slot}", transforms=ops) for s, t, ops in entries]
-        rules.append(Rule(f"{src_o}/count", f"{dst_o}/{{p}}/step"))
+        rules.append(Rule(f"{src_o}/count", f"{dst_o}/{{p}}/step", transforms=(STEP_CAST,)))  # int32 <-> float32
     return Mapping(tuple(rules), ignore=tuple(ignore), keep=tuple(keep), source_sep="/", target_sep=".")
 
 

@@ -12,7 +12,7 @@ __all__ = [
     "StepNotFoundError", "MissingShardError", "SizeMismatchError", "ChecksumMismatchError",
     "DuplicateShardError", "StepAlreadyCommittedError", "StepMismatchError", "IncompleteSaveError",
     "CoordinatorTimeoutError", "CoordinatorLostError", "StorageError", "InvalidStateError",
-    "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError",
+    "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError", "RestoreMismatchError",
     "InvalidURLError",
     "NotARepositoryError",
     "InvalidDataError", "AllocationError",
@@ -184,7 +184,23 @@ class ShapeMismatchError(CheckpointError):
 
 
 class KeyMismatchError(CheckpointError):
-    """A restore target has keys missing from the checkpoint, or the checkpoint has unexpected keys."""
+    """A restore target has keys missing from the checkpoint, or the checkpoint has unexpected keys.
+
+    Raised by a restore (``ckptfmt.restoreplan``), it carries the full lists: ``missing`` (target
+    keys the checkpoint lacks), ``unexpected`` (checkpoint keys the target does not name),
+    ``notes`` (why matching mapping rules did not apply) and ``mismatches`` (the ``to_json()`` of
+    each value whose shape or dtype does not fit); None where not known."""
+
+    json_fields = ("missing", "unexpected", "notes", "mismatches")
+    missing: list[str] | None = None
+    unexpected: list[str] | None = None
+    notes: list[str] | None = None
+    mismatches: list[dict[str, Any]] | None = None
+
+
+class RestoreMismatchError(KeyMismatchError, ShapeMismatchError):
+    """Several mismatches of one restore at once (keys, shapes, dtypes, mapping rules), listed in one
+    error: a KeyMismatchError and a ShapeMismatchError, so either ``except`` catches it."""
 
 
 class TopologyChangedError(CheckpointError):
