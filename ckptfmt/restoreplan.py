@@ -47,8 +47,9 @@ Request = tuple[str, Box]
 _SHOWN = 5           # keys of each list the message shows
 _MESSAGE_MAX = 1500  # characters of the message (the full lists are attributes)
 _CLOSE_MAX = 4096    # checkpoints with more keys get no "closest key" hint (difflib is slow)
-_OPTIMIZER_WORDS = frozenset({"opt_state", "optimizer", "optim", "mu", "nu", "exp_avg", "exp_avg_sq", "count",
-                              "momentum_buffer", "momentum", "trace", "state"})
+#: Optimizer slots (optax's and torch's): a key holding one is compared only with keys of the same slot.
+_SLOTS = frozenset({"mu", "nu", "exp_avg", "exp_avg_sq", "count", "step", "momentum_buffer", "momentum", "trace"})
+_OPTIMIZER_WORDS = _SLOTS | {"opt_state", "optimizer", "optim"}
 
 
 @runtime_checkable
@@ -190,14 +191,17 @@ def dtype_kind(dtype: Any) -> str:
     return name
 
 
-def _category(key: str) -> str:
-    return "optimizer" if any(p in _OPTIMIZER_WORDS for p in key.replace(".", "/").split("/")) else "tensor"
+def _category(key: str) -> tuple[str, str]:
+    """(``optimizer`` or ``tensor``, the optimizer slot the key holds or "")."""
+    parts = key.replace(".", "/").split("/")
+    slot = next((p for p in parts if p in _SLOTS), "")
+    return ("optimizer" if slot or any(p in _OPTIMIZER_WORDS for p in parts) else "tensor"), slot
 
 
 def closest_key(key: str, keys: Collection[str], ndim: int | None = None, shapes: Any = None) -> str | None:
     """The key of ``keys`` most like ``key`` AND of its kind (a model tensor for a model tensor, an
-    optimizer slot for an optimizer slot; of ``ndim`` dims when ``shapes(k)`` gives shapes), or
-    None. Slow (difflib): call it for a few keys."""
+    optimizer slot for the same slot: never optax's ``count`` for an NNX ``optimizer/step``; of
+    ``ndim`` dims when ``shapes(k)`` gives shapes), or None. Slow (difflib): call it for a few keys."""
     if len(keys) > _CLOSE_MAX:
         return None
     kind = _category(key)
