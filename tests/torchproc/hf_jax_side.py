@@ -58,7 +58,9 @@ def roundtrip(workdir: str) -> None:
         abstract = nnx.eval_shape(lambda: cls(SimpleNamespace(**cfg), nnx.Rngs(seed)))  # noqa: B023
         shard = lambda k, leaf: NamedSharding(m, spec_for(specs, k))  # noqa: E731,B023
         params = nnx_target(abstract, shard)
-        count = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(m, jax.sharding.PartitionSpec()))
+        # optax's own int32 count: the preset casts torch's float32 step explicitly (a restore casts
+        # within one kind only)
+        count = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(m, jax.sharding.PartitionSpec()))
         target = {"model": params, "optimizer": {"opt_state": {"0": {"count": count, "mu": params, "nu": params}}}}
         step = TRAIN_STEPS + 1
         mapped = bj.restore(os.path.join(workdir, f"{name}_mapped"), target, step=step, rank_state_policy="drop")
