@@ -13,7 +13,7 @@ from ckptfmt.restoreplan import RestoreReport
 
 from ._chain import Chain, split_chain, with_select_size
 from ._joins import Concat, Stack
-from ._transforms import NotApplicable, Select, Transform, Transpose
+from ._transforms import Cast, NotApplicable, Select, Transform, Transpose
 
 __all__ = ["Rule", "Mapping", "Resolved", "LoadReport", "KeptValuesWarning", "closest_key"]
 
@@ -245,10 +245,11 @@ class Resolved:
         return Chain.from_target(self.target_key, self.source_keys, ops, tuple(shape), np.dtype(dtype),  # type: ignore[arg-type]
                                  self.where)
 
-    # The transpose-only helpers of the first mapping version (whole tensors and boxes).
+    # The transpose-only helpers of the first mapping version (whole tensors and boxes); a Cast
+    # (optax's count -> torch's step) changes no shape or box, so they take it too.
     def _transpose_only(self) -> None:
-        if any(not isinstance(op, Transpose) for op in self.transforms) or len(self.source_keys) != 1:
-            raise ValueError(f"{self.where}: this helper handles transposes only; use Resolved.chain()")
+        if any(not isinstance(op, (Transpose, Cast)) for op in self.transforms) or len(self.source_keys) != 1:
+            raise ValueError(f"{self.where}: this helper handles transposes and casts only; use Resolved.chain()")
 
     def source_shape(self, target_shape: Sequence[int]) -> tuple[int, ...]:
         self._transpose_only()
