@@ -235,10 +235,6 @@ def _saved_objects(gstate: Any) -> dict[str, Any]:
     return objects
 
 
-def _bytes_read(ckpt: Any) -> int:
-    return _stat(ckpt, "bytes_read")
-
-
 def _stat(ckpt: Any, name: str) -> int:
     stats = getattr(ckpt, "stats", None)
     if stats is None:
