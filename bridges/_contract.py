@@ -6,6 +6,7 @@ Framework-free: numpy and the core only.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -16,9 +17,10 @@ from ckptfmt import Box
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import TopologyChangedError
 from ckptfmt.reader import RANK_STATE_POLICIES, check_rank_state_policy
+from ckptfmt.state import decode_state, encode_state
 
 __all__ = ["RESTORE_BATCH_BYTES", "Batch", "read_batches", "check_topology", "rank_state", "renamed_keyword",
-           "UNSET", "effective_policy"]
+           "UNSET", "effective_policy", "stage_state", "restore_stats"]
 
 #: Host bytes read per batch during restore: bounds the host copies alive at once. Read at each
 #: call, so a process may set it (``bridges._contract.RESTORE_BATCH_BYTES = ...``) for every bridge.
@@ -37,6 +39,27 @@ def effective_policy(ckpt: Any, world: int, policy: str | None, *, caller_state:
     if policy is None and not caller_state and int(ckpt.saved_world) != world:
         return "drop"
     return policy
+
+
+def stage_state(global_state: Any, per_rank: Any, metadata: Any = None, *, blocking: bool) -> tuple[Any, Any, Any]:
+    """The non-tensor state of a save as every bridge stages it, in the caller's thread before the
+    save call returns (bridges/README.md, "Saving"): the global and per-rank state are encoded here,
+    so a value msgpack cannot hold raises InvalidStateError naming its key path at the call, before
+    any collective and before any shard is written. For ``blocking=False`` the three come back as
+    snapshots (the state decoded from those bytes, the metadata deep-copied): numpy arrays in
+    ``extra`` / ``rank_state`` that the caller mutates after the call do not reach the save."""
+    blobs = encode_state(global_state), encode_state(per_rank)
+    if blocking:
+        return global_state, per_rank, metadata
+    return decode_state(blobs[0]), decode_state(blobs[1]), copy.deepcopy(metadata)
+
+
+def restore_stats(plan: Any, *, extra: Any, rank_state: Any, batches: int, bytes_read: int) -> dict[str, Any]:
+    """What every bridge's restore puts in ``stats`` (the same names and shapes): ``step``, the
+    :class:`ckptfmt.restoreplan.RestoreReport` as ``report``, the global ``extra`` saved with the
+    step, this process's ``rank_state`` (under the restore's policy), ``batches`` and ``bytes_read``."""
+    return {"step": int(plan.step), "report": plan.report, "extra": extra, "rank_state": rank_state,
+            "batches": int(batches), "bytes_read": int(bytes_read)}
 
 
 def check_topology(ckpt: Any, world: int, policy: str | None) -> None:

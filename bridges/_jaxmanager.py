@@ -67,11 +67,11 @@ class CheckpointManager(_CoreManager):
 
     def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None
                       ) -> tuple[Any, Any, Mapping[str, Any]]:
-        from .jax import load_extra, restore
+        from .jax import restore
 
-        stats: dict[str, Any] = {}
+        stats: dict[str, Any] = {}  # the restore's own extra: the step is opened once, as in torch
         state = restore(self.url, target, step=step, rank_state_policy=rank_state_policy, stats=stats)
-        return state, load_extra(self.url, step), stats
+        return state, stats["extra"], stats
 
     def _own_sigterm(self) -> bool:
         # Decided once, at construction: a Python handler would replace the notifier's own.

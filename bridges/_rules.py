@@ -10,6 +10,8 @@ from typing import Any, Iterable, Mapping as TMapping, Sequence
 
 import numpy as np
 
+from ckptfmt.restoreplan import RestoreReport
+
 from ._chain import Chain, InvalidRuleError, split_chain, with_select_size
 from ._joins import Concat, Stack
 from ._pattern import PLACEHOLDER, Pattern
@@ -25,30 +27,9 @@ class KeptValuesWarning(UserWarning):
     """A non-strict load left target keys at their initial values (the checkpoint lacks them)."""
 
 
-@dataclass(frozen=True)
-class LoadReport:
-    """What a load did, key by key (target keys unless said otherwise).
-
-    ``loaded``: filled from the checkpoint. ``kept``: keep the target's own value (``missing``
-    ones, and those a ``keep`` glob names). ``missing``: the checkpoint lacks them (only with
-    ``strict=False``; a strict load raises instead). ``unexpected``: CHECKPOINT keys nothing read
-    (``ignore`` globs excluded). ``notes``: why matching rules did not apply, per missing key.
-    """
-
-    loaded: tuple[str, ...] = ()
-    kept: tuple[str, ...] = ()
-    missing: tuple[str, ...] = ()
-    unexpected: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()
-
-    def warning(self) -> str | None:
-        """The text the bridges warn with when keys keep their initial values, else None."""
-        if not self.missing:
-            return None
-        shown = ", ".join(self.missing[:8]) + (f", ... ({len(self.missing)} in all)" if len(self.missing) > 8 else "")
-        why = ("; " + "; ".join(self.notes[:4])) if self.notes else ""
-        return (f"{len(self.missing)} target keys keep their initial values because the checkpoint "
-                f"does not provide them: {shown}{why}")
+#: What a restore did, key by key: the core planner's report (ckptfmt.restoreplan), one type in
+#: every bridge (``bridges.torch.Loaded.report`` and ``stats["report"]`` of both bridges).
+LoadReport = RestoreReport
 
 
 def closest_key(key: str, keys: Iterable[str]) -> str | None:

@@ -43,9 +43,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 import ckptfmt
 from ckptfmt import Box
 from ckptfmt.errors import CheckpointError, KeyMismatchError
+from ckptfmt.restoreplan import RestoreSource
 
 from ._dcp_writer import CkptfmtStorageWriter
-from .torch import _BY_NAME, _saved_objects, from_numpy
+from ._torchconv import _BY_NAME, from_numpy
+from ._torchload import _open, _saved_objects
 
 __all__ = ["CkptfmtStorageReader", "CkptfmtStorageWriter"]
 
@@ -66,7 +68,7 @@ class CkptfmtStorageReader(StorageReader):
         self.url = None if url is None else os.fspath(url)
         self.step = step
         self.fqn = fqn
-        self._ckpt: Any = None
+        self._ckpt: RestoreSource | None = None  # the bridges' one source protocol
         self._keys: dict[str, str] = {}  # DCP fqn -> checkpoint key
         self._objects: dict[str, Any] = {}  # DCP fqn -> a non-tensor value (torch.objects)
         self.bytes_read = 0
@@ -78,11 +80,10 @@ class CkptfmtStorageReader(StorageReader):
         self._keys = {}
         self._objects = {}
 
-    def _open(self) -> Any:
+    def _open(self) -> RestoreSource:
         if self._ckpt is None:
             if self.url is None:
                 raise ValueError("CkptfmtStorageReader needs a repository url (or checkpoint_id)")
-            from .torch import _open
             self._ckpt = _open(self.url, self.step)  # every rank: the same step (ckptfmt.agree_step)
         return self._ckpt
 

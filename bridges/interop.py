@@ -27,7 +27,6 @@ import threading
 import time
 from typing import Any, Callable, Mapping as TMapping, Sequence
 
-from ckptfmt import errors as _errors
 from ckptfmt._exportfiles import read_config
 from ckptfmt.errors import CheckpointError, IncompleteSaveError
 from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportReport, ImportReport, begin_export, discard_parts,
@@ -215,10 +214,7 @@ class _Worker:
             return None
         e = res.get("error")
         if isinstance(e, dict):
-            cls = getattr(_errors, str(e.get("error")), None)
-            if isinstance(cls, type) and issubclass(cls, CheckpointError):
-                return cls(f"export writer {self.rank}: {e.get('message')}", key=e.get("key"), object=e.get("object"),
-                           expected=e.get("expected"), found=e.get("found"))
+            return CheckpointError.from_json(e, prefix=f"export writer {self.rank}: ")
         return IncompleteSaveError(f"export writer {self.rank} failed (exit {rc})", found=(err or str(res))[-800:])
 
     @property

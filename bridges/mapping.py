@@ -47,7 +47,6 @@ DENSE_KERNEL_AXES: dict[int, tuple[int, ...]] = {2: (1, 0)}
 CONV_KERNEL_AXES: dict[int, tuple[int, ...]] = {
     n: (n - 1, n - 2) + tuple(range(n - 2)) for n in (3, 4, 5)}
 
-
 #: No rules: every key maps to itself.
 IDENTITY = Mapping()
 

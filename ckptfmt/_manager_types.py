@@ -8,8 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import errors as _errors
-from .errors import (CheckpointError, ChecksumMismatchError, InvalidManifestError, InvalidStateError, MissingShardError,
+from .errors import (CheckpointError, error_class, ChecksumMismatchError, InvalidManifestError, InvalidStateError, MissingShardError,
                      SizeMismatchError, StepNotFoundError, UnsupportedVersionError)
 
 __all__ = ["SaveRecord", "SkippedStep", "RestoreResult"]
@@ -97,11 +96,9 @@ def _err_json(e: BaseException) -> dict[str, Any]:
 
 
 def _err_from(d: Mapping[str, Any], rank: int) -> CheckpointError:
-    cls = getattr(_errors, str(d.get("error")), None)
-    if isinstance(cls, type) and issubclass(cls, CheckpointError):
-        return cls(str(d.get("message")), key=d.get("key"), object=d.get("object"),
-                   expected=d.get("expected"), found=d.get("found"))
-    return CheckpointError(f"rank {rank} failed: {d.get('error')}: {d.get('message')}")
+    """Rank ``rank``'s error as every rank raises it (CheckpointError.from_json, the one inverse)."""
+    known = isinstance(d, Mapping) and error_class(str(d.get("error"))) is not None
+    return CheckpointError.from_json(d, prefix="" if known else f"rank {rank} failed: ")
 
 
 #: Errors that mean "this step's bytes are damaged" (fallback moves to an older step). A wrong
@@ -112,6 +109,6 @@ _DAMAGE = (MissingShardError, SizeMismatchError, ChecksumMismatchError, InvalidM
 
 
 def _is_damage(err: Mapping[str, Any]) -> bool:
-    cls = getattr(_errors, str(err.get("error")), None)
+    cls = error_class(str(err.get("error")))
     return (isinstance(cls, type) and issubclass(cls, _DAMAGE)
             and not issubclass(cls, UnsupportedVersionError))

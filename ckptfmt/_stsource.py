@@ -1,7 +1,6 @@
-"""A safetensors file or sharded directory, opened for reading with the reading interface of
-:class:`ckptfmt.reader.Checkpoint` (keys, tensor entries, ``read_boxes`` / ``iter_read_boxes``,
-``stats``, ``state()`` / ``rank_state()`` returning None), so the bridges restore from it as from
-a committed step.
+"""A safetensors file or sharded directory, opened for reading as a
+:class:`ckptfmt.restoreplan.RestoreSource` (the protocol a committed step implements too; here
+``state()`` / ``rank_state()`` return None), so the bridges restore from it as from a step.
 
 Call order: :func:`find_safetensors` (is the URL a safetensors source, and which files) ->
 :class:`SafetensorsSource` (reads the index and every file's header, validates them all before
@@ -273,7 +272,7 @@ class SafetensorsSource:
         src, step, save_id = seen.pop()
         return {"source": src, "step": int(step) if step and step.isdigit() else None, "save_id": save_id}
 
-    # ------------------------------------------------------------------ the Checkpoint interface
+    # ------------------------------------------------------------------ the RestoreSource protocol
     @property
     def step(self) -> int:
         return self.manifest.step
@@ -293,17 +292,14 @@ class SafetensorsSource:
                                    expected="a tensor name of the source", found="missing") from None
 
     def state(self) -> None:
-        """A safetensors source holds no non-tensor state."""
-        return None
+        return None  # a safetensors source holds no non-tensor state
 
     def rank_state(self, rank: int, *, world: int | None = None, policy: str | None = None) -> None:
         """A safetensors source holds no per-rank state (an unknown ``policy`` is still a ValueError)."""
         check_rank_state_policy(policy)
-        return None
 
     def read(self, key: str, box: Box | None = None) -> np.ndarray:
-        t = self.tensor(key)
-        return self.read_boxes([(key, box if box is not None else Box.full(t.shape))])[0]
+        return self.read_boxes([(key, box if box is not None else Box.full(self.tensor(key).shape))])[0]
 
     def read_boxes(self, requests: Sequence[tuple[str, Box]]) -> list[np.ndarray]:
         """Read boxes of tensors: each box's byte ranges only (whole checksum blocks when the file

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import errors as _errors
 from .coord import Coordinator
 from .errors import CheckpointError, StepNotFoundError
 
@@ -51,7 +50,7 @@ def agree_step(repository: Any, step: int | None, coordinator: Coordinator, *,
     if failure is not None:
         raise failure
     if "error" in got:
-        raise _rebuild(got["error"])
+        raise CheckpointError.from_json(got["error"], prefix="rank 0: ")
     return int(got["step"])
 
 
@@ -61,13 +60,3 @@ def _latest(repository: Any) -> int:
         raise StepNotFoundError("repository has no committed step", object=getattr(repository, "url", None),
                                 expected=">= 1 step", found=0)
     return int(latest)
-
-
-def _rebuild(doc: dict[str, Any]) -> CheckpointError:
-    """Rank 0's error as this rank raises it: the same class when it is a CheckpointError."""
-    name = str(doc.get("error"))
-    cls = getattr(_errors, name, None)
-    typed = isinstance(cls, type) and issubclass(cls, CheckpointError) and not doc.get("untyped")
-    message = f"rank 0: {doc.get('message')}" if typed else f"rank 0: {name}: {doc.get('message')}"
-    return (cls if typed else CheckpointError)(message, key=doc.get("key"), object=doc.get("object"),  # type: ignore[misc]
-                                               expected=doc.get("expected"), found=doc.get("found"))

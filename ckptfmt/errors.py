@@ -5,14 +5,14 @@ and what was expected against what was found.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 __all__ = [
     "CheckpointError", "InvalidManifestError", "UnsupportedVersionError", "ManifestTooLargeError",
     "StepNotFoundError", "MissingShardError", "SizeMismatchError", "ChecksumMismatchError",
     "DuplicateShardError", "StepAlreadyCommittedError", "StepMismatchError", "IncompleteSaveError",
     "CoordinatorTimeoutError", "CoordinatorLostError", "StorageError", "InvalidStateError",
-    "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError",
+    "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError", "RestoreMismatchError",
     "InvalidURLError",
     "NotARepositoryError",
     "InvalidDataError", "AllocationError",
@@ -40,10 +40,57 @@ class CheckpointError(Exception):
             parts.append(f"expected={expected!r} found={found!r}")
         super().__init__("; ".join(parts))
 
+    #: Attributes beyond the five above that :meth:`to_json` carries and :meth:`from_json` restores
+    #: (a subclass's full lists, e.g. KeyMismatchError's missing and unexpected keys).
+    json_fields: tuple[str, ...] = ()
+
     def to_json(self) -> dict[str, Any]:
-        """A JSON-friendly description (for the CLI's --json output and receipts)."""
-        return {"error": type(self).__name__, "message": self.message, "key": self.key,
-                "object": self.object, "expected": _plain(self.expected), "found": _plain(self.found)}
+        """A JSON-friendly description (for the CLI's --json output, receipts and the errors one
+        rank sends the others); :meth:`from_json` is its inverse."""
+        doc = {"error": type(self).__name__, "message": self.message, "key": self.key,
+               "object": self.object, "expected": _plain(self.expected), "found": _plain(self.found)}
+        for name in self.json_fields:
+            doc[name] = _plain(getattr(self, name, None))
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any], *, prefix: str = "") -> "CheckpointError":
+        """The error :meth:`to_json` described, as this process raises it (the one inverse).
+
+        The class is looked up by name among CheckpointError's subclasses (ckptfmt.errors first,
+        then any loaded subclass, e.g. bridges' MappingError); ``message`` is prefixed with
+        ``prefix`` (``"rank 0: "``). A name that is no CheckpointError class (another version's
+        class, or a plain exception a peer marked ``"untyped"``) gives a CheckpointError whose
+        message names it. Never raises for a malformed ``doc``: missing fields are None.
+        """
+        if not isinstance(doc, Mapping):
+            return CheckpointError(f"{prefix}malformed error description", expected="a map",
+                                   found=type(doc).__name__)
+        name = str(doc.get("error"))
+        found = None if doc.get("untyped") else error_class(name)
+        message = f"{prefix}{doc.get('message')}" if found is not None else f"{prefix}{name}: {doc.get('message')}"
+        err = (found or CheckpointError)(message, key=doc.get("key"), object=doc.get("object"),
+                                         expected=doc.get("expected"), found=doc.get("found"))
+        for field in (found.json_fields if found is not None else ()):
+            if field in doc:
+                setattr(err, field, doc[field])
+        return err
+
+
+def error_class(name: str) -> type[CheckpointError] | None:
+    """The CheckpointError class called ``name``: this module's first, else a unique loaded one."""
+    here = globals().get(name)
+    if isinstance(here, type) and issubclass(here, CheckpointError):
+        return here
+    seen: list[type[CheckpointError]] = []
+    todo: list[type[CheckpointError]] = [CheckpointError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    named = [c for c in seen if c.__name__ == name]
+    return named[0] if len(named) == 1 else None
 
 
 def _plain(v: Any) -> Any:
@@ -137,7 +184,23 @@ class ShapeMismatchError(CheckpointError):
 
 
 class KeyMismatchError(CheckpointError):
-    """A restore target has keys missing from the checkpoint, or the checkpoint has unexpected keys."""
+    """A restore target has keys missing from the checkpoint, or the checkpoint has unexpected keys.
+
+    Raised by a restore (``ckptfmt.restoreplan``), it carries the full lists: ``missing`` (target
+    keys the checkpoint lacks), ``unexpected`` (checkpoint keys the target does not name),
+    ``notes`` (why matching mapping rules did not apply) and ``mismatches`` (the ``to_json()`` of
+    each value whose shape or dtype does not fit); None where not known."""
+
+    json_fields = ("missing", "unexpected", "notes", "mismatches")
+    missing: list[str] | None = None
+    unexpected: list[str] | None = None
+    notes: list[str] | None = None
+    mismatches: list[dict[str, Any]] | None = None
+
+
+class RestoreMismatchError(KeyMismatchError, ShapeMismatchError):
+    """Several mismatches of one restore at once (keys, shapes, dtypes, mapping rules), listed in one
+    error: a KeyMismatchError and a ShapeMismatchError, so either ``except`` catches it."""
 
 
 class TopologyChangedError(CheckpointError):

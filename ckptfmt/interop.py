@@ -29,6 +29,7 @@ from ._stsource import SafetensorsSource, SourceTensor, find_safetensors
 from ._types import Box
 from .errors import StepNotFoundError
 from .repository import Repository
+from .restoreplan import RestoreSource
 
 __all__ = ["open_source", "export_safetensors", "prepare_export", "import_safetensors", "import_tensors",
            "identity_tensors", "safetensors_provenance", "SafetensorsSource", "SourceTensor", "find_safetensors",
@@ -44,7 +45,7 @@ TensorsFor = Callable[[Any], tuple[Sequence[ExportTensor], Sequence[str]]]
 
 
 def open_source(url: str, step: int | None = None, *, resolve: Callable[[Repository, int | None], int | None] | None = None,
-                options: Mapping[str, Any] | None = None) -> Any:
+                options: Mapping[str, Any] | None = None) -> RestoreSource:
     """A committed step of the repository at ``url`` (a :class:`ckptfmt.Checkpoint`), or, when
     ``url`` names a safetensors file or directory, a :class:`SafetensorsSource` with the same
     reading interface (no steps: ``step`` must be None or the step its export recorded).

@@ -35,7 +35,6 @@ import msgpack
 import numpy as np
 
 from . import __version__
-from . import errors as _errors
 from . import _reuse
 from ._boxcols import check_held, pack_boxes
 from ._gcfence import excluded
@@ -192,7 +191,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
     try:
         begin = _unpack(coord.broadcast("save/begin", _pack(begin) if rank == 0 else None, 0, opts.timeout_s))
         if "error" in begin:
-            raise _err_from(begin["error"])
+            raise CheckpointError.from_json(begin["error"])
         save_id = begin["save_id"]
         manifest = _run(repository, storage, coord, opts, step, save_id, local_error or local, state, rank_state,
                         metadata, versions, heartbeat, begin.get("previous"))
@@ -329,7 +328,7 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
     outcome = _unpack(coord.broadcast("save/commit", _pack(outcome) if rank == 0 else None, 0, opts.timeout_s))
     clock.add("commit", t)
     if "error" in outcome:
-        raise _err_from(outcome["error"])
+        raise CheckpointError.from_json(outcome["error"])
     reuse.remember(save_id, records)
     return checked if checked is not None else parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
 
@@ -393,14 +392,6 @@ def _commit(repository: Any, storage: Storage, heartbeat: "_Heartbeat | None", s
 
 def _err_json(e: CheckpointError) -> dict[str, Any]:
     return e.to_json()
-
-
-def _err_from(d: Mapping[str, Any]) -> CheckpointError:
-    cls = getattr(_errors, str(d.get("error")), None)
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-        cls = IncompleteSaveError
-    return cls(str(d.get("message")), key=d.get("key"), object=d.get("object"),
-               expected=d.get("expected"), found=d.get("found"))
 
 
 def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWritePlan], acks: list[dict[str, Any]],

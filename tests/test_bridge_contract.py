@@ -19,7 +19,8 @@ SCRIPT = os.path.join(ROOT, "tests", "bridgeproc", "contract.py")
 BRIDGES = {"jax": ("jax", "flax"), "torch": ("torch",)}
 SCENARIOS = ["signatures", "round_trip_extra_and_rank_state", "no_committed_step",
              "async_save_returns_the_core_handle", "topology_change_needs_a_policy", "strict_and_mapping",
-             "batched_restore"]
+             "batched_restore", "partial_restore", "cast_within_one_kind", "every_mismatch_in_one_error",
+             "async_save_snapshots_numpy_extra", "unencodable_extra_raises_at_the_call"]
 _results: dict[str, dict[str, str]] = {}
 
 

@@ -28,8 +28,10 @@ import numpy as np  # noqa: E402
 import ckptfmt  # noqa: E402
 from ckptfmt import Box, LocalShard, TcpCoordinator  # noqa: E402
 from ckptfmt.coord import free_port  # noqa: E402
-from ckptfmt.errors import (KeyMismatchError, SaveInProgressError, StepAlreadyCommittedError,  # noqa: E402
-                            StepNotFoundError, TopologyChangedError)
+from ckptfmt.errors import (InvalidStateError, KeyMismatchError, RestoreMismatchError,  # noqa: E402
+                            SaveInProgressError, ShapeMismatchError, StepAlreadyCommittedError, StepNotFoundError,
+                            TopologyChangedError)
+from ckptfmt.restoreplan import RestoreReport  # noqa: E402
 
 SHAPES = {"w": ((8, 4), np.float32), "b": ((3,), np.int32)}
 
@@ -54,6 +56,12 @@ class JaxSide:
 
     def values(self, out: Any) -> dict[str, Any]:
         return {k: (np.asarray(v) if k != "n" else int(v)) for k, v in out.items()}
+
+    def typed_target(self, w: str, b: str, w_shape: tuple[int, ...] = (8, 4)) -> dict[str, Any]:
+        return {"w": self.jax.ShapeDtypeStruct(w_shape, np.dtype(w)), "b": np.zeros(3, np.dtype(b)), "n": 0}
+
+    def dtype(self, v: Any) -> str:
+        return np.dtype(v.dtype).name
 
     def mutate(self, state: dict[str, Any]) -> None:
         state["b"][:] = -1  # jax arrays are immutable: the numpy leaf is what a caller can change
@@ -80,6 +88,13 @@ class TorchSide:
 
     def values(self, out: Any) -> dict[str, Any]:
         return {k: (v.numpy() if k != "n" else int(v)) for k, v in out.items()}
+
+    def typed_target(self, w: str, b: str, w_shape: tuple[int, ...] = (8, 4)) -> dict[str, Any]:
+        t = self.torch
+        return {"w": t.zeros(w_shape, dtype=getattr(t, w)), "b": t.zeros(3, dtype=getattr(t, b)), "n": 0}
+
+    def dtype(self, v: Any) -> str:
+        return str(v.dtype).replace("torch.", "")
 
     def mutate(self, state: dict[str, Any]) -> None:
         state["w"].mul_(0)
@@ -129,7 +144,8 @@ def signatures(B: Any, d: str) -> None:
                  [("step", empty), ("extra", None), ("rank_state", None), ("blocking", True), ("coordinator", None),
                   ("options", None), ("metadata", None)]),
         "restore": ([("url", pos, empty), ("target", pos, None)],
-                    [("step", None), ("rank_state_policy", None), ("mapping", None), ("strict", True)]),
+                    [("step", None), ("rank_state_policy", None), ("mapping", None), ("strict", None),
+                     ("stats", None)]),
         "load_extra": ([("url", pos, empty), ("step", pos, None)], []),
         "load_rank_state": ([("url", pos, empty), ("step", pos, None)], [("rank_state_policy", None)]),
     }
@@ -272,6 +288,92 @@ def batched_restore(B: Any, d: str) -> None:
         contract.RESTORE_BATCH_BYTES = saved
     same(B.values(out), 8)
     assert n == 2, n
+
+
+@scenario
+def partial_restore(B: Any, d: str) -> None:
+    """Checkpoint keys the target does not name: a partial restore, reported the same way (the
+    report, extra and rank_state in ``stats``); strict=True makes them one KeyMismatchError."""
+    url = os.path.join(d, "r")
+    B.bridge.save(url, B.state(9), step=9, extra={"epoch": 3}, rank_state={"cursor": 5})
+    stats: dict[str, Any] = {}
+    got = B.values(B.restore(url, {k: v for k, v in B.target().items() if k == "w"}, stats=stats))
+    assert np.array_equal(got["w"], np.arange(32, dtype=np.float32).reshape(8, 4) + 9) and list(got) == ["w"], got
+    report = stats["report"]
+    assert isinstance(report, RestoreReport) and report.loaded == ("w",) and report.unexpected == ("b", "n"), report
+    assert (stats["step"], stats["extra"], stats["rank_state"]) == (9, {"epoch": 3}, {"cursor": 5}), stats
+    e = expect(KeyMismatchError, lambda: B.restore(url, {"w": B.target()["w"]}, strict=True), "'b'")
+    assert e.unexpected == ["b", "n"] and e.missing == [] and "ignore=" in str(e), (e.unexpected, str(e))
+    same(B.values(B.restore(url, B.target(), strict=True)), 9)  # the control: the whole target
+
+
+@scenario
+def cast_within_one_kind(B: Any, d: str) -> None:
+    """A dtype of the target's kind is cast and reported; across kinds it is an error."""
+    url = os.path.join(d, "r")
+    B.bridge.save(url, B.state(10), step=10)
+    stats: dict[str, Any] = {}
+    out = B.restore(url, B.typed_target("float16", "int16"), stats=stats)
+    got = B.values(out)
+    assert B.dtype(out["w"]) == "float16" and B.dtype(out["b"]) == "int16", (out["w"].dtype, out["b"].dtype)
+    assert np.array_equal(got["w"].astype(np.float32), np.arange(32, dtype=np.float32).reshape(8, 4) + 10)
+    assert np.array_equal(got["b"], np.full(3, 10, np.int16)), got["b"]
+    assert sorted(stats["report"].cast) == ["b: int32 -> int16", "w: float32 -> float16"], stats["report"].cast
+    e = expect(ShapeMismatchError, lambda: B.restore(url, B.typed_target("int32", "int32")), "across kinds")
+    assert e.key == "w" and (e.expected, e.found) == ("int32", "float32"), e
+    same(B.values(B.restore(url, B.typed_target("float32", "int32"))), 10)  # the control: exact dtypes
+
+
+@scenario
+def every_mismatch_in_one_error(B: Any, d: str) -> None:
+    """A wrong shape, a cast across kinds and a missing key at once: ONE error listing all three."""
+    url = os.path.join(d, "r")
+    B.bridge.save(url, B.state(11), step=11)
+    target = dict(B.typed_target("float32", "float32", w_shape=(4, 8)), absent=B.target(absent=(2,))["absent"])
+    e = expect(RestoreMismatchError, lambda: B.restore(url, target))
+    assert isinstance(e, KeyMismatchError) and isinstance(e, ShapeMismatchError), type(e).__mro__
+    assert e.missing == ["absent"] and sorted(m["key"] for m in e.mismatches) == ["b", "w"], (e.missing, e.mismatches)
+    assert all(k in str(e) for k in ("'absent'", "w:", "b:", "strict=False")) and len(str(e)) < 1800, str(e)
+    assert e.to_json()["missing"] == ["absent"] and len(e.to_json()["mismatches"]) == 2
+    same(B.values(B.restore(url, B.target())), 11)  # the control
+
+
+@scenario
+def async_save_snapshots_numpy_extra(B: Any, d: str) -> None:
+    """numpy arrays in extra / rank_state are snapshotted before save(blocking=False) returns."""
+    url = os.path.join(d, "r")
+    address = f"127.0.0.1:{free_port()}"
+    c0 = TcpCoordinator(address, 0, 2, timeout_s=60)
+    extra, rank = {"a": np.arange(4, dtype=np.int64)}, {"r": np.arange(3, dtype=np.float32)}
+    handle = B.bridge.save(url, B.state(12), step=12, extra=extra, rank_state=rank, blocking=False, coordinator=c0)
+    try:
+        extra["a"][:] = -1  # the save waits for rank 1 at its first collective: it has not encoded yet
+        rank["r"][:] = -1
+        extra["b"] = "added later"
+    finally:
+        peer = threading.Thread(target=peer_save, args=(url, 12, address))
+        peer.start()
+        handle.result(60)
+        peer.join(60)
+        c0.close()
+    got = B.bridge.load_extra(url, 12)
+    assert set(got) == {"a"} and np.array_equal(got["a"], np.arange(4)), got
+    assert np.array_equal(B.bridge.load_rank_state(url, 12, rank_state_policy="rank0")["r"], np.arange(3)), "rank"
+
+
+@scenario
+def unencodable_extra_raises_at_the_call(B: Any, d: str) -> None:
+    """An extra msgpack cannot hold raises InvalidStateError at the save call (blocking or not),
+    before any shard is written; the control saves the same state with a plain extra."""
+    url = os.path.join(d, "r")
+    for blocking in (False, True):
+        e = expect(InvalidStateError, lambda: B.bridge.save(url, B.state(13), step=13, extra={"f": object()},
+                                                            blocking=blocking))
+        assert "extra" in str(e.key), e
+        written = [os.path.join(r, f) for r, _, fs in os.walk(url) for f in fs] if os.path.exists(url) else []
+        assert written == [], written
+    B.bridge.save(url, B.state(13), step=13, extra={"f": 1})
+    assert B.bridge.load_extra(url, 13) == {"f": 1}
 
 
 def main() -> None:

@@ -179,10 +179,14 @@ def low_precision_dtypes(d):
     r = bj.restore(d, bj.abstract_target(state, NamedSharding(mesh((2,), ("x",)), P())))
     for k in state:
         same(r[k], state[k])
+    stats = {}  # bfloat16 -> float32: one kind, cast and reported
+    wide = bj.restore(d, {"bf16": jax.ShapeDtypeStruct((8, 4), jnp.float32)}, stats=stats)
+    assert wide["bf16"].dtype == jnp.float32 and stats["report"].cast == ("bf16: bfloat16 -> float32",)
+    assert np.array_equal(np.asarray(wide["bf16"]), np.asarray(state["bf16"]).astype(np.float32))
     try:
-        bj.restore(d, {"bf16": jax.ShapeDtypeStruct((8, 4), jnp.float32)})
+        bj.restore(d, {"bf16": jax.ShapeDtypeStruct((8, 4), jnp.int32)})
         raise AssertionError("dtype mismatch not detected")
-    except ShapeMismatchError as e:
+    except ShapeMismatchError as e:  # across kinds
         assert e.key == "bf16" and "bfloat16" in str(e)
 
 
