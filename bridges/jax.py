@@ -56,7 +56,7 @@ from ckptfmt.errors import (CheckpointError, InvalidStateError, KeyMismatchError
                             ShapeMismatchError)
 
 from ._contract import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
-from ._contract import check_topology, read_batches
+from ._contract import check_topology, effective_policy, read_batches
 from ._contract import rank_state as _rank_state
 from ._extra import json_keys
 from ._jaxcoord import JaxCoordinator, default_coordinator
@@ -244,7 +244,13 @@ def _bridge_state(ckpt: Any) -> dict[str, Any]:
 
 
 def _check_policy(ckpt: Any, policy: str | None) -> None:
-    check_topology(ckpt, jax.process_count(), policy)
+    # A torch-profile checkpoint whose torch.rank_state is false holds only the RNG states the
+    # torch bridge recorded: another world size goes on without a policy (FORMAT.md 13.3).
+    st = ckpt.state() or {}
+    record = st.get("torch") if isinstance(st, dict) else None
+    asked = not (isinstance(record, dict) and record.get("rank_state") is False)
+    world = jax.process_count()
+    check_topology(ckpt, world, effective_policy(ckpt, world, policy, caller_state=asked))
 
 
 def _impl_name(dtype: Any) -> str:
