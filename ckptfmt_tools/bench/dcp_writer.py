@@ -4,7 +4,7 @@ Prints figures; it is not a test. The same state (``--mib`` MiB of float32 in 16
 a DTensor ``Shard(0)`` over 8 gloo ranks) is saved through ``dcp.save`` with
 ``bridges.dcp.CkptfmtStorageWriter`` ("ours") and with ``FileSystemWriter(sync_files=True)``
 ("dcp"), then restored through ``dcp.load`` with the matching reader on 4 ranks (``Shard(0)``,
-"8 -> 4") and on a (2, 2) mesh (``Shard(0), Shard(1)``, "2-D"). Pairs are run ``--reps`` times,
+"8 -> 4") and, in the last pair only, on a (2, 2) mesh (``Shard(0), Shard(1)``, "2-D"). Pairs are run ``--reps`` times,
 the order of the two rotated each repetition, the page cache dropped before every phase when
 this process may (root), else synced only (the output says which). Reported: medians of the
 durable save time (first barrier to the last rank's return, after every file is fsync'd), of
@@ -94,6 +94,7 @@ def _rank_phase(p: dict[str, Any]) -> dict[str, Any]:
     box, sd = st["_box"], {"model": st["model"]}
     dist.barrier()
     _hwm_reset()
+    rss0 = _hwm()  # the state (or the target) is allocated: what follows is the save's or load's own
     io0, t0 = _io_rchar(), time.perf_counter()
     out: dict[str, Any] = {}
     try:
@@ -109,7 +110,7 @@ def _rank_phase(p: dict[str, Any]) -> dict[str, Any]:
         inner = [f[0] if isinstance(f, tuple) else getattr(f, "exception", f)
                  for f in getattr(e, "failures", {}).values()]
         out["error"] = type(e).__name__ + "".join(f" / {type(x).__name__}: {str(x)[:160]}" for x in inner[:1])
-    out.update(wall_s=time.perf_counter() - t0, rchar=_io_rchar() - io0, peak_rss=_hwm())
+    out.update(wall_s=time.perf_counter() - t0, rchar=_io_rchar() - io0, peak_rss=_hwm(), rss_before=rss0)
     dist.barrier()
     if p["mode"] == "load" and "error" not in out:
         wrong = sum(int((v.to_local().numpy() != _value(box[0], box[1], int(k[1:]))).sum())
@@ -156,7 +157,7 @@ def _cold(dropped: list[bool]) -> None:
     dropped.append(drop_page_cache())
 
 
-def _pair(root: str, rows: int, order: tuple[str, ...], dropped: list[bool]) -> dict[str, dict[str, Any]]:
+def _pair(root: str, rows: int, order: tuple[str, ...], dropped: list[bool], two_d: bool) -> dict[str, dict[str, Any]]:
     res: dict[str, dict[str, Any]] = {}
     for system in order:
         path = os.path.join(root, system)
@@ -166,38 +167,50 @@ def _pair(root: str, rows: int, order: tuple[str, ...], dropped: list[bool]) -> 
         save = _launch(dict(base, mode="save", layout="1d"), 8)
         _cold(dropped)
         load = _launch(dict(base, mode="load", layout="1d"), 4)
-        _cold(dropped)
-        two = _launch(dict(base, mode="load", layout="2d"), 4)
+        two: list[dict[str, Any]] = []
+        if two_d:  # bytes read per rank: one pair is enough (they do not vary between runs)
+            _cold(dropped)
+            two = _launch(dict(base, mode="load", layout="2d"), 4)
         res[system] = {"save_s": max(r["wall_s"] for r in save), "save_rss": sum(r["peak_rss"] for r in save),
+                       "save_extra": sum(r["peak_rss"] - r["rss_before"] for r in save),
+                       "load_extra": sum(r["peak_rss"] - r["rss_before"] for r in load),
                        "load_s": max(r["wall_s"] for r in load), "load_rss": sum(r["peak_rss"] for r in load),
                        "load_rchar": [r["rchar"] for r in load], "load_share": load[0]["share"],
                        "two_rchar": [r["rchar"] for r in two], "two_reader": [r.get("reader_bytes") for r in two],
-                       "two_share": two[0]["share"], "two_s": max(r["wall_s"] for r in two),
+                       "two_share": two[0]["share"] if two else 0, "two_wall": max((r["wall_s"] for r in two), default=0.0),
                        "wrong": sum(r.get("wrong_values", 0) for r in load + two),
                        "errors": [r["error"] for r in load + two if "error" in r]}
     return res
 
 
-def _largest_data_file(path: str) -> str:
+def _flip_target(system: str, path: str) -> tuple[str, int]:
+    """A file and an offset inside stored tensor bytes: the middle of our largest shard object;
+    for DCP the middle of its largest tensor record (a ``torch.save`` stream), from its metadata."""
+    if system == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        info = max(dcp.FileSystemReader(path).read_metadata().storage_data.values(), key=lambda i: i.length)
+        return os.path.join(path, info.relative_path), info.offset + info.length // 2
     files = [os.path.join(d, n) for d, _, names in os.walk(path) for n in names
-             if not n.endswith((".json", ".metadata")) and "manifest" not in d]
-    return max(files, key=os.path.getsize)
+             if not n.endswith(".json") and "manifest" not in d]
+    victim = max(files, key=os.path.getsize)
+    return victim, os.path.getsize(victim) // 2
 
 
 def _flip(root: str, rows: int) -> dict[str, Any]:
-    """Flip 64 bytes in the middle of each system's largest data file; restore 8 -> 4 once."""
+    """Flip 64 bytes inside stored tensor data of each system; restore 8 -> 4 once."""
     out = {}
     for system in SYSTEMS:
         path = os.path.join(root, system)
-        victim = _largest_data_file(path)
+        victim, at = _flip_target(system, path)
         with open(victim, "r+b") as f:
-            f.seek(os.path.getsize(victim) // 2)
+            f.seek(at)
             raw = f.read(64)
-            f.seek(os.path.getsize(victim) // 2)
+            f.seek(at)
             f.write(bytes(b ^ 0xFF for b in raw))
         load = _launch({"system": system, "path": path, "rows": rows, "mode": "load", "layout": "1d"}, 4)
         errs = sorted({r["error"] for r in load if "error" in r})
-        out[system] = {"file": os.path.relpath(victim, path), "errors": errs,
+        out[system] = {"file": f"{os.path.relpath(victim, path)} at byte {at:,}", "errors": errs,
                        "wrong_values": sum(r.get("wrong_values", 0) for r in load)}
     return out
 
@@ -210,8 +223,10 @@ def report(runs: list[dict[str, dict[str, Any]]], flip: dict[str, Any], mib: int
     lines = [f"state {mib} MiB float32 in {TENSORS} tensors; save 8 ranks, restore 4 ranks; {len(runs)} pairs, "
              f"order rotated; page cache {'dropped' if all(dropped) else 'NOT dropped (synced only)'} before each phase"]
     for key, name, scale in (("save_s", "durable save (s)", 1), ("load_s", "restore 8 -> 4 (s)", 1),
-                             ("two_s", "restore 8 -> (2, 2) (s)", 1), ("save_rss", "peak RSS, save, sum of 8 ranks (MiB)", 2**20),
-                             ("load_rss", "peak RSS, restore 8 -> 4, sum of 4 ranks (MiB)", 2**20)):
+                             ("save_rss", "peak RSS, save, sum of 8 ranks (MiB)", 2**20),
+                             ("save_extra", "  of which above the state, save (MiB)", 2**20),
+                             ("load_rss", "peak RSS, restore 8 -> 4, sum of 4 ranks (MiB)", 2**20),
+                             ("load_extra", "  of which above the target, restore (MiB)", 2**20)):
         vals = {s: _median(runs, s, key) / scale for s in SYSTEMS}
         each = {s: ", ".join(f"{r[s][key] / scale:.2f}" for r in runs) for s in SYSTEMS}
         lines.append(f"{name:48s} ours {vals['ours']:9.2f}  dcp {vals['dcp']:9.2f}  ratio {vals['ours'] / vals['dcp']:.2f}"
@@ -220,6 +235,7 @@ def report(runs: list[dict[str, dict[str, Any]]], flip: dict[str, Any], mib: int
     for s in SYSTEMS:
         share = last[s]["two_share"]
         rd = last[s]["two_rchar"]
+        lines.append(f"restore 8 -> (2, 2), {s}: {last[s]['two_wall']:.2f} s (last pair only)")
         own = [f"{b / share:.3f}" for b in last[s]["two_reader"]] if s == "ours" else None
         lines.append(f"2-D restore bytes read per rank, {s}: rchar {[f'{b / share:.3f}' for b in rd]} x the 1/4 share "
                      f"({share:,} B)" + (f"; the reader's own count {own}" if own else ""))
@@ -253,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     for rep in range(args.reps):
         order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
-        runs.append(_pair(root, rows, order, dropped))
+        runs.append(_pair(root, rows, order, dropped, two_d=rep == args.reps - 1))
         times = {s: {k: round(v, 2) for k, v in runs[-1][s].items() if k.endswith("_s")} for s in SYSTEMS}
         print(f"pair {rep + 1}/{args.reps} ({' then '.join(order)}): {json.dumps(times)}", flush=True)
     flip = _flip(root, rows)
