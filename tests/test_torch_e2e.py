@@ -2,7 +2,8 @@
 
 A tiny LlamaForCausalLM on 4 gloo ranks, tensor parallel + FSDP2 on a (2, 2) mesh, AdamW and
 StepLR, saves every 2 steps through ``dcp.async_save`` with ``CkptfmtStorageWriter`` and through
-``bridges.torch.CheckpointManager``; rank 1 is SIGKILLed at step 6 with those saves in flight.
+``bridges.torch.CheckpointManager``; rank 1 is SIGKILLed at step 6 as the saves of step 6 start
+(the other ranks' saves block and are killed: step 6 never commits).
 Two ranks on a (1, 2) mesh resume from the newest committed step both ways: the continuation
 receipt (ckptfmt_tools.receipt.judge: batch ids of the next step identical, its loss within
 LOSS_RTOL, every leaf of the live state bit-identical) against what the killed run logged, with
@@ -29,7 +30,7 @@ from ckptfmt_tools.receipt import judge  # noqa: E402
 from torchproc.launch import REPO, child_env, run_world  # noqa: E402
 
 # Three process groups start (4 ranks, 2 ranks, one JAX process): about 90 CPU-seconds in all,
-# so it is one of the slow tests (measured 340 s wall at a load average of 16 on 2 cores).
+# so it is one of the slow tests (measured 111 s wall at a load average of 10-13 on 2 cores, 340 s at 16).
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
