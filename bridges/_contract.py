@@ -20,7 +20,7 @@ from ckptfmt.reader import RANK_STATE_POLICIES, check_rank_state_policy
 from ckptfmt.state import decode_state, encode_state
 
 __all__ = ["RESTORE_BATCH_BYTES", "Batch", "read_batches", "check_topology", "rank_state", "renamed_keyword",
-           "UNSET", "effective_policy", "stage_state", "restore_stats"]
+           "UNSET", "effective_policy", "caller_rank_state", "stage_state", "restore_stats"]
 
 #: Host bytes read per batch during restore: bounds the host copies alive at once. Read at each
 #: call, so a process may set it (``bridges._contract.RESTORE_BATCH_BYTES = ...``) for every bridge.
@@ -39,6 +39,15 @@ def effective_policy(ckpt: Any, world: int, policy: str | None, *, caller_state:
     if policy is None and not caller_state and int(ckpt.saved_world) != world:
         return "drop"
     return policy
+
+
+def caller_rank_state(gstate: Any) -> bool:
+    """Whether a checkpoint's per-rank state holds what a caller asked to save: False only when the
+    torch profile's record says ``rank_state: false`` (only the RNG states the torch bridge recorded
+    itself; FORMAT.md 13.3). A checkpoint without the flag (older, or of another profile) is taken
+    to hold the caller's state. Both bridges pass this to :func:`effective_policy`."""
+    record = gstate.get("torch") if isinstance(gstate, dict) else None
+    return not (isinstance(record, dict) and record.get("rank_state") is False)
 
 
 def stage_state(global_state: Any, per_rank: Any, metadata: Any = None, *, blocking: bool) -> tuple[Any, Any, Any]:

@@ -22,7 +22,7 @@ from ckptfmt.interop import open_source
 from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.restoreplan import RestorePlan, RestoreSource, TargetLeaf, TensorPlan, plan_restore
 
-from ._contract import check_topology, read_batches, restore_stats
+from ._contract import caller_rank_state, check_topology, effective_policy, read_batches, restore_stats
 from ._contract import rank_state as _rank_state
 from ._jaxcoord import JaxCoordinator
 from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, nest, physical_sharding
@@ -246,7 +246,11 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     t0 = time.perf_counter()
     check_rank_state_policy(rank_state_policy)  # a usage error, raised before anything is opened
     ckpt = _open(url, step)
-    check_topology(ckpt, jax.process_count(), rank_state_policy)
+    # A torch checkpoint holding only the torch bridge's RNG states goes on at another world size
+    # without a policy (FORMAT.md 13.3), as in bridges.torch.load.
+    world = jax.process_count()
+    check_topology(ckpt, world, effective_policy(ckpt, world, rank_state_policy,
+                                                 caller_state=caller_rank_state(ckpt.state() or {})))
     bridge = _bridge_state(ckpt)
     t1 = time.perf_counter()
     keys = set(ckpt.keys())

@@ -20,7 +20,8 @@ from ckptfmt.interop import open_source
 from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.restoreplan import RestorePlan, RestoreReport, RestoreSource, TargetLeaf, plan_restore
 
-from ._contract import UNSET, check_topology, effective_policy, read_batches, renamed_keyword, restore_stats
+from ._contract import (UNSET, caller_rank_state, check_topology, effective_policy, read_batches, renamed_keyword,
+                        restore_stats)
 from ._contract import rank_state as _rank_state
 from ._torchconv import (_OBJECTS, _flatten, _local, _rank, _rebuild, _target_boxes, _world, _wrap_like, dtype_name,
                          from_numpy)
@@ -217,9 +218,7 @@ def _policy(ckpt: Any, gstate: Any, policy: str | None) -> str | None:
     whose ``torch.rank_state`` is false holds only the bridge's RNG states per rank, which another
     world size drops unless ``policy`` asks for them. A checkpoint without the flag (written before
     it existed, or by another profile) is taken to hold the caller's per-rank state."""
-    record = gstate.get(_OBJECTS[0]) if isinstance(gstate, dict) else None
-    asked = not (isinstance(record, dict) and record.get("rank_state") is False)
-    return effective_policy(ckpt, _world(), policy, caller_state=asked)
+    return effective_policy(ckpt, _world(), policy, caller_state=caller_rank_state(gstate))
 
 
 def _saved_objects(gstate: Any) -> dict[str, Any]:

@@ -43,7 +43,8 @@ def kernel_manager_factory():
 
 def test_every_notebook_is_listed():
     assert [p.name for p in PATHS] == ["01_format_tour.ipynb", "02_jax_to_pytorch.ipynb", "03_resharding.ipynb",
-                                       "04_faults_and_recovery.ipynb", "05_llama_jax_to_hf.ipynb"]
+                                       "04_faults_and_recovery.ipynb", "05_llama_jax_to_hf.ipynb",
+                                       "06_torch_first.ipynb"]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])

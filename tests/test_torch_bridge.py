@@ -427,7 +427,8 @@ def test_extra_takes_what_json_takes(tmp_path):
 def test_fsdp2_with_tensor_parallel_saves_and_restores_on_other_meshes(tmp_path):
     """Issue 26: FSDP2 (fully_shard) over TP (parallelize_module) on a (2, 2) mesh of 4 gloo ranks
     produces _StridedShard placements; they are saved box-exact and restored bit for bit on 2
-    ranks (Shard(0)), on 1 (plain tensors), and on a (1, 4) FSDP2 + TP mesh."""
+    ranks (Shard(0)), on 1 (plain tensors), on a (1, 4) FSDP2 + TP mesh, and into JAX on a (2, 4)
+    CPU mesh, every device's shard checked against its box (control: a box shifted by one row)."""
     url = str(tmp_path / "repo")
     saved = run_world("fsdp_tp_save", 4, tmp_path, {"url": url})
     assert any("_StridedShard" in p for p in saved[0]["placements"]), saved[0]  # really strided
@@ -436,3 +437,13 @@ def test_fsdp2_with_tensor_parallel_saves_and_restores_on_other_meshes(tmp_path)
         for r in run_world("fsdp_tp_load", world, tmp_path / f"w{world}",
                            dict(args, url=url, expect=str(tmp_path / "fsdp_tp.npz"))):
             assert r["ok"] and all(r["ok"].values()), (world, r)
+    pytest.importorskip("jax")
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, str(REPO / "tests" / "torchproc" / "jax_side.py"), "fsdp_tp", url,
+                    str(tmp_path / "fsdp_tp.npz"), str(tmp_path / "jax.json")], env=env, check=True, timeout=300,
+                   cwd=str(REPO))
+    import json
+    j = json.loads((tmp_path / "jax.json").read_text())
+    assert j["keys"] and all(j["exact"].values()) and len(j["exact"]) == 12 and j["devices"] == [8], j
+    assert not j["control"], j  # the check sees a misplaced box
+    assert j["asked_rank_state"] == "TopologyChangedError", j  # control: a caller's rank_state still needs a policy

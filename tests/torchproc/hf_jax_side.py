@@ -17,6 +17,11 @@ JAX -> torch -> JAX (also in ``roundtrip``): ``llama_j2t`` (the trained checkpoi
 ``LlamaForCausalLM`` + AdamW and saved straight back with ``mapping=preset``) restores into the
 ``nnx.Optimizer`` target with every leaf equal to the original's (``j2t_same``); ``llama_j2t_nocast``
 (the same save through the preset with its Casts removed) must fail (``nocast_error``).
+
+``llama_logits <url> <out.npz>``: restores the model of the newest step of a torch-written
+checkpoint (``llama_e2e``: saved through DCP by 4 FSDP2 + TP ranks, the HF layout) into the JAX
+Llama on the (4, 2) mesh through ``hf_llama_from_nnx(LLAMA).inverse()``, with no policy; writes
+its logits on EVAL_IDS, and those of a restore through the wrong rotary layout (the control).
 """
 from __future__ import annotations
 
@@ -102,5 +107,24 @@ def roundtrip(workdir: str) -> None:
     np.savez(os.path.join(workdir, "roundtrip.npz"), **out)
 
 
+def llama_logits(url: str, out: str) -> None:
+    m = mesh()
+    cfg = SimpleNamespace(**LLAMA)
+    abstract = nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0)))
+    target = {"model": nnx_target(abstract, lambda k, leaf: NamedSharding(m, spec_for(LLAMA_SPECS, k)))}
+    model = Llama(cfg, nnx.Rngs(1))
+    place(model, LLAMA_SPECS, m)
+    forward = nnx.jit(lambda mdl, ids: mdl(ids))
+    res = {}
+    for name, rope in (("logits", "halves"), ("wrong_rope", "interleaved")):
+        got = bj.restore(url, target, mapping=hf_llama_from_nnx(LLAMA, rope=rope).inverse())
+        nnx_load(model, got["model"])
+        res[name] = np.asarray(forward(model, jnp.asarray(EVAL_IDS)))
+    np.savez(out, **res)
+
+
 if __name__ == "__main__":
-    {"produce": produce, "roundtrip": roundtrip}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] == "llama_logits":
+        llama_logits(sys.argv[2], sys.argv[3])
+    else:
+        {"produce": produce, "roundtrip": roundtrip}[sys.argv[1]](sys.argv[2])

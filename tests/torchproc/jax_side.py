@@ -7,6 +7,12 @@ the reference forward output on EVAL_IDS and the parameters after ONE MORE step 
 
 ``restore <url> <step> <out.npz>``: restores a torch-written checkpoint (saved with the mapping)
 through ``bridges.jax.restore`` onto 8 devices and writes the restored leaves to ``out.npz``.
+
+``fsdp_tp <url> <expect.npz> <out.json>``: restores the FSDP2 + TP save of 4 torch ranks
+(``scenarios.fsdp_tp_save``: model and AdamW moments, ``_StridedShard`` placements) onto a (2, 4)
+JAX mesh with no policy and no mapping, and checks every device's shard against its box of the
+expected global value, bit for bit (with a broken control: a box shifted by one row must fail);
+step 2 of the same save holds a caller's ``rank_state``: restoring it without a policy must raise.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bridges import jax as bj  # noqa: E402
 from bridges._jaxtree import flatten_with_keys  # noqa: E402
 from bridges.flax import nnx_state, nnx_target  # noqa: E402
+from ckptfmt.errors import TopologyChangedError  # noqa: E402
 
 VOCAB, D, OUT = 50, 32, 16
 HP = dict(learning_rate=1e-2, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.05)
@@ -122,8 +129,44 @@ def restore(url: str, step: int, out: str) -> None:
     np.savez(out, ok_sharding=np.array(ok_sharding), **{k.replace("/", "|"): np.asarray(v) for k, v in leaves})
 
 
+def _shards_exact(arr: jax.Array, want: np.ndarray) -> bool:
+    """Every addressable shard of ``arr`` equals its box of ``want``, bit for bit."""
+    return all(np.asarray(s.data).tobytes() == np.ascontiguousarray(want[s.index]).tobytes()
+               for s in arr.addressable_shards)
+
+
+def fsdp_tp(url: str, expect: str, out: str) -> None:
+    import json
+
+    from bridges._jaxtree import nest
+    want = {k.replace("|", "/"): v for k, v in np.load(expect).items()}
+    m = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("a", "b"),
+                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sizes = dict(m.shape)
+
+    def spec(shape: tuple[int, ...]) -> P:  # the first layout that divides evenly: not the torch one
+        cands = [P("a", "b"), P("b", "a")] if len(shape) == 2 else [P("b"), P("a")]
+        return next(c for c in cands if all(n % sizes[a] == 0 for n, a in zip(shape, c)))
+
+    target = nest({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(m, spec(v.shape)))
+                   for k, v in want.items()})
+    got = dict(flatten_with_keys(bj.restore(url, target, step=1))[0])  # 4 torch ranks, no rank_state: no policy
+    try:  # control: step 2 was saved with a caller's rank_state, which another world size must not drop silently
+        bj.restore(url, {"model": target["model"]}, step=2)
+        asked = "restored"
+    except TopologyChangedError as e:
+        asked = type(e).__name__
+    res = {"keys": sorted(got) == sorted(want), "exact": {k: _shards_exact(got[k], want[k]) for k in want},
+           "devices": sorted({len(v.addressable_shards) for v in got.values()}),
+           "asked_rank_state": asked, "control": _shards_exact(got["model/2.weight"], np.roll(want["model/2.weight"], 1, axis=0))}
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "train":
         train(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "fsdp_tp":
+        fsdp_tp(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         restore(sys.argv[2], int(sys.argv[3]), sys.argv[4])

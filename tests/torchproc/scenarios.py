@@ -546,6 +546,8 @@ def fsdp_tp_save(args: dict[str, Any]) -> dict[str, Any]:
     full.update({f"optim/state/{k}/{n}": t.full_tensor().numpy().copy()
                  for k, st in osd["state"].items() for n, t in st.items() if isinstance(t, DTensor)})
     bt.save(args["url"], {"model": msd, "optim": osd}, step=1)
+    # Step 2: the same with a caller's rank_state (the control of a restore at another world size).
+    bt.save(args["url"], {"model": msd}, step=2, rank_state={"cursor": dist.get_rank()})
     if dist.get_rank() == 0:
         np.savez(Path(args["workdir"]) / "fsdp_tp.npz", **{k.replace("/", "|"): v for k, v in full.items()})
     return {"placements": placements}
@@ -576,7 +578,7 @@ def fsdp_tp_load(args: dict[str, Any]) -> dict[str, Any]:
                 target["model"][parts[1]] = mk(a)
             else:
                 target["optim"]["state"].setdefault(parts[2], {})[parts[3]] = mk(a)
-    got = bt.load(args["url"], target, strict=False)
+    got = bt.load(args["url"], target, step=1, strict=False)
     flat: dict[str, Any] = {f"model/{k}": v for k, v in got["model"].items()}
     flat.update({f"optim/state/{k}/{n}": t for k, st in got["optim"]["state"].items() for n, t in st.items()})
     ok = {}
