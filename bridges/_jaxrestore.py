@@ -8,12 +8,14 @@ bridge, bridges/README.md "The restore semantics"); this module turns target lea
 """
 from __future__ import annotations
 
+import bisect
 import time
 import warnings
 from typing import Any
 
 import jax
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from ckptfmt import Box, Repository, agree_step
 from ckptfmt.dtypes import numpy_dtype
@@ -176,6 +178,21 @@ def _build(plan: _ArrayPlan, blocks: dict[Box, np.ndarray]) -> Any:
     return jax.random.wrap_key_data(arr, impl=plan.prng) if plan.prng else arr
 
 
+def _unshared(blk: np.ndarray, handed: list[tuple[int, int]]) -> np.ndarray:
+    """``blk``, or a copy of it when its bytes overlap a block already handed out (a source block
+    that two leaves share: tied weights), so that no two arrays of one restore share host memory.
+    A view into the reader's buffer that overlaps nothing is handed out as is (no copy)."""
+    lo, hi = byte_bounds(blk)
+    at = bisect.bisect_left(handed, (lo, hi))
+    if blk.nbytes and ((at < len(handed) and handed[at][0] < hi) or (at and handed[at - 1][1] > lo)):
+        blk = np.array(blk)
+        lo, hi = byte_bounds(blk)
+        at = bisect.bisect_left(handed, (lo, hi))
+    if blk.nbytes:
+        handed.insert(at, (lo, hi))
+    return blk
+
+
 def _restore_batches(ckpt: Any, plans: list[_ArrayPlan], built: dict[str, Any]) -> tuple[int, float, int]:
     """Build each batch's arrays as soon as it is read and verified. Returns (bytes, read s, batches)."""
     nbytes, t_read, count = 0, 0.0, 0
@@ -192,15 +209,11 @@ def _restore_batches(ckpt: Any, plans: list[_ArrayPlan], built: dict[str, Any]) 
             count += 1
             nbytes += sum(int(a.nbytes) for a in got.values())
             assembled: dict[int, dict[Box, np.ndarray]] = {}
-            handed: set[int] = set()
+            handed: list[tuple[int, int]] = []  # byte ranges already handed out, sorted
             for i in indices:  # every leaf first: several may share a source block (tied weights)
                 blocks = {}
                 for b in plans[i].boxes:
-                    blk = plans[i].tp.assemble(b, [got[r] for r in plans[i].reads[b]])
-                    if id(blk) in handed or not (blk.flags.owndata and blk.flags.c_contiguous):
-                        blk = np.array(blk)  # no two arrays share host memory
-                    handed.add(id(blk))
-                    blocks[b] = blk
+                    blocks[b] = _unshared(plans[i].tp.assemble(b, [got[r] for r in plans[i].reads[b]]), handed)
                 assembled[i] = blocks
             for i in indices:
                 built[plans[i].key] = _build(plans[i], assembled.pop(i))
