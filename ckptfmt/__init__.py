@@ -4,7 +4,7 @@ The core imports numpy, tensorstore and msgpack only; framework bridges live in 
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from ._types import Box as Box
 from .agree import agree_step as agree_step
@@ -22,7 +22,7 @@ from .reader import Checkpoint as Checkpoint
 from .reader import ReadStats as ReadStats
 from .repository import GcReport as GcReport
 from .repository import Repository as Repository
-from ._saveopts import SaveOptions as SaveOptions
+from .session._saveopts import SaveOptions as SaveOptions
 from .session import save as save
 from .asyncsave import SaveHandle as SaveHandle
 from .asyncsave import save_async as save_async

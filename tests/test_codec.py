@@ -17,7 +17,7 @@ import ckptfmt
 import ckptfmt.checksum
 from ckptfmt import (Box, ChecksumMismatchError, InvalidDataError, LocalShard, Repository, SaveOptions,
                      UnsupportedVersionError)
-from ckptfmt._codec import ChunkDecoder
+from ckptfmt.shard._codec import ChunkDecoder
 from ckptfmt.manifest import REFERENCES, ZSTD, parse_manifest
 from ckptfmt_tools.faults._scene import flip
 

@@ -1,4 +1,4 @@
-"""The files an export creates in OUT (ckptfmt/_exportfiles.py, issue 24 items 5 and 11): a link
+"""The files an export creates in OUT (ckptfmt/interop/_exportfiles.py, issue 24 items 5 and 11): a link
 planted at any temporary or final name is refused with a typed error and the file it points to
 outside OUT is left as it was; an existing ``config.json`` is refused like existing weights; a
 model config nested too deeply (or containing itself) is a typed error before anything is
@@ -19,7 +19,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 import ckptfmt  # noqa: E402
 from ckptfmt import Box, LocalShard  # noqa: E402
 from ckptfmt_tools.cli import app  # noqa: E402
-from ckptfmt._exportfiles import MAX_CONFIG_NESTING, read_config, temp_name  # noqa: E402
+from ckptfmt.interop._exportfiles import MAX_CONFIG_NESTING, read_config, temp_name  # noqa: E402
 from ckptfmt.errors import CheckpointError, InvalidConfigError, OutputExistsError  # noqa: E402
 from ckptfmt.interop import (begin_export, export_safetensors, finish_export, prepare_export,  # noqa: E402
                              write_part)

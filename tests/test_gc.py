@@ -206,8 +206,8 @@ def test_retention_control_trusting_manifests_leaves_nothing_restorable(repo_url
     for s in (1, 2, 3):
         save(r, s, shards(s))
     _damage(r, 3, "truncated")
-    monkeypatch.setattr("ckptfmt._gc._unrestorable", lambda *a: None)  # broken: every manifest is trusted
-    monkeypatch.setattr("ckptfmt._gc._unverified", lambda *a: None)    # ... and nothing is read
+    monkeypatch.setattr("ckptfmt.repository._gc._unrestorable", lambda *a: None)  # broken: every manifest is trusted
+    monkeypatch.setattr("ckptfmt.repository._gc._unverified", lambda *a: None)    # ... and nothing is read
     assert r.gc(keep_last=1, grace_s=0).removed_steps == [1, 2] and r.steps() == [3]
     with pytest.raises(InvalidManifestError):
         r.verify(3)  # ... and no step is left that restores
@@ -357,7 +357,7 @@ def test_gc_never_reads_an_oversized_manifest(repo):
 
 
 def test_manifests_are_scanned_in_pieces_without_missing_a_save_id(repo_url, monkeypatch):
-    from ckptfmt import _gc
+    from ckptfmt.repository import _gc
 
     r = Repository(repo_url)
     for s in (1, 2):

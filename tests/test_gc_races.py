@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ckptfmt import Box, LocalShard, Repository, save
-from ckptfmt import _gc
+from ckptfmt.repository import _gc
 from ckptfmt.errors import MissingShardError
 from ckptfmt.layout import lease_key, manifest_key, save_prefix
 from ckptfmt.storage import DelegatingStorage, open_storage

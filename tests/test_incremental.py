@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ckptfmt import (Box, ChecksumMismatchError, InvalidManifestError, LocalShard, MissingShardError, Repository,
                      SaveOptions, UnsupportedVersionError, save)
-from ckptfmt._gc import unrestorable
+from ckptfmt.repository._gc import unrestorable
 from ckptfmt.layout import lease_bytes, lease_key, save_prefix
 from ckptfmt.manifest import REFERENCES, parse_manifest
 

@@ -6,8 +6,8 @@ import os
 import pytest
 import tensorstore as ts
 
-from ckptfmt._kvurl import S3_DEFAULT_RETRIES
-from ckptfmt._kvurl import kvstore_spec as _kvstore_spec
+from ckptfmt.storage._kvurl import S3_DEFAULT_RETRIES
+from ckptfmt.storage._kvurl import kvstore_spec as _kvstore_spec
 
 
 def kvstore_spec(*a, **kw):

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 import ckptfmt
 from ckptfmt import Box, CheckpointError, LocalShard, Repository, SaveOptions, parse_manifest
 from ckptfmt import manifest as mf
-from ckptfmt._manifest_refs import DERIVED_MIN_ROWS, wants_derived
+from ckptfmt.manifest._refs import DERIVED_MIN_ROWS, wants_derived
 from ckptfmt.layout import arrays_prefix
 from manifest_common import mutate, same_tables
 

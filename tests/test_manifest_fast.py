@@ -240,7 +240,7 @@ def test_tensors_of_one_geometry_take_the_fast_path(good):
 @settings(max_examples=200, deadline=None)
 def test_structural_count_equals_plain_byte_counts(data, repeat):
     """The numpy block count (FORMAT.md 5.10) against its slow twin, across block boundaries."""
-    from ckptfmt._manifest_caps import count_structural
+    from ckptfmt.manifest._caps import count_structural
 
     data = data * (1 + repeat * 1500)  # up to ~18 MB: several 4 MiB blocks
     assert count_structural(data) == data.count(b"{") + data.count(b"[") + data.count(b",")
@@ -250,7 +250,7 @@ def test_structural_cap_is_checked_before_parsing(good):
     """FORMAT.md 5.10: more "{", "[" and "," bytes than the cap (2^25, scaled to a lower size cap)
     is refused before json.loads builds anything; the control sits exactly at the cap."""
     from ckptfmt import ManifestTooLargeError
-    from ckptfmt._manifest_caps import count_structural
+    from ckptfmt.manifest._caps import count_structural
 
     base = json.dumps(good).encode()
     cap = 1 << 20  # a 1 MiB size cap: 2^25 / 256 = 131,072 structural bytes
@@ -280,7 +280,7 @@ def test_fast_path_equals_the_exact_path(good, data):
     type checks when its literal count vouches that no float or boolean lies in a tensor entry)
     accepts with the exact path's tables or raises the exact path's error, the same type and the
     same words."""
-    from ckptfmt._manifest_fast import Fallback, tensors_fast
+    from ckptfmt.manifest._fast import Fallback, tensors_fast
 
     d = copy.deepcopy(good)
     if data.draw(st.booleans(), label="clean text"):  # no "true"/"false" in the text: parse_manifest's

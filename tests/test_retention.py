@@ -1,4 +1,4 @@
-"""The one retention planner (ckptfmt._retention) that Repository.gc and the checkpoint manager
+"""The one retention planner (ckptfmt.repository._retention) that Repository.gc and the checkpoint manager
 share: it counts only restorable steps and never deletes the newest restorable one."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptfmt import Repository
-from ckptfmt._retention import Retention
+from ckptfmt.repository._retention import Retention
 from ckptfmt.manager import CheckpointManager
 
 

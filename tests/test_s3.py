@@ -22,7 +22,7 @@ import tensorstore as ts
 
 import ckptfmt
 from ckptfmt import Box, LocalShard
-from ckptfmt._kvurl import kvstore_spec
+from ckptfmt.storage._kvurl import kvstore_spec
 from ckptfmt.errors import (ChecksumMismatchError, CheckpointError, MissingShardError, SizeMismatchError,
                             StepAlreadyCommittedError, StepNotFoundError, StorageError)
 from ckptfmt.manifest import MARKER_BYTES

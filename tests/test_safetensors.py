@@ -21,7 +21,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 import ckptfmt  # noqa: E402
 import ckptfmt.dtypes  # noqa: E402
 from ckptfmt import Box, LocalShard, Repository  # noqa: E402
-from ckptfmt._safetensors import MAX_HEADER_BYTES, parse_header  # noqa: E402
+from ckptfmt.interop._safetensors import MAX_HEADER_BYTES, parse_header  # noqa: E402
 from ckptfmt.errors import (ChecksumMismatchError, InvalidDataError, InvalidSourceError,  # noqa: E402
                             MissingShardError, SizeMismatchError, StepNotFoundError)
 from ckptfmt.interop import (SafetensorsSource, export_safetensors, import_safetensors, open_source,  # noqa: E402
@@ -392,7 +392,7 @@ def test_header_and_index_holding_too_many_json_values_are_refused_before_decodi
     index of {} 1.7 GB and an empty commit. FORMAT.md 5.10's structural cap, scaled to each size
     cap, is counted before decoding: one value over is refused with a peak far below what decoding
     would build (about 1 GB); the controls, a real header and index, open."""
-    from ckptfmt._safetensors import HEADER_STRUCTURAL, INDEX_STRUCTURAL
+    from ckptfmt.interop._safetensors import HEADER_STRUCTURAL, INDEX_STRUCTURAL
 
     header = b'{"a":[' + b",".join([b"[]"] * (HEADER_STRUCTURAL // 2 + 1)) + b"]}"  # "[" and "," per element
     f = _raw_file(tmp_path / "values" / "model.safetensors", header)
@@ -413,7 +413,7 @@ def test_header_and_index_holding_too_many_json_values_are_refused_before_decodi
 def test_index_nesting_and_tensor_caps(tmp_path):
     """FORMAT.md 5.10's nesting (64 levels) and tensor (2^20) caps on an index; the controls: 64
     levels, and the tensor cap through parse_header's own budget (at it: accepted)."""
-    from ckptfmt._safetensors import MAX_TENSORS, parse_index
+    from ckptfmt.interop._safetensors import MAX_TENSORS, parse_index
 
     def nested(levels: int) -> bytes:  # the index object is level 1
         return b'{"weight_map":{"w":"m.safetensors"},"metadata":' + b'{"a":' * (levels - 2) + b"{}" + b"}" * (levels - 1)
@@ -519,7 +519,7 @@ def test_import_over_the_tensor_cap_is_refused_before_anything_is_read(tmp_path)
     save's cost per tensor). An import takes at most MAX_IMPORT_TENSORS (2^17) unless asked: over
     the cap it is InvalidSourceError naming the count and the option, nothing read or committed;
     the control: the same file under a cap that fits it imports every tensor."""
-    from ckptfmt._stimport import MAX_IMPORT_TENSORS
+    from ckptfmt.interop._stimport import MAX_IMPORT_TENSORS
 
     assert MAX_IMPORT_TENSORS == 1 << 17
     src = _write(tmp_path / "m.safetensors", {f"t{i}": np.full(2, i, np.float32) for i in range(5)})

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from ckptfmt import Repository
-from ckptfmt._kvstore import classify
+from ckptfmt.storage._kvstore import classify
 from ckptfmt.errors import MissingShardError, SizeMismatchError, StorageError
 from ckptfmt.storage import NO_VALUE, DelegatingStorage, Storage, open_storage
 from s3server import s3_env, s3_server  # noqa: F401  (pytest fixtures)

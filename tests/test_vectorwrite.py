@@ -168,7 +168,7 @@ print("step 3 saved")
 
 @pytest.mark.parametrize("limit", [4096, 1 << 30])  # step 2 fails on the writer threads; control: it does not
 def test_the_writer_threads_outlive_a_failed_save(tmp_path, limit):
-    """The process-wide writer threads (ckptfmt._durable.writer_pool): a save that fails on them
+    """The process-wide writer threads (ckptfmt.storage._durable.writer_pool): a save that fails on them
     leaves them usable for the next save, with no lock file left behind."""
     url = str(tmp_path / "r")
     r = subprocess.run([sys.executable, "-c", _POOL_CHILD, url, str(limit)], capture_output=True, text=True,

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptfmt import Box, LocalShard, Repository, _verified, save
-from ckptfmt._verified import record_key, unverified
+from ckptfmt import Box, LocalShard, Repository, save
+from ckptfmt.repository import _verified
+from ckptfmt.repository._verified import record_key, unverified
 from ckptfmt.errors import ChecksumMismatchError
 from ckptfmt.layout import manifest_key
 from ckptfmt.manager import CheckpointManager
@@ -77,7 +78,7 @@ def test_cli_gc_keeps_the_only_good_step_when_the_newest_has_a_flipped_bit(tmp_p
             assert any("step 2 is not restorable (fails verification: ChecksumMismatchError" in p
                        for p in out["report"]["problems"])
         else:  # broken control: retention that reads nothing deletes the only good step
-            monkeypatch.setattr("ckptfmt._gc._unverified", lambda *a: None)
+            monkeypatch.setattr("ckptfmt.repository._gc._unverified", lambda *a: None)
             assert Repository(url).gc(keep_last=1).removed_steps == [1]
         rc, out = _cli("verify", url, "--all")
         assert rc != 0 and [s["step"] for s in out["steps"] if s["ok"]] == ([] if broken else [1])

@@ -25,7 +25,7 @@ _ROWS_PER_SHARD, _COLS = 16, 256
 def _manifest(tensors: int):
     """The manifest a save of this layout commits: in the derived form (FORMAT.md 5.14) exactly when
     ``SaveOptions(manifest_columns="auto")``, the default, would write it so."""
-    from ckptfmt._manifest_refs import DERIVED, wants_derived
+    from ckptfmt.manifest._refs import DERIVED, wants_derived
     from ckptfmt.manifest import ArraySpec, ChunkTable, Manifest, ShardTable, TensorEntry
     from ckptfmt.plan import TensorGeometry, cell_key
 

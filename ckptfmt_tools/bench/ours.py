@@ -46,7 +46,7 @@ def storage_stats(url: str) -> dict[str, int | None]:
         return tree_stats(path)
     import tensorstore as ts
 
-    from ckptfmt._kvurl import kvstore_spec
+    from ckptfmt.storage._kvurl import kvstore_spec
 
     keys = ts.KvStore.open(kvstore_spec(url)).result().list().result()
     return {"objects": len(keys), "bytes_on_disk": None}
@@ -60,7 +60,7 @@ def clear_repository(url: str) -> None:
     else:
         import tensorstore as ts
 
-        from ckptfmt._kvurl import kvstore_spec
+        from ckptfmt.storage._kvurl import kvstore_spec
 
         kv = ts.KvStore.open(kvstore_spec(url)).result()
         kv.delete_range(ts.KvStore.KeyRange()).result()

@@ -96,7 +96,7 @@ def plain(obj: Any) -> Any:
 
 def step_summary(repo: Any, step: int) -> dict[str, Any]:
     """One row of ``ls``; a manifest that cannot be read becomes a row with its error."""
-    from ckptfmt._manager_query import recorded_metrics
+    from ckptfmt.manager._query import recorded_metrics
     from ckptfmt.errors import CheckpointError
 
     try:

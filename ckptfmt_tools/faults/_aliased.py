@@ -31,7 +31,7 @@ from ckptfmt import Box, CheckpointError, LocalShard, Repository, save as core_s
 
 url, weaken = sys.argv[1], sys.argv[2]
 if weaken == "identity_only":
-    import ckptfmt._reuse as reuse
+    import ckptfmt.session._reuse as reuse
     same = reuse.start_digest(np.zeros(0, np.uint8))
     reuse.start_digest = lambda block: same
 

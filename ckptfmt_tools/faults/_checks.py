@@ -107,7 +107,7 @@ def describe_leftovers(inv: Inventory) -> list[str]:
 
 
 def inventory(root: str | os.PathLike) -> Inventory:
-    from ckptfmt._verified import record_key
+    from ckptfmt.repository._verified import record_key
     from ckptfmt.errors import CheckpointError
     from ckptfmt.manifest import parse_manifest
 

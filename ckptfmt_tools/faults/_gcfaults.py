@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptfmt._verified import RECORD_NAME
+from ckptfmt.repository._verified import RECORD_NAME
 from ckptfmt_tools.faults._scene import Scene
 
 __all__ = ["GcAttempt", "judge", "symlink_escape", "not_a_repository", "retention_newest_truncated",

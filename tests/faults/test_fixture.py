@@ -142,7 +142,7 @@ def _links_as_saves():
     # What gc's listing did before: a link under saves/ counted as a save, its age read through it.
     import dataclasses
 
-    from ckptfmt._filestore import LocalFileStorage
+    from ckptfmt.storage._filestore import LocalFileStorage
 
     scan = LocalFileStorage.scan_children
     return lambda self, prefix, **kw: [dataclasses.replace(e, kind="dir") if e.kind == "link" else e
@@ -154,7 +154,7 @@ _NO_ID = re.compile(rb"(?!)(x)")  # a pattern that never matches
 
 def _delete_in_the_old_order(repo, save_id, *, but):
     # Repository.delete before 1.2.1: manifests first, then leases, and no claim.
-    from ckptfmt import _gc
+    from ckptfmt.repository import _gc
     from ckptfmt.layout import save_prefix
 
     if not _gc.referenced_elsewhere(repo, save_id, but=but) and not _gc.pinned_by_a_save(repo, save_id):
@@ -164,17 +164,17 @@ def _delete_in_the_old_order(repo, save_id, *, but):
 
 
 @pytest.mark.parametrize("name, patches", [
-    ("gc-symlink-escape", [("ckptfmt._filestore.LocalFileStorage.delete_prefix", _tensorstore_delete_prefix),
-                           ("ckptfmt._filestore.LocalFileStorage.scan_children", "links-as-saves")]),
-    ("gc-not-a-repository", [("ckptfmt._gc._recognise", lambda *a: None)]),
-    ("gc-retention-newest-truncated", [("ckptfmt._gc._unrestorable", lambda *a: None),
-                                       ("ckptfmt._gc._unverified", lambda *a: None)]),
-    ("gc-retention-newest-data-missing", [("ckptfmt._gc._unrestorable", lambda *a: None),
-                                          ("ckptfmt._gc._unverified", lambda *a: None)]),
-    ("gc-shared-save-id", [("ckptfmt._gc._mentions", lambda data, candidates: set()),
-                           ("ckptfmt._gc._DECLARED", _NO_ID)]),
-    ("gc-retention-newest-flipped", [("ckptfmt._gc._unverified", lambda *a: None)]),
-    ("gc-delete-racing-a-save", [("ckptfmt._gc.remove_unreferenced", _delete_in_the_old_order)]),
+    ("gc-symlink-escape", [("ckptfmt.storage._filestore.LocalFileStorage.delete_prefix", _tensorstore_delete_prefix),
+                           ("ckptfmt.storage._filestore.LocalFileStorage.scan_children", "links-as-saves")]),
+    ("gc-not-a-repository", [("ckptfmt.repository._gc._recognise", lambda *a: None)]),
+    ("gc-retention-newest-truncated", [("ckptfmt.repository._gc._unrestorable", lambda *a: None),
+                                       ("ckptfmt.repository._gc._unverified", lambda *a: None)]),
+    ("gc-retention-newest-data-missing", [("ckptfmt.repository._gc._unrestorable", lambda *a: None),
+                                          ("ckptfmt.repository._gc._unverified", lambda *a: None)]),
+    ("gc-shared-save-id", [("ckptfmt.repository._gc._mentions", lambda data, candidates: set()),
+                           ("ckptfmt.repository._gc._DECLARED", _NO_ID)]),
+    ("gc-retention-newest-flipped", [("ckptfmt.repository._gc._unverified", lambda *a: None)]),
+    ("gc-delete-racing-a-save", [("ckptfmt.repository._gc.remove_unreferenced", _delete_in_the_old_order)]),
 ])
 def test_control_gc_without_its_check(name, patches, base, tmp_path, monkeypatch):
     """Each gc fault, with the check that stops it taken out, destroys something or loses the

@@ -1,0 +1,163 @@
+"""Interop with Hugging Face safetensors: export a step, import a file or directory, or read one
+directly with the reading interface of a committed step (docs/INTEROP.md).
+
+* :func:`open_source`: a committed step of a repository, or a safetensors source, opened for
+  reading; the bridges open every restore through it, so ``bridges.jax.restore`` and
+  ``bridges.torch.load`` take a safetensors directory (each process reads only its own boxes).
+* :func:`export_safetensors`: a committed step -> ``model-XXXXX-of-YYYYY.safetensors`` +
+  ``model.safetensors.index.json`` (+ ``config.json``), streaming, every byte verified against the
+  manifest, each file checksummed in its ``__metadata__``. Names and layouts come from
+  ``tensors`` (by default every tensor as is; ``bridges.interop.export`` applies a mapping and
+  runs several writer processes).
+* :func:`import_safetensors`: a file or a sharded directory (local or object store) -> one
+  committed step, streaming, with provenance in ``metadata["import"]``.
+
+This module is the format core: numpy only, no framework. Orbax and DCP importers live in
+``bridges.interop`` (they read through those libraries).
+
+Subpackage ``ckptfmt.interop``. Interop with Hugging Face safetensors, a second format beside
+ckptfmt's own: the defensive header parser and writer, a safetensors file or directory opened as a
+source, the streaming export of a step and the import of a file as a step (docs/INTEROP.md). Its
+modules: ``_exportfiles``, ``_safetensors``, ``_stexport``, ``_stimport``, ``_stsource``. May
+import: floor, manifest, storage, reader, repository, session. The floor is the top-level
+``_boxcols``, ``_types``, ``agree``, ``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``,
+``plan``, ``restoreplan``, ``state``; tests/test_layering.py holds the rules and enforces them. No
+other subpackage may import it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from ckptfmt.interop._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES
+from ckptfmt.interop._stexport import (BLOCK_BYTES, CRC_BLOCK, READ_WINDOW, ExportFile, ExportPlan, ExportReport,
+                                       ExportTensor, Identity, begin_export, check_out_dir, discard_parts,
+                                       finish_export, natural_key, output_dtype, parse_size, plan_export, write_part)
+from ckptfmt.interop._stimport import ImportReport, ImportTensor, import_tensors
+from ckptfmt.interop._stsource import SafetensorsSource, SourceTensor, find_safetensors
+from ckptfmt._types import Box
+from ckptfmt.errors import StepNotFoundError
+from ckptfmt.repository import Repository
+from ckptfmt.restoreplan import RestoreSource
+
+__all__ = ["open_source", "export_safetensors", "prepare_export", "import_safetensors", "import_tensors",
+           "identity_tensors", "safetensors_provenance", "SafetensorsSource", "SourceTensor", "find_safetensors",
+           "ExportTensor", "ExportFile", "ExportPlan", "ExportReport", "ImportTensor", "ImportReport", "Identity",
+           "parse_size", "check_out_dir", "begin_export", "write_part", "discard_parts", "finish_export", "output_dtype", "CRC_BLOCK", "BLOCK_BYTES",
+           "MAX_HEADER_BYTES", "DEFAULT_MAX_SHARD_SIZE"]
+
+#: transformers' own default for ``save_pretrained(max_shard_size=...)``.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+Progress = Callable[[int, int], None]
+TensorsFor = Callable[[Any], tuple[Sequence[ExportTensor], Sequence[str]]]
+
+
+def open_source(url: str, step: int | None = None, *, resolve: Callable[[Repository, int | None], int | None] | None = None,
+                options: Mapping[str, Any] | None = None) -> RestoreSource:
+    """A committed step of the repository at ``url`` (a :class:`ckptfmt.Checkpoint`), or, when
+    ``url`` names a safetensors file or directory, a :class:`SafetensorsSource` with the same
+    reading interface (no steps: ``step`` must be None or the step its export recorded).
+
+    ``resolve(repository, step)`` picks the step to open (the bridges agree on the latest step
+    across processes); default: ``step`` itself (None: the latest). Fails as
+    :meth:`Repository.open` does, or as :class:`SafetensorsSource` does (InvalidSourceError,
+    SizeMismatchError, ...), before any tensor byte is read.
+    """
+    found = find_safetensors(str(url), options)
+    if found is not None:
+        source = SafetensorsSource(str(url), options=options, found=found)
+        if step is not None and step != source.step:
+            raise StepNotFoundError("a safetensors source holds one set of tensors, not steps", object=str(url),
+                                    expected=f"step None (or {source.step}, the step it was exported from)", found=step)
+        return source
+    repo = Repository(str(url), options=options)
+    return repo.open(resolve(repo, step) if resolve is not None else step)
+
+
+def identity_tensors(ckpt: Any, dtype: str | None = None) -> tuple[list[ExportTensor], list[str]]:
+    """Every tensor of the checkpoint under its own key path (natural order), cast to ``dtype``
+    when floating-point."""
+    out = []
+    for key in sorted(ckpt.keys(), key=natural_key):
+        t = ckpt.tensor(key)
+        out.append(ExportTensor(key, tuple(int(n) for n in t.shape), output_dtype(t.dtype, dtype), t.dtype, Identity(key)))
+    return out, []
+
+
+def prepare_export(url: str, *, step: int | None = None, tensors: TensorsFor | None = None, dtype: str | None = None,
+                   max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> tuple[Any, ExportPlan, list[str]]:
+    """Open the step (reads held to :data:`READ_WINDOW` in flight) and plan the files. Pure but for
+    reading the manifest. ``tensors(ckpt)`` -> (output tensors, checkpoint keys left out); default
+    :func:`identity_tensors`. Returns (checkpoint, plan, keys left out)."""
+    ckpt = Repository(str(url), options={"read_window_bytes": READ_WINDOW}).open(step)
+    outs, unmapped = tensors(ckpt) if tensors is not None else identity_tensors(ckpt, dtype)
+    plan = plan_export(str(url), ckpt.step, ckpt.manifest.save_id, outs, parse_size(max_shard_size))
+    return ckpt, plan, list(unmapped)
+
+
+def export_safetensors(url: str, out_dir: str, *, step: int | None = None, tensors: TensorsFor | None = None,
+                       dtype: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                       config: Mapping[str, Any] | None = None, progress: Progress | None = None) -> ExportReport:
+    """Export step ``step`` (None: the latest) of ``url`` to ``out_dir`` in one process (for several
+    writer processes and mappings: ``bridges.interop.export``).
+
+    Writes ``model-XXXXX-of-YYYYY.safetensors`` files of at most ``max_shard_size`` each (a larger
+    tensor alone in its file), then ``config.json`` (when ``config`` is given) and last
+    ``model.safetensors.index.json``. ``dtype`` casts floating-point tensors (e.g. ``"bfloat16"``).
+    ``progress(done, total)`` is called with tensor bytes written.
+
+    Every file is created under its temporary name with ``O_EXCL | O_NOFOLLOW`` and published
+    without replacing anything (docs/INTEROP.md, section 3): nothing is written outside ``out_dir``.
+    Fails closed: before any byte is written, OutputExistsError when ``out_dir`` already holds
+    safetensors files, an index, a ``config.json`` (when ``config`` is given) or one of the
+    export's temporary names (files or links), InvalidConfigError for a config that cannot be
+    written; later the reader's CheckpointError (ChecksumMismatchError, MissingShardError, ...) or
+    StorageError, after which no file of this export is left and no index exists.
+    """
+    t0 = time.perf_counter()
+    ckpt, plan, unmapped = prepare_export(url, step=step, tensors=tensors, dtype=dtype, max_shard_size=max_shard_size)
+    begin_export(out_dir, plan, config)
+    files = write_part(ckpt, plan, out_dir, progress=progress)
+    try:
+        finish_export(out_dir, plan, config)
+    except BaseException:
+        discard_parts(out_dir, files)
+        raise
+    return ExportReport(str(out_dir), tuple(files), sum(len(f.tensors) for f in plan.files), plan.nbytes,
+                        int(ckpt.stats.bytes_read), time.perf_counter() - t0, plan.step, plan.save_id, tuple(unmapped))
+
+
+def safetensors_provenance(source: SafetensorsSource, src: str) -> dict[str, Any]:
+    """What an import records about a safetensors source (``metadata["import"]``)."""
+    checked = (f"crc32c of every {next(iter(source.manifest.tensors.values())).block}-byte block of each tensor "
+               "(ckptfmt export): verified" if source.checksummed and source.manifest.tensors else
+               "none: the files carry no checksums; headers, index and file sizes verified only")
+    return {"format": "safetensors", "source": str(src), "index": source.index_name,
+            "files": [{"name": f, "bytes": n} for f, n in sorted(source.file_sizes.items())],
+            "tensors": len(source.manifest.tensors), "bytes": source.manifest.nbytes,
+            "source_checksums": checked, "origin": {k: v for k, v in source.origin.items() if v is not None}}
+
+
+def import_safetensors(src: str, url: str, *, step: int | None = None, prefix: str = "",
+                       progress: Progress | None = None, options: Mapping[str, Any] | None = None,
+                       max_tensors: int | None = None) -> ImportReport:
+    """Import a safetensors file or sharded directory (with its index; local, ``s3://``, ...) as
+    step ``step`` of ``url`` (None: the step an export of ours recorded, else 0). Tensor ``name``
+    becomes key path ``prefix + name``.
+
+    Every header, the index and the file sizes are checked before anything is written; each
+    block is read when the save writes it (bounded memory) and, where the files carry our
+    checksums, verified first. Fails closed: InvalidSourceError, SizeMismatchError,
+    MissingShardError, ChecksumMismatchError, StepAlreadyCommittedError ...; nothing committed.
+    """
+    source = SafetensorsSource(str(src), options=options)
+
+    def reader(name: str) -> Callable[[Box], Any]:
+        return lambda box: source.read_boxes([(name, box)])[0]
+
+    tensors = [ImportTensor(prefix + k, tuple(source.tensor(k).shape), source.tensor(k).dtype, reader(k))
+               for k in sorted(source.keys(), key=natural_key)]
+    return import_tensors(url, source.step if step is None else step, tensors,
+                          provenance=safetensors_provenance(source, str(src)), progress=progress,
+                          max_tensors=max_tensors)

@@ -1,0 +1,186 @@
+"""The positional read path of a :class:`ckptfmt.reader.Checkpoint` on local files (FORMAT.md 14.4).
+
+Shards are read by a thread pool with ``preadv`` (through the storage's ``open_positional``)
+straight into the outputs where a chunk maps onto a contiguous region of one, else into a small
+scratch buffer; a shard whose every chunk is needed whole takes one vectored read. Every index and
+chunk is checked against the manifest (:class:`ckptfmt.shard._blockcheck.BlockChecks`) before the
+caller may use any output.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptfmt.reader._alloc import require_memory
+from ckptfmt.shard._blockcheck import BlockChecks
+from ckptfmt.dtypes import numpy_dtype
+from ckptfmt.errors import SizeMismatchError
+from ckptfmt.layout import CRC_BYTES
+from ckptfmt.shard import back_to_back
+from ckptfmt.manifest import TensorEntry
+from ckptfmt.plan import ReadItem
+from ckptfmt.storage import PositionalFile
+
+__all__ = ["PositionalReads", "DEFAULT_READ_THREADS"]
+
+#: Local-file reader threads: enough positional reads in flight to keep a virtual disk's queue full.
+DEFAULT_READ_THREADS = 32
+#: Most buffers one preadv call takes (Linux IOV_MAX).
+_IOV_MAX = 1024
+
+
+class PositionalReads(BlockChecks):
+    """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats``,
+    ``_plain_dirs`` and ``_starts``."""
+
+    storage: Any
+    manifest: Any
+    stats: Any
+    _plain_dirs: set[str]
+
+    def _starts(self, t: TensorEntry) -> np.ndarray:
+        raise NotImplementedError
+
+    def _threads(self) -> int:
+        return max(1, int(self.storage.options.get("read_threads", DEFAULT_READ_THREADS)))
+
+    def _collect(self, batch: "_Batch") -> list[np.ndarray]:
+        sums: dict[str, float] = {}
+        for f in batch.futures:
+            done: _ShardStats = f.result()  # raises the first fault
+            self.stats.bytes_read += done.nbytes
+            self.stats.requests += done.requests
+            self.stats.objects += 1
+            for phase, seconds in done.phases.items():
+                sums[phase] = sums.get(phase, 0.0) + seconds
+        # Threads overlap: share this batch's wall time out in proportion to the per-thread sums.
+        wall, total = time.perf_counter() - batch.started, sum(sums.values())
+        for phase, seconds in sums.items():
+            self.stats.add_time(phase, seconds * min(1.0, wall / total) if total else 0.0)
+        return batch.outs  # type: ignore[return-value]
+
+    def _read_local(self, work: dict[tuple[str, int], list[ReadItem]], outs: list[np.ndarray | None]) -> None:
+        """Local files: positional reads straight into the outputs where a chunk maps onto a
+        contiguous region, else into a small scratch buffer; every chunk is checked against the
+        manifest's crc32c and every object's size against the manifest. Shards run in a thread
+        pool (preadv, crc32c and numpy copies release the GIL). The first fault cancels the rest."""
+        jobs = list(work.items())
+        if not jobs:
+            return
+        threads = min(len(jobs), self._threads())
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
+        try:
+            started = time.perf_counter()
+            self._collect(_Batch(outs, [pool.submit(self._read_local_shard, key, s, items, outs) for (key, s), items in jobs],
+                                 started, 0))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read_local_shard(self, key: str, s: int, items: list[ReadItem], outs: list[np.ndarray | None]) -> "_ShardStats":
+        t = self.manifest.tensors[key]
+        g = t.geometry
+        obj = t.object_key(s)
+        full = tuple(slice(0, c) for c in g.chunk_shape)
+        by_chunk: dict[int, list[ReadItem]] = {}
+        for it in items:
+            by_chunk.setdefault(it.chunk, []).append(it)
+        # Chunks that map onto one C-contiguous region of one output are read straight into it.
+        direct: dict[int, np.ndarray] = {}
+        for c, its in by_chunk.items():
+            if len(its) == 1 and (its[0].src or ()) == full:
+                view = outs[its[0].request][its[0].dst or ...]  # type: ignore[index]
+                if view.flags.c_contiguous and view.shape == tuple(g.chunk_shape) and view.size:
+                    direct[c] = view.reshape(-1).view(np.uint8)
+        phases = {"read": 0.0, "verify": 0.0, "assemble": 0.0}
+        if t.array.codec != "raw":  # encoded chunks never land in an output before they are decoded
+            direct = {}
+        tr = time.perf_counter()
+        self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
+        with self.storage.open_positional(obj, tensor=key) as f:
+            want = int(t.shards.nbytes[s])
+            if f.size != want:
+                raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
+                                        expected=want, found=f.size)
+            starts = self._starts(t)
+            c0, c1 = int(starts[s]), int(starts[s + 1])
+            if direct and len(direct) == c1 - c0 and 2 * (c1 - c0) + 1 <= _IOV_MAX and back_to_back(t, c0, c1, want):
+                return self._read_whole_direct(t, s, obj, f, c0, c1, direct, phases, tr)
+            index = bytearray(g.index_nbytes)
+            f.read_into([index], want - g.index_nbytes)
+            phases["read"] += time.perf_counter() - tr
+            tv = time.perf_counter()
+            self._check_index(t, s, obj, memoryview(index))
+            phases["verify"] += time.perf_counter() - tv
+            nbytes, requests = len(index), 1
+            trailer = bytearray(CRC_BYTES)
+            scratch: np.ndarray | None = None
+            dt = numpy_dtype(t.dtype)
+            for c, its in by_chunk.items():
+                off, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+                data = direct.get(c)
+                if data is None:
+                    if scratch is None or scratch.size < n - CRC_BYTES:  # encoded chunks differ in size
+                        require_memory(n - CRC_BYTES, key, obj, "one chunk")
+                        scratch = np.empty(n - CRC_BYTES, np.uint8)
+                    data = scratch[:n - CRC_BYTES]
+                tr = time.perf_counter()
+                f.read_into([data, trailer], off)
+                tv = time.perf_counter()
+                phases["read"] += tv - tr
+                nbytes += n
+                requests += 1
+                self._check_chunk(t, c, obj, data, trailer)
+                ta = time.perf_counter()
+                phases["verify"] += ta - tv
+                if c not in direct:
+                    chunk = (data.view(dt).reshape(g.chunk_shape) if t.array.codec == "raw"
+                             else self._decode(t, c, obj, memoryview(bytes(data) + bytes(trailer))))
+                    for it in its:
+                        outs[it.request][it.dst or ...] = chunk[it.src or ...]  # type: ignore[index]
+                    phases["assemble"] += time.perf_counter() - ta
+        return _ShardStats(nbytes, requests, phases)
+
+    def _read_whole_direct(self, t: TensorEntry, s: int, obj: str, f: PositionalFile, c0: int, c1: int,
+                           direct: dict[int, np.ndarray], phases: dict[str, float], tr: float) -> "_ShardStats":
+        """One positional vectored read of the whole object: every chunk's data lands in its
+        output, its trailer and the index in small buffers; then the index and every chunk are
+        checked against the manifest before the caller may use any output."""
+        n = c1 - c0
+        k = CRC_BYTES
+        tails = memoryview(bytearray(k * n))
+        index = bytearray(t.geometry.index_nbytes)
+        iov: list[Any] = []
+        for i in range(n):
+            iov += (direct[c0 + i], tails[k * i:k * i + k])
+        iov.append(index)
+        f.read_into(iov, 0)
+        tv = time.perf_counter()
+        phases["read"] += tv - tr
+        self._check_index(t, s, obj, memoryview(index))
+        for i in range(n):
+            self._check_chunk(t, c0 + i, obj, direct[c0 + i], tails[k * i:k * i + k])
+        phases["verify"] += time.perf_counter() - tv
+        return _ShardStats(int(t.shards.nbytes[s]), 1, phases)
+
+
+@dataclass(frozen=True)
+class _ShardStats:
+    """What reading one shard on the positional path did."""
+
+    nbytes: int
+    requests: int
+    phases: dict[str, float]
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A batch of shards read by the thread pool: its outputs, one future per shard."""
+
+    outs: list[np.ndarray | None]
+    futures: list[Any]
+    started: float
+    nbytes: int

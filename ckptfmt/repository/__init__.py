@@ -1,0 +1,173 @@
+"""A checkpoint repository: committed steps, opening, verification, deletion and gc.
+
+Subpackage ``ckptfmt.repository``. A repository of committed steps: listing and opening steps,
+recognising a repository, verification records, garbage collection, retention and the lease fence
+between collectors and incremental saves (FORMAT.md 4.4, 4.5, 10). Its modules: ``_gc``,
+``_gcfence``, ``_recognise``, ``_retention``, ``_verified``. May import: floor, manifest, storage,
+reader. The floor is the top-level ``_boxcols``, ``_types``, ``agree``, ``checksum``, ``coord``,
+``dtypes``, ``errors``, ``layout``, ``plan``, ``restoreplan``, ``state``; tests/test_layering.py
+holds the rules and enforces them. Subpackages that may import it: session, interop, manager.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from ckptfmt.repository import _gc, _recognise, _verified
+from ckptfmt.repository._gc import DEFAULT_LEASE_GRACE_S as DEFAULT_LEASE_GRACE_S
+from ckptfmt.repository._gc import GcReport as GcReport
+from ckptfmt.errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
+from ckptfmt.layout import MANIFESTS, manifest_key, step_of_manifest_key
+from ckptfmt.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from ckptfmt.reader import DEFAULT_READ_WINDOW, Checkpoint, Progress, ReadStats
+from ckptfmt.storage import Storage, open_storage
+
+__all__ = ["Repository", "GcReport"]
+
+
+class Repository:
+    """A ckptfmt repository at ``url`` (local path, file://, memory://, s3://, gs://).
+
+    ``options``: ``read_window_bytes`` (bytes of reads in flight per reader, default 256 MiB),
+    ``read_threads`` (local-file reader threads, default 32), ``positional_reads`` (file driver: read
+    shards with preadv straight into the outputs, default True; False reads through tensorstore's
+    kvstore as on every other store), ``write_threads`` (a save's writer threads, default 16; on
+    local files they write shard objects with pwritev straight from the source arrays),
+    ``fsync`` (file driver, default True),
+    ``io_concurrency``, ``copy_concurrency``, and
+    ``kvstore`` (extra kvstore options such as an S3 endpoint).
+
+    ``storage``: an object with the storage interface to use instead of opening ``url`` (a
+    wrapper around another repository's ``storage``, e.g. the fault fixture's); ``options`` are
+    then ignored.
+
+    Only committed manifests are visible: a save that has not committed is never listed.
+    """
+
+    def __init__(self, url: str, *, options: Mapping[str, Any] | None = None, storage: Storage | None = None,
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
+        """``storage``: any object with the :class:`~ckptfmt.storage.Storage` interface to use
+        instead of the backend :func:`~ckptfmt.storage.open_storage` picks for ``url`` (such as a
+        :class:`~ckptfmt.storage.DelegatingStorage` that injects faults); its own options apply,
+        so ``options`` must then be None (ValueError otherwise). Raises InvalidURLError for a URL
+        that addresses nothing and StorageError when the store cannot be opened."""
+        self.url = str(url)
+        if storage is not None and options is not None:
+            raise ValueError("pass options to the storage, not to Repository, when giving a storage")
+        self.storage: Storage = storage if storage is not None else open_storage(self.url, options)
+        self.max_manifest_bytes = max_manifest_bytes
+        # The last manifest parsed, with its key and bytes: a save reads the previous step's
+        # manifest twice (before and after its lease pins it) and parses it once.
+        self._last: tuple[str, bytes, Manifest] | None = None
+
+    def __repr__(self) -> str:
+        return f"Repository({self.url!r})"
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending. Keys under ``manifests/`` that name no valid step (not 20
+        digits, or above 2^63 - 1) are not steps (FORMAT.md 4.2): see :meth:`foreign_manifests`."""
+        return sorted(s for k in self.storage.list(MANIFESTS) if (s := step_of_manifest_key(k)) is not None)
+
+    def foreign_manifests(self) -> list[str]:
+        """Keys under ``manifests/`` that discovery ignores (FORMAT.md 4.2), for tools to report."""
+        return [k for k in self.storage.list(MANIFESTS) if step_of_manifest_key(k) is None]
+
+    def recognise(self) -> None:
+        """Return when the URL holds a ckptfmt repository (FORMAT.md 4.5: its marker, or for one
+        written before the marker a valid committed manifest), even one with no committed step;
+        else raise NotARepositoryError naming the URL. Tools call it first wherever "no committed
+        step" would hide a mistyped path. StorageError when the store cannot be read."""
+        _recognise.recognise(self, self.steps())
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        s = self.steps()
+        return s[-1] if s else None
+
+    def manifest(self, step: int) -> Manifest:
+        """The validated manifest of a committed step. StepNotFoundError / InvalidManifestError on failure."""
+        key = manifest_key(int(step))
+        data = self._read_manifest_bytes(key)
+        if data is None:
+            raise StepNotFoundError("step is not committed", object=key, expected="a committed manifest", found="none")
+        last = self._last
+        if last is not None and last[0] == key and last[1] == data:
+            return last[2]  # the same bytes validated before (a Manifest is immutable)
+        try:
+            m = parse_manifest(data, max_bytes=self.max_manifest_bytes)
+        except CheckpointError as e:
+            e.object = e.object or key
+            raise
+        if m.step != int(step):
+            raise InvalidManifestError("manifest names a different step than its key", object=key,
+                                       expected=int(step), found=m.step)
+        self._last = (key, bytes(data), m)
+        return m
+
+    def _read_manifest_bytes(self, key: str) -> bytes | None:
+        self.storage.check_no_links(key, set())  # a reader does not leave the repository (FORMAT.md 4.2)
+        # One byte at the cap first: an oversized manifest is rejected without being read.
+        if self.storage.larger_than(key, self.max_manifest_bytes):
+            raise ManifestTooLargeError("manifest exceeds the size cap", object=key,
+                                        expected=f"<= {self.max_manifest_bytes} bytes", found="larger")
+        return self.storage.read(key, max_bytes=self.max_manifest_bytes)
+
+    def open(self, step: int | None = None) -> Checkpoint:
+        """Open a committed step for reading (default: the latest)."""
+        t0 = time.perf_counter()
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise StepNotFoundError("repository has no committed step", object=self.url, expected=">= 1 step", found=0)
+        stats = ReadStats()
+        m = self.manifest(step)
+        stats.add_time("manifest", time.perf_counter() - t0)
+        window = int(self.storage.options.get("read_window_bytes", DEFAULT_READ_WINDOW))
+        return Checkpoint(self.storage, m, stats=stats, max_inflight_bytes=window)
+
+    def verify(self, step: int | None = None, progress: Progress | None = None) -> int:
+        """Check every byte of a step against its manifest; raise on the first fault. Returns bytes checked."""
+        return self.open(step).verify(progress)
+
+    def delete(self, step: int) -> None:
+        """Un-commit a step (its manifest goes first, atomically), then remove its objects.
+
+        The objects stay when the lease of a save in progress pins the save id (FORMAT.md 8.4),
+        when another committed manifest names or mentions it (or one cannot be read: a manifest
+        of revision 1.1 names the saves whose objects it references), judged in that order, and
+        when this step's manifest is damaged (gc judges them then). Before removing them it
+        claims the save and looks at the leases and manifests again (the fence of FORMAT.md
+        10.3), so a save that pinned them meanwhile keeps them. Links are never followed
+        (FORMAT.md 4.4). Raises StepNotFoundError when the step is not committed, and
+        StorageError when the manifest cannot be deleted.
+        """
+        step = int(step)
+        try:
+            save_id: str | None = self.manifest(step).save_id
+        except StepNotFoundError:
+            raise
+        except CheckpointError:
+            save_id = None  # damaged: it does not name its objects reliably
+        self.storage.delete(manifest_key(step))
+        if save_id is not None:
+            _verified.forget(self.storage, save_id)
+            _gc.remove_unreferenced(self, save_id, but=step)
+
+    def gc(self, *, grace_s: float | None = None, keep_last: int | None = None,
+           keep_every: int | None = None) -> GcReport:
+        """Apply retention, then remove the objects of abandoned saves (FORMAT.md 10).
+
+        Retention keeps the newest ``keep_last`` restorable steps (and every step divisible by
+        ``keep_every``, and every newer step, restorable or not); it removes a step only while a
+        newer kept step has been verified byte for byte (its verification record, FORMAT.md 10.4,
+        or a read of every byte), so it never removes the newest verified step. A save whose lease was refreshed within ``grace_s`` seconds (or, with no
+        lease on a local disk, whose newest object is that young) is in progress and never
+        touched. Nothing a committed manifest names or mentions is removed, even when that manifest
+        is damaged; symbolic links are never followed, and names that are not the writer's save
+        ids are reported as foreign, never deleted.
+
+        Raises NotARepositoryError, deleting nothing, when the URL holds no repository (FORMAT.md
+        4.5), and StorageError when ``manifests/`` cannot be listed. Anything else that gc cannot
+        decide is kept and reported in the GcReport (``uncertain``, ``problems``).
+        """
+        return _gc.collect(self, grace_s=grace_s, keep_last=keep_last, keep_every=keep_every)

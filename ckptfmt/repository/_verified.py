@@ -1,0 +1,120 @@
+"""Verification records: a step read and checked byte for byte, recorded so that retention pays
+for it once per step (FORMAT.md 10.4).
+
+Retention deletes a step only while a newer kept step has been verified byte for byte
+(:func:`unverified`). A verification reads every object the step's manifest names (references
+to earlier saves included) and checks every crc32c, as a restore does. When it passes, the
+record ``saves/<save_id>/VERIFIED`` binds what was verified: the manifest's SHA-256 and a SHA-256
+of every object's stamp (size and storage generation, :meth:`Storage.stamps`), taken before the
+read. A later check trusts the record only when all of it matches again; anything else (no
+stamps on this store, a missing, oversized, malformed or foreign record, a different manifest,
+any object written or replaced since) means: verify again. A record proves that the bytes were
+checked at its time and have not been written since through the store; not that the medium has
+not decayed under an unchanged stamp.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from typing import Any
+
+from ckptfmt.errors import CheckpointError, InvalidManifestError
+from ckptfmt.layout import manifest_key, save_prefix
+from ckptfmt.manifest import Manifest, parse_manifest
+from ckptfmt.reader import DEFAULT_READ_WINDOW, Checkpoint
+
+__all__ = ["RECORD_NAME", "RECORD_FORMAT", "record_key", "unverified", "forget"]
+
+RECORD_NAME = "VERIFIED"
+RECORD_FORMAT = "ckptfmt.verified"
+RECORD_MAX_BYTES = 4096
+_FIELDS = {"format", "step", "save_id", "manifest_sha256", "stamps_sha256", "verified_unix", "bytes"}
+_CLOCK_SLACK_S = 300.0  # a record dated further ahead than this is not trusted
+
+
+def record_key(save_id: str) -> str:
+    return f"{save_prefix(save_id)}{RECORD_NAME}"
+
+
+def _objects(m: Manifest) -> list[tuple[str, int]]:
+    """Every object the step reads: its shards (references to earlier saves included) and state."""
+    out = [(t.object_key(i), int(t.shards.nbytes[i])) for t in m.tensors.values() for i in range(len(t.shards))]
+    return out + [(se.key, int(se.nbytes)) for se in m.state.values()]
+
+
+def _bindings(m: Manifest, data: bytes, stamps: list[str]) -> dict[str, Any]:
+    lines = "".join(f"{k}\t{s}\n" for (k, _), s in zip(_objects(m), stamps))
+    return {"format": RECORD_FORMAT, "step": m.step, "save_id": m.save_id,
+            "manifest_sha256": hashlib.sha256(data).hexdigest(),
+            "stamps_sha256": hashlib.sha256(lines.encode()).hexdigest()}
+
+
+def _trusted(st: Any, want: dict[str, Any]) -> bool:
+    """Whether the stored record says exactly ``want`` (and nothing else), with a sane time."""
+    try:
+        raw = st.read(record_key(want["save_id"]), max_bytes=RECORD_MAX_BYTES)
+    except CheckpointError:
+        return False
+    if raw is None or len(raw) > RECORD_MAX_BYTES:
+        return False
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return False
+    if not isinstance(doc, dict) or set(doc) != _FIELDS or any(doc[k] != v for k, v in want.items()):
+        return False
+    when = doc["verified_unix"]
+    return (isinstance(when, (int, float)) and not isinstance(when, bool) and math.isfinite(when)
+            and when <= time.time() + _CLOCK_SLACK_S)
+
+
+def _manifest_and_bytes(repo: Any, step: int) -> tuple[Manifest, bytes]:
+    m = repo.manifest(step)
+    last = getattr(repo, "_last", None)  # the bytes Repository.manifest just validated
+    if last is not None and last[0] == manifest_key(step) and last[2] is m:
+        return m, last[1]
+    data = repo._read_manifest_bytes(manifest_key(step))  # another thread's read replaced it
+    m = parse_manifest(data, max_bytes=repo.max_manifest_bytes)
+    if m.step != step:
+        raise InvalidManifestError("manifest names a different step than its key", object=manifest_key(step),
+                              expected=step, found=m.step)
+    return m, data
+
+
+def unverified(repo: Any, step: int) -> str | None:
+    """Why ``step`` is not verified byte for byte now, or None: its record matches, or it was
+    read and checked in full just now (and the record written). Never raises for bad content."""
+    st = repo.storage
+    try:
+        m, data = _manifest_and_bytes(repo, int(step))
+        stamps = st.stamps(_objects(m))  # before the read: a write after this changes them
+    except CheckpointError as e:
+        return f"{type(e).__name__}: {e.message}"
+    want = _bindings(m, data, stamps) if stamps is not None else None
+    if want is not None and _trusted(st, want):
+        return None
+    window = int(st.options.get("read_window_bytes", DEFAULT_READ_WINDOW))
+    try:
+        nbytes = Checkpoint(st, m, max_inflight_bytes=window).verify()
+    except CheckpointError as e:
+        forget(st, m.save_id)
+        return f"{type(e).__name__}: {e.message}"
+    if want is not None and st.plain_dir(save_prefix(m.save_id)):  # never written through a link
+        try:
+            st.write(record_key(m.save_id), json.dumps(dict(want, verified_unix=time.time(), bytes=nbytes),
+                                                       sort_keys=True).encode())
+        except CheckpointError:
+            pass  # verified all the same; the next decision verifies again
+    return None
+
+
+def forget(st: Any, save_id: str) -> None:
+    """Remove a step's record (its step is deleted, or failed verification). Best effort: a
+    record left behind binds a manifest digest that no committed step has."""
+    try:
+        if st.plain_dir(save_prefix(save_id)):
+            st.delete(record_key(save_id))
+    except CheckpointError:
+        pass

@@ -1,0 +1,66 @@
+"""The options of a save (:class:`SaveOptions`), checked once when built.
+
+A leaf of the save path: it imports none of it. The save protocol (:mod:`ckptfmt.session`) reads the
+options and hands each layer below it only the values it needs (the write scheduler's
+:class:`ckptfmt.session._shardwriter.WriteSettings` and :class:`ckptfmt.session._shardwriter.PhaseClock`); no
+module below the protocol imports this one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptfmt.manifest._refs import MANIFEST_COLUMNS
+from ckptfmt.plan import DEFAULT_CHUNK_TARGET_BYTES
+
+__all__ = ["SaveOptions", "REUSE_MODES", "MANIFEST_COLUMNS", "CODECS"]
+
+#: ``SaveOptions.reuse`` (FORMAT.md 8.4).
+REUSE_MODES = ("auto", "compare", "off")
+#: ``SaveOptions.codec`` (FORMAT.md 6.3).
+CODECS = ("raw", "zstd")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Tuning and test knobs of a save. ``save_id``/``created_unix`` exist for reproducible examples.
+
+    Raises ValueError when built with an unknown ``reuse``, ``manifest_columns`` or ``codec``, or
+    a ``codec_level`` outside [-7, 22]: a usage error, before any save begins."""
+
+    timeout_s: float = 300.0
+    chunk_target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES
+    max_inflight_bytes: int = 128 << 20
+    heartbeat_s: float = 10.0
+    save_id: str | None = None
+    created_unix: float | None = None
+    #: Bounding storage pressure: at most this many bytes/s written by this process (None: no limit),
+    max_write_bytes_per_s: float | None = None
+    #: and a random delay in [0, jitter_s) before this rank's first write, so that ranks do not
+    #: burst the storage in lock-step. Both apply after the freeze; neither changes the format.
+    jitter_s: float = 0.0
+    #: Incremental saves (FORMAT.md 8.4): "auto" references a shard of the previous committed step
+    #: whose bytes are proven equal instead of writing it again; "compare" proves every such shard
+    #: by a full byte comparison; "off" writes every shard (a format 1.0 manifest).
+    reuse: str = "auto"
+    #: The inner-chunk codec (FORMAT.md 6.3): "raw" (default), or "zstd" at ``codec_level``
+    #: (revision 1.1, extension ckptfmt.zstd; crc32c over the encoded bytes).
+    codec: str = "raw"
+    codec_level: int = 3
+    #: The manifest's tensor columns (FORMAT.md 5.14, revision 1.2): "auto" (default) leaves out the
+    #: five a tensor's geometry determines when the manifest holds >= 65,536 shard rows, "derived"
+    #: always, "explicit" never (readers of revisions 1.0 and 1.1 read only explicit manifests).
+    manifest_columns: str = "auto"
+    #: If given, this rank adds the seconds of each save phase into it ("plan", "stage", "write",
+    #: "fsync", "verify", "state", "commit"), for profiles and the bench; never changes the save.
+    timings: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.reuse not in REUSE_MODES:
+            raise ValueError(f"SaveOptions.reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
+        if self.manifest_columns not in MANIFEST_COLUMNS:
+            raise ValueError(f"SaveOptions.manifest_columns must be one of {MANIFEST_COLUMNS}, "
+                             f"got {self.manifest_columns!r}")
+        level = self.codec_level
+        if self.codec not in CODECS or isinstance(level, bool) or not -7 <= int(level) <= 22:
+            raise ValueError(f"SaveOptions.codec must be 'raw' or 'zstd' and codec_level in [-7, 22], got "
+                             f"{self.codec!r}, {level!r}")

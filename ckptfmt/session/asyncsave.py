@@ -1,0 +1,153 @@
+"""Asynchronous saves: snapshot to host memory, then write, verify and commit in the background.
+
+The caller is blocked only while its shards are copied to host staging memory. One save runs
+at a time per process: a new one waits for the one in flight (``wait=True``) or raises
+SaveInProgressError. A process that dies while the background write runs leaves no listed step,
+because the manifest is published only after every writer acknowledged.
+
+:func:`start_async` is the machinery under :func:`save_async` and under every bridge's
+``save(..., blocking=False)``, so all of them return one handle type, :class:`SaveHandle`, and
+share the one-save-at-a-time rule.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from ckptfmt._types import LocalShard
+from ckptfmt.errors import SaveInProgressError
+from ckptfmt.manifest import Manifest
+from ckptfmt.session import save
+
+__all__ = ["SaveHandle", "save_async", "start_async", "save_in_flight"]
+
+_lock_holder: list[threading.Lock] = []  # created on first use, not at import
+
+
+def _process_lock() -> threading.Lock:
+    if not _lock_holder:
+        _lock_holder.append(threading.Lock())
+    return _lock_holder[0]
+
+
+class SaveHandle:
+    """A save running in the background: what :func:`save_async` and every bridge's
+    ``save(..., blocking=False)`` return.
+
+    ``result(timeout=None)`` returns the committed manifest or raises the save's error (TimeoutError
+    while it still runs); ``done()``; ``exception()``; ``blocked_s`` (how long the caller was
+    blocked staging), ``snapshot_bytes`` (host bytes staged), ``finished_unix``.
+    """
+
+    def __init__(self, blocked_s: float, snapshot_bytes: int) -> None:
+        self.blocked_s = blocked_s
+        self.snapshot_bytes = snapshot_bytes
+        self._done = threading.Event()
+        self._manifest: Manifest | None = None
+        self._error: BaseException | None = None
+        self.finished_unix: float | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Manifest:
+        """Wait for the commit. Raises the save's CheckpointError, or TimeoutError if still running."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("save still in progress")
+        if self._error is not None:
+            raise self._error
+        assert self._manifest is not None
+        return self._manifest
+
+    def exception(self) -> BaseException | None:
+        self._done.wait()
+        return self._error
+
+
+def _snapshot(shards: Iterable[LocalShard], copy: bool) -> tuple[list[LocalShard], int]:
+    """Host copies of the blocks this process may write: per box, the data of its lowest replica
+    id here (the only one the plan can pick on this rank); other copies are declared without data."""
+    shards = list(shards)
+    lowest: dict[tuple, int] = {}
+    for s in shards:
+        if s.data is not None:
+            k = (s.key, s.box)
+            lowest[k] = min(lowest.get(k, s.replica_id), s.replica_id)
+    out, nbytes, taken = [], 0, set()
+    for s in shards:
+        k = (s.key, s.box)
+        if s.data is None or lowest[k] != s.replica_id or k in taken:
+            out.append(LocalShard(s.key, s.global_shape, s.dtype, s.box, None, s.replica_id, s.sharding))
+            continue
+        taken.add(k)
+        a = s.materialize()
+        a = np.array(a, copy=True, order="C") if copy else a
+        nbytes += a.nbytes
+        out.append(LocalShard(s.key, s.global_shape, s.dtype, s.box, a, s.replica_id, s.sharding, source=s.source))
+    return out, nbytes
+
+
+def save_in_flight() -> bool:
+    """True while an asynchronous save of this process has not finished."""
+    return _process_lock().locked()
+
+
+def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step: int, wait: bool = True) -> SaveHandle:
+    """Run a save in a background thread and return its :class:`SaveHandle`.
+
+    Takes this process's save slot (one asynchronous save at a time: with ``wait`` it waits for
+    the one in flight, else it raises SaveInProgressError), then calls ``stage()`` in the caller's
+    thread: it copies what the save needs to host memory and returns the save to run (a callable
+    returning the committed Manifest) and the bytes it staged (``handle.snapshot_bytes``). The
+    caller is blocked for ``handle.blocked_s``. An error of ``stage`` releases the slot and is
+    raised here; the save's own error is raised by ``handle.result()``.
+    """
+    t0 = time.perf_counter()
+    lock = _process_lock()
+    if not lock.acquire(blocking=wait):
+        raise SaveInProgressError("an earlier asynchronous save is still in flight", expected="no save in flight",
+                                  found=f"save of another step running; requested step {step}")
+    try:
+        run, nbytes = stage()
+    except BaseException:
+        lock.release()
+        raise
+    handle = SaveHandle(time.perf_counter() - t0, nbytes)
+
+    def background() -> None:
+        try:
+            handle._manifest = run()
+        except BaseException as e:  # delivered through handle.result()
+            handle._error = e
+        finally:
+            handle.finished_unix = time.time()
+            lock.release()
+            handle._done.set()
+
+    threading.Thread(target=background, name=f"ckptfmt-save-{step}", daemon=True).start()
+    return handle
+
+
+def save_async(repo: Any, step: int, shards: Iterable[LocalShard], *, wait: bool = True, copy: bool = True,
+               **kwargs: Any) -> SaveHandle:
+    """Snapshot ``shards`` to host memory and return; write, verify and commit in a background thread.
+
+    ``copy=False`` keeps references instead of copies: only for data that nothing will mutate
+    (e.g. immutable framework buffers). Other keyword arguments are those of :func:`ckptfmt.save`.
+    Staging memory is the bytes of this rank's main-replica shards (``handle.snapshot_bytes``).
+    """
+    def stage() -> tuple[Callable[[], Manifest], int]:
+        staged, nbytes = _snapshot(shards, copy)
+
+        def run() -> Manifest:
+            try:
+                return save(repo, step, staged, **kwargs)
+            finally:
+                staged.clear()
+
+        return run, nbytes
+
+    return start_async(stage, step=step, wait=wait)

@@ -1,0 +1,156 @@
+"""Durable local file writes, and the process's writer threads.
+
+One way to put bytes in a local file so that they survive a crash: written with ``pwritev``
+(looping over short writes), ``fsync``'d, checked by ``fstat`` size, and given their name by a
+rename; the directories renamed into are ``fsync``'d before anyone is told (FORMAT.md 14.2). The
+local-file backend (:meth:`ckptfmt.storage._filestore.LocalFileStorage.write_object`, ``sync``) and the
+safetensors exporter (:mod:`ckptfmt.interop._stexport`) both write through these functions.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Sequence
+
+from ckptfmt.storage._kverrors import storage_error
+from ckptfmt.storage._localfs import LOCK_SUFFIX, advance
+from ckptfmt.errors import StorageError
+
+__all__ = ["DEFAULT_WRITE_THREADS", "writer_pool", "pwritev_all", "write_file", "fill", "fsync_dir", "fsync_dirs"]
+
+#: Writer threads (pwritev, fsync and crc32c release the GIL): enough to keep a disk's queue full.
+DEFAULT_WRITE_THREADS = 16
+#: Bytes one ``write_file`` gathers before it hands them to ``pwritev`` (chunk copies are made as
+#: the buffers are iterated, so this bounds what one writer thread holds of them).
+_STAGE_BYTES = 8 << 20
+#: Most buffers one pwritev call takes (Linux IOV_MAX).
+_IOV_MAX = 1024
+
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def writer_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's writer threads for ``threads`` workers, created on first use (not at import)
+    and kept: starting 16 threads took as long as a small save's writes. Saves running at once
+    share them; jobs never wait on other jobs, so sharing cannot deadlock. Keyed by process id, so
+    a forked child never waits on threads that exist only in its parent."""
+    key = (os.getpid(), threads)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-write")
+        return pool
+
+
+def pwritev_all(fd: int, buffers: Sequence[Any], offset: int, *, obj: str, tensor: str | None = None) -> int:
+    """Write every buffer at ``offset`` (looping over short writes); the bytes written. Raises
+    StorageError naming ``obj`` (and ``tensor``) and the kind of failure (disk full, ...)."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    done = 0
+    try:
+        while views:
+            n = os.pwritev(fd, views[:_IOV_MAX], offset + done)
+            if n <= 0:
+                raise StorageError("write failed", key=tensor, object=obj, found="pwritev wrote no bytes")
+            done += n
+            advance(views, n)
+    except OSError as e:
+        raise storage_error("write failed", e, object=obj, key=tensor) from None
+    return done
+
+
+def fill(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool = True, obj: str | None = None,
+         tensor: str | None = None) -> int:
+    """Write ``buffers`` in order from offset 0 into the new file ``fd`` and ``fsync`` it (with
+    ``fsync``); the bytes written. On any failure the file is closed and removed, and the error
+    raised. ``fd`` is closed either way."""
+    name = obj or path
+    try:
+        offset, held, iov = 0, 0, []
+        for b in buffers:
+            v = memoryview(b).cast("B")
+            iov.append(v)
+            held += v.nbytes
+            if held >= _STAGE_BYTES or len(iov) >= _IOV_MAX:
+                offset += pwritev_all(fd, iov, offset, obj=name, tensor=tensor)
+                iov, held = [], 0
+        offset += pwritev_all(fd, iov, offset, obj=name, tensor=tensor)
+        if fsync:
+            os.fsync(fd)
+        st = os.fstat(fd)
+    except OSError as e:
+        _discard(fd, path)
+        raise storage_error("write failed", e, object=name, key=tensor) from None
+    except BaseException:
+        _discard(fd, path)
+        raise
+    os.close(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != offset:
+        _discard(-1, path)
+        raise StorageError("written file has an unexpected size", key=tensor, object=name,
+                           expected=offset, found=st.st_size if stat.S_ISREG(st.st_mode) else "not a regular file")
+    return offset
+
+
+def write_file(path: str, buffers: Iterable[Any], *, fsync: bool = True, obj: str | None = None,
+               tensor: str | None = None) -> int:
+    """Write ``buffers`` as the file ``path``: into ``path + ".__lock"`` (created exclusively),
+    ``fsync``'d, checked by size, renamed over ``path``; the bytes written. The directory is not
+    ``fsync``'d here (:func:`fsync_dirs`, once for many files). On failure the lock file is
+    removed (gc removes one a killed process leaves) and a StorageError raised."""
+    tmp = path + LOCK_SUFFIX
+    name = obj or path
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise storage_error("write failed", e, object=name, key=tensor) from None
+    n = fill(fd, tmp, buffers, fsync=fsync, obj=name, tensor=tensor)
+    try:
+        os.rename(tmp, path)
+    except OSError as e:
+        _discard(-1, tmp)
+        raise storage_error("write failed", e, object=name, key=tensor) from None
+    return n
+
+
+def _discard(fd: int, tmp: str) -> None:
+    if fd >= 0:
+        os.close(fd)
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass  # gc removes stale lock files
+
+
+def fsync_dir(d: str) -> None:
+    """``fsync`` the directory ``d``; StorageError naming it."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise storage_error("directory fsync failed", e, object=d) from None
+
+
+def fsync_dirs(dirs: Iterable[str], threads: int) -> None:
+    """``fsync`` every directory of ``dirs``, concurrently on the writer threads (one task per
+    thread): the file system commits the pending directory entries of many fsyncs in one journal
+    commit, where one fsync after another would wait for a commit each."""
+    order = sorted(set(dirs))
+    if not order:
+        return
+    k = max(1, min(len(order), threads))
+    pool = writer_pool(threads)
+    for fut in [pool.submit(_fsync_dir_list, order[i::k]) for i in range(k)]:
+        fut.result()
+
+
+def _fsync_dir_list(dirs: list[str]) -> None:
+    for d in dirs:
+        fsync_dir(d)

@@ -1,0 +1,256 @@
+"""The local-file backend: tensorstore's file kvstore, plus what only a file system has.
+
+- Sizes come from ``stat``, without opening an object (opening a FIFO blocks until a writer
+  appears; a device never ends), and a FIFO, device, socket or directory at a key is refused
+  before tensorstore opens it.
+- Positional vectored reads (``preadv``) straight into the caller's buffers (option
+  ``positional_reads``, default True; False reads through the kvstore as every other store does).
+- Whole-object writes (:meth:`LocalFileStorage.write_object`) with ``pwritev`` straight from the
+  caller's buffers (a save's source arrays), ``fsync``'d, checked by size and renamed into place
+  (:mod:`ckptfmt.storage._durable`); :meth:`LocalFileStorage.sync` then ``fsync``s every directory they
+  were renamed into (option ``fsync``, default True: False skips both ``fsync`` calls).
+- Deletes of a prefix and the walks that judge ages go through :mod:`ckptfmt.storage._localfs`, which
+  never follows a symbolic link (tensorstore's ``delete_range`` does).
+- Lock files (``<key>.__lock``) left by writes that were killed midway are removed once stale.
+- A reader never leaves the repository: :meth:`LocalFileStorage.check_no_links` refuses an object
+  that is, or lies below, a symbolic link (FORMAT.md 4.2, 9 step 4), judged with ``lstat``.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from typing import Any, Iterable, Mapping, Sequence
+
+from ckptfmt.storage import _durable, _localfs
+from ckptfmt.storage._kvstore import KvStoreStorage, _check_folder_prefix
+from ckptfmt.errors import MissingShardError, SizeMismatchError, StorageError
+from ckptfmt.storage import Pending, PositionalFile
+
+__all__ = ["LocalFileStorage"]
+
+
+class LocalFileStorage(KvStoreStorage):
+    """A repository in a local directory (``root`` ends with "/")."""
+
+    def __init__(self, url: str, options: Mapping[str, Any], spec: dict[str, Any]) -> None:
+        super().__init__(url, options, spec)
+        self._dirs: set[str] = set()  # renamed into by write_object since the last sync of their prefix
+        self._dirs_lock = threading.Lock()
+
+    @property
+    def root(self) -> str:
+        return self.spec["path"]
+
+    def _context_config(self) -> dict[str, Any]:
+        return dict(super()._context_config(), file_io_sync=bool(self.options.get("fsync", True)))
+
+    # ------------------------------------------------------------------ special files
+    def _stat(self, key: str, tensor: str | None) -> os.stat_result:
+        """``stat`` of an object: MissingShardError when absent, StorageError when unreadable."""
+        try:
+            return os.stat(self.root + key)
+        except (FileNotFoundError, NotADirectoryError):
+            raise MissingShardError("object is missing", key=tensor, object=key, expected="present", found="missing") from None
+        except OSError as e:
+            raise StorageError("stat failed", key=tensor, object=key, found=str(e)[:300]) from None
+
+    def _refuse_special(self, key: str) -> None:
+        """StorageError if a FIFO, device, socket or directory sits at ``key``, before tensorstore
+        opens it (an absent key is left to the read)."""
+        try:
+            st = os.stat(self.root + key)
+        except OSError:
+            return
+        _require_regular(st.st_mode, key, None)
+
+    def read(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
+        self._refuse_special(key)
+        return super().read(key, max_bytes=max_bytes)
+
+    def larger_than(self, key: str, limit: int) -> bool | None:
+        self._refuse_special(key)
+        return super().larger_than(key, limit)
+
+    def read_with_generation(self, keys: Sequence[str]) -> list[tuple[bytes | None, bytes]]:
+        for k in keys:
+            self._refuse_special(k)
+        return super().read_with_generation(keys)
+
+    # ------------------------------------------------------------------ objects a manifest names
+    def check_no_links(self, key: str, checked: set[str], *, tensor: str | None = None) -> None:
+        bad = _localfs.link_on_path(self.root, key, checked)
+        if bad is None:
+            return
+        if bad == key:
+            raise StorageError("object is a symbolic link; a reader does not leave the repository", key=tensor,
+                               object=key, expected="a regular file", found="a symbolic link")
+        raise StorageError("object lies below a symbolic link; a reader does not leave the repository", key=tensor,
+                           object=key, expected=f"{bad} a directory", found=f"{bad} a symbolic link")
+
+    def size_check(self, key: str, nbytes: int, *, tensor: str | None = None) -> Pending[None]:
+        """Decided at once from ``stat``: raises here, never from the result."""
+        st = self._stat(key, tensor)
+        _require_regular(st.st_mode, key, tensor)
+        if st.st_size != nbytes:
+            raise SizeMismatchError("object size differs from the manifest", key=tensor, object=key,
+                                    expected=nbytes, found=st.st_size)
+        return Pending.done(None)
+
+    def size_faults(self, objects: Sequence[tuple[str, int]], *, batch: int = 4096) -> list[str]:
+        faults: list[str] = []
+        for key, n in objects:
+            try:
+                st = os.stat(self.root + key)
+            except OSError as e:
+                faults.append(f"{key}: {e.strerror or 'missing'}")
+            else:
+                if not stat.S_ISREG(st.st_mode) or st.st_size != n:
+                    faults.append(f"{key}: {st.st_size if stat.S_ISREG(st.st_mode) else 'not a file'} bytes, expected {n}")
+            if len(faults) >= 8:
+                break
+        return faults
+
+    def stamps(self, objects: Sequence[tuple[str, int]]) -> list[str] | None:
+        """From ``stat``: size, inode, mtime and ctime. A write, a replacement or a ``utime`` that
+        puts the mtime back all change the ctime, which user space cannot set."""
+        out: list[str] = []
+        for key, n in objects:
+            try:
+                st = os.stat(self.root + key)
+            except OSError:
+                return None
+            if not stat.S_ISREG(st.st_mode) or st.st_size != n:
+                return None
+            out.append(f"{st.st_size}:{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}")
+        return out
+
+    @property
+    def positional_reads(self) -> bool:
+        return bool(self.options.get("positional_reads", True))
+
+    def open_positional(self, key: str, *, tensor: str | None = None) -> PositionalFile:
+        if not self.positional_reads:
+            return super().open_positional(key, tensor=tensor)
+        try:
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+            fd = os.open(self.root + key, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise MissingShardError("object is missing", key=tensor, object=key, expected="present", found="missing") from None
+        except OSError as e:
+            raise StorageError("open failed", key=tensor, object=key, found=str(e)) from None
+        try:
+            st = os.fstat(fd)
+            _require_regular(st.st_mode, key, tensor)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _LocalFile(fd, st.st_size, key, tensor)
+
+    # ------------------------------------------------------------------ writes
+    def write_object(self, key: str, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
+        """Written to ``<key>.__lock`` (created exclusively), ``fsync``'d, checked by ``fstat``
+        size and renamed over ``key``; its directory is ``fsync``'d by :meth:`sync`."""
+        path = self.root + key
+        n = _durable.write_file(path, buffers, fsync=self._fsync, obj=key, tensor=tensor)
+        with self._dirs_lock:
+            self._dirs.add(os.path.dirname(path))
+        return n
+
+    def sync(self, prefix: str) -> None:
+        """``fsync`` every directory an object under ``prefix`` was renamed into, and each one above
+        it up to ``prefix``'s own (created on the way), concurrently on the writer threads."""
+        top = os.path.dirname((self.root + prefix).rstrip("/"))
+        with self._dirs_lock:
+            mine = {d for d in self._dirs if d.startswith(top)}
+            self._dirs -= mine
+        if not self._fsync:
+            return
+        todo: set[str] = set()
+        for d in mine:
+            while d.startswith(top) and d != top and d not in todo:
+                todo.add(d)
+                d = os.path.dirname(d)
+        threads = max(1, min(len(todo), int(self.options.get("write_threads", _durable.DEFAULT_WRITE_THREADS))))
+        _durable.fsync_dirs(todo, threads)
+
+    @property
+    def _fsync(self) -> bool:
+        return bool(self.options.get("fsync", True))
+
+    # ------------------------------------------------------------------ deletes and walks
+    def delete_prefix(self, prefix: str) -> None:
+        """A link is removed itself, never what it points to (tensorstore's ``delete_range``
+        would empty the directory it points to)."""
+        _check_folder_prefix(prefix)
+        try:
+            _localfs.remove_tree(self.root, prefix)
+        except OSError as e:
+            raise StorageError("delete failed", object=prefix, found=f"{type(e).__name__}: {e}") from None
+
+    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[_localfs.Entry]:
+        """From ``lstat``: lock files of killed writes included, which the kvstore listing hides."""
+        try:
+            return _localfs.scan_children(self.root, prefix, marker)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StorageError("cannot list without following a link", object=prefix,
+                               expected="a directory", found=f"{type(e).__name__}: {e.strerror or e}") from None
+
+    def plain_dir(self, prefix: str) -> bool:
+        return _localfs.plain_dir(self.root, prefix) is not False
+
+    def remove_stale_locks(self, prefix: str, older_than_unix: float) -> int:
+        """Delete ".__lock" files under ``prefix`` last modified before the cutoff (left by writes
+        or deletes that were killed midway; the listing hides them), judged with ``lstat`` and
+        never through a link."""
+        if _localfs.plain_dir(self.root, prefix) is not True:
+            return 0
+        removed = 0
+        try:
+            for path, st in _localfs.walk(self.root + prefix):
+                if path.endswith(_localfs.LOCK_SUFFIX) and stat.S_ISREG(st.st_mode) and st.st_mtime < older_than_unix:
+                    try:
+                        os.unlink(path)
+                        removed += 1
+                    except OSError:
+                        pass
+        except OSError:
+            pass  # a directory that cannot be listed: nothing more to tidy here
+        return removed
+
+
+class _LocalFile(PositionalFile):
+    def __init__(self, fd: int, size: int, key: str, tensor: str | None) -> None:
+        self.fd, self.size, self.key, self.tensor = fd, size, key, tensor
+
+    def read_into(self, buffers: Sequence[Any], offset: int) -> None:
+        """Loops over short reads (Linux moves at most ~2 GiB per call), resuming inside the
+        buffer where the last call stopped."""
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        want = sum(v.nbytes for v in views)
+        got = 0
+        while views:
+            try:
+                n = os.preadv(self.fd, views, offset + got)
+            except OSError as e:
+                raise StorageError("read failed", key=self.tensor, object=self.key, found=str(e)) from None
+            if n == 0:
+                raise SizeMismatchError("object is shorter than the manifest records", key=self.tensor, object=self.key,
+                                        expected=f"bytes [{offset}, {offset + want})", found=f"{got} bytes")
+            got += n
+            _localfs.advance(views, n)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _require_regular(mode: int, key: str, tensor: str | None) -> None:
+    if not stat.S_ISREG(mode):
+        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}.get(stat.S_IFMT(mode), "not a regular file")
+        raise StorageError("object is not a regular file", key=tensor, object=key, expected="a regular file",
+                           found=kind)
