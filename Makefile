@@ -24,7 +24,7 @@ drill: $(STAMP)
 	$(BIN)/python -m ckptfmt drill --out drill-out
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/python -m ckptfmt bench
