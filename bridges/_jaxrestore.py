@@ -262,8 +262,8 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     # A torch checkpoint holding only the torch bridge's RNG states goes on at another world size
     # without a policy (FORMAT.md 13.3), as in bridges.torch.load.
     world = jax.process_count()
-    check_topology(ckpt, world, effective_policy(ckpt, world, rank_state_policy,
-                                                 caller_state=caller_rank_state(ckpt.state() or {})))
+    rank_state_policy = effective_policy(ckpt, world, rank_state_policy, caller_state=caller_rank_state(ckpt.state() or {}))
+    check_topology(ckpt, world, rank_state_policy)
     bridge = _bridge_state(ckpt)
     t1 = time.perf_counter()
     keys = set(ckpt.keys())

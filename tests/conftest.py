@@ -22,3 +22,11 @@ def repo_url(request, tmp_path):
     if request.param == "file":
         return str(tmp_path / "repo")
     return f"memory://{uuid.uuid4().hex}"
+
+
+@pytest.fixture(autouse=True)
+def _wide_cli_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's tables render as on a 200-column terminal in every test, however the suite runs
+    (a worker process of ``pytest -n`` has no terminal, and rich falls back to 80 columns there,
+    where a long path in a title wraps). Tests of narrow output set COLUMNS themselves."""
+    monkeypatch.setenv("COLUMNS", "200")
