@@ -37,6 +37,7 @@ has been read and verified. Arrays are then built with
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, Mapping
 
@@ -45,7 +46,7 @@ import numpy as np
 
 from ckptfmt import Box, LocalShard, SaveHandle, SaveOptions
 from ckptfmt.asyncsave import save_in_flight, start_async
-from ckptfmt import save as _core_save
+from ckptfmt import session as _session
 from ckptfmt.reader import RANK_STATE_POLICIES as _CORE_POLICIES
 from ckptfmt.errors import CheckpointError, SaveInProgressError
 
@@ -157,36 +158,47 @@ def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapp
         raise SaveInProgressError("an earlier save(blocking=False) is still in flight; call its result() first",
                                   expected="no save in flight", found=f"a background save; requested step {step}")
     coord = coordinator if coordinator is not None else default_coordinator()
-    opts = options if options is not None else SaveOptions()
+    options = options if options is not None else SaveOptions()
+    release = coordinator is None and isinstance(coord, JaxCoordinator)
+    if blocking:
+        shards, global_state, per_rank, md = _stage(state, extra, rank_state, metadata, blocking=True)
+        return _commit(url, step, shards, global_state, per_rank, md, coord, options, release)
 
     def stage() -> tuple[Callable[[], Any], int]:
-        shards, bridge_state = _to_shards(state, copy=not blocking)
-        global_state = {"bridge": bridge_state, "extra": json_keys(extra, "extra")}
-        per_rank = json_keys(rank_state, "rank_state")
-        # InvalidStateError here, at the call, before any shard is written; a background save keeps
-        # snapshots (numpy arrays in extra / rank_state, the metadata), not references.
-        global_state, per_rank, md = stage_state(global_state, per_rank,
-                                                 dict(metadata) if metadata is not None else None, blocking=blocking)
-
-        def run() -> Any:
-            manifest = _core_save(url, step, shards, state=global_state, rank_state=per_rank,
-                                  coordinator=coord, versions=_versions(), options=opts, metadata=md)
-            if coordinator is None and isinstance(coord, JaxCoordinator):
-                # The commit broadcast's value (the manifest) stays in the coordination service
-                # until a call every rank enters; release it. The step is committed either way.
-                try:
-                    coord.barrier("save/release", opts.timeout_s)
-                except CheckpointError:
-                    pass
-            return manifest
-
+        shards, global_state, per_rank, md = _stage(state, extra, rank_state, metadata, blocking=False)
         staged = sum(int(s.data.nbytes) for s in shards if isinstance(s.data, np.ndarray))
-        return run, staged
+        return functools.partial(_commit, url, step, shards, global_state, per_rank, md, coord, options, release), staged
 
-    if blocking:
-        return stage()[0]()
     handle: SaveHandle = start_async(stage, step=step, wait=False)
     return handle
+
+
+def _stage(state: Any, extra: Any, rank_state: Any, metadata: Mapping[str, Any] | None, *,
+           blocking: bool) -> tuple[list[LocalShard], Any, Any, Any]:
+    """The save's shards and non-tensor state, staged in the caller's thread (bridges/README.md,
+    "Saving"): InvalidStateError here, at the call, before any shard is written; a background save
+    keeps copies and snapshots (numpy arrays in extra / rank_state, the metadata), not references."""
+    shards, bridge_state = _to_shards(state, copy=not blocking)
+    global_state = {"bridge": bridge_state, "extra": json_keys(extra, "extra")}
+    per_rank = json_keys(rank_state, "rank_state")
+    global_state, per_rank, md = stage_state(global_state, per_rank,
+                                             dict(metadata) if metadata is not None else None, blocking=blocking)
+    return shards, global_state, per_rank, md
+
+
+def _commit(url: str, step: int, shards: list[LocalShard], global_state: Any, per_rank: Any, metadata: Any,
+            coord: Any, options: SaveOptions, release: bool) -> Any:
+    """Write, verify and commit the staged save (the caller's thread, or the background save's)."""
+    manifest = _session.save(url, step, shards, state=global_state, rank_state=per_rank, coordinator=coord,
+                          versions=_versions(), options=options, metadata=metadata)
+    if release:
+        # The commit broadcast's value (the manifest) stays in the coordination service until a
+        # call every rank enters; release it. The step is committed either way.
+        try:
+            coord.barrier("save/release", options.timeout_s)
+        except CheckpointError:
+            pass
+    return manifest
 
 
 def abstract_target(tree: Any, sharding: Any = None) -> Any:

@@ -1,6 +1,12 @@
 """ckptfmt: a distributed checkpoint format. The manifest is the commit.
 
 The core imports numpy, tensorstore and msgpack only; framework bridges live in ``bridges``.
+
+Layout: the floor, the top-level modules every module may import (``_boxcols``, ``_types``,
+``_version``, ``agree``, ``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``, ``plan``,
+``restoreplan``, ``state``), and eight subpackages by concern (``manifest``, ``storage``, ``shard``,
+``reader``, ``repository``, ``session``, ``interop``, ``manager``), each saying in its docstring
+what it owns and what it may import (tests/test_layering.py enforces the table).
 """
 from __future__ import annotations
 

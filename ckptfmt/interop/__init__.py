@@ -19,9 +19,8 @@ Subpackage ``ckptfmt.interop``. Interop with Hugging Face safetensors, a second 
 ckptfmt's own: the defensive header parser and writer, a safetensors file or directory opened as a
 source, the streaming export of a step and the import of a file as a step (docs/INTEROP.md). Its
 modules: ``_exportfiles``, ``_safetensors``, ``_stexport``, ``_stimport``, ``_stsource``. May
-import: floor, manifest, storage, reader, repository, session. The floor is the top-level
-``_boxcols``, ``_types``, ``agree``, ``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``,
-``plan``, ``restoreplan``, ``state``; tests/test_layering.py holds the rules and enforces them. No
+import: floor, manifest, storage, reader, repository, session. The floor: the top-level modules
+listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and enforces them). No
 other subpackage may import it.
 """
 from __future__ import annotations

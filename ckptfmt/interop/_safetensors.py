@@ -155,6 +155,39 @@ def _int(v: Any, what: str, obj: str, key: str) -> int:
     return v
 
 
+def _entry(name: str, e: Any, obj: str, data_start: int, data_len: int | None) -> StEntry:
+    """One tensor entry of a header, checked: its members, dtype, shape and data_offsets."""
+    if not name:
+        raise _bad("a tensor name is empty", obj, expected="a non-empty name", found="''")
+    if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+        raise _bad("a tensor entry must have exactly dtype, shape and data_offsets", obj, key=name,
+                   expected=["data_offsets", "dtype", "shape"],
+                   found=sorted(e) if isinstance(e, dict) else type(e).__name__)
+    st = e["dtype"]
+    if not isinstance(st, str) or st not in ST_DTYPES:
+        raise _bad("dtype is not one this format stores", obj, key=name, expected=sorted(ST_DTYPES),
+                   found=repr(st)[:40])
+    shape = e["shape"]
+    if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
+        raise _bad("shape must be a list of at most 64 integers", obj, key=name, expected="list",
+                   found=repr(shape)[:80])
+    dims = tuple(_int(d, "a dimension", obj, name) for d in shape)
+    offs = e["data_offsets"]
+    if not isinstance(offs, list) or len(offs) != 2:
+        raise _bad("data_offsets must be [begin, end]", obj, key=name, expected="[begin, end]",
+                   found=repr(offs)[:80])
+    begin, end = (_int(o, "an offset", obj, name) for o in offs)
+    dtype = ST_DTYPES[st]
+    want = math.prod(dims) * DTYPES[dtype]  # exact: Python integers do not overflow
+    if end < begin or end - begin != want:
+        raise _bad("data_offsets do not span shape x dtype size", obj, key=name,
+                   expected=f"{want} bytes ({list(dims)} x {DTYPES[dtype]} B)", found=f"[{begin}, {end})")
+    if data_len is not None and end > data_len:
+        raise _bad("a tensor lies past the end of the file", obj, key=name,
+                   expected=f"end <= {data_len} (data section)", found=end)
+    return StEntry(name, dtype, dims, data_start + begin, data_start + end)
+
+
 def parse_header(header: bytes, file_size: int | None, obj: str, max_tensors: int = MAX_TENSORS) -> StHeader:
     """Validate the header bytes (the ``N`` bytes after the length) of a file of ``file_size`` bytes
     (None on an object store without a cheap size: the returned ``size`` is then the size the
@@ -196,37 +229,7 @@ def parse_header(header: bytes, file_size: int | None, obj: str, max_tensors: in
                    found=type(meta).__name__)
     if b"\\" in header:
         check_text([*meta, *meta.values()], obj, "a __metadata__ string")
-    entries: list[StEntry] = []
-    for name, e in doc.items():
-        if not name:
-            raise _bad("a tensor name is empty", obj, expected="a non-empty name", found="''")
-        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise _bad("a tensor entry must have exactly dtype, shape and data_offsets", obj, key=name,
-                       expected=["data_offsets", "dtype", "shape"],
-                       found=sorted(e) if isinstance(e, dict) else type(e).__name__)
-        st = e["dtype"]
-        if not isinstance(st, str) or st not in ST_DTYPES:
-            raise _bad("dtype is not one this format stores", obj, key=name, expected=sorted(ST_DTYPES),
-                       found=repr(st)[:40])
-        shape = e["shape"]
-        if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
-            raise _bad("shape must be a list of at most 64 integers", obj, key=name, expected="list",
-                       found=repr(shape)[:80])
-        dims = tuple(_int(d, "a dimension", obj, name) for d in shape)
-        offs = e["data_offsets"]
-        if not isinstance(offs, list) or len(offs) != 2:
-            raise _bad("data_offsets must be [begin, end]", obj, key=name, expected="[begin, end]",
-                       found=repr(offs)[:80])
-        begin, end = (_int(o, "an offset", obj, name) for o in offs)
-        dtype = ST_DTYPES[st]
-        want = math.prod(dims) * DTYPES[dtype]  # exact: Python integers do not overflow
-        if end < begin or end - begin != want:
-            raise _bad("data_offsets do not span shape x dtype size", obj, key=name,
-                       expected=f"{want} bytes ({list(dims)} x {DTYPES[dtype]} B)", found=f"[{begin}, {end})")
-        if data_len is not None and end > data_len:
-            raise _bad("a tensor lies past the end of the file", obj, key=name,
-                       expected=f"end <= {data_len} (data section)", found=end)
-        entries.append(StEntry(name, dtype, dims, data_start + begin, data_start + end))
+    entries = [_entry(name, e, obj, data_start, data_len) for name, e in doc.items()]
     # The data section must be tiled exactly: sorted by (begin, end), each tensor starts where the
     # previous one ended (zero-length ones sit anywhere on that line), and the last ends the file.
     pos = data_start

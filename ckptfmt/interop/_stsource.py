@@ -31,9 +31,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from ckptfmt.reader._alloc import allocate, check_outputs_fit
-from ckptfmt.interop._safetensors import (MAX_INDEX_BYTES, MAX_TENSORS, META_BLOCK, META_CRC, META_TABLE_CRC,
-                                          META_VERSION, bool_bytes_valid, header_size, parse_header, parse_index,
-                                          table_crc)
+from ckptfmt.interop._safetensors import (MAX_INDEX_BYTES, MAX_TENSORS, META_BLOCK, META_CRC, META_TABLE_CRC, META_VERSION,
+                                          bool_bytes_valid, header_size, parse_header, parse_index, table_crc)
 from ckptfmt._types import Box
 from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import numpy_dtype

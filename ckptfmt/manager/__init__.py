@@ -25,10 +25,9 @@ nor a step this process is reading, and logs every deletion with its reason (log
 
 Subpackage ``ckptfmt.manager``. The checkpoint manager for training loops: cadence, one save in
 flight, retention, preemption, resume, and the values it hands out. Its modules: ``_query``,
-``_values``. May import: floor, manifest, reader, repository, session. The floor is the top-level
-``_boxcols``, ``_types``, ``agree``, ``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``,
-``plan``, ``restoreplan``, ``state``; tests/test_layering.py holds the rules and enforces them. No
-other subpackage may import it.
+``_values``. May import: floor, manifest, reader, repository, session. The floor: the top-level
+modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and enforces
+them). No other subpackage may import it.
 """
 from __future__ import annotations
 
@@ -352,12 +351,6 @@ class CheckpointManager:
         except CheckpointError:
             return None  # unreadable: never among the best
 
-    def _unrestorable(self, step: int) -> str | None:
-        return unrestorable(self.repository, step)
-
-    def _unverified(self, step: int) -> str | None:
-        return unverified(self.repository, step)
-
     def _retain(self) -> None:
         """Apply retention (rank 0, after a commit). Failures are logged; they never fail the save."""
         if not self.retention.active:
@@ -370,8 +363,9 @@ class CheckpointManager:
             # Nothing about restorability is cached here: sizes are probed for each decision, and
             # the step that licenses a deletion is verified byte for byte (or by its record,
             # which any write to its objects invalidates; FORMAT.md 10.4, 14.7).
-            plan = self.retention.plan(steps, self._metric, protected, unrestorable=self._unrestorable,
-                                       unverified=self._unverified)
+            repo = self.repository
+            plan = self.retention.plan(steps, self._metric, protected, unrestorable=lambda s: unrestorable(repo, s),
+                                       unverified=lambda s: unverified(repo, s))
             for note in plan.notes:
                 _log.warning("retention: %s", note)
             for d in plan.delete:

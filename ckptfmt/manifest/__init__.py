@@ -8,9 +8,8 @@ The tensor and state entries, and the exact checks of one entry, are in
 Subpackage ``ckptfmt.manifest``. The manifest: its frozen dataclasses <-> JSON, every validation
 rule of the format, its caps, the fast validation path and the references and derived-column
 extensions (FORMAT.md 5). Pure: no storage, no I/O. Its modules: ``_caps``, ``_entries``, ``_fast``,
-``_refs``. May import: floor. The floor is the top-level ``_boxcols``, ``_types``, ``agree``,
-``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``, ``plan``, ``restoreplan``, ``state``;
-tests/test_layering.py holds the rules and enforces them. Subpackages that may import it: shard,
+``_refs``. May import: floor. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
+(tests/test_layering.py holds the rules and enforces them). Subpackages that may import it: shard,
 reader, repository, session, interop, manager.
 """
 from __future__ import annotations

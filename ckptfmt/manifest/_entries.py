@@ -311,6 +311,26 @@ _SHARD_DERIVED = ("offset", "key", "nbytes")
 _CHUNK_DERIVED = ("offset", "nbytes")
 
 
+def _geometry(k: str, a: Mapping[str, Any], shape_t: tuple[int, ...], item: int) -> TensorGeometry:
+    """The array's shard and chunk shapes checked against the tensor shape and the size caps."""
+    nd = len(shape_t)
+    shard_shape = tuple(_int(x, 1, MAX_DIM, "shard_shape entry", k) for x in _typed(a.get("shard_shape"), list, "shard_shape", k))
+    chunk_shape = tuple(_int(x, 1, MAX_DIM, "chunk_shape entry", k) for x in _typed(a.get("chunk_shape"), list, "chunk_shape", k))
+    if len(shard_shape) != nd or len(chunk_shape) != nd:
+        _fail("shard_shape/chunk_shape rank differs from shape", key=k, expected=nd, found=(len(shard_shape), len(chunk_shape)))
+    if any(s % c for s, c in zip(shard_shape, chunk_shape)):
+        _fail("chunk_shape must divide shard_shape", key=k, expected=f"divisors of {shard_shape}", found=chunk_shape)
+    if any(s > max(n, 1) and n > 0 for s, n in zip(shard_shape, shape_t)):
+        _fail("shard_shape exceeds the tensor shape", key=k, expected=f"<= {shape_t}", found=shard_shape)
+    if math.prod(chunk_shape) * item > MAX_TENSOR_BYTES or math.prod(shard_shape) > (1 << 40) * max(1, math.prod(chunk_shape)):
+        _fail("chunk too large", key=k, found=chunk_shape)
+    geom = TensorGeometry(shape_t, shard_shape, chunk_shape, item)
+    if geom.chunk_nbytes > MAX_TENSOR_BYTES or geom.index_nbytes > MAX_TENSOR_BYTES:
+        _fail("encoded chunk or shard index too large", key=k, expected=f"<= {MAX_TENSOR_BYTES} bytes",
+              found=max(geom.chunk_nbytes, geom.index_nbytes))
+    return geom
+
+
 def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] = ("raw",),
             derived: bool = False) -> TensorEntry:
     """One tensor entry checked against every rule. ``codecs``: the codecs this manifest may use
@@ -341,21 +361,8 @@ def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] =
     if codec not in codecs:  # a codec other than raw changes how chunks are read: it must be declared
         raise UnsupportedVersionError(f"codec {codec!r} is used without its extension in must_understand", key=k,
                                       expected=f"must_understand lists ckptfmt.{codec}", found="not listed")
+    geom = _geometry(k, a, shape_t, item)
     nd = len(shape_t)
-    shard_shape = tuple(_int(x, 1, MAX_DIM, "shard_shape entry", k) for x in _typed(a.get("shard_shape"), list, "shard_shape", k))
-    chunk_shape = tuple(_int(x, 1, MAX_DIM, "chunk_shape entry", k) for x in _typed(a.get("chunk_shape"), list, "chunk_shape", k))
-    if len(shard_shape) != nd or len(chunk_shape) != nd:
-        _fail("shard_shape/chunk_shape rank differs from shape", key=k, expected=nd, found=(len(shard_shape), len(chunk_shape)))
-    if any(s % c for s, c in zip(shard_shape, chunk_shape)):
-        _fail("chunk_shape must divide shard_shape", key=k, expected=f"divisors of {shard_shape}", found=chunk_shape)
-    if any(s > max(n, 1) and n > 0 for s, n in zip(shard_shape, shape_t)):
-        _fail("shard_shape exceeds the tensor shape", key=k, expected=f"<= {shape_t}", found=shard_shape)
-    if math.prod(chunk_shape) * item > MAX_TENSOR_BYTES or math.prod(shard_shape) > (1 << 40) * max(1, math.prod(chunk_shape)):
-        _fail("chunk too large", key=k, found=chunk_shape)
-    geom = TensorGeometry(shape_t, shard_shape, chunk_shape, item)
-    if geom.chunk_nbytes > MAX_TENSOR_BYTES or geom.index_nbytes > MAX_TENSOR_BYTES:
-        _fail("encoded chunk or shard index too large", key=k, expected=f"<= {MAX_TENSOR_BYTES} bytes",
-              found=max(geom.chunk_nbytes, geom.index_nbytes))
     sh = _typed(t.get("shards"), dict, "shards", k)
     _members(sh, {"offset", "writer", "key", "nbytes", "index_crc32c"}, "shards", k)
     ch = _typed(t.get("chunks"), dict, "chunks", k)

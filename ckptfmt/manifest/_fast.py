@@ -166,9 +166,17 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
                         recs.append((k, tuple(shape), t["dtype"], sharding, path, lay))
                         continue
         _take(_exact(exact, k, t, prefix, writers), paths, out)
+    return _finish(doc, out, recs, (header, by_value), (w, ic, cc), writers, make)
+
+
+def _finish(doc: dict[str, Any], out: list[Any], recs: list[tuple], compared: tuple[list[Any], list[Any]],
+            columns: tuple[list[Any], list[Any], list[Any]], writers: int, make: Callable[..., Any]) -> dict[str, Any]:
+    """The entries of :func:`tensors_fast` from its fast records: the columns compared by value
+    must all be ints, the writer and crc columns in range; each record is built by ``make``."""
+    w, ic, cc = columns
     if not recs:
         return dict(zip(doc, out))
-    if (header and set(map(type, header)) != {int}) or (by_value and set(map(type, by_value)) != {int}):
+    if any(c and set(map(type, c)) != {int} for c in compared):
         raise Fallback
     w_a, ic_a, cc_a = _ints(w), _ints(ic), _ints(cc)
     if w_a.size and (w_a.min() < 0 or w_a.max() > writers - 1):

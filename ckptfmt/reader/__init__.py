@@ -4,9 +4,8 @@ every block against the manifest, and hand nothing back until everything is veri
 Subpackage ``ckptfmt.reader``. The restore side: a committed step opened for reading, planned by
 global coordinates, read by byte range (positionally on local files), verified, and the memory the
 outputs are read into (FORMAT.md 9). Its modules: ``_alloc``, ``_positional``. May import: floor,
-manifest, storage, shard. The floor is the top-level ``_boxcols``, ``_types``, ``agree``,
-``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``, ``plan``, ``restoreplan``, ``state``;
-tests/test_layering.py holds the rules and enforces them. Subpackages that may import it:
+manifest, storage, shard. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
+(tests/test_layering.py holds the rules and enforces them). Subpackages that may import it:
 repository, interop, manager.
 """
 from __future__ import annotations

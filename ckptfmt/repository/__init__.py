@@ -4,9 +4,8 @@ Subpackage ``ckptfmt.repository``. A repository of committed steps: listing and 
 recognising a repository, verification records, garbage collection, retention and the lease fence
 between collectors and incremental saves (FORMAT.md 4.4, 4.5, 10). Its modules: ``_gc``,
 ``_gcfence``, ``_recognise``, ``_retention``, ``_verified``. May import: floor, manifest, storage,
-reader. The floor is the top-level ``_boxcols``, ``_types``, ``agree``, ``checksum``, ``coord``,
-``dtypes``, ``errors``, ``layout``, ``plan``, ``restoreplan``, ``state``; tests/test_layering.py
-holds the rules and enforces them. Subpackages that may import it: session, interop, manager.
+reader. The floor: the top-level modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py
+holds the rules and enforces them). Subpackages that may import it: session, interop, manager.
 """
 from __future__ import annotations
 

@@ -24,10 +24,9 @@ the save's private objects when it can, and ``Repository.gc`` removes them other
 Subpackage ``ckptfmt.session``. The save side: the save protocol (freeze, write privately, verify,
 acknowledge, commit), its options, the shard writers, incremental reuse and its digests, and
 asynchronous saves (FORMAT.md 7, 8). Its modules: ``_digest``, ``_reuse``, ``_saveopts``,
-``_shardwriter``, ``asyncsave``. May import: floor, manifest, storage, shard, repository. The floor
-is the top-level ``_boxcols``, ``_types``, ``agree``, ``checksum``, ``coord``, ``dtypes``,
-``errors``, ``layout``, ``plan``, ``restoreplan``, ``state``; tests/test_layering.py holds the rules
-and enforces them. Subpackages that may import it: interop, manager.
+``_shardwriter``, ``asyncsave``. May import: floor, manifest, storage, shard, repository. The floor:
+the top-level modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and
+enforces them). Subpackages that may import it: interop, manager.
 """
 from __future__ import annotations
 

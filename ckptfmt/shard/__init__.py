@@ -13,9 +13,8 @@ of a shard object, written or referenced, and its named wire form.
 
 Subpackage ``ckptfmt.shard``. The shard object (FORMAT.md 6.2-6.4): its index, its chunk checks and
 the decoding of encoded chunks, shared by the read path, the reuse check and the writers. Its
-modules: ``_blockcheck``, ``_codec``. May import: floor, manifest. The floor is the top-level
-``_boxcols``, ``_types``, ``agree``, ``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``,
-``plan``, ``restoreplan``, ``state``; tests/test_layering.py holds the rules and enforces them.
+modules: ``_blockcheck``, ``_codec``. May import: floor, manifest. The floor: the top-level modules
+listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and enforces them).
 Subpackages that may import it: reader, session.
 """
 from __future__ import annotations

@@ -21,9 +21,8 @@ Subpackage ``ckptfmt.storage``. Storage: the interface every backend implements,
 backend for a URL and the backends themselves (the tensorstore kvstore, the local-file backend, the
 URL grammar, the link-safe local walks) (FORMAT.md 4.1, 14). It knows keys and bytes, never
 manifests. Its modules: ``_durable``, ``_filestore``, ``_kverrors``, ``_kvstore``, ``_kvurl``,
-``_localfs``. May import: floor. The floor is the top-level ``_boxcols``, ``_types``, ``agree``,
-``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``, ``plan``, ``restoreplan``, ``state``;
-tests/test_layering.py holds the rules and enforces them. Subpackages that may import it: reader,
+``_localfs``. May import: floor. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
+(tests/test_layering.py holds the rules and enforces them). Subpackages that may import it: reader,
 repository, session, interop.
 """
 from __future__ import annotations
