@@ -351,6 +351,9 @@ class CheckpointManager:
         except CheckpointError:
             return None  # unreadable: never among the best
 
+    def _unrestorable(self, step: int) -> str | None: return unrestorable(self.repository, step)  # noqa: E704 (hooks)
+    def _unverified(self, step: int) -> str | None: return unverified(self.repository, step)  # noqa: E704
+
     def _retain(self) -> None:
         """Apply retention (rank 0, after a commit). Failures are logged; they never fail the save."""
         if not self.retention.active:
@@ -363,9 +366,8 @@ class CheckpointManager:
             # Nothing about restorability is cached here: sizes are probed for each decision, and
             # the step that licenses a deletion is verified byte for byte (or by its record,
             # which any write to its objects invalidates; FORMAT.md 10.4, 14.7).
-            repo = self.repository
-            plan = self.retention.plan(steps, self._metric, protected, unrestorable=lambda s: unrestorable(repo, s),
-                                       unverified=lambda s: unverified(repo, s))
+            plan = self.retention.plan(steps, self._metric, protected, unrestorable=self._unrestorable,
+                                       unverified=self._unverified)
             for note in plan.notes:
                 _log.warning("retention: %s", note)
             for d in plan.delete:
