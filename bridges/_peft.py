@@ -32,7 +32,8 @@ import numpy as np
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumMismatchError, KeyMismatchError, ShapeMismatchError
-from ckptfmt.interop import ImportTensor, check_out_dir, export_safetensors, import_tensors
+from ckptfmt.dtypes import dtype_name, numpy_dtype
+from ckptfmt.interop import ImportTensor, check_out_dir, export_safetensors, import_tensors, output_dtype
 from ckptfmt.interop._exportfiles import create_exclusive, publish, read_config, temp_name
 from ckptfmt.interop._safetensors import encode_header
 from ckptfmt.repository import Repository
@@ -149,8 +150,8 @@ def _peft_tensors(ckpt: Any, pairs: Sequence[_Pair], layers: int, dtype: str | N
             stem = f"base_model.model.model.layers.{i}.{p.parent}.{p.module}"
             out[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(fi, -1).T)
             out[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(-1, fo).T)
-    if dtype is not None:
-        out = {k: v.astype(dtype) for k, v in out.items()}
+    if dtype is not None:  # floating-point cast, as export's dtype=
+        out = {k: v.astype(numpy_dtype(output_dtype(dtype_name(v.dtype), dtype))) for k, v in out.items()}
     return out
 
 
@@ -179,7 +180,7 @@ def _write_verified(out_dir: str, name: str, data: bytes) -> str:
 
 def _safetensors_bytes(tensors: TMapping[str, np.ndarray], metadata: TMapping[str, str]) -> bytes:
     names = sorted(tensors)
-    header, _ = encode_header([(n, tensors[n].dtype.name, tensors[n].shape) for n in names], metadata)
+    header, _ = encode_header([(n, dtype_name(tensors[n].dtype), tensors[n].shape) for n in names], metadata)
     return header + b"".join(tensors[n].tobytes() for n in names)
 
 
@@ -208,9 +209,12 @@ def _merged_reader(ckpt: Any, p: _Pair, scale: float) -> Callable[[Box], np.ndar
 
 
 def _merge(url: str, ckpt: Any, out_dir: str, pairs: Sequence[_Pair], scale: float, config: Any,
-           names: TMapping[str, str] | None, dtype: str | None) -> Any:
+           names: TMapping[str, str] | None, model: str, dtype: str | None) -> Any:
     """Base + adapters as a temporary step (streamed, verified), then the preset's export of it."""
-    kw = {} if names is None else {"names": dict(names)}
+    check_out_dir(out_dir, ["config.json"])  # early: before the temporary step is written
+    kw: dict[str, Any] = {"model": (model, "model")}
+    if names is not None:
+        kw["names"] = dict(names)
     mapping = preset_mapping(_PRESET, config, **kw)
     adapters = {k for p in pairs for k in (p.a, p.b)}
     merged = {p.base: p for p in pairs}
@@ -245,7 +249,7 @@ def export_peft(url: str, out_dir: str, *, config: TMapping[str, Any] | str | os
     ``names``: the preset's name table overrides); or, ``merge=True``, the base weights with the
     adapters merged in, as :func:`bridges.interop.export` writes them (one process) (``model-*.safetensors``).
 
-    ``target_modules``: PEFT module names (:data:`LORA_MODULES`; None: every module whose pair is
+    ``target_modules``: PEFT module names (``q_proj`` ... ``down_proj``; None: every module whose pair is
     in the checkpoint). ``adapters``: module -> the pair's key prefix (leaves ``lora_a``,
     ``lora_b``) or a (a key, b key) tuple; default ``<kernel's dir>/lora`` (``nnx.LoRALinear``).
     ``alpha``: PEFT's lora_alpha, the JAX forward's scale times r (None: r, nnx.LoRA's unscaled
@@ -268,7 +272,7 @@ def export_peft(url: str, out_dir: str, *, config: TMapping[str, Any] | str | os
     alpha = float(r if alpha is None else alpha)
     modules = tuple(sorted(p.module for p in pairs))
     if merge:
-        rep = _merge(str(url), ckpt, out_dir, pairs, alpha / r, config, names, dtype)
+        rep = _merge(str(url), ckpt, out_dir, pairs, alpha / r, config, names, model, dtype)
         return PeftReport(str(out_dir), rep.files, modules, r, alpha, rep.nbytes, int(ckpt.stats.bytes_read) + rep.bytes_read,
                           time.perf_counter() - t0, ckpt.step, True)
     check_out_dir(out_dir, [ADAPTER_FILE, ADAPTER_CONFIG])

@@ -22,7 +22,7 @@ from _llama_ref import llama_forward  # noqa: E402
 from bridges import torch as bt  # noqa: E402
 from bridges.interop import export_peft, preset_mapping  # noqa: E402
 from bridges.presets import hf_llama_from_nnx  # noqa: E402
-from ckptfmt.errors import KeyMismatchError, ShapeMismatchError  # noqa: E402
+from ckptfmt.errors import KeyMismatchError, OutputExistsError, ShapeMismatchError  # noqa: E402
 from torchproc.hf_configs import EVAL_IDS, LLAMA  # noqa: E402
 
 LOGIT_ATOL = 1e-4
@@ -108,6 +108,8 @@ def test_peft_adapter_matches_the_jax_forward_and_merge_matches_peft(lora_ckpt, 
     print(f"PeftModel vs numpy base + adapter forward: {err:.2e}")
     assert err < LOGIT_ATOL
     assert float(np.abs(_logits(_base(url)) - want).max()) > 1e-2  # the adapters do change the logits
+    with pytest.raises(OutputExistsError):  # never over an existing adapter (the first export was the control)
+        export_peft(url, str(tmp_path / "adapter"), config=LLAMA, alpha=ALPHA)
 
     export_peft(url, str(tmp_path / "merged"), config=LLAMA, alpha=ALPHA, merge=True)
     merged = tf.LlamaForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
