@@ -15,6 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+jnp = pytest.importorskip("jax.numpy")
+nnx = pytest.importorskip("flax.nnx")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -116,6 +118,19 @@ def test_peft_adapter_matches_the_jax_forward_and_merge_matches_peft(lora_ckpt, 
     err_m = float(np.abs(_logits(merged) - got).max())
     print(f"merged LlamaForCausalLM vs PeftModel: {err_m:.2e}")
     assert err_m < LOGIT_ATOL
+
+
+def test_nnx_lora_linear_is_the_layout_exported():
+    """The installed Flax: nnx.LoRALinear keeps lora/lora_a (in, r) and lora/lora_b (r, out) beside
+    its kernel and adds x @ a @ b unscaled, which is what export_peft reads by default (alpha = r)."""
+    m = nnx.LoRALinear(6, 5, lora_rank=3, rngs=nnx.Rngs(0))
+    m.lora.lora_b[...] = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5)), jnp.float32)
+    flat = {"/".join(map(str, path)): v for path, v in nnx.to_flat_state(nnx.state(m))}
+    assert flat["lora/lora_a"].shape == (6, 3) and flat["lora/lora_b"].shape == (3, 5) and "kernel" in flat
+    x = jnp.ones((2, 6))
+    want = x @ m.kernel[...] + m.bias[...] + x @ m.lora.lora_a[...] @ m.lora.lora_b[...]
+    assert float(jnp.abs(m(x) - want).max()) < 1e-6
+    assert float(jnp.abs(m(x) - (want - x @ m.kernel[...])).max()) > 1e-3  # the control: the base term counts
 
 
 def test_wrong_alpha_is_caught_by_the_logits(lora_ckpt, tmp_path):
