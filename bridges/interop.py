@@ -7,6 +7,8 @@ Verbs:
   ``config.json``), names and layouts through a :class:`bridges.mapping.Mapping` (a preset by
   name, :func:`preset_mapping`, or a mapping file, :func:`load_mapping`); ``processes=N`` starts
   N-1 more writer processes, each writing whole files of its own (no gather).
+* :func:`export_peft` -- a step's LoRA pairs (``nnx.LoRA`` / ``nnx.LoRALinear``, or the user's
+  own) -> a PEFT adapter directory, or merged into the base weights (:mod:`bridges._peft`).
 * :func:`import_orbax` -- a checkpoint written by Orbax's ``StandardCheckpointer`` /
   ``PyTreeCheckpointer`` (OCDBT on or off), read through Orbax itself, leaf by leaf.
 * :func:`import_dcp` -- a ``torch.distributed.checkpoint`` directory, read through torch's own
@@ -33,10 +35,11 @@ from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportReport, ImportReport,
                              finish_export, import_safetensors, prepare_export, write_part)
 
 from ._export_map import PRESETS, Coverage, export_tensors, mapped_tensors, preset_mapping, strip_target_prefix
+from ._peft import PeftReport, export_peft
 from ._mapfile import InvalidMappingError, load_mapping_file, load_names_file, mapping_from_json, mapping_to_json
 from ._rules import Mapping
 
-__all__ = ["export", "import_checkpoint", "import_orbax", "import_dcp", "import_safetensors", "load_mapping",
+__all__ = ["export", "export_peft", "PeftReport", "import_checkpoint", "import_orbax", "import_dcp", "import_safetensors", "load_mapping",
            "preset_mapping", "IMPORT_FORMATS", "InvalidMappingError", "Coverage", "export_tensors",
            "strip_target_prefix", "mapping_to_json", "mapping_from_json", "mapped_tensors", "PRESETS"]
 
