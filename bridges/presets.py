@@ -13,6 +13,8 @@ model definitions: the presets name the layout a JAX model must have (tables bel
   do) from a Flax NNX decoder whose per-layer parameters are stacked on axis 0 (``nnx.vmap`` to
   build, ``nnx.scan`` to run), attention as ``nnx.LinearGeneral`` kernels.
 * :func:`hf_llama_from_maxtext`: the same HF models from MaxText's scanned parameter tree.
+* :func:`hf_qwen3_from_nnx`: ``Qwen3ForCausalLM`` (the Llama layout plus per-head q/k RMSNorms).
+* :func:`hf_gemma2_from_nnx`: ``Gemma2ForCausalLM`` (tied head, four norms per layer).
 * :func:`hf_gpt2_from_nnx`: ``GPT2LMHeadModel`` (Conv1D weights stored (in, out), fused
   ``c_attn``) from a Flax NNX GPT-2 with separate q/k/v.
 
@@ -53,8 +55,9 @@ from typing import Any, Sequence
 from .mapping import (Concat, Mapping, Merge, Reorder, Rule, Scale, Select, Transform, Transpose,
                       interleaved_to_halves, optimizer_step_rules)
 
-__all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "llama_dims", "LLAMA_NNX_NAMES",
-           "MAXTEXT_LLAMA_NAMES", "GPT2_NNX_NAMES", "NAME_TABLES", "names_markdown"]
+__all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx",
+           "llama_dims", "LLAMA_NNX_NAMES", "MAXTEXT_LLAMA_NAMES", "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES",
+           "GEMMA2_NNX_NAMES", "NAME_TABLES", "names_markdown"]
 
 ROPE_LAYOUTS = ("halves", "interleaved")
 
@@ -326,10 +329,89 @@ def hf_gpt2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model")
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
 
+#: The Flax NNX Qwen3 layout :func:`hf_qwen3_from_nnx` expects: :data:`LLAMA_NNX_NAMES` plus the
+#: per-head RMSNorms of q and k (applied to each head's q/k before the rotary embedding).
+QWEN3_NNX_NAMES: dict[str, str] = dict(LLAMA_NNX_NAMES, **{
+    "q_norm": "layers/attn/q_norm/scale",       # (L, head_dim)
+    "k_norm": "layers/attn/k_norm/scale",       # (L, head_dim)
+})
+
+
+def hf_qwen3_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"),
+                      optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
+                      rope: str = "halves", names: dict[str, str] | None = None,
+                      ignore: Sequence[str] = ("optimizer/step",),
+                      keep: Sequence[str] = ("optim/param_groups",),
+                      step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
+    """Mapping from a Flax NNX Qwen3 decoder (``nnx.scan`` layout) to HF ``Qwen3ForCausalLM``.
+
+    As :func:`hf_llama_from_nnx` (same arguments, ``attention_bias`` read from the config), plus
+    ``q_norm`` / ``k_norm`` (L, head_dim) -> ``self_attn.{q,k}_norm.weight`` (head_dim,): an
+    RMSNorm scales each element of a head, so with ``rope="interleaved"`` its weights are
+    reordered with the q/k rows they scale. Name table: :data:`QWEN3_NNX_NAMES`.
+    """
+    dims = llama_dims(config)
+    table = _names(QWEN3_NNX_NAMES, names, "hf_qwen3_from_nnx")
+    sel = Select(0, "i", dims["layers"])
+    entries = _llama_entries(dims, table, rope) + [
+        (table[f"{n}_norm"], f"model.layers.{{i}}.self_attn.{n}_norm.weight", (sel,) + _rope(rope, 0, dims["head_dim"]))
+        for n in ("q", "k")]
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
+#: The Flax NNX Gemma 2 layout :func:`hf_gemma2_from_nnx` expects (``layers/...`` stacked on axis
+#: 0). Norm scales are stored as Gemma stores them: the norm multiplies by ``1 + scale``.
+GEMMA2_NNX_NAMES: dict[str, str] = {
+    "embed": "embed/embedding",                  # (vocab, d); the head is tied to it
+    "q_kernel": "layers/attn/q/kernel",          # (L, d, heads, head_dim)
+    "k_kernel": "layers/attn/k/kernel",          # (L, d, kv_heads, head_dim)
+    "v_kernel": "layers/attn/v/kernel",          # (L, d, kv_heads, head_dim)
+    "o_kernel": "layers/attn/o/kernel",          # (L, heads, head_dim, d)
+    "gate_kernel": "layers/mlp/gate/kernel",     # (L, d, ffn)   GeGLU: gelu(x @ gate) * (x @ up)
+    "up_kernel": "layers/mlp/up/kernel",         # (L, d, ffn)
+    "down_kernel": "layers/mlp/down/kernel",     # (L, ffn, d)
+    "attn_norm": "layers/pre_attn_norm/scale",   # (L, d)   before attention
+    "post_attn_norm": "layers/post_attn_norm/scale",  # (L, d) on the attention output
+    "mlp_norm": "layers/pre_mlp_norm/scale",     # (L, d)   before the MLP
+    "post_mlp_norm": "layers/post_mlp_norm/scale",  # (L, d) on the MLP output
+    "norm": "norm/scale",                        # (d,)
+}
+
+
+def hf_gemma2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"),
+                       optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
+                       rope: str = "halves", names: dict[str, str] | None = None,
+                       ignore: Sequence[str] = ("optimizer/step",),
+                       keep: Sequence[str] = ("optim/param_groups",),
+                       step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
+    """Mapping from a Flax NNX Gemma 2 decoder (``nnx.scan`` layout) to HF ``Gemma2ForCausalLM``.
+
+    Kernels as in :func:`hf_llama_from_nnx` (the config's ``head_dim``, which need not be
+    ``hidden_size / heads``); ``lm_head.weight`` reads ``embed`` (Gemma ties them). Each layer has
+    four norms (:data:`GEMMA2_NNX_NAMES`): ``attn_norm`` -> ``input_layernorm``,
+    ``post_attn_norm`` -> ``post_attention_layernorm``, ``mlp_norm`` -> ``pre_feedforward_layernorm``,
+    ``post_mlp_norm`` -> ``post_feedforward_layernorm``. Norm scales are copied unchanged: HF, like
+    Gemma's own JAX code, stores ``scale`` and multiplies by ``1 + scale``; a JAX model that stores
+    the multiplier itself does not fit this preset. The embedding scale ``sqrt(hidden_size)``,
+    GeGLU, ``query_pre_attn_scalar`` and the soft-capping are config, not weights.
+    """
+    dims = dict(llama_dims(config), tied=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+    table = _names(GEMMA2_NNX_NAMES, names, "hf_gemma2_from_nnx")
+    lay = "model.layers.{i}"
+    entries = [(s, t.replace(".post_attention_layernorm.", ".pre_feedforward_layernorm."), ops)
+               for s, t, ops in _llama_entries(dims, table, rope)]
+    sel = Select(0, "i", dims["layers"])
+    entries += [(table["post_attn_norm"], f"{lay}.post_attention_layernorm.weight", (sel,)),
+                (table["post_mlp_norm"], f"{lay}.post_feedforward_layernorm.weight", (sel,))]
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
 #: Each preset's name table (name key -> default path under the parameter tree): ``names=`` overrides.
 NAME_TABLES: dict[str, dict[str, str]] = {"hf_llama_from_nnx": LLAMA_NNX_NAMES,
                                           "hf_llama_from_maxtext": MAXTEXT_LLAMA_NAMES,
-                                          "hf_gpt2_from_nnx": GPT2_NNX_NAMES}
+                                          "hf_gpt2_from_nnx": GPT2_NNX_NAMES,
+                                          "hf_qwen3_from_nnx": QWEN3_NNX_NAMES,
+                                          "hf_gemma2_from_nnx": GEMMA2_NNX_NAMES}
 #: Configs that between them turn on every option a preset reads (for naming its tensors).
 _SIZES = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
           "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16}

@@ -1,0 +1,108 @@
+"""bridges.presets for Qwen3 and Gemma 2 against Hugging Face transformers (one process, no JAX).
+
+Each family: random parameters in the preset's NNX layout are saved with ``bridges.torch.save``,
+loaded into transformers' own class (tiny config, random init, nothing downloaded) through the
+preset, and the logits compared with a numpy forward of the JAX-layout arrays written from the
+family's math (tests/_families_ref.py); then the model's ``save_pretrained`` directory is restored
+through ``preset_mapping(...).inverse()`` back to the JAX layout, bit for bit. Broken controls:
+a wrong layout gives logits off by far more than the tolerance.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _families_ref import gemma2_forward, qwen3_forward  # noqa: E402
+from bridges import torch as bt  # noqa: E402
+from bridges.interop import preset_mapping  # noqa: E402
+from bridges.presets import hf_gemma2_from_nnx, hf_qwen3_from_nnx  # noqa: E402
+from torchproc.hf_configs import EVAL_IDS  # noqa: E402
+from torchproc.hf_side import logits  # noqa: E402
+from torchproc.scenarios import full_np  # noqa: E402
+
+LOGIT_ATOL = 1e-4
+BROKEN = 1e-2  # a broken control must be off by at least this much
+ROPE = {"rope_theta": 10000.0, "rope_type": "default"}
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64, rope_parameters=ROPE)
+IDS = EVAL_IDS % SIZES["vocab_size"]
+
+
+def _nest(flat: dict[str, np.ndarray]) -> dict:
+    root: dict = {}
+    for key, v in flat.items():
+        node = root
+        *parts, last = key.split("/")
+        for p in parts:
+            node = node.setdefault(p, {})
+        node[last] = torch.from_numpy(np.ascontiguousarray(v))
+    return root
+
+
+def _params(rng: np.random.Generator, extra: dict[str, tuple[int, ...]], norms: tuple[str, ...],
+            head: bool) -> dict[str, np.ndarray]:
+    d, h, kv, hd = (SIZES[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    L, f, v = SIZES["num_hidden_layers"], SIZES["intermediate_size"], SIZES["vocab_size"]
+    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    p = {"embed/embedding": r(v, d), "layers/attn/q/kernel": r(L, d, h, hd), "layers/attn/k/kernel": r(L, d, kv, hd),
+         "layers/attn/v/kernel": r(L, d, kv, hd), "layers/attn/o/kernel": r(L, h, hd, d),
+         "layers/mlp/gate/kernel": r(L, d, f), "layers/mlp/up/kernel": r(L, d, f), "layers/mlp/down/kernel": r(L, f, d),
+         "norm/scale": 1 + r(d)}
+    p.update({f"layers/{n}/scale": 1 + r(L, d) for n in norms})
+    p.update({k: 1 + r(*s) for k, s in extra.items()})
+    if head:
+        p["lm_head/kernel"] = r(d, v)
+    return p
+
+
+def _load(model, url: str, mapping) -> np.ndarray:
+    out = bt.load(url, {"model": model.state_dict()}, mapping=mapping)
+    assert out.report.missing == () and out.report.unexpected == ()
+    model.load_state_dict(out["model"])
+    return logits(model, IDS)
+
+
+def _back(model, tmp_path: Path, params: dict[str, np.ndarray], name: str, config, **kw) -> list[str]:
+    """save_pretrained -> the preset's inverse -> the JAX layout: the keys that differ in any bit."""
+    if not (tmp_path / "hf").exists():
+        model.save_pretrained(tmp_path / "hf")
+    zeros = {k: np.zeros_like(v) for k, v in params.items()}
+    got = full_np(bt.load(str(tmp_path / "hf"), {"model": _nest(zeros)},
+                          mapping=preset_mapping(name, config, **kw).inverse()))
+    assert sorted(got) == sorted(f"model/{k}" for k in params)
+    return [k for k in params if got[f"model/{k}"].tobytes() != params[k].tobytes()]
+
+
+def test_qwen3_preset_matches_transformers(tmp_path):
+    """Qwen3 (per-head q/k RMSNorms) with interleaved rotary pairs in the JAX model: the preset
+    reorders q/k rows and the q/k norm weights alike. Broken controls: the halves layout, and the
+    q and k norms swapped (names=)."""
+    config = tf.Qwen3Config(**SIZES, tie_word_embeddings=False)
+    L, hd = SIZES["num_hidden_layers"], SIZES["head_dim"]
+    params = _params(np.random.default_rng(3), {"layers/attn/q_norm/scale": (L, hd), "layers/attn/k_norm/scale": (L, hd)},
+                     ("attn_norm", "mlp_norm"), head=True)
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": _nest(params)}, step=1)
+    want = qwen3_forward(IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], rope="interleaved")
+    model = tf.Qwen3ForCausalLM(config).eval()
+    err = float(np.abs(_load(model, url, hf_qwen3_from_nnx(config, optimizer=None, rope="interleaved")) - want).max())
+    wrong_rope = float(np.abs(_load(tf.Qwen3ForCausalLM(config).eval(), url,
+                                    hf_qwen3_from_nnx(config, optimizer=None)) - want).max())
+    swapped = {"q_norm": "layers/attn/k_norm/scale", "k_norm": "layers/attn/q_norm/scale"}
+    wrong_norm = float(np.abs(_load(tf.Qwen3ForCausalLM(config).eval(), url, hf_qwen3_from_nnx(
+        config, optimizer=None, rope="interleaved", names=swapped)) - want).max())
+    print(f"qwen3: max |transformers - numpy NNX forward| = {err:.2e}; halves instead of interleaved: "
+          f"{wrong_rope:.2e}; q/k norms swapped: {wrong_norm:.2e}")
+    assert err < LOGIT_ATOL and wrong_rope > BROKEN and wrong_norm > BROKEN
+    assert _back(model, tmp_path, params, "hf_qwen3_from_nnx", config, rope="interleaved") == []
+    # control: restored with the halves layout, the q/k kernels and norms come back reordered
+    assert _back(model, tmp_path, params, "hf_qwen3_from_nnx", config) == [
+        "layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/q_norm/scale", "layers/attn/k_norm/scale"]
