@@ -106,3 +106,28 @@ def test_qwen3_preset_matches_transformers(tmp_path):
     # control: restored with the halves layout, the q/k kernels and norms come back reordered
     assert _back(model, tmp_path, params, "hf_qwen3_from_nnx", config) == [
         "layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/q_norm/scale", "layers/attn/k_norm/scale"]
+
+
+GEMMA2 = dict(SIZES, query_pre_attn_scalar=24, sliding_window=32, attn_logit_softcapping=5.0,
+              final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+
+def test_gemma2_preset_matches_transformers(tmp_path):
+    """Gemma 2: tied head, (1 + scale) norms before and after attention and MLP, GeGLU, head_dim
+    16 with hidden 32 / 4 heads, query_pre_attn_scalar 24, attention and final soft-capping.
+    Broken control: the reference with the norm convention of Llama (times scale, not 1 + scale)."""
+    config = tf.Gemma2Config(**GEMMA2, attn_implementation="eager")
+    params = _params(np.random.default_rng(4), {}, ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm",
+                                                    "post_mlp_norm"), head=False)
+    params = {k: (v - 1 if k.endswith("scale") else v) for k, v in params.items()}  # Gemma stores scale - 1
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": _nest(params)}, step=1)
+    kw = dict(eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], query_scalar=24.0, attn_softcap=5.0,
+              final_softcap=3.0)
+    model = tf.Gemma2ForCausalLM(config).eval()
+    got = _load(model, url, hf_gemma2_from_nnx(config, optimizer=None))
+    err = float(np.abs(got - gemma2_forward(IDS, params, **kw)).max())
+    wrong_norm = float(np.abs(got - gemma2_forward(IDS, params, plus_one=False, **kw)).max())
+    print(f"gemma2: max |transformers - numpy NNX forward| = {err:.2e}; norms as scale, not 1 + scale: {wrong_norm:.2e}")
+    assert err < LOGIT_ATOL and wrong_norm > BROKEN
+    assert _back(model, tmp_path, params, "hf_gemma2_from_nnx", config) == []
