@@ -1,4 +1,4 @@
-"""A numpy reference forward of Qwen3 and Gemma 2 decoders in JAX layouts (tests only).
+"""A numpy reference forward of Qwen3, Gemma 2, Mixtral and Qwen2-MoE decoders in JAX layouts (tests only).
 
 Written from each family's published math over the JAX-layout kernels (as tests/_llama_ref.py is
 for Llama), not from the mapping code: comparing it with ``transformers`` after a preset load
@@ -20,8 +20,10 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 def _attention(y: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray, *, theta: float,
                rope: str, scale: float, qk_norm: tuple | None = None, eps: float = 0.0,
-               softcap: float | None = None) -> np.ndarray:
+               softcap: float | None = None, bias: tuple | None = None) -> np.ndarray:
     q, k, v = (np.einsum("bsd,dhk->bshk", y, w) for w in (q, k, v))
+    if bias is not None:
+        q, k, v = q + bias[0], k + bias[1], v + bias[2]
     if qk_norm is not None:  # Qwen3: an RMSNorm over each head's q and k, before the rotary embedding
         q, k = _rms(q, qk_norm[0], eps), _rms(k, qk_norm[1], eps)
     q, k = _rope(q, theta, rope), _rope(k, theta, rope)
@@ -76,3 +78,43 @@ def gemma2_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, the
         x = x + norm(m, "post_mlp_norm")
     out = _rms(x, off + f["norm/scale"], eps) @ emb.T
     return np.tanh(out / final_softcap) * final_softcap
+
+
+def _silu_mlp(y: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    g = y @ gate
+    return (g / (1 + np.exp(-g)) * (y @ up)) @ down
+
+
+def moe_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta: float, top_k: int,
+                renormalize: bool, shared: bool = False) -> np.ndarray:
+    """Logits of the MIXTRAL_NNX_NAMES layout (``shared``: QWEN2_MOE_NNX_NAMES, with q/k/v biases
+    and a sigmoid-gated shared expert). Each token takes the softmax of its router logits, keeps
+    the ``top_k`` largest (renormalized to sum 1 for Mixtral) and sums those experts' SiLU-GLU
+    outputs so weighted; experts are stacked (L, E, ...)."""
+    f = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    x = f["embed/embedding"][ids]
+    hd = f["layers/attn/q/kernel"].shape[-1]
+    for i in range(f["layers/attn/q/kernel"].shape[0]):
+        g = lambda n: f[f"layers/{n}"][i]  # noqa: E731
+        bias = tuple(g(f"attn/{n}/bias") for n in "qkv") if shared else None
+        y = _rms(x, g("attn_norm/scale"), eps)
+        x = x + _attention(y, g("attn/q/kernel"), g("attn/k/kernel"), g("attn/v/kernel"), g("attn/o/kernel"),
+                           theta=theta, rope="halves", scale=hd ** -0.5, bias=bias)
+        y = _rms(x, g("mlp_norm/scale"), eps)
+        logit = y @ g("moe/router/kernel")                                       # (b, s, E)
+        prob = np.exp(logit - logit.max(-1, keepdims=True))
+        prob = prob / prob.sum(-1, keepdims=True)
+        top = np.argsort(-prob, axis=-1)[..., :top_k]
+        w = np.take_along_axis(prob, top, -1)
+        if renormalize:
+            w = w / w.sum(-1, keepdims=True)
+        out = np.zeros_like(x)
+        for e in range(prob.shape[-1]):
+            weight = (w * (top == e)).sum(-1, keepdims=True)                     # 0 where e is not chosen
+            out += weight * _silu_mlp(y, g("moe/gate/kernel")[e], g("moe/up/kernel")[e], g("moe/down/kernel")[e])
+        if shared:
+            gate = 1 / (1 + np.exp(-(y @ g("moe/shared_gate/kernel"))))
+            out += gate * _silu_mlp(y, g("moe/shared/gate/kernel"), g("moe/shared/up/kernel"),
+                                    g("moe/shared/down/kernel"))
+        x = x + out
+    return _rms(x, f["norm/scale"], eps) @ f["lm_head/kernel"]

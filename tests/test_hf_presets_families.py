@@ -10,6 +10,7 @@ a wrong layout gives logits off by far more than the tolerance.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +21,13 @@ tf = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _families_ref import gemma2_forward, qwen3_forward  # noqa: E402
+from _families_ref import gemma2_forward, moe_forward, qwen3_forward  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 from bridges import torch as bt  # noqa: E402
 from bridges.interop import preset_mapping  # noqa: E402
-from bridges.presets import hf_gemma2_from_nnx, hf_qwen3_from_nnx  # noqa: E402
+from bridges.mapping import Mapping, Reorder  # noqa: E402
+from bridges.presets import hf_gemma2_from_nnx, hf_mixtral_from_nnx, hf_qwen2_moe_from_nnx, hf_qwen3_from_nnx  # noqa: E402
 from torchproc.hf_configs import EVAL_IDS  # noqa: E402
 from torchproc.hf_side import logits  # noqa: E402
 from torchproc.scenarios import full_np  # noqa: E402
@@ -131,3 +135,59 @@ def test_gemma2_preset_matches_transformers(tmp_path):
     print(f"gemma2: max |transformers - numpy NNX forward| = {err:.2e}; norms as scale, not 1 + scale: {wrong_norm:.2e}")
     assert err < LOGIT_ATOL and wrong_norm > BROKEN
     assert _back(model, tmp_path, params, "hf_gemma2_from_nnx", config) == []
+
+
+E = 4
+MOE = {"mixtral": (lambda: tf.MixtralConfig(**SIZES, num_local_experts=E, num_experts_per_tok=2, tie_word_embeddings=False),
+                   tf.MixtralForCausalLM, hf_mixtral_from_nnx, SIZES["intermediate_size"], "block_sparse_moe.experts.0.w1"),
+       "qwen2_moe": (lambda: tf.Qwen2MoeConfig(**SIZES, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=16,
+                                               shared_expert_intermediate_size=48, tie_word_embeddings=False),
+                     tf.Qwen2MoeForCausalLM, hf_qwen2_moe_from_nnx, 16, "mlp.experts.0.gate_proj")}
+
+
+def _moe_params(rng: np.random.Generator, ff: int, shared: bool) -> dict[str, np.ndarray]:
+    d, L = SIZES["hidden_size"], SIZES["num_hidden_layers"]
+    h, kv, hd = SIZES["num_attention_heads"], SIZES["num_key_value_heads"], SIZES["head_dim"]
+    p = {k: v for k, v in _params(rng, {}, ("attn_norm", "mlp_norm"), head=True).items() if "/mlp/" not in k}
+    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    p.update({"layers/moe/router/kernel": r(L, d, E), "layers/moe/gate/kernel": r(L, E, d, ff),
+              "layers/moe/up/kernel": r(L, E, d, ff), "layers/moe/down/kernel": r(L, E, ff, d)})
+    if shared:
+        p.update({"layers/moe/shared/gate/kernel": r(L, d, 48), "layers/moe/shared/up/kernel": r(L, d, 48),
+                  "layers/moe/shared/down/kernel": r(L, 48, d), "layers/moe/shared_gate/kernel": r(L, d, 1),
+                  "layers/attn/q/bias": r(L, h, hd), "layers/attn/k/bias": r(L, kv, hd), "layers/attn/v/bias": r(L, kv, hd)})
+    return p
+
+
+def _experts_reversed(mapping):
+    """The broken control: every expert tensor read in the reverse expert order."""
+    rev = (Reorder(1, tuple(reversed(range(E)))),)
+    return Mapping(tuple(replace(r, transforms=rev + r.transforms) if "experts" in r.target else r for r in mapping.rules),
+                   mapping.ignore, mapping.keep, mapping.source_sep, mapping.target_sep, mapping.tiers)
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_preset_matches_transformers(tmp_path, family):
+    """Experts stacked (L, E, ...) -> the model's fused expert tensors (Qwen2-MoE: plus the shared
+    expert and its gate, q/k/v biases): logits equal the numpy MoE forward; broken control: the
+    experts in the reverse order. Back to the JAX layout bit for bit from save_pretrained's
+    one-tensor-per-expert files (experts="per_expert") and from a file of the fused tensors."""
+    make_config, cls, preset, ff, per_expert_key = MOE[family]
+    config = make_config()
+    params = _moe_params(np.random.default_rng(5), ff, shared=family == "qwen2_moe")
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": _nest(params)}, step=1)
+    want = moe_forward(IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], top_k=2,
+                       renormalize=family == "mixtral", shared=family == "qwen2_moe")
+    model = cls(config).eval()
+    err = float(np.abs(_load(model, url, preset(config, optimizer=None)) - want).max())
+    wrong = float(np.abs(_load(cls(config).eval(), url, _experts_reversed(preset(config, optimizer=None))) - want).max())
+    print(f"{family}: max |transformers - numpy NNX forward| = {err:.2e}; experts in the reverse order: {wrong:.2e}")
+    assert err < LOGIT_ATOL and wrong > BROKEN
+    model.save_pretrained(tmp_path / "hf")
+    assert any(per_expert_key in k for k in safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt").keys())
+    assert _back(model, tmp_path, params, f"hf_{family}_from_nnx", config, experts="per_expert") == []
+    fused = tmp_path / "fused"
+    (fused / "hf").mkdir(parents=True)  # the model's own (fused) tensors in one file
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "hf" / "model.safetensors"))
+    assert _back(model, fused, params, f"hf_{family}_from_nnx", config) == []
