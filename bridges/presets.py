@@ -13,6 +13,11 @@ model definitions: the presets name the layout a JAX model must have (tables bel
   do) from a Flax NNX decoder whose per-layer parameters are stacked on axis 0 (``nnx.vmap`` to
   build, ``nnx.scan`` to run), attention as ``nnx.LinearGeneral`` kernels.
 * :func:`hf_llama_from_maxtext`: the same HF models from MaxText's scanned parameter tree.
+* :func:`hf_qwen3_from_nnx`: ``Qwen3ForCausalLM`` (the Llama layout plus per-head q/k RMSNorms).
+* :func:`hf_gemma2_from_nnx`: ``Gemma2ForCausalLM`` (tied head, four norms per layer).
+* :func:`hf_mixtral_from_nnx`, :func:`hf_qwen2_moe_from_nnx`: ``MixtralForCausalLM`` and
+  ``Qwen2MoeForCausalLM`` (shared expert) from experts stacked ``(L, E, ...)``, into the models'
+  fused expert tensors or the one-tensor-per-expert files of the hub and ``save_pretrained``.
 * :func:`hf_gpt2_from_nnx`: ``GPT2LMHeadModel`` (Conv1D weights stored (in, out), fused
   ``c_attn``) from a Flax NNX GPT-2 with separate q/k/v.
 
@@ -53,8 +58,9 @@ from typing import Any, Sequence
 from .mapping import (Concat, Mapping, Merge, Reorder, Rule, Scale, Select, Transform, Transpose,
                       interleaved_to_halves, optimizer_step_rules)
 
-__all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "llama_dims", "LLAMA_NNX_NAMES",
-           "MAXTEXT_LLAMA_NAMES", "GPT2_NNX_NAMES", "NAME_TABLES", "names_markdown"]
+__all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx",
+           "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES", "MAXTEXT_LLAMA_NAMES", "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES",
+           "GEMMA2_NNX_NAMES", "NAME_TABLES", "names_markdown"]
 
 ROPE_LAYOUTS = ("halves", "interleaved")
 
@@ -326,13 +332,184 @@ def hf_gpt2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model")
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
 
+#: The Flax NNX Qwen3 layout :func:`hf_qwen3_from_nnx` expects: :data:`LLAMA_NNX_NAMES` plus the
+#: per-head RMSNorms of q and k (applied to each head's q/k before the rotary embedding).
+QWEN3_NNX_NAMES: dict[str, str] = dict(LLAMA_NNX_NAMES, **{
+    "q_norm": "layers/attn/q_norm/scale",       # (L, head_dim)
+    "k_norm": "layers/attn/k_norm/scale",       # (L, head_dim)
+})
+
+
+def hf_qwen3_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"),
+                      optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
+                      rope: str = "halves", names: dict[str, str] | None = None,
+                      ignore: Sequence[str] = ("optimizer/step",),
+                      keep: Sequence[str] = ("optim/param_groups",),
+                      step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
+    """Mapping from a Flax NNX Qwen3 decoder (``nnx.scan`` layout) to HF ``Qwen3ForCausalLM``.
+
+    As :func:`hf_llama_from_nnx` (same arguments, ``attention_bias`` read from the config), plus
+    ``q_norm`` / ``k_norm`` (L, head_dim) -> ``self_attn.{q,k}_norm.weight`` (head_dim,): an
+    RMSNorm scales each element of a head, so with ``rope="interleaved"`` its weights are
+    reordered with the q/k rows they scale. Name table: :data:`QWEN3_NNX_NAMES`.
+    """
+    dims = llama_dims(config)
+    table = _names(QWEN3_NNX_NAMES, names, "hf_qwen3_from_nnx")
+    sel = Select(0, "i", dims["layers"])
+    entries = _llama_entries(dims, table, rope) + [
+        (table[f"{n}_norm"], f"model.layers.{{i}}.self_attn.{n}_norm.weight", (sel,) + _rope(rope, 0, dims["head_dim"]))
+        for n in ("q", "k")]
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
+#: The Flax NNX Gemma 2 layout :func:`hf_gemma2_from_nnx` expects (``layers/...`` stacked on axis
+#: 0). Norm scales are stored as Gemma stores them: the norm multiplies by ``1 + scale``.
+GEMMA2_NNX_NAMES: dict[str, str] = {
+    "embed": "embed/embedding",                  # (vocab, d); the head is tied to it
+    "q_kernel": "layers/attn/q/kernel",          # (L, d, heads, head_dim)
+    "k_kernel": "layers/attn/k/kernel",          # (L, d, kv_heads, head_dim)
+    "v_kernel": "layers/attn/v/kernel",          # (L, d, kv_heads, head_dim)
+    "o_kernel": "layers/attn/o/kernel",          # (L, heads, head_dim, d)
+    "gate_kernel": "layers/mlp/gate/kernel",     # (L, d, ffn)   GeGLU: gelu(x @ gate) * (x @ up)
+    "up_kernel": "layers/mlp/up/kernel",         # (L, d, ffn)
+    "down_kernel": "layers/mlp/down/kernel",     # (L, ffn, d)
+    "attn_norm": "layers/pre_attn_norm/scale",   # (L, d)   before attention
+    "post_attn_norm": "layers/post_attn_norm/scale",  # (L, d) on the attention output
+    "mlp_norm": "layers/pre_mlp_norm/scale",     # (L, d)   before the MLP
+    "post_mlp_norm": "layers/post_mlp_norm/scale",  # (L, d) on the MLP output
+    "norm": "norm/scale",                        # (d,)
+}
+
+
+def hf_gemma2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"),
+                       optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
+                       rope: str = "halves", names: dict[str, str] | None = None,
+                       ignore: Sequence[str] = ("optimizer/step",),
+                       keep: Sequence[str] = ("optim/param_groups",),
+                       step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
+    """Mapping from a Flax NNX Gemma 2 decoder (``nnx.scan`` layout) to HF ``Gemma2ForCausalLM``.
+
+    Kernels as in :func:`hf_llama_from_nnx` (the config's ``head_dim``, which need not be
+    ``hidden_size / heads``); ``lm_head.weight`` reads ``embed`` (Gemma ties them). Each layer has
+    four norms (:data:`GEMMA2_NNX_NAMES`): ``attn_norm`` -> ``input_layernorm``,
+    ``post_attn_norm`` -> ``post_attention_layernorm``, ``mlp_norm`` -> ``pre_feedforward_layernorm``,
+    ``post_mlp_norm`` -> ``post_feedforward_layernorm``. Norm scales are copied unchanged: HF, like
+    Gemma's own JAX code, stores ``scale`` and multiplies by ``1 + scale``; a JAX model that stores
+    the multiplier itself does not fit this preset. The embedding scale ``sqrt(hidden_size)``,
+    GeGLU, ``query_pre_attn_scalar`` and the soft-capping are config, not weights.
+    """
+    dims = dict(llama_dims(config), tied=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+    table = _names(GEMMA2_NNX_NAMES, names, "hf_gemma2_from_nnx")
+    lay = "model.layers.{i}"
+    entries = [(s, t.replace(".post_attention_layernorm.", ".pre_feedforward_layernorm."), ops)
+               for s, t, ops in _llama_entries(dims, table, rope)]
+    sel = Select(0, "i", dims["layers"])
+    entries += [(table["post_attn_norm"], f"{lay}.post_attention_layernorm.weight", (sel,)),
+                (table["post_mlp_norm"], f"{lay}.post_feedforward_layernorm.weight", (sel,))]
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
+_ATTN_ONLY = ("attn_norm", "mlp_norm", "norm", "embed", "lm_head")
+_ATTN_NAMES = {k: v for k, v in LLAMA_NNX_NAMES.items() if k.endswith("_kernel") and k[0] in "qkvo" or k in _ATTN_ONLY}
+#: The Flax NNX Mixtral layout :func:`hf_mixtral_from_nnx` expects: the Llama attention and norms
+#: of :data:`LLAMA_NNX_NAMES`, experts stacked (L, E, ...) as ``nnx.vmap`` over experts builds them.
+MIXTRAL_NNX_NAMES: dict[str, str] = dict(_ATTN_NAMES, **{
+    "router_kernel": "layers/moe/router/kernel",    # (L, d, E)
+    "gate_kernel": "layers/moe/gate/kernel",        # (L, E, d, ffn)   w1
+    "up_kernel": "layers/moe/up/kernel",            # (L, E, d, ffn)   w3
+    "down_kernel": "layers/moe/down/kernel",        # (L, E, ffn, d)   w2
+})
+#: The Flax NNX Qwen2-MoE layout :func:`hf_qwen2_moe_from_nnx` expects: :data:`MIXTRAL_NNX_NAMES`
+#: plus the shared expert and its sigmoid gate.
+QWEN2_MOE_NNX_NAMES: dict[str, str] = dict(MIXTRAL_NNX_NAMES, **{
+    "q_bias": "layers/attn/q/bias", "k_bias": "layers/attn/k/bias", "v_bias": "layers/attn/v/bias",  # (L, n, hd)
+    "shared_gate_kernel": "layers/moe/shared/gate/kernel",  # (L, d, shared_ffn)
+    "shared_up_kernel": "layers/moe/shared/up/kernel",      # (L, d, shared_ffn)
+    "shared_down_kernel": "layers/moe/shared/down/kernel",  # (L, shared_ffn, d)
+    "shared_expert_gate": "layers/moe/shared_gate/kernel",  # (L, d, 1)
+})
+EXPERT_LAYOUTS = ("fused", "per_expert")
+
+
+def _moe_entries(dims: dict[str, Any], table: dict[str, str], rope: str, experts: str, E: int, ff: int,
+                 block: str, files: tuple[str, str, str]) -> list[tuple[Any, str, tuple[Transform, ...]]]:
+    """Llama attention and norms plus routed experts: ``fused`` into the model's
+    ``{block}.experts.gate_up_proj`` (E, 2ff, d) / ``down_proj`` (E, d, ff), or ``per_expert`` into
+    ``{block}.experts.{j}.{files}.weight`` (the hub's and save_pretrained's names)."""
+    if experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}")
+    lay = "model.layers.{i}"
+    entries = [e for e in _llama_entries(dims, dict(table, up_kernel="", down_kernel="", gate_kernel=""), rope)
+               if ".mlp." not in e[1]]
+    sel = Select(0, "i", dims["layers"])
+    gate, up, down = (table[f"{n}_kernel"] for n in ("gate", "up", "down"))
+    if experts == "fused":  # (L, E, d, ff) -> (E, ff, d), gate then up along the rows
+        entries += [((gate, up), f"{lay}.mlp.experts.gate_up_proj", (sel, Transpose((0, 2, 1)), Concat(1, (ff, ff)))),
+                    (down, f"{lay}.mlp.experts.down_proj", (sel, Transpose((0, 2, 1))))]
+    else:
+        one = (sel, Select(0, "j", E), Transpose((1, 0)))
+        entries += [(src, f"{lay}.{block}.experts.{{j}}.{name}.weight", one) for src, name in zip((gate, up, down), files)]
+    router = f"{lay}.{block if experts == 'per_expert' else 'mlp'}.gate.weight"
+    return entries + [(table["router_kernel"], router, (sel, Transpose((1, 0))))]
+
+
+def hf_mixtral_from_nnx(config: Any, *, experts: str = "fused", model: tuple[str, str] = ("model", "model"),
+                        optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
+                        rope: str = "halves", names: dict[str, str] | None = None,
+                        ignore: Sequence[str] = ("optimizer/step",), keep: Sequence[str] = ("optim/param_groups",),
+                        step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
+    """Mapping from a Flax NNX Mixtral (layers stacked on axis 0, experts on axis 1) to HF
+    ``MixtralForCausalLM``. Attention and norms as :func:`hf_llama_from_nnx`; the router kernel
+    (L, d, E) -> ``mlp.gate.weight`` (E, d). ``experts="fused"``: the model's state dict
+    (``mlp.experts.gate_up_proj`` = gate then up kernels, transposed, concatenated on axis 1;
+    ``mlp.experts.down_proj``); ``"per_expert"``: the files' names
+    (``block_sparse_moe.experts.{j}.w1/w3/w2.weight``, ``block_sparse_moe.gate.weight``), for
+    ``preset_mapping`` exports and restores of ``save_pretrained`` directories.
+    Name table: :data:`MIXTRAL_NNX_NAMES`. ValueError for an unknown ``experts`` or ``rope``."""
+    dims = dict(llama_dims(config), qkv_bias=False, o_bias=False, mlp_bias=False)
+    table = _names(MIXTRAL_NNX_NAMES, names, "hf_mixtral_from_nnx")
+    entries = _moe_entries(dims, table, rope, experts, int(_get(config, "num_local_experts")), dims["ffn"],
+                           "block_sparse_moe", ("w1", "w3", "w2"))
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
+def hf_qwen2_moe_from_nnx(config: Any, *, experts: str = "fused", model: tuple[str, str] = ("model", "model"),
+                          optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
+                          rope: str = "halves", names: dict[str, str] | None = None,
+                          ignore: Sequence[str] = ("optimizer/step",), keep: Sequence[str] = ("optim/param_groups",),
+                          step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
+    """Mapping from a Flax NNX Qwen2-MoE to HF ``Qwen2MoeForCausalLM``: as
+    :func:`hf_mixtral_from_nnx` (``moe_intermediate_size`` experts, files
+    ``mlp.experts.{j}.{gate,up,down}_proj.weight``), q/k/v biases when ``qkv_bias``, plus the
+    shared expert (``mlp.shared_expert.{gate,up,down}_proj.weight``) and its gate (L, d, 1) ->
+    ``mlp.shared_expert_gate.weight`` (1, d). Every layer must be sparse: ValueError for a config
+    with ``mlp_only_layers`` or ``decoder_sparse_step`` other than 1. Name table:
+    :data:`QWEN2_MOE_NNX_NAMES`."""
+    if list(_get(config, "mlp_only_layers", [])) or int(_get(config, "decoder_sparse_step", 1)) != 1:
+        raise ValueError("hf_qwen2_moe_from_nnx: every layer must be sparse (mlp_only_layers=[], decoder_sparse_step=1)")
+    dims = dict(llama_dims(config), qkv_bias=bool(_get(config, "qkv_bias", True)), o_bias=False, mlp_bias=False)
+    table = _names(QWEN2_MOE_NNX_NAMES, names, "hf_qwen2_moe_from_nnx")
+    entries = _moe_entries(dims, table, rope, experts, int(_get(config, "num_experts")),
+                           int(_get(config, "moe_intermediate_size")), "mlp", ("gate_proj", "up_proj", "down_proj"))
+    sel, lay = Select(0, "i", dims["layers"]), "model.layers.{i}.mlp"
+    entries += [(table[f"shared_{n}_kernel"], f"{lay}.shared_expert.{n}_proj.weight", (sel, Transpose((1, 0))))
+                for n in ("gate", "up", "down")]
+    entries.append((table["shared_expert_gate"], f"{lay}.shared_expert_gate.weight", (sel, Transpose((1, 0)))))
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
 #: Each preset's name table (name key -> default path under the parameter tree): ``names=`` overrides.
 NAME_TABLES: dict[str, dict[str, str]] = {"hf_llama_from_nnx": LLAMA_NNX_NAMES,
                                           "hf_llama_from_maxtext": MAXTEXT_LLAMA_NAMES,
-                                          "hf_gpt2_from_nnx": GPT2_NNX_NAMES}
+                                          "hf_gpt2_from_nnx": GPT2_NNX_NAMES,
+                                          "hf_qwen3_from_nnx": QWEN3_NNX_NAMES,
+                                          "hf_gemma2_from_nnx": GEMMA2_NNX_NAMES,
+                                          "hf_mixtral_from_nnx": MIXTRAL_NNX_NAMES,
+                                          "hf_qwen2_moe_from_nnx": QWEN2_MOE_NNX_NAMES}
 #: Configs that between them turn on every option a preset reads (for naming its tensors).
 _SIZES = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
-          "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16}
+          "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16,
+          "num_local_experts": 2, "num_experts": 2, "moe_intermediate_size": 8}
 _TABLE_CONFIGS = (dict(_SIZES, model_type="qwen2", mlp_bias=True), dict(_SIZES, attention_bias=True))
 
 

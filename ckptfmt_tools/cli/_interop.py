@@ -46,7 +46,9 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                fmt: str = typer.Option("safetensors", "--format", help="Output format (safetensors)."),
                step: Optional[int] = typer.Option(None, "--step", "-s", help="Step (default: latest)."),
                mapping: Optional[str] = typer.Option(None, "--mapping", help="A preset (hf_llama_from_nnx, "
-                                                     "hf_llama_from_maxtext, hf_gpt2_from_nnx; needs --config) "
+                                                     "hf_llama_from_maxtext, hf_gpt2_from_nnx, hf_qwen3_from_nnx, "
+                                                     "hf_gemma2_from_nnx, hf_mixtral_from_nnx, "
+                                                     "hf_qwen2_moe_from_nnx; needs --config) "
                                                      "or a mapping JSON file. Default: every tensor as is."),
                dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating-point tensors "
                                                    "(bfloat16, float16, float32)."),

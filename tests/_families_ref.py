@@ -1,0 +1,120 @@
+"""A numpy reference forward of Qwen3, Gemma 2, Mixtral and Qwen2-MoE decoders in JAX layouts (tests only).
+
+Written from each family's published math over the JAX-layout kernels (as tests/_llama_ref.py is
+for Llama), not from the mapping code: comparing it with ``transformers`` after a preset load
+checks the preset against the real library. ``p`` holds the NNX-layout arrays of
+bridges.presets' name tables, per-layer tensors stacked on axis 0.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from _llama_ref import _rms, _rope
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _attention(y: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray, *, theta: float,
+               rope: str, scale: float, qk_norm: tuple | None = None, eps: float = 0.0,
+               softcap: float | None = None, bias: tuple | None = None) -> np.ndarray:
+    q, k, v = (np.einsum("bsd,dhk->bshk", y, w) for w in (q, k, v))
+    if bias is not None:
+        q, k, v = q + bias[0], k + bias[1], v + bias[2]
+    if qk_norm is not None:  # Qwen3: an RMSNorm over each head's q and k, before the rotary embedding
+        q, k = _rms(q, qk_norm[0], eps), _rms(k, qk_norm[1], eps)
+    q, k = _rope(q, theta, rope), _rope(k, theta, rope)
+    rep = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    scores = np.einsum("bqhk,bshk->bhqs", q, k) * scale
+    if softcap is not None:
+        scores = np.tanh(scores / softcap) * softcap
+    s = y.shape[1]
+    scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    return np.einsum("bqhk,hkd->bqd", np.einsum("bhqs,bshk->bqhk", p, v), o)
+
+
+def qwen3_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta: float,
+                  rope: str = "halves") -> np.ndarray:
+    """Logits (b, s, vocab) in float64 of the QWEN3_NNX_NAMES layout (untied ``lm_head/kernel``)."""
+    f = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    x = f["embed/embedding"][ids]
+    hd = f["layers/attn/q/kernel"].shape[-1]
+    for i in range(f["layers/attn/q/kernel"].shape[0]):
+        g = lambda n: f[f"layers/{n}"][i]  # noqa: E731
+        y = _rms(x, g("attn_norm/scale"), eps)
+        x = x + _attention(y, g("attn/q/kernel"), g("attn/k/kernel"), g("attn/v/kernel"), g("attn/o/kernel"),
+                           theta=theta, rope=rope, scale=hd ** -0.5, eps=eps,
+                           qk_norm=(g("attn/q_norm/scale"), g("attn/k_norm/scale")))
+        y = _rms(x, g("mlp_norm/scale"), eps)
+        gate = y @ g("mlp/gate/kernel")
+        x = x + (gate / (1 + np.exp(-gate)) * (y @ g("mlp/up/kernel"))) @ g("mlp/down/kernel")
+    return _rms(x, f["norm/scale"], eps) @ f["lm_head/kernel"]
+
+
+def gemma2_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta: float, query_scalar: float,
+                   attn_softcap: float, final_softcap: float, plus_one: bool = True) -> np.ndarray:
+    """Logits of the GEMMA2_NNX_NAMES layout: embeddings times sqrt(d), norms times (1 + scale)
+    (``plus_one=False``: times scale, the broken control), GeGLU (tanh GELU), scores scaled by
+    query_scalar**-0.5 and soft-capped, the tied head, final logits soft-capped."""
+    f = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    off = 1.0 if plus_one else 0.0
+    emb = f["embed/embedding"]
+    x = emb[ids] * np.float64(np.float32(math.sqrt(emb.shape[1])))  # HF rounds the normalizer to float32
+    for i in range(f["layers/attn/q/kernel"].shape[0]):
+        g = lambda n: f[f"layers/{n}"][i]  # noqa: E731
+        norm = lambda t, n: _rms(t, off + g(f"{n}/scale"), eps)  # noqa: E731
+        a = _attention(norm(x, "pre_attn_norm"), g("attn/q/kernel"), g("attn/k/kernel"), g("attn/v/kernel"),
+                       g("attn/o/kernel"), theta=theta, rope="halves", scale=query_scalar ** -0.5,
+                       softcap=attn_softcap)
+        x = x + norm(a, "post_attn_norm")
+        y = norm(x, "pre_mlp_norm")
+        m = (_gelu_tanh(y @ g("mlp/gate/kernel")) * (y @ g("mlp/up/kernel"))) @ g("mlp/down/kernel")
+        x = x + norm(m, "post_mlp_norm")
+    out = _rms(x, off + f["norm/scale"], eps) @ emb.T
+    return np.tanh(out / final_softcap) * final_softcap
+
+
+def _silu_mlp(y: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    g = y @ gate
+    return (g / (1 + np.exp(-g)) * (y @ up)) @ down
+
+
+def moe_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta: float, top_k: int,
+                renormalize: bool, shared: bool = False) -> np.ndarray:
+    """Logits of the MIXTRAL_NNX_NAMES layout (``shared``: QWEN2_MOE_NNX_NAMES, with q/k/v biases
+    and a sigmoid-gated shared expert). Each token takes the softmax of its router logits, keeps
+    the ``top_k`` largest (renormalized to sum 1 for Mixtral) and sums those experts' SiLU-GLU
+    outputs so weighted; experts are stacked (L, E, ...)."""
+    f = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    x = f["embed/embedding"][ids]
+    hd = f["layers/attn/q/kernel"].shape[-1]
+    for i in range(f["layers/attn/q/kernel"].shape[0]):
+        g = lambda n: f[f"layers/{n}"][i]  # noqa: E731
+        bias = tuple(g(f"attn/{n}/bias") for n in "qkv") if shared else None
+        y = _rms(x, g("attn_norm/scale"), eps)
+        x = x + _attention(y, g("attn/q/kernel"), g("attn/k/kernel"), g("attn/v/kernel"), g("attn/o/kernel"),
+                           theta=theta, rope="halves", scale=hd ** -0.5, bias=bias)
+        y = _rms(x, g("mlp_norm/scale"), eps)
+        logit = y @ g("moe/router/kernel")                                       # (b, s, E)
+        prob = np.exp(logit - logit.max(-1, keepdims=True))
+        prob = prob / prob.sum(-1, keepdims=True)
+        top = np.argsort(-prob, axis=-1)[..., :top_k]
+        w = np.take_along_axis(prob, top, -1)
+        if renormalize:
+            w = w / w.sum(-1, keepdims=True)
+        out = np.zeros_like(x)
+        for e in range(prob.shape[-1]):
+            weight = (w * (top == e)).sum(-1, keepdims=True)                     # 0 where e is not chosen
+            out += weight * _silu_mlp(y, g("moe/gate/kernel")[e], g("moe/up/kernel")[e], g("moe/down/kernel")[e])
+        if shared:
+            gate = 1 / (1 + np.exp(-(y @ g("moe/shared_gate/kernel"))))
+            out += gate * _silu_mlp(y, g("moe/shared/gate/kernel"), g("moe/shared/up/kernel"),
+                                    g("moe/shared/down/kernel"))
+        x = x + out
+    return _rms(x, f["norm/scale"], eps) @ f["lm_head/kernel"]

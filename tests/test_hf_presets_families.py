@@ -1,0 +1,230 @@
+"""bridges.presets for Qwen3, Gemma 2, Mixtral and Qwen2-MoE against Hugging Face transformers (no JAX).
+
+Each family: random parameters in the preset's NNX layout are saved with ``bridges.torch.save``,
+loaded into transformers' own class (tiny config, random init, nothing downloaded) through the
+preset, and the logits compared with a numpy forward of the JAX-layout arrays written from the
+family's math (tests/_families_ref.py); then the model's ``save_pretrained`` directory is restored
+through ``preset_mapping(...).inverse()`` back to the JAX layout, bit for bit. Broken controls:
+a wrong layout gives logits off by far more than the tolerance. Mixtral also loads at 2 gloo
+ranks, expert- and tensor-parallel (tests/torchproc/hf_moe_side.py).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _families_ref import gemma2_forward, moe_forward, qwen3_forward  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from bridges import torch as bt  # noqa: E402
+from bridges.interop import preset_mapping  # noqa: E402
+from bridges.mapping import Mapping, Reorder  # noqa: E402
+from bridges.presets import hf_gemma2_from_nnx, hf_mixtral_from_nnx, hf_qwen2_moe_from_nnx, hf_qwen3_from_nnx  # noqa: E402
+from torchproc.hf_configs import EVAL_IDS  # noqa: E402
+from torchproc.hf_side import logits  # noqa: E402
+from torchproc.launch import run_world  # noqa: E402
+from torchproc.scenarios import full_np  # noqa: E402
+
+LOGIT_ATOL = 1e-4
+BROKEN = 1e-2  # a broken control must be off by at least this much
+ROPE = {"rope_theta": 10000.0, "rope_type": "default"}
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64, rope_parameters=ROPE)
+IDS = EVAL_IDS % SIZES["vocab_size"]
+
+
+def _nest(flat: dict[str, np.ndarray]) -> dict:
+    root: dict = {}
+    for key, v in flat.items():
+        node = root
+        *parts, last = key.split("/")
+        for p in parts:
+            node = node.setdefault(p, {})
+        node[last] = torch.from_numpy(np.ascontiguousarray(v))
+    return root
+
+
+def _params(rng: np.random.Generator, extra: dict[str, tuple[int, ...]], norms: tuple[str, ...],
+            head: bool) -> dict[str, np.ndarray]:
+    d, h, kv, hd = (SIZES[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    L, f, v = SIZES["num_hidden_layers"], SIZES["intermediate_size"], SIZES["vocab_size"]
+    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    p = {"embed/embedding": r(v, d), "layers/attn/q/kernel": r(L, d, h, hd), "layers/attn/k/kernel": r(L, d, kv, hd),
+         "layers/attn/v/kernel": r(L, d, kv, hd), "layers/attn/o/kernel": r(L, h, hd, d),
+         "layers/mlp/gate/kernel": r(L, d, f), "layers/mlp/up/kernel": r(L, d, f), "layers/mlp/down/kernel": r(L, f, d),
+         "norm/scale": 1 + r(d)}
+    p.update({f"layers/{n}/scale": 1 + r(L, d) for n in norms})
+    p.update({k: 1 + r(*s) for k, s in extra.items()})
+    if head:
+        p["lm_head/kernel"] = r(d, v)
+    return p
+
+
+def _load(model, url: str, mapping) -> np.ndarray:
+    out = bt.load(url, {"model": model.state_dict()}, mapping=mapping)
+    assert out.report.missing == () and out.report.unexpected == ()
+    model.load_state_dict(out["model"])
+    return logits(model, IDS)
+
+
+def _back(model, tmp_path: Path, params: dict[str, np.ndarray], name: str, config, **kw) -> list[str]:
+    """save_pretrained -> the preset's inverse -> the JAX layout: the keys that differ in any bit."""
+    if not (tmp_path / "hf").exists():
+        model.save_pretrained(tmp_path / "hf")
+    zeros = {k: np.zeros_like(v) for k, v in params.items()}
+    got = full_np(bt.load(str(tmp_path / "hf"), {"model": _nest(zeros)},
+                          mapping=preset_mapping(name, config, **kw).inverse()))
+    assert sorted(got) == sorted(f"model/{k}" for k in params)
+    return [k for k in params if got[f"model/{k}"].tobytes() != params[k].tobytes()]
+
+
+def test_qwen3_preset_matches_transformers(tmp_path):
+    """Qwen3 (per-head q/k RMSNorms) with interleaved rotary pairs in the JAX model: the preset
+    reorders q/k rows and the q/k norm weights alike. Broken controls: the halves layout, and the
+    q and k norms swapped (names=)."""
+    config = tf.Qwen3Config(**SIZES, tie_word_embeddings=False)
+    L, hd = SIZES["num_hidden_layers"], SIZES["head_dim"]
+    params = _params(np.random.default_rng(3), {"layers/attn/q_norm/scale": (L, hd), "layers/attn/k_norm/scale": (L, hd)},
+                     ("attn_norm", "mlp_norm"), head=True)
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": _nest(params)}, step=1)
+    want = qwen3_forward(IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], rope="interleaved")
+    model = tf.Qwen3ForCausalLM(config).eval()
+    err = float(np.abs(_load(model, url, hf_qwen3_from_nnx(config, optimizer=None, rope="interleaved")) - want).max())
+    wrong_rope = float(np.abs(_load(tf.Qwen3ForCausalLM(config).eval(), url,
+                                    hf_qwen3_from_nnx(config, optimizer=None)) - want).max())
+    swapped = {"q_norm": "layers/attn/k_norm/scale", "k_norm": "layers/attn/q_norm/scale"}
+    wrong_norm = float(np.abs(_load(tf.Qwen3ForCausalLM(config).eval(), url, hf_qwen3_from_nnx(
+        config, optimizer=None, rope="interleaved", names=swapped)) - want).max())
+    print(f"qwen3: max |transformers - numpy NNX forward| = {err:.2e}; halves instead of interleaved: "
+          f"{wrong_rope:.2e}; q/k norms swapped: {wrong_norm:.2e}")
+    assert err < LOGIT_ATOL and wrong_rope > BROKEN and wrong_norm > BROKEN
+    assert _back(model, tmp_path, params, "hf_qwen3_from_nnx", config, rope="interleaved") == []
+    # control: restored with the halves layout, the q/k kernels and norms come back reordered
+    assert _back(model, tmp_path, params, "hf_qwen3_from_nnx", config) == [
+        "layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/q_norm/scale", "layers/attn/k_norm/scale"]
+
+
+GEMMA2 = dict(SIZES, query_pre_attn_scalar=24, sliding_window=32, attn_logit_softcapping=5.0,
+              final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+
+def test_gemma2_preset_matches_transformers(tmp_path):
+    """Gemma 2: tied head, (1 + scale) norms before and after attention and MLP, GeGLU, head_dim
+    16 with hidden 32 / 4 heads, query_pre_attn_scalar 24, attention and final soft-capping.
+    Broken control: the reference with the norm convention of Llama (times scale, not 1 + scale)."""
+    config = tf.Gemma2Config(**GEMMA2, attn_implementation="eager")
+    params = _params(np.random.default_rng(4), {}, ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm",
+                                                    "post_mlp_norm"), head=False)
+    params = {k: (v - 1 if k.endswith("scale") else v) for k, v in params.items()}  # Gemma stores scale - 1
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": _nest(params)}, step=1)
+    kw = dict(eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], query_scalar=24.0, attn_softcap=5.0,
+              final_softcap=3.0)
+    model = tf.Gemma2ForCausalLM(config).eval()
+    got = _load(model, url, hf_gemma2_from_nnx(config, optimizer=None))
+    err = float(np.abs(got - gemma2_forward(IDS, params, **kw)).max())
+    wrong_norm = float(np.abs(got - gemma2_forward(IDS, params, plus_one=False, **kw)).max())
+    print(f"gemma2: max |transformers - numpy NNX forward| = {err:.2e}; norms as scale, not 1 + scale: {wrong_norm:.2e}")
+    assert err < LOGIT_ATOL and wrong_norm > BROKEN
+    assert _back(model, tmp_path, params, "hf_gemma2_from_nnx", config) == []
+
+
+E = 4
+MOE = {"mixtral": (lambda: tf.MixtralConfig(**SIZES, num_local_experts=E, num_experts_per_tok=2, tie_word_embeddings=False),
+                   tf.MixtralForCausalLM, hf_mixtral_from_nnx, SIZES["intermediate_size"], "block_sparse_moe.experts.0.w1"),
+       "qwen2_moe": (lambda: tf.Qwen2MoeConfig(**SIZES, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=16,
+                                               shared_expert_intermediate_size=48, tie_word_embeddings=False),
+                     tf.Qwen2MoeForCausalLM, hf_qwen2_moe_from_nnx, 16, "mlp.experts.0.gate_proj")}
+
+
+def _moe_params(rng: np.random.Generator, ff: int, shared: bool) -> dict[str, np.ndarray]:
+    d, L = SIZES["hidden_size"], SIZES["num_hidden_layers"]
+    h, kv, hd = SIZES["num_attention_heads"], SIZES["num_key_value_heads"], SIZES["head_dim"]
+    p = {k: v for k, v in _params(rng, {}, ("attn_norm", "mlp_norm"), head=True).items() if "/mlp/" not in k}
+    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    p.update({"layers/moe/router/kernel": r(L, d, E), "layers/moe/gate/kernel": r(L, E, d, ff),
+              "layers/moe/up/kernel": r(L, E, d, ff), "layers/moe/down/kernel": r(L, E, ff, d)})
+    if shared:
+        p.update({"layers/moe/shared/gate/kernel": r(L, d, 48), "layers/moe/shared/up/kernel": r(L, d, 48),
+                  "layers/moe/shared/down/kernel": r(L, 48, d), "layers/moe/shared_gate/kernel": r(L, d, 1),
+                  "layers/attn/q/bias": r(L, h, hd), "layers/attn/k/bias": r(L, kv, hd), "layers/attn/v/bias": r(L, kv, hd)})
+    return p
+
+
+def _experts_reversed(mapping):
+    """The broken control: every expert tensor read in the reverse expert order."""
+    rev = (Reorder(1, tuple(reversed(range(E)))),)
+    return Mapping(tuple(replace(r, transforms=rev + r.transforms) if "experts" in r.target else r for r in mapping.rules),
+                   mapping.ignore, mapping.keep, mapping.source_sep, mapping.target_sep, mapping.tiers)
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_preset_matches_transformers(tmp_path, family):
+    """Experts stacked (L, E, ...) -> the model's fused expert tensors (Qwen2-MoE: plus the shared
+    expert and its gate, q/k/v biases): logits equal the numpy MoE forward; broken control: the
+    experts in the reverse order. Back to the JAX layout bit for bit from save_pretrained's
+    one-tensor-per-expert files (experts="per_expert") and from a file of the fused tensors."""
+    make_config, cls, preset, ff, per_expert_key = MOE[family]
+    config = make_config()
+    params = _moe_params(np.random.default_rng(5), ff, shared=family == "qwen2_moe")
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": _nest(params)}, step=1)
+    want = moe_forward(IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], top_k=2,
+                       renormalize=family == "mixtral", shared=family == "qwen2_moe")
+    model = cls(config).eval()
+    err = float(np.abs(_load(model, url, preset(config, optimizer=None)) - want).max())
+    wrong = float(np.abs(_load(cls(config).eval(), url, _experts_reversed(preset(config, optimizer=None))) - want).max())
+    print(f"{family}: max |transformers - numpy NNX forward| = {err:.2e}; experts in the reverse order: {wrong:.2e}")
+    assert err < LOGIT_ATOL and wrong > BROKEN
+    model.save_pretrained(tmp_path / "hf")
+    assert any(per_expert_key in k for k in safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt").keys())
+    assert _back(model, tmp_path, params, f"hf_{family}_from_nnx", config, experts="per_expert") == []
+    fused = tmp_path / "fused"
+    (fused / "hf").mkdir(parents=True)  # the model's own (fused) tensors in one file
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "hf" / "model.safetensors"))
+    assert _back(model, fused, params, f"hf_{family}_from_nnx", config) == []
+
+
+@pytest.mark.multiprocess
+def test_mixtral_expert_parallel_load_2_ranks(tmp_path):
+    """2 gloo ranks save the NNX-layout arrays split over experts and heads, then load them into a
+    Mixtral with experts Shard(0) (2 of 4 each), q/k/v Shard(0), o Shard(1): the gathered
+    weights equal the one-process load's bit for bit and their logits the numpy forward; each
+    rank reads within 5% of its share (its local blocks, replicated tensors whole), as issue 27
+    asks."""
+    make_config, cls, preset, ff, _ = MOE["mixtral"]
+    config = make_config()
+    params = _moe_params(np.random.default_rng(6), ff, shared=False)
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": _nest(params)}, step=1)
+    one = cls(config).eval()
+    _load(one, url, preset(config, optimizer=None))
+    cfg = {k: v for k, v in config.to_dict().items() if k in SIZES or k in ("num_local_experts", "num_experts_per_tok",
+                                                                                "tie_word_embeddings")}
+    np.savez(tmp_path / "params.npz", **params)
+    res = run_world("hf_moe_side:moe_ep", 2, tmp_path, {"params": str(tmp_path / "params.npz"), "config": cfg,
+                                                       "ids": IDS.tolist()})
+    got = dict(np.load(tmp_path / "ep_state.npz"))
+    want = {k: v.numpy() for k, v in one.state_dict().items()}
+    assert sorted(got) == sorted(want) and [k for k in want if got[k].tobytes() != want[k].tobytes()] == []
+    err = float(np.abs(np.load(tmp_path / "ep_logits.npy") - moe_forward(
+        IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], top_k=2, renormalize=True)).max())
+    print(f"mixtral, 2 expert-parallel ranks: weights bit for bit; max |logits - numpy NNX forward| = {err:.2e}")
+    assert err < LOGIT_ATOL
+    for rank, r in enumerate(res):
+        over = r["bytes_read"] - r["local_bytes"]
+        print(f"mixtral rank {rank}: read {r['bytes_read']:,} B = share {r['local_bytes']:,} B (sharded "
+              f"{r['sharded_bytes']:,} B) + {over:,} B more, from {r['objects_read']} shard objects "
+              f"({r['bytes_read'] / r['local_bytes']:.4f} x its share)")
+        assert r["bytes_read"] >= r["sharded_bytes"] and r["bytes_read"] <= 1.05 * r["local_bytes"], r  # issue 27: 5%
+    assert res[0]["placements"] == ["(Replicate(),)", "(Shard(dim=0),)", "(Shard(dim=1),)"]
