@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ._chain import InvalidRuleError
 from .mapping import Mapping, Merge, Reorder, Rule, Select, Transform, Transpose, interleaved_to_halves, optimizer_step_rules
 
 
@@ -35,13 +36,16 @@ def llama_dims(config: Any) -> dict[str, Any]:
 
 
 def _names(defaults: dict[str, str], names: dict[str, str] | None, preset: str) -> dict[str, str]:
-    """The preset's name table with the user's ``names`` (ValueError for a name key it lacks)."""
+    """The preset's name table with the user's ``names``; InvalidRuleError (a CheckpointError and a
+    ValueError) for a name key it lacks or a name that is not a path string."""
     unknown = sorted(set(names or {}) - set(defaults))
     if unknown:
-        raise ValueError(f"{preset}: unknown name key(s) {unknown}; its name keys: {sorted(defaults)}")
+        raise InvalidRuleError(f"{preset}: unknown name key(s) {unknown}", key=unknown[0], object=preset,
+                               expected=sorted(defaults), found=unknown)
     bad = [k for k, v in (names or {}).items() if not isinstance(v, str) or not v]
     if bad:
-        raise ValueError(f"{preset}: names[{bad[0]!r}] must be a non-empty path string")
+        raise InvalidRuleError(f"{preset}: a name must be a non-empty path string", key=bad[0], object=preset,
+                               expected="a non-empty path string", found=repr((names or {})[bad[0]])[:80])
     return dict(defaults, **(names or {}))
 
 

@@ -299,7 +299,7 @@ def test_fitting_your_own_names(tmp_path):
     """MAPPING.md 4.1: a Llama with other parameter names loads through names= (logits equal the
     numpy forward) and exports through ckptfmt export --names (from_pretrained gives the same
     logits); broken controls: without names the load and the export are refused, naming the key;
-    an unknown name key is a ValueError."""
+    an unknown name key is an InvalidRuleError (a CheckpointError and a ValueError)."""
     from typer.testing import CliRunner
     from ckptfmt_tools.cli import app
 

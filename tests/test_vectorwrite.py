@@ -213,3 +213,17 @@ def test_small_objects_written_in_groups_fail_closed(tmp_path, blocked):
         assert all((tmp_path / "r" / k).is_file() for k in keys)
         assert np.array_equal(repo.open(2).read("x"), np.full((rows, 64), 2.0, np.float32))
     assert np.array_equal(repo.open(1).read("x"), np.full((rows, 64), 1.0, np.float32))
+
+
+def test_the_gone_vectored_writes_option_warns(tmp_path):
+    """Revision 1.2.2 removed the option ``vectored_writes`` (one write path on every store): passing
+    it warns that it is ignored rather than being silently dropped. Control: no option, no warning."""
+    import warnings
+
+    from ckptfmt.storage import open_storage
+
+    with pytest.warns(DeprecationWarning, match="vectored_writes"):
+        open_storage(str(tmp_path / "a"), options={"vectored_writes": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        open_storage(str(tmp_path / "b"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 from ckptfmt.storage import _durable, _localfs
@@ -35,6 +36,10 @@ class LocalFileStorage(KvStoreStorage):
 
     def __init__(self, url: str, options: Mapping[str, Any], spec: dict[str, Any]) -> None:
         super().__init__(url, options, spec)
+        if "vectored_writes" in options:  # gone in revision 1.2.2: one write path on every store
+            warnings.warn("the storage option 'vectored_writes' is gone (spec/FORMAT.md 1.2.2): every store writes "
+                          "shard objects through one path, with the same bytes; the option is ignored",
+                          DeprecationWarning, stacklevel=3)
         self._dirs: set[str] = set()  # renamed into by write_object since the last sync of their prefix
         self._dirs_lock = threading.Lock()
 
