@@ -340,7 +340,11 @@ _RSS = r"""
 import json, resource, sys
 from ckptfmt import Repository
 rep = Repository(sys.argv[1]).gc(grace_s=0)
-print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "report": rep.to_json()}))
+# VmHWM, this process's own peak: ru_maxrss starts from the parent's RSS at fork on Linux, so a child
+# of a large process (a pytest -n worker after heavy tests) would report the parent's peak.
+hwm = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")]
+kib = hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"rss_mib": kib / 1024, "report": rep.to_json()}))
 """
 
 
