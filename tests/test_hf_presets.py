@@ -37,6 +37,7 @@ from torchproc.hf_configs import EVAL_IDS, GPT2, LLAMA, TRAIN_STEPS  # noqa: E40
 from torchproc.hf_side import hf_model, logits, preset  # noqa: E402
 from torchproc.launch import REPO, child_env, run_world  # noqa: E402
 from torchproc.scenarios import full_np  # noqa: E402
+from _torchtree import nest_tensors  # noqa: E402
 
 LOGIT_ATOL = 1e-4  # float32 forward, JAX or numpy vs torch
 # 8 CPU devices; XLA's cheapest CPU compile (these models compile in seconds instead of tens of seconds).
@@ -44,15 +45,6 @@ JAX_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimizatio
              "--xla_llvm_disable_expensive_passes=true")
 
 
-def _nest(flat: dict[str, np.ndarray]) -> dict:
-    root: dict = {}
-    for key, v in flat.items():
-        node = root
-        *parts, last = key.split("/")
-        for p in parts:
-            node = node.setdefault(p, {})
-        node[last] = torch.from_numpy(np.ascontiguousarray(v))
-    return root
 
 
 def _load(name_or_model, url: str, mapping, *, strict: bool = True):
@@ -90,7 +82,7 @@ def test_llama_family_preset_matches_transformers(tmp_path, family):
     cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM}[family]
     params = _nnx_llama_params(cfg, np.random.default_rng(1), bias=family == "qwen2")
     url = str(tmp_path / "repo")
-    bt.save(url, {"model": _nest(params)}, step=1)
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
     model = cls(config).eval()
     _, out = _load(model, url, hf_llama_from_nnx(config, optimizer=None))
     assert out.report.missing == () and out.report.unexpected == ()
@@ -133,7 +125,7 @@ def test_maxtext_preset_matches_transformers(tmp_path):
     cfg = dict(LLAMA, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     params = _maxtext_params(cfg, np.random.default_rng(2))
     url = str(tmp_path / "maxtext")
-    bt.save(url, _nest(params), step=1)
+    bt.save(url, nest_tensors(params), step=1)
     names = {"q": "self_attention/query/kernel", "k": "self_attention/key/kernel", "v": "self_attention/value/kernel",
              "o": "self_attention/out/kernel", "gate": "mlp/wi_0/kernel", "up": "mlp/wi_1/kernel", "down": "mlp/wo/kernel",
              "attn_norm": "pre_self_attention_layer_norm/scale", "mlp_norm": "post_self_attention_layer_norm/scale"}
@@ -156,7 +148,7 @@ def test_maxtext_preset_matches_transformers(tmp_path):
     # torch -> MaxText: sqrt(16) = 4, so the query scale inverts exactly: bit for bit back.
     back = str(tmp_path / "back")
     bt.save(back, {"model": model.state_dict()}, step=2, mapping=mapping)
-    got = full_np(bt.load(back, _nest(params), step=2))
+    got = full_np(bt.load(back, nest_tensors(params), step=2))
     assert sorted(got) == sorted(params)
     assert all(got[k].tobytes() == params[k].tobytes() for k in params), [k for k in params if got[k].tobytes() != params[k].tobytes()]
 
@@ -307,7 +299,7 @@ def test_fitting_your_own_names(tmp_path):
     params = _nnx_llama_params(cfg, np.random.default_rng(5), bias=False)
     mine = {OWN_NAMES[k]: v for k, v in _by_name_key(params).items()}
     url = str(tmp_path / "own")
-    bt.save(url, {"model": _nest(mine)}, step=1)
+    bt.save(url, {"model": nest_tensors(mine)}, step=1)
     want = llama_forward(EVAL_IDS, layers=cfg["num_hidden_layers"],
                          layer=lambda n, i: None if n.endswith("_bias") else params[_REF[n]][i],
                          embed=params["embed/embedding"], norm=params["norm/scale"], head=params["lm_head/kernel"],

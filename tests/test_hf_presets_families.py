@@ -33,6 +33,7 @@ from torchproc.hf_configs import EVAL_IDS  # noqa: E402
 from torchproc.hf_side import logits  # noqa: E402
 from torchproc.launch import run_world  # noqa: E402
 from torchproc.scenarios import full_np  # noqa: E402
+from _torchtree import nest_tensors  # noqa: E402
 
 LOGIT_ATOL = 1e-4
 BROKEN = 1e-2  # a broken control must be off by at least this much
@@ -42,15 +43,6 @@ SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 IDS = EVAL_IDS % SIZES["vocab_size"]
 
 
-def _nest(flat: dict[str, np.ndarray]) -> dict:
-    root: dict = {}
-    for key, v in flat.items():
-        node = root
-        *parts, last = key.split("/")
-        for p in parts:
-            node = node.setdefault(p, {})
-        node[last] = torch.from_numpy(np.ascontiguousarray(v))
-    return root
 
 
 def _params(rng: np.random.Generator, extra: dict[str, tuple[int, ...]], norms: tuple[str, ...],
@@ -81,7 +73,7 @@ def _back(model, tmp_path: Path, params: dict[str, np.ndarray], name: str, confi
     if not (tmp_path / "hf").exists():
         model.save_pretrained(tmp_path / "hf")
     zeros = {k: np.zeros_like(v) for k, v in params.items()}
-    got = full_np(bt.load(str(tmp_path / "hf"), {"model": _nest(zeros)},
+    got = full_np(bt.load(str(tmp_path / "hf"), {"model": nest_tensors(zeros)},
                           mapping=preset_mapping(name, config, **kw).inverse()))
     assert sorted(got) == sorted(f"model/{k}" for k in params)
     return [k for k in params if got[f"model/{k}"].tobytes() != params[k].tobytes()]
@@ -96,7 +88,7 @@ def test_qwen3_preset_matches_transformers(tmp_path):
     params = _params(np.random.default_rng(3), {"layers/attn/q_norm/scale": (L, hd), "layers/attn/k_norm/scale": (L, hd)},
                      ("attn_norm", "mlp_norm"), head=True)
     url = str(tmp_path / "repo")
-    bt.save(url, {"model": _nest(params)}, step=1)
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
     want = qwen3_forward(IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], rope="interleaved")
     model = tf.Qwen3ForCausalLM(config).eval()
     err = float(np.abs(_load(model, url, hf_qwen3_from_nnx(config, optimizer=None, rope="interleaved")) - want).max())
@@ -127,7 +119,7 @@ def test_gemma2_preset_matches_transformers(tmp_path):
                                                     "post_mlp_norm"), head=False)
     params = {k: (v - 1 if k.endswith("scale") else v) for k, v in params.items()}  # Gemma stores scale - 1
     url = str(tmp_path / "repo")
-    bt.save(url, {"model": _nest(params)}, step=1)
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
     kw = dict(eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], query_scalar=24.0, attn_softcap=5.0,
               final_softcap=3.0)
     model = tf.Gemma2ForCausalLM(config).eval()
@@ -178,7 +170,7 @@ def test_moe_preset_matches_transformers(tmp_path, family):
     config = make_config()
     params = _moe_params(np.random.default_rng(5), ff, shared=family == "qwen2_moe")
     url = str(tmp_path / "repo")
-    bt.save(url, {"model": _nest(params)}, step=1)
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
     want = moe_forward(IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], top_k=2,
                        renormalize=family == "mixtral", shared=family == "qwen2_moe")
     model = cls(config).eval()
@@ -206,7 +198,7 @@ def test_mixtral_expert_parallel_load_2_ranks(tmp_path):
     config = make_config()
     params = _moe_params(np.random.default_rng(6), ff, shared=False)
     url = str(tmp_path / "repo")
-    bt.save(url, {"model": _nest(params)}, step=1)
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
     one = cls(config).eval()
     _load(one, url, preset(config, optimizer=None))
     cfg = {k: v for k, v in config.to_dict().items() if k in SIZES or k in ("num_local_experts", "num_experts_per_tok",

@@ -26,6 +26,7 @@ from bridges.interop import export_peft, preset_mapping  # noqa: E402
 from bridges.presets import hf_llama_from_nnx  # noqa: E402
 from ckptfmt.errors import KeyMismatchError, OutputExistsError, ShapeMismatchError  # noqa: E402
 from torchproc.hf_configs import EVAL_IDS, LLAMA  # noqa: E402
+from _torchtree import nest_tensors  # noqa: E402
 
 LOGIT_ATOL = 1e-4
 R, ALPHA = 4, 8.0  # PEFT's scale alpha / r = 2: the JAX forward's s
@@ -54,15 +55,6 @@ def _params(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return p
 
 
-def _nest(flat: dict[str, np.ndarray]) -> dict:
-    root: dict = {}
-    for key, val in flat.items():
-        node = root
-        *parts, last = ("model/" + key).split("/")
-        for part in parts:
-            node = node.setdefault(part, {})
-        node[last] = torch.from_numpy(np.ascontiguousarray(val))
-    return root
 
 
 def _reference(p: dict[str, np.ndarray], scale: float) -> np.ndarray:
@@ -96,7 +88,7 @@ def _base(url: str):
 def lora_ckpt(tmp_path_factory):
     p = _params(np.random.default_rng(3))
     url = str(tmp_path_factory.mktemp("peft") / "repo")
-    bt.save(url, _nest(p), step=1)
+    bt.save(url, nest_tensors(p, prefix="model/"), step=1)
     return url, p
 
 
@@ -146,14 +138,14 @@ def test_missing_or_transposed_adapter_is_refused(lora_ckpt, tmp_path):
     name before anything is written (the full checkpoint above is the accepted control)."""
     _, p = lora_ckpt
     url = str(tmp_path / "repo")
-    bt.save(url, _nest({k: v for k, v in p.items() if k != "layers/attn/v/lora/lora_b"}), step=1)
+    bt.save(url, nest_tensors({k: v for k, v in p.items() if k != "layers/attn/v/lora/lora_b"}, prefix="model/"), step=1)
     with pytest.raises(KeyMismatchError, match="v_proj") as e:
         export_peft(url, str(tmp_path / "out"), config=LLAMA)
     assert e.value.key == "model/layers/attn/v/lora/lora_b"
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     bad = dict(p, **{"layers/attn/q/lora/lora_a": np.ascontiguousarray(p["layers/attn/q/lora/lora_a"].transpose(0, 2, 1))})
     url2 = str(tmp_path / "repo2")
-    bt.save(url2, _nest(bad), step=1)
+    bt.save(url2, nest_tensors(bad, prefix="model/"), step=1)
     with pytest.raises(ShapeMismatchError) as e:
         export_peft(url2, str(tmp_path / "out2"), config=LLAMA)
     assert e.value.key == "model/layers/attn/q/lora/lora_a"
