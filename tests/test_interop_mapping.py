@@ -29,7 +29,8 @@ from safetensors.numpy import load_file  # noqa: E402
 from bridges.presets import hf_gpt2_from_nnx, hf_llama_from_maxtext, hf_llama_from_nnx  # noqa: E402
 from ckptfmt import Repository  # noqa: E402
 from ckptfmt_tools.cli import app  # noqa: E402
-from test_hf_presets import _maxtext_params, _nest, _nnx_llama_params  # noqa: E402
+from test_hf_presets import _maxtext_params, _nnx_llama_params  # noqa: E402
+from _torchtree import nest_tensors as _nest  # noqa: E402
 from torchproc.hf_configs import GPT2, LLAMA  # noqa: E402
 from torchproc.hf_side import hf_model, logits  # noqa: E402
 
