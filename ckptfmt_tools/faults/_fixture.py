@@ -18,7 +18,6 @@ Terminal-outcome checks, for every fault:
 from __future__ import annotations
 
 import re
-import resource
 import shutil
 import tempfile
 import threading
@@ -29,6 +28,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from ckptfmt_tools.faults._peak import peak_meter
 from ckptfmt_tools.faults import _data
 from ckptfmt_tools.faults._catalogue import CATALOGUE, Fault, SaveAttempt, by_name
 from ckptfmt_tools.faults._checks import describe_leftovers, inventory, prior_intact, restore_into, same, snapshot
@@ -238,7 +238,7 @@ def _disk_fault(fault: Fault, scene: Scene, ctx: Context, out: Outcome) -> None:
     live = {k: v.copy() for k, v in _data.truth(seed, prior).items()}
     live_state: dict[str, Any] = _truth_state(seed, prior)
     before = snapshot(live, live_state)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_grown = peak_meter()
     out.typed = True
 
     def attempt() -> None:
@@ -255,7 +255,7 @@ def _disk_fault(fault: Fault, scene: Scene, ctx: Context, out: Outcome) -> None:
         out.hung = True
         return
     _classify(vexc, fault.expect, out, "verify")
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) // 1024
+    grown = peak_grown()
     if grown > 64:
         out.notes.append(f"peak RSS grew by {grown} MiB while rejecting the fault")
     changed = not (all(same(live[k], before[0][k]) for k in live) and same(live_state, before[1]))

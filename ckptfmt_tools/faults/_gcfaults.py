@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptfmt.repository._verified import RECORD_NAME
+from ckptfmt_tools.faults._peak import peak_meter
 from ckptfmt_tools.faults._scene import Scene
 
 __all__ = ["GcAttempt", "judge", "symlink_escape", "not_a_repository", "retention_newest_truncated",
@@ -221,10 +221,10 @@ def judge(fault: Any, scene: Scene, ctx: Any, out: Any, run_within: Any) -> None
     kw = {} if scene.max_manifest_bytes is None else {"max_manifest_bytes": scene.max_manifest_bytes}
     before = {p: _tree(p) for p in attempt.protected}
     inv_before = inventory(scene.root)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_grown = peak_meter()
     done, report, exc = run_within(ctx.check_timeout_s, attempt.operation or (lambda: Repository(url, **kw).gc(
         grace_s=attempt.grace_s, keep_last=attempt.keep_last)))
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) // 1024
+    grown = peak_grown()
     if not done:
         out.hung = True
         out.raised.append("HANG")
