@@ -264,3 +264,40 @@ def test_repository_takes_any_storage(tmp_path):
 ])
 def test_tensorstore_errors_are_classified_in_one_place(text, kind):
     assert classify(ValueError(text)) == kind
+
+
+_READ_PEAK = r"""
+import json, os, sys
+from ckptfmt.storage import open_storage
+from ckptfmt.storage._kvstore import KvStoreStorage
+root, via = sys.argv[1], sys.argv[2]
+store = open_storage(root)
+def status(field):
+    return next(int(l.split()[1]) << 10 for l in open("/proc/self/status") if l.startswith(field + ":"))
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+before = status("VmRSS")
+data = (KvStoreStorage.read if via == "kvstore" else type(store).read)(store, "big", max_bytes=64 << 20)
+print(json.dumps({"n": len(data), "rise": status("VmHWM") - before}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's VmHWM reset")
+def test_a_local_whole_read_holds_the_object_once(tmp_path):
+    """A manifest at its size cap costs the cap in memory once (a hostile input costs at most its
+    cap): the local store reads a whole object into the returned bytes. Control: the kvstore read
+    of the same 48 MiB peaks near 3x its size, which this measurement sees."""
+    import json
+    import subprocess
+    import sys
+
+    size = 48 << 20
+    (tmp_path / "big").write_bytes(os.urandom(size))
+    rise = {}
+    for via in ("local", "kvstore"):
+        out = subprocess.run([sys.executable, "-c", _READ_PEAK, str(tmp_path), via], capture_output=True, text=True,
+                             timeout=120, check=True)
+        got = json.loads(out.stdout)
+        assert got["n"] == size
+        rise[via] = got["rise"]
+    assert rise["local"] < 1.4 * size, rise
+    assert rise["kvstore"] > 2 * size, rise  # the broken control: the 3x buffer this read avoids
