@@ -22,6 +22,7 @@ tf = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _families import E, GEMMA2, MIXTRAL_KW, QWEN2_MOE_KW, ROPE, SIZES, moe_params, nnx_params  # noqa: E402
 from _families_ref import gemma2_forward, moe_forward, qwen3_forward  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -37,28 +38,8 @@ from _torchtree import nest_tensors  # noqa: E402
 
 LOGIT_ATOL = 1e-4
 BROKEN = 1e-2  # a broken control must be off by at least this much
-ROPE = {"rope_theta": 10000.0, "rope_type": "default"}
-SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64, rope_parameters=ROPE)
 IDS = EVAL_IDS % SIZES["vocab_size"]
-
-
-
-
-def _params(rng: np.random.Generator, extra: dict[str, tuple[int, ...]], norms: tuple[str, ...],
-            head: bool) -> dict[str, np.ndarray]:
-    d, h, kv, hd = (SIZES[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
-    L, f, v = SIZES["num_hidden_layers"], SIZES["intermediate_size"], SIZES["vocab_size"]
-    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
-    p = {"embed/embedding": r(v, d), "layers/attn/q/kernel": r(L, d, h, hd), "layers/attn/k/kernel": r(L, d, kv, hd),
-         "layers/attn/v/kernel": r(L, d, kv, hd), "layers/attn/o/kernel": r(L, h, hd, d),
-         "layers/mlp/gate/kernel": r(L, d, f), "layers/mlp/up/kernel": r(L, d, f), "layers/mlp/down/kernel": r(L, f, d),
-         "norm/scale": 1 + r(d)}
-    p.update({f"layers/{n}/scale": 1 + r(L, d) for n in norms})
-    p.update({k: 1 + r(*s) for k, s in extra.items()})
-    if head:
-        p["lm_head/kernel"] = r(d, v)
-    return p
+_params, _moe_params = nnx_params, moe_params
 
 
 def _load(model, url: str, mapping) -> np.ndarray:
@@ -106,10 +87,6 @@ def test_qwen3_preset_matches_transformers(tmp_path):
         "layers/attn/q/kernel", "layers/attn/k/kernel", "layers/attn/q_norm/scale", "layers/attn/k_norm/scale"]
 
 
-GEMMA2 = dict(SIZES, query_pre_attn_scalar=24, sliding_window=32, attn_logit_softcapping=5.0,
-              final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
-
-
 def test_gemma2_preset_matches_transformers(tmp_path):
     """Gemma 2: tied head, (1 + scale) norms before and after attention and MLP, GeGLU, head_dim
     16 with hidden 32 / 4 heads, query_pre_attn_scalar 24, attention and final soft-capping.
@@ -131,26 +108,10 @@ def test_gemma2_preset_matches_transformers(tmp_path):
     assert _back(model, tmp_path, params, "hf_gemma2_from_nnx", config) == []
 
 
-E = 4
-MOE = {"mixtral": (lambda: tf.MixtralConfig(**SIZES, num_local_experts=E, num_experts_per_tok=2, tie_word_embeddings=False),
+MOE = {"mixtral": (lambda: tf.MixtralConfig(**SIZES, **MIXTRAL_KW),
                    tf.MixtralForCausalLM, hf_mixtral_from_nnx, SIZES["intermediate_size"], "block_sparse_moe.experts.0.w1"),
-       "qwen2_moe": (lambda: tf.Qwen2MoeConfig(**SIZES, num_experts=E, num_experts_per_tok=2, moe_intermediate_size=16,
-                                               shared_expert_intermediate_size=48, tie_word_embeddings=False),
+       "qwen2_moe": (lambda: tf.Qwen2MoeConfig(**SIZES, **QWEN2_MOE_KW),
                      tf.Qwen2MoeForCausalLM, hf_qwen2_moe_from_nnx, 16, "mlp.experts.0.gate_proj")}
-
-
-def _moe_params(rng: np.random.Generator, ff: int, shared: bool) -> dict[str, np.ndarray]:
-    d, L = SIZES["hidden_size"], SIZES["num_hidden_layers"]
-    h, kv, hd = SIZES["num_attention_heads"], SIZES["num_key_value_heads"], SIZES["head_dim"]
-    p = {k: v for k, v in _params(rng, {}, ("attn_norm", "mlp_norm"), head=True).items() if "/mlp/" not in k}
-    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
-    p.update({"layers/moe/router/kernel": r(L, d, E), "layers/moe/gate/kernel": r(L, E, d, ff),
-              "layers/moe/up/kernel": r(L, E, d, ff), "layers/moe/down/kernel": r(L, E, ff, d)})
-    if shared:
-        p.update({"layers/moe/shared/gate/kernel": r(L, d, 48), "layers/moe/shared/up/kernel": r(L, d, 48),
-                  "layers/moe/shared/down/kernel": r(L, 48, d), "layers/moe/shared_gate/kernel": r(L, d, 1),
-                  "layers/attn/q/bias": r(L, h, hd), "layers/attn/k/bias": r(L, kv, hd), "layers/attn/v/bias": r(L, kv, hd)})
-    return p
 
 
 def _experts_reversed(mapping):
