@@ -23,11 +23,12 @@ tf = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _families import (WIDE, E, GEMMA2, MIXTRAL_KW, QWEN2_MOE_KW, ROPE, SIZES, configs, family_params,  # noqa: E402
+from _families import (CONFIGS, WIDE, E, GEMMA2, MIXTRAL_KW, QWEN2_MOE_KW, ROPE, SIZES, configs, family_params,  # noqa: E402
                        moe_params, nnx_params)
 from _families_ref import gemma2_forward, moe_forward, qwen3_forward  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from bridges import presets  # noqa: E402
 from bridges import torch as bt  # noqa: E402
 from bridges.interop import preset_mapping  # noqa: E402
 from bridges.mapping import Mapping, Reorder  # noqa: E402
@@ -230,3 +231,91 @@ def test_families_tensor_parallel_load_2_ranks(tmp_path):
                   f"its share {r['local_bytes']:,} B (sharded {r['sharded_bytes']:,} B), {r['objects_read']} objects")
             assert r["unmatched"] == [] and r["sharded_bytes"] > 0
             assert r["sharded_bytes"] <= r["bytes_read"] <= 1.05 * r["local_bytes"], r  # issue 27: 5%
+
+
+#: NNX name -> MaxText's (AI-Hypercomputer/maxtext ckpt_conversion strategies: QwenMapper,
+#: Gemma2Mapper, MixtralMapper), under params/params/decoder/layers; "{}": Gemma 2's local/global.
+_MT_LAYER = {"attn/q/kernel": "self_attention{}/query/kernel", "attn/k/kernel": "self_attention{}/key/kernel",
+             "attn/v/kernel": "self_attention{}/value/kernel", "attn/o/kernel": "self_attention{}/out/kernel",
+             "mlp/gate/kernel": "mlp{}/wi_0/kernel", "mlp/up/kernel": "mlp{}/wi_1/kernel", "mlp/down/kernel": "mlp{}/wo/kernel",
+             "attn_norm/scale": "pre_self_attention_layer_norm/scale",
+             "mlp_norm/scale": "post_self_attention_layer_norm/scale",
+             "attn/q_norm/scale": "self_attention/query_norm/scale", "attn/k_norm/scale": "self_attention/key_norm/scale",
+             "moe/router/kernel": "MoeBlock_0/gate/kernel", "moe/gate/kernel": "MoeBlock_0/wi_0",
+             "moe/up/kernel": "MoeBlock_0/wi_1", "moe/down/kernel": "MoeBlock_0/wo",
+             "pre_attn_norm/scale": "pre_self_attention_norm{}/scale", "post_attn_norm/scale": "post_self_attention_norm{}/scale",
+             "pre_mlp_norm/scale": "pre_ffw_norm{}/scale", "post_mlp_norm/scale": "post_ffw_norm{}/scale"}
+_MT_TOP = {"embed/embedding": "token_embedder/embedding", "norm/scale": "decoder/decoder_norm/scale",
+           "lm_head/kernel": "decoder/logits_dense/kernel"}
+
+
+def _maxtext_tree(family: str, p: dict[str, np.ndarray], plus_one: bool = True,
+                  reverse_experts: bool = False) -> dict[str, np.ndarray]:
+    """The NNX-layout arrays as MaxText's scanned tree holds them (written from its converter's
+    hooks, not from the presets): the layer axis moved to param_scan_axis 1 (experts first), the
+    query kernel divided by sqrt(head_dim) (Gemma 2, Mixtral; not Qwen3, whose q norm follows),
+    Gemma 2's even layers as ``*_local`` and odd ones as ``*_global``, its norm scales plus one
+    (``plus_one=False``: left as HF stores them, the broken control) and its embedding times
+    float32(sqrt(d)). ``reverse_experts``: the experts in the reverse order (broken control)."""
+    root, out = "params/params/decoder/layers", {}
+    qscale = np.float32(1.0 if family == "qwen3" else 1 / np.sqrt(SIZES["head_dim"]))
+    for key, a in p.items():
+        if not key.startswith("layers/"):
+            if family == "gemma2":
+                a = a * np.float32(np.sqrt(SIZES["hidden_size"])) if key.startswith("embed") else a + np.float32(plus_one)
+            out[f"params/params/{_MT_TOP[key]}"] = a
+            continue
+        name = key[len("layers/"):]
+        a = a * qscale if name == "attn/q/kernel" else a
+        a = a[:, ::-1] if reverse_experts and name in ("moe/gate/kernel", "moe/up/kernel", "moe/down/kernel") else a
+        if family != "gemma2":
+            out[f"{root}/{_MT_LAYER[name].format('')}"] = np.ascontiguousarray(np.moveaxis(a, 0, 1))
+            continue
+        a = a + np.float32(plus_one) if name.endswith("norm/scale") else a
+        for kind, part in (("_local", a[0::2]), ("_global", a[1::2])):
+            out[f"{root}/{_MT_LAYER[name].format(kind)}"] = np.ascontiguousarray(np.moveaxis(part, 0, 1))
+    return out
+
+
+MAXTEXT = {"qwen3": (lambda: tf.Qwen3Config(**CONFIGS["qwen3"]), tf.Qwen3ForCausalLM, {}),
+           "gemma2": (lambda: tf.Gemma2Config(**CONFIGS["gemma2"], attn_implementation="eager"), tf.Gemma2ForCausalLM, {}),
+           "mixtral": (lambda: tf.MixtralConfig(**CONFIGS["mixtral"]), tf.MixtralForCausalLM, {"experts": "per_expert"})}
+
+
+@pytest.mark.parametrize("family", sorted(MAXTEXT))
+def test_maxtext_preset_matches_transformers(tmp_path, family):
+    """hf_{family}_from_maxtext: MaxText's scanned tree (its names, layer axis 1, experts first,
+    Gemma 2's local/global pairs, pre-scaled query, Gemma's plus-one norms and scaled embedding)
+    loads into transformers' class with logits within 1e-4 of the numpy forward. Broken controls:
+    Qwen3 read with the interleaved rotary layout; Gemma 2's norms stored without the plus one;
+    Mixtral's experts in the reverse order. Back: save_pretrained (Mixtral: per-expert files)
+    through ``preset_mapping(...).inverse()`` gives the tree bit for bit (Gemma 2: within float32
+    rounding, its sqrt(d) and plus one being inexact)."""
+    make_config, cls, kw = MAXTEXT[family]
+    config, params = make_config(), family_params(family, seed=13)
+    preset = getattr(presets, f"hf_{family}_from_maxtext")
+    tree = _maxtext_tree(family, params)
+    bt.save(str(tmp_path / "mt"), nest_tensors(tree), step=1)
+    want = _reference(family, params) if family != "mixtral" else moe_forward(
+        IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], top_k=2, renormalize=True)
+    model = cls(config).eval()
+    err = float(np.abs(_load(model, str(tmp_path / "mt"), preset(config, optimizer=None)) - want).max())
+    if family == "qwen3":
+        wrong = _load(cls(config).eval(), str(tmp_path / "mt"), preset(config, optimizer=None, rope="interleaved"))
+    else:
+        bt.save(str(tmp_path / "bad"), nest_tensors(_maxtext_tree(family, params, plus_one=False, reverse_experts=True)),
+                step=1)
+        wrong = _load(cls(config).eval(), str(tmp_path / "bad"), preset(config, optimizer=None))
+    wrong_err = float(np.abs(wrong - want).max())
+    print(f"{family} from MaxText: max |transformers - numpy forward| = {err:.2e}; broken control "
+          f"(rotary layout / norm convention / expert order): {wrong_err:.2e}")
+    assert err < LOGIT_ATOL and wrong_err > BROKEN
+    model.save_pretrained(tmp_path / "hf")
+    zeros = {k: np.zeros_like(v) for k, v in tree.items()}
+    got = full_np(bt.load(str(tmp_path / "hf"), nest_tensors(zeros),
+                          mapping=preset_mapping(f"hf_{family}_from_maxtext", config, **kw).inverse()))
+    assert sorted(got) == sorted(tree)
+    if family == "gemma2":
+        assert all(np.allclose(got[k], tree[k], rtol=1e-6, atol=1e-6) for k in tree)
+    else:
+        assert [k for k in tree if got[k].tobytes() != tree[k].tobytes()] == []
