@@ -17,7 +17,8 @@ model definitions: the presets name the layout a JAX model must have (tables bel
   likewise for MaxText's Qwen3, Gemma 2 (local/global layer pairs) and Mixtral (the facts they
   rely on: ``bridges/_presets_maxtext.py``). MaxText has no Qwen2-MoE.
 * :func:`hf_qwen3_from_nnx`: ``Qwen3ForCausalLM`` (the Llama layout plus per-head q/k RMSNorms).
-* :func:`hf_gemma2_from_nnx`: ``Gemma2ForCausalLM`` (tied head, four norms per layer).
+* :func:`hf_gemma2_from_nnx`: ``Gemma2ForCausalLM`` (tied head, four norms per layer);
+  :func:`hf_gemma3_from_nnx`: ``Gemma3ForCausalLM`` (the same plus per-head q/k norms).
 * :func:`hf_mixtral_from_nnx`, :func:`hf_qwen2_moe_from_nnx`: ``MixtralForCausalLM`` and
   ``Qwen2MoeForCausalLM`` (shared expert) from experts stacked ``(L, E, ...)``, into the models'
   fused expert tensors or the one-tensor-per-expert files of the hub and ``save_pretrained``.
@@ -60,10 +61,10 @@ from typing import Any, Sequence
 from .mapping import Concat, Mapping, Select, Transform
 
 __all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx",
-           "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_qwen3_from_maxtext", "hf_gemma2_from_maxtext",
+           "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext", "hf_gemma2_from_maxtext",
            "hf_mixtral_from_maxtext", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES",
            "MAXTEXT_LLAMA_NAMES", "MAXTEXT_QWEN3_NAMES", "MAXTEXT_GEMMA2_NAMES", "MAXTEXT_MIXTRAL_NAMES",
-           "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "NAME_TABLES", "names_markdown"]
+           "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "GEMMA3_NNX_NAMES", "NAME_TABLES", "names_markdown"]
 
 from ._presets_base import (ROPE_LAYOUTS, LLAMA_NNX_NAMES, _get, _llama_entries, _mapping, _names, _rope,  # noqa: F401
                             llama_dims)
@@ -208,14 +209,47 @@ def hf_gemma2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model
     the multiplier itself does not fit this preset. The embedding scale ``sqrt(hidden_size)``,
     GeGLU, ``query_pre_attn_scalar`` and the soft-capping are config, not weights.
     """
+    entries = _gemma_entries(config, _names(GEMMA2_NNX_NAMES, names, "hf_gemma2_from_nnx"), rope)
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
+def _gemma_entries(config: Any, table: dict[str, str], rope: str) -> list[tuple[Any, str, tuple[Transform, ...]]]:
+    """Gemma 2's entries: Llama's kernels, the tied head, four norms per layer."""
     dims = dict(llama_dims(config), tied=True, qkv_bias=False, o_bias=False, mlp_bias=False)
-    table = _names(GEMMA2_NNX_NAMES, names, "hf_gemma2_from_nnx")
     lay = "model.layers.{i}"
     entries = [(s, t.replace(".post_attention_layernorm.", ".pre_feedforward_layernorm."), ops)
                for s, t, ops in _llama_entries(dims, table, rope)]
     sel = Select(0, "i", dims["layers"])
-    entries += [(table["post_attn_norm"], f"{lay}.post_attention_layernorm.weight", (sel,)),
-                (table["post_mlp_norm"], f"{lay}.post_feedforward_layernorm.weight", (sel,))]
+    return entries + [(table["post_attn_norm"], f"{lay}.post_attention_layernorm.weight", (sel,)),
+                      (table["post_mlp_norm"], f"{lay}.post_feedforward_layernorm.weight", (sel,))]
+
+
+#: The Flax NNX Gemma 3 layout :func:`hf_gemma3_from_nnx` expects: :data:`GEMMA2_NNX_NAMES` plus the
+#: per-head q/k norms (stored as ``scale``, applied as ``1 + scale``, like every Gemma norm).
+GEMMA3_NNX_NAMES: dict[str, str] = dict(GEMMA2_NNX_NAMES, **{
+    "q_norm": "layers/attn/q_norm/scale",        # (L, head_dim)
+    "k_norm": "layers/attn/k_norm/scale",        # (L, head_dim)
+})
+
+
+def hf_gemma3_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"),
+                       optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
+                       rope: str = "halves", names: dict[str, str] | None = None,
+                       ignore: Sequence[str] = ("optimizer/step",),
+                       keep: Sequence[str] = ("optim/param_groups",),
+                       step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
+    """Mapping from a Flax NNX Gemma 3 text decoder to HF ``Gemma3ForCausalLM``: as
+    :func:`hf_gemma2_from_nnx` plus ``q_norm`` / ``k_norm`` (L, head_dim) ->
+    ``self_attn.{q,k}_norm.weight`` (copied: HF's Gemma 3 norms multiply by ``1 + weight``;
+    reordered with the q/k rows for ``rope="interleaved"``). The local and global rotary bases
+    (``rope_parameters`` per layer type) and the sliding pattern are config, not weights. Name
+    table: :data:`GEMMA3_NNX_NAMES`."""
+    table = _names(GEMMA3_NNX_NAMES, names, "hf_gemma3_from_nnx")
+    dims = llama_dims(config)
+    sel = Select(0, "i", dims["layers"])
+    entries = _gemma_entries(config, table, rope) + [
+        (table[f"{n}_norm"], f"model.layers.{{i}}.self_attn.{n}_norm.weight", (sel,) + _rope(rope, 0, dims["head_dim"]))
+        for n in ("q", "k")]
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
 
@@ -230,6 +264,7 @@ NAME_TABLES: dict[str, dict[str, str]] = {"hf_llama_from_nnx": LLAMA_NNX_NAMES,
                                           "hf_gpt2_from_nnx": GPT2_NNX_NAMES,
                                           "hf_qwen3_from_nnx": QWEN3_NNX_NAMES,
                                           "hf_gemma2_from_nnx": GEMMA2_NNX_NAMES,
+                                          "hf_gemma3_from_nnx": GEMMA3_NNX_NAMES,
                                           "hf_mixtral_from_nnx": MIXTRAL_NNX_NAMES,
                                           "hf_qwen2_moe_from_nnx": QWEN2_MOE_NNX_NAMES,
                                           "hf_qwen3_from_maxtext": MAXTEXT_QWEN3_NAMES,

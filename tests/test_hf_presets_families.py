@@ -111,6 +111,39 @@ def test_gemma2_preset_matches_transformers(tmp_path):
     assert _back(model, tmp_path, params, "hf_gemma2_from_nnx", config) == []
 
 
+GEMMA3 = dict(SIZES, query_pre_attn_scalar=24, sliding_window=32, hidden_activation="gelu_pytorch_tanh",
+              tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+
+
+def test_gemma3_preset_matches_transformers(tmp_path):
+    """Gemma 3 (optional in issue 27): Gemma 2's layout plus per-head q/k norms (1 + scale), a
+    local (sliding, rotary base 1e4) and a global (base 1e6) layer, no soft-capping. Broken
+    controls: the Llama norm convention (times scale); the q and k norms swapped (names=).
+    Back to the JAX layout bit for bit from save_pretrained."""
+    config = tf.Gemma3TextConfig(**GEMMA3, attn_implementation="eager")
+    L, hd = SIZES["num_hidden_layers"], SIZES["head_dim"]
+    params = _params(np.random.default_rng(8), {"layers/attn/q_norm/scale": (L, hd), "layers/attn/k_norm/scale": (L, hd)},
+                     ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm"), head=False)
+    params = {k: (v - 1 if k.endswith("scale") else v) for k, v in params.items()}  # Gemma stores scale - 1
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
+    kw = dict(eps=SIZES["rms_norm_eps"], theta=0.0, query_scalar=24.0, attn_softcap=None, final_softcap=None,
+              thetas=(10000.0, 1000000.0))
+    model = tf.Gemma3ForCausalLM(config).eval()
+    got = _load(model, url, presets.hf_gemma3_from_nnx(config, optimizer=None))
+    err = float(np.abs(got - gemma2_forward(IDS, params, **kw)).max())
+    wrong_norm = float(np.abs(got - gemma2_forward(IDS, params, plus_one=False, **kw)).max())
+    swapped = {"q_norm": "layers/attn/k_norm/scale", "k_norm": "layers/attn/q_norm/scale"}
+    wrong_qk = float(np.abs(_load(tf.Gemma3ForCausalLM(config).eval(), url, presets.hf_gemma3_from_nnx(
+        config, optimizer=None, names=swapped)) - gemma2_forward(IDS, params, **kw)).max())
+    print(f"gemma3: max |transformers - numpy NNX forward| = {err:.2e}; norms as scale, not 1 + scale: "
+          f"{wrong_norm:.2e}; q/k norms swapped: {wrong_qk:.2e}")
+    assert err < LOGIT_ATOL and wrong_norm > BROKEN and wrong_qk > BROKEN
+    assert _back(model, tmp_path, params, "hf_gemma3_from_nnx", config) == []
+
+
 MOE = {"mixtral": (lambda: tf.MixtralConfig(**SIZES, **MIXTRAL_KW),
                    tf.MixtralForCausalLM, hf_mixtral_from_nnx, SIZES["intermediate_size"], "block_sparse_moe.experts.0.w1"),
        "qwen2_moe": (lambda: tf.Qwen2MoeConfig(**SIZES, **QWEN2_MOE_KW),

@@ -40,7 +40,9 @@ runner = CliRunner()
 def test_every_preset_round_trips_through_json():
     for m in (hf_llama_from_nnx(LLAMA), hf_llama_from_nnx(LLAMA, rope="interleaved", optimizer=None),
               hf_llama_from_maxtext(dict(LLAMA, head_dim=16, num_attention_heads=4, num_key_value_heads=2)),
-              hf_gpt2_from_nnx(GPT2), preset_mapping("hf_gpt2_from_nnx", GPT2)):
+              hf_gpt2_from_nnx(GPT2), preset_mapping("hf_gpt2_from_nnx", GPT2),
+              preset_mapping("hf_gemma2_from_maxtext", LLAMA),  # Shift, Concat + Reorder of layer pairs
+              preset_mapping("hf_mixtral_from_maxtext", dict(LLAMA, num_local_experts=4), experts="per_expert")):
         for mm in (m, m.inverse()):
             doc = json.loads(json.dumps(mapping_to_json(mm)))
             assert mapping_from_json(doc) == mm

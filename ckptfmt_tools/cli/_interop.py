@@ -67,7 +67,7 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                mapping: Optional[str] = typer.Option(None, "--mapping", help="A preset (hf_llama_from_nnx, "
                                                      "hf_llama_from_maxtext, hf_gpt2_from_nnx, hf_qwen3_from_nnx, "
                                                      "hf_gemma2_from_nnx, hf_mixtral_from_nnx, "
-                                                     "hf_qwen2_moe_from_nnx, hf_qwen3_from_maxtext, "
+                                                     "hf_qwen2_moe_from_nnx, hf_gemma3_from_nnx, hf_qwen3_from_maxtext, "
                                                      "hf_gemma2_from_maxtext, hf_mixtral_from_maxtext; needs --config) "
                                                      "or a mapping JSON file. Default: every tensor as is."),
                dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating-point tensors "
