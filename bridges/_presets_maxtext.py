@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from .mapping import Concat, Merge, Reorder, Scale, Select, Shift, Transform, Transpose
+from .mapping import Concat, Mapping, Merge, Reorder, Scale, Select, Shift, Transform, Transpose
 from ._presets_base import _get, _mapping, _names, _rope, llama_dims
 from ._presets_moe import EXPERT_LAYOUTS
 
@@ -104,7 +104,7 @@ def _maxtext_entries(dims: dict[str, Any], names: dict[str, str], axis: int, rop
 
 
 def _maxtext_mapping(entries: Entries, params: str, model: str, optimizer: tuple[str, str] | None,
-                     ignore: Sequence[str], keep: Sequence[str]) -> Any:
+                     ignore: Sequence[str], keep: Sequence[str]) -> Mapping:
     moments = params.split("/", 1)[1] if "/" in params else ""
     return _mapping(entries, (params, model), optimizer, moments, ignore, keep)
 
@@ -114,7 +114,7 @@ def hf_llama_from_maxtext(config: Any, *, params: str = "params/params",
                           model: str = "model", rope: str = "interleaved", scan_axis: int = 1,
                           allow_inexact_save: bool = False,
                           ignore: Sequence[str] = ("step",), keep: Sequence[str] = ("optim/param_groups",),
-                          names: dict[str, str] | None = None) -> Any:
+                          names: dict[str, str] | None = None) -> Mapping:
     """Mapping from MaxText's scanned Llama/Mistral parameter tree to HF ``LlamaForCausalLM``.
 
     ``params``: where MaxText's Linen variables sit in the checkpoint (a MaxText ``TrainState``
@@ -142,7 +142,7 @@ def hf_qwen3_from_maxtext(config: Any, *, params: str = "params/params",
                           optimizer: tuple[str, str] | None = ("opt_state/0", "optim/state"),
                           model: str = "model", rope: str = "halves", scan_axis: int = 1,
                           ignore: Sequence[str] = ("step",), keep: Sequence[str] = ("optim/param_groups",),
-                          names: dict[str, str] | None = None) -> Any:
+                          names: dict[str, str] | None = None) -> Mapping:
     """Mapping from MaxText's scanned Qwen3 tree to HF ``Qwen3ForCausalLM``: as
     :func:`hf_llama_from_maxtext` but the query kernel is NOT pre-scaled (the q norm would undo it)
     and the rotary layout is split halves by default; plus ``query_norm`` / ``key_norm``
@@ -173,7 +173,7 @@ def hf_gemma2_from_maxtext(config: Any, *, params: str = "params/params",
                            model: str = "model", rope: str = "halves", scan_axis: int = 1,
                            allow_inexact_save: bool = False,
                            ignore: Sequence[str] = ("step",), keep: Sequence[str] = ("optim/param_groups",),
-                           names: dict[str, str] | None = None) -> Any:
+                           names: dict[str, str] | None = None) -> Mapping:
     """Mapping from MaxText's scanned Gemma 2 tree to HF ``Gemma2ForCausalLM``.
 
     Each of MaxText's ``num_hidden_layers / 2`` scanned layers holds a ``*_local`` block (HF layer
@@ -218,7 +218,7 @@ def hf_mixtral_from_maxtext(config: Any, *, experts: str = "fused", params: str 
                             model: str = "model", rope: str = "halves", scan_axis: int = 1,
                             allow_inexact_save: bool = False,
                             ignore: Sequence[str] = ("step",), keep: Sequence[str] = ("optim/param_groups",),
-                            names: dict[str, str] | None = None) -> Any:
+                            names: dict[str, str] | None = None) -> Mapping:
     """Mapping from MaxText's scanned Mixtral tree to HF ``MixtralForCausalLM``: attention and
     norms as :func:`hf_llama_from_maxtext` (pre-scaled query; split-halves rotary by default, as
     MaxText's Mixtral converter reorders nothing); the router ``MoeBlock_0/gate/kernel`` (d,

@@ -61,8 +61,8 @@ from typing import Any, Sequence
 from .mapping import Concat, Mapping, Select, Transform
 
 __all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx",
-           "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext", "hf_gemma2_from_maxtext",
-           "hf_mixtral_from_maxtext", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES",
+           "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext",
+           "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES",
            "MAXTEXT_LLAMA_NAMES", "MAXTEXT_QWEN3_NAMES", "MAXTEXT_GEMMA2_NAMES", "MAXTEXT_MIXTRAL_NAMES",
            "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "GEMMA3_NNX_NAMES", "NAME_TABLES", "names_markdown"]
 
