@@ -40,13 +40,16 @@ __all__ = ["mapped_tensors", "export_tensors", "Coverage", "strip_target_prefix"
 
 #: Presets an export can name (``ckptfmt export --mapping NAME --config config.json``).
 PRESETS = ("hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx",
-           "hf_gemma2_from_nnx", "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx")
+           "hf_gemma2_from_nnx", "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx",
+           "hf_qwen3_from_maxtext", "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext")
 #: Where each preset's checkpoint keeps training state (optimizer, step counter): an export of the
 #: weights leaves these keys out on purpose (its ``ignore`` globs).
 _TRAINING_STATE = {"hf_llama_from_nnx": ("optimizer/*",), "hf_gpt2_from_nnx": ("optimizer/*",),
                    "hf_qwen3_from_nnx": ("optimizer/*",), "hf_gemma2_from_nnx": ("optimizer/*",),
+                   "hf_gemma3_from_nnx": ("optimizer/*",),
                    "hf_mixtral_from_nnx": ("optimizer/*",), "hf_qwen2_moe_from_nnx": ("optimizer/*",),
-                   "hf_llama_from_maxtext": ("opt_state/*", "step")}
+                   "hf_llama_from_maxtext": ("opt_state/*", "step"), "hf_qwen3_from_maxtext": ("opt_state/*", "step"),
+                   "hf_gemma2_from_maxtext": ("opt_state/*", "step"), "hf_mixtral_from_maxtext": ("opt_state/*", "step")}
 #: Output tensors one export may name (a manifest's tensor cap).
 MAX_OUTPUTS = MAX_TENSORS
 #: Regex matches spent looking for another rule's output among the names (then: fail closed).

@@ -39,7 +39,7 @@ from ckptfmt.errors import CheckpointError
 from ._joins import Concat, Part, Stack
 from ._reshape import Merge, Unmerge
 from ._rules import Mapping, Rule
-from ._transforms import Cast, Reorder, Scale, Select, Transform, Transpose
+from ._transforms import Cast, Reorder, Scale, Select, Shift, Transform, Transpose
 
 __all__ = ["mapping_to_json", "mapping_from_json", "load_mapping_file", "load_names_file", "InvalidMappingError",
            "MAPPING_VERSION", "MAX_NAMES_BYTES",
@@ -48,7 +48,7 @@ __all__ = ["mapping_to_json", "mapping_from_json", "load_mapping_file", "load_na
 
 MAPPING_VERSION = 1
 _OPS: dict[str, type] = {c.__name__: c for c in (Select, Merge, Unmerge, Transpose, Reorder, Concat, Part,
-                                                   Stack, Scale, Cast)}
+                                                   Stack, Scale, Shift, Cast)}
 #: Caps of a mapping document (bridges/MAPPING.md, "Mapping files: caps").
 MAX_FILE_BYTES = 16 << 20
 MAX_NESTING = 8             # levels of arrays and objects; the document is level 1 (a field's list is level 6)
@@ -154,6 +154,7 @@ _FIELDS: dict[str, dict[str, str]] = {
     "Concat": {"axis": "axis", "sizes": "concat?"}, "Part": {"axis": "axis", "index": "part", "parts": "parts"},
     "Stack": {"axis": "axis", "over": "name", "size": "stacked?"},
     "Scale": {"factor": "number", "divide": "bool", "allow_inexact_inverse": "bool"},
+    "Shift": {"offset": "number", "allow_inexact_inverse": "bool"},
     "Cast": {"dtype": "dtype", "source_dtype": "dtype?"},
 }
 

@@ -22,7 +22,8 @@ mapping turns it into an error naming the rule.
 Exactness of the inverse (saves): transposes, selects, merges, reorders, concatenations are exact.
 :class:`Scale` is exact for powers of two; any other factor is checked on the data at save time
 and refused when ``(y / f) * f != y`` for some element, unless declared with
-``allow_inexact_inverse=True``. :class:`Cast` with a ``source_dtype`` is checked the same way
+``allow_inexact_inverse=True``; :class:`Shift` (an added constant) is always checked so.
+:class:`Cast` with a ``source_dtype`` is checked the same way
 (the round trip through the narrower type must give the value back).
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 from ckptfmt import Box
 
 __all__ = [
-    "NotApplicable", "NotExact", "Transform", "Transpose", "Select", "Reorder", "Scale", "Cast",
+    "NotApplicable", "NotExact", "Transform", "Transpose", "Select", "Reorder", "Scale", "Shift", "Cast",
     "interleaved_to_halves", "halves_to_interleaved",
 ]
 
@@ -339,6 +340,51 @@ class Scale(Transform):
 
     def inverse(self) -> "Scale":
         return Scale(self.factor, not self.divide, self.allow_inexact_inverse)
+
+
+@dataclass(frozen=True)
+class Shift(Transform):
+    """``out = in + offset``, computed in the input's float dtype (Gemma's norm scales: MaxText
+    stores the multiplier ``1 + scale``, Hugging Face ``scale``: ``Shift(-1.0)``).
+
+    The inverse subtracts. A save checks every element and raises :class:`NotExact` when one
+    would not come back bit for bit (``(y - offset) + offset != y``: small values lose low bits),
+    unless ``allow_inexact_inverse=True`` declares the rounding acceptable.
+    """
+
+    offset: float
+    allow_inexact_inverse: bool = False
+
+    def out_shape(self, shape: Shape) -> Shape:
+        return shape
+
+    def in_shape(self, shape: Shape) -> Shape:
+        return shape
+
+    def in_box(self, box: Box, in_shape: Shape) -> Box:
+        return box
+
+    def _do(self, block: np.ndarray, sign: float) -> np.ndarray:
+        if block.dtype.kind != "f" and block.dtype.name != "bfloat16":
+            raise NotApplicable("Shift needs a floating-point tensor", expected="float", found=str(block.dtype))
+        comp = np.float64 if block.dtype.itemsize > 4 else np.float32
+        return (block.astype(comp, copy=False) + np.asarray(sign * self.offset, comp)).astype(block.dtype, copy=False)
+
+    def apply(self, block: np.ndarray, in_box: Box, out_box: Box, in_shape: Shape) -> np.ndarray:
+        return self._do(block, 1.0)
+
+    def pieces(self, box: Box, block: np.ndarray, in_shape: Shape) -> list[tuple[Box, np.ndarray]]:
+        back = self._do(block, -1.0)
+        if not self.allow_inexact_inverse:
+            again = self._do(back, 1.0)
+            if not np.array_equal(again.view(np.uint8), np.ascontiguousarray(block).view(np.uint8)):
+                raise NotExact(f"Shift({self.offset}) is not exactly invertible for these values: a load "
+                               "would not give them back bit for bit (declare allow_inexact_inverse=True "
+                               "to accept the rounding)")
+        return [(box, back)]
+
+    def inverse(self) -> "Shift":
+        return Shift(-self.offset, self.allow_inexact_inverse)
 
 
 @dataclass(frozen=True)

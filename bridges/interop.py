@@ -20,6 +20,7 @@ This module imports no framework; the importers import jax / orbax / torch when 
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ from ckptfmt.errors import CheckpointError, IncompleteSaveError
 from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportReport, ImportReport, begin_export, discard_parts,
                              finish_export, import_safetensors, prepare_export, write_part)
 
+from . import presets
 from ._export_map import PRESETS, Coverage, export_tensors, mapped_tensors, preset_mapping, strip_target_prefix
 from ._peft import PeftReport, export_peft
 from ._mapfile import InvalidMappingError, load_mapping_file, load_names_file, mapping_from_json, mapping_to_json
@@ -47,22 +49,27 @@ Progress = Callable[[int, int], None]
 
 
 def load_mapping(spec: str | Mapping | None, config: Any = None,
-                 names: TMapping[str, str] | str | os.PathLike | None = None) -> Mapping | None:
+                 names: TMapping[str, str] | str | os.PathLike | None = None,
+                 preset_args: TMapping[str, Any] | None = None) -> Mapping | None:
     """A mapping from a preset name (:data:`PRESETS`; needs ``config``: a dict, an HF config, or a
-    ``config.json`` path; ``names``: the preset's ``names=``, a dict or a JSON file path), a
-    mapping JSON file path, or a Mapping as is. ValueError otherwise (``names`` without a preset,
-    an unknown name key); InvalidMappingError / InvalidConfigError (both ValueErrors) for a
+    ``config.json`` path; ``names``: the preset's ``names=``, a dict or a JSON file path;
+    ``preset_args``: the preset function's other keyword arguments, e.g. ``{"experts":
+    "per_expert"}``), a mapping JSON file path, or a Mapping as is. ValueError otherwise (``names``
+    or ``preset_args`` without a preset, an argument the preset does not take or rejects, an
+    unknown name key); InvalidMappingError / InvalidConfigError (both ValueErrors) for a
     malformed file."""
-    if names is not None and spec not in PRESETS:
-        raise ValueError(f"names (--names) fit a preset's name table; --mapping {spec!r} is not a preset "
-                         f"({', '.join(PRESETS)})")
+    for what, given in (("names (--names) fit a preset's name table", names is not None),
+                        ("preset arguments (--preset-arg) configure a preset", bool(preset_args))):
+        if given and spec not in PRESETS:
+            raise ValueError(f"{what}; --mapping {spec!r} is not a preset ({', '.join(PRESETS)})")
     if spec is None or isinstance(spec, Mapping):
         return spec
     if spec in PRESETS:
         if config is None:
             raise ValueError(f"the preset {spec!r} needs the model's config (--config config.json)")
-        kw = {} if names is None else {"names": load_names_file(names) if isinstance(names, (str, os.PathLike))
-                                       else dict(names)}
+        kw = _preset_kwargs(spec, preset_args or {})
+        if names is not None:
+            kw["names"] = load_names_file(names) if isinstance(names, (str, os.PathLike)) else dict(names)
         return preset_mapping(spec, read_config(config) if isinstance(config, (str, os.PathLike)) else config, **kw)
     if os.path.isfile(spec):
         return load_mapping_file(spec)
@@ -84,12 +91,24 @@ def _with_ignore(mapping: Mapping | None, ignore: Sequence[str]) -> Mapping | No
                    mapping.tiers)
 
 
+def _preset_kwargs(spec: str, preset_args: TMapping[str, Any]) -> dict[str, Any]:
+    """``preset_args`` checked against the keyword arguments of preset ``spec`` (ValueError naming
+    the argument and the ones it takes; ``names`` has its own option); JSON lists become tuples."""
+    takes = [p.name for p in inspect.signature(getattr(presets, spec)).parameters.values()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "names"]
+    for key in preset_args:
+        if key not in takes:
+            raise ValueError(f"--preset-arg {key}: the preset {spec} takes no argument {key!r} (it takes: "
+                             f"{', '.join(takes)}; names go in --names)")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in preset_args.items()}
+
+
 def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step: int | None = None,
            dtype: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
            config: TMapping[str, Any] | str | os.PathLike | None = None, processes: int = 1,
            allow_partial: bool = False, ignore: Sequence[str] = (),
-           progress: Progress | None = None, names: TMapping[str, str] | str | os.PathLike | None = None
-           ) -> ExportReport:
+           progress: Progress | None = None, names: TMapping[str, str] | str | os.PathLike | None = None,
+           preset_args: TMapping[str, Any] | None = None) -> ExportReport:
     """Export step ``step`` (None: latest) of ``url`` as a Hugging Face safetensors directory.
 
     ``mapping`` (checkpoint keys -> file names and layouts; None: every tensor as is): a Mapping
@@ -103,7 +122,8 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
     started here), each writing whole files. ``config`` (a dict or a ``config.json`` path)
     becomes ``config.json`` and configures a preset; ``names`` (a dict or a JSON file of name key
     -> path) fits a preset's name table to the model (bridges/MAPPING.md, "Fitting your own
-    model"). ``progress(done, total)``: tensor bytes written by all writers.
+    model"); ``preset_args`` passes the preset's other keyword arguments (``{"experts":
+    "per_expert"}``: the hub's one-tensor-per-expert names). ``progress(done, total)``: tensor bytes written by all writers.
 
     Streaming and verified as :func:`ckptfmt.interop.export_safetensors` (host memory: the reader's
     window and one block per process); files are created and published as it does, never over
@@ -119,7 +139,7 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
         raise ValueError(f"processes must be >= 1, got {processes}")
     if isinstance(config, (str, os.PathLike)):
         config = read_config(config)
-    mapping = _with_ignore(load_mapping(mapping, config, names), ignore)
+    mapping = _with_ignore(load_mapping(mapping, config, names, preset_args), ignore)
     dtype = _DTYPE_ALIASES.get(dtype, dtype) if dtype is not None else None
     if dtype is not None and dtype not in _FLOAT_DTYPES:
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(_FLOAT_DTYPES)} (floating-point tensors are cast)")

@@ -30,14 +30,14 @@ from ._chain import Chain, InvalidRuleError, MappingError
 from ._rules import KeptValuesWarning, LoadReport, Mapping, Resolved, Rule
 from ._joins import Concat, Part, Stack
 from ._reshape import Merge, Unmerge
-from ._transforms import (Cast, Reorder, Scale, Select, Transform, Transpose, halves_to_interleaved,
+from ._transforms import (Cast, Reorder, Scale, Select, Shift, Transform, Transpose, halves_to_interleaved,
                           interleaved_to_halves)
 
 __all__ = [
     "Rule", "Mapping", "Resolved", "IDENTITY", "LoadReport", "MappingError", "KeptValuesWarning",
     "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES",
     "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge",
-    "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Cast", "interleaved_to_halves",
+    "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "interleaved_to_halves",
     "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError",
 ]
 

@@ -12,9 +12,13 @@ model definitions: the presets name the layout a JAX model must have (tables bel
   ``Qwen2ForCausalLM``: sliding windows and the like do not change weights; Qwen2's q/k/v biases
   do) from a Flax NNX decoder whose per-layer parameters are stacked on axis 0 (``nnx.vmap`` to
   build, ``nnx.scan`` to run), attention as ``nnx.LinearGeneral`` kernels.
-* :func:`hf_llama_from_maxtext`: the same HF models from MaxText's scanned parameter tree.
+* :func:`hf_llama_from_maxtext`: the same HF models from MaxText's scanned parameter tree;
+  :func:`hf_qwen3_from_maxtext`, :func:`hf_gemma2_from_maxtext`, :func:`hf_mixtral_from_maxtext`
+  likewise for MaxText's Qwen3, Gemma 2 (local/global layer pairs) and Mixtral (the facts they
+  rely on: ``bridges/_presets_maxtext.py``). MaxText has no Qwen2-MoE.
 * :func:`hf_qwen3_from_nnx`: ``Qwen3ForCausalLM`` (the Llama layout plus per-head q/k RMSNorms).
-* :func:`hf_gemma2_from_nnx`: ``Gemma2ForCausalLM`` (tied head, four norms per layer).
+* :func:`hf_gemma2_from_nnx`: ``Gemma2ForCausalLM`` (tied head, four norms per layer);
+  :func:`hf_gemma3_from_nnx`: ``Gemma3ForCausalLM`` (the same plus per-head q/k norms).
 * :func:`hf_mixtral_from_nnx`, :func:`hf_qwen2_moe_from_nnx`: ``MixtralForCausalLM`` and
   ``Qwen2MoeForCausalLM`` (shared expert) from experts stacked ``(L, E, ...)``, into the models'
   fused expert tensors or the one-tensor-per-expert files of the hub and ``save_pretrained``.
@@ -52,15 +56,15 @@ MaxText facts relied on (read from AI-Hypercomputer/maxtext):
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
-from .mapping import (Concat, Mapping, Merge, Reorder, Rule, Scale, Select, Transform, Transpose,
-                      interleaved_to_halves, optimizer_step_rules)
+from .mapping import Concat, Mapping, Select, Transform
 
 __all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx",
-           "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES", "MAXTEXT_LLAMA_NAMES", "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES",
-           "GEMMA2_NNX_NAMES", "NAME_TABLES", "names_markdown"]
+           "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext",
+           "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES",
+           "MAXTEXT_LLAMA_NAMES", "MAXTEXT_QWEN3_NAMES", "MAXTEXT_GEMMA2_NAMES", "MAXTEXT_MIXTRAL_NAMES",
+           "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "GEMMA3_NNX_NAMES", "NAME_TABLES", "names_markdown"]
 
 from ._presets_base import (ROPE_LAYOUTS, LLAMA_NNX_NAMES, _get, _llama_entries, _mapping, _names, _rope,  # noqa: F401
                             llama_dims)
@@ -90,81 +94,6 @@ def hf_llama_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"
     table = _names(LLAMA_NNX_NAMES, names, "hf_llama_from_nnx")
     entries = _llama_entries(dims, table, rope)
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
-
-
-def hf_llama_from_maxtext(config: Any, *, params: str = "params/params",
-                          optimizer: tuple[str, str] | None = ("opt_state/0", "optim/state"),
-                          model: str = "model", rope: str = "interleaved", scan_axis: int = 1,
-                          allow_inexact_save: bool = False,
-                          ignore: Sequence[str] = ("step",), keep: Sequence[str] = ("optim/param_groups",),
-                          names: dict[str, str] | None = None) -> Mapping:
-    """Mapping from MaxText's scanned Llama/Mistral parameter tree to HF ``LlamaForCausalLM``.
-
-    ``params``: where MaxText's Linen variables sit in the checkpoint (a MaxText ``TrainState``
-    saved with ``bridges.jax.save`` renders ``params={"params": tree}`` as ``params/params/...``);
-    the Adam moments are then under ``{optimizer[0]}/mu/params/...``. ``scan_axis``: MaxText's
-    ``param_scan_axis`` (1 by default). ``rope``: ``"interleaved"`` for models MaxText runs with
-    ``LLaMARotaryEmbedding`` (``llama3.1`` rope type; its own HF conversion reorders q/k rows),
-    ``"halves"`` for its default ``RotaryEmbedding`` (Llama 2, Mistral). The query kernel is
-    multiplied by ``sqrt(head_dim)`` (MaxText pre-scales it); saving torch -> MaxText divides, which
-    is exact only for a power-of-two ``sqrt(head_dim)`` (head_dim 4, 16, 64, 256): otherwise the
-    save is refused unless ``allow_inexact_save=True`` accepts the rounding. ``names`` overrides
-    paths of :data:`MAXTEXT_LLAMA_NAMES` (relative to ``params``).
-    Raises ValueError for an unknown ``rope``, ``scan_axis`` or name key; a tree that does not fit raises
-    MappingError at load, naming the rule.
-    """
-    dims = llama_dims(config)
-    if scan_axis not in (0, 1):
-        raise ValueError(f"scan_axis must be 0 or 1, got {scan_axis}")
-    scale = Scale(math.sqrt(dims["head_dim"]), allow_inexact_inverse=allow_inexact_save)
-    table = _names(MAXTEXT_LLAMA_NAMES, names, "hf_llama_from_maxtext")
-    dims = dict(dims, qkv_bias=False, o_bias=False, mlp_bias=False)  # MaxText's Llama has no biases
-    entries = _maxtext_entries(dims, table, scan_axis, rope, scale)
-    moments = params.split("/", 1)[1] if "/" in params else ""
-    return _mapping(entries, (params, model), optimizer, moments, ignore, keep)
-
-
-#: MaxText's scanned Llama tree as :func:`hf_llama_from_maxtext` expects it (paths under ``params``;
-#: the layer axis of ``decoder/layers/...`` at ``scan_axis``).
-MAXTEXT_LLAMA_NAMES: dict[str, str] = {
-    "embed": "token_embedder/embedding", "norm": "decoder/decoder_norm/scale",
-    "lm_head": "decoder/logits_dense/kernel",
-    "q_kernel": "decoder/layers/self_attention/query/kernel",
-    "k_kernel": "decoder/layers/self_attention/key/kernel",
-    "v_kernel": "decoder/layers/self_attention/value/kernel",
-    "o_kernel": "decoder/layers/self_attention/out/kernel",
-    "gate_kernel": "decoder/layers/mlp/wi_0/kernel", "up_kernel": "decoder/layers/mlp/wi_1/kernel",
-    "down_kernel": "decoder/layers/mlp/wo/kernel",
-    "attn_norm": "decoder/layers/pre_self_attention_layer_norm/scale",
-    "mlp_norm": "decoder/layers/post_self_attention_layer_norm/scale",
-}
-
-
-def _maxtext_entries(dims: dict[str, Any], names: dict[str, str], axis: int, rope: str,
-                     scale: Transform) -> list[tuple[Any, str, tuple[Transform, ...]]]:
-    """MaxText's layer tensors carry the layer axis at ``axis`` (1: after their first axis)."""
-    h, kv, hd, L = dims["heads"], dims["kv"], dims["head_dim"], dims["layers"]
-    sel = Select(axis, "i", L)
-    lay = "model.layers.{i}"
-    entries = [
-        (names["q_kernel"], f"{lay}.self_attn.q_proj.weight",
-         (sel,) + _rope(rope, 2, hd) + (Merge(1, (h, hd)), Transpose((1, 0)), scale)),
-        (names["k_kernel"], f"{lay}.self_attn.k_proj.weight",
-         (sel,) + _rope(rope, 2, hd) + (Merge(1, (kv, hd)), Transpose((1, 0)))),
-        (names["v_kernel"], f"{lay}.self_attn.v_proj.weight", (sel, Merge(1, (kv, hd)), Transpose((1, 0)))),
-        (names["o_kernel"], f"{lay}.self_attn.o_proj.weight", (sel, Merge(0, (h, hd)), Transpose((1, 0)))),
-        (names["gate_kernel"], f"{lay}.mlp.gate_proj.weight", (sel, Transpose((1, 0)))),
-        (names["up_kernel"], f"{lay}.mlp.up_proj.weight", (sel, Transpose((1, 0)))),
-        (names["down_kernel"], f"{lay}.mlp.down_proj.weight", (sel, Transpose((1, 0)))),
-        (names["attn_norm"], f"{lay}.input_layernorm.weight", (sel,)),
-        (names["mlp_norm"], f"{lay}.post_attention_layernorm.weight", (sel,)),
-        (names["embed"], "model.embed_tokens.weight", ()),
-        (names["norm"], "model.norm.weight", ()),
-        (names["lm_head"], "lm_head.weight", (Transpose((1, 0)),)),
-    ]
-    if dims["tied"]:
-        entries[-1] = (names["embed"], "lm_head.weight", ())
-    return entries
 
 
 #: The Flax NNX GPT-2 layout :func:`hf_gpt2_from_nnx` expects (``h/...`` stacked on axis 0).
@@ -280,30 +209,70 @@ def hf_gemma2_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model
     the multiplier itself does not fit this preset. The embedding scale ``sqrt(hidden_size)``,
     GeGLU, ``query_pre_attn_scalar`` and the soft-capping are config, not weights.
     """
+    entries = _gemma_entries(config, _names(GEMMA2_NNX_NAMES, names, "hf_gemma2_from_nnx"), rope)
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)
+
+
+def _gemma_entries(config: Any, table: dict[str, str], rope: str) -> list[tuple[Any, str, tuple[Transform, ...]]]:
+    """Gemma 2's entries: Llama's kernels, the tied head, four norms per layer."""
     dims = dict(llama_dims(config), tied=True, qkv_bias=False, o_bias=False, mlp_bias=False)
-    table = _names(GEMMA2_NNX_NAMES, names, "hf_gemma2_from_nnx")
     lay = "model.layers.{i}"
     entries = [(s, t.replace(".post_attention_layernorm.", ".pre_feedforward_layernorm."), ops)
                for s, t, ops in _llama_entries(dims, table, rope)]
     sel = Select(0, "i", dims["layers"])
-    entries += [(table["post_attn_norm"], f"{lay}.post_attention_layernorm.weight", (sel,)),
-                (table["post_mlp_norm"], f"{lay}.post_feedforward_layernorm.weight", (sel,))]
+    return entries + [(table["post_attn_norm"], f"{lay}.post_attention_layernorm.weight", (sel,)),
+                      (table["post_mlp_norm"], f"{lay}.post_feedforward_layernorm.weight", (sel,))]
+
+
+#: The Flax NNX Gemma 3 layout :func:`hf_gemma3_from_nnx` expects: :data:`GEMMA2_NNX_NAMES` plus the
+#: per-head q/k norms (stored as ``scale``, applied as ``1 + scale``, like every Gemma norm).
+GEMMA3_NNX_NAMES: dict[str, str] = dict(GEMMA2_NNX_NAMES, **{
+    "q_norm": "layers/attn/q_norm/scale",        # (L, head_dim)
+    "k_norm": "layers/attn/k_norm/scale",        # (L, head_dim)
+})
+
+
+def hf_gemma3_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model"),
+                       optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
+                       rope: str = "halves", names: dict[str, str] | None = None,
+                       ignore: Sequence[str] = ("optimizer/step",),
+                       keep: Sequence[str] = ("optim/param_groups",),
+                       step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
+    """Mapping from a Flax NNX Gemma 3 text decoder to HF ``Gemma3ForCausalLM``: as
+    :func:`hf_gemma2_from_nnx` plus ``q_norm`` / ``k_norm`` (L, head_dim) ->
+    ``self_attn.{q,k}_norm.weight`` (copied: HF's Gemma 3 norms multiply by ``1 + weight``;
+    reordered with the q/k rows for ``rope="interleaved"``). The local and global rotary bases
+    (``rope_parameters`` per layer type) and the sliding pattern are config, not weights. Name
+    table: :data:`GEMMA3_NNX_NAMES`."""
+    table = _names(GEMMA3_NNX_NAMES, names, "hf_gemma3_from_nnx")
+    dims = llama_dims(config)
+    sel = Select(0, "i", dims["layers"])
+    entries = _gemma_entries(config, table, rope) + [
+        (table[f"{n}_norm"], f"model.layers.{{i}}.self_attn.{n}_norm.weight", (sel,) + _rope(rope, 0, dims["head_dim"]))
+        for n in ("q", "k")]
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
 
 from ._presets_moe import (EXPERT_LAYOUTS, MIXTRAL_NNX_NAMES, QWEN2_MOE_NNX_NAMES, hf_mixtral_from_nnx,  # noqa: E402
                            hf_qwen2_moe_from_nnx)
+from ._presets_maxtext import (MAXTEXT_GEMMA2_NAMES, MAXTEXT_LLAMA_NAMES, MAXTEXT_MIXTRAL_NAMES,  # noqa: E402
+                               MAXTEXT_QWEN3_NAMES, hf_gemma2_from_maxtext, hf_llama_from_maxtext,
+                               hf_mixtral_from_maxtext, hf_qwen3_from_maxtext)
 
 NAME_TABLES: dict[str, dict[str, str]] = {"hf_llama_from_nnx": LLAMA_NNX_NAMES,
                                           "hf_llama_from_maxtext": MAXTEXT_LLAMA_NAMES,
                                           "hf_gpt2_from_nnx": GPT2_NNX_NAMES,
                                           "hf_qwen3_from_nnx": QWEN3_NNX_NAMES,
                                           "hf_gemma2_from_nnx": GEMMA2_NNX_NAMES,
+                                          "hf_gemma3_from_nnx": GEMMA3_NNX_NAMES,
                                           "hf_mixtral_from_nnx": MIXTRAL_NNX_NAMES,
-                                          "hf_qwen2_moe_from_nnx": QWEN2_MOE_NNX_NAMES}
+                                          "hf_qwen2_moe_from_nnx": QWEN2_MOE_NNX_NAMES,
+                                          "hf_qwen3_from_maxtext": MAXTEXT_QWEN3_NAMES,
+                                          "hf_gemma2_from_maxtext": MAXTEXT_GEMMA2_NAMES,
+                                          "hf_mixtral_from_maxtext": MAXTEXT_MIXTRAL_NAMES}
 #: Configs that between them turn on every option a preset reads (for naming its tensors).
 _SIZES = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
-          "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16,
+          "num_hidden_layers": 2, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16,
           "num_local_experts": 2, "num_experts": 2, "moe_intermediate_size": 8}
 _TABLE_CONFIGS = (dict(_SIZES, model_type="qwen2", mlp_bias=True), dict(_SIZES, attention_bias=True))
 
@@ -313,9 +282,10 @@ def names_markdown(preset: str) -> str:
     path, and the Hugging Face tensors that read it (all options on: biases, untied head).
     KeyError for an unknown preset."""
     table = NAME_TABLES[preset]
-    kw = {"optimizer": None} if preset != "hf_llama_from_maxtext" else {"optimizer": None, "params": ""}
+    maxtext = preset.endswith("_from_maxtext")
+    kw = {"optimizer": None, "params": ""} if maxtext else {"optimizer": None}
     rules = [r for cfg in _TABLE_CONFIGS for r in globals()[preset](cfg, **kw).rules]
-    under = "" if preset == "hf_llama_from_maxtext" else "model/"
+    under = "" if maxtext else "model/"
     rows = ["| name key | default path | Hugging Face tensor(s) |", "|---|---|---|"]
     for key, path in table.items():
         hits = sorted({r.target.split("/", 1)[1] for r in rules for src in r.sources

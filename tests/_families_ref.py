@@ -1,4 +1,4 @@
-"""A numpy reference forward of Qwen3, Gemma 2, Mixtral and Qwen2-MoE decoders in JAX layouts (tests only).
+"""A numpy reference forward of Qwen3, Gemma 2 and 3, Mixtral and Qwen2-MoE decoders in JAX layouts (tests only).
 
 Written from each family's published math over the JAX-layout kernels (as tests/_llama_ref.py is
 for Llama), not from the mapping code: comparing it with ``transformers`` after a preset load
@@ -58,26 +58,32 @@ def qwen3_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, thet
 
 
 def gemma2_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta: float, query_scalar: float,
-                   attn_softcap: float, final_softcap: float, plus_one: bool = True) -> np.ndarray:
+                   attn_softcap: float | None, final_softcap: float | None, plus_one: bool = True,
+                   thetas: tuple[float, ...] | None = None) -> np.ndarray:
     """Logits of the GEMMA2_NNX_NAMES layout: embeddings times sqrt(d), norms times (1 + scale)
     (``plus_one=False``: times scale, the broken control), GeGLU (tanh GELU), scores scaled by
-    query_scalar**-0.5 and soft-capped, the tied head, final logits soft-capped."""
+    query_scalar**-0.5 and soft-capped, the tied head, final logits soft-capped (None: no cap).
+    Gemma 3 (GEMMA3_NNX_NAMES): with ``layers/attn/q_norm/scale`` present, per-head q/k norms
+    (1 + scale) before the rotary embedding; ``thetas``: each layer's rotary base (local and
+    global layers differ)."""
     f = {k: np.asarray(v, np.float64) for k, v in p.items()}
     off = 1.0 if plus_one else 0.0
     emb = f["embed/embedding"]
     x = emb[ids] * np.float64(np.float32(math.sqrt(emb.shape[1])))  # HF rounds the normalizer to float32
+    qk = "layers/attn/q_norm/scale" in f
     for i in range(f["layers/attn/q/kernel"].shape[0]):
         g = lambda n: f[f"layers/{n}"][i]  # noqa: E731
         norm = lambda t, n: _rms(t, off + g(f"{n}/scale"), eps)  # noqa: E731
         a = _attention(norm(x, "pre_attn_norm"), g("attn/q/kernel"), g("attn/k/kernel"), g("attn/v/kernel"),
-                       g("attn/o/kernel"), theta=theta, rope="halves", scale=query_scalar ** -0.5,
-                       softcap=attn_softcap)
+                       g("attn/o/kernel"), theta=thetas[i] if thetas else theta, rope="halves",
+                       scale=query_scalar ** -0.5, softcap=attn_softcap, eps=eps,
+                       qk_norm=(off + g("attn/q_norm/scale"), off + g("attn/k_norm/scale")) if qk else None)
         x = x + norm(a, "post_attn_norm")
         y = norm(x, "pre_mlp_norm")
         m = (_gelu_tanh(y @ g("mlp/gate/kernel")) * (y @ g("mlp/up/kernel"))) @ g("mlp/down/kernel")
         x = x + norm(m, "post_mlp_norm")
     out = _rms(x, off + f["norm/scale"], eps) @ emb.T
-    return np.tanh(out / final_softcap) * final_softcap
+    return out if final_softcap is None else np.tanh(out / final_softcap) * final_softcap
 
 
 def _silu_mlp(y: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ import ckptfmt  # noqa: E402
 from ckptfmt_tools.cli import app  # noqa: E402
 from torchproc.hf_configs import LLAMA  # noqa: E402
 from torchproc.hf_side import hf_model, logits  # noqa: E402
-from torchproc.launch import REPO, child_env, run_world  # noqa: E402
+from torchproc.launch import REPO, child_env, run_jax, run_world  # noqa: E402
 
 LOGIT_ATOL = 1e-4
 HF_SEED = 7
@@ -61,21 +60,8 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def jax_llama(work) -> list[dict]:
     """Both JAX processes (save from 8 devices; restore straight from the HF directory)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "interop" / "jax_llama.py"), str(port), str(r),
-                               str(work)], env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=400)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    logs = run_jax(REPO / "tests" / "interop" / "jax_llama.py", work)
     print(f"JAX side (2 processes): {time.monotonic() - t0:.1f} s; "
           + "; ".join(line for log in logs for line in log.splitlines() if line.startswith("rank ")))
     return [json.loads((work / f"direct-{r}.json").read_text()) for r in range(2)]

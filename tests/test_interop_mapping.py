@@ -40,7 +40,9 @@ runner = CliRunner()
 def test_every_preset_round_trips_through_json():
     for m in (hf_llama_from_nnx(LLAMA), hf_llama_from_nnx(LLAMA, rope="interleaved", optimizer=None),
               hf_llama_from_maxtext(dict(LLAMA, head_dim=16, num_attention_heads=4, num_key_value_heads=2)),
-              hf_gpt2_from_nnx(GPT2), preset_mapping("hf_gpt2_from_nnx", GPT2)):
+              hf_gpt2_from_nnx(GPT2), preset_mapping("hf_gpt2_from_nnx", GPT2),
+              preset_mapping("hf_gemma2_from_maxtext", LLAMA),  # Shift, Concat + Reorder of layer pairs
+              preset_mapping("hf_mixtral_from_maxtext", dict(LLAMA, num_local_experts=4), experts="per_expert")):
         for mm in (m, m.inverse()):
             doc = json.loads(json.dumps(mapping_to_json(mm)))
             assert mapping_from_json(doc) == mm
@@ -291,3 +293,41 @@ def test_mapping_caps_are_typed_errors_naming_the_rule_and_the_value(doc, what):
                                                                  "size": MAX_STACKED}]))
     assert mapping_from_json(_rule(source="".join(f"{{p{i}}}/" for i in range(MAX_PLACEHOLDERS)),
                                    target="".join(f"{{p{i}}}." for i in range(MAX_PLACEHOLDERS))))
+
+
+def test_export_passes_preset_arguments(tmp_path):
+    """``ckptfmt export --mapping hf_mixtral_from_nnx --preset-arg experts=per_expert``: the
+    files carry the hub's one-tensor-per-expert names, from_pretrained loads them, and the logits
+    equal the numpy MoE forward within 1e-4; without the argument the fused names are written.
+    Broken controls (exit 2, nothing written): an argument the preset lacks (named, with the
+    ones it takes), a value the preset rejects, ``--preset-arg`` with no preset, no ``=``."""
+    from _families import CONFIGS, SIZES, family_params
+    from _families_ref import moe_forward
+
+    params = family_params("mixtral", seed=14)
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": _nest(params)}, step=1)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(CONFIGS["mixtral"], model_type="mixtral", architectures=["MixtralForCausalLM"])))
+    opts = ["--mapping", "hf_mixtral_from_nnx", "--config", str(cfg), "--json"]
+    r = runner.invoke(app, ["export", url, str(tmp_path / "per")] + opts + ["--preset-arg", "experts=per_expert"])
+    assert r.exit_code == 0, r.output
+    keys = lambda d: {k for f in sorted(d.glob("*.safetensors")) for k in load_file(str(f))}  # noqa: E731
+    names = keys(tmp_path / "per")
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names and not any("gate_up" in n for n in names)
+    ids = np.random.default_rng(99).integers(0, SIZES["vocab_size"], (2, 16)).astype(np.int32)
+    model = tf.MixtralForCausalLM.from_pretrained(str(tmp_path / "per")).eval()
+    err = float(np.abs(logits(model, ids) - moe_forward(ids, params, eps=SIZES["rms_norm_eps"], theta=10000.0, top_k=2,
+                                                          renormalize=True)).max())
+    print(f"export --preset-arg experts=per_expert -> from_pretrained: max |logits - numpy forward| = {err:.2e}")
+    assert err < 1e-4
+    r = runner.invoke(app, ["export", url, str(tmp_path / "fused")] + opts)  # control: the default
+    assert r.exit_code == 0 and any("gate_up_proj" in n for n in keys(tmp_path / "fused"))
+    for extra, words in ((["--preset-arg", "expert=per_expert"], ("expert", "experts", "rope")),
+                         (["--preset-arg", "experts=some"], ("experts", "per_expert")),
+                         (["--preset-arg", "experts"], ("KEY=VALUE",))):
+        r = runner.invoke(app, ["export", url, str(tmp_path / "bad")] + opts + extra)
+        assert r.exit_code == 2 and all(w in r.output for w in words), r.output
+        assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").iterdir())
+    r = runner.invoke(app, ["export", url, str(tmp_path / "bad"), "--preset-arg", "experts=per_expert", "--json"])
+    assert r.exit_code == 2 and "not a preset" in r.output

@@ -11,9 +11,6 @@ control: the experts numbered in the reverse order restore without error and dif
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 pytest.importorskip("jax")
 
-from torchproc.launch import REPO, child_env  # noqa: E402
+from torchproc.launch import REPO, run_jax  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -33,20 +30,7 @@ MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_l
 
 
 def _run_jax(work: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "interop" / "jax_moe.py"), str(port), str(r),
-                               str(work)], env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=400)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    run_jax(REPO / "tests" / "interop" / "jax_moe.py", work)
     return [json.loads((work / f"moe-{r}.json").read_text()) for r in range(2)]
 
 

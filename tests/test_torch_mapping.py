@@ -128,7 +128,7 @@ def test_adamw_update_rule_matches_optax_formula():
 # ------------------------------------------------------------------ transforms (global coordinates)
 
 from ckptfmt import Box  # noqa: E402
-from bridges.mapping import (Cast, Chain, Concat, MappingError, Merge, Part, Reorder, Scale, Select,  # noqa: E402
+from bridges.mapping import (Cast, Chain, Concat, MappingError, Merge, Part, Reorder, Scale, Select, Shift,  # noqa: E402
                              Stack, Transpose, Unmerge, interleaved_to_halves)
 
 L, D, H, HD = 3, 6, 4, 4
@@ -253,3 +253,20 @@ def test_scale_and_cast_inverses_are_exact_or_refused():
     with pytest.raises(MappingError, match="loses information"):
         cast.writes(box, x)
     assert cast.writes(box, x.astype("bfloat16").astype(np.float32))[0][2].dtype.name == "bfloat16"  # control
+
+
+def test_shift_inverse_is_checked():
+    """Shift(-1) (MaxText's plus-one Gemma norms -> HF's): a load adds the offset; a save
+    subtracts it back and is refused when a value would not come back bit for bit (values near
+    0 lose low bits in x + 1), unless declared; values of a plus-one norm (in [0.5, 2]) pass."""
+    box = Box((0,), (4,))
+    chain = Chain.from_target("t", ["s"], (Shift(-1.0),), (4,), np.float32)
+    assert np.array_equal(chain.assemble(box, [np.array([1.5, 0.75, 2.0, 1.0], np.float32)]), [0.5, -0.25, 1.0, 0.0])
+    hf = np.array([0.5, -0.25, 1.0, 0.0], np.float32)
+    assert np.array_equal(chain.writes(box, hf)[0][2], [1.5, 0.75, 2.0, 1.0])  # exact: back bit for bit
+    tiny = np.array([1e-8, 0.5, 0.1, 3e-7], np.float32)                          # 1 + 1e-8 rounds to 1
+    with pytest.raises(MappingError, match="not exactly invertible"):
+        chain.writes(box, tiny)
+    declared = Chain.from_target("t", ["s"], (Shift(-1.0, allow_inexact_inverse=True),), (4,), np.float32)
+    assert declared.writes(box, tiny)[0][2][0] == np.float32(1.0)
+    assert Shift(-1.0).inverse() == Shift(1.0)

@@ -4,12 +4,13 @@ and ``ckptfmt.interop``). Registered on the app by importing this module.
 Exit codes as every command: 0 success; 1 a CheckpointError (printed, or the JSON document with
 ``"ok": false`` under ``--json``: an incomplete export, an output name that exists, a mapping file
 or config over its caps, ...); 2 usage (a bad option, an unknown preset, a preset without
-``--config``, a DCP import without ``--trust-pickle``).
+``--config``, a ``--preset-arg`` the preset does not take, a DCP import without ``--trust-pickle``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional
+import json
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import typer
 
@@ -40,6 +41,24 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _preset_args(items: Sequence[str]) -> dict[str, Any]:
+    """``--preset-arg KEY=VALUE`` options as keyword arguments: VALUE parsed as JSON (numbers,
+    true/false, lists), else kept as a string. BadParameter (exit 2) for an item without ``=``, a
+    KEY that is not an identifier, or a KEY given twice."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise typer.BadParameter(f"--preset-arg {item!r}: expected KEY=VALUE (e.g. experts=per_expert)")
+        if key in out:
+            raise typer.BadParameter(f"--preset-arg {key}: given twice")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
 @app.command("export")
 def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                out_dir: str = typer.Argument(..., help="Directory to write (created; must hold no safetensors files)."),
@@ -48,7 +67,8 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                mapping: Optional[str] = typer.Option(None, "--mapping", help="A preset (hf_llama_from_nnx, "
                                                      "hf_llama_from_maxtext, hf_gpt2_from_nnx, hf_qwen3_from_nnx, "
                                                      "hf_gemma2_from_nnx, hf_mixtral_from_nnx, "
-                                                     "hf_qwen2_moe_from_nnx; needs --config) "
+                                                     "hf_qwen2_moe_from_nnx, hf_gemma3_from_nnx, hf_qwen3_from_maxtext, "
+                                                     "hf_gemma2_from_maxtext, hf_mixtral_from_maxtext; needs --config) "
                                                      "or a mapping JSON file. Default: every tensor as is."),
                dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating-point tensors "
                                                    "(bfloat16, float16, float32)."),
@@ -64,6 +84,10 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                names: Optional[str] = typer.Option(None, "--names", help="A JSON object of name key -> path that "
                                                    "fits a preset's name table to your model (needs a preset "
                                                    "--mapping; bridges/MAPPING.md, 'Fitting your own model')."),
+               preset_arg: Optional[List[str]] = typer.Option(None, "--preset-arg", help="KEY=VALUE: a keyword "
+                                                              "argument of the preset (repeatable; VALUE is JSON, "
+                                                              "else a string), e.g. experts=per_expert, "
+                                                              "rope=interleaved, scan_axis=0."),
                as_json: bool = JsonOpt) -> None:
     """Export a step as Hugging Face safetensors files (+ index), loadable by from_pretrained.
     Through a mapping it is complete or refused (--allow-partial to write what fits)."""
@@ -78,7 +102,8 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
         with _bar(f"export {url}", quiet=as_json) as progress:
             report = export(url, out_dir, mapping=mapping, step=step, dtype=dtype, max_shard_size=max_shard_size,
                             config=config, processes=processes, allow_partial=allow_partial,
-                            ignore=tuple(ignore or ()), progress=progress, names=names)
+                            ignore=tuple(ignore or ()), progress=progress, names=names,
+                            preset_args=_preset_args(preset_arg or ()))
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     except (ValueError, OSError) as exc:

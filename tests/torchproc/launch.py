@@ -58,3 +58,22 @@ def run_world(scenario: str, world: int, workdir: Path, args: dict[str, Any] | N
         raise AssertionError(f"scenario {scenario!r} at world {world} failed:\n" + "\n".join(tails))
     paths = [workdir / f"{tag}-result-{r}.json" for r in range(world)]
     return [json.loads(p.read_text()) if check or p.exists() else None for p in paths]
+
+
+def run_jax(script: Path, workdir: Path, processes: int = 2, timeout: float = 400.0) -> list[str]:
+    """Run ``script PORT RANK WORKDIR`` as ``processes`` JAX processes (each sets its own
+    ``XLA_FLAGS`` device count; with more than one, ``jax.distributed`` over localhost at PORT)
+    and return their output (index = rank). AssertionError with every log tail when any fails."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(r), str(workdir)], env=child_env(),
+                              cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(processes)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return logs
