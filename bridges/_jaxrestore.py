@@ -255,20 +255,11 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     :mod:`bridges.jax`), or any verification error of the core reader, all raised before any
     array is returned.
 
-    ``cooperative`` (FORMAT.md 9.1; bridges/README.md "Cooperative restore"): a box that several
-    processes restore (a data axis across processes, a replicated tensor) is read from storage by
-    one of them, verified, and sent to the others through JAX's collectives. None (the default):
-    on when a target array lies on devices of several processes and some box of it on devices of
-    more than one (then every process must call ``restore``, as a sharded restore requires
-    anyway); True: on for every restore on several processes (every process must call it);
-    False: every process reads all it needs itself. A read that fails on any process raises the
-    same typed error on every process, and no process returns anything.
-
-    ``stats``, if given, is filled as in every bridge (``step``, ``report``, ``extra``,
-    ``rank_state``, ``batches``, ``bytes_read`` -- bytes this process read from storage --,
-    ``cooperative``: :class:`ckptfmt.reader.CoopStats` as a dict) plus phase timings (``open_s``, ``plan_s``,
-    ``read_s`` -- read and verify --, ``build_s``), ``bytes_restored``, ``boxes`` and the reader's
-    counters (``reader``).
+    ``cooperative``: a box several processes restore is read by one and shared (FORMAT.md 9.1;
+    by default as :func:`_cooperates` says; False: each reads all). ``stats``, if given, is filled
+    as in every bridge (``step``, ``report``, ``extra``, ``rank_state``, ``batches``, ``bytes_read``
+    from storage, ``cooperative``) plus phase timings (``open_s``, ``plan_s``, ``read_s`` -- read
+    and verify --, ``build_s``), ``bytes_restored``, ``boxes`` and the reader's counters (``reader``).
     """
     t0 = time.perf_counter()
     check_rank_state_policy(rank_state_policy)  # a usage error, raised before anything is opened
@@ -299,12 +290,10 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     # verified: a fault in a later batch raises and drops the arrays already built.
     built: dict[str, Any] = {}
     before = int(ckpt.stats.bytes_read)
-    coop = CoopStats()
-    exchange = JaxExchange() if _cooperates(cooperative, flat, plan) else None
+    exchange, coop = JaxExchange() if _cooperates(cooperative, flat, plan) else None, CoopStats()
     nbytes, t_read, batches = _restore_batches(ckpt, list(arrays.values()), built, exchange, coop)
     t3 = t2 + t_read
-    values = {k: bridge["leaves"][src] for k, src in plan.objects.items()}
-    values.update(built)
+    values = {**{k: bridge["leaves"][src] for k, src in plan.objects.items()}, **built}
     message = plan.report.warning()
     if message:
         warnings.warn(message, KeptValuesWarning, stacklevel=2)
@@ -312,16 +301,19 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     if stats is not None:
         _fill_stats(stats, ckpt, plan, rank_state_policy, batches, int(ckpt.stats.bytes_read) - before)
         stats.update(open_s=t1 - t0, plan_s=t2 - t1, read_s=t3 - t2, build_s=t4 - t3, bytes_restored=nbytes,
-                     cooperative=coop.as_dict(),
-                     boxes=sum(len(a.requests()) for a in arrays.values()))
+                     cooperative=coop.as_dict(), boxes=sum(len(a.requests()) for a in arrays.values()))
     if treedef is None:
         return nest(values)
     return jax.tree_util.tree_unflatten(treedef, [values[k] if k in values else leaf for k, leaf in flat])
 
 
 def _cooperates(cooperative: bool | None, flat: list[tuple[str, Any]], plan: RestorePlan) -> bool:
-    """Whether this restore is cooperative (see :func:`restore`): the same answer on every
-    process, as it depends only on the option and the target's shardings."""
+    """Whether this restore is cooperative: ``cooperative=None`` (the default) when a target array
+    lies on devices of several processes with some box on devices of more than one (every process
+    then calls ``restore``, as a sharded restore requires anyway); True: for every restore on
+    several processes (every process must call it); False: never. The same answer on every
+    process: it depends only on the option and the target's shardings. A read that fails on any
+    process then raises the same typed error on every process, and none returns anything."""
     if cooperative is False or jax.process_count() == 1:
         return False
     if cooperative:
