@@ -64,7 +64,8 @@ class _Threads:
 
 
 def _run(url: str, batches: list[list[list[Any]]]) -> list[Any]:
-    group, out = _Threads(2), [None, None]
+    world = len(batches)
+    group, out = _Threads(world), [None] * world
 
     def rank(r: int) -> None:
         stats = CoopStats()
@@ -73,7 +74,7 @@ def _run(url: str, batches: list[list[list[Any]]]) -> list[Any]:
             out[r] = (got, stats)
         except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
             out[r] = e
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -104,3 +105,18 @@ def test_rounds_share_verified_boxes_and_a_failed_read_fails_every_rank(tmp_path
     e0, e1 = _run(url, batches)
     assert isinstance(e0, ChecksumMismatchError) and isinstance(e1, ChecksumMismatchError), (e0, e1)
     assert e0.key == e1.key == "a" and e0.object == e1.object and str(e0).startswith("rank 1: "), (e0, e1)
+
+
+def test_a_process_that_serves_nothing_in_a_round_keeps_its_reads_in_step(tmp_path):
+    """Three ranks need the same two boxes, one per round: rank 0 serves round 0 and rank 1 round 1,
+    so rank 1 reads nothing from storage in round 0 (a round it must skip in its reader) and every
+    rank gets both boxes exactly; each reads one box at most."""
+    url = str(tmp_path / "repo")
+    a = np.arange(8 * 8, dtype=np.float32).reshape(8, 8)
+    ckptfmt.save(url, 1, [LocalShard("a", a.shape, a.dtype, Box((r, 0), (4, 8)), a[r:r + 4]) for r in (0, 4)])
+    reqs = [_req("a", 0), _req("a", 4)]
+    out = _run(url, [[[reqs[0]], [reqs[1]]]] * 3)
+    for got, stats in out:
+        assert np.array_equal(got[0][0], a[:4]) and np.array_equal(got[1][0], a[4:])
+        assert stats.bytes_sent <= 128
+    assert [s.served for _, s in out] == [[["a", [0, 0]]], [["a", [4, 0]]], []]

@@ -174,7 +174,7 @@ def cooperative_reads(source: Any, batches: Sequence[Sequence[Request]], exchang
         yield from source.iter_read_boxes(batches)
         return
     stats.cooperative = True
-    reader = source.iter_read_boxes([rp.reads for rp in plan.rounds])
+    reader = source.iter_read_boxes([rp.reads for rp in plan.rounds if rp.reads])  # _round skips the empty
     held: list[np.ndarray] | None = None
     try:
         for r, rp in enumerate(plan.rounds):
