@@ -158,7 +158,7 @@ def cooperative_reads(source: Any, batches: Sequence[Sequence[Request]], exchang
     Every process of ``exchange`` must call it at the same point and drain the iterator to its end
     (it runs the rounds of the processes with more batches after its own last yield). Fails
     closed, on every process at once: a read that fails on any process raises, at the same
-    round on every process, that process's error (the same CheckpointError class, key, object,
+    round on every process, that process's error (of several, the lowest rank's) (the same CheckpointError class, key, object,
     expected and found; the message prefixed ``rank p: `` on the others; an untyped error arrives
     as a CheckpointError naming its class). Nothing is yielded from a round that failed.
     """
@@ -221,9 +221,9 @@ def _round(source: Any, exchange: Exchange, name: str, rp: RoundPlan, reader: It
     if any(errs):
         docs = gather_bytes(exchange, name + "/error", json.dumps(_error_json(failure)).encode()
                             if failure is not None else b"")
-        if failure is not None:
-            raise failure
-        first = next(p for p, n in enumerate(errs) if n)
+        first = next(p for p, n in enumerate(errs) if n)  # several failed: the lowest rank's, everywhere
+        if first == me:
+            raise failure  # type: ignore[misc]
         raise CheckpointError.from_json(json.loads(docs[first]), prefix=f"rank {first}: ")
     for p, b in enumerate(bufs):
         if p == me or not rp.serves[p]:
