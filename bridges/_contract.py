@@ -16,7 +16,7 @@ import numpy as np
 from ckptfmt import Box
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import TopologyChangedError
-from ckptfmt.reader import RANK_STATE_POLICIES, check_rank_state_policy
+from ckptfmt.reader import RANK_STATE_POLICIES, check_rank_state_policy, cooperative_reads
 from ckptfmt.state import decode_state, encode_state
 
 __all__ = ["RESTORE_BATCH_BYTES", "Batch", "read_batches", "check_topology", "rank_state", "renamed_keyword",
@@ -116,7 +116,7 @@ class Batch:
 
 
 def read_batches(ckpt: Any, groups: Sequence[Sequence[Request] | None], *,
-                 batch_bytes: int | None = None) -> Iterator[Batch]:
+                 batch_bytes: int | None = None, exchange: Any = None, coop: Any = None) -> Iterator[Batch]:
     """Read every group's requests (one group per restored value) in batches of about
     ``batch_bytes`` host bytes (default: RESTORE_BATCH_BYTES), yielding each :class:`Batch` once
     its bytes are verified.
@@ -129,6 +129,12 @@ def read_batches(ckpt: Any, groups: Sequence[Sequence[Request] | None], *,
     Fails closed: a fault in any batch raises from the iterator (a CheckpointError of the core
     reader), so a caller must not return anything it built before the iterator is exhausted.
     Closing the iterator early stops the reader's threads.
+
+    ``exchange`` (a :class:`ckptfmt.reader.Exchange`): a cooperative restore (FORMAT.md 9.1); every
+    process of it calls this at the same point and drains the iterator; a box several processes
+    need is read from storage by one of them and shared once verified (``coop``, a
+    :class:`ckptfmt.reader.CoopStats`, counts what moved); a failed read on any process raises on
+    every process.
     """
     limit = RESTORE_BATCH_BYTES if batch_bytes is None else int(batch_bytes)
     batches: list[list[int]] = []
@@ -152,12 +158,17 @@ def read_batches(ckpt: Any, groups: Sequence[Sequence[Request] | None], *,
                 (twice if r in seen else seen).add(r)
         per_batch.append(list(dict.fromkeys(r for i in batch for r in groups[i])))  # type: ignore[union-attr]
         shared.append(frozenset(twice))
-    reader = ckpt.iter_read_boxes(per_batch)
+    if exchange is None:
+        reader = ckpt.iter_read_boxes(per_batch)
+    else:
+        reader = cooperative_reads(ckpt, per_batch, exchange, stats=coop)
     try:
         for batch, reqs, twice in zip(batches, per_batch, shared):
             arrays = next(reader)  # every byte of this batch is verified before it is yielded
             yield Batch(tuple(batch), dict(zip(reqs, arrays)), twice)
             del arrays
+        if exchange is not None:
+            next(reader, None)  # drains: the rounds of peers with more batches run here
     finally:
         reader.close()  # stops the reader's threads on every path
 

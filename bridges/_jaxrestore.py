@@ -21,12 +21,13 @@ from ckptfmt import Box, Repository, agree_step
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import CheckpointError, InvalidStateError, ShapeMismatchError
 from ckptfmt.interop import open_source
-from ckptfmt.reader import check_rank_state_policy
+from ckptfmt.reader import CoopStats, check_rank_state_policy
 from ckptfmt.restoreplan import RestorePlan, RestoreSource, TargetLeaf, TensorPlan, plan_restore
 
 from ._contract import caller_rank_state, check_topology, effective_policy, read_batches, restore_stats
 from ._contract import rank_state as _rank_state
 from ._jaxcoord import JaxCoordinator
+from ._jaxshare import JaxExchange, spans_processes
 from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, nest, physical_sharding
 from .mapping import KeptValuesWarning, Mapping as KeyMapping
 
@@ -193,10 +194,12 @@ def _unshared(blk: np.ndarray, handed: list[tuple[int, int]]) -> np.ndarray:
     return blk
 
 
-def _restore_batches(ckpt: Any, plans: list[_ArrayPlan], built: dict[str, Any]) -> tuple[int, float, int]:
-    """Build each batch's arrays as soon as it is read and verified. Returns (bytes, read s, batches)."""
+def _restore_batches(ckpt: Any, plans: list[_ArrayPlan], built: dict[str, Any], exchange: Any = None,
+                     coop: CoopStats | None = None) -> tuple[int, float, int]:
+    """Build each batch's arrays as soon as it is read and verified (``exchange``: a cooperative
+    restore, FORMAT.md 9.1). Returns (bytes, read s, batches)."""
     nbytes, t_read, count = 0, 0.0, 0
-    batches = read_batches(ckpt, [p.requests() for p in plans])
+    batches = read_batches(ckpt, [p.requests() for p in plans], exchange=exchange, coop=coop)
     try:
         while True:
             tr = time.perf_counter()
@@ -224,7 +227,8 @@ def _restore_batches(ckpt: Any, plans: list[_ArrayPlan], built: dict[str, Any]) 
 
 
 def restore(url: str, target: Any = None, *, step: int | None = None, rank_state_policy: str | None = None,
-            mapping: KeyMapping | None = None, strict: bool | None = None, stats: dict[str, Any] | None = None) -> Any:
+            mapping: KeyMapping | None = None, strict: bool | None = None, stats: dict[str, Any] | None = None,
+            cooperative: bool | None = None) -> Any:
     """Restore step ``step`` (None: the latest committed step) of the repository at ``url``.
 
     ``target`` is a pytree like the saved state. Leaves that are ``jax.ShapeDtypeStruct`` (with
@@ -251,10 +255,11 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     :mod:`bridges.jax`), or any verification error of the core reader, all raised before any
     array is returned.
 
-    ``stats``, if given, is filled as in every bridge (``step``, ``report``, ``extra``,
-    ``rank_state``, ``batches``, ``bytes_read``) plus phase timings (``open_s``, ``plan_s``,
-    ``read_s`` -- read and verify --, ``build_s``), ``bytes_restored``, ``boxes`` and the reader's
-    counters (``reader``).
+    ``cooperative``: a box several processes restore is read by one and shared (FORMAT.md 9.1;
+    by default as :func:`_cooperates` says; False: each reads all). ``stats``, if given, is filled
+    as in every bridge (``step``, ``report``, ``extra``, ``rank_state``, ``batches``, ``bytes_read``
+    from storage, ``cooperative``) plus phase timings (``open_s``, ``plan_s``, ``read_s`` -- read
+    and verify --, ``build_s``), ``bytes_restored``, ``boxes`` and the reader's counters (``reader``).
     """
     t0 = time.perf_counter()
     check_rank_state_policy(rank_state_policy)  # a usage error, raised before anything is opened
@@ -285,10 +290,10 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     # verified: a fault in a later batch raises and drops the arrays already built.
     built: dict[str, Any] = {}
     before = int(ckpt.stats.bytes_read)
-    nbytes, t_read, batches = _restore_batches(ckpt, list(arrays.values()), built)
+    exchange, coop = JaxExchange() if _cooperates(cooperative, flat, plan) else None, CoopStats()
+    nbytes, t_read, batches = _restore_batches(ckpt, list(arrays.values()), built, exchange, coop)
     t3 = t2 + t_read
-    values = {k: bridge["leaves"][src] for k, src in plan.objects.items()}
-    values.update(built)
+    values = {**{k: bridge["leaves"][src] for k, src in plan.objects.items()}, **built}
     message = plan.report.warning()
     if message:
         warnings.warn(message, KeptValuesWarning, stacklevel=2)
@@ -296,10 +301,33 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     if stats is not None:
         _fill_stats(stats, ckpt, plan, rank_state_policy, batches, int(ckpt.stats.bytes_read) - before)
         stats.update(open_s=t1 - t0, plan_s=t2 - t1, read_s=t3 - t2, build_s=t4 - t3, bytes_restored=nbytes,
-                     boxes=sum(len(a.requests()) for a in arrays.values()))
+                     cooperative=coop.as_dict(), boxes=sum(len(a.requests()) for a in arrays.values()))
     if treedef is None:
         return nest(values)
     return jax.tree_util.tree_unflatten(treedef, [values[k] if k in values else leaf for k, leaf in flat])
+
+
+def _cooperates(cooperative: bool | None, flat: list[tuple[str, Any]], plan: RestorePlan) -> bool:
+    """Whether this restore is cooperative: ``cooperative=None`` (the default) when a target array
+    lies on devices of several processes with some box on devices of more than one (every process
+    then calls ``restore``, as a sharded restore requires anyway); True: for every restore on
+    several processes (every process must call it); False: never. The same answer on every
+    process: it depends only on the option and the target's shardings. A read that fails on any
+    process then raises the same typed error on every process, and none returns anything."""
+    if cooperative is False or jax.process_count() == 1:
+        return False
+    if cooperative:
+        return True
+    planned = {tp.key: tp for tp in plan.tensors}
+    for key, leaf in flat:
+        if key not in planned or not spans_processes(leaf) or is_prng_key(leaf):
+            continue
+        owners: dict[Box, set[int]] = {}
+        for device, index in leaf.sharding.devices_indices_map(planned[key].shape).items():
+            owners.setdefault(index_to_box(index, planned[key].shape), set()).add(device.process_index)
+        if any(len(ps) > 1 for ps in owners.values()):
+            return True
+    return False
 
 
 def _dtype(ckpt: Any, key: str) -> np.dtype:

@@ -17,7 +17,7 @@ from ckptfmt import agree_step
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import InvalidStateError
 from ckptfmt.interop import open_source
-from ckptfmt.reader import check_rank_state_policy
+from ckptfmt.reader import CoopStats, check_rank_state_policy
 from ckptfmt.restoreplan import RestorePlan, RestoreReport, RestoreSource, TargetLeaf, plan_restore
 
 from ._contract import (UNSET, caller_rank_state, check_topology, effective_policy, read_batches, renamed_keyword,
@@ -25,6 +25,7 @@ from ._contract import (UNSET, caller_rank_state, check_topology, effective_poli
 from ._contract import rank_state as _rank_state
 from ._torchconv import (_OBJECTS, _flatten, _local, _rank, _rebuild, _target_boxes, _world, _wrap_like, dtype_name,
                          from_numpy)
+from ._torchshare import TorchExchange, replicated_over_ranks
 from .mapping import KeptValuesWarning, Mapping
 
 __all__ = ["load", "load_extra", "load_rank_state", "Loaded"]
@@ -53,7 +54,9 @@ class Loaded(dict):
     ``rank_state`` and the torch RNG states; at another world size per ``rank_state_policy``).
     ``rank_extra``: the deprecated name of ``rank_state``. ``bytes_read``: tensor bytes this rank
     read (chunk data, checksums and shard indexes); ``objects_read``: how many shard objects it read from;
-    ``batches``: how many read batches (of about RESTORE_BATCH_BYTES) the load took.
+    ``batches``: how many read batches (of about RESTORE_BATCH_BYTES) the load took;
+    ``cooperative``: what a cooperative load shared (FORMAT.md 9.1; :class:`ckptfmt.reader.CoopStats`
+    as a dict: ``cooperative``, ``shared_boxes``, ``rounds``, ``bytes_sent``, ``bytes_received``, ``served``).
     """
 
     step: int
@@ -67,6 +70,7 @@ class Loaded(dict):
     bytes_read: int
     objects_read: int
     batches: int
+    cooperative: dict[str, Any]
 
     @property
     def rank_extra(self) -> Any:
@@ -83,7 +87,7 @@ def _leaf(key: str, v: Any) -> TargetLeaf:
 
 def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_state_policy: str | None = None,
          mapping: Mapping | None = None, strict: bool | None = None, rank_policy: Any = UNSET,
-         stats: dict[str, Any] | None = None) -> Loaded:
+         stats: dict[str, Any] | None = None, cooperative: bool | None = None) -> Loaded:
     """Load checkpoint ``step`` (default: the latest) into new tensors shaped like ``target``.
 
     With ``step=None`` on several ranks, every rank must call ``load``: rank 0 picks the latest
@@ -113,8 +117,18 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_
     a policy asks for them. Any other ``rank_state_policy`` raises ValueError before anything is
     opened. ``rank_policy`` is its deprecated name (DeprecationWarning).
 
+    ``cooperative`` (FORMAT.md 9.1; bridges/README.md "Cooperative restore"): a box that several
+    ranks load is read from storage by one of them, verified, and sent to the others over the
+    default process group. None (the default): on when a target DTensor spans every rank with a
+    Replicate placement over more than one rank (a DTensor load is collective); True: on for any
+    load on several ranks (plain tensors every rank holds, as under DDP; every rank must call
+    ``load``); False: every rank reads all it needs itself. A read that fails on any rank raises
+    the same typed error on every rank, and no rank returns anything.
+
     ``stats``, if given, is filled as in every bridge: ``step``, ``report``, ``extra``,
-    ``rank_state``, ``batches``, ``bytes_read``. ``target`` is never modified.
+    ``rank_state``, ``batches``, ``bytes_read`` (bytes this rank read from storage), ``cooperative``
+    (:class:`ckptfmt.reader.CoopStats` as a dict, also ``Loaded.cooperative``). ``target`` is never
+    modified.
     """
     rank_state_policy = renamed_keyword("load", "rank_policy", "rank_state_policy", rank_policy, rank_state_policy)
     check_rank_state_policy(rank_state_policy)  # a usage error, raised before anything is opened
@@ -126,7 +140,9 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_
     flat = list(_flatten(target))
     plan = plan_restore(ckpt, [_leaf(k, v) for k, v in flat], mapping, strict, objects=saved_objects)
     before, objects_before = _stat(ckpt, "bytes_read"), _stat(ckpt, "objects")
-    values, batches = _read(ckpt, plan, dict(flat), saved_objects)
+    coop = CoopStats()
+    exchange = TorchExchange() if _cooperates(cooperative, flat) else None
+    values, batches = _read(ckpt, plan, dict(flat), saved_objects, exchange, coop)
 
     out = Loaded(_rebuild(target, values))
     out.step = ckpt.step
@@ -140,17 +156,27 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_
     out.bytes_read = _stat(ckpt, "bytes_read") - before
     out.objects_read = _stat(ckpt, "objects") - objects_before
     out.batches = batches
+    out.cooperative = coop.as_dict()
     if stats is not None:
         stats.update(restore_stats(plan, extra=out.extra, rank_state=out.rank_state, batches=batches,
-                                   bytes_read=out.bytes_read))
+                                   bytes_read=out.bytes_read), cooperative=out.cooperative)
     message = plan.report.warning()
     if message:
         warnings.warn(message, KeptValuesWarning, stacklevel=2)
     return out
 
 
-def _read(ckpt: Any, plan: RestorePlan, targets: dict[str, Any], saved: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """Every target value: saved objects, kept values, and tensors read in verified batches."""
+def _cooperates(cooperative: bool | None, flat: list[tuple[str, Any]]) -> bool:
+    """Whether this load is cooperative (see :func:`load`): the same answer on every rank."""
+    if cooperative is False or _world() == 1:
+        return False
+    return bool(cooperative) or replicated_over_ranks(flat, _world())
+
+
+def _read(ckpt: Any, plan: RestorePlan, targets: dict[str, Any], saved: dict[str, Any], exchange: Any = None,
+          coop: CoopStats | None = None) -> tuple[dict[str, Any], int]:
+    """Every target value: saved objects, kept values, and tensors read in verified batches
+    (``exchange``: a cooperative load, FORMAT.md 9.1)."""
     values: dict[str, Any] = {k: saved[src] for k, src in plan.objects.items()}
     values.update({k: targets[k] for k in plan.kept})
     pieces: dict[str, list[tuple[Any, Any, list]]] = {}
@@ -167,7 +193,8 @@ def _read(ckpt: Any, plan: RestorePlan, targets: dict[str, Any], saved: dict[str
             del pieces[tp.key]
     order = list(pieces)
     batches = 0
-    for batch in read_batches(ckpt, [[r for _, _, rs in pieces[k] for r in rs] for k in order]):
+    groups = [[r for _, _, rs in pieces[k] for r in rs] for k in order]
+    for batch in read_batches(ckpt, groups, exchange=exchange, coop=coop):
         batches += 1
         for i in batch.groups:
             key = order[i]

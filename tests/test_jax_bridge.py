@@ -143,3 +143,23 @@ def test_replicated_writes_are_balanced_over_two_processes(tmp_path):
         assert a > 0 and b > 0 and abs(a - b) <= 0.1 * max(a, b), run
     for run in r0["replica0"]:
         assert run["bytes_per_process"][1] == 0, run
+
+
+@pytest.mark.multiprocess
+def test_cooperative_restore_reads_each_replicated_box_once(tmp_path):
+    """A (data=2, model=4) mesh over 2 processes, every box restored by both (FORMAT.md 9.1): the
+    cooperative restore (the default) is exact and each process reads within 10% of half the
+    replicated bytes; the control, ``cooperative=False``, reads them all on each. A flipped byte
+    in a shard only process 1 read makes BOTH raise ChecksumMismatchError for that tensor (rank
+    0's copy names rank 1); the intact checkpoint restored above is the control."""
+    r0, r1 = _both_results("coop_check.py", tmp_path)
+    full = r0["replicated_bytes"]
+    for r in (r0, r1):
+        assert r["coop"]["exact"] and r["independent"]["exact"], r
+        assert r["coop"]["coop"]["cooperative"] and r["coop"]["coop"]["shared_boxes"] > 0, r
+        assert abs(r["coop"]["bytes_read"] - full / 2) <= 0.1 * full / 2, r["coop"]
+        assert r["independent"]["bytes_read"] >= full and not r["independent"]["coop"]["cooperative"], r
+    assert r0["corrupt"] is not None and r1["corrupt"] is not None, (r0, r1)
+    assert r0["corrupt"]["error"] == r1["corrupt"]["error"] == "ChecksumMismatchError", (r0, r1)
+    assert r0["corrupt"]["key"] == r1["corrupt"]["key"] == r1["flipped"]
+    assert r0["corrupt"]["message"].startswith("rank 1: "), r0["corrupt"]

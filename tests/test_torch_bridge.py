@@ -447,3 +447,24 @@ def test_fsdp2_with_tensor_parallel_saves_and_restores_on_other_meshes(tmp_path)
     assert j["keys"] and all(j["exact"].values()) and len(j["exact"]) == 12 and j["devices"] == [8], j
     assert not j["control"], j  # the check sees a misplaced box
     assert j["asked_rank_state"] == "TopologyChangedError", j  # control: a caller's rank_state still needs a policy
+
+
+@pytest.mark.multiprocess
+def test_cooperative_load_reads_each_replicated_box_once(tmp_path):
+    """2 gloo ranks load DTensors replicated over both (FORMAT.md 9.1): the cooperative load (the
+    default) is exact and each rank reads within 10% of half the replicated bytes, as does a
+    plain-tensor load with cooperative=True; the control, cooperative=False, reads them all on
+    each rank. A flipped byte in a shard only rank 1 read makes BOTH raise ChecksumMismatchError
+    for that tensor (rank 0's copy names rank 1); the intact loads above are the control."""
+    r0, r1 = run_world("coop:load", 2, tmp_path)
+    full = r0["replicated_bytes"]
+    for r in (r0, r1):
+        for name in ("coop", "plain"):
+            assert r[name]["exact"] and r[name]["coop"]["cooperative"], (name, r)
+            assert abs(r[name]["bytes_read"] - full / 2) <= 0.1 * full / 2, (name, r[name])
+        assert r["independent"]["exact"] and not r["independent"]["coop"]["cooperative"], r
+        assert r["independent"]["bytes_read"] >= full, r["independent"]
+    assert r0["corrupt"] is not None and r1["corrupt"] is not None, (r0, r1)
+    assert r0["corrupt"]["error"] == r1["corrupt"]["error"] == "ChecksumMismatchError", (r0, r1)
+    assert r0["corrupt"]["key"] == r1["corrupt"]["key"] == r1["flipped"]
+    assert r0["corrupt"]["message"].startswith("rank 1: "), r0["corrupt"]

@@ -3,9 +3,10 @@ every block against the manifest, and hand nothing back until everything is veri
 
 Subpackage ``ckptfmt.reader``. The restore side: a committed step opened for reading, planned by
 global coordinates, read by byte range (positionally on local files), verified, and the memory the
-outputs are read into (FORMAT.md 9). Its modules: ``_alloc``, ``_positional``. May import: floor,
-manifest, storage, shard. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
-(tests/test_layering.py holds the rules and enforces them). Subpackages that may import it:
+outputs are read into (FORMAT.md 9), and the cooperative restore (FORMAT.md 9.1). Its modules:
+``_alloc``, ``_positional``, ``_cooperative``. May import: floor, manifest, storage, shard. The
+floor: the top-level modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the
+rules and enforces them). Subpackages that may import it:
 repository, interop, manager.
 """
 from __future__ import annotations
@@ -20,6 +21,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ckptfmt.reader._alloc import allocate, check_outputs_fit, require_memory
+from ckptfmt.reader._cooperative import CoopPlan as CoopPlan
+from ckptfmt.reader._cooperative import CoopStats as CoopStats
+from ckptfmt.reader._cooperative import Exchange as Exchange
+from ckptfmt.reader._cooperative import RoundPlan as RoundPlan
+from ckptfmt.reader._cooperative import cooperative_reads as cooperative_reads
+from ckptfmt.reader._cooperative import plan_cooperative as plan_cooperative
 from ckptfmt.reader._positional import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
 from ckptfmt.reader._positional import PositionalReads, _Batch
 from ckptfmt._types import Box
@@ -32,7 +39,8 @@ from ckptfmt.plan import ReadItem, plan_reads
 from ckptfmt.state import decode_state
 from ckptfmt.storage import Pending, Storage
 
-__all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy"]
+__all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy",
+           "Exchange", "CoopPlan", "CoopStats", "RoundPlan", "plan_cooperative", "cooperative_reads"]
 
 #: Bytes of reads kept in flight by one reader: a fixed memory overhead, independent of state size.
 DEFAULT_READ_WINDOW = 256 << 20
