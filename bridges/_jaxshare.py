@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._jaxcoord import JaxCoordinator
+
 __all__ = ["JaxExchange", "spans_processes"]
 
 
@@ -33,8 +35,9 @@ def _padded(n: int) -> int:
 class JaxExchange:
     """An all-gather of uint8 buffers over every JAX process (``jax.process_count()``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, coordinator: Any = None) -> None:
         self.rank, self.world = jax.process_index(), jax.process_count()
+        self.coordinator = coordinator if coordinator is not None else JaxCoordinator()
         firsts: dict[int, Any] = {}
         for d in sorted(jax.devices(), key=lambda d: d.id):
             firsts.setdefault(d.process_index, d)

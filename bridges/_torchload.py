@@ -25,7 +25,7 @@ from ._contract import (UNSET, caller_rank_state, check_topology, effective_poli
 from ._contract import rank_state as _rank_state
 from ._torchconv import (_OBJECTS, _flatten, _local, _rank, _rebuild, _target_boxes, _world, _wrap_like, dtype_name,
                          from_numpy)
-from ._torchshare import TorchExchange, replicated_over_ranks
+from ._torchshare import TorchExchange, collectives_pay, replicated_over_ranks
 from .mapping import KeptValuesWarning, Mapping
 
 __all__ = ["load", "load_extra", "load_rank_state", "Loaded"]
@@ -170,7 +170,9 @@ def _cooperates(cooperative: bool | None, flat: list[tuple[str, Any]]) -> bool:
     """Whether this load is cooperative (see :func:`load`): the same answer on every rank."""
     if cooperative is False or _world() == 1:
         return False
-    return bool(cooperative) or replicated_over_ranks(flat, _world())
+    if cooperative:
+        return True
+    return collectives_pay() and replicated_over_ranks(flat, _world())
 
 
 def _read(ckpt: Any, plan: RestorePlan, targets: dict[str, Any], saved: dict[str, Any], exchange: Any = None,

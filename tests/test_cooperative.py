@@ -120,3 +120,42 @@ def test_a_process_that_serves_nothing_in_a_round_keeps_its_reads_in_step(tmp_pa
         assert np.array_equal(got[0][0], a[:4]) and np.array_equal(got[1][0], a[4:])
         assert stats.bytes_sent <= 128
     assert [s.served for _, s in out] == [[["a", [0, 0]]], [["a", [4, 0]]], []]
+
+
+def test_a_process_that_never_arrives_is_a_bounded_typed_failure(tmp_path):
+    """The needs go through the coordinator (FORMAT.md 9.1), whose waits are bounded: when rank 1
+    fails before the restore (say, in planning) and never calls it, rank 0 raises
+    CoordinatorTimeoutError within the coordinator's timeout instead of waiting in a collective
+    with none. Control: with both ranks calling, the same coordinators carry a cooperative restore."""
+    from ckptfmt.coord import TcpCoordinator, free_port
+    from ckptfmt.errors import CoordinatorTimeoutError
+
+    url = str(tmp_path / "repo")
+    a = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    ckptfmt.save(url, 1, [LocalShard("a", a.shape, a.dtype, Box((r, 0), (4, 8)), a[r:r + 4]) for r in range(0, 16, 4)])
+    reqs = [_req("a", r) for r in range(0, 16, 4)]
+    for arrives in (True, False):
+        address, group, out, done = f"127.0.0.1:{free_port()}", _Threads(2), [None, None], threading.Event()
+
+        def rank(r: int) -> None:
+            with TcpCoordinator(address, r, 2, timeout_s=3) as coord:
+                ex = group.at(r)
+                ex.coordinator = coord
+                if r == 1 and not arrives:
+                    out[r] = "failed before the restore"
+                    done.wait(30)  # alive, its coordinator open: rank 0 can only time out
+                    return
+                try:
+                    out[r] = list(cooperative_reads(Repository(url).open(1), [reqs], ex, stats=CoopStats()))
+                except Exception as e:  # noqa: BLE001 - the test looks at what rank 0 raised
+                    out[r] = e
+                done.set()
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if arrives:
+            assert all(isinstance(o, list) and len(o[0]) == 4 for o in out), out
+        else:
+            assert isinstance(out[0], CoordinatorTimeoutError), out

@@ -148,8 +148,9 @@ def test_replicated_writes_are_balanced_over_two_processes(tmp_path):
 @pytest.mark.multiprocess
 def test_cooperative_restore_reads_each_replicated_box_once(tmp_path):
     """A (data=2, model=4) mesh over 2 processes, every box restored by both (FORMAT.md 9.1): the
-    cooperative restore (the default) is exact and each process reads within 10% of half the
-    replicated bytes; the control, ``cooperative=False``, reads them all on each. A flipped byte
+    cooperative restore (``cooperative=True``) is exact and each process reads within 10% of half the
+    replicated bytes; the control, ``cooperative=False``, reads them all on each, and so does the
+    default on CPU devices (off where it does not pay). A flipped byte
     in a shard only process 1 read makes BOTH raise ChecksumMismatchError for that tensor (rank
     0's copy names rank 1); the intact checkpoint restored above is the control."""
     r0, r1 = _both_results("coop_check.py", tmp_path)
@@ -159,6 +160,8 @@ def test_cooperative_restore_reads_each_replicated_box_once(tmp_path):
         assert r["coop"]["coop"]["cooperative"] and r["coop"]["coop"]["shared_boxes"] > 0, r
         assert abs(r["coop"]["bytes_read"] - full / 2) <= 0.1 * full / 2, r["coop"]
         assert r["independent"]["bytes_read"] >= full and not r["independent"]["coop"]["cooperative"], r
+        assert r["default"]["exact"] and not r["default"]["coop"]["cooperative"], r
+        assert r["default"]["bytes_read"] >= full, r["default"]
     assert r0["corrupt"] is not None and r1["corrupt"] is not None, (r0, r1)
     assert r0["corrupt"]["error"] == r1["corrupt"]["error"] == "ChecksumMismatchError", (r0, r1)
     assert r0["corrupt"]["key"] == r1["corrupt"]["key"] == r1["flipped"]

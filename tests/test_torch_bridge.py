@@ -451,8 +451,8 @@ def test_fsdp2_with_tensor_parallel_saves_and_restores_on_other_meshes(tmp_path)
 
 @pytest.mark.multiprocess
 def test_cooperative_load_reads_each_replicated_box_once(tmp_path):
-    """2 gloo ranks load DTensors replicated over both (FORMAT.md 9.1): the cooperative load (the
-    default) is exact and each rank reads within 10% of half the replicated bytes, as does a
+    """2 gloo ranks load DTensors replicated over both (FORMAT.md 9.1): the cooperative load
+    (``cooperative=True``; on gloo the default is off, and reads everything) is exact and each rank reads within 10% of half the replicated bytes, as does a
     plain-tensor load with cooperative=True; the control, cooperative=False, reads them all on
     each rank. A flipped byte in a shard only rank 1 read makes BOTH raise ChecksumMismatchError
     for that tensor (rank 0's copy names rank 1); the intact loads above are the control."""
@@ -464,6 +464,8 @@ def test_cooperative_load_reads_each_replicated_box_once(tmp_path):
             assert abs(r[name]["bytes_read"] - full / 2) <= 0.1 * full / 2, (name, r[name])
         assert r["independent"]["exact"] and not r["independent"]["coop"]["cooperative"], r
         assert r["independent"]["bytes_read"] >= full, r["independent"]
+        assert r["default"]["exact"] and not r["default"]["coop"]["cooperative"], r
+        assert r["default"]["bytes_read"] >= full, r["default"]
     assert r0["corrupt"] is not None and r1["corrupt"] is not None, (r0, r1)
     assert r0["corrupt"]["error"] == r1["corrupt"]["error"] == "ChecksumMismatchError", (r0, r1)
     assert r0["corrupt"]["key"] == r1["corrupt"]["key"] == r1["flipped"]

@@ -43,10 +43,16 @@ class Exchange(Protocol):
     ``name`` and ``sizes`` (``sizes[p]`` is process ``p``'s buffer length, which every process
     knows from the plan) and its own 1-D uint8 ``data`` of ``sizes[rank]`` bytes; it returns every
     process's buffer, index = rank (this process's own may be ``data`` itself). Raises on a lost
-    peer (the framework's error)."""
+    peer (the framework's error).
+
+    ``coordinator`` (a :class:`ckptfmt.coord.Coordinator` of the same processes, or None): the
+    needs are gathered through it, so a process that never reaches the restore (it failed
+    before, or died) makes the others raise the coordinator's CoordinatorTimeoutError or
+    CoordinatorLostError within its timeout, instead of waiting in a collective without one."""
 
     rank: int
     world: int
+    coordinator: Any
 
     def allgather(self, name: str, data: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]: ...
 
@@ -163,7 +169,10 @@ def cooperative_reads(source: Any, batches: Sequence[Sequence[Request]], exchang
     as a CheckpointError naming its class). Nothing is yielded from a round that failed.
     """
     stats = stats if stats is not None else CoopStats()
-    needs = [_decode(b) for b in gather_bytes(exchange, name + "/needs", _encode(batches))]
+    coordinator = getattr(exchange, "coordinator", None)
+    blobs = (coordinator.allgather(name + "/needs", _encode(batches)) if coordinator is not None
+             else gather_bytes(exchange, name + "/needs", _encode(batches)))
+    needs = [_decode(b) for b in blobs]
 
     def size(req: Request) -> int:
         return req[1].size * numpy_dtype(source.tensor(req[0]).dtype).itemsize

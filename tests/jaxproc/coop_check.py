@@ -69,7 +69,7 @@ def main() -> None:
     bj.save(repo, state, step=1)
     target = bj.abstract_target(state)
     res: dict = {"rank": rank, "replicated_bytes": TENSORS * ROWS * COLS * 4}
-    for name, coop in (("coop", None), ("independent", False)):
+    for name, coop in (("coop", True), ("independent", False), ("default", None)):
         multihost_utils.sync_global_devices(name)
         stats: dict = {}
         got = bj.restore(repo, target, step=1, stats=stats, cooperative=coop)
@@ -79,7 +79,7 @@ def main() -> None:
         res["flipped"] = _flip_served(repo, res["coop"]["coop"]["served"])
     multihost_utils.sync_global_devices("flipped")
     try:
-        bj.restore(repo, target, step=1)
+        bj.restore(repo, target, step=1, cooperative=True)
         res["corrupt"] = None
     except CheckpointError as e:
         res["corrupt"] = {"error": type(e).__name__, "key": e.key, "message": str(e)[:300]}

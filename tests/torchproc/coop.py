@@ -47,7 +47,7 @@ def load(args: dict) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     bt.save(url, {f"w{t}": _value(t) for t in range(TENSORS)}, step=1, save_rng=False)
     res: dict = {"rank": rank, "replicated_bytes": TENSORS * ROWS * COLS * 4}
-    for name, coop in (("coop", None), ("independent", False), ("plain", True)):
+    for name, coop in (("coop", True), ("independent", False), ("plain", True), ("default", None)):
         dist.barrier()
         target = _target(mesh) if name != "plain" else {f"w{t}": torch.zeros(ROWS, COLS) for t in range(TENSORS)}
         out = bt.load(url, target, step=1, cooperative=coop)
@@ -59,7 +59,7 @@ def load(args: dict) -> dict:
         res["flipped"] = _flip_served(url, res["coop"]["coop"]["served"])
     dist.barrier()
     try:
-        bt.load(url, _target(mesh), step=1)
+        bt.load(url, _target(mesh), step=1, cooperative=True)
         res["corrupt"] = None
     except CheckpointError as e:
         res["corrupt"] = {"error": type(e).__name__, "key": e.key, "message": str(e)[:300]}
