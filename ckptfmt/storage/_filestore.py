@@ -57,6 +57,7 @@ class LocalFileStorage(KvStoreStorage):
         self._sync_fd = -1
         self._sync_failed: tuple[set[str], StorageError] | None = None
         self._sync_dev = -1
+        self._writing = 0  # write_object calls between opening the descriptor and recording their directory
         self._other_fs_dirs: set[str] = set()  # written into on another file system: fsync'd as in "fsync"
 
     @property
@@ -176,27 +177,35 @@ class LocalFileStorage(KvStoreStorage):
         path = self.root + key
         how = ("range" if self._syncfs else "fsync") if self._fsync else "none"
         if how == "range":
-            self._open_sync_fd()
-        n = _durable.write_file(path, buffers, fsync=how, obj=key, tensor=tensor)
+            self._open_sync_fd()  # counts this write as pending until its directory is recorded
         d = os.path.dirname(path)
-        if how == "range" and os.stat(d).st_dev != self._sync_dev:  # below a mount point: syncfs misses it
-            _durable.fsync_path(path, obj=key, tensor=tensor)
+        try:
+            n = _durable.write_file(path, buffers, fsync=how, obj=key, tensor=tensor)
+            if how == "range" and os.stat(d).st_dev != self._sync_dev:  # below a mount point: syncfs misses it
+                _durable.fsync_path(path, obj=key, tensor=tensor)
+                with self._dirs_lock:
+                    self._other_fs_dirs.add(d)
             with self._dirs_lock:
-                self._other_fs_dirs.add(d)
-        with self._dirs_lock:
-            self._dirs.add(d)
+                self._dirs.add(d)
+        finally:
+            if how == "range":
+                with self._dirs_lock:
+                    self._writing -= 1
         return n
 
     def _open_sync_fd(self) -> None:
         with self._dirs_lock:
-            if self._sync_fd >= 0:
-                return
-            try:
-                os.makedirs(self.root, exist_ok=True)
-                self._sync_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            if self._sync_fd < 0:
+                self._sync_fd = self._open_root()
                 self._sync_dev = os.fstat(self._sync_fd).st_dev
-            except OSError as e:
-                raise StorageError("cannot open the repository for syncfs", object=self.root, found=str(e)) from None
+            self._writing += 1
+
+    def _open_root(self) -> int:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise StorageError("cannot open the repository for syncfs", object=self.root, found=str(e)) from None
 
     def sync(self, prefix: str) -> None:
         """Make every object written under ``prefix`` durable: "syncfs", one ``syncfs`` of the file
@@ -231,9 +240,11 @@ class LocalFileStorage(KvStoreStorage):
             failed, fd = self._sync_failed, self._sync_fd
             if failed is not None and mine & failed[0]:
                 raise failed[1]
-            if fd < 0:  # nothing written since the last sync: open one now (a sync of no writes)
-                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            self._sync_fd = -1 if not self._dirs else fd  # others' writes still pending keep it open
+            if fd < 0:
+                if not mine:  # nothing written under this prefix since the last sync
+                    return
+                fd = self._open_root()
+            self._sync_fd = -1 if not (self._dirs or self._writing) else fd  # others' pending writes keep it
             try:
                 _durable.syncfs(fd)
             except OSError as e:

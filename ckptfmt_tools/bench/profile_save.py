@@ -2,7 +2,8 @@
 times, what the block device did on the save's clock, and (``--cprofile``) a cProfile top list.
 
 usage: python -m ckptfmt_tools.bench.profile_save [--size 1GiB] [--devices 8] [--saves 2]
-           [--after-other SIZE] [--delete-other] [--cache {sync,drop}] [--cprofile N] [DIR]
+           [--after-other SIZE] [--delete-other] [--cache {sync,drop}] [--sync-mode {syncfs,fsync}]
+           [--write-threads N] [--cprofile N] [DIR]
 
 Builds the bench's state (row-sharded over ``--devices`` JAX CPU devices), then saves it
 ``--saves`` times with ``bridges.jax.save`` into DIR (a temporary directory by default). The
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--saves", type=int, default=2)
     p.add_argument("--write-threads", type=int, default=None, help="the save's writer threads (default: the library's)")
+    p.add_argument("--sync-mode", choices=("syncfs", "fsync"), default=None,
+                   help="the repository option sync_mode (default: the library's)")
     p.add_argument("--after-other", default="0", metavar="SIZE", help="write SIZE as another system's save before each save")
     p.add_argument("--delete-other", action="store_true", help="remove the other save again before ours")
     p.add_argument("--cache", choices=("sync", "drop"), default="sync", help="before each save: sync, or sync and drop")
@@ -144,7 +147,9 @@ def _one_save(a: argparse.Namespace, n: int, root: str, state: Any) -> None:
     from ckptfmt import Repository, SaveOptions
 
     phases: dict[str, float] = {}
-    opts = {"write_threads": a.write_threads} if a.write_threads else {}
+    opts: dict[str, Any] = {"write_threads": a.write_threads} if a.write_threads else {}
+    if a.sync_mode:
+        opts["sync_mode"] = a.sync_mode
     shutil.rmtree(os.path.join(root, f"s{n}"), ignore_errors=True)
     os.sync()
     repo = Repository(os.path.join(root, f"s{n}"), options=opts)
