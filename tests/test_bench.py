@@ -196,3 +196,62 @@ def test_scaling_targets_and_lines_from_synthetic_rows(tmp_path):
     assert scaling.plot(rows, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 0
     opts = options_from_args(build_parser().parse_args(["--sizes", "1GiB,2GiB", "--two-process", "--no-steady"]))
     assert opts.sizes == (gib, 2 * gib) and opts.two_process and not opts.steady
+
+
+def test_cli_rotate_options_parse():
+    opts = options_from_args(build_parser().parse_args(["--rotate", "--save-cache", "sync", "--peers", "none"]))
+    assert opts == BenchOptions(rotate=True, save_cache="sync", peers=())
+    assert options_from_args(build_parser().parse_args([])).save_cache == "drop"
+    with pytest.raises(SystemExit):  # only the two modes
+        build_parser().parse_args(["--rotate", "--save-cache", "warm"])
+
+
+def test_rotated_analysis_pairs_each_repetition_with_its_faster_peer():
+    from ckptfmt_tools.bench import rotate
+
+    def run(wall_s: float, rep: int, place: int) -> dict:
+        return _phase(wall_s, rep=rep, place=place)
+
+    runs = {
+        "raw": {"save": [run(0.1, 0, 0)]},
+        "ckptfmt": {"save": [run(1.0, 0, 1), run(3.0, 1, 3), run(1.0, 2, 2)]},
+        "orbax": {"save": [run(2.0, 0, 2), run(2.0, 1, 1), run(4.0, 2, 3)]},
+        "dcp": {"save": [run(4.0, 0, 3), run(6.0, 1, 2)]},  # its rep 2 failed: orbax alone is the peer there
+    }
+    a = rotate.analyse(runs, ["save", "restore_8to4"])["save"]
+    assert [(r["faster_peer"], r["ratio"]) for r in a["repetitions"]] == [("orbax", 0.5), ("orbax", 1.5), ("orbax", 0.25)]
+    assert a["ratio"] == {"median": 0.5, "min": 0.25, "max": 1.5, "n": 3, "lost": 1}
+    assert a["by_place"]["ckptfmt"] == {1: 1.0, 2: 1.0, 3: 3.0} and "raw" not in a["by_place"]
+    text = "\n".join(rotate.lines({"repetitions": 3, "save_cache": "sync", "reads": "cold",
+                                   "phases": rotate.analyse(runs, ["save", "restore_8to4"])}))
+    assert "median 0.50 (min 0.25, max 1.50); ckptfmt slower than the faster peer in 1 of 3" in text
+    assert "rep 2: ckptfmt 3.000 [3]  orbax 2.000 [1]  dcp 6.000 [2]  ckptfmt / orbax 1.50" in text
+    assert "restore_8to4" not in text  # no rows, no lines
+
+
+def test_raw_limit_is_its_fastest_writer(tmp_path):
+    from ckptfmt_tools.bench import raw
+
+    layout = StateLayout.for_size(1 << 20, 2, (2,))
+    out = raw.write({"layout": layout.to_json(), "writers": 2, "path": str(tmp_path / "raw"), "threads": 2})
+    ph = out["phase"]
+    assert set(ph["methods"]) == set(raw.WRITERS)
+    timed = {k: v for k, v in ph["methods"].items() if isinstance(v, float)}
+    assert "threads" in timed and ph["method"] == min(timed, key=timed.get) and ph["wall_s"] == timed[ph["method"]]
+    assert out["disk"]["bytes_on_disk"] == layout.nbytes  # the threads writer's shard files are what is read back
+    back = raw.read({"path": str(tmp_path / "raw"), "readers": 2, "threads": 2})
+    assert back["phase"]["bytes_restored"] == layout.nbytes
+
+
+def test_bench_rotated_tiny(tmp_path):
+    opts = BenchOptions(size=4 << 20, repetitions=1, output_dir=str(tmp_path / "out"), storage=str(tmp_path / "repo"),
+                        peers=(), raw=False, restore_devices=(8,), rotate=True, save_cache="sync", safety=False,
+                        metadata=False, tailstep=False, plot=False)
+    result = run_bench(opts, log=None)
+    assert result.errors == {}, result.errors
+    assert [(r["rep"], r["place"]) for r in result.runs["ckptfmt"]["save"]] == [(0, 1)]
+    assert [(r["rep"], r["place"]) for r in result.runs["ckptfmt"]["restore_8to8"]] == [(0, 1)]
+    assert "save_steady" not in result.runs["ckptfmt"]
+    assert result.rotated["save_cache"] == "sync" and result.rotated["phases"]["save"]["ratio"] is None
+    assert "Rotated harness: 1 repetitions" in result.table and "rep 1: ckptfmt" in result.table
+    assert not any((tmp_path / "repo").rglob("*.json"))  # every checkpoint removed when its repetition ended

@@ -2,14 +2,21 @@
 
 One way to put bytes in a local file so that they survive a crash: written with ``pwritev``
 (looping over short writes), ``fsync``'d, checked by ``fstat`` size, and given their name by a
-rename; the directories renamed into are ``fsync``'d before anyone is told (FORMAT.md 14.2). The
+rename; the directories renamed into are ``fsync``'d before anyone is told (FORMAT.md 14.2). Or,
+where Linux offers it (:func:`filesystem_sync_available`), the save's batched form: each object's
+data is written back with ``sync_file_range`` (wait, write, wait: on the device, no cache flush),
+and one ``syncfs`` of the file system, on a descriptor opened before the first write, then
+writes every inode and directory entry and flushes the device once (:func:`syncfs`). The
 local-file backend (:meth:`ckptfmt.storage._filestore.LocalFileStorage.write_object`, ``sync``) and the
 safetensors exporter (:mod:`ckptfmt.interop._stexport`) both write through these functions.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import stat
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
@@ -18,7 +25,8 @@ from ckptfmt.storage._kverrors import storage_error
 from ckptfmt.storage._localfs import LOCK_SUFFIX, advance
 from ckptfmt.errors import StorageError
 
-__all__ = ["DEFAULT_WRITE_THREADS", "writer_pool", "pwritev_all", "write_file", "fill", "fsync_dir", "fsync_dirs"]
+__all__ = ["DEFAULT_WRITE_THREADS", "SYNC_MODES", "writer_pool", "pwritev_all", "write_file", "fill", "fsync_dir",
+           "fsync_dirs", "fsync_path", "filesystem_sync_available", "sync_range", "syncfs"]
 
 #: Writer threads (pwritev, fsync and crc32c release the GIL): enough to keep a disk's queue full.
 DEFAULT_WRITE_THREADS = 16
@@ -27,6 +35,12 @@ DEFAULT_WRITE_THREADS = 16
 _STAGE_BYTES = 8 << 20
 #: Most buffers one pwritev call takes (Linux IOV_MAX).
 _IOV_MAX = 1024
+
+#: How a written file is made durable: "fsync" (the file, then its directory), "range" (its data
+#: written back by sync_file_range; durable only after a later :func:`syncfs`), "none" (not at all).
+SYNC_MODES = ("fsync", "range", "none")
+#: sync_file_range flags: SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER.
+_RANGE_WAIT_WRITE_WAIT = 1 | 2 | 4
 
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
@@ -62,11 +76,51 @@ def pwritev_all(fd: int, buffers: Sequence[Any], offset: int, *, obj: str, tenso
     return done
 
 
-def fill(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool = True, obj: str | None = None,
+@functools.lru_cache(maxsize=None)
+def _libc() -> Any | None:
+    """libc's sync_file_range and syncfs (Linux), loaded on first use; None where absent."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        libc.syncfs.argtypes = [ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def filesystem_sync_available() -> bool:
+    """Whether :func:`sync_range` and :func:`syncfs` can run here (Linux with both calls)."""
+    return _libc() is not None
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def sync_range(fd: int) -> None:
+    """Write the whole file's dirty data to the device and wait (``sync_file_range`` with wait,
+    write, wait); its metadata and the device's cache are left to :func:`syncfs`. OSError on failure."""
+    _check(_libc().sync_file_range(fd, 0, 0, _RANGE_WAIT_WRITE_WAIT), "sync_file_range")
+
+
+def syncfs(fd: int) -> None:
+    """``syncfs(2)`` the file system of ``fd``: every dirty inode, directory entry and data page on
+    it is written and the device's cache flushed. Linux (5.8 and later) reports a write-back error
+    of that file system that happened since ``fd`` was opened. OSError on failure."""
+    _check(_libc().syncfs(fd), "syncfs")
+
+
+def fill(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool | str = True, obj: str | None = None,
          tensor: str | None = None) -> int:
-    """Write ``buffers`` in order from offset 0 into the new file ``fd`` and ``fsync`` it (with
-    ``fsync``); the bytes written. On any failure the file is closed and removed, and the error
-    raised. ``fd`` is closed either way."""
+    """Write ``buffers`` in order from offset 0 into the new file ``fd`` and make it durable as
+    ``fsync`` says (True or "fsync": ``fsync``; "range": :func:`sync_range`, durable once a
+    :func:`syncfs` follows; False or "none": not at all); the bytes written. On any failure the
+    file is closed and removed, and the error raised. ``fd`` is closed either way."""
+    mode = {True: "fsync", False: "none"}.get(fsync, fsync)  # type: ignore[call-overload]
     name = obj or path
     try:
         offset, held, iov = 0, 0, []
@@ -78,8 +132,10 @@ def fill(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool = True, obj:
                 offset += pwritev_all(fd, iov, offset, obj=name, tensor=tensor)
                 iov, held = [], 0
         offset += pwritev_all(fd, iov, offset, obj=name, tensor=tensor)
-        if fsync:
+        if mode == "fsync":
             os.fsync(fd)
+        elif mode == "range":
+            sync_range(fd)
         st = os.fstat(fd)
     except OSError as e:
         _discard(fd, path)
@@ -95,10 +151,10 @@ def fill(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool = True, obj:
     return offset
 
 
-def write_file(path: str, buffers: Iterable[Any], *, fsync: bool = True, obj: str | None = None,
+def write_file(path: str, buffers: Iterable[Any], *, fsync: bool | str = True, obj: str | None = None,
                tensor: str | None = None) -> int:
     """Write ``buffers`` as the file ``path``: into ``path + ".__lock"`` (created exclusively),
-    ``fsync``'d, checked by size, renamed over ``path``; the bytes written. The directory is not
+    made durable as ``fsync`` says (:func:`fill`), checked by size, renamed over ``path``; the bytes written. The directory is not
     ``fsync``'d here (:func:`fsync_dirs`, once for many files). On failure the lock file is
     removed (gc removes one a killed process leaves) and a StorageError raised."""
     tmp = path + LOCK_SUFFIX
@@ -124,6 +180,18 @@ def _discard(fd: int, tmp: str) -> None:
         os.unlink(tmp)
     except OSError:
         pass  # gc removes stale lock files
+
+
+def fsync_path(path: str, *, obj: str | None = None, tensor: str | None = None) -> None:
+    """``fsync`` the regular file ``path`` through a new descriptor; StorageError naming it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise storage_error("fsync failed", e, object=obj or path, key=tensor) from None
 
 
 def fsync_dir(d: str) -> None:

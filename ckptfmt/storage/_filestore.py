@@ -6,9 +6,13 @@
 - Positional vectored reads (``preadv``) straight into the caller's buffers (option
   ``positional_reads``, default True; False reads through the kvstore as every other store does).
 - Whole-object writes (:meth:`LocalFileStorage.write_object`) with ``pwritev`` straight from the
-  caller's buffers (a save's source arrays), ``fsync``'d, checked by size and renamed into place
-  (:mod:`ckptfmt.storage._durable`); :meth:`LocalFileStorage.sync` then ``fsync``s every directory they
-  were renamed into (option ``fsync``, default True: False skips both ``fsync`` calls).
+  caller's buffers (a save's source arrays), checked by size and renamed into place
+  (:mod:`ckptfmt.storage._durable`), then made durable by :meth:`LocalFileStorage.sync`. Option
+  ``sync_mode``: "syncfs" (the default on Linux) writes each object's data back with
+  ``sync_file_range`` and ``sync`` makes everything durable with one ``syncfs``, on a descriptor
+  opened before the first of those writes (one device cache flush, where an ``fsync`` per object
+  and per directory cost one each); "fsync" ``fsync``s each object, and ``sync`` every directory
+  they were renamed into. Option ``fsync``, default True: False skips all of it.
 - Deletes of a prefix and the walks that judge ages go through :mod:`ckptfmt.storage._localfs`, which
   never follows a symbolic link (tensorstore's ``delete_range`` does).
 - Lock files (``<key>.__lock``) left by writes that were killed midway are removed once stale.
@@ -42,6 +46,19 @@ class LocalFileStorage(KvStoreStorage):
                           DeprecationWarning, stacklevel=3)
         self._dirs: set[str] = set()  # renamed into by write_object since the last sync of their prefix
         self._dirs_lock = threading.Lock()
+        mode = options.get("sync_mode", "syncfs" if _durable.filesystem_sync_available() else "fsync")
+        if mode not in ("syncfs", "fsync") or (mode == "syncfs" and not _durable.filesystem_sync_available()):
+            raise StorageError("unknown or unavailable storage option sync_mode", object=url,
+                               expected="'fsync', or 'syncfs' on Linux", found=repr(mode))
+        self._syncfs = mode == "syncfs"
+        # syncfs: opened before the first write since the last sync, so that its syncfs reports a
+        # write-back error of the file system from then on; a failed syncfs fails every sync
+        # whose directories were pending when it ran (they shared its descriptor).
+        self._sync_fd = -1
+        self._sync_failed: tuple[set[str], StorageError] | None = None
+        self._sync_dev = -1
+        self._writing = 0  # write_object calls between opening the descriptor and recording their directory
+        self._other_fs_dirs: set[str] = set()  # written into on another file system: fsync'd as in "fsync"
 
     @property
     def root(self) -> str:
@@ -182,23 +199,61 @@ class LocalFileStorage(KvStoreStorage):
 
     # ------------------------------------------------------------------ writes
     def write_object(self, key: str, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
-        """Written to ``<key>.__lock`` (created exclusively), ``fsync``'d, checked by ``fstat``
-        size and renamed over ``key``; its directory is ``fsync``'d by :meth:`sync`."""
+        """Written to ``<key>.__lock`` (created exclusively), written back (``sync_mode`` "syncfs":
+        ``sync_file_range``) or ``fsync``'d ("fsync"), checked by ``fstat`` size and renamed over
+        ``key``; durable, its directory entry included, once :meth:`sync` returns."""
         path = self.root + key
-        n = _durable.write_file(path, buffers, fsync=self._fsync, obj=key, tensor=tensor)
-        with self._dirs_lock:
-            self._dirs.add(os.path.dirname(path))
+        how = ("range" if self._syncfs else "fsync") if self._fsync else "none"
+        if how == "range":
+            self._open_sync_fd()  # counts this write as pending until its directory is recorded
+        d = os.path.dirname(path)
+        try:
+            n = _durable.write_file(path, buffers, fsync=how, obj=key, tensor=tensor)
+            if how == "range" and os.stat(d).st_dev != self._sync_dev:  # below a mount point: syncfs misses it
+                _durable.fsync_path(path, obj=key, tensor=tensor)
+                with self._dirs_lock:
+                    self._other_fs_dirs.add(d)
+            with self._dirs_lock:
+                self._dirs.add(d)
+        finally:
+            if how == "range":
+                with self._dirs_lock:
+                    self._writing -= 1
         return n
 
+    def _open_sync_fd(self) -> None:
+        with self._dirs_lock:
+            if self._sync_fd < 0:
+                self._sync_fd = self._open_root()
+                self._sync_dev = os.fstat(self._sync_fd).st_dev
+            self._writing += 1
+
+    def _open_root(self) -> int:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise StorageError("cannot open the repository for syncfs", object=self.root, found=str(e)) from None
+
     def sync(self, prefix: str) -> None:
-        """``fsync`` every directory an object under ``prefix`` was renamed into, and each one above
-        it up to ``prefix``'s own (created on the way), concurrently on the writer threads."""
+        """Make every object written under ``prefix`` durable: "syncfs", one ``syncfs`` of the file
+        system (objects below a mount point inside the repository were ``fsync``'d one by one, and
+        their directories are ``fsync``'d here); "fsync", ``fsync`` every directory an object under
+        ``prefix`` was renamed into, and each one above it up to ``prefix``'s own (created on the
+        way), concurrently on the writer threads. StorageError when that fails."""
         top = os.path.dirname((self.root + prefix).rstrip("/"))
         with self._dirs_lock:
             mine = {d for d in self._dirs if d.startswith(top)}
             self._dirs -= mine
         if not self._fsync:
             return
+        if self._syncfs:
+            self._sync_filesystem(mine)
+            with self._dirs_lock:
+                mine &= self._other_fs_dirs
+                self._other_fs_dirs -= mine
+            if not mine:
+                return
         todo: set[str] = set()
         for d in mine:
             while d.startswith(top) and d != top and d not in todo:
@@ -206,6 +261,28 @@ class LocalFileStorage(KvStoreStorage):
                 d = os.path.dirname(d)
         threads = max(1, min(len(todo), int(self.options.get("write_threads", _durable.DEFAULT_WRITE_THREADS))))
         _durable.fsync_dirs(todo, threads)
+
+    def _sync_filesystem(self, mine: set[str]) -> None:
+        """One ``syncfs`` on the descriptor opened before these writes (:meth:`_open_sync_fd`)."""
+        with self._dirs_lock:
+            failed, fd = self._sync_failed, self._sync_fd
+            if failed is not None and mine & failed[0]:
+                raise failed[1]
+            if fd < 0:
+                if not mine:  # nothing written under this prefix since the last sync
+                    return
+                fd = self._open_root()
+            self._sync_fd = -1 if not (self._dirs or self._writing) else fd  # others' pending writes keep it
+            try:
+                _durable.syncfs(fd)
+            except OSError as e:
+                err = StorageError("syncfs failed: the save's objects may not be durable", object=self.root,
+                                   expected="syncfs returns 0", found=str(e)[:300])
+                self._sync_failed = (set(self._dirs), err) if self._dirs else None
+                raise err from None
+            finally:
+                if self._sync_fd != fd:
+                    os.close(fd)
 
     @property
     def _fsync(self) -> bool:

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=_sizes, default=d.sizes,
                    help="scaling: also save and restore ckptfmt once at each size, e.g. 1GiB,2GiB,4GiB,8GiB "
                         "(seconds per GiB, peak RSS rise, scaling.png)")
+    p.add_argument("--rotate", action="store_true",
+                   help="the rotated harness: per repetition every system saves back to back (fresh processes, order "
+                        "rotated, checkpoints kept until the repetition ends), then restores; paired per-repetition "
+                        "ratios ckptfmt / faster peer, and each system's seconds by place")
+    p.add_argument("--save-cache", choices=("sync", "drop"), default=d.save_cache,
+                   help="--rotate: before each save sync the page cache, or sync and drop it (default drop; needs root)")
     p.add_argument("--no-raw", dest="raw", action="store_false", help="skip the raw disk limit")
     p.add_argument("--raw-threads", type=int, default=d.raw_threads, help="threads of the raw limit's pool (default 32)")
     p.add_argument("--ckptfmt-api", choices=("auto", "bridge", "core-jax", "core-numpy"), default=d.ckptfmt_api,

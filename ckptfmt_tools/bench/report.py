@@ -8,6 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from . import rotate
+
 # The stated fixed overhead of the peak-RSS targets: thread stacks, allocator arenas,
 # tensorstore's and the framework's caches. It comes on top of the RSS the process had
 # when the phase began (imports, and for a save the state itself), which is measured
@@ -44,6 +46,9 @@ def summarise(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dic
             for f in ("api", "bytes_read_counted_by"):
                 if reps and f in reps[0]:
                     s[f] = reps[0][f]
+            won = [r["method_label"] for r in reps if "method_label" in r]  # the raw limit: which writer won
+            if won:
+                s["method_label"] = ", ".join(f"{k} x{won.count(k)}" if len(set(won)) > 1 else k for k in sorted(set(won)))
             out.setdefault(system, {})[phase] = s
     return out
 
@@ -217,7 +222,7 @@ def table(result: Any) -> str:
         sv = ph.get("save", {})
         rd = {m: ph.get(f"restore_{n}to{m}") or (ph.get("restore") if system == "raw" else None) or {} for m in o["restore_devices"]}
         last = rd.get(resharded[0] if resharded else n, {})
-        label = f"raw ({o.get('raw_threads', n)} threads)" if system == "raw" else system
+        label = f"raw (fastest writer: {sv.get('method_label', str(o.get('raw_threads', n)) + ' threads')})" if system == "raw" else system
         row = [label, _s(sv.get("wall_s")), f"{sv['throughput_Bps'] / 1e6:,.0f}" if "throughput_Bps" in sv else "-",
                _s(ph.get("save_steady", {}).get("wall_s")), _s((rd.get(n) or {}).get("wall_s"))]
         row += [_s(rd[m].get("wall_s")) for m in resharded]
@@ -250,7 +255,7 @@ def table(result: Any) -> str:
         lines.append("ckptfmt save from 2 processes x " + f"{n // 2} devices speed-up: "
                      + ", ".join(f"{v:.2f}x vs {k} ({n} ranks)" for k, v in r["save_2proc_speedup_vs"].items()))
     if r.get("save_fraction_of_raw_write"):
-        lines.append("save throughput / raw parallel write: " + ", ".join(f"{k} {v:.0%}" for k, v in r["save_fraction_of_raw_write"].items()))
+        lines.append("save throughput / raw write (its fastest writer): " + ", ".join(f"{k} {v:.0%}" for k, v in r["save_fraction_of_raw_write"].items()))
     if r.get("restore_fraction_of_raw_read"):
         parts = [f"{s} {ph[8:]} {v:.0%}" for s, d in r["restore_fraction_of_raw_read"].items() for ph, v in d.items()]
         lines.append("restore throughput / raw parallel read: " + ", ".join(parts))
@@ -375,6 +380,8 @@ def finish(result: Any, out: Path, *, make_plot: bool = True) -> None:
 
         scaling.plot(result.scaling, out / "scaling.png")
     result.table = table(result)
+    if getattr(result, "rotated", None):
+        result.table += "\n" + "\n".join(rotate.lines(result.rotated))
     result.json_path = str(out / "bench.json")
     (out / "bench.md").write_text(result.table + "\n")
     Path(result.json_path).write_text(json.dumps(result.to_json(), indent=1, default=str))

@@ -24,6 +24,7 @@ from .child import ChildFailed, drop_page_cache, run_child
 from .jaxstate import xla_env
 from .layout import StateLayout
 from .ours import clear_repository, local_path
+from . import rotate
 from .peers import PEERS, peer_available
 from .safety import corrupt
 
@@ -60,6 +61,8 @@ class BenchOptions:
     tailstep_every: int = 10
     plot: bool = True
     keep_data: bool = False
+    rotate: bool = False  # the rotated harness (ckptfmt_tools/bench/rotate.py) instead of the interleaved repetitions
+    save_cache: str = "drop"  # --rotate: before each save the page cache is "sync"ed or synced and "drop"ped
     child_timeout_s: float = 1800.0
 
 
@@ -81,6 +84,7 @@ class BenchResult:
     tailstep: dict[str, Any] | None = None
     safety: dict[str, Any] = field(default_factory=dict)
     scaling: list[dict[str, Any]] | None = None
+    rotated: dict[str, Any] | None = None
     environment: dict[str, Any] = field(default_factory=dict)
     table: str = ""
     json_path: str | None = None
@@ -164,6 +168,10 @@ class _Session:
         if options.two_process:
             self.runs[TWO_PROCESS] = {}
         self.common = {"layout": self.layout.to_json(), "check": options.check, "steady": options.steady}
+
+    def tasks(self, system: str, *, steady: bool) -> tuple[dict, tuple, Callable]:
+        """:func:`_tasks` of one system, with or without its steady-state save."""
+        return _tasks(system, self.common | {"steady": steady}, self.urls, self.paths, self.o)
 
     def child(self, task: str, params: dict, env: dict | None = None) -> dict:
         return run_child(task, params, env=env, timeout_s=self.o.child_timeout_s)
@@ -296,9 +304,14 @@ def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], No
     s = _Session(options, log or (lambda _m: None))
     L = s.layout
     s.log(f"state: {L.tensors} x {L.rows}x{L.cols} float32 = {L.nbytes / 2**20:.0f} MiB; systems: {', '.join(s.systems)}; reads {s.cache}")
+    if options.save_cache not in rotate.SAVE_CACHE_MODES:
+        raise ValueError(f"save_cache must be one of {rotate.SAVE_CACHE_MODES}, not {options.save_cache!r}")
     for rep in range(options.repetitions):
-        s.log(f"repetition {rep + 1}/{options.repetitions}")
-        s.repetition(rep)
+        s.log(f"repetition {rep + 1}/{options.repetitions}" + (" (rotated)" if options.rotate else ""))
+        if options.rotate:
+            rotate.repetition(s, rep)
+        else:
+            s.repetition(rep)
     safety = s.safety() if options.safety else {}
     scaling_rows = None
     if options.sizes:
@@ -323,6 +336,10 @@ def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], No
         scaling=scaling_rows,
         environment=_environment(),
     )
+    if options.rotate:
+        n = options.save_devices
+        result.rotated = {"repetitions": options.repetitions, "save_cache": options.save_cache, "reads": s.cache,
+                          "phases": rotate.analyse(s.runs, ["save"] + [f"restore_{n}to{m}" for m in options.restore_devices])}
     report.finish(result, s.out, make_plot=options.plot)
     s.log(f"wrote {result.json_path}" + (f" and {result.plot_path}" if result.plot_path else ""))
     return result
