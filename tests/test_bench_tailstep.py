@@ -42,9 +42,9 @@ def row_has(table: str, system: str) -> bool:
 def test_table_and_cli_options(tmp_path):
     ok = {"system": "ckptfmt", "rep": 0, "baseline": {"p50_ms": 10.0, "p99_ms": 20.0},
           "with_saves": {"p50_ms": 10.5, "p99_ms": 24.0}, "p50_ratio": 1.05, "p99_ratio": 1.2, "blocked_ms_median": 1.0,
-          "blocked_ms_max": 2.0, "duration_ms_median": 80.0, "committed": 20, "saves": 20}
+          "blocked_ms_max": 2.0, "duration_ms_median": 80.0, "save_cpu_ms": 50.0, "committed": 20, "saves": 20}
     text = tailstep_peers.table([ok, {"system": "dcp", "rep": 0, "error": "boom"}])
-    assert "| ckptfmt | 1 | 1.050 (1.050-1.050) | 1.200 (1.200-1.200) |" in text
+    assert "| ckptfmt | 1 | 1.050 (1.050-1.050) | 1.200 (1.200-1.200) | 1.00 | 80 | 50 (50-50) |" in text
     assert "| dcp | 0 | failed: boom |" in text
     # An unknown system is refused before any child starts; the known ones are accepted (broken control).
     with pytest.raises(ValueError, match="tail-step systems"):

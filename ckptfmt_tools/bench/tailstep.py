@@ -16,6 +16,7 @@ ckptfmt also reports a synchronous save of the same state (the same manager with
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from typing import Any, Protocol
@@ -141,20 +142,35 @@ class Trainer:
         return times, at_risk
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def cadence(trainer: Trainer, saver: Saver, saves: Saves, steps: int) -> dict[str, Any]:
-    """Baseline halves around the loop with saves; the shared part of every system's result."""
+    """Baseline halves around the loop with saves; the shared part of every system's result.
+
+    ``save_cpu_ms``: the process's CPU time (user + system, every thread) of the loop with saves
+    (until its last save finished) less that of as many steps without saves, per save: what a
+    save takes from the cores training runs on, and less noisy than wall time on a shared machine."""
+    c0 = _cpu_s()
     base, _ = trainer.timed(None, 0, steps // 2)
+    c1 = _cpu_s()
     rss0 = rss_bytes()
     try:
         with_saves, at_risk = trainer.timed(saver, 1000, steps, saves)
     finally:
         saver.close()
+    c2 = _cpu_s()
     base += trainer.timed(None, 0, steps - steps // 2)[0]
+    base_cpu = (c1 - c0 + _cpu_s() - c2) / steps
     b, s = stat(base), stat(with_saves)
     out = {"steps": steps, "state_bytes": trainer.state_bytes, "model": trainer.model,
            "baseline": b, "with_saves": s,
            "p50_ratio": s["p50_ms"] / b["p50_ms"], "p99_ratio": s["p99_ms"] / b["p99_ms"],
-           "rpo_steps": max(at_risk), "rpo_steps_median": statistics.median(at_risk), "rss_before_saves": rss0}
+           "rpo_steps": max(at_risk), "rpo_steps_median": statistics.median(at_risk), "rss_before_saves": rss0,
+           "cpu_ms_per_step": base_cpu * 1e3,
+           "save_cpu_ms": (c2 - c1 - base_cpu * steps) * 1e3 / max(1, len(saves.started))}
     return out | saves.summary()
 
 

@@ -164,28 +164,32 @@ def row_line(r: dict) -> str:
     b, s = r["baseline"], r["with_saves"]
     return (f"| {r['system']} | {r.get('rep', '-')} | {b['p50_ms']:.2f} -> {s['p50_ms']:.2f} ({r['p50_ratio']:.3f}x) | "
             f"{b['p99_ms']:.2f} -> {s['p99_ms']:.2f} ({r['p99_ratio']:.3f}x) | {r['blocked_ms_median']:.2f} / "
-            f"{r['blocked_ms_max']:.2f} | {r['duration_ms_median']:.0f} | {r['committed']}/{r['saves']} |")
+            f"{r['blocked_ms_max']:.2f} | {r['duration_ms_median']:.0f} | {r.get('save_cpu_ms', 0):.0f} | "
+            f"{r['committed']}/{r['saves']} |")
 
 
 HEADER = ["| system | rep | step p50 ms: no saves -> saves (ratio) | step p99 ms: no saves -> saves (ratio) | "
-          "blocked per save ms: median / max | save duration ms (median, call to seen committed) | committed |",
-          "|---|---|---|---|---|---|---|"]
+          "blocked per save ms: median / max | save duration ms (median, call to seen committed) | "
+          "CPU ms per save | committed |",
+          "|---|---|---|---|---|---|---|---|"]
 
 
 def table(rows: list[dict]) -> str:
     """Every row, then per system the median (and range) of the p50 and p99 ratios."""
     out = list(HEADER) + [row_line(r) for r in rows]
-    out += ["", "| system | runs | p50 ratio median (range) | p99 ratio median (range) | blocked ms median | duration ms median |",
-            "|---|---|---|---|---|---|"]
+    out += ["", "| system | runs | p50 ratio median (range) | p99 ratio median (range) | blocked ms median | "
+            "duration ms median | CPU ms per save median (range) |", "|---|---|---|---|---|---|---|"]
     for system in dict.fromkeys(r["system"] for r in rows):
         ok = [r for r in rows if r["system"] == system and "error" not in r]
         if not ok:
             continue
         p50, p99 = [r["p50_ratio"] for r in ok], [r["p99_ratio"] for r in ok]
+        cpu = [r.get("save_cpu_ms", 0.0) for r in ok]
         out.append(f"| {system} | {len(ok)} | {statistics.median(p50):.3f} ({min(p50):.3f}-{max(p50):.3f}) | "
                    f"{statistics.median(p99):.3f} ({min(p99):.3f}-{max(p99):.3f}) | "
                    f"{statistics.median(r['blocked_ms_median'] for r in ok):.2f} | "
-                   f"{statistics.median(r['duration_ms_median'] for r in ok):.0f} |")
+                   f"{statistics.median(r['duration_ms_median'] for r in ok):.0f} | "
+                   f"{statistics.median(cpu):.0f} ({min(cpu):.0f}-{max(cpu):.0f}) |")
     return "\n".join(out)
 
 
