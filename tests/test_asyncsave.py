@@ -71,3 +71,32 @@ def test_write_rate_limit_and_jitter_pace_the_writes(tmp_path):
     paced = time.monotonic() - t
     assert paced >= 0.25  # 1 MiB at 4 MiB/s cannot take less than 0.25 s
     assert np.array_equal(Repository(str(tmp_path / "paced")).open().read("x"), x)
+
+
+def test_background_worker_reuses_one_thread_and_restarts_after_idle_or_stop():
+    import threading
+    import time
+
+    from ckptfmt.session.asyncsave import BackgroundWorker
+
+    w = BackgroundWorker("ckptfmt-test", idle_s=0.2)
+    seen: list[tuple[int, int]] = []
+    done = threading.Event()
+    for k in range(3):  # in order, on one thread: no thread start per job
+        w.submit(lambda k=k: seen.append((k, threading.get_ident())))
+    w.submit(done.set)
+    assert done.wait(10)
+    assert [k for k, _ in seen] == [0, 1, 2] and len({t for _, t in seen}) == 1
+    first = w._thread
+    deadline = time.monotonic() + 10
+    while first.is_alive() and time.monotonic() < deadline:  # idle: the thread ends
+        time.sleep(0.05)
+    assert not first.is_alive()
+    again = threading.Event()
+    w.submit(again.set)  # a new thread picks up the next job
+    assert again.wait(10)
+    w.stop()
+    stopped = threading.Event()
+    w.submit(stopped.set)  # after stop() too
+    assert stopped.wait(10)
+    w.stop()

@@ -53,7 +53,7 @@ from ckptfmt.coord import Coordinator, LocalCoordinator
 from ckptfmt.errors import CheckpointError, IncompleteSaveError, KeyMismatchError
 from ckptfmt.manifest import Manifest
 from ckptfmt.session._saveopts import SaveOptions
-from ckptfmt.session.asyncsave import save_async
+from ckptfmt.session.asyncsave import BackgroundWorker, save_async
 from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.repository import Repository
 from ckptfmt.session import save
@@ -119,8 +119,8 @@ class CheckpointManager:
         self._preempted_at: int | None = None
         self._sigterm = threading.Event()
         self._prev_handler: Any = None
-        self._installed = False
-        self._closed = False
+        self._installed = self._closed = False
+        self._worker = BackgroundWorker("ckptfmt-manager")  # finishes async saves; no thread until the first
         if self._own_sigterm() and threading.current_thread() is threading.main_thread():
             self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
@@ -235,7 +235,7 @@ class CheckpointManager:
         job.blocked_s, job.waited_s = time.perf_counter() - t0, waited
         self._job = job
         if self.async_save:
-            threading.Thread(target=self._finish, args=(job, finish), name=f"ckptfmt-manager-{step}", daemon=True).start()
+            self._worker.submit(lambda: self._finish(job, finish))
         else:
             self._finish(job, finish)
             self._join(None)
@@ -295,6 +295,7 @@ class CheckpointManager:
         try:
             self._join(self.close_timeout_s)
         finally:
+            self._worker.stop()
             # Put back what was there (None: a handler Python cannot name; ours then stays, harmless).
             if self._installed and self._prev_handler is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                 signal.signal(signal.SIGTERM, self._prev_handler)
