@@ -1,0 +1,113 @@
+"""The JAX manager's local tier (FORMAT.md 8.5): the peer exchange over JAX's collectives, and the
+tier hooks (host copies of the own boxes, the boxes a target needs, arrays built from verified boxes).
+
+The exchange is ``multihost_utils.process_allgather`` of one ``uint8`` buffer per process (padded
+to the longest, whose length is all-gathered first): a JAX collective across processes (gloo on
+CPU), never the coordination service. Every process receives every buffer and keeps the one it
+was sent, so the bytes moved are ``world`` times a ring's; fine for the 2 to 8 hosts this is
+built for, and documented in docs/tiers.md.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ckptfmt import Box
+from ckptfmt.errors import KeyMismatchError, ShapeMismatchError
+
+from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key
+
+__all__ = ["JaxExchange", "snapshot", "requests", "build"]
+
+
+class JaxExchange:
+    """:class:`ckptfmt.manager._tiers.PeerExchange` over ``process_allgather``."""
+
+    def __init__(self) -> None:
+        self.rank, self.world = int(jax.process_index()), int(jax.process_count())
+
+    def shift(self, name: str, payload: bytes, offset: int) -> bytes:
+        n = len(payload)
+        lens = np.asarray(multihost_utils.process_allgather(np.array([n], dtype=np.int64))).reshape(self.world)
+        buf = np.zeros(max(int(lens.max()), 1), dtype=np.uint8)
+        buf[:n] = np.frombuffer(payload, dtype=np.uint8)
+        got = np.asarray(multihost_utils.process_allgather(buf)).reshape(self.world, -1)
+        src = (self.rank - int(offset)) % self.world
+        return got[src, :int(lens[src])].tobytes()
+
+
+def snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
+    """This process's boxes as host copies (each distinct box once: its lowest local replica), and
+    the global state as the bridge's save stages it."""
+    from .jax import _stage
+
+    shards, global_state, _, _ = _stage(state, extra, rank_state, None, blocking=False)
+    seen: set[tuple[str, Box]] = set()
+    out = []
+    for s in shards:
+        if not isinstance(s.data, np.ndarray) or (s.key, s.box) in seen or (s.box.ndim and s.box.size == 0):
+            continue
+        seen.add((s.key, s.box))
+        out.append((s.key, tuple(s.global_shape), np.dtype(s.dtype), s.box, s.data))
+    return out, global_state
+
+
+def _leaf_boxes(key: str, leaf: Any) -> list[tuple[Any, Box]] | None:
+    sharding = getattr(leaf, "sharding", None)
+    shape = tuple(getattr(leaf, "shape", ()))
+    if isinstance(leaf, np.ndarray):
+        return [(None, Box.full(shape))]
+    if sharding is None or is_prng_key(leaf) or not hasattr(leaf, "dtype"):
+        return None
+    return [(d, index_to_box(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
+
+
+def requests(target: Any) -> list[tuple[str, Box]] | None:
+    """The boxes ``target`` (arrays or ``jax.ShapeDtypeStruct`` with shardings) needs here, or None
+    when the tiers cannot serve it (no target, a PRNG key, a leaf without a sharding)."""
+    if target is None:
+        return None
+    try:
+        flat, _ = flatten_with_keys(target)
+    except (ValueError, TypeError):
+        return None
+    out: list[tuple[str, Box]] = []
+    for key, leaf in flat:
+        if not hasattr(leaf, "shape"):
+            continue  # a scalar leaf comes from the global state
+        boxes = _leaf_boxes(key, leaf)
+        if boxes is None:
+            return None
+        out.extend(dict.fromkeys((key, b) for _, b in boxes))
+    return out
+
+
+def build(target: Any, values: Mapping[tuple[str, Box], np.ndarray], global_state: Any) -> tuple[Any, Any]:
+    """The target's pytree rebuilt from verified boxes (a dtype or shape that differs raises:
+    the ordinary restore then runs, which casts or reports as the bridge does)."""
+    flat, treedef = flatten_with_keys(target)
+    scalars = ((global_state or {}).get("bridge") or {}).get("leaves", {})
+    leaves = []
+    for key, leaf in flat:
+        if not hasattr(leaf, "shape"):
+            if key not in scalars:
+                raise KeyMismatchError("a scalar leaf is not in the local step's state", key=key,
+                                       expected="a saved leaf", found="missing")
+            leaves.append(scalars[key])
+            continue
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        parts = []
+        for d, box in _leaf_boxes(key, leaf) or []:
+            a = values[(key, box)]
+            if a.dtype != dtype or tuple(a.shape) != box.shape:
+                raise ShapeMismatchError("a local copy differs from the target", key=key, expected=f"{dtype} {box.shape}",
+                                         found=f"{a.dtype} {tuple(a.shape)}")
+            parts.append(a if d is None else jax.device_put(a, d))
+        if isinstance(leaf, np.ndarray):
+            leaves.append(np.array(parts[0]))
+        else:
+            leaves.append(jax.make_array_from_single_device_arrays(shape, leaf.sharding, parts))
+    return jax.tree_util.tree_unflatten(treedef, leaves), (global_state or {}).get("extra")
