@@ -86,7 +86,7 @@ class CheckpointManager(_CoreManager):
     def _tier_requests(self, target: Any) -> Any:
         return _jaxpeer.requests(target)
 
-    def _tier_build(self, target: Any, values: Mapping[Any, Any], global_state: Any) -> tuple[Any, Any]:
+    def _tier_build(self, target: Any, values: Mapping[Any, Any], global_state: Any, step: int) -> tuple[Any, Any]:
         return _jaxpeer.build(target, values, global_state)
 
     def _own_sigterm(self) -> bool:

@@ -3,8 +3,9 @@
 In one process (the core manager, flat numpy dicts): a local step restores from the local tier; a
 corrupt local copy is rejected and the persistent tier serves it (broken control: the intact copy
 is served locally); a local step whose token the persistent tier does not share is never mixed
-with it. In two JAX processes (tests/jaxproc/tiers_job.py, 2 x 2 CPU devices): the four drill
-scenarios, each restoring exactly the step's bytes and saying which tier served how many.
+with it. In two JAX processes (tests/jaxproc/tiers_job.py, 2 x 2 CPU devices) and two torch gloo
+ranks (tests/torchproc/tiers_job.py): the four drill scenarios, each restoring exactly the step's
+bytes and saying which tier served how many; every tiered restore of one step carries one token.
 """
 from __future__ import annotations
 
@@ -94,12 +95,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def jax_run(tmp_path_factory) -> list[dict]:
-    work = tmp_path_factory.mktemp("tiers-jax")
+@pytest.fixture(scope="module", params=["jaxproc", "torchproc"])
+def run(request, tmp_path_factory) -> list[dict]:
+    work = tmp_path_factory.mktemp(f"tiers-{request.param}")
     port = _port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "jaxproc" / "tiers_job.py"), "--dir", str(work),
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / request.param / "tiers_job.py"), "--dir", str(work),
                                "--port", str(port), "--rank", str(r), "--out", str(work / f"out{r}.json")], env=env,
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     logs = [p.communicate(timeout=180)[0] for p in procs]
@@ -107,9 +108,10 @@ def jax_run(tmp_path_factory) -> list[dict]:
     return [json.loads((work / f"out{r}.json").read_text()) for r in (0, 1)]
 
 
-def test_jax_tiers_four_scenarios(jax_run):
-    r0, r1 = (o["restores"] for o in jax_run)
-    assert jax_run[0]["local_saves"] == [2, 4, 6]
+def test_tiers_four_scenarios(run):
+    """JAX (2 x 2 devices) and torch (a DTensor Shard(0) over 2 gloo ranks)."""
+    r0, r1 = (o["restores"] for o in run)
+    assert run[0]["local_saves"] == [2, 4, 6]
     for rs in (r0, r1):
         assert all(v["exact"] and v["n_ok"] and v["extra"] == {"step": v["step"]} for v in rs.values()), rs
     # (a) intact: every byte from the own local tier, one token on both ranks (one save).
@@ -124,3 +126,5 @@ def test_jax_tiers_four_scenarios(jax_run):
     # (c) every local copy lost: the persistent tier's newest step.
     assert r0["all-lost"]["step"] == r1["all-lost"]["step"] == 4
     assert r0["all-lost"]["tiers"]["persistent"] > 0 and r0["all-lost"]["tiers"]["local"] == 0
+    # No restore mixed two saves: every tiered restore of step 6, on both ranks, used one token.
+    assert len({v["token"] for rs in (r0, r1) for k, v in rs.items() if k != "all-lost"}) == 1

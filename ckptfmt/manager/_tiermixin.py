@@ -61,9 +61,9 @@ class TierMixin:
             return None
         return [(str(k), Box.full(np.shape(a))) for k, a in target.items()]
 
-    def _tier_build(self, target: Any, values: Mapping[tuple[str, Box], np.ndarray], global_state: Any
-                    ) -> tuple[Any, Any]:
-        """The restored state and extra, from the verified boxes. Bridge hook."""
+    def _tier_build(self, target: Any, values: Mapping[tuple[str, Box], np.ndarray], global_state: Any,
+                    step: int) -> tuple[Any, Any]:
+        """The restored state and extra of ``step``, from the verified boxes. Bridge hook."""
         state = {k: values[(str(k), Box.full(np.shape(a)))] for k, a in target.items()}
         return state, (global_state or {}).get("extra")
 
@@ -75,7 +75,7 @@ class TierMixin:
 
     def _tier_save(self, step: int, state: Any, extra: Any, rank_state: Any, force: bool) -> bool:
         """Start a local save of ``step`` when its cadence (or ``force``) says so. Blocks for the
-        previous local save, the token and the host copy only."""
+        previous local save and the host copy only (no collective)."""
         tiers = self._tiers
         if tiers is None or not tiers.due(step, force):
             return False
@@ -144,7 +144,7 @@ class TierMixin:
         err: BaseException | None = None
         try:
             values, gstate = tiered_read(self, step, token, requests, invs, mix, served)
-            state, extra = self._tier_build(target, values, gstate)
+            state, extra = self._tier_build(target, values, gstate, step)
         except Exception as e:  # noqa: BLE001 - agreed on below
             err = e
         outcome = self._gather(f"tiers/restore/{n}/done", {} if err is None else {"error": _err_json(err)})

@@ -31,6 +31,7 @@ from ckptfmt._types import Box
 from ckptfmt.errors import CheckpointError, MissingShardError
 from ckptfmt.manager._tiers import TIERS_KEY, HeldBox, pack_boxes, unpack_boxes
 from ckptfmt.repository import Repository
+from ckptfmt.state import decode_state, encode_state
 
 __all__ = ["inventory", "feasible_steps", "tiered_read"]
 
@@ -132,14 +133,20 @@ def _read_own(repo: Repository, step: int, boxes: Sequence[HeldBox], reqs: Seque
 
 def _serve_peer(repo: Repository, step: int, boxes: Sequence[HeldBox], payload: bytes) -> bytes:
     """The holder's answer to its peer's requests: the boxes it could read and verify, and (when
-    it was asked anything) the step's global state from its own tier."""
-    asked = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in msgpack.unpackb(payload, raw=False)]
-    values: dict[Request, np.ndarray] = {}
-    if asked:
-        _read_own(repo, step, boxes, asked, values)
-    served = [(k, (), a.dtype, b, a) for (k, b), a in values.items()]
-    gstate = _global_state(repo, step, boxes) if asked else None
-    return msgpack.packb({"boxes": pack_boxes(served), "state": gstate}, use_bin_type=True)
+    it was asked anything) the step's global state from its own tier (ckptfmt's state encoding).
+    Never raises: a holder that fails answers with nothing, so both ranks finish the exchange."""
+    try:
+        asked = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in msgpack.unpackb(payload, raw=False)]
+        values: dict[Request, np.ndarray] = {}
+        if asked:
+            _read_own(repo, step, boxes, asked, values)
+        served = [(k, (), a.dtype, b, a) for (k, b), a in values.items()]
+        gstate = _global_state(repo, step, boxes) if asked else None
+        return msgpack.packb({"boxes": pack_boxes(served), "state": None if gstate is None else encode_state(gstate)},
+                             use_bin_type=True)
+    except Exception as e:  # noqa: BLE001 - the peer then asks the persistent tier
+        _log.warning("local tier: %s cannot serve its peer for step %d: %s: %s", repo.url, step, type(e).__name__, e)
+        return msgpack.packb({"boxes": pack_boxes([]), "state": None}, use_bin_type=True)
 
 
 def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], invs: Sequence[Mapping[int, Any]],
@@ -150,24 +157,29 @@ def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], in
     rank, world, tiers = mgr.rank, mgr.world, mgr._tiers
     values: dict[Request, np.ndarray] = {}
     peer_state: Any = None
-    own = held(invs[rank], step, token, rank, world)
-    left = _read_own(tiers.repository, step, own, list(requests), values)
+    try:  # nothing before the exchanges may raise: every rank must reach both
+        own = held(invs[rank], step, token, rank, world)
+        mine = held(invs[rank], step, token, (rank + 1) % world, world)  # the replica this rank holds
+        left = _read_own(tiers.repository, step, own, list(requests), values)
+    except Exception as e:  # noqa: BLE001 - the own tier is then not used
+        _log.warning("local tier: %s unusable for step %d: %s: %s", tiers.repository.url, step, type(e).__name__, e)
+        own, mine, left = [], [], list(requests)
+        values.clear()
     stats["local"] = sum(int(a.nbytes) for a in values.values())
     if world > 1 and tiers.exchange is not None:
-        mine = held(invs[rank], step, token, (rank + 1) % world, world)  # the replica this rank holds
         asked = tiers.exchange.shift(f"tiers/restore/{step}/ask", msgpack.packb(
             [[k, list(b.offset), list(b.shape)] for k, b in left]), -1)
         answer = msgpack.unpackb(tiers.exchange.shift(f"tiers/restore/{step}/serve", _serve_peer(
             tiers.repository, step, mine, asked), +1), raw=False)
         got = unpack_boxes(answer["boxes"], f"the replica host {(rank - 1) % world} holds of step {step}")
         served = {(k, b): a for k, _, _, b, a in got if (k, b) in set(left)}
-        peer_state = answer.get("state")
+        peer_state = None if answer.get("state") is None else decode_state(answer["state"])
         values.update(served)
         stats["peer"] = sum(int(a.nbytes) for a in served.values())
         left = [r for r in left if r not in served]
     gstate = _global_state(tiers.repository, step, own)
-    if gstate is None and world > 1 and tiers.exchange is not None:
-        gstate = peer_state
+    if gstate is None and world > 1 and tiers.exchange is not None and isinstance(peer_state, dict):
+        gstate = {k: v for k, v in peer_state.items() if k != "rank"}  # the holder's own per-rank state
     if left or gstate is None:
         if not mix:
             k, b = left[0] if left else ("<global state>", Box((), ()))

@@ -10,9 +10,10 @@ key path is ``h<owner>/<n>``; the global state object maps it back (``tiers.boxe
 step's *tier token*, the identity that every copy of one manager save shares (the persistent
 tier records it in ``metadata["ckptfmt.tiers"]`` when the same call saved the step there too).
 
-Call order of a local save (every process, from ``CheckpointManager.save``): wait for the previous
-local save (back-pressure, one in flight); rank 0 draws the token and broadcasts it (the
-manager's coordinator, metadata only); the bridge copies the own boxes to host memory (the only
+Call order: at construction rank 0 draws the run's nonce and broadcasts it (the manager's
+coordinator, metadata only); a step's token is ``<nonce>-<step>``. A local save (every process,
+from ``CheckpointManager.save``): wait for the previous local save (back-pressure, one in
+flight); the bridge copies the own boxes to host memory (the only
 part that blocks the caller); then a background thread exchanges the copies with the peers,
 saves the local step, and applies the tier's retention (``keep`` newest steps). A failed local
 save is logged and recorded in ``tier_history``; it never fails training (the persistent tier
@@ -197,14 +198,17 @@ class TierWriter:
         self.history: list[TierSave] = []
         self._job: _LocalJob | None = None
         self._last: int | None = None
+        # The run's nonce, drawn by rank 0 once, here: no save of this manager is in flight yet, so
+        # the coordinator is never used by two threads at once (the torch store client is not
+        # safe for that). A step's token is the nonce and the step: unique per manager and step.
+        mine = secrets.token_hex(8).encode() if rank == 0 else None
+        self.nonce = bytes(mine if world == 1 else coord.broadcast("tiers/nonce", mine)).decode()
 
     def due(self, step: int, force: bool) -> bool:
         return step != self._last and (force or step % self.tier.every == 0)
 
     def token(self, step: int) -> str:
-        mine = secrets.token_hex(8).encode() if self.rank == 0 else None
-        raw = mine if self.world == 1 else self.coord.broadcast(f"tiers/token/{step}", mine)
-        return bytes(raw).decode()
+        return f"{self.nonce}-{int(step)}"
 
     def start(self, step: int, token: str, snapshot: Any, global_state: Any, blocked_s: float) -> None:
         """Run the exchange and the local save of ``snapshot`` (the own boxes, host copies) in the background."""

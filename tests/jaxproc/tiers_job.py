@@ -19,27 +19,11 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE))]
+sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-
-def corrupt_own_box(local_dir: str, host: int, step: int) -> str:
-    """Flip one data byte of the first own box of ``host``'s local step; return its tensor."""
-    from ckptfmt.repository import Repository
-
-    repo = Repository(os.path.join(local_dir, f"host-{host}"))
-    m = repo.manifest(step)
-    key = next(k for k in sorted(m.tensors) if k.startswith(f"h{host}/"))
-    t = m.tensors[key]
-    path = os.path.join(repo.url, t.array.path, t.shards.key[0])
-    with open(path, "r+b") as f:
-        b = f.read(1)
-        f.seek(0)
-        f.write(bytes([b[0] ^ 0xFF]))
-    return key
 
 
 def main() -> None:
@@ -55,6 +39,7 @@ def main() -> None:
 
     import bridges.jax as bjax
     from ckptfmt.manager import LocalTier
+    from tiers_job_damage import corrupt_own_box
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4), ("d",))
     rows, rep = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
