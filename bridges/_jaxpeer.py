@@ -1,11 +1,11 @@
 """The JAX manager's local tier (FORMAT.md 8.5): the peer exchange over JAX's collectives, and the
 tier hooks (host copies of the own boxes, the boxes a target needs, arrays built from verified boxes).
 
-The exchange is ``multihost_utils.process_allgather`` of one ``uint8`` buffer per process (padded
-to the longest, whose length is all-gathered first): a JAX collective across processes (gloo on
-CPU), never the coordination service. Every process receives every buffer and keeps the one it
-was sent, so the bytes moved are ``world`` times a ring's; fine for the 2 to 8 hosts this is
-built for, and documented in docs/tiers.md.
+The exchange is a ``jax.lax.ppermute`` of one ``uint8`` buffer per process over a one-axis mesh
+of one device per process: a JAX collective across processes (gloo on CPU), never the
+coordination service; each buffer moves once, to its one receiver. The buffer is padded to a
+power of two that every process agrees on (``process_allgather`` of one integer), so a run
+compiles one program per size.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ckptfmt import Box
 from ckptfmt.errors import KeyMismatchError, ShapeMismatchError
@@ -24,19 +25,40 @@ __all__ = ["JaxExchange", "snapshot", "requests", "build"]
 
 
 class JaxExchange:
-    """:class:`ckptfmt.manager._tiers.PeerExchange` over ``process_allgather``."""
+    """:class:`ckptfmt.manager._tiers.PeerExchange` over a JAX ``ppermute`` between one device of each
+    process (a one-axis mesh of the first local device of every process)."""
 
     def __init__(self) -> None:
         self.rank, self.world = int(jax.process_index()), int(jax.process_count())
+        devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(self.world)]
+        self.mesh = Mesh(np.array(devices), ("host",))
+        self.device = devices[self.rank]
+        self.sharding = NamedSharding(self.mesh, P("host"))
+        self._programs: dict[int, Any] = {}
+
+    def _program(self, offset: int) -> Any:
+        if offset not in self._programs:
+            perm = [(i, (i + offset) % self.world) for i in range(self.world)]
+            body = jax.shard_map(lambda x: jax.lax.ppermute(x, "host", perm), mesh=self.mesh, in_specs=P("host"),
+                             out_specs=P("host"))
+            self._programs[offset] = jax.jit(body)
+        return self._programs[offset]
+
+    def _move(self, buf: np.ndarray, offset: int) -> np.ndarray:
+        local = jax.device_put(buf[None, :], self.device)
+        arr = jax.make_array_from_single_device_arrays((self.world, buf.size), self.sharding, [local])
+        out = self._program(offset)(arr)
+        return np.asarray(out.addressable_shards[0].data)[0]
 
     def shift(self, name: str, payload: bytes, offset: int) -> bytes:
         n = len(payload)
-        lens = np.asarray(multihost_utils.process_allgather(np.array([n], dtype=np.int64))).reshape(self.world)
-        buf = np.zeros(max(int(lens.max()), 1), dtype=np.uint8)
+        lens = self._move(np.array([n], dtype=np.int64).view(np.uint8), offset).view(np.int64)
+        # Padded to a power of two, the larger of the two lengths: one compiled program per size.
+        size = 1 << max(max(n, int(lens[0])) - 1, 1).bit_length()
+        size = int(np.asarray(multihost_utils.process_allgather(np.array([size], dtype=np.int64))).max())
+        buf = np.zeros(size, dtype=np.uint8)
         buf[:n] = np.frombuffer(payload, dtype=np.uint8)
-        got = np.asarray(multihost_utils.process_allgather(buf)).reshape(self.world, -1)
-        src = (self.rank - int(offset)) % self.world
-        return got[src, :int(lens[src])].tobytes()
+        return self._move(buf, offset)[:int(lens[0])].tobytes()
 
 
 def snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:

@@ -121,7 +121,8 @@ class HeldBox:
 @dataclass(frozen=True)
 class TierSave:
     """One local save as this process saw it: step, token, whether it committed, the caller's
-    blocked seconds, the background seconds to the commit, bytes of own and replicated boxes."""
+    blocked seconds, the background seconds to the commit (``exchange_s`` of them with the peers),
+    bytes of own and replicated boxes."""
 
     step: int
     token: str
@@ -131,6 +132,7 @@ class TierSave:
     own_bytes: int
     peer_bytes: int
     error: str | None = None
+    exchange_s: float = 0.0
 
 
 def pack_boxes(boxes: Sequence[tuple[str, tuple[int, ...], Any, Box, np.ndarray]]) -> bytes:
@@ -225,17 +227,19 @@ class TierWriter:
     def _run(self, job: _LocalJob, token: str, own: list, global_state: Any, blocked_s: float) -> None:
         t0 = time.perf_counter()
         own_bytes = sum(int(a.nbytes) for *_, a in own)
-        peer_bytes = 0
+        peer_bytes, exchange_s = 0, 0.0
         try:
             boxes: list = [(self.rank, b) for b in own]
             if self.exchange is not None:
                 # Host h holds host h+1's boxes: every rank sends its own to rank - 1.
                 got = self.exchange.shift(f"tiers/save/{job.step}", pack_boxes(own), -1)
+                exchange_s = time.perf_counter() - t0
                 peer = unpack_boxes(got, f"the boxes of host {(self.rank + 1) % self.world} for step {job.step}")
                 peer_bytes = sum(int(a.nbytes) for *_, a in peer)
                 boxes += [((self.rank + 1) % self.world, b) for b in peer]
             write_local_step(self.repository, job.step, self.rank, self.world, token, boxes, global_state, self.options)
-            job.record = TierSave(job.step, token, True, blocked_s, time.perf_counter() - t0, own_bytes, peer_bytes)
+            job.record = TierSave(job.step, token, True, blocked_s, time.perf_counter() - t0, own_bytes, peer_bytes,
+                                  exchange_s=exchange_s)
             self._retain()
         except Exception as e:  # noqa: BLE001 - a local tier never fails training; recorded and logged
             job.record = TierSave(job.step, token, False, blocked_s, time.perf_counter() - t0, own_bytes, peer_bytes,
