@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ckptfmt import Box
 from ckptfmt.errors import KeyMismatchError, ShapeMismatchError
 
-from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key
+from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding
 
 __all__ = ["JaxExchange", "snapshot", "requests", "build"]
 
@@ -27,6 +27,10 @@ __all__ = ["JaxExchange", "snapshot", "requests", "build"]
 class JaxExchange:
     """:class:`ckptfmt.manager._tiers.PeerExchange` over a JAX ``ppermute`` between one device of each
     process (a one-axis mesh of the first local device of every process)."""
+
+    #: Not from a background thread: JAX's cross-process programs must start in the same order on
+    #: every process, and the training loop launches its own (a local save exchanges in save()).
+    background = False
 
     def __init__(self) -> None:
         self.rank, self.world = int(jax.process_index()), int(jax.process_count())
@@ -77,19 +81,28 @@ def snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
     return out, global_state
 
 
+def _physical(leaf: Any) -> tuple[tuple[int, ...], Any, Any]:
+    """(shape, dtype, sharding) of what is stored for a target leaf: a typed PRNG key is its uint32
+    key data (trailing key dimensions never split), as the bridge saves it."""
+    if is_prng_key(leaf):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        return tuple(data.shape), np.dtype(data.dtype), physical_sharding(leaf.sharding, tuple(leaf.shape), leaf.dtype)
+    return tuple(leaf.shape), np.dtype(leaf.dtype), getattr(leaf, "sharding", None)
+
+
 def _leaf_boxes(key: str, leaf: Any) -> list[tuple[Any, Box]] | None:
-    sharding = getattr(leaf, "sharding", None)
-    shape = tuple(getattr(leaf, "shape", ()))
     if isinstance(leaf, np.ndarray):
-        return [(None, Box.full(shape))]
-    if sharding is None or is_prng_key(leaf) or not hasattr(leaf, "dtype"):
+        return [(None, Box.full(tuple(leaf.shape)))]
+    if getattr(leaf, "sharding", None) is None or not hasattr(leaf, "dtype"):
         return None
+    shape, _, sharding = _physical(leaf)
     return [(d, index_to_box(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
 
 
 def requests(target: Any) -> list[tuple[str, Box]] | None:
-    """The boxes ``target`` (arrays or ``jax.ShapeDtypeStruct`` with shardings) needs here, or None
-    when the tiers cannot serve it (no target, a PRNG key, a leaf without a sharding)."""
+    """The boxes ``target`` (arrays or ``jax.ShapeDtypeStruct`` with shardings; typed PRNG keys as
+    their key data) needs here, or None when the tiers cannot serve it (no target, a leaf
+    without a sharding)."""
     if target is None:
         return None
     try:
@@ -111,7 +124,8 @@ def build(target: Any, values: Mapping[tuple[str, Box], np.ndarray], global_stat
     """The target's pytree rebuilt from verified boxes (a dtype or shape that differs raises:
     the ordinary restore then runs, which casts or reports as the bridge does)."""
     flat, treedef = flatten_with_keys(target)
-    scalars = ((global_state or {}).get("bridge") or {}).get("leaves", {})
+    bridge = (global_state or {}).get("bridge") or {}
+    scalars, impls = bridge.get("leaves", {}), bridge.get("prng_impls", {})
     leaves = []
     for key, leaf in flat:
         if not hasattr(leaf, "shape"):
@@ -120,7 +134,10 @@ def build(target: Any, values: Mapping[tuple[str, Box], np.ndarray], global_stat
                                        expected="a saved leaf", found="missing")
             leaves.append(scalars[key])
             continue
-        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+        if isinstance(leaf, np.ndarray):
+            shape, dtype, sharding = tuple(leaf.shape), leaf.dtype, None
+        else:
+            shape, dtype, sharding = _physical(leaf)
         parts = []
         for d, box in _leaf_boxes(key, leaf) or []:
             a = values[(key, box)]
@@ -130,6 +147,12 @@ def build(target: Any, values: Mapping[tuple[str, Box], np.ndarray], global_stat
             parts.append(a if d is None else jax.device_put(a, d))
         if isinstance(leaf, np.ndarray):
             leaves.append(np.array(parts[0]))
-        else:
-            leaves.append(jax.make_array_from_single_device_arrays(shape, leaf.sharding, parts))
+            continue
+        arr = jax.make_array_from_single_device_arrays(shape, sharding, parts)
+        if is_prng_key(leaf):
+            if key not in impls:
+                raise KeyMismatchError("a typed PRNG key has no implementation in the local step's state", key=key,
+                                       expected="bridge.prng_impls entry", found="missing")
+            arr = jax.random.wrap_key_data(arr, impl=impls[key])
+        leaves.append(arr)
     return jax.tree_util.tree_unflatten(treedef, leaves), (global_state or {}).get("extra")

@@ -30,6 +30,8 @@ __all__ = ["TorchExchange", "snapshot", "requests", "build"]
 class TorchExchange:
     """:class:`ckptfmt.manager._tiers.PeerExchange` over point-to-point gloo sends."""
 
+    background = True  # a process group of its own
+
     def __init__(self) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo")

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _state(step: int) -> dict[str, np.ndarray]:
-    return {"a": np.arange(12, dtype=np.float32).reshape(3, 4) + step, "b": np.full(5, step, np.int64)}
+    return {"a": np.arange(12, dtype=np.float32).reshape(3, 4) + step, "b": np.full(5, step, np.int64),
+            "c": np.array(step, dtype=np.int32)}  # a 0-d tensor keeps its shape in the local tier
 
 
 def _save(tmp: Path, steps: range, every: int = 2, persistent_every: int = 4) -> LocalTier:
@@ -51,13 +52,13 @@ def test_local_tier_rejects_a_corrupt_copy_and_the_next_tier_serves_it(tmp_path)
     with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
         r = m.restore(_state(0))
     # Broken control first: the intact local copy serves every byte.
-    assert r.step == 4 and r.stats["tiers"] == {"local": 88, "peer": 0, "persistent": 0}
+    assert r.step == 4 and r.stats["tiers"] == {"local": 92, "peer": 0, "persistent": 0}
     assert all(np.array_equal(r.state[k], v) for k, v in _state(4).items()) and r.extra == {"s": 4}
     local = Repository(tier.url(0))
     _flip_first_byte(local, 4, "h0/000000")
     with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
         r = m.restore(_state(0))
-    assert r.step == 4 and r.stats["tiers"] == {"local": 40, "peer": 0, "persistent": 48}
+    assert r.step == 4 and r.stats["tiers"] == {"local": 44, "peer": 0, "persistent": 48}
     assert all(np.array_equal(r.state[k], v) for k, v in _state(4).items())
 
 
@@ -65,7 +66,7 @@ def test_a_local_step_is_never_mixed_with_another_save(tmp_path):
     tier = _save(tmp_path, range(1, 7))  # local 4, 6 (keep 2); persistent 4
     with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
         r = m.restore(_state(0))
-    assert r.step == 6 and r.stats["tiers"]["local"] == 88  # broken control: newest local step
+    assert r.step == 6 and r.stats["tiers"]["local"] == 92  # broken control: newest local step
     # The persistent step 4 saved again by another run (another token); the local copy of step 4
     # is then of a different save: corrupting it must not be repaired from the persistent tier.
     Repository(str(tmp_path / "p")).delete(4)

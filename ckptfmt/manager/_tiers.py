@@ -13,9 +13,9 @@ tier records it in ``metadata["ckptfmt.tiers"]`` when the same call saved the st
 Call order: at construction rank 0 draws the run's nonce and broadcasts it (the manager's
 coordinator, metadata only); a step's token is ``<nonce>-<step>``. A local save (every process,
 from ``CheckpointManager.save``): wait for the previous local save (back-pressure, one in
-flight); the bridge copies the own boxes to host memory (the only
-part that blocks the caller); then a background thread exchanges the copies with the peers,
-saves the local step, and applies the tier's retention (``keep`` newest steps). A failed local
+flight); the bridge copies the own boxes to host memory; then a background thread exchanges the
+copies with the peers (in the caller's thread when the exchange says it cannot run in the
+background: JAX), saves the local step, and applies the tier's retention (``keep`` newest steps). A failed local
 save is logged and recorded in ``tier_history``; it never fails training (the persistent tier
 stays the authority). Restore: :mod:`ckptfmt.manager._tierrestore`.
 """
@@ -82,7 +82,13 @@ class PeerExchange(Protocol):
     ``shift(name, payload, offset)`` is a collective: every rank calls it with the same ``name``
     and ``offset``; rank ``r``'s payload goes to rank ``(r + offset) mod world``, and the call
     returns what rank ``(r - offset) mod world`` sent. Raises the framework's error, or a
-    CheckpointError, on every rank when the exchange fails."""
+    CheckpointError, on every rank when the exchange fails.
+
+    ``background``: whether ``shift`` may run in a background thread while the caller's thread
+    runs the framework's own collectives (torch: a process group of its own; JAX: False, since
+    its cross-process programs must be launched in one order on every process)."""
+
+    background: bool
 
     def shift(self, name: str, payload: bytes, offset: int) -> bytes: ...
 
@@ -168,7 +174,7 @@ def write_local_step(repo: Repository, step: int, host: int, hosts: int, token: 
     shards, held = [], []
     for n, (owner, (key, shape, dt, box, arr)) in enumerate(boxes):
         local = f"h{owner}/{n:06d}"
-        data = np.ascontiguousarray(arr)
+        data = np.asarray(arr) if np.asarray(arr).flags.c_contiguous else np.array(arr)  # keeps a 0-d shape
         shards.append(LocalShard(local, data.shape, data.dtype, Box.full(data.shape), data))
         held.append(HeldBox(local, owner, key, tuple(shape), dtype_name(np.dtype(dt)), box).to_wire())
     if step in repo.steps():
@@ -219,12 +225,24 @@ class TierWriter:
         for s in [s for s in self.tokens if s < step - 1000 * self.tier.every]:
             del self.tokens[s]
         job = _LocalJob(step)
-        job.thread = threading.Thread(target=self._run, args=(job, token, snapshot, global_state, blocked_s),
+        received = None
+        if self.exchange is not None and not getattr(self.exchange, "background", False):
+            received = self._exchange(step, snapshot)  # in the caller's thread, in program order
+            blocked_s += received[1]
+        job.thread = threading.Thread(target=self._run, args=(job, token, snapshot, global_state, blocked_s, received),
                                       name=f"ckptfmt-local-{step}", daemon=True)
         self._job = job
         job.thread.start()
 
-    def _run(self, job: _LocalJob, token: str, own: list, global_state: Any, blocked_s: float) -> None:
+    def _exchange(self, step: int, own: list) -> tuple[bytes | BaseException, float]:
+        t0 = time.perf_counter()
+        try:
+            return self.exchange.shift(f"tiers/save/{step}", pack_boxes(own), -1), time.perf_counter() - t0  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - recorded by the local save, which then fails
+            return e, time.perf_counter() - t0
+
+    def _run(self, job: _LocalJob, token: str, own: list, global_state: Any, blocked_s: float,
+             received: tuple[bytes | BaseException, float] | None) -> None:
         t0 = time.perf_counter()
         own_bytes = sum(int(a.nbytes) for *_, a in own)
         peer_bytes, exchange_s = 0, 0.0
@@ -232,8 +250,9 @@ class TierWriter:
             boxes: list = [(self.rank, b) for b in own]
             if self.exchange is not None:
                 # Host h holds host h+1's boxes: every rank sends its own to rank - 1.
-                got = self.exchange.shift(f"tiers/save/{job.step}", pack_boxes(own), -1)
-                exchange_s = time.perf_counter() - t0
+                got, exchange_s = received if received is not None else self._exchange(job.step, own)
+                if isinstance(got, BaseException):
+                    raise got
                 peer = unpack_boxes(got, f"the boxes of host {(self.rank + 1) % self.world} for step {job.step}")
                 peer_bytes = sum(int(a.nbytes) for *_, a in peer)
                 boxes += [((self.rank + 1) % self.world, b) for b in peer]
