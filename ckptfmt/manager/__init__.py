@@ -435,6 +435,11 @@ class CheckpointManager(TierMixin):
         ``best=True`` restores :meth:`best_step` (rank 0 decides; no fallback; StepNotFoundError when
         no step recorded ``best_metric``); with ``step`` too it raises ValueError.
 
+        With ``local``, ``restore()`` without ``step`` / ``best`` first tries the tiers (FORMAT.md 8.5):
+        the newest step some tier holds for every box, each box from the first tier whose copy
+        verifies; ``stats["tiers"]`` gives the bytes each tier served. Any failure there falls back
+        to the restore described above, on every process.
+
         ``rank_state_policy`` goes to the bridge's restore verb (bridges/README.md): per-rank state
         saved by another number of processes raises TopologyChangedError (naming the policies)
         unless it is "drop", "rank0" or "same-rank"; any other value raises ValueError at once.

@@ -168,7 +168,7 @@ def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], in
     stats["local"] = sum(int(a.nbytes) for a in values.values())
     # The exchanges only when some rank asks its holder for something (metadata through the coordinator).
     wants = world > 1 and tiers.exchange is not None and any(
-        g["left"] for g in mgr._gather(f"tiers/restore/{step}/{token}/wants", {"left": len(left)}))
+        g["left"] for g in mgr._gather(f"tiers/restore/{mgr._tier_restores}/wants", {"left": len(left)}))
     if wants:
         asked = tiers.exchange.shift(f"tiers/restore/{step}/ask", msgpack.packb(
             [[k, list(b.offset), list(b.shape)] for k, b in left]), -1)
