@@ -19,6 +19,8 @@ from ckptfmt import LocalCoordinator
 from ckptfmt.manager import CheckpointManager as _CoreManager
 from ckptfmt.manifest import Manifest
 
+from . import _jaxpeer
+
 __all__ = ["CheckpointManager"]
 
 _instances = itertools.count()  # every process constructs its managers in the same order
@@ -42,7 +44,8 @@ class CheckpointManager(_CoreManager):
     and restores.
 
     ``all_steps()``, ``metrics(step)``, ``best_step()`` and ``restore(target, best=True)`` are the
-    core manager's (rank 0 picks the best step for every process).
+    core manager's (rank 0 picks the best step for every process). ``local=LocalTier(path, every=10,
+    keep=2)`` keeps a local tier with peer replicas, restored from first (FORMAT.md 8.5).
     """
 
     def _process(self) -> tuple[int, int]:
@@ -72,6 +75,19 @@ class CheckpointManager(_CoreManager):
         stats: dict[str, Any] = {}  # the restore's own extra: the step is opened once, as in torch
         state = restore(self.url, target, step=step, rank_state_policy=rank_state_policy, stats=stats)
         return state, stats["extra"], stats
+
+    # The local tier (FORMAT.md 8.5): its data plane and hooks live in bridges._jaxpeer.
+    def _new_exchange(self) -> Any:
+        return _jaxpeer.JaxExchange() if self.world > 1 else None
+
+    def _tier_snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
+        return _jaxpeer.snapshot(state, extra, rank_state)
+
+    def _tier_requests(self, target: Any) -> Any:
+        return _jaxpeer.requests(target)
+
+    def _tier_build(self, target: Any, values: Mapping[Any, Any], global_state: Any, step: int) -> tuple[Any, Any]:
+        return _jaxpeer.build(target, values, global_state)
 
     def _own_sigterm(self) -> bool:
         # Decided once, at construction: a Python handler would replace the notifier's own.

@@ -20,6 +20,8 @@ from ckptfmt import LocalCoordinator
 from ckptfmt.manager import CheckpointManager as _CoreManager
 from ckptfmt.manifest import Manifest
 
+from . import _torchpeer
+
 __all__ = ["CheckpointManager"]
 
 _instances = itertools.count()  # every rank constructs its managers in the same order
@@ -38,7 +40,9 @@ class CheckpointManager(_CoreManager):
     Every rank of the default process group constructs the manager, saves and restores.
 
     ``all_steps()``, ``metrics(step)``, ``best_step()`` and ``restore(target, best=True)`` are the
-    core manager's (rank 0 picks the best step for every process).
+    core manager's (rank 0 picks the best step for every process). ``local=LocalTier(path, every=10,
+    keep=2)`` keeps a local tier with peer replicas, restored from first (FORMAT.md 8.5); a ``Loaded``
+    it serves has ``report`` None, and ``rank_state`` / ``rng`` only from this rank's own tier.
     """
 
     def _process(self) -> tuple[int, int]:
@@ -70,6 +74,19 @@ class CheckpointManager(_CoreManager):
             raise TypeError("bridges.torch.CheckpointManager.restore needs a target state dict")
         loaded = load(self.url, target, step=step, rank_state_policy=rank_state_policy)
         return loaded, loaded.extra, {"bytes_read": int(loaded.bytes_read), "saved_world": int(loaded.saved_world)}
+
+    # The local tier (FORMAT.md 8.5): its data plane and hooks live in bridges._torchpeer.
+    def _new_exchange(self) -> Any:
+        return _torchpeer.TorchExchange() if self.world > 1 else None
+
+    def _tier_snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
+        return _torchpeer.snapshot(state, extra, rank_state)
+
+    def _tier_requests(self, target: Any) -> Any:
+        return _torchpeer.requests(target)
+
+    def _tier_build(self, target: Any, values: Mapping[Any, Any], global_state: Any, step: int) -> tuple[Any, Any]:
+        return _torchpeer.build(target, values, global_state, step)
 
     def _agree_preemption(self, step: int, local: bool) -> bool:
         if self.world == 1:

@@ -24,8 +24,8 @@ nor a step this process is reading, and logs every deletion with its reason (log
 ``ckptfmt.manager``).
 
 Subpackage ``ckptfmt.manager``. The checkpoint manager for training loops: cadence, one save in
-flight, retention, preemption, resume, and the values it hands out. Its modules: ``_query``,
-``_values``. May import: floor, manifest, reader, repository, session. The floor: the top-level
+flight, retention, preemption, resume, the local tier (FORMAT.md 8.5), and the values it hands out.
+Its modules: ``_query``, ``_values``, ``_tiers``, ``_tierrestore``, ``_tiermixin``. May import: floor, manifest, reader, repository, session. The floor: the top-level
 modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and enforces
 them). No other subpackage may import it.
 """
@@ -42,7 +42,9 @@ from typing import Any, Callable, Mapping
 import msgpack
 import numpy as np
 
-from ckptfmt.manager._query import METADATA_KEY, best_step, candidate_steps, forget_deleted, recorded_metrics
+from ckptfmt.manager._tiermixin import TierMixin
+from ckptfmt.manager._tiers import LocalTier, TierSave
+from ckptfmt.manager._query import METADATA_KEY, apply_retention, best_step, candidate_steps, forget_deleted, recorded_metrics
 from ckptfmt.manager._values import (RestoreResult, SaveRecord, SkippedStep, _check_step, _clean_metrics, _err_from,
                                      _err_json, _is_damage, _Job)
 from ckptfmt.repository._gc import unrestorable
@@ -58,7 +60,8 @@ from ckptfmt.reader import check_rank_state_policy
 from ckptfmt.repository import Repository
 from ckptfmt.session import save
 
-__all__ = ["CheckpointManager", "SaveRecord", "SkippedStep", "RestoreResult", "Retention", "METADATA_KEY"]
+__all__ = ["CheckpointManager", "SaveRecord", "SkippedStep", "RestoreResult", "Retention", "METADATA_KEY", "LocalTier",
+           "TierSave"]
 
 _log = logging.getLogger("ckptfmt.manager")
 
@@ -67,7 +70,7 @@ _log = logging.getLogger("ckptfmt.manager")
 GC_INTERVAL_S = 600.0
 
 
-class CheckpointManager:
+class CheckpointManager(TierMixin):
     """Saves on a cadence, keeps what the retention policy says, and resumes from the newest good step.
 
     ``url``: the repository. ``save_every_steps`` / ``save_every_seconds``: the cadence
@@ -79,6 +82,7 @@ class CheckpointManager:
     ``metrics_file``: a JSON-lines file that rank 0 appends one record per save, deletion and
     restore to. ``close_timeout_s``: the longest ``close()`` waits for the save in flight.
     ``options``: the :class:`SaveOptions` every save passes to the core (timeouts, pacing).
+    ``local``: a :class:`LocalTier` with its own cadence, restored from first (FORMAT.md 8.5).
 
     Usable as a context manager (``close()`` on exit). Bad arguments raise ValueError.
     """
@@ -87,7 +91,7 @@ class CheckpointManager:
                  keep_last: int | None = None, keep_every: int | None = None, keep_best: int | None = None,
                  best_metric: str | None = None, best_mode: str = "min", async_save: bool = True,
                  fallback: bool = True, metrics_file: str | None = None, close_timeout_s: float = 300.0,
-                 options: SaveOptions | None = None) -> None:
+                 options: SaveOptions | None = None, local: LocalTier | None = None) -> None:
         if save_every_steps is not None and (isinstance(save_every_steps, bool) or not isinstance(save_every_steps, int)
                                              or save_every_steps < 1):
             raise ValueError(f"save_every_steps must be a positive int or None, got {save_every_steps!r}")
@@ -121,6 +125,7 @@ class CheckpointManager:
         self._prev_handler: Any = None
         self._installed = self._closed = False
         self._worker = BackgroundWorker("ckptfmt-manager")  # finishes async saves; no thread until the first
+        self._init_tiers(local)
         if self._own_sigterm() and threading.current_thread() is threading.main_thread():
             self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
@@ -218,8 +223,9 @@ class CheckpointManager:
             self._seen = (step, clean)
         elif self._seen is not None and self._seen[0] == step:
             clean = dict(self._seen[1])
+        local = self._tier_save(step, state, extra, rank_state, force)
         if not force and not self.should_save(step):
-            return False
+            return local
         if step == self._last_started:
             _log.debug("step %d: already saved by this manager; not saved again", step)
             return False
@@ -229,7 +235,8 @@ class CheckpointManager:
             self._join(None)
             waited = time.perf_counter() - t0
         job = _Job(step, time.perf_counter(), time.time())
-        finish = self._save_verb(step, state, extra=extra, metadata={METADATA_KEY: {"metrics": clean}},
+        finish = self._save_verb(step, state, extra=extra, metadata={METADATA_KEY: {"metrics": clean},
+                                                                     **self._tier_metadata(step)},
                                  rank_state=rank_state, blocking=not self.async_save)
         self._last_started, self._last_save_time = step, time.monotonic()
         job.blocked_s, job.waited_s = time.perf_counter() - t0, waited
@@ -277,8 +284,11 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> SaveRecord | None:
         """Wait for the save in flight; return its record (None if there was none). Raises the save's
-        error, or IncompleteSaveError when ``timeout`` passes first (the save stays in flight)."""
-        return self._join(timeout)
+        error, or IncompleteSaveError when ``timeout`` passes first (the save stays in flight). The
+        local tier's save in flight is waited for too (its failure is logged, in ``tier_history``)."""
+        record = self._join(timeout)
+        self._tier_wait(timeout)
+        return record
 
     @property
     def history(self) -> tuple[SaveRecord, ...]:
@@ -294,6 +304,7 @@ class CheckpointManager:
         self._closed = True
         try:
             self._join(self.close_timeout_s)
+            self._tier_wait(self.close_timeout_s)
         finally:
             self._worker.stop()
             # Put back what was there (None: a handler Python cannot name; ours then stays, harmless).
@@ -357,36 +368,7 @@ class CheckpointManager:
 
     def _retain(self) -> None:
         """Apply retention (rank 0, after a commit). Failures are logged; they never fail the save."""
-        if not self.retention.active:
-            return
-        try:
-            steps = self.repository.steps()
-            with self._lock:
-                protected = {s for s, n in self._reading.items() if n > 0}
-            forget_deleted(self._metrics_cache, steps)
-            # Nothing about restorability is cached here: sizes are probed for each decision, and
-            # the step that licenses a deletion is verified byte for byte (or by its record,
-            # which any write to its objects invalidates; FORMAT.md 10.4, 14.7).
-            plan = self.retention.plan(steps, self._metric, protected, unrestorable=self._unrestorable,
-                                       unverified=self._unverified)
-            for note in plan.notes:
-                _log.warning("retention: %s", note)
-            for d in plan.delete:
-                try:
-                    self.repository.delete(d.step)
-                except CheckpointError as e:
-                    _log.warning("retention: could not delete step %d: %s", d.step, e)
-                    continue
-                self._metrics_cache.pop(d.step, None)
-                _log.info("retention: deleted step %d: %s", d.step, d.reason)
-                self._emit({"event": "delete", "step": d.step, "reason": d.reason, "unix": time.time()})
-            if self._last_gc is None or time.monotonic() - self._last_gc >= GC_INTERVAL_S:
-                self._last_gc = time.monotonic()
-                report = self.repository.gc()
-                if report.removed_saves:
-                    _log.info("gc: removed abandoned saves %s", report.removed_saves)
-        except Exception as e:  # noqa: BLE001 - retention must not break training
-            _log.warning("retention failed: %s: %s", type(e).__name__, e)
+        apply_retention(self, GC_INTERVAL_S)
 
     # ------------------------------------------------------------------ resume
     def latest_step(self) -> int | None:
@@ -454,6 +436,11 @@ class CheckpointManager:
         ``best=True`` restores :meth:`best_step` (rank 0 decides; no fallback; StepNotFoundError when
         no step recorded ``best_metric``); with ``step`` too it raises ValueError.
 
+        With ``local``, ``restore()`` without ``step`` / ``best`` first tries the tiers (FORMAT.md 8.5):
+        the newest step some tier holds for every box, each box from the first tier whose copy
+        verifies; ``stats["tiers"]`` gives the bytes each tier served. Any failure there falls back
+        to the restore described above, on every process.
+
         ``rank_state_policy`` goes to the bridge's restore verb (bridges/README.md): per-rank state
         saved by another number of processes raises TopologyChangedError (naming the policies)
         unless it is "drop", "rank0" or "same-rank"; any other value raises ValueError at once.
@@ -465,6 +452,9 @@ class CheckpointManager:
         if best and (step is not None or not self.retention.best_metric):
             raise ValueError("restore(best=True) takes no step, and needs the manager's best_metric")
         self.wait()
+        tiered = self._tier_restore(target) if step is None and not best and self._tiers is not None else None
+        if tiered is not None:
+            return tiered
         skipped: list[SkippedStep] = []
         errors: list[CheckpointError] = []
         for s in candidate_steps(self, step, best):
@@ -474,7 +464,7 @@ class CheckpointManager:
                 if skipped:
                     _log.warning("restored step %d after skipping %s", s, [k.step for k in skipped])
                 self._emit({"event": "restore", "step": s, "skipped": [asdict(k) for k in skipped], "unix": time.time()})
-                return RestoreResult(state, s, tuple(skipped), extra, dict(stats or {}))
+                return RestoreResult(state, s, tuple(skipped), extra, self._tier_served(stats))
             err = local if local is not None else _err_from(errs[0][1], errs[0][0])
             # Decided on the gathered errors, which every rank holds: all ranks fall back, or none.
             if step is not None or best or not self.fallback or not all(_is_damage(e) for _, e in errs):

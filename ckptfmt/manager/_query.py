@@ -1,8 +1,11 @@
 """What the checkpoint manager reads back from committed steps: the metrics a step recorded
-(FORMAT.md 14.7), the best step by one metric, and the steps a restore tries. See
+(FORMAT.md 14.7), the best step by one metric, the steps a restore tries, and the retention it
+applies after a commit. See
 :mod:`ckptfmt.manager`."""
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Mapping
 
 import msgpack
@@ -12,7 +15,9 @@ from ckptfmt.repository._retention import BEST_MODES, metric_value
 from ckptfmt.errors import CheckpointError, StepNotFoundError
 from ckptfmt.manifest import Manifest
 
-__all__ = ["METADATA_KEY", "recorded_metrics", "best_of", "best_step", "candidate_steps", "forget_deleted"]
+__all__ = ["METADATA_KEY", "recorded_metrics", "best_of", "best_step", "candidate_steps", "forget_deleted", "apply_retention"]
+
+_log = logging.getLogger("ckptfmt.manager")
 
 #: The manager's entry in a manifest's ``metadata``: ``{"metrics": {name: value}}`` (spec 14.7).
 METADATA_KEY = "ckptfmt.manager"
@@ -102,3 +107,38 @@ def candidate_steps(mgr: Any, step: int | None, best: bool) -> list[int]:
     if "error" in payload:
         raise _err_from(payload["error"], 0)
     return [int(s) for s in payload["steps"]]
+
+
+def apply_retention(mgr: Any, gc_interval_s: float) -> None:
+    """:meth:`CheckpointManager._retain`: apply retention (rank 0, after a commit), with a gc pass at most
+    every ``gc_interval_s``. Failures are logged; they never fail the save."""
+    if not mgr.retention.active:
+        return
+    try:
+        steps = mgr.repository.steps()
+        with mgr._lock:
+            protected = {s for s, n in mgr._reading.items() if n > 0}
+        forget_deleted(mgr._metrics_cache, steps)
+        # Nothing about restorability is cached here: sizes are probed for each decision, and
+        # the step that licenses a deletion is verified byte for byte (or by its record,
+        # which any write to its objects invalidates; FORMAT.md 10.4, 14.7).
+        plan = mgr.retention.plan(steps, mgr._metric, protected, unrestorable=mgr._unrestorable,
+                                   unverified=mgr._unverified)
+        for note in plan.notes:
+            _log.warning("retention: %s", note)
+        for d in plan.delete:
+            try:
+                mgr.repository.delete(d.step)
+            except CheckpointError as e:
+                _log.warning("retention: could not delete step %d: %s", d.step, e)
+                continue
+            mgr._metrics_cache.pop(d.step, None)
+            _log.info("retention: deleted step %d: %s", d.step, d.reason)
+            mgr._emit({"event": "delete", "step": d.step, "reason": d.reason, "unix": time.time()})
+        if mgr._last_gc is None or time.monotonic() - mgr._last_gc >= gc_interval_s:
+            mgr._last_gc = time.monotonic()
+            report = mgr.repository.gc()
+            if report.removed_saves:
+                _log.info("gc: removed abandoned saves %s", report.removed_saves)
+    except Exception as e:  # noqa: BLE001 - retention must not break training
+        _log.warning("retention failed: %s: %s", type(e).__name__, e)

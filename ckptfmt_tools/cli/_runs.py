@@ -148,6 +148,9 @@ def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (de
               hidden: Optional[int] = _opt("Model hidden width; sets the checkpoint size (default 2048).", "--hidden"),
               timeout: Optional[float] = _opt("Seconds allowed per job (default 240).", "--timeout"),
               no_control: bool = _flag("Skip the same-topology control restore.", "--no-control"),
+              tiers: bool = _flag("Keep a local tier with peer replicas (persistent every 2 x cadence) and run its "
+                                  "four failures: killed process, lost host, every local copy lost, corrupt copy.",
+                                  "--tiers"),
               as_json: bool = _flag("Print the receipt as one JSON document; no progress on stderr.",
                                     "--json")) -> None:
     """The restore drill: SIGKILL one process of a training job, restore on a new topology, check one step."""
@@ -157,7 +160,7 @@ def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (de
         ("--replacement-mesh", replacement_mesh), ("--cadence", cadence), ("--step-time", step_time),
         ("--kill-window", kill_window), ("--capacity-delay", capacity_delay), ("--monitor-interval", monitor_interval),
         ("--storage", storage), ("--out", out), ("--seed", seed), ("--d-in", d_in), ("--hidden", hidden),
-        ("--timeout", timeout), ("--no-control", no_control), ("--json", as_json)])
+        ("--timeout", timeout), ("--no-control", no_control), ("--tiers", tiers), ("--json", as_json)])
 
 
 def register(app: typer.Typer) -> None:

@@ -35,6 +35,7 @@ class DrillConfig:
     hidden: int = 2048                 # model hidden width (sets the checkpoint size)
     timeout_s: float = 240.0           # per job; every wait ends
     control: bool = True               # run the 8 -> 8 control restore
+    tiers: bool = False                # local tier with peer replicas, and its four failures (drill --tiers)
 
     @property
     def train_devices(self) -> int:
@@ -77,6 +78,9 @@ class DrillConfig:
             raise ValueError("--d-in and --hidden must be multiples of 8 (they are sharded over the mesh)")
         if self.replacement not in ("jax", "torch"):
             raise ValueError("--replacement must be jax or torch")
+        if self.tiers and lo <= 2 * self.cadence:
+            raise ValueError(f"with --tiers the persistent tier saves every {2 * self.cadence} steps; the kill "
+                             f"window must start after step {2 * self.cadence}, got {lo}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -113,6 +117,9 @@ def parser() -> argparse.ArgumentParser:
                     help="model hidden width; sets the checkpoint size (%(default)s)")
     ap.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds allowed per job (%(default)s)")
     ap.add_argument("--no-control", action="store_true", help="skip the same-topology control restore")
+    ap.add_argument("--tiers", action="store_true",
+                    help="keep a local tier with peer replicas (persistent every 2 x cadence) and run its four "
+                         "failures: killed process, lost host, every local copy lost, corrupt local copy")
     ap.add_argument("--json", action="store_true", help="print the receipt as JSON instead of tables")
     return ap
 
@@ -128,6 +135,6 @@ def from_args(ns: argparse.Namespace) -> DrillConfig:
                       step_time_s=ns.step_time, kill_window=window, capacity_delay_s=ns.capacity_delay,
                       monitor_interval_s=ns.monitor_interval, storage=ns.storage, out=ns.out, seed=ns.seed,
                       d_in=ns.d_in, hidden=ns.hidden,
-                      timeout_s=ns.timeout, control=not ns.no_control)
+                      timeout_s=ns.timeout, control=not ns.no_control, tiers=ns.tiers)
     cfg.check()
     return cfg

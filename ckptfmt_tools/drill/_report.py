@@ -50,12 +50,32 @@ def checks_table(receipt: dict[str, Any]) -> Table:
     out = receipt["outputs"]
     jobs = [("replacement", out["continuation"]), ("control", out.get("control")),
             ("missing shard", receipt["rejected_control"].get("verdict"))]
+    jobs += [(f"tiers: {k}", v) for k, v in receipt.get("tiers_verdict", {}).get("verdicts", {}).items()]
     for name, verdict in jobs:
         if not verdict:
             continue
         for check, (ok, detail) in verdict["checks"].items():
             t.add_row(name, check, "[green]yes[/]" if ok else "[red]NO[/]", str(detail))
         name = ""
+    return t
+
+
+def tiers_table(receipt: dict[str, Any]) -> Table:
+    """drill --tiers: each tier failure, the step it restored, which tier served, its recovery phases."""
+    tiers = receipt["tiers"]
+    t = Table(title=f"Tier failures (local step {tiers['local_step']}, persistent steps {tiers['persistent_steps']})",
+              caption="seconds from the replacement job's launch; bytes summed over processes", title_justify="left",
+              caption_justify="left")
+    for col in ("failure", "restored", "local B", "peer B", "persistent B", "ready s", "restore s", "validate s",
+                "step s", "end to end s", "ok"):
+        t.add_column(col, justify="left" if col == "failure" else "right")
+    for name, v in receipt["tiers_verdict"]["verdicts"].items():
+        res = tiers["scenarios"][name]
+        per = res.get("tiers_per_process") or [[0, 0, 0]]
+        p = v["phases"]
+        t.add_row(name, str(res["restored_step"]), *(f"{sum(x[i] for x in per):,}" for i in range(3)),
+                  f"{p['launch_to_ready_s']:.2f}", f"{p['restore_s']:.3f}", f"{p['validation_s']:.3f}",
+                  f"{p['first_step_s']:.3f}", f"{p['end_to_end_s']:.2f}", "[green]yes[/]" if v["ok"] else "[red]NO[/]")
     return t
 
 
@@ -71,5 +91,7 @@ def print_report(receipt: dict[str, Any], console: Console | None = None) -> Non
     c.print(phase_table(receipt))
     c.print(guide_table(receipt))
     c.print(checks_table(receipt))
+    if "tiers_verdict" in receipt:
+        c.print(tiers_table(receipt))
     verdict = "[bold green]PASS[/]" if receipt["pass"] else "[bold red]FAIL[/]"
     c.print(f"receipt: {receipt['receipt_path']}  {verdict}")

@@ -31,6 +31,7 @@ from ._config import DrillConfig
 from ckptfmt.coord import free_port
 
 from ._procs import Proc, kill_all, launch, read_json, wait_all
+from ._tiers import judge_tiers, local_dir, run_tiers
 
 __all__ = ["run_drill", "DrillFailed"]
 
@@ -120,6 +121,9 @@ class _Chaos(threading.Thread):
 
 def _train(cfg: DrillConfig, work: str, url: str, kill_step: int, victim_rank: int,
            dropout: float) -> dict[str, Any]:
+    # drill --tiers: a local tier every cadence steps, the persistent tier every 2 * cadence.
+    tiers = ["--local", local_dir(work), "--local-every", str(cfg.cadence)] if cfg.tiers else []
+    cadence = 2 * cfg.cadence if cfg.tiers else cfg.cadence
     log = os.path.join(work, "train-steps.jsonl")
     port = free_port()
     lo, hi = cfg.window()
@@ -128,9 +132,9 @@ def _train(cfg: DrillConfig, work: str, url: str, kill_step: int, victim_rank: i
     for r in range(cfg.processes):
         argv = ["-m", "ckptfmt_tools.drill._job", "train", "--devices", str(cfg.devices_per_process), "--mesh", cfg.mesh,
                 "--url", url, "--out", os.path.join(work, "train-result.json"), "--log", log,
-                "--nproc", str(cfg.processes), "--rank", str(r), "--port", str(port), "--cadence", str(cfg.cadence),
+                "--nproc", str(cfg.processes), "--rank", str(r), "--port", str(port), "--cadence", str(cadence),
                 "--max-steps", str(max_steps), "--step-time", str(cfg.step_time_s), "--dropout", str(dropout),
-                *_model_args(cfg)]
+                *_model_args(cfg), *tiers]
         procs.append(launch(f"train-rank{r}", argv, env=_env(cfg.devices_per_process), logdir=work))
     victim = procs[victim_rank]
     stop = threading.Event()
@@ -175,7 +179,7 @@ def _train(cfg: DrillConfig, work: str, url: str, kill_step: int, victim_rank: i
 
 
 def _restore_job(name: str, cfg: DrillConfig, work: str, url: str, *, nproc: int, devices: int, mesh: str,
-                 dropout: float, rejected_control: str = "", victim: int = 0) -> tuple[dict[str, Any], float]:
+                 dropout: float, rejected_control: str = "", victim: int = 0, local: str = "") -> tuple[dict[str, Any], float]:
     port = free_port() if nproc > 1 else 0
     out = os.path.join(work, f"{name}-result.json")
     procs = []
@@ -185,6 +189,8 @@ def _restore_job(name: str, cfg: DrillConfig, work: str, url: str, *, nproc: int
                 "--dropout", str(dropout), "--victim", str(victim), *_model_args(cfg)]
         if rejected_control:
             argv += ["--rejected-control", rejected_control]
+        if local:
+            argv += ["--local", local, "--local-every", str(cfg.cadence)]
         procs.append(launch(f"{name}-rank{r}" if nproc > 1 else name, argv, env=_env(devices), logdir=work))
     errors = wait_all(procs, cfg.timeout_s, result_path=out)
     if errors:
@@ -241,7 +247,8 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
                                           "environment": _environment()}}
     try:
         say(f"training: {cfg.processes} processes x {cfg.devices_per_process} devices (mesh {cfg.mesh}), "
-            f"async save every {cfg.cadence} steps; SIGKILL of rank {victim} at step {kill_step}")
+            + (f"local tier every {cfg.cadence} steps, persistent every {2 * cfg.cadence}; " if cfg.tiers else
+               f"async save every {cfg.cadence} steps; ") + f"SIGKILL of rank {victim} at step {kill_step}")
         train = _train(cfg, work, url, kill_step, victim, dropout)
         receipt["train"] = train
         say(f"killed rank {victim} at step {train['step_at_kill']}; detected after "
@@ -269,11 +276,20 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
                                           devices=cfg.devices_per_process, mesh=cfg.mesh, dropout=dropout)
             ctrl["t_launch"] = t_launch
             receipt["control"] = ctrl
+        if cfg.tiers:
+            def tier_job(name: str, local: str) -> tuple[dict[str, Any], float]:
+                return _restore_job(name, cfg, work, url, nproc=cfg.processes, devices=cfg.devices_per_process,
+                                    mesh=cfg.mesh, dropout=dropout, local=local)
+
+            receipt["tiers"] = run_tiers(cfg, work, url, victim, tier_job, say)
     except Exception as exc:
         receipt["error"] = f"{type(exc).__name__}: {exc}"
         _write_receipt(work, receipt)
         raise DrillFailed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, receipt) from exc
     receipt.update(_judge.judge(receipt))
+    if cfg.tiers:
+        receipt["tiers_verdict"] = judge_tiers(receipt["tiers"], receipt["train"]["reference"])
+        receipt["pass"] = bool(receipt["pass"] and receipt["tiers_verdict"]["ok"])
     _write_receipt(work, receipt)
     return receipt
 

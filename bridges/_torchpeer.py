@@ -1,0 +1,121 @@
+"""The torch manager's local tier (FORMAT.md 8.5): the peer exchange over a gloo group of its own,
+and the tier hooks (host copies of the own boxes, the boxes a target needs, a ``Loaded`` built
+from verified boxes).
+
+The exchange sends one ``uint8`` tensor (after its length) with ``isend``/``irecv`` on a process
+group created for the manager (``dist.new_group(backend="gloo")``, at construction, when every
+rank constructs its managers in the same order): the local save's background thread never
+shares a group with the training loop's collectives.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ckptfmt import Box
+from ckptfmt.dtypes import numpy_dtype
+from ckptfmt.errors import KeyMismatchError, ShapeMismatchError
+
+from ._contract import stage_state
+from ._extra import json_keys
+from ._torchconv import _flatten, _local, _rebuild, _target_boxes, _wrap_like, dtype_name, from_numpy, rng_state
+from ._torchload import Loaded, _saved_objects
+
+__all__ = ["TorchExchange", "snapshot", "requests", "build"]
+
+
+class TorchExchange:
+    """:class:`ckptfmt.manager._tiers.PeerExchange` over point-to-point gloo sends."""
+
+    background = True  # a process group of its own
+
+    def __init__(self) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(backend="gloo")
+
+    def _swap(self, out: torch.Tensor, into: torch.Tensor, dst: int, src: int) -> None:
+        reqs = [dist.isend(out, dst, group=self.group), dist.irecv(into, src, group=self.group)]
+        for r in reqs:
+            r.wait()
+
+    def shift(self, name: str, payload: bytes, offset: int) -> bytes:
+        dst, src = (self.rank + int(offset)) % self.world, (self.rank - int(offset)) % self.world
+        n_in = torch.zeros(1, dtype=torch.int64)
+        self._swap(torch.tensor([len(payload)], dtype=torch.int64), n_in, dst, src)
+        out = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+        into = torch.empty(int(n_in.item()), dtype=torch.uint8)
+        self._swap(out, into, dst, src)
+        return into.numpy().tobytes()
+
+
+def snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
+    """This rank's boxes as host copies (each distinct box once), and the global state as the
+    bridge's save stages it, with this rank's per-rank state under ``rank`` (FORMAT.md 8.5)."""
+    from .torch import _shards  # bridges.torch imports this module's manager at its end
+
+    shards, objects = _shards(state, copy=True)
+    global_state = {"torch": {"objects": objects, "rank_state": rank_state is not None},
+                    "extra": json_keys(extra, "extra"),
+                    "rank": {"torch": {"rng": rng_state()}, "extra": json_keys(rank_state, "rank_state")}}
+    global_state, _, _ = stage_state(global_state, None, None, blocking=False)
+    seen: set[tuple[str, Box]] = set()
+    out = []
+    for s in shards:
+        if not isinstance(s.data, np.ndarray) or (s.key, s.box) in seen or (s.box.ndim and s.box.size == 0):
+            continue
+        seen.add((s.key, s.box))
+        out.append((s.key, tuple(s.global_shape), np.dtype(s.dtype), s.box, s.data))
+    return out, global_state
+
+
+def requests(target: Any) -> list[tuple[str, Box]] | None:
+    """The boxes ``target``'s tensors need on this rank, or None when the tiers cannot serve it."""
+    if not isinstance(target, Mapping):
+        return None
+    out: list[tuple[str, Box]] = []
+    try:
+        for key, v in _flatten(target):
+            if isinstance(v, torch.Tensor):
+                out.extend((key, b) for b, _ in (_target_boxes(v, key) or []))
+    except (ValueError, TypeError):
+        return None
+    return list(dict.fromkeys(out))
+
+
+def build(target: Any, values: Mapping[tuple[str, Box], np.ndarray], global_state: Any, step: int) -> tuple[Any, Any]:
+    """A :class:`Loaded` like the one ``bridges.torch.load`` returns, from verified boxes (``report``
+    None; ``rank_state`` / ``rng`` only when the own tier served the state). A dtype or shape that
+    differs raises: the ordinary restore then runs."""
+    gstate = global_state if isinstance(global_state, dict) else {}
+    objects = _saved_objects(gstate)
+    flat: dict[str, Any] = {}
+    nbytes = 0
+    for key, v in _flatten(target):
+        if not isinstance(v, torch.Tensor):
+            if key not in objects:
+                raise KeyMismatchError("a non-tensor entry is not in the local step's state", key=key,
+                                       expected="a saved entry", found="missing")
+            flat[key] = objects[key]
+            continue
+        local = _local(v)
+        dtype = numpy_dtype(dtype_name(v.dtype, key))
+        parts = _target_boxes(v, key) or []
+        arr = np.empty(tuple(local.shape), dtype=dtype)
+        for box, where in parts:
+            a = values[(key, box)]
+            if a.dtype != dtype or tuple(a.shape) != box.shape:
+                raise ShapeMismatchError("a local copy differs from the target", key=key, expected=f"{dtype} {box.shape}",
+                                         found=f"{a.dtype} {tuple(a.shape)}")
+            arr[where if where is not None else ...] = a
+            nbytes += int(a.nbytes)
+        flat[key] = _wrap_like(v, from_numpy(arr, v.dtype, local.device))
+    out = Loaded(_rebuild(target, flat))
+    rank = gstate.get("rank") if isinstance(gstate.get("rank"), dict) else {}
+    out.step, out.report, out.missing_keys, out.unexpected_keys = int(step), None, [], []
+    out.extra, out.saved_world = gstate.get("extra"), dist.get_world_size() if dist.is_initialized() else 1
+    out.rank_state, out.rng = rank.get("extra"), (rank.get("torch") or {}).get("rng")
+    out.bytes_read, out.objects_read, out.batches = nbytes, 0, 1
+    return out, out.extra

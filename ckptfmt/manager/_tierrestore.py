@@ -1,0 +1,208 @@
+"""Restoring through the tiers (FORMAT.md 8.5): for each box the fastest copy that verifies.
+
+Call order (every rank; the collectives are the manager's coordinator for metadata and the
+bridge's :class:`~ckptfmt.manager._tiers.PeerExchange` for tensor bytes):
+
+1. ``allgather("tiers/restore/<n>/inventory")``: each rank lists the local steps its own tier
+   holds (token, hosts, and the boxes of each owner; a step whose manifest or state does not
+   verify is left out).
+2. Each rank decides, from the gathered inventories, the persistent tier as it lists it, and its
+   own requests (the boxes its target needs), which steps it could restore: every request held
+   by its own tier, by its holder's (rank - 1) replica, or by the persistent tier, all with the
+   step's token (the persistent manifest's token when it has one, else the lowest rank's). Then
+   ``allgather("tiers/restore/<n>/feasible")``; the step is the newest one feasible on every rank
+   (none, or an older one than the newest persistent step: the ordinary restore runs instead).
+3. Own reads (verified by the core reader); a box that fails verification is logged and asked of
+   the next tier. ``shift(-1)`` sends each rank's requests to its holder, which reads and
+   verifies them and answers over ``shift(+1)`` (a box it cannot serve comes back as missing).
+4. The persistent tier serves what is left (verified). ``allgather("tiers/restore/<n>/done")``
+   of every rank's outcome: when any rank failed, every rank returns None and the manager runs
+   its ordinary restore, so a damaged local tier never fails a restore.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from ckptfmt._types import Box
+from ckptfmt.errors import CheckpointError, MissingShardError
+from ckptfmt.manager._tiers import TIERS_KEY, HeldBox, pack_boxes, unpack_boxes
+from ckptfmt.repository import Repository
+from ckptfmt.state import decode_state, encode_state
+
+__all__ = ["inventory", "feasible_steps", "tiered_read"]
+
+_log = logging.getLogger("ckptfmt.manager")
+Request = tuple[str, Box]
+
+
+def inventory(repo: Repository) -> dict[int, dict[str, Any]]:
+    """The local steps ``repo`` holds: step -> {token, hosts, boxes (wire)}; unreadable steps left out."""
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        steps = repo.steps()
+    except CheckpointError as e:
+        _log.warning("local tier %s does not list: %s", repo.url, e)
+        return out
+    for s in steps:
+        try:
+            t = repo.open(s).state()["tiers"]
+            out[s] = {"token": str(t["token"]), "hosts": int(t["hosts"]), "boxes": list(t["boxes"])}
+        except (CheckpointError, KeyError, TypeError, ValueError) as e:
+            _log.warning("local tier %s: step %d is left out: %s: %s", repo.url, s, type(e).__name__, e)
+    return out
+
+
+def persistent_token(repo: Repository, step: int) -> str | None:
+    """The tier token a persistent step recorded (metadata), or None."""
+    try:
+        meta = repo.manifest(step).metadata.get(TIERS_KEY)
+    except CheckpointError:
+        return None
+    return str(meta["token"]) if isinstance(meta, Mapping) and "token" in meta else None
+
+
+def step_token(step: int, invs: Sequence[Mapping[int, Any]], ptoken: str | None) -> str | None:
+    """The token every copy of ``step`` used by a restore must carry."""
+    if ptoken is not None:
+        return ptoken
+    for inv in invs:
+        if step in inv:
+            return str(inv[step]["token"])
+    return None
+
+
+def held(inv: Mapping[int, Any], step: int, token: str | None, owner: int, world: int) -> list[HeldBox]:
+    e = inv.get(step)
+    if e is None or token is None or e["token"] != token or int(e["hosts"]) != world:
+        return []
+    return [h for h in (HeldBox.from_wire(w) for w in e["boxes"]) if h.owner == owner]
+
+
+def _find(boxes: Sequence[HeldBox], key: str, box: Box) -> HeldBox | None:
+    return next((h for h in boxes if h.contains(key, box)), None)
+
+
+def feasible_steps(rank: int, world: int, invs: Sequence[Mapping[int, Any]], requests: Sequence[Request],
+                   persistent: Mapping[int, str | None]) -> list[int]:
+    """The local steps this rank can restore (newest first), ``persistent``: step -> its token."""
+    out = []
+    for s in sorted({s for inv in invs for s in inv}, reverse=True):
+        token = step_token(s, invs, persistent.get(s))
+        mix = s in persistent and persistent[s] == token
+        own = held(invs[rank], s, token, rank, world)
+        peer = held(invs[(rank - 1) % world], s, token, rank, world) if world > 1 else []
+        if not own and not peer:
+            continue
+        if all(mix or _find(own, k, b) or _find(peer, k, b) for k, b in requests):
+            out.append(s)
+    return out
+
+
+def _read_own(repo: Repository, step: int, boxes: Sequence[HeldBox], reqs: Sequence[Request],
+              values: dict[Request, np.ndarray]) -> list[Request]:
+    """Read ``reqs`` from this rank's own tier into ``values``; return those it could not serve."""
+    plan = [(r, _find(boxes, *r)) for r in reqs]
+    left = [r for r, h in plan if h is None]
+    todo = [(r, h) for r, h in plan if h is not None]
+    if not todo:
+        return left
+    try:
+        ckpt = repo.open(step)
+    except CheckpointError as e:
+        _log.warning("local tier: step %d does not open on %s: %s", step, repo.url, e)
+        return left + [r for r, _ in todo]
+    try:
+        for (r, _), a in zip(todo, ckpt.read_boxes([(h.local, h.within(r[1])) for r, h in todo])):
+            values[r] = a
+        return left
+    except CheckpointError:
+        pass  # find the boxes that fail, one at a time; the others are still served here
+    for r, h in todo:
+        try:
+            values[r] = ckpt.read_boxes([(h.local, h.within(r[1]))])[0]
+        except CheckpointError as e:
+            _log.warning("local tier: box %s %s of step %d rejected on %s (%s: %s); the next tier serves it",
+                         r[0], list(r[1].offset), step, repo.url, type(e).__name__, e)
+            left.append(r)
+    return left
+
+
+def _serve_peer(repo: Repository, step: int, boxes: Sequence[HeldBox], payload: bytes) -> bytes:
+    """The holder's answer to its peer's requests: the boxes it could read and verify, and (when
+    it was asked anything) the step's global state from its own tier (ckptfmt's state encoding).
+    Never raises: a holder that fails answers with nothing, so both ranks finish the exchange."""
+    try:
+        asked = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in msgpack.unpackb(payload, raw=False)]
+        values: dict[Request, np.ndarray] = {}
+        if asked:
+            _read_own(repo, step, boxes, asked, values)
+        served = [(k, (), a.dtype, b, a) for (k, b), a in values.items()]
+        gstate = _global_state(repo, step, boxes) if asked else None
+        return msgpack.packb({"boxes": pack_boxes(served), "state": None if gstate is None else encode_state(gstate)},
+                             use_bin_type=True)
+    except Exception as e:  # noqa: BLE001 - the peer then asks the persistent tier
+        _log.warning("local tier: %s cannot serve its peer for step %d: %s: %s", repo.url, step, type(e).__name__, e)
+        return msgpack.packb({"boxes": pack_boxes([]), "state": None}, use_bin_type=True)
+
+
+def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], invs: Sequence[Mapping[int, Any]],
+                mix: bool, stats: dict[str, int]) -> tuple[dict[Request, np.ndarray], Any]:
+    """Read ``requests`` of ``step``: own tier, then the holder's replica, then the persistent tier
+    (when ``mix``: it recorded ``token``). Returns the values and the global state. Every rank
+    calls it (two exchanges); raises MissingShardError for a box no tier could serve."""
+    rank, world, tiers = mgr.rank, mgr.world, mgr._tiers
+    values: dict[Request, np.ndarray] = {}
+    peer_state: Any = None
+    try:  # nothing before the exchanges may raise: every rank must reach both
+        own = held(invs[rank], step, token, rank, world)
+        mine = held(invs[rank], step, token, (rank + 1) % world, world)  # the replica this rank holds
+        left = _read_own(tiers.repository, step, own, list(requests), values)
+    except Exception as e:  # noqa: BLE001 - the own tier is then not used
+        _log.warning("local tier: %s unusable for step %d: %s: %s", tiers.repository.url, step, type(e).__name__, e)
+        own, mine, left = [], [], list(requests)
+        values.clear()
+    stats["local"] = sum(int(a.nbytes) for a in values.values())
+    # The exchanges only when some rank asks its holder for something (metadata through the coordinator).
+    wants = world > 1 and tiers.exchange is not None and any(
+        g["left"] for g in mgr._gather(f"tiers/restore/{mgr._tier_restores}/wants", {"left": len(left)}))
+    if wants:
+        asked = tiers.exchange.shift(f"tiers/restore/{step}/ask", msgpack.packb(
+            [[k, list(b.offset), list(b.shape)] for k, b in left]), -1)
+        answer = msgpack.unpackb(tiers.exchange.shift(f"tiers/restore/{step}/serve", _serve_peer(
+            tiers.repository, step, mine, asked), +1), raw=False)
+        got = unpack_boxes(answer["boxes"], f"the replica host {(rank - 1) % world} holds of step {step}")
+        served = {(k, b): a for k, _, _, b, a in got if (k, b) in set(left)}
+        peer_state = None if answer.get("state") is None else decode_state(answer["state"])
+        values.update(served)
+        stats["peer"] = sum(int(a.nbytes) for a in served.values())
+        left = [r for r in left if r not in served]
+    gstate = _global_state(tiers.repository, step, own)
+    if gstate is None and world > 1 and tiers.exchange is not None and isinstance(peer_state, dict):
+        gstate = {k: v for k, v in peer_state.items() if k != "rank"}  # the holder's own per-rank state
+    if left or gstate is None:
+        if not mix:
+            k, b = left[0] if left else ("<global state>", Box((), ()))
+            raise MissingShardError(f"no tier holds a verified copy of this box of step {step}", key=k,
+                                    object=f"step {step}, token {token}", expected="own tier, peer replica or "
+                                    "the persistent tier with the same token", found=f"box at {list(b.offset)}")
+        ckpt = Repository(mgr.url).open(step)
+        for r, a in zip(left, ckpt.read_boxes(left)):
+            values[r] = a
+        stats["persistent"] = sum(int(values[r].nbytes) for r in left)
+        if gstate is None:
+            gstate = ckpt.state()
+    return values, gstate
+
+
+def _global_state(repo: Repository, step: int, own: Sequence[HeldBox]) -> Any:
+    if not own:
+        return None
+    try:
+        return repo.open(step).state()["global"]
+    except (CheckpointError, KeyError, TypeError) as e:
+        _log.warning("local tier: the state of step %d does not read on %s: %s", step, repo.url, e)
+        return None

@@ -1,0 +1,287 @@
+"""The checkpoint manager's local tier (FORMAT.md 8.5): the save side, and the values both sides share.
+
+A :class:`LocalTier` is a directory next to the processes (``/dev/shm``, a local disk). Host
+``h`` (one process of the job) keeps one ordinary ckptfmt repository, ``<path>/host-<h>``, written by
+that process alone (world 1) with the ordinary save protocol: private writes, verification, one
+atomic manifest per step. A local step holds the host's own boxes and, with ``replicate``, a replica
+of host ``(h + 1) mod H``'s boxes, received over the framework's collectives (a
+:class:`PeerExchange`, supplied by the bridge). Each box is a tensor of the local repository whose
+key path is ``h<owner>/<n>``; the global state object maps it back (``tiers.boxes``) and records the
+step's *tier token*, the identity that every copy of one manager save shares (the persistent
+tier records it in ``metadata["ckptfmt.tiers"]`` when the same call saved the step there too).
+
+Call order: at construction rank 0 draws the run's nonce and broadcasts it (the manager's
+coordinator, metadata only); a step's token is ``<nonce>-<step>``. A local save (every process,
+from ``CheckpointManager.save``): wait for the previous local save (back-pressure, one in
+flight); the bridge copies the own boxes to host memory; then a background thread exchanges the
+copies with the peers (in the caller's thread when the exchange says it cannot run in the
+background: JAX), saves the local step, and applies the tier's retention (``keep`` newest steps). A failed local
+save is logged and recorded in ``tier_history``; it never fails training (the persistent tier
+stays the authority). Restore: :mod:`ckptfmt.manager._tierrestore`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import msgpack
+import numpy as np
+
+from ckptfmt._types import Box, LocalShard
+from ckptfmt.coord import LocalCoordinator
+from ckptfmt.dtypes import dtype_name, numpy_dtype
+from ckptfmt.errors import CheckpointError, InvalidStateError
+from ckptfmt.repository import Repository
+from ckptfmt.session import save
+from ckptfmt.session._saveopts import SaveOptions
+
+__all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "TierWriter"]
+
+_log = logging.getLogger("ckptfmt.manager")
+
+#: The key of the tier record: in a local step's global state, and in a persistent manifest's
+#: ``metadata`` (the token only) when one manager call saved the step on both tiers.
+TIERS_KEY = "ckptfmt.tiers"
+
+
+@dataclass(frozen=True)
+class LocalTier:
+    """A local tier: ``path`` (a directory: one repository ``host-<h>`` per host under it), its own
+    cadence ``every`` (a step divisible by it is saved there; ``force=True`` saves too), its
+    retention ``keep`` (newest steps kept per host), and ``replicate`` (hold a replica of the
+    next host's boxes). Bad values raise ValueError."""
+
+    path: str
+    every: int = 10
+    keep: int = 2
+    replicate: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise ValueError(f"LocalTier.path must be a directory path, got {self.path!r}")
+        for name in ("every", "keep"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LocalTier.{name} must be a positive int, got {v!r}")
+        object.__setattr__(self, "path", str(self.path))
+
+    def url(self, host: int) -> str:
+        """The repository of host ``host``."""
+        return os.path.join(self.path, f"host-{int(host)}")
+
+
+@runtime_checkable
+class PeerExchange(Protocol):
+    """The data plane between hosts, over the framework's collectives (never the coordinator).
+
+    ``shift(name, payload, offset)`` is a collective: every rank calls it with the same ``name``
+    and ``offset``; rank ``r``'s payload goes to rank ``(r + offset) mod world``, and the call
+    returns what rank ``(r - offset) mod world`` sent. Raises the framework's error, or a
+    CheckpointError, on every rank when the exchange fails.
+
+    ``background``: whether ``shift`` may run in a background thread while the caller's thread
+    runs the framework's own collectives (torch: a process group of its own; JAX: False, since
+    its cross-process programs must be launched in one order on every process)."""
+
+    background: bool
+
+    def shift(self, name: str, payload: bytes, offset: int) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class HeldBox:
+    """One box a local step holds: its tensor in the local repository, the host whose box it
+    is, and the global tensor (key path, global shape, dtype name) and box it is part of."""
+
+    local: str
+    owner: int
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    box: Box
+
+    def to_wire(self) -> list[Any]:
+        return [self.local, self.owner, self.key, list(self.shape), self.dtype, list(self.box.offset),
+                list(self.box.shape)]
+
+    @classmethod
+    def from_wire(cls, w: Sequence[Any]) -> "HeldBox":
+        if not isinstance(w, (list, tuple)) or len(w) != 7:
+            raise InvalidStateError("a tier box record is malformed", key=TIERS_KEY, expected="7 fields", found=repr(w)[:80])
+        return cls(str(w[0]), int(w[1]), str(w[2]), tuple(int(x) for x in w[3]), str(w[4]), Box(tuple(w[5]), tuple(w[6])))
+
+    def contains(self, key: str, box: Box) -> bool:
+        return key == self.key and box.ndim == self.box.ndim and all(
+            o0 <= o and o + n <= o0 + n0 for o0, n0, o, n in zip(self.box.offset, self.box.shape, box.offset, box.shape))
+
+    def within(self, box: Box) -> Box:
+        """``box`` in the coordinates of this held box (which contains it)."""
+        return Box(tuple(o - o0 for o, o0 in zip(box.offset, self.box.offset)), box.shape)
+
+
+@dataclass(frozen=True)
+class TierSave:
+    """One local save as this process saw it: step, token, whether it committed, the caller's
+    blocked seconds, the background seconds to the commit (``exchange_s`` of them with the peers),
+    bytes of own and replicated boxes."""
+
+    step: int
+    token: str
+    committed: bool
+    blocked_s: float
+    write_s: float
+    own_bytes: int
+    peer_bytes: int
+    error: str | None = None
+    exchange_s: float = 0.0
+
+
+def pack_boxes(boxes: Sequence[tuple[str, tuple[int, ...], Any, Box, np.ndarray]]) -> bytes:
+    """A host's boxes as one exchange payload (msgpack: key, global shape, dtype name, offset,
+    shape, raw little-endian bytes)."""
+    return msgpack.packb([[k, list(shape), dtype_name(np.dtype(dt)), list(b.offset), list(b.shape),
+                           np.ascontiguousarray(a).tobytes()] for k, shape, dt, b, a in boxes], use_bin_type=True)
+
+
+def unpack_boxes(payload: bytes, what: str) -> list[tuple[str, tuple[int, ...], Any, Box, np.ndarray]]:
+    """The inverse of :func:`pack_boxes`; InvalidStateError naming ``what`` for a malformed payload."""
+    out = []
+    try:
+        for k, shape, dt, off, bshape, raw in msgpack.unpackb(payload, raw=False):
+            dtype = numpy_dtype(dt)
+            box = Box(tuple(off), tuple(bshape))
+            arr = np.frombuffer(raw, dtype=dtype)
+            out.append((str(k), tuple(int(x) for x in shape), dtype, box, arr.reshape(box.shape)))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a peer's payload is untrusted input
+        raise InvalidStateError(f"a peer payload does not decode: {type(e).__name__}: {e}", object=what,
+                                expected="the boxes a peer packed", found=f"{len(payload)} bytes") from None
+    return out
+
+
+def write_local_step(repo: Repository, step: int, host: int, hosts: int, token: str,
+                     boxes: Sequence[tuple[int, tuple[str, tuple[int, ...], Any, Box, np.ndarray]]],
+                     global_state: Any, options: SaveOptions | None) -> Any:
+    """Save one local step of ``host`` (world 1): every (owner, box) as tensor ``h<owner>/<n>``, the
+    box map and token in the global state. A step already committed there (an earlier run's) is
+    deleted first, so a local step always holds one save. Raises the save's CheckpointError."""
+    shards, held = [], []
+    for n, (owner, (key, shape, dt, box, arr)) in enumerate(boxes):
+        local = f"h{owner}/{n:06d}"
+        data = np.asarray(arr) if np.asarray(arr).flags.c_contiguous else np.array(arr)  # keeps a 0-d shape
+        shards.append(LocalShard(local, data.shape, data.dtype, Box.full(data.shape), data))
+        held.append(HeldBox(local, owner, key, tuple(shape), dtype_name(np.dtype(dt)), box).to_wire())
+    if step in repo.steps():
+        repo.delete(step)
+    state = {"global": global_state, "tiers": {"token": token, "host": host, "hosts": hosts, "boxes": held}}
+    opts = options or SaveOptions()
+    return save(repo, step, shards, state=state, metadata={TIERS_KEY: {"token": token, "host": host, "hosts": hosts}},
+                coordinator=LocalCoordinator(), options=SaveOptions(timeout_s=opts.timeout_s, reuse="off"))
+
+
+@dataclass
+class _LocalJob:
+    step: int
+    thread: threading.Thread | None = None
+    record: TierSave | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class TierWriter:
+    """The local tier's save side for one manager: cadence, one save in flight, token, retention."""
+
+    def __init__(self, tier: LocalTier, rank: int, world: int, coord: Any, exchange: PeerExchange | None,
+                 options: SaveOptions | None) -> None:
+        self.tier, self.rank, self.world, self.coord = tier, rank, world, coord
+        self.exchange = exchange if tier.replicate and world > 1 else None
+        self.options = options
+        self.repository = Repository(tier.url(rank))
+        self.tokens: dict[int, str] = {}
+        self.history: list[TierSave] = []
+        self._job: _LocalJob | None = None
+        self._last: int | None = None
+        # The run's nonce, drawn by rank 0 once, here: no save of this manager is in flight yet, so
+        # the coordinator is never used by two threads at once (the torch store client is not
+        # safe for that). A step's token is the nonce and the step: unique per manager and step.
+        mine = secrets.token_hex(8).encode() if rank == 0 else None
+        self.nonce = bytes(mine if world == 1 else coord.broadcast("tiers/nonce", mine)).decode()
+
+    def due(self, step: int, force: bool) -> bool:
+        return step != self._last and (force or step % self.tier.every == 0)
+
+    def token(self, step: int) -> str:
+        return f"{self.nonce}-{int(step)}"
+
+    def start(self, step: int, token: str, snapshot: Any, global_state: Any, blocked_s: float) -> None:
+        """Run the exchange and the local save of ``snapshot`` (the own boxes, host copies) in the background."""
+        self._last = step
+        self.tokens[step] = token
+        for s in [s for s in self.tokens if s < step - 1000 * self.tier.every]:
+            del self.tokens[s]
+        job = _LocalJob(step)
+        received = None
+        if self.exchange is not None and not getattr(self.exchange, "background", False):
+            received = self._exchange(step, snapshot)  # in the caller's thread, in program order
+            blocked_s += received[1]
+        job.thread = threading.Thread(target=self._run, args=(job, token, snapshot, global_state, blocked_s, received),
+                                      name=f"ckptfmt-local-{step}", daemon=True)
+        self._job = job
+        job.thread.start()
+
+    def _exchange(self, step: int, own: list) -> tuple[bytes | BaseException, float]:
+        t0 = time.perf_counter()
+        try:
+            return self.exchange.shift(f"tiers/save/{step}", pack_boxes(own), -1), time.perf_counter() - t0  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - recorded by the local save, which then fails
+            return e, time.perf_counter() - t0
+
+    def _run(self, job: _LocalJob, token: str, own: list, global_state: Any, blocked_s: float,
+             received: tuple[bytes | BaseException, float] | None) -> None:
+        t0 = time.perf_counter()
+        own_bytes = sum(int(a.nbytes) for *_, a in own)
+        peer_bytes, exchange_s = 0, 0.0
+        try:
+            boxes: list = [(self.rank, b) for b in own]
+            if self.exchange is not None:
+                # Host h holds host h+1's boxes: every rank sends its own to rank - 1.
+                got, exchange_s = received if received is not None else self._exchange(job.step, own)
+                if isinstance(got, BaseException):
+                    raise got
+                peer = unpack_boxes(got, f"the boxes of host {(self.rank + 1) % self.world} for step {job.step}")
+                peer_bytes = sum(int(a.nbytes) for *_, a in peer)
+                boxes += [((self.rank + 1) % self.world, b) for b in peer]
+            write_local_step(self.repository, job.step, self.rank, self.world, token, boxes, global_state, self.options)
+            job.record = TierSave(job.step, token, True, blocked_s, time.perf_counter() - t0, own_bytes, peer_bytes,
+                                  exchange_s=exchange_s)
+            self._retain()
+        except Exception as e:  # noqa: BLE001 - a local tier never fails training; recorded and logged
+            job.record = TierSave(job.step, token, False, blocked_s, time.perf_counter() - t0, own_bytes, peer_bytes,
+                                  f"{type(e).__name__}: {e}")
+            _log.error("local tier: step %d was not saved on host %d: %s: %s", job.step, self.rank, type(e).__name__, e)
+        finally:
+            self.history.append(job.record)  # type: ignore[arg-type]
+            job.done.set()
+
+    def _retain(self) -> None:
+        steps = self.repository.steps()
+        for s in steps[:-self.tier.keep]:
+            try:
+                self.repository.delete(s)
+                _log.info("local tier: deleted step %d on host %d (keep %d)", s, self.rank, self.tier.keep)
+            except CheckpointError as e:
+                _log.warning("local tier: could not delete step %d on host %d: %s", s, self.rank, e)
+
+    def join(self, timeout: float | None = None) -> TierSave | None:
+        job = self._job
+        if job is None:
+            return None
+        if not job.done.wait(timeout):
+            return None
+        self._job = None
+        return job.record

@@ -1,0 +1,184 @@
+"""The local tier against the persistent tier (issue 29's targets; docs/tiers.md): prints figures.
+
+``python -m ckptfmt_tools.bench.tiers [--mib 1024] [--local /dev/shm/...] [--persistent DIR]``
+starts 2 processes x 4 JAX CPU devices (``jax.distributed``) holding a row-sharded state of
+``--mib`` MiB (16 float32 tensors) and, through ``bridges.jax.CheckpointManager``:
+
+1. times the caller's block of an async persistent save (step 1) and of an async local-tier save
+   (step 2, own boxes plus the peer replica), and of one call that saves both (step 3);
+2. restores step 3 from the local tier (``restore()`` with ``local=``: every byte from the own
+   tier), then, after dropping the page cache (root only; said in the output), from the
+   persistent tier alone (a manager without ``local``), then once more warm.
+
+Each figure is the slower process's, between barriers. Not a test: timing on a shared machine
+is noisy, and the output says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from .child import drop_page_cache
+
+PROCESSES, DEVICES, TENSORS = 2, 4, 16
+
+
+def _state(jax: Any, sharding: Any, mib: int, step: int) -> dict[str, Any]:
+    import numpy as np
+
+    rows = max(8, (mib << 20) // TENSORS // 4 // 1024 // 8 * 8)
+    out = {}
+    for t in range(TENSORS):
+        def block(index: Any, t: int = t) -> Any:
+            r = index[0]
+            n = (r.stop or rows) - (r.start or 0)
+            return np.full((n, 1024), float(step * 100 + t), dtype=np.float32)
+        out[f"t{t:02d}"] = jax.make_array_from_callback((rows, 1024), sharding, block)
+    return out
+
+
+def _timed(sync: Any, name: str, fn: Any) -> tuple[float, Any]:
+    sync(f"{name}-start")
+    t0 = time.perf_counter()
+    value = fn()
+    sync(f"{name}-end")
+    return time.perf_counter() - t0, value
+
+
+def child(args: argparse.Namespace) -> None:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=PROCESSES,
+                               process_id=args.rank, initialization_timeout=120)
+    import bridges.jax as bjax
+    from ckptfmt.manager import LocalTier
+
+    sync = multihost_utils.sync_global_devices
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    rows = NamedSharding(mesh, P("d"))
+    tier = LocalTier(args.local, every=1, keep=1)
+    out: dict[str, Any] = {}
+    with bjax.CheckpointManager(args.persistent, save_every_steps=1) as mgr:
+        st = _state(jax, rows, args.mib, 1)
+        mgr.save(1, st)
+        rec = mgr.wait()
+        out["persistent_save_blocked_s"], out["persistent_commit_s"] = rec.blocked_s, rec.write_s
+    with bjax.CheckpointManager(args.persistent, local=tier) as mgr:
+        st = _state(jax, rows, args.mib, 2)
+        mgr.save(2, st)
+        mgr.wait()
+        rec = mgr.tier_history[-1]
+        out["local_save_blocked_s"], out["local_commit_s"] = rec.blocked_s, rec.write_s
+        out["local_exchange_s"] = rec.exchange_s
+        out["local_own_bytes"], out["local_peer_bytes"], out["local_committed"] = rec.own_bytes, rec.peer_bytes, rec.committed
+    with bjax.CheckpointManager(args.persistent, save_every_steps=1, local=tier) as mgr:
+        st = _state(jax, rows, args.mib, 3)
+        t0 = time.perf_counter()
+        mgr.save(3, st)
+        out["both_save_blocked_s"] = time.perf_counter() - t0
+        mgr.wait()
+    del st
+    target = {f"t{t:02d}": jax.ShapeDtypeStruct(_state_shape(args.mib), np.float32, sharding=rows) for t in range(TENSORS)}
+
+    def restore(local: bool) -> Any:
+        with bjax.CheckpointManager(args.persistent, local=tier if local else None) as m:
+            r = m.restore(target)
+        jax.block_until_ready(r.state)
+        return r
+
+    out["restore_local_s"], r = _timed(sync, "rl", lambda: restore(True))
+    out["restore_local_inner_s"] = r.stats.get("restore_s")
+    out["restore_local_tiers"], out["restore_local_step"] = r.stats.get("tiers"), r.step
+    out["restore_local_exact"] = bool(float(np.asarray(r.state["t05"].addressable_shards[0].data)[0, 0]) == 305.0)
+    del r
+    sync("drop")
+    out["cache_dropped"] = drop_page_cache() if args.rank == 0 else None
+    sync("dropped")
+    out["restore_persistent_cold_s"], r = _timed(sync, "rp", lambda: restore(False))
+    out["restore_persistent_step"] = r.step
+    del r
+    out["restore_persistent_warm_s"], r = _timed(sync, "rw", lambda: restore(False))
+    del r
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+    jax.distributed.shutdown()
+
+
+def _state_shape(mib: int) -> tuple[int, int]:
+    return (max(8, (mib << 20) // TENSORS // 4 // 1024 // 8 * 8), 1024)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ckptfmt_tools.bench.tiers")
+    ap.add_argument("--mib", type=int, default=1024, help="state size in MiB (all processes)")
+    ap.add_argument("--local", default="", help="local tier directory (default: a fresh one under /dev/shm)")
+    ap.add_argument("--persistent", default="", help="persistent repository (default: a fresh directory on disk)")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.rank >= 0:
+        child(args)
+        return 0
+    from ckptfmt.coord import free_port
+
+    work = tempfile.mkdtemp(prefix="ckptfmt-bench-tiers-", dir=os.getcwd())
+    shm = tempfile.mkdtemp(prefix="ckptfmt-bench-tiers-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    local, persistent = args.local or os.path.join(shm, "local"), args.persistent or os.path.join(work, "persistent")
+    port = free_port()
+    try:
+        outs = [os.path.join(work, f"out{r}.json") for r in range(PROCESSES)]
+        procs = [subprocess.Popen([sys.executable, "-m", "ckptfmt_tools.bench.tiers", "--mib", str(args.mib), "--local",
+                                   local, "--persistent", persistent, "--rank", str(r), "--port", str(port),
+                                   "--out", outs[r]]) for r in range(PROCESSES)]
+        rcs = [p.wait(timeout=1800) for p in procs]
+        if any(rcs):
+            print(f"bench failed: exit codes {rcs}", file=sys.stderr)
+            return 1
+        res = [json.load(open(o)) for o in outs]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    figures = _figures(args.mib, res)
+    print(json.dumps(figures, indent=1) if args.json else _table(figures))
+    return 0
+
+
+def _figures(mib: int, res: list[dict[str, Any]]) -> dict[str, Any]:
+    slow = {k: max(r[k] for r in res) for k in res[0] if k.endswith("_s")}
+    return {"state_mib": mib, "processes": PROCESSES, "devices_per_process": DEVICES, **slow,
+            "local_vs_cold_persistent": slow["restore_persistent_cold_s"] / slow["restore_local_s"],
+            "local_vs_warm_persistent": slow["restore_persistent_warm_s"] / slow["restore_local_s"],
+            "cache_dropped": res[0]["cache_dropped"], "restore_local_tiers": [r["restore_local_tiers"] for r in res],
+            "restore_local_exact": all(r["restore_local_exact"] for r in res),
+            "local_bytes_per_process": [[r["local_own_bytes"], r["local_peer_bytes"]] for r in res]}
+
+
+def _table(f: dict[str, Any]) -> str:
+    lines = [f"local tier vs persistent tier: {f['state_mib']} MiB, {f['processes']} processes x "
+             f"{f['devices_per_process']} JAX CPU devices (slower process; one run on a shared machine: noisy)"]
+    for k in ("persistent_save_blocked_s", "local_save_blocked_s", "both_save_blocked_s", "persistent_commit_s",
+              "local_commit_s", "local_exchange_s", "restore_local_s", "restore_persistent_cold_s", "restore_persistent_warm_s"):
+        lines.append(f"  {k:<28} {f[k]:8.3f} s")
+    lines.append(f"  restore: local {f['local_vs_cold_persistent']:.2f}x faster than the cold persistent restore "
+                 f"(page cache dropped: {f['cache_dropped']}), {f['local_vs_warm_persistent']:.2f}x than warm")
+    lines.append(f"  bytes served by tier, per process: {f['restore_local_tiers']}; exact: {f['restore_local_exact']}")
+    lines.append(f"  local save bytes [own, replica] per process: {f['local_bytes_per_process']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

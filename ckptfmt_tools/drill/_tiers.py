@@ -1,0 +1,125 @@
+"""``ckptfmt drill --tiers``: tier failures after the kill (FORMAT.md 8.5; docs/tiers.md). Imports no framework.
+
+The training job keeps a local tier (``<work>/local``, one repository per host, with peer
+replicas) every ``cadence`` steps and saves the persistent tier every ``2 * cadence`` steps. After
+the kill, four jobs on the training topology restore in turn, the supervisor damaging the tiers
+before each:
+
+(a) killed:   nothing more (the killed process's host survives): every byte from the own tiers;
+(d) corrupt:  one own box of the victim's host flipped: rejected, the peer replica serves it;
+(b) lost host: the victim's local tier deleted (its clean copy first put back): the peer replica;
+(c) all lost: every local tier deleted: the persistent tier's newest step.
+
+Each is judged like the control (same batch ids, loss within tolerance, state hashes) against
+the step it must restore, plus which tier served the bytes, and that every process used the
+copies of one save (one tier token, the one in the local manifests).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Callable
+
+from ckptfmt.errors import CheckpointError
+from ckptfmt.repository import Repository
+
+from ._judge import continuation
+
+__all__ = ["SCENARIOS", "run_tiers", "judge_tiers", "local_dir"]
+
+SCENARIOS = ("killed", "corrupt", "lost-host", "all-lost")
+_SERVED = {"killed": "local", "corrupt": "peer", "lost-host": "peer", "all-lost": "persistent"}
+
+
+def local_dir(work: str) -> str:
+    return os.path.join(work, "local")
+
+
+def _newest_local(local: str, hosts: int) -> tuple[int | None, str | None]:
+    """The newest step every host's local tier holds with one token, and that token."""
+    tokens: list[dict[int, str]] = []
+    for h in range(hosts):
+        repo, mine = Repository(os.path.join(local, f"host-{h}")), {}
+        for s in repo.steps():
+            try:
+                mine[s] = str(repo.open(s).state()["tiers"]["token"])
+            except (CheckpointError, KeyError, TypeError):
+                continue
+        tokens.append(mine)
+    common = set.intersection(*(set(t) for t in tokens)) if tokens else set()
+    for s in sorted(common, reverse=True):
+        if len({t[s] for t in tokens}) == 1:
+            return s, tokens[0][s]
+    return None, None
+
+
+def _corrupt(local: str, host: int, step: int) -> str:
+    repo = Repository(os.path.join(local, f"host-{host}"))
+    m = repo.manifest(step)
+    key = next(k for k in sorted(m.tensors) if k.startswith(f"h{host}/"))
+    t = m.tensors[key]
+    with open(os.path.join(repo.url, t.array.path, t.shards.key[0]), "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return key
+
+
+def _damage(scenario: str, work: str, victim: int, step: int) -> dict[str, Any]:
+    local = local_dir(work)
+    host = os.path.join(local, f"host-{victim}")
+    clean = os.path.join(work, f"host-{victim}-clean")
+    if scenario == "killed":
+        shutil.copytree(host, clean)
+        return {"damage": "none: the killed process's host and its local tier survive"}
+    if scenario == "corrupt":
+        return {"damage": f"one byte flipped in host {victim}'s own box {_corrupt(local, victim, step)}"}
+    if scenario == "lost-host":
+        shutil.rmtree(host)
+        os.rename(clean, host)
+        shutil.rmtree(host)
+        return {"damage": f"host {victim}'s local tier deleted"}
+    shutil.rmtree(local)
+    return {"damage": "every local tier deleted"}
+
+
+def run_tiers(cfg: Any, work: str, url: str, victim: int, restore_job: Callable[..., tuple[dict[str, Any], float]],
+              say: Callable[[str], None]) -> dict[str, Any]:
+    """Run the four scenarios; return their raw results (judged by :func:`judge_tiers`)."""
+    step, token = _newest_local(local_dir(work), cfg.processes)
+    out: dict[str, Any] = {"local_step": step, "local_token": token, "persistent_steps": Repository(url).steps(),
+                           "scenarios": {}}
+    for scenario in SCENARIOS:
+        note = _damage(scenario, work, victim, step) if step is not None else {"damage": "no local step"}
+        say(f"tiers ({scenario}): {note['damage']}")
+        res, t_launch = restore_job(f"tiers-{scenario}", local=local_dir(work))
+        res.update(note, t_launch=t_launch)
+        out["scenarios"][scenario] = res
+    return out
+
+
+def judge_tiers(tiers: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """A verdict per scenario: the continuation checks, the tier that served, one save's copies."""
+    persistent = tiers["persistent_steps"]
+    verdicts = {}
+    for scenario, res in tiers["scenarios"].items():
+        expect = persistent[-1] if scenario == "all-lost" else tiers["local_step"]
+        v = continuation(res, reference, expect)
+        per = res.get("tiers_per_process") or []
+        served = _SERVED[scenario]
+        col = {"local": 0, "peer": 1, "persistent": 2}[served]
+        ok_tier = bool(per) and any(p[col] > 0 for p in per) and (
+            scenario == "all-lost" or all(p[2] == 0 for p in per))
+        v["checks"]["tier_served"] = [ok_tier, f"bytes [local, peer, persistent] per process: {per}"]
+        if scenario != "all-lost":
+            tokens = set(res.get("tokens_per_process") or [])
+            one = tokens == {tiers["local_token"]}
+            v["checks"]["one_save"] = [one, f"tokens {sorted(tokens)}; local manifests' {tiers['local_token']}"]
+        v["ok"] = all(c[0] for c in v["checks"].values())
+        restore_s = float(res["t_restored"] - res["t_setup"])
+        v["phases"] = {"launch_to_ready_s": float(res["t_ready"] - res["t_launch"]), "restore_s": restore_s,
+                       "validation_s": float(res["t_valid"] - res["t_restored"]),
+                       "first_step_s": float(res["t_step"] - res["t_valid"]),
+                       "end_to_end_s": float(res["t_step"] - res["t_launch"])}
+        verdicts[scenario] = v
+    return {"verdicts": verdicts, "ok": all(v["ok"] for v in verdicts.values())}

@@ -1,0 +1,131 @@
+"""The checkpoint manager's local tier (FORMAT.md 8.5; ckptfmt/manager/_tiers.py, _tierrestore.py).
+
+In one process (the core manager, flat numpy dicts): a local step restores from the local tier; a
+corrupt local copy is rejected and the persistent tier serves it (broken control: the intact copy
+is served locally); a local step whose token the persistent tier does not share is never mixed
+with it. In two JAX processes (tests/jaxproc/tiers_job.py, 2 x 2 CPU devices) and two torch gloo
+ranks (tests/torchproc/tiers_job.py): the four drill scenarios, each restoring exactly the step's
+bytes and saying which tier served how many; every tiered restore of one step carries one token.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckptfmt.manager import CheckpointManager, LocalTier
+from ckptfmt.repository import Repository
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _state(step: int) -> dict[str, np.ndarray]:
+    return {"a": np.arange(12, dtype=np.float32).reshape(3, 4) + step, "b": np.full(5, step, np.int64),
+            "c": np.array(step, dtype=np.int32)}  # a 0-d tensor keeps its shape in the local tier
+
+
+def _save(tmp: Path, steps: range, every: int = 2, persistent_every: int = 4) -> LocalTier:
+    tier = LocalTier(str(tmp / "local"), every=every, keep=2)
+    with CheckpointManager(str(tmp / "p"), save_every_steps=persistent_every, local=tier) as m:
+        for s in steps:
+            m.save(s, _state(s), extra={"s": s})
+    return tier
+
+
+def _flip_first_byte(repo: Repository, step: int, key: str) -> None:
+    t = repo.manifest(step).tensors[key]
+    path = os.path.join(repo.url, t.array.path, t.shards.key[0])
+    with open(path, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_local_tier_rejects_a_corrupt_copy_and_the_next_tier_serves_it(tmp_path):
+    tier = _save(tmp_path, range(1, 5))  # local 2, 4; persistent 4 (one call: the same token)
+    with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
+        r = m.restore(_state(0))
+    # Broken control first: the intact local copy serves every byte.
+    assert r.step == 4 and r.stats["tiers"] == {"local": 92, "peer": 0, "persistent": 0}
+    assert all(np.array_equal(r.state[k], v) for k, v in _state(4).items()) and r.extra == {"s": 4}
+    local = Repository(tier.url(0))
+    _flip_first_byte(local, 4, "h0/000000")
+    with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
+        r = m.restore(_state(0))
+    assert r.step == 4 and r.stats["tiers"] == {"local": 44, "peer": 0, "persistent": 48}
+    assert all(np.array_equal(r.state[k], v) for k, v in _state(4).items())
+
+
+def test_a_local_step_is_never_mixed_with_another_save(tmp_path):
+    tier = _save(tmp_path, range(1, 7))  # local 4, 6 (keep 2); persistent 4
+    with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
+        r = m.restore(_state(0))
+    assert r.step == 6 and r.stats["tiers"]["local"] == 92  # broken control: newest local step
+    # The persistent step 4 saved again by another run (another token); the local copy of step 4
+    # is then of a different save: corrupting it must not be repaired from the persistent tier.
+    Repository(str(tmp_path / "p")).delete(4)
+    with CheckpointManager(str(tmp_path / "p"), save_every_steps=4) as m:
+        m.save(4, _state(40), force=True)
+    local = Repository(tier.url(0))
+    local.delete(6)
+    _flip_first_byte(local, 4, "h0/000000")
+    with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
+        r = m.restore(_state(0))
+    # Not mixed: the tiered restore fails closed and the ordinary restore serves the persistent step.
+    assert r.step == 4 and r.stats["tiers"]["local"] == r.stats["tiers"]["peer"] == 0
+    assert all(np.array_equal(r.state[k], v) for k, v in _state(40).items())
+
+
+def test_local_tier_cadence_and_retention(tmp_path):
+    tier = _save(tmp_path, range(1, 9), every=2, persistent_every=100)
+    assert Repository(tier.url(0)).steps() == [6, 8]  # keep 2
+    assert Repository(str(tmp_path / "p")).steps() == []
+    with pytest.raises(ValueError, match="every"):
+        LocalTier(str(tmp_path), every=0)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["jaxproc", "torchproc"])
+def run(request, tmp_path_factory) -> list[dict]:
+    work = tmp_path_factory.mktemp(f"tiers-{request.param}")
+    port = _port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / request.param / "tiers_job.py"), "--dir", str(work),
+                               "--port", str(port), "--rank", str(r), "--out", str(work / f"out{r}.json")], env=env,
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    logs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    return [json.loads((work / f"out{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_tiers_four_scenarios(run):
+    """JAX (2 x 2 devices) and torch (a DTensor Shard(0) over 2 gloo ranks)."""
+    r0, r1 = (o["restores"] for o in run)
+    assert run[0]["local_saves"] == [2, 4, 6]
+    for rs in (r0, r1):
+        assert all(v["exact"] and v["n_ok"] and v["extra"] == {"step": v["step"]} for v in rs.values()), rs
+    # (a) intact: every byte from the own local tier, one token on both ranks (one save).
+    assert r0["intact"]["tiers"] == r1["intact"]["tiers"] == {"local": 140, "peer": 0, "persistent": 0}
+    assert r0["intact"]["token"] == r1["intact"]["token"] and r0["intact"]["step"] == 6
+    # (d) one own box corrupt on host 0: rejected, the peer replica serves it; host 1 unaffected.
+    assert r0["corrupt"]["tiers"]["peer"] > 0 and r0["corrupt"]["tiers"]["persistent"] == 0
+    assert r1["corrupt"]["tiers"] == {"local": 140, "peer": 0, "persistent": 0}
+    # (b) host 1's local tier lost: its bytes come from the replica host 0 holds.
+    assert r1["lost-host"]["tiers"] == {"local": 0, "peer": 140, "persistent": 0}
+    assert r0["lost-host"]["tiers"] == {"local": 140, "peer": 0, "persistent": 0} and r1["lost-host"]["step"] == 6
+    # (c) every local copy lost: the persistent tier's newest step.
+    assert r0["all-lost"]["step"] == r1["all-lost"]["step"] == 4
+    assert r0["all-lost"]["tiers"]["persistent"] > 0 and r0["all-lost"]["tiers"]["local"] == 0
+    # No restore mixed two saves: every tiered restore of step 6, on both ranks, used one token.
+    assert len({v["token"] for rs in (r0, r1) for k, v in rs.items() if k != "all-lost"}) == 1
