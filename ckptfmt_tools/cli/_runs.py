@@ -91,6 +91,11 @@ def bench_cmd(size: Optional[str] = _opt("State bytes, e.g. 1GiB, 64MiB (default
               tailstep_every: Optional[int] = _opt("Save every N steps (default 10).", "--tailstep-every"),
               no_plot: bool = _flag("No bench.png.", "--no-plot"),
               keep_data: bool = _flag("Leave the checkpoints on storage.", "--keep-data"),
+              rotate: bool = _flag("The rotated harness: per repetition every system saves back to back (fresh "
+                                   "processes, order rotated, checkpoints kept until the repetition ends), then "
+                                   "restores; prints the paired per-repetition ratios.", "--rotate"),
+              save_cache: Optional[str] = _opt("--rotate: before each save sync the page cache, or sync and drop it "
+                                               "(sync or drop; default drop, needs root).", "--save-cache"),
               incremental: bool = _flag("The incremental-save bench instead (frozen base + adapters).",
                                         "--incremental"),
               base_size: Optional[str] = _opt("--incremental: frozen base bytes (default 1GiB).", "--base-size"),
@@ -120,7 +125,7 @@ def bench_cmd(size: Optional[str] = _opt("State bytes, e.g. 1GiB, 64MiB (default
         ("--no-metadata", no_metadata), ("--metadata-entries", metadata_entries),
         ("--dcp-metadata-max-entries", dcp_metadata_max_entries), ("--no-tailstep", no_tailstep),
         ("--tailstep-steps", tailstep_steps), ("--tailstep-every", tailstep_every), ("--no-plot", no_plot),
-        ("--keep-data", keep_data), *only.items(), ("--levels", levels), ("--json", as_json)])
+        ("--keep-data", keep_data), ("--rotate", rotate), ("--save-cache", save_cache), *only.items(), ("--levels", levels), ("--json", as_json)])
 
 
 def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (default 2).", "--processes"),
