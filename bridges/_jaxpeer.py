@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ckptfmt import Box
 from ckptfmt.errors import KeyMismatchError, ShapeMismatchError
+from ckptfmt.manager._tiers import distinct_boxes
 
 from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding
 
@@ -71,14 +72,7 @@ def snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
     from .jax import _stage
 
     shards, global_state, _, _ = _stage(state, extra, rank_state, None, blocking=False)
-    seen: set[tuple[str, Box]] = set()
-    out = []
-    for s in shards:
-        if not isinstance(s.data, np.ndarray) or (s.key, s.box) in seen or (s.box.ndim and s.box.size == 0):
-            continue
-        seen.add((s.key, s.box))
-        out.append((s.key, tuple(s.global_shape), np.dtype(s.dtype), s.box, s.data))
-    return out, global_state
+    return distinct_boxes(shards), global_state
 
 
 def _physical(leaf: Any) -> tuple[tuple[int, ...], Any, Any]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ckptfmt import Box
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import KeyMismatchError, ShapeMismatchError
+from ckptfmt.manager._tiers import distinct_boxes
 
 from ._contract import stage_state
 from ._extra import json_keys
@@ -61,14 +62,7 @@ def snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
                     "extra": json_keys(extra, "extra"),
                     "rank": {"torch": {"rng": rng_state()}, "extra": json_keys(rank_state, "rank_state")}}
     global_state, _, _ = stage_state(global_state, None, None, blocking=False)
-    seen: set[tuple[str, Box]] = set()
-    out = []
-    for s in shards:
-        if not isinstance(s.data, np.ndarray) or (s.key, s.box) in seen or (s.box.ndim and s.box.size == 0):
-            continue
-        seen.add((s.key, s.box))
-        out.append((s.key, tuple(s.global_shape), np.dtype(s.dtype), s.box, s.data))
-    return out, global_state
+    return distinct_boxes(shards), global_state
 
 
 def requests(target: Any) -> list[tuple[str, Box]] | None:

@@ -331,15 +331,19 @@ class Scale(Transform):
     def pieces(self, box: Box, block: np.ndarray, in_shape: Shape) -> list[tuple[Box, np.ndarray]]:
         back = self._do(block, not self.divide)
         if not (_is_power_of_two(self.factor) or self.allow_inexact_inverse):
-            again = self._do(back, self.divide)
-            if not np.array_equal(again.view(np.uint8), np.ascontiguousarray(block).view(np.uint8)):
-                raise NotExact(f"Scale({self.factor}) is not exactly invertible for these values: a load "
-                               "would not give them back bit for bit (declare allow_inexact_inverse=True "
-                               "to accept the rounding)")
+            _require_exact(self._do(back, self.divide), block, f"Scale({self.factor})")
         return [(box, back)]
 
     def inverse(self) -> "Scale":
         return Scale(self.factor, not self.divide, self.allow_inexact_inverse)
+
+
+def _require_exact(again: np.ndarray, block: np.ndarray, what: str) -> None:
+    """NotExact unless ``again`` (the saved block loaded back through the forward transform)
+    equals ``block`` bit for bit."""
+    if not np.array_equal(again.view(np.uint8), np.ascontiguousarray(block).view(np.uint8)):
+        raise NotExact(f"{what} is not exactly invertible for these values: a load would not give them back "
+                       "bit for bit (declare allow_inexact_inverse=True to accept the rounding)")
 
 
 @dataclass(frozen=True)
@@ -376,11 +380,7 @@ class Shift(Transform):
     def pieces(self, box: Box, block: np.ndarray, in_shape: Shape) -> list[tuple[Box, np.ndarray]]:
         back = self._do(block, -1.0)
         if not self.allow_inexact_inverse:
-            again = self._do(back, 1.0)
-            if not np.array_equal(again.view(np.uint8), np.ascontiguousarray(block).view(np.uint8)):
-                raise NotExact(f"Shift({self.offset}) is not exactly invertible for these values: a load "
-                               "would not give them back bit for bit (declare allow_inexact_inverse=True "
-                               "to accept the rounding)")
+            _require_exact(self._do(back, 1.0), block, f"Shift({self.offset})")
         return [(box, back)]
 
     def inverse(self) -> "Shift":

@@ -40,7 +40,7 @@ from ckptfmt.repository import Repository
 from ckptfmt.session import save
 from ckptfmt.session._saveopts import SaveOptions
 
-__all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "TierWriter"]
+__all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "TierWriter", "distinct_boxes"]
 
 _log = logging.getLogger("ckptfmt.manager")
 
@@ -139,6 +139,19 @@ class TierSave:
     peer_bytes: int
     error: str | None = None
     exchange_s: float = 0.0
+
+
+def distinct_boxes(shards: Sequence[LocalShard]) -> list[tuple[str, tuple[int, ...], Any, Box, np.ndarray]]:
+    """The host-copied boxes of a bridge's staged shards, each distinct ``(key, box)`` once (its
+    first replica) and empty boxes left out, as :func:`pack_boxes` takes them."""
+    seen: set[tuple[str, Box]] = set()
+    out = []
+    for s in shards:
+        if not isinstance(s.data, np.ndarray) or (s.key, s.box) in seen or (s.box.ndim and s.box.size == 0):
+            continue
+        seen.add((s.key, s.box))
+        out.append((s.key, tuple(s.global_shape), np.dtype(s.dtype), s.box, s.data))
+    return out
 
 
 def pack_boxes(boxes: Sequence[tuple[str, tuple[int, ...], Any, Box, np.ndarray]]) -> bytes:

@@ -26,17 +26,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ckptfmt_tools.bench.child import drop_page_cache
+
 TENSORS = 16
-
-
-def _drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def worker(rank: int, port: int, params: dict, out: str) -> None:
@@ -67,7 +59,7 @@ def worker(rank: int, port: int, params: dict, out: str) -> None:
     del state
     for i, mode in enumerate(params["modes"]):
         multihost_utils.sync_global_devices(f"drop{i}")
-        dropped = _drop_caches() if rank == 0 and params["drop"] else False
+        dropped = drop_page_cache() if rank == 0 and params["drop"] else False
         multihost_utils.sync_global_devices(f"go{i}")
         stats: dict = {}
         t0 = time.perf_counter()
