@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from ckptfmt import Box
 from ckptfmt.dtypes import numpy_dtype
-from ckptfmt.errors import KeyMismatchError, ShapeMismatchError
+from ckptfmt.checksum import crc32c
+from ckptfmt.errors import ChecksumMismatchError, KeyMismatchError, ShapeMismatchError
 from ckptfmt.manager._tiers import distinct_boxes
 
 from ._contract import stage_state
@@ -43,13 +44,19 @@ class TorchExchange:
             r.wait()
 
     def shift(self, name: str, payload: bytes, offset: int) -> bytes:
+        """The size and crc32c go first; a payload whose crc32c differs from the sender's raises
+        ChecksumMismatchError on the receiver (FORMAT.md 8.5)."""
         dst, src = (self.rank + int(offset)) % self.world, (self.rank - int(offset)) % self.world
-        n_in = torch.zeros(1, dtype=torch.int64)
-        self._swap(torch.tensor([len(payload)], dtype=torch.int64), n_in, dst, src)
+        head = torch.zeros(2, dtype=torch.int64)
+        self._swap(torch.tensor([len(payload), crc32c(payload)], dtype=torch.int64), head, dst, src)
         out = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
-        into = torch.empty(int(n_in.item()), dtype=torch.uint8)
+        into = torch.empty(int(head[0].item()), dtype=torch.uint8)
         self._swap(out, into, dst, src)
-        return into.numpy().tobytes()
+        got = into.numpy().tobytes()
+        if crc32c(got) != int(head[1].item()):
+            raise ChecksumMismatchError("a peer's payload changed in transit", object=f"{name} from rank {src}",
+                                        expected=f"crc32c {int(head[1].item())}", found=f"crc32c {crc32c(got)}")
+        return got
 
 
 def snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:

@@ -542,3 +542,58 @@ def test_a_save_does_not_reference_objects_reached_through_a_link(tmp_path):
     assert Repository(url).open(3).read("x").tobytes() == X.tobytes()
     with pytest.raises(StorageError):
         Repository(url).open(2).read("x")  # step 2 references step 1's objects, now behind the link
+
+
+# ------------------------------------------------------------------ mapped reads (FORMAT.md 14.8)
+
+
+def _mapped_file(a: np.ndarray) -> str | None:
+    """The file whose mapping holds ``a``'s data (/proc/self/maps), or None (anonymous memory)."""
+    addr = a.ctypes.data
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
+    return None
+
+
+def _whole_chunk_repo(tmp_path: Path) -> str:
+    url = str(tmp_path / "mapped")
+    shards = [LocalShard("x", X.shape, X.dtype, Box((32 * r, 0), (32, 32)), X[32 * r:32 * r + 32]) for r in range(2)]
+    ckptfmt.save(url, 1, shards, state={}, options=SaveOptions(chunk_target_bytes=1 << 62))  # one chunk per shard
+    return url
+
+
+def test_mapped_reads_hand_out_verified_copy_on_write_mappings(tmp_path):
+    url = _whole_chunk_repo(tmp_path)
+    mapped = Repository(url, options={"mapped_reads": True})
+    top, bottom = mapped.open(1).read_boxes([("x", Box((0, 0), (32, 32))), ("x", Box((32, 0), (32, 32)))])
+    assert np.array_equal(top, X[:32]) and np.array_equal(bottom, X[32:])
+    m = mapped.manifest(1).tensors["x"]
+    assert [_mapped_file(top), _mapped_file(bottom)] == [os.path.join(url, m.array.path, k) for k in m.shards.key[:2]]
+    top[0, 0] = -1.0  # copy-on-write: the object keeps its bytes
+    assert np.array_equal(Repository(url).open(1).read("x"), X) and Repository(url).verify(1) is not None
+    # Controls: without the option, and for a box that is not one whole shard, the reader copies.
+    plain = Repository(url).open(1).read_boxes([("x", Box((0, 0), (32, 32)))])[0]
+    part = mapped.open(1).read_boxes([("x", Box((0, 0), (8, 32)))])[0]
+    whole = mapped.open(1).read("x")  # one output fed by two shards
+    assert _mapped_file(plain) is None and _mapped_file(part) is None and _mapped_file(whole) is None
+    assert np.array_equal(part, X[:8]) and np.array_equal(whole, X)
+
+
+def test_a_mapped_read_of_a_corrupt_object_hands_out_nothing(tmp_path):
+    url = _whole_chunk_repo(tmp_path)
+    mapped = Repository(url, options={"mapped_reads": True})
+    t = mapped.manifest(1).tensors["x"]
+    path = os.path.join(url, t.array.path, t.shards.key[1])
+    mapped.open(1).read_boxes([("x", Box((32, 0), (32, 32)))])  # the control: intact, mapped
+    with open(path, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(ChecksumMismatchError) as e:
+        mapped.open(1).read_boxes([("x", Box((32, 0), (32, 32)))])
+    assert e.value.key == "x" and t.shards.key[1] in str(e.value.object)

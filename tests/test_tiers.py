@@ -129,3 +129,17 @@ def test_tiers_four_scenarios(run):
     assert r0["all-lost"]["tiers"]["persistent"] > 0 and r0["all-lost"]["tiers"]["local"] == 0
     # No restore mixed two saves: every tiered restore of step 6, on both ranks, used one token.
     assert len({v["token"] for rs in (r0, r1) for k, v in rs.items() if k != "all-lost"}) == 1
+
+
+def test_jax_local_saves_exchange_in_the_background_while_training_runs_collectives(run):
+    """The JAX peer exchange (jax.experimental.transfer) runs in the local save's background thread
+    while the caller runs cross-process programs every step: every local save commits with its
+    peer replica, the caller is not blocked for the exchange, and the newest step restores exactly
+    from the local tier. (The torch exchange has its own gloo group; its job has no such phase.)"""
+    if "training" not in run[0]:
+        pytest.skip("the torch job has no training phase")
+    for out in run:
+        t = out["training"]
+        assert [r[0] for r in t["records"]] == [1, 2, 3, 4, 5, 6] and all(r[1] for r in t["records"]), t
+        assert all(r[4] > 0 and r[3] > 0 for r in t["records"]), t  # each step exchanged and holds the peer's boxes
+        assert t["sums_ok"] and t["restored"] == 6 and t["exact"] and t["tiers"]["local"] > 0, t

@@ -305,6 +305,7 @@ class CheckpointManager(TierMixin):
         try:
             self._join(self.close_timeout_s)
             self._tier_wait(self.close_timeout_s)
+            self._tier_close()
         finally:
             self._worker.stop()
             # Put back what was there (None: a handler Python cannot name; ours then stays, harmless).

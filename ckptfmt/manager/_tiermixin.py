@@ -94,6 +94,10 @@ class TierMixin:
     def _tier_wait(self, timeout: float | None = None) -> TierSave | None:
         return None if self._tiers is None else self._tiers.join(timeout)
 
+    def _tier_close(self) -> None:
+        if self._tiers is not None:
+            self._tiers.close()
+
     # ------------------------------------------------------------------ restore
     def _tier_served(self, stats: Mapping[str, Any] | None) -> dict[str, Any]:
         """An ordinary restore's stats; with a local tier, ``tiers`` says the persistent tier served it."""

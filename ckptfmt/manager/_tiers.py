@@ -15,12 +15,13 @@ coordinator, metadata only); a step's token is ``<nonce>-<step>``. A local save 
 from ``CheckpointManager.save``): wait for the previous local save (back-pressure, one in
 flight); the bridge copies the own boxes to host memory; then a background thread exchanges the
 copies with the peers (in the caller's thread when the exchange says it cannot run in the
-background: JAX), saves the local step, and applies the tier's retention (``keep`` newest steps). A failed local
+background), saves the local step, and applies the tier's retention (``keep`` newest steps). A failed local
 save is logged and recorded in ``tier_history``; it never fails training (the persistent tier
 stays the authority). Restore: :mod:`ckptfmt.manager._tierrestore`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -39,10 +40,14 @@ from ckptfmt.errors import CheckpointError, InvalidStateError
 from ckptfmt.repository import Repository
 from ckptfmt.session import save
 from ckptfmt.session._saveopts import SaveOptions
+from ckptfmt.session.asyncsave import BackgroundWorker
 
 __all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "TierWriter", "distinct_boxes"]
 
 _log = logging.getLogger("ckptfmt.manager")
+
+#: The inner-chunk target of a mapped local tier: any box is one chunk.
+WHOLE_CHUNK_BYTES = 1 << 62
 
 #: The key of the tier record: in a local step's global state, and in a persistent manifest's
 #: ``metadata`` (the token only) when one manager call saved the step on both tiers.
@@ -53,13 +58,18 @@ TIERS_KEY = "ckptfmt.tiers"
 class LocalTier:
     """A local tier: ``path`` (a directory: one repository ``host-<h>`` per host under it), its own
     cadence ``every`` (a step divisible by it is saved there; ``force=True`` saves too), its
-    retention ``keep`` (newest steps kept per host), and ``replicate`` (hold a replica of the
-    next host's boxes). Bad values raise ValueError."""
+    retention ``keep`` (newest steps kept per host), ``replicate`` (hold a replica of the
+    next host's boxes) and ``mapped`` (restore by mapping verified boxes, not copying them).
+    Bad values raise ValueError."""
 
     path: str
     every: int = 10
     keep: int = 2
     replicate: bool = True
+    #: Each box is saved as one inner chunk, and a restore maps it (copy-on-write) after checking
+    #: its crc32c instead of copying it (FORMAT.md 14.8). The restored arrays then share pages with
+    #: the tier's files, which ckptfmt never rewrites; False copies (a tier other processes may write).
+    mapped: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -77,7 +87,8 @@ class LocalTier:
 
 @runtime_checkable
 class PeerExchange(Protocol):
-    """The data plane between hosts, over the framework's collectives (never the coordinator).
+    """The data plane between hosts: the framework's collectives or its transfer service (never
+    the coordinator's key-value store, which carries metadata only).
 
     ``shift(name, payload, offset)`` is a collective: every rank calls it with the same ``name``
     and ``offset``; rank ``r``'s payload goes to rank ``(r + offset) mod world``, and the call
@@ -85,8 +96,12 @@ class PeerExchange(Protocol):
     CheckpointError, on every rank when the exchange fails.
 
     ``background``: whether ``shift`` may run in a background thread while the caller's thread
-    runs the framework's own collectives (torch: a process group of its own; JAX: False, since
-    its cross-process programs must be launched in one order on every process)."""
+    runs the framework's own collectives (torch: a process group of its own; JAX: its transfer
+    service, which launches no cross-process program). An exchange whose ``background`` is False
+    runs in the caller's thread, in program order.
+
+    ``close()`` (optional) releases the data plane; the manager calls it when it closes with no
+    local save in flight."""
 
     background: bool
 
@@ -180,10 +195,11 @@ def unpack_boxes(payload: bytes, what: str) -> list[tuple[str, tuple[int, ...], 
 
 def write_local_step(repo: Repository, step: int, host: int, hosts: int, token: str,
                      boxes: Sequence[tuple[int, tuple[str, tuple[int, ...], Any, Box, np.ndarray]]],
-                     global_state: Any, options: SaveOptions | None) -> Any:
+                     global_state: Any, options: SaveOptions | None, whole_chunks: bool = False) -> Any:
     """Save one local step of ``host`` (world 1): every (owner, box) as tensor ``h<owner>/<n>``, the
-    box map and token in the global state. A step already committed there (an earlier run's) is
-    deleted first, so a local step always holds one save. Raises the save's CheckpointError."""
+    box map and token in the global state; ``whole_chunks``: each box one inner chunk (so that a
+    restore can map it). A step already committed there (an earlier run's) is deleted first, so a
+    local step always holds one save. Raises the save's CheckpointError."""
     shards, held = [], []
     for n, (owner, (key, shape, dt, box, arr)) in enumerate(boxes):
         local = f"h{owner}/{n:06d}"
@@ -195,13 +211,14 @@ def write_local_step(repo: Repository, step: int, host: int, hosts: int, token: 
     state = {"global": global_state, "tiers": {"token": token, "host": host, "hosts": hosts, "boxes": held}}
     opts = options or SaveOptions()
     return save(repo, step, shards, state=state, metadata={TIERS_KEY: {"token": token, "host": host, "hosts": hosts}},
-                coordinator=LocalCoordinator(), options=SaveOptions(timeout_s=opts.timeout_s, reuse="off"))
+                coordinator=LocalCoordinator(), options=SaveOptions(
+                    timeout_s=opts.timeout_s, reuse="off",
+                    chunk_target_bytes=WHOLE_CHUNK_BYTES if whole_chunks else opts.chunk_target_bytes))
 
 
 @dataclass
 class _LocalJob:
     step: int
-    thread: threading.Thread | None = None
     record: TierSave | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -214,11 +231,12 @@ class TierWriter:
         self.tier, self.rank, self.world, self.coord = tier, rank, world, coord
         self.exchange = exchange if tier.replicate and world > 1 else None
         self.options = options
-        self.repository = Repository(tier.url(rank))
+        self.repository = Repository(tier.url(rank), options={"mapped_reads": tier.mapped})
         self.tokens: dict[int, str] = {}
         self.history: list[TierSave] = []
         self._job: _LocalJob | None = None
         self._last: int | None = None
+        self._worker = BackgroundWorker("ckptfmt-local")
         # The run's nonce, drawn by rank 0 once, here: no save of this manager is in flight yet, so
         # the coordinator is never used by two threads at once (the torch store client is not
         # safe for that). A step's token is the nonce and the step: unique per manager and step.
@@ -242,10 +260,9 @@ class TierWriter:
         if self.exchange is not None and not getattr(self.exchange, "background", False):
             received = self._exchange(step, snapshot)  # in the caller's thread, in program order
             blocked_s += received[1]
-        job.thread = threading.Thread(target=self._run, args=(job, token, snapshot, global_state, blocked_s, received),
-                                      name=f"ckptfmt-local-{step}", daemon=True)
         self._job = job
-        job.thread.start()
+        # A kept thread: the caller does not wait for a thread to start (milliseconds on a loaded host).
+        self._worker.submit(functools.partial(self._run, job, token, snapshot, global_state, blocked_s, received))
 
     def _exchange(self, step: int, own: list) -> tuple[bytes | BaseException, float]:
         t0 = time.perf_counter()
@@ -269,7 +286,8 @@ class TierWriter:
                 peer = unpack_boxes(got, f"the boxes of host {(self.rank + 1) % self.world} for step {job.step}")
                 peer_bytes = sum(int(a.nbytes) for *_, a in peer)
                 boxes += [((self.rank + 1) % self.world, b) for b in peer]
-            write_local_step(self.repository, job.step, self.rank, self.world, token, boxes, global_state, self.options)
+            write_local_step(self.repository, job.step, self.rank, self.world, token, boxes, global_state, self.options,
+                             whole_chunks=self.tier.mapped)
             job.record = TierSave(job.step, token, True, blocked_s, time.perf_counter() - t0, own_bytes, peer_bytes,
                                   exchange_s=exchange_s)
             self._retain()
@@ -289,6 +307,14 @@ class TierWriter:
                 _log.info("local tier: deleted step %d on host %d (keep %d)", s, self.rank, self.tier.keep)
             except CheckpointError as e:
                 _log.warning("local tier: could not delete step %d on host %d: %s", s, self.rank, e)
+
+    def close(self) -> None:
+        """Release the exchange's data plane, unless a local save still runs (it then goes with the process)."""
+        close = getattr(self.exchange, "close", None)
+        if self._job is None:
+            self._worker.stop()
+            if close is not None:
+                close()
 
     def join(self, timeout: float | None = None) -> TierSave | None:
         job = self._job

@@ -107,6 +107,13 @@ class PositionalReads(BlockChecks):
                                         expected=want, found=f.size)
             starts = self._starts(t)
             c0, c1 = int(starts[s]), int(starts[s + 1])
+            if c1 - c0 == 1 and c0 in direct and self.storage.options.get("mapped_reads"):
+                req = by_chunk[c0][0].request
+                if tuple(outs[req].shape) == tuple(g.chunk_shape):  # type: ignore[union-attr]
+                    mapped = self._read_mapped(t, s, obj, f, c0, phases, tr)
+                    if mapped is not None:
+                        outs[req] = mapped
+                        return _ShardStats(want, 1, phases)
             if direct and len(direct) == c1 - c0 and 2 * (c1 - c0) + 1 <= _IOV_MAX and back_to_back(t, c0, c1, want):
                 return self._read_whole_direct(t, s, obj, f, c0, c1, direct, phases, tr)
             index = bytearray(g.index_nbytes)
@@ -143,6 +150,25 @@ class PositionalReads(BlockChecks):
                         outs[it.request][it.dst or ...] = chunk[it.src or ...]  # type: ignore[index]
                     phases["assemble"] += time.perf_counter() - ta
         return _ShardStats(nbytes, requests, phases)
+
+    def _read_mapped(self, t: TensorEntry, s: int, obj: str, f: PositionalFile, c: int, phases: dict[str, float],
+                     tr: float) -> np.ndarray | None:
+        """The one chunk of shard ``s``, as a copy-on-write mapping of the object (repository option
+        ``mapped_reads``, FORMAT.md 14.8), once its index and its crc32c are checked against the
+        manifest; None where the object cannot be mapped (the caller then reads it)."""
+        mm = f.map()
+        if mm is None:
+            return None
+        want, g = int(t.shards.nbytes[s]), t.geometry
+        off, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+        view = memoryview(mm)
+        tv = time.perf_counter()
+        phases["read"] += tv - tr
+        self._check_index(t, s, obj, view[want - g.index_nbytes:want])
+        data = np.frombuffer(mm, np.uint8, count=n - CRC_BYTES, offset=off)
+        self._check_chunk(t, c, obj, data, view[off + n - CRC_BYTES:off + n])
+        phases["verify"] += time.perf_counter() - tv
+        return data.view(numpy_dtype(t.dtype)).reshape(g.chunk_shape)
 
     def _read_whole_direct(self, t: TensorEntry, s: int, obj: str, f: PositionalFile, c0: int, c1: int,
                            direct: dict[int, np.ndarray], phases: dict[str, float], tr: float) -> "_ShardStats":

@@ -32,7 +32,10 @@ class Repository:
     shards with preadv straight into the outputs, default True; False reads through tensorstore's
     kvstore as on every other store), ``write_threads`` (a save's writer threads, default 16; on
     local files they write shard objects with pwritev straight from the source arrays),
-    ``fsync`` (file driver, default True),
+    ``fsync`` (file driver, default True), ``mapped_reads`` (file driver with positional reads,
+    default False: a requested box that is one whole single-chunk shard is handed out as a
+    copy-on-write mapping of the object once its index and crc32c are checked, instead of a
+    copy; the local tier's choice, FORMAT.md 14.8),
     ``io_concurrency``, ``copy_concurrency``, and
     ``kvstore`` (extra kvstore options such as an S3 endpoint).
 

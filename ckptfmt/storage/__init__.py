@@ -71,6 +71,11 @@ class PositionalFile(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def map(self) -> Any:
+        """The whole object mapped copy-on-write (an ``mmap``: writes through it stay private), or
+        None where this store cannot map. The mapping outlives :meth:`close`."""
+        return None
+
     def __enter__(self) -> "PositionalFile":
         return self
 

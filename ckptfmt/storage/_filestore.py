@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import threading
@@ -351,6 +352,14 @@ class _LocalFile(PositionalFile):
                                         expected=f"bytes [{offset}, {offset + want})", found=f"{got} bytes")
             got += n
             _localfs.advance(views, n)
+
+    def map(self) -> Any:
+        if self.size == 0:
+            return None
+        try:
+            return mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError):  # a file system that cannot map: the caller reads instead
+            return None
 
     def close(self) -> None:
         if self.fd >= 0:

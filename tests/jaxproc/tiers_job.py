@@ -83,9 +83,43 @@ def main() -> None:
                                                            + 1000 * r.step) and np.array_equal(b, np.full(3, r.step))),
             "n_ok": r.state["n"] == expect["n"]}
         multihost_utils.sync_global_devices(f"tiers-{scenario}-done")
+    out["training"] = train_while_exchanging(a.dir, state, rows)
     with open(a.out, "w") as f:
         json.dump(out, f)
     jax.distributed.shutdown()
+
+
+def train_while_exchanging(work: str, state, rows) -> dict:
+    """A local save every step while the caller runs cross-process programs each step (a jitted
+    sum over both processes' devices): the peer exchange runs in the background thread meanwhile
+    (a ppermute launched there hung such a loop). Returns each local save's record, and the last
+    step restored through the tiers."""
+    import time
+
+    import jax.numpy as jnp
+
+    import bridges.jax as bjax
+    from ckptfmt.manager import LocalTier
+
+    tier = LocalTier(os.path.join(work, "train-local"), every=1, keep=2)
+    total = jax.jit(lambda x: jnp.sum(x))
+    sums = []
+    t0 = time.perf_counter()
+    with bjax.CheckpointManager(os.path.join(work, "train-persistent"), save_every_steps=3, local=tier) as mgr:
+        for step in range(1, 7):
+            st = state(step)
+            mgr.save(step, st, extra={"step": step})
+            for _ in range(20):  # the training step's own cross-process programs, while the exchange runs
+                sums.append(float(total(st["w"])))
+        mgr.wait()
+        records = [[s.step, s.committed, s.blocked_s, s.exchange_s, s.peer_bytes] for s in mgr.tier_history]
+    with bjax.CheckpointManager(os.path.join(work, "train-persistent"), local=tier) as mgr:
+        r = mgr.restore({"w": jax.ShapeDtypeStruct((16, 4), np.float32, sharding=rows),
+                         "b": jax.ShapeDtypeStruct((3,), np.int32, sharding=NamedSharding(rows.mesh, P())), "n": 0})
+    w = np.asarray(jax.experimental.multihost_utils.process_allgather(r.state["w"], tiled=True))
+    return {"records": records, "seconds": time.perf_counter() - t0, "sums_ok": sums[-1] == float(np.sum(
+        np.arange(64, dtype=np.float32) + 6000)), "restored": r.step, "tiers": r.stats.get("tiers"),
+        "exact": bool(np.array_equal(w, np.arange(64, dtype=np.float32).reshape(16, 4) + 6000))}
 
 
 if __name__ == "__main__":
