@@ -90,6 +90,26 @@ def test_local_tier_cadence_and_retention(tmp_path):
         LocalTier(str(tmp_path), every=0)
 
 
+def test_local_saves_collect_abandoned_saves_of_a_killed_process(tmp_path):
+    """A process killed during a local save leaves private objects in host memory; the next local
+    save collects them (lease past the grace). Control: a save whose lease is fresh is kept."""
+    import json
+    import time
+
+    tier = _save(tmp_path, range(1, 3))
+    saves = tmp_path / "local" / "host-0" / "saves"
+    stale, fresh = "000000000003-20200101T000000-0000dead", "000000000003-20200101T000000-0000beef"
+    for sid, beat in ((stale, 0.0), (fresh, time.time())):
+        d = saves / sid / "t" / "000000" / "c"
+        d.mkdir(parents=True)
+        (d / "0").write_bytes(b"partial")
+        (saves / sid / "LEASE").write_text(json.dumps({"heartbeat_unix": beat, "save_id": sid, "step": 3, "world": 1}))
+    with CheckpointManager(str(tmp_path / "p"), save_every_steps=100, local=tier) as m:
+        m.save(4, _state(4))
+    assert not (saves / stale).exists() and (saves / fresh / "t" / "000000" / "c" / "0").exists()
+    assert Repository(tier.url(0)).steps() == [2, 4]
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -307,6 +307,14 @@ class TierWriter:
                 _log.info("local tier: deleted step %d on host %d (keep %d)", s, self.rank, self.tier.keep)
             except CheckpointError as e:
                 _log.warning("local tier: could not delete step %d on host %d: %s", s, self.rank, e)
+        # A process killed during a local save leaves its private objects in host memory
+        # (/dev/shm): collect abandoned saves (FORMAT.md 10; leases younger than the grace are kept).
+        try:
+            report = self.repository.gc()
+            if report.removed_saves:
+                _log.info("local tier: collected %d abandoned saves on host %d", len(report.removed_saves), self.rank)
+        except CheckpointError as e:
+            _log.warning("local tier: gc on host %d failed: %s", self.rank, e)
 
     def close(self) -> None:
         """Release the exchange's data plane, unless a local save still runs (it then goes with the process)."""
