@@ -34,7 +34,7 @@ from ckptfmt.manager._tiers import TIERS_KEY, HeldBox, pack_boxes, unpack_boxes
 from ckptfmt.repository import Repository
 from ckptfmt.state import decode_state, encode_state
 
-__all__ = ["inventory", "feasible_steps", "tiered_read", "cover", "by_key"]
+__all__ = ["inventory", "feasible_steps", "tiered_read", "cover", "by_key", "held_tensors"]
 
 _log = logging.getLogger("ckptfmt.manager")
 Request = tuple[str, Box]
@@ -74,6 +74,21 @@ def step_token(step: int, invs: Sequence[Mapping[int, Any]], ptoken: str | None)
         if step in inv:
             return str(inv[step]["token"])
     return None
+
+
+def held_tensors(invs: Sequence[Mapping[int, Any]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The global tensors the gathered inventories hold: key -> (global shape, dtype name), as the
+    newest step listing the key records it (what a bridge that maps its target plans against)."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for s in sorted({s for inv in invs for s in inv}, reverse=True):
+        for inv in invs:
+            for w in (inv.get(s) or {}).get("boxes", ()):
+                try:
+                    h = HeldBox.from_wire(w)
+                except (CheckpointError, TypeError, ValueError):
+                    continue
+                out.setdefault(h.key, (h.shape, h.dtype))
+    return out
 
 
 def held(inv: Mapping[int, Any], step: int, token: str | None, owner: int, world: int) -> list[HeldBox]:
