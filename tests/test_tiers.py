@@ -5,7 +5,10 @@ corrupt local copy is rejected and the persistent tier serves it (broken control
 is served locally); a local step whose token the persistent tier does not share is never mixed
 with it. In two JAX processes (tests/jaxproc/tiers_job.py, 2 x 2 CPU devices) and two torch gloo
 ranks (tests/torchproc/tiers_job.py): the four drill scenarios, each restoring exactly the step's
-bytes and saying which tier served how many; every tiered restore of one step carries one token.
+bytes and saying which tier served how many; every tiered restore of one step carries one token;
+the torch manager with a mapping keeps the checkpoint's layout on both tiers. A request tiled by
+several held boxes of one tier is assembled from them (corrupt-part and missing-part controls),
+and a property test pins the planner (``feasible_steps``) to the read on random tilings.
 """
 from __future__ import annotations
 
@@ -200,6 +203,21 @@ def test_tiers_four_scenarios(run):
     assert r0["all-lost"]["tiers"]["persistent"] > 0 and r0["all-lost"]["tiers"]["local"] == 0
     # No restore mixed two saves: every tiered restore of step 6, on both ranks, used one token.
     assert len({v["token"] for rs in (r0, r1) for k, v in rs.items() if k != "all-lost"}) == 1
+
+
+def test_torch_manager_with_a_mapping_keeps_and_restores_the_checkpoint_layout_through_the_tiers(run):
+    """bridges.torch.CheckpointManager(mapping=...): the steps hold the checkpoint's layout (``w``
+    stored transposed as ``wt``) on both tiers, and the tiered restore maps it back: from the own
+    tier, and with host 1's tier lost from the replica host 0 holds."""
+    if "mapped" not in run[0]:
+        pytest.skip("the JAX job has no mapping")
+    for rank, out in enumerate(run):
+        m = out["mapped"]
+        assert "wt" in m["keys"] and "w" not in m["keys"], m
+        assert m["intact"] == {"step": 6, "tiers": {"local": 140, "peer": 0, "persistent": 0}, "exact": True}, m
+        assert m["lost-host"]["step"] == 6 and m["lost-host"]["exact"], m
+        assert m["lost-host"]["tiers"] == ({"local": 140, "peer": 0, "persistent": 0} if rank == 0 else
+                                           {"local": 0, "peer": 140, "persistent": 0}), m
 
 
 def test_jax_local_saves_exchange_in_the_background_while_training_runs_collectives(run):
