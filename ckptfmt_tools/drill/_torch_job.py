@@ -262,8 +262,9 @@ def _shard_dim(mod: Any, net: Any, args: argparse.Namespace) -> int:
 
 def _saved_count(args: argparse.Namespace, step: int) -> int:
     """Adam's count in ``step`` as a copy of it holds it: the persistent tier's, else the first
-    local copy (any host's) that still holds it (the tiers' hashes of 0-d leaves are of their
-    cross-process gathers, not comparable here)."""
+    local copy (any host's) that still holds it. Compared by value: the hash saved for a 0-d leaf
+    does not equal a 0-d array's hash in this drill (seen for every 0-d leaf; probably the
+    cross-process gather in training.digest_tree, not investigated)."""
     from ckptfmt import Repository
     from ckptfmt.errors import CheckpointError
 
