@@ -83,7 +83,7 @@ class CheckpointManager(_CoreManager):
     def _tier_snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
         return _jaxpeer.snapshot(state, extra, rank_state)
 
-    def _tier_requests(self, target: Any) -> Any:
+    def _tier_requests(self, target: Any, tensors: Any = None) -> Any:
         return _jaxpeer.requests(target)
 
     def _tier_build(self, target: Any, values: Mapping[Any, Any], global_state: Any, step: int) -> tuple[Any, Any]:

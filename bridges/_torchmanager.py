@@ -43,7 +43,18 @@ class CheckpointManager(_CoreManager):
     core manager's (rank 0 picks the best step for every process). ``local=LocalTier(path, every=10,
     keep=2)`` keeps a local tier with peer replicas, restored from first (FORMAT.md 8.5); a ``Loaded``
     it serves has ``report`` None, and ``rank_state`` / ``rng`` only from this rank's own tier.
+
+    ``mapping`` (a :class:`bridges.mapping.Mapping`, e.g. ``flax_nnx_to_torch(...)``): the layout of
+    this manager's checkpoints on every tier. Saves write through it and restores read through it,
+    as ``bridges.torch.save`` / ``load`` with the same mapping do; a restore through the tiers
+    plans the target against the tensors the local steps hold (a JAX job's local tier restores
+    into a torch target).
     """
+
+    def __init__(self, url: str, *, mapping: Any = None, **kwargs: Any) -> None:
+        self.mapping = mapping
+        self._tier_plan: Any = None
+        super().__init__(url, **kwargs)
 
     def _process(self) -> tuple[int, int]:
         return (dist.get_rank(), dist.get_world_size()) if _initialized() else (0, 1)
@@ -63,7 +74,7 @@ class CheckpointManager(_CoreManager):
         from .torch import save
 
         out = save(self.url, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
-                   metadata=metadata, options=self.options)
+                   metadata=metadata, options=self.options, mapping=self.mapping)
         return (lambda: out) if blocking else out.result
 
     def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None
@@ -72,7 +83,7 @@ class CheckpointManager(_CoreManager):
 
         if target is None:
             raise TypeError("bridges.torch.CheckpointManager.restore needs a target state dict")
-        loaded = load(self.url, target, step=step, rank_state_policy=rank_state_policy)
+        loaded = load(self.url, target, step=step, rank_state_policy=rank_state_policy, mapping=self.mapping)
         return loaded, loaded.extra, {"bytes_read": int(loaded.bytes_read), "saved_world": int(loaded.saved_world)}
 
     # The local tier (FORMAT.md 8.5): its data plane and hooks live in bridges._torchpeer.
@@ -80,13 +91,19 @@ class CheckpointManager(_CoreManager):
         return _torchpeer.TorchExchange() if self.world > 1 else None
 
     def _tier_snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
-        return _torchpeer.snapshot(state, extra, rank_state)
+        return _torchpeer.snapshot(state, extra, rank_state, self.mapping)
 
-    def _tier_requests(self, target: Any) -> Any:
-        return _torchpeer.requests(target)
+    def _tier_requests(self, target: Any, tensors: Any = None) -> Any:
+        if self.mapping is None:
+            return _torchpeer.requests(target)
+        # The plan of this restore, kept for _tier_build (every tiered restore calls both, in order).
+        self._tier_plan = _torchpeer.mapped_requests(target, self.mapping, tensors)
+        return None if self._tier_plan is None else self._tier_plan.requests
 
     def _tier_build(self, target: Any, values: Mapping[Any, Any], global_state: Any, step: int) -> tuple[Any, Any]:
-        return _torchpeer.build(target, values, global_state, step)
+        if self.mapping is None:
+            return _torchpeer.build(target, values, global_state, step)
+        return _torchpeer.mapped_build(target, self._tier_plan, self.mapping, values, global_state, step)
 
     def _agree_preemption(self, step: int, local: bool) -> bool:
         if self.world == 1:

@@ -5,7 +5,10 @@ corrupt local copy is rejected and the persistent tier serves it (broken control
 is served locally); a local step whose token the persistent tier does not share is never mixed
 with it. In two JAX processes (tests/jaxproc/tiers_job.py, 2 x 2 CPU devices) and two torch gloo
 ranks (tests/torchproc/tiers_job.py): the four drill scenarios, each restoring exactly the step's
-bytes and saying which tier served how many; every tiered restore of one step carries one token.
+bytes and saying which tier served how many; every tiered restore of one step carries one token;
+the torch manager with a mapping keeps the checkpoint's layout on both tiers. A request tiled by
+several held boxes of one tier is assembled from them (corrupt-part and missing-part controls),
+and a property test pins the planner (``feasible_steps``) to the read on random tilings.
 """
 from __future__ import annotations
 
@@ -19,7 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ckptfmt import Box
 from ckptfmt.manager import CheckpointManager, LocalTier
+from ckptfmt.manager._tierrestore import _read_own, feasible_steps, held, inventory
+from ckptfmt.manager._tiers import write_local_step
 from ckptfmt.repository import Repository
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,6 +116,74 @@ def test_local_saves_collect_abandoned_saves_of_a_killed_process(tmp_path):
     assert Repository(tier.url(0)).steps() == [2, 4]
 
 
+def _tiled_local_step(tier: LocalTier, step: int, token: str, drop: int | None = None) -> None:
+    """Rewrite local step ``step`` of host 0 (one process) with ``a`` held as four row boxes
+    (``drop``: one of them left out), ``b`` and ``c`` whole; the same token and state."""
+    st = _state(step)
+    rows = [(o, n) for o, n in ((0, 1), (1, 1), (2, 1))]
+    parts = [("a", (3, 4), np.float32, Box((o, 0), (n, 4)), st["a"][o:o + n]) for o, n in rows]
+    parts.insert(1, ("a", (3, 4), np.float32, Box((1, 0), (1, 4)), st["a"][1:2]))  # a repeat: one part serves
+    parts = [p for i, p in enumerate(parts) if i != drop]
+    whole = [(k, np.shape(v), v.dtype, Box.full(np.shape(v)), v) for k, v in st.items() if k != "a"]
+    write_local_step(Repository(tier.url(0)), step, 0, 1, token, [(0, b) for b in parts + whole],
+                     {"extra": {"s": step}}, None, whole_chunks=tier.mapped)
+
+
+def test_a_request_tiled_by_several_held_boxes_is_assembled_from_one_tier(tmp_path):
+    tier = _save(tmp_path, range(1, 5))  # local 2, 4; persistent 4 (one call: the same token)
+    token = Repository(tier.url(0)).open(4).state()["tiers"]["token"]
+    _tiled_local_step(tier, 4, token)
+    with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
+        r = m.restore(_state(0))
+    # Broken control first: the three row boxes (and a repeated one) tile "a", all served locally.
+    assert r.step == 4 and r.stats["tiers"] == {"local": 92, "peer": 0, "persistent": 0}
+    assert all(np.array_equal(r.state[k], v) for k, v in _state(4).items()) and r.extra == {"s": 4}
+    # One part corrupt: "a" is not served from the local tier at all; the persistent tier (same token) serves it.
+    _flip_first_byte(Repository(tier.url(0)), 4, "h0/000001")  # the first box of row 1: a part cover() takes
+    with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
+        r = m.restore(_state(0))
+    assert r.step == 4 and r.stats["tiers"] == {"local": 44, "peer": 0, "persistent": 48}
+    assert all(np.array_equal(r.state[k], v) for k, v in _state(4).items())
+    # One part missing: the local tier does not tile "a"; planned so, and the persistent tier serves it.
+    _tiled_local_step(tier, 4, token, drop=3)
+    with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
+        r = m.restore(_state(0))
+    assert r.step == 4 and r.stats["tiers"] == {"local": 44, "peer": 0, "persistent": 48}
+    assert all(np.array_equal(r.state[k], v) for k, v in _state(4).items())
+
+
+def test_the_planner_agrees_with_the_read_on_random_tilings(tmp_path):
+    """Property: for random held boxes (a random grid of a 6 x 8 tensor, some cells left out, some
+    repeated) and random requests, ``feasible_steps`` says a request is served exactly when the
+    own-tier read serves it, and that happens exactly when the held cells cover every element;
+    what the read serves equals the tensor's elements."""
+    rng = np.random.default_rng(0)
+    full = np.arange(48, dtype=np.float32).reshape(6, 8)
+    repo = Repository(str(tmp_path / "host-0"))
+    for case in range(12):
+        cuts = [np.unique(np.r_[0, rng.integers(1, n, size=2), n]) for n in full.shape]
+        cells = [Box((r0, c0), (r1 - r0, c1 - c0)) for r0, r1 in zip(cuts[0], cuts[0][1:])
+                 for c0, c1 in zip(cuts[1], cuts[1][1:])]
+        kept = [b for b in cells if rng.random() > 0.25]
+        kept += [kept[0]] if kept else []
+        boxes = [(0, ("t", full.shape, full.dtype, b, full[b.slices()])) for b in kept]
+        write_local_step(repo, case, 0, 1, f"tok-{case}", boxes, {}, None)
+        held_boxes = held(inventory(repo), case, f"tok-{case}", 0, 1)
+        covered = np.zeros(full.shape, bool)
+        for b in kept:
+            covered[b.slices()] = True
+        for _ in range(6):
+            lo = [int(rng.integers(0, n)) for n in full.shape]
+            req = ("t", Box(tuple(lo), tuple(int(rng.integers(1, n - o + 1)) for o, n in zip(lo, full.shape))))
+            feasible = feasible_steps(0, 1, [{case: inventory(repo)[case]}], [req], {}) == [case]
+            values: dict = {}
+            left = _read_own(repo, case, held_boxes, [req], values)
+            assert feasible == (left == []) == bool(covered[req[1].slices()].all()), (case, req, kept)
+            if feasible:
+                assert np.array_equal(values[req], full[req[1].slices()])
+        repo.delete(case)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,6 +223,21 @@ def test_tiers_four_scenarios(run):
     assert r0["all-lost"]["tiers"]["persistent"] > 0 and r0["all-lost"]["tiers"]["local"] == 0
     # No restore mixed two saves: every tiered restore of step 6, on both ranks, used one token.
     assert len({v["token"] for rs in (r0, r1) for k, v in rs.items() if k != "all-lost"}) == 1
+
+
+def test_torch_manager_with_a_mapping_keeps_and_restores_the_checkpoint_layout_through_the_tiers(run):
+    """bridges.torch.CheckpointManager(mapping=...): the steps hold the checkpoint's layout (``w``
+    stored transposed as ``wt``) on both tiers, and the tiered restore maps it back: from the own
+    tier, and with host 1's tier lost from the replica host 0 holds."""
+    if "mapped" not in run[0]:
+        pytest.skip("the JAX job has no mapping")
+    for rank, out in enumerate(run):
+        m = out["mapped"]
+        assert "wt" in m["keys"] and "w" not in m["keys"], m
+        assert m["intact"] == {"step": 6, "tiers": {"local": 140, "peer": 0, "persistent": 0}, "exact": True}, m
+        assert m["lost-host"]["step"] == 6 and m["lost-host"]["exact"], m
+        assert m["lost-host"]["tiers"] == ({"local": 140, "peer": 0, "persistent": 0} if rank == 0 else
+                                           {"local": 0, "peer": 140, "persistent": 0}), m
 
 
 def test_jax_local_saves_exchange_in_the_background_while_training_runs_collectives(run):

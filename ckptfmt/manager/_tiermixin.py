@@ -16,7 +16,8 @@ import numpy as np
 
 from ckptfmt._types import Box
 from ckptfmt.errors import CheckpointError
-from ckptfmt.manager._tierrestore import feasible_steps, inventory, persistent_token, step_token, tiered_read
+from ckptfmt.manager._tierrestore import (feasible_steps, held_tensors, inventory, persistent_token, step_token,
+                                         tiered_read)
 from ckptfmt.manager._tiers import TIERS_KEY, LocalTier, PeerExchange, TierSave, TierWriter
 from ckptfmt.manager._values import RestoreResult, _err_json
 
@@ -54,9 +55,12 @@ class TierMixin:
         boxes = [(str(k), np.shape(a), np.asarray(a).dtype, Box.full(np.shape(a)), np.array(a)) for k, a in state.items()]
         return boxes, {"extra": extra}
 
-    def _tier_requests(self, target: Any) -> list[tuple[str, Box]] | None:
+    def _tier_requests(self, target: Any, tensors: Mapping[str, tuple[tuple[int, ...], str]] | None = None
+                       ) -> list[tuple[str, Box]] | None:
         """The boxes a restore into ``target`` needs on this process, or None (the tiers cannot
-        serve this target: the ordinary restore runs). Bridge hook."""
+        serve this target: the ordinary restore runs). ``tensors``: the global tensors the local
+        steps hold (key -> global shape, dtype name; :func:`held_tensors`), for a bridge that maps
+        the target to the checkpoint's layout. Bridge hook; never raises."""
         if not isinstance(target, Mapping):
             return None
         return [(str(k), Box.full(np.shape(a))) for k, a in target.items()]
@@ -115,12 +119,9 @@ class TierMixin:
             return None
         n = self._tier_restores
         self._tier_restores += 1
-        requests = self._tier_requests(target)
-        invs = [{int(s): e for s, e in g["inv"].items()} if g["ok"] else None for g in self._gather(
-            f"tiers/restore/{n}/inventory", {"inv": {str(s): e for s, e in inventory(tiers.repository).items()},
-                                             "ok": requests is not None})]
-        if any(i is None for i in invs):
-            return None
+        invs = [{int(s): e for s, e in g["inv"].items()} for g in self._gather(
+            f"tiers/restore/{n}/inventory", {"inv": {str(s): e for s, e in inventory(tiers.repository).items()}})]
+        requests = self._tier_requests(target, held_tensors(invs))
         try:
             psteps = set(self.repository.steps())  # type: ignore[attr-defined]
         except CheckpointError:
@@ -129,9 +130,11 @@ class TierMixin:
                       for s in {s for inv in invs for s in inv} if s in psteps}
         mine = feasible_steps(self.rank, self.world, invs, requests or [], persistent)
         plan = self._gather(f"tiers/restore/{n}/feasible", {
-            "steps": mine, "newest": max(psteps, default=-1),
+            "steps": mine, "newest": max(psteps, default=-1), "ok": requests is not None,
             "tokens": {str(s): [step_token(s, invs, persistent.get(s)), s in persistent and persistent[s] ==
                                 step_token(s, invs, persistent.get(s))] for s in mine}})
+        if not all(p["ok"] for p in plan):
+            return None  # some rank's target is not one the tiers serve
         common = set.intersection(*(set(p["steps"]) for p in plan))
         if not common or max(p["newest"] for p in plan) > max(common):
             return None

@@ -9,7 +9,8 @@ bridge's :class:`~ckptfmt.manager._tiers.PeerExchange` for tensor bytes):
 2. Each rank decides, from the gathered inventories, the persistent tier as it lists it, and its
    own requests (the boxes its target needs), which steps it could restore: every request held
    by its own tier, by its holder's (rank - 1) replica, or by the persistent tier, all with the
-   step's token (the persistent manifest's token when it has one, else the lowest rank's). Then
+   step's token (a local tier holds a request when one of its held boxes contains it or several
+   of them tile it exactly, :func:`cover`; the read then assembles those parts) (the persistent manifest's token when it has one, else the lowest rank's). Then
    ``allgather("tiers/restore/<n>/feasible")``; the step is the newest one feasible on every rank
    (none, or an older one than the newest persistent step: the ordinary restore runs instead).
 3. Own reads (verified by the core reader); a box that fails verification is logged and asked of
@@ -28,12 +29,12 @@ import msgpack
 import numpy as np
 
 from ckptfmt._types import Box
-from ckptfmt.errors import CheckpointError, MissingShardError
+from ckptfmt.errors import CheckpointError, InvalidStateError, MissingShardError
 from ckptfmt.manager._tiers import TIERS_KEY, HeldBox, pack_boxes, unpack_boxes
 from ckptfmt.repository import Repository
 from ckptfmt.state import decode_state, encode_state
 
-__all__ = ["inventory", "feasible_steps", "tiered_read"]
+__all__ = ["inventory", "feasible_steps", "tiered_read", "cover", "by_key", "held_tensors"]
 
 _log = logging.getLogger("ckptfmt.manager")
 Request = tuple[str, Box]
@@ -75,6 +76,21 @@ def step_token(step: int, invs: Sequence[Mapping[int, Any]], ptoken: str | None)
     return None
 
 
+def held_tensors(invs: Sequence[Mapping[int, Any]]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The global tensors the gathered inventories hold: key -> (global shape, dtype name), as the
+    newest step listing the key records it (what a bridge that maps its target plans against)."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for s in sorted({s for inv in invs for s in inv}, reverse=True):
+        for inv in invs:
+            for w in (inv.get(s) or {}).get("boxes", ()):
+                try:
+                    h = HeldBox.from_wire(w)
+                except (CheckpointError, TypeError, ValueError):
+                    continue
+                out.setdefault(h.key, (h.shape, h.dtype))
+    return out
+
+
 def held(inv: Mapping[int, Any], step: int, token: str | None, owner: int, world: int) -> list[HeldBox]:
     e = inv.get(step)
     if e is None or token is None or e["token"] != token or int(e["hosts"]) != world:
@@ -82,8 +98,49 @@ def held(inv: Mapping[int, Any], step: int, token: str | None, owner: int, world
     return [h for h in (HeldBox.from_wire(w) for w in e["boxes"]) if h.owner == owner]
 
 
-def _find(boxes: Sequence[HeldBox], key: str, box: Box) -> HeldBox | None:
-    return next((h for h in boxes if h.contains(key, box)), None)
+#: How one tier serves one request: held boxes and the part of the request (global coordinates) each serves.
+Cover = list[tuple[HeldBox, Box]]
+
+
+def by_key(boxes: Sequence[HeldBox]) -> dict[str, list[HeldBox]]:
+    """Held boxes grouped by global key path (what :func:`cover` takes)."""
+    out: dict[str, list[HeldBox]] = {}
+    for h in boxes:
+        out.setdefault(h.key, []).append(h)
+    return out
+
+
+def cover(index: Mapping[str, Sequence[HeldBox]], key: str, box: Box) -> Cover | None:
+    """How the held boxes of ONE tier (``index``: :func:`by_key`) serve ``(key, box)``: one held box
+    that contains it, else disjoint parts of several whose sizes add up to the box's (they tile it
+    exactly); None when they do not. Pure: the feasibility check and the read both ask it, so a
+    restore plans exactly what the read then does (FORMAT.md 8.5)."""
+    boxes = index.get(key, ())
+    one = next((h for h in boxes if h.contains(key, box)), None)
+    if one is not None:
+        return [(one, box)]
+    if box.is_empty():
+        return None
+    parts: Cover = []
+    for h in boxes:
+        part = h.box.intersect(box) if h.box.ndim == box.ndim else None
+        if part is not None and not any(p.intersect(part) is not None for _, p in parts):
+            parts.append((h, part))
+    return parts if sum(p.size for _, p in parts) == box.size else None
+
+
+def _assemble(box: Box, parts: Cover, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The request ``box`` from its parts' verified arrays: the array itself for one part, else one
+    fresh array. Parts whose dtypes or shapes differ raise InvalidStateError (the tier then fails)."""
+    if len(parts) == 1:
+        return arrays[0]
+    out = np.empty(box.shape, dtype=arrays[0].dtype)
+    for (h, part), a in zip(parts, arrays):
+        if a.dtype != out.dtype or tuple(a.shape) != part.shape:
+            raise InvalidStateError("the held boxes of one request differ", key=h.key, object=h.local,
+                                    expected=f"{out.dtype} {part.shape}", found=f"{a.dtype} {tuple(a.shape)}")
+        out[part.slices(box.offset)] = a
+    return out
 
 
 def feasible_steps(rank: int, world: int, invs: Sequence[Mapping[int, Any]], requests: Sequence[Request],
@@ -93,21 +150,23 @@ def feasible_steps(rank: int, world: int, invs: Sequence[Mapping[int, Any]], req
     for s in sorted({s for inv in invs for s in inv}, reverse=True):
         token = step_token(s, invs, persistent.get(s))
         mix = s in persistent and persistent[s] == token
-        own = held(invs[rank], s, token, rank, world)
-        peer = held(invs[(rank - 1) % world], s, token, rank, world) if world > 1 else []
+        own = by_key(held(invs[rank], s, token, rank, world))
+        peer = by_key(held(invs[(rank - 1) % world], s, token, rank, world) if world > 1 else [])
         if not own and not peer:
             continue
-        if all(mix or _find(own, k, b) or _find(peer, k, b) for k, b in requests):
+        if all(mix or cover(own, k, b) is not None or cover(peer, k, b) is not None for k, b in requests):
             out.append(s)
     return out
 
 
 def _read_own(repo: Repository, step: int, boxes: Sequence[HeldBox], reqs: Sequence[Request],
               values: dict[Request, np.ndarray]) -> list[Request]:
-    """Read ``reqs`` from this rank's own tier into ``values``; return those it could not serve."""
-    plan = [(r, _find(boxes, *r)) for r in reqs]
-    left = [r for r, h in plan if h is None]
-    todo = [(r, h) for r, h in plan if h is not None]
+    """Read ``reqs`` from this rank's own tier into ``values`` (each from the held boxes that
+    :func:`cover` it); return those it could not serve."""
+    index = by_key(boxes)
+    plan = [(r, cover(index, *r)) for r in reqs]
+    left = [r for r, c in plan if c is None]
+    todo = [(r, c) for r, c in plan if c is not None]
     if not todo:
         return left
     try:
@@ -116,15 +175,17 @@ def _read_own(repo: Repository, step: int, boxes: Sequence[HeldBox], reqs: Seque
         _log.warning("local tier: step %d does not open on %s: %s", step, repo.url, e)
         return left + [r for r, _ in todo]
     try:
-        for (r, _), a in zip(todo, ckpt.read_boxes([(h.local, h.within(r[1])) for r, h in todo])):
-            values[r] = a
+        arrays = iter(ckpt.read_boxes([(h.local, h.within(part)) for _, c in todo for h, part in c]))
+        for r, c in todo:
+            values[r] = _assemble(r[1], c, [next(arrays) for _ in c])
         return left
     except CheckpointError:
-        pass  # find the boxes that fail, one at a time; the others are still served here
-    for r, h in todo:
+        pass  # find the requests that fail, one at a time; the others are still served here
+    for r, c in todo:
         try:
-            values[r] = ckpt.read_boxes([(h.local, h.within(r[1]))])[0]
+            values[r] = _assemble(r[1], c, ckpt.read_boxes([(h.local, h.within(part)) for h, part in c]))
         except CheckpointError as e:
+            values.pop(r, None)
             _log.warning("local tier: box %s %s of step %d rejected on %s (%s: %s); the next tier serves it",
                          r[0], list(r[1].offset), step, repo.url, type(e).__name__, e)
             left.append(r)

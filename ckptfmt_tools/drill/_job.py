@@ -99,7 +99,8 @@ def _train(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any]:
                 ts = time.time()
                 state = tr.checkpoint_state()
                 extra = {"digests": digest_tree(state), "config": cfg.__dict__, "mesh": args.mesh,
-                         "processes": args.nproc, "devices_per_process": args.devices}
+                         "processes": args.nproc, "devices_per_process": args.devices,
+                         "cursor": {k: int(v) for k, v in tr.cursor.items()}}  # the torch tier job's data cursor
                 mgr.save(tr.step, state, extra=extra)
                 stall_s += time.time() - ts
                 saves.append({"step": tr.step, "t_started": ts, "blocked_s": time.time() - ts})

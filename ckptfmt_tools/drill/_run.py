@@ -278,6 +278,10 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
             receipt["control"] = ctrl
         if cfg.tiers:
             def tier_job(name: str, local: str) -> tuple[dict[str, Any], float]:
+                if cfg.replacement == "torch":  # one gloo rank per training process, the torch manager
+                    from ._torch_launch import run_torch_tier_job
+
+                    return run_torch_tier_job(cfg, work, url, name, local)
                 return _restore_job(name, cfg, work, url, nproc=cfg.processes, devices=cfg.devices_per_process,
                                     mesh=cfg.mesh, dropout=dropout, local=local)
 

@@ -54,9 +54,11 @@ def _newest_local(local: str, hosts: int) -> tuple[int | None, str | None]:
 
 
 def _corrupt(local: str, host: int, step: int) -> str:
+    """Flip one byte of ``host``'s largest own box (a kernel: every restore, JAX or torch, needs it)."""
     repo = Repository(os.path.join(local, f"host-{host}"))
     m = repo.manifest(step)
-    key = next(k for k in sorted(m.tensors) if k.startswith(f"h{host}/"))
+    key = max((k for k in sorted(m.tensors) if k.startswith(f"h{host}/")),
+              key=lambda k: int(m.tensors[k].chunks.nbytes.sum()))
     t = m.tensors[key]
     with open(os.path.join(repo.url, t.array.path, t.shards.key[0]), "r+b") as f:
         b = f.read(1)

@@ -141,7 +141,7 @@ def _rank_main(args: argparse.Namespace, rank: int, times: dict[str, float]) -> 
     net = Twin()
     for mod in net.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            placements = [Shard(0)] if p.ndim == 2 else [Replicate()]
+            placements = [Shard(_shard_dim(mod, net, args))] if p.ndim == 2 else [Replicate()]
             mod.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.data, mesh, placements)))
     opt = torch.optim.AdamW(net.parameters(), **torch_adamw_kwargs(learning_rate=cfg["lr"],
                                                                     weight_decay=cfg["weight_decay"]))
@@ -152,7 +152,13 @@ def _rank_main(args: argparse.Namespace, rank: int, times: dict[str, float]) -> 
     t_setup = time.time()
 
     # -- restore --------------------------------------------------------------------------------
-    loaded = bt.load(args.url, target, step=step, mapping=mapping)
+    tiers: dict[str, Any] = {}
+    if args.local:  # drill --tiers: the torch manager restores through the JAX job's local tiers
+        loaded, tiers = _restore_tiers(args, target, mapping)
+        step, saved_digests = loaded.step, loaded.extra["digests"]
+        cursor = {k: int(v) for k, v in loaded.extra["cursor"].items()}
+    else:
+        loaded = bt.load(args.url, target, step=step, mapping=mapping)
     t_restored = time.time()
 
     # -- validation: reconstructed hashes (in the JAX layout) vs the hashes saved with the step ---
@@ -177,7 +183,7 @@ def _rank_main(args: argparse.Namespace, rank: int, times: dict[str, float]) -> 
         checked += 1
         if saved_digests.get(r.source_key) != digest(a):
             differ.append(r.source_key)
-    saved_count = int(ckpt.read(f"{ADAM_PREFIX}/count"))
+    saved_count = _saved_count(args, step) if args.local else int(ckpt.read(f"{ADAM_PREFIX}/count"))
     if counts != {float(saved_count)}:
         differ.append(f"{ADAM_PREFIX}/count")
     set_state_dict(net, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
@@ -230,7 +236,8 @@ def _rank_main(args: argparse.Namespace, rank: int, times: dict[str, float]) -> 
              "agree on the newest step, parse + validate manifest, read state (before job setup: the "
              "twin's widths come from it)"],
             ["plan + transfer + reshard + checksums", t_restored - t_setup,
-             f"bridges.torch.load, Flax->torch mapping, {mb:.2f} MB over {world} ranks (bridge reports bytes only)"],
+             f"{'the torch manager through the local tiers' if args.local else 'bridges.torch.load'}, Flax->torch "
+             f"mapping, {mb:.2f} MB over {world} ranks (bridge reports bytes only)"],
             ["validation: state hashes", t_valid - t_restored, f"{checked} tensors sha256 vs saved, step count"],
         ],
         "t_ready": t_ready, "t_setup": t_setup, "t_restored": t_restored, "t_valid": t_valid, "t_step": t_step,
@@ -238,10 +245,62 @@ def _rank_main(args: argparse.Namespace, rank: int, times: dict[str, float]) -> 
     # The manifest is read before the job setup (the twin's widths come from it).
     out["job_setup_s"] = t_setup - t_manifest
     out["restore_s"] = (t_manifest - t_ready) + (t_restored - t_setup)
+    out.update(tiers)
     if args.rejected_control:
         out["rejected_control"] = _rejected(args, rank, world, step, net, opt, target, mapping)
     dist.barrier()
     return out
+
+
+def _shard_dim(mod: Any, net: Any, args: argparse.Namespace) -> int:
+    """The dimension a 2-D weight is sharded on. Tiers: each rank's shard is the union of the JAX
+    process's device boxes (l1's kernel is split P("data", "model") and l2's P("model", "data") on
+    a data x model mesh whose process p holds data rows [p/P, (p+1)/P)): l1.weight (hidden, d_in)
+    by d_in, l2.weight (d_out, hidden) by d_out; otherwise by rows."""
+    return 1 if args.local and mod is net.l1 else 0
+
+
+def _saved_count(args: argparse.Namespace, step: int) -> int:
+    """Adam's count in ``step`` as a copy of it holds it: the persistent tier's, else the first
+    local copy (any host's) that still holds it. Compared by value: the hash saved for a 0-d leaf
+    does not equal a 0-d array's hash in this drill (seen for every 0-d leaf; probably the
+    cross-process gather in training.digest_tree, not investigated)."""
+    from ckptfmt import Repository
+    from ckptfmt.errors import CheckpointError
+
+    key = f"{ADAM_PREFIX}/count"
+    if step in Repository(args.url).steps():
+        return int(Repository(args.url).open(step).read(key))
+    for h in sorted(os.listdir(args.local)) if os.path.isdir(args.local) else []:
+        try:
+            ckpt = Repository(os.path.join(args.local, h)).open(step)
+            local = next(b[0] for b in ckpt.state()["tiers"]["boxes"] if b[2] == key)
+            return int(ckpt.read(local))
+        except (CheckpointError, StopIteration, KeyError, OSError):
+            continue
+    return -1
+
+
+def _restore_tiers(args: argparse.Namespace, target: Any, mapping: Any) -> tuple[Any, dict[str, Any]]:
+    """Restore through ``bridges.torch.CheckpointManager`` with the JAX job's local tier; the
+    bytes each tier served on every rank and each rank's tier token."""
+    import torch
+    import torch.distributed as dist
+
+    from bridges import torch as bt
+    from ckptfmt.manager import LocalTier
+
+    tier = LocalTier(args.local, every=args.local_every, keep=3)
+    with bt.CheckpointManager(args.url, local=tier, mapping=mapping) as mgr:
+        res = mgr.restore(target)
+    t = res.stats.get("tiers") or {}
+    per = torch.zeros((dist.get_world_size(), 3), dtype=torch.int64)
+    per[dist.get_rank()] = torch.tensor([t.get("local", 0), t.get("peer", 0), t.get("persistent", 0)])
+    dist.all_reduce(per)
+    tokens: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(tokens, str(res.stats.get("tier_token") or ""))
+    return res.state, {"tiers_per_process": per.tolist(), "tokens_per_process": tokens,
+                       "restore_stats": {k: v for k, v in res.stats.items() if k in ("tiers", "tier_token", "restore_s")}}
 
 
 def _local_hashes(net: Any, opt: Any) -> dict[str, str]:
@@ -327,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rejected-control", default="")
     ap.add_argument("--victim", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--local", default="", help="the JAX job's local tier (drill --tiers): restore through it")
+    ap.add_argument("--local-every", type=int, default=5)
     args = ap.parse_args(argv)
     import torch  # noqa: F401  (imported once, shared by the forked ranks)
     import torch.distributed  # noqa: F401

@@ -25,6 +25,33 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
 
+def _mapped(a: argparse.Namespace, mesh, state) -> dict:
+    """A manager with a mapping (``w`` stored transposed as ``wt``): its local tier holds the
+    checkpoint's layout, and a restore through the tiers maps it back (intact, then host 1 lost)."""
+    import bridges.torch as bt
+    from bridges.mapping import Mapping, Rule
+    from ckptfmt import Repository
+    from ckptfmt.manager import LocalTier
+
+    mapping = Mapping((Rule("wt", "w", permute={2: (1, 0)}),))
+    persistent, local_dir = os.path.join(a.dir, "mapped-p"), os.path.join(a.dir, "mapped-local")
+    tier = LocalTier(local_dir, every=2, keep=2)
+    with bt.CheckpointManager(persistent, save_every_steps=4, local=tier, mapping=mapping) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, state(step), extra={"step": step})
+    out = {"keys": sorted(Repository(persistent).manifest(4).tensors)}
+    for scenario in ("intact", "lost-host"):
+        if a.rank == 0 and scenario == "lost-host":
+            shutil.rmtree(os.path.join(local_dir, "host-1"))
+        dist.barrier()
+        with bt.CheckpointManager(persistent, local=tier, mapping=mapping) as mgr:
+            r = mgr.restore(state(0))
+        out[scenario] = {"step": r.step, "tiers": r.stats.get("tiers"), "exact": bool(torch.equal(
+            r.state["w"].full_tensor(), state(r.step)["w"].full_tensor()) and torch.equal(r.state["b"], state(r.step)["b"]))}
+        dist.barrier()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for name in ("--dir", "--out"):
@@ -74,6 +101,7 @@ def main() -> None:
             "extra": r.extra, "rank_state": r.state.rank_state, "n_ok": r.state["n"] == r.step,
             "exact": bool(torch.equal(w, expect["w"].full_tensor()) and torch.equal(r.state["b"], expect["b"]))}
         dist.barrier()
+    out["mapped"] = _mapped(a, mesh, state)
     with open(a.out, "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
