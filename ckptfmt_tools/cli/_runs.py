@@ -156,6 +156,9 @@ def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (de
               tiers: bool = _flag("Keep a local tier with peer replicas (persistent every 2 x cadence) and run its "
                                   "four failures: killed process, lost host, every local copy lost, corrupt copy.",
                                   "--tiers"),
+              cold_cache: bool = _flag("--tiers: drop the page cache before each tier failure's restore job "
+                                       "(root), as for a replacement whose host never read the persistent tier.",
+                                       "--cold-cache"),
               as_json: bool = _flag("Print the receipt as one JSON document; no progress on stderr.",
                                     "--json")) -> None:
     """The restore drill: SIGKILL one process of a training job, restore on a new topology, check one step."""
@@ -165,7 +168,8 @@ def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (de
         ("--replacement-mesh", replacement_mesh), ("--cadence", cadence), ("--step-time", step_time),
         ("--kill-window", kill_window), ("--capacity-delay", capacity_delay), ("--monitor-interval", monitor_interval),
         ("--storage", storage), ("--out", out), ("--seed", seed), ("--d-in", d_in), ("--hidden", hidden),
-        ("--timeout", timeout), ("--no-control", no_control), ("--tiers", tiers), ("--json", as_json)])
+        ("--timeout", timeout), ("--no-control", no_control), ("--tiers", tiers), ("--cold-cache", cold_cache),
+        ("--json", as_json)])
 
 
 def register(app: typer.Typer) -> None:

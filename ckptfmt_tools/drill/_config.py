@@ -36,6 +36,7 @@ class DrillConfig:
     timeout_s: float = 240.0           # per job; every wait ends
     control: bool = True               # run the 8 -> 8 control restore
     tiers: bool = False                # local tier with peer replicas, and its four failures (drill --tiers)
+    cold_cache: bool = False           # --tiers: drop the page cache before each failure's restore job (root)
 
     @property
     def train_devices(self) -> int:
@@ -120,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiers", action="store_true",
                     help="keep a local tier with peer replicas (persistent every 2 x cadence) and run its four "
                          "failures: killed process, lost host, every local copy lost, corrupt local copy")
+    ap.add_argument("--cold-cache", action="store_true",
+                    help="--tiers: drop the page cache before each tier failure's restore job (root), as for a "
+                         "replacement whose host never read the persistent tier (/dev/shm stays: it is memory)")
     ap.add_argument("--json", action="store_true", help="print the receipt as JSON instead of tables")
     return ap
 
@@ -135,6 +139,7 @@ def from_args(ns: argparse.Namespace) -> DrillConfig:
                       step_time_s=ns.step_time, kill_window=window, capacity_delay_s=ns.capacity_delay,
                       monitor_interval_s=ns.monitor_interval, storage=ns.storage, out=ns.out, seed=ns.seed,
                       d_in=ns.d_in, hidden=ns.hidden,
-                      timeout_s=ns.timeout, control=not ns.no_control, tiers=ns.tiers)
+                      timeout_s=ns.timeout, control=not ns.no_control, tiers=ns.tiers,
+                      cold_cache=ns.cold_cache)
     cfg.check()
     return cfg

@@ -64,10 +64,11 @@ def tiers_table(receipt: dict[str, Any]) -> Table:
     """drill --tiers: each tier failure, the step it restored, which tier served, its recovery phases."""
     tiers = receipt["tiers"]
     t = Table(title=f"Tier failures (local step {tiers['local_step']}, persistent steps {tiers['persistent_steps']})",
-              caption="seconds from the replacement job's launch; bytes summed over processes", title_justify="left",
-              caption_justify="left")
+              caption="seconds from the replacement job's launch; bytes summed over processes; redo: steps between "
+                      "the restored step and the killed job's last, 'back at' = end to end + redo x the training "
+                      "job's median step time (an estimate)", title_justify="left", caption_justify="left")
     for col in ("failure", "restored", "local B", "peer B", "persistent B", "ready s", "restore s", "validate s",
-                "step s", "end to end s", "ok"):
+                "step s", "end to end s", "redo", "back at s", "ok"):
         t.add_column(col, justify="left" if col == "failure" else "right")
     for name, v in receipt["tiers_verdict"]["verdicts"].items():
         res = tiers["scenarios"][name]
@@ -75,7 +76,9 @@ def tiers_table(receipt: dict[str, Any]) -> Table:
         p = v["phases"]
         t.add_row(name, str(res["restored_step"]), *(f"{sum(x[i] for x in per):,}" for i in range(3)),
                   f"{p['launch_to_ready_s']:.2f}", f"{p['restore_s']:.3f}", f"{p['validation_s']:.3f}",
-                  f"{p['first_step_s']:.3f}", f"{p['end_to_end_s']:.2f}", "[green]yes[/]" if v["ok"] else "[red]NO[/]")
+                  f"{p['first_step_s']:.3f}", f"{p['end_to_end_s']:.2f}", str(p.get("steps_redone", "-")),
+                  f"{p['back_at_kill_step_s']:.2f}" if "back_at_kill_step_s" in p else "-",
+                  "[green]yes[/]" if v["ok"] else "[red]NO[/]")
     return t
 
 

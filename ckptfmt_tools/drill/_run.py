@@ -292,7 +292,7 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
         raise DrillFailed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, receipt) from exc
     receipt.update(_judge.judge(receipt))
     if cfg.tiers:
-        receipt["tiers_verdict"] = judge_tiers(receipt["tiers"], receipt["train"]["reference"])
+        receipt["tiers_verdict"] = judge_tiers(receipt["tiers"], receipt["train"]["reference"], receipt["train"])
         receipt["pass"] = bool(receipt["pass"] and receipt["tiers_verdict"]["ok"])
     _write_receipt(work, receipt)
     return receipt

@@ -16,11 +16,13 @@ copies of one save (one tier token, the one in the local manifests).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Any, Callable
 
 from ckptfmt.errors import CheckpointError
+from ckptfmt_tools.bench.child import drop_page_cache
 from ckptfmt.repository import Repository
 
 from ._judge import continuation
@@ -93,16 +95,35 @@ def run_tiers(cfg: Any, work: str, url: str, victim: int, restore_job: Callable[
                            "scenarios": {}}
     for scenario in SCENARIOS:
         note = _damage(scenario, work, victim, step) if step is not None else {"damage": "no local step"}
-        say(f"tiers ({scenario}): {note['damage']}")
+        if getattr(cfg, "cold_cache", False):
+            note["cache_dropped"] = drop_page_cache()
+        say(f"tiers ({scenario}): {note['damage']}" + (f"; page cache dropped: {note['cache_dropped']}"
+                                                       if "cache_dropped" in note else ""))
         res, t_launch = restore_job(f"tiers-{scenario}", local=local_dir(work))
         res.update(note, t_launch=t_launch)
         out["scenarios"][scenario] = res
     return out
 
 
-def judge_tiers(tiers: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
-    """A verdict per scenario: the continuation checks, the tier that served, one save's copies."""
+def step_interval(train: dict[str, Any] | None) -> float | None:
+    """The training job's median seconds between logged steps (its train-steps log), or None."""
+    try:
+        with open(str((train or {})["log"])) as f:
+            ts = [float(json.loads(line)["t"]) for line in f if line.strip()]
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    gaps = sorted(b - a for a, b in zip(ts, ts[1:]))
+    return gaps[len(gaps) // 2] if gaps else None
+
+
+def judge_tiers(tiers: dict[str, Any], reference: dict[str, Any], train: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A verdict per scenario: the continuation checks, the tier that served, one save's copies; with
+    ``train``, the steps each recovery must redo (the killed job reached ``step_at_kill``) and the
+    estimated seconds until training is back there (end to end + redone steps x the job's median
+    step interval)."""
     persistent = tiers["persistent_steps"]
+    dt = step_interval(train)
+    at_kill = (train or {}).get("step_at_kill")
     verdicts = {}
     for scenario, res in tiers["scenarios"].items():
         expect = persistent[-1] if scenario == "all-lost" else tiers["local_step"]
@@ -123,5 +144,8 @@ def judge_tiers(tiers: dict[str, Any], reference: dict[str, Any]) -> dict[str, A
                        "validation_s": float(res["t_valid"] - res["t_restored"]),
                        "first_step_s": float(res["t_step"] - res["t_valid"]),
                        "end_to_end_s": float(res["t_step"] - res["t_launch"])}
+        if dt is not None and at_kill is not None:
+            redo = max(0, int(at_kill) - int(res["restored_step"]))
+            v["phases"].update(steps_redone=redo, back_at_kill_step_s=v["phases"]["end_to_end_s"] + redo * dt)
         verdicts[scenario] = v
     return {"verdicts": verdicts, "ok": all(v["ok"] for v in verdicts.values())}
