@@ -1,6 +1,8 @@
 """The shard encoder (ckptfmt.shard.encode) and the local-file write (LocalFileStorage.write_object)
 against their slow twin, tensorstore's zarr3 codec: a save writes the bytes tensorstore writes for
 the same arrays, and faults surface as typed errors."""
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -251,3 +253,48 @@ def test_sync_modes_write_the_same_bytes_and_an_unknown_mode_is_refused(tmp_path
     with pytest.raises(StorageError, match="sync_mode") as e:
         Repository(str(tmp_path / "bad"), options={"sync_mode": "fdatasync"}).storage
     assert "fdatasync" in str(e.value)
+
+
+# ------------------------------------------------------------------ O_DIRECT writes (FORMAT.md 14.2)
+
+
+@pytest.mark.parametrize("sizes", [[1], [4096], [3 * (4 << 20) + 17, 4, 5000], [(4 << 20) - 3, 3, 4096 * 3 + 1]])
+def test_direct_writes_store_the_same_bytes_as_buffered_ones(tmp_path, sizes):
+    from ckptfmt.storage import _durable
+
+    rng = np.random.default_rng(len(sizes))
+    bufs = [rng.integers(0, 255, n, dtype=np.uint8) for n in sizes]
+    want = b"".join(b.tobytes() for b in bufs)
+    for direct in (True, False):  # the buffered write is the control
+        p = tmp_path / f"obj-{direct}"
+        assert _durable.write_file(str(p), iter(bufs), fsync="fsync", direct=direct) == len(want)
+        assert p.read_bytes() == want and not (tmp_path / f"obj-{direct}.__lock").exists()
+
+
+def test_direct_writes_on_disk_and_on_tmpfs(tmp_path):
+    """The test directory's file system takes O_DIRECT (else every save here would write buffered);
+    on /dev/shm the write is right whether tmpfs takes O_DIRECT (Linux 6.6 and later) or refuses it
+    (the buffered path then runs)."""
+    from ckptfmt.storage import _durable
+
+    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
+    try:
+        on_disk = _durable._set_direct(fd)
+    finally:
+        os.close(fd)
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    shm = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        fd = os.open(os.path.join(shm, "probe"), os.O_WRONLY | os.O_CREAT)
+        try:
+            _durable._set_direct(fd)
+        finally:
+            os.close(fd)
+        data = np.arange(10_000, dtype=np.uint8)
+        _durable.write_file(os.path.join(shm, "obj"), [data], fsync="fsync", direct=True)
+        with open(os.path.join(shm, "obj"), "rb") as f:
+            assert f.read() == data.tobytes()
+    finally:
+        shutil.rmtree(shm)
+    assert on_disk or os.uname().sysname != "Linux", "the test directory's file system refused O_DIRECT"

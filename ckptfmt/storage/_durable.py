@@ -13,7 +13,9 @@ safetensors exporter (:mod:`ckptfmt.interop._stexport`) both write through these
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
+import mmap
 import os
 import stat
 import sys
@@ -21,11 +23,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 from ckptfmt.storage._kverrors import storage_error
 from ckptfmt.storage._localfs import LOCK_SUFFIX, advance
 from ckptfmt.errors import StorageError
 
-__all__ = ["DEFAULT_WRITE_THREADS", "SYNC_MODES", "writer_pool", "pwritev_all", "write_file", "fill", "fsync_dir",
+__all__ = ["DEFAULT_WRITE_THREADS", "SYNC_MODES", "DIRECT_ALIGN", "writer_pool", "pwritev_all", "write_file", "fill",
+           "fill_direct", "fsync_dir",
            "fsync_dirs", "fsync_path", "filesystem_sync_available", "sync_range", "syncfs"]
 
 #: Writer threads (pwritev, fsync and crc32c release the GIL): enough to keep a disk's queue full.
@@ -35,6 +40,10 @@ DEFAULT_WRITE_THREADS = 16
 _STAGE_BYTES = 8 << 20
 #: Most buffers one pwritev call takes (Linux IOV_MAX).
 _IOV_MAX = 1024
+#: ``O_DIRECT`` writes: offsets, lengths and the buffer are multiples of this (a page covers the
+#: logical block size of every Linux block device), and each writer thread stages this many bytes.
+DIRECT_ALIGN = 4096
+_DIRECT_BYTES = 4 << 20
 
 #: How a written file is made durable: "fsync" (the file, then its directory), "range" (its data
 #: written back by sync_file_range; durable only after a later :func:`syncfs`), "none" (not at all).
@@ -152,10 +161,11 @@ def fill(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool | str = True
 
 
 def write_file(path: str, buffers: Iterable[Any], *, fsync: bool | str = True, obj: str | None = None,
-               tensor: str | None = None) -> int:
+               tensor: str | None = None, direct: bool = False) -> int:
     """Write ``buffers`` as the file ``path``: into ``path + ".__lock"`` (created exclusively),
     made durable as ``fsync`` says (:func:`fill`), checked by size, renamed over ``path``; the bytes written. The directory is not
-    ``fsync``'d here (:func:`fsync_dirs`, once for many files). On failure the lock file is
+    ``fsync``'d here (:func:`fsync_dirs`, once for many files). ``direct``: write through
+    ``O_DIRECT`` where the file system takes it (:func:`fill_direct`). On failure the lock file is
     removed (gc removes one a killed process leaves) and a StorageError raised."""
     tmp = path + LOCK_SUFFIX
     name = obj or path
@@ -164,13 +174,89 @@ def write_file(path: str, buffers: Iterable[Any], *, fsync: bool | str = True, o
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise storage_error("write failed", e, object=name, key=tensor) from None
-    n = fill(fd, tmp, buffers, fsync=fsync, obj=name, tensor=tensor)
+    if direct and _set_direct(fd):
+        n = fill_direct(fd, tmp, buffers, fsync=fsync, obj=name, tensor=tensor)
+    else:
+        n = fill(fd, tmp, buffers, fsync=fsync, obj=name, tensor=tensor)
     try:
         os.rename(tmp, path)
     except OSError as e:
         _discard(-1, tmp)
         raise storage_error("write failed", e, object=name, key=tensor) from None
     return n
+
+
+def _set_direct(fd: int) -> bool:
+    """Turn on ``O_DIRECT`` for ``fd``; False where the platform or file system refuses it (tmpfs)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | flag)
+        return True
+    except OSError:
+        return False
+
+
+class _Staging(threading.local):
+    """One page-aligned staging buffer per writer thread, allocated on its first direct write and
+    kept: its pages are touched once per thread, never again per save."""
+
+    buf: np.ndarray | None = None
+
+    def get(self) -> np.ndarray:
+        if self.buf is None:
+            self.buf = np.frombuffer(mmap.mmap(-1, _DIRECT_BYTES), dtype=np.uint8)
+        return self.buf
+
+
+_STAGING = _Staging()
+
+
+def fill_direct(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool | str = True, obj: str | None = None,
+                tensor: str | None = None) -> int:
+    """:func:`fill` through ``O_DIRECT`` (already set on ``fd``): ``buffers`` are copied into this
+    thread's aligned staging buffer and written in whole blocks straight to the device, without
+    page-cache pages to allocate; the last block is padded to :data:`DIRECT_ALIGN` and the file
+    truncated to its size. Durability as ``fill`` (``O_DIRECT`` data may sit in the device's cache:
+    the fsync or syncfs that follows flushes it, and writes the file's metadata)."""
+    mode = {True: "fsync", False: "none"}.get(fsync, fsync)  # type: ignore[call-overload]
+    name = obj or path
+    stage = _STAGING.get()
+    try:
+        offset, pos = 0, 0
+        for b in buffers:
+            src = np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
+            while src.size:
+                k = min(src.size, stage.size - pos)
+                np.copyto(stage[pos:pos + k], src[:k])
+                pos, src = pos + k, src[k:]
+                if pos == stage.size:
+                    offset += pwritev_all(fd, [stage], offset, obj=name, tensor=tensor)
+                    pos = 0
+        if pos:
+            padded = -(-pos // DIRECT_ALIGN) * DIRECT_ALIGN
+            stage[pos:padded] = 0
+            pwritev_all(fd, [stage[:padded]], offset, obj=name, tensor=tensor)
+            offset += pos
+            os.ftruncate(fd, offset)
+        if mode == "fsync":
+            os.fsync(fd)
+        elif mode == "range":
+            sync_range(fd)
+        st = os.fstat(fd)
+    except OSError as e:
+        _discard(fd, path)
+        raise storage_error("write failed", e, object=name, key=tensor) from None
+    except BaseException:
+        _discard(fd, path)
+        raise
+    os.close(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != offset:
+        _discard(-1, path)
+        raise StorageError("written file has an unexpected size", key=tensor, object=name,
+                           expected=offset, found=st.st_size if stat.S_ISREG(st.st_mode) else "not a regular file")
+    return offset
 
 
 def _discard(fd: int, tmp: str) -> None:

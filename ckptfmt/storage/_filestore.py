@@ -202,14 +202,17 @@ class LocalFileStorage(KvStoreStorage):
     def write_object(self, key: str, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
         """Written to ``<key>.__lock`` (created exclusively), written back (``sync_mode`` "syncfs":
         ``sync_file_range``) or ``fsync``'d ("fsync"), checked by ``fstat`` size and renamed over
-        ``key``; durable, its directory entry included, once :meth:`sync` returns."""
+        ``key``; durable, its directory entry included, once :meth:`sync` returns. With the option
+        ``direct_writes`` (default True) the bytes go through ``O_DIRECT`` where the file system
+        takes it: no page-cache pages are allocated for them (FORMAT.md 14.2)."""
         path = self.root + key
         how = ("range" if self._syncfs else "fsync") if self._fsync else "none"
         if how == "range":
             self._open_sync_fd()  # counts this write as pending until its directory is recorded
         d = os.path.dirname(path)
         try:
-            n = _durable.write_file(path, buffers, fsync=how, obj=key, tensor=tensor)
+            n = _durable.write_file(path, buffers, fsync=how, obj=key, tensor=tensor,
+                                    direct=bool(self.options.get("direct_writes", True)))
             if how == "range" and os.stat(d).st_dev != self._sync_dev:  # below a mount point: syncfs misses it
                 _durable.fsync_path(path, obj=key, tensor=tensor)
                 with self._dirs_lock:
