@@ -9,8 +9,9 @@ bridge's :class:`~ckptfmt.manager._tiers.PeerExchange` for tensor bytes):
 2. Each rank decides, from the gathered inventories, the persistent tier as it lists it, and its
    own requests (the boxes its target needs), which steps it could restore: every request held
    by its own tier, by its holder's (rank - 1) replica, or by the persistent tier, all with the
-   step's token (a local tier holds a request when one of its held boxes contains it or several
-   of them tile it exactly, :func:`cover`; the read then assembles those parts) (the persistent manifest's token when it has one, else the lowest rank's). Then
+   step's token (the persistent manifest's token when it has one, else the lowest rank's). A
+   local tier holds a request when one of its held boxes contains it or several of them tile it
+   exactly (:func:`cover`; the read then assembles those parts). Then
    ``allgather("tiers/restore/<n>/feasible")``; the step is the newest one feasible on every rank
    (none, or an older one than the newest persistent step: the ordinary restore runs instead).
 3. Own reads (verified by the core reader); a box that fails verification is logged and asked of
