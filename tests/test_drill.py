@@ -148,3 +148,30 @@ def test_import_loads_no_framework():
     code = ("import sys, ckptfmt_tools.drill, ckptfmt_tools.drill._run, ckptfmt_tools.drill._judge, ckptfmt_tools.drill._report; "
             "bad = [m for m in ('jax', 'torch', 'flax') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_tier_drill_expects_a_step_a_holder_s_replica_completes(tmp_path):
+    """drill --tiers: a host killed before its own local save of step 15 committed leaves step 15
+    restorable when its holder committed it (the replica serves that host's boxes); the drill must
+    expect 15, not the newest step every tier lists. Control: without the holder's copy, 10."""
+    import numpy as np
+
+    from ckptfmt import Box
+    from ckptfmt.manager._tiers import write_local_step
+    from ckptfmt.repository import Repository
+    from ckptfmt_tools.drill._tiers import _newest_local
+
+    box = ("w", (4,), np.dtype(np.float32), Box((0,), (4,)), np.zeros(4, np.float32))
+
+    def local(host: int, step: int) -> None:
+        write_local_step(Repository(str(tmp_path / f"host-{host}")), step, host, 2, f"n-{step}",
+                         [(host, box), ((host + 1) % 2, box)], {}, None)
+
+    for h in (0, 1):
+        local(h, 10)
+    local(0, 15)  # host 1 was killed before its own step 15 committed; host 0 holds host 1's boxes
+    assert _newest_local(str(tmp_path), 2) == (15, "n-15")
+    Repository(str(tmp_path / "host-0")).delete(15)  # the control: no tier holds step 15 at all
+    assert _newest_local(str(tmp_path), 2) == (10, "n-10")
+    local(1, 15)  # host 1 alone: its own boxes, and host 0's, which host 1 (= 0 - 1 mod 2) replicates
+    assert _newest_local(str(tmp_path), 2) == (15, "n-15")

@@ -38,20 +38,29 @@ def local_dir(work: str) -> str:
 
 
 def _newest_local(local: str, hosts: int) -> tuple[int | None, str | None]:
-    """The newest step every host's local tier holds with one token, and that token."""
+    """The newest step the local tiers can restore, and its token: every host's boxes held, with
+    one token, by the host's own tier or by its holder's replica (host ``h - 1`` keeps host
+    ``h``'s boxes). A host killed before its own local save of a step committed still leaves
+    that step restorable when its holder committed it (the restore then serves its boxes from
+    the replica), so the newest step every tier lists is not the answer."""
     tokens: list[dict[int, str]] = []
     for h in range(hosts):
         repo, mine = Repository(os.path.join(local, f"host-{h}")), {}
-        for s in repo.steps():
+        try:
+            steps = repo.steps()
+        except CheckpointError:
+            steps = []
+        for s in steps:
             try:
                 mine[s] = str(repo.open(s).state()["tiers"]["token"])
             except (CheckpointError, KeyError, TypeError):
                 continue
         tokens.append(mine)
-    common = set.intersection(*(set(t) for t in tokens)) if tokens else set()
-    for s in sorted(common, reverse=True):
-        if len({t[s] for t in tokens}) == 1:
-            return s, tokens[0][s]
+    for s in sorted({s for t in tokens for s in t}, reverse=True):
+        seen = {t[s] for t in tokens if s in t}
+        if len(seen) == 1 and all(s in tokens[h] or (hosts > 1 and s in tokens[(h - 1) % hosts])
+                                  for h in range(hosts)):
+            return s, seen.pop()
     return None, None
 
 
