@@ -24,8 +24,8 @@ from jax.sharding import SingleDeviceSharding
 
 from ckptfmt import Box
 from ckptfmt.checksum import crc32c
-from ckptfmt.errors import ChecksumMismatchError, CheckpointError, KeyMismatchError, ShapeMismatchError
-from ckptfmt.manager._tiers import distinct_boxes
+from ckptfmt.errors import CheckpointError, KeyMismatchError, ShapeMismatchError
+from ckptfmt.manager._tiers import check_payload, distinct_boxes
 
 from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding
 
@@ -104,10 +104,7 @@ class JaxExchange:
             size, crc = int(sizes[src][0]), int(sizes[src][1])
             spec = jax.ShapeDtypeStruct((max(size, 1),), np.uint8, sharding=SingleDeviceSharding(self.device))
             pulled = self._connection(src).pull(call * self.world + src, [spec], timeout=deadline)[0]
-            got = np.asarray(pulled)[:size].tobytes()
-            if crc32c(got) != crc:
-                raise ChecksumMismatchError("a peer's payload changed in transit", object=f"{name} from rank {src}",
-                                            expected=f"crc32c {crc}", found=f"crc32c {crc32c(got)}")
+            got = check_payload(np.asarray(pulled)[:size].tobytes(), crc, f"{name} from rank {src}")
         except CheckpointError as e:  # agreed on below, so every rank raises
             error = e.to_json()
         except Exception as e:  # noqa: BLE001 - the transfer service's own error type

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from ckptfmt import Box
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.checksum import crc32c
-from ckptfmt.errors import CheckpointError, ChecksumMismatchError, KeyMismatchError, ShapeMismatchError
+from ckptfmt.errors import CheckpointError, KeyMismatchError, ShapeMismatchError
 from ckptfmt.restoreplan import RestorePlan, plan_restore
-from ckptfmt.manager._tiers import distinct_boxes
+from ckptfmt.manager._tiers import check_payload, distinct_boxes
 
 from ._contract import stage_state
 from ._extra import json_keys
@@ -55,11 +55,7 @@ class TorchExchange:
         out = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
         into = torch.empty(int(head[0].item()), dtype=torch.uint8)
         self._swap(out, into, dst, src)
-        got = into.numpy().tobytes()
-        if crc32c(got) != int(head[1].item()):
-            raise ChecksumMismatchError("a peer's payload changed in transit", object=f"{name} from rank {src}",
-                                        expected=f"crc32c {int(head[1].item())}", found=f"crc32c {crc32c(got)}")
-        return got
+        return check_payload(into.numpy().tobytes(), int(head[1].item()), f"{name} from rank {src}")
 
 
 def snapshot(state: Any, extra: Any, rank_state: Any, mapping: Any = None) -> tuple[list[Any], Any]:

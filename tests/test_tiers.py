@@ -252,3 +252,19 @@ def test_jax_local_saves_exchange_in_the_background_while_training_runs_collecti
         assert [r[0] for r in t["records"]] == [1, 2, 3, 4, 5, 6] and all(r[1] for r in t["records"]), t
         assert all(r[4] > 0 and r[3] > 0 for r in t["records"]), t  # each step exchanged and holds the peer's boxes
         assert t["sums_ok"] and t["restored"] == 6 and t["exact"] and t["tiers"]["local"] > 0, t
+
+
+def test_a_peer_payload_is_checked_against_the_senders_crc32c():
+    """Every PeerExchange checks what it received here (FORMAT.md 8.5): the sender's crc32c passes
+    (the control), a flipped byte raises naming the exchange and the rank."""
+    from ckptfmt.checksum import crc32c
+    from ckptfmt.errors import ChecksumMismatchError
+    from ckptfmt.manager._tiers import check_payload
+
+    sent = b"the boxes of host 1" * 100
+    assert check_payload(sent, crc32c(sent), "tiers/save/6 from rank 1") == sent
+    bad = bytearray(sent)
+    bad[7] ^= 1
+    with pytest.raises(ChecksumMismatchError, match="in transit") as e:
+        check_payload(bytes(bad), crc32c(sent), "tiers/save/6 from rank 1")
+    assert e.value.object == "tiers/save/6 from rank 1"

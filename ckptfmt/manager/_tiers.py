@@ -36,13 +36,15 @@ import numpy as np
 from ckptfmt._types import Box, LocalShard
 from ckptfmt.coord import LocalCoordinator
 from ckptfmt.dtypes import dtype_name, numpy_dtype
-from ckptfmt.errors import CheckpointError, InvalidStateError
+from ckptfmt.checksum import crc32c
+from ckptfmt.errors import CheckpointError, ChecksumMismatchError, InvalidStateError
 from ckptfmt.repository import Repository
 from ckptfmt.session import save
 from ckptfmt.session._saveopts import SaveOptions
 from ckptfmt.session.asyncsave import BackgroundWorker
 
-__all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "TierWriter", "distinct_boxes"]
+__all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "TierWriter", "distinct_boxes",
+           "check_payload"]
 
 _log = logging.getLogger("ckptfmt.manager")
 
@@ -167,6 +169,16 @@ def distinct_boxes(shards: Sequence[LocalShard]) -> list[tuple[str, tuple[int, .
         seen.add((s.key, s.box))
         out.append((s.key, tuple(s.global_shape), np.dtype(s.dtype), s.box, s.data))
     return out
+
+
+def check_payload(got: bytes, crc: int, what: str) -> bytes:
+    """``got`` when its crc32c is ``crc`` (the sender's, FORMAT.md 8.5); else ChecksumMismatchError
+    naming ``what`` (the exchange and the sending rank). Every :class:`PeerExchange` checks here."""
+    mine = crc32c(got)
+    if mine != int(crc):
+        raise ChecksumMismatchError("a peer's payload changed in transit", object=what,
+                                    expected=f"crc32c {int(crc)}", found=f"crc32c {mine}")
+    return got
 
 
 def pack_boxes(boxes: Sequence[tuple[str, tuple[int, ...], Any, Box, np.ndarray]]) -> bytes:

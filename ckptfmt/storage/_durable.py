@@ -30,8 +30,7 @@ from ckptfmt.storage._localfs import LOCK_SUFFIX, advance
 from ckptfmt.errors import StorageError
 
 __all__ = ["DEFAULT_WRITE_THREADS", "SYNC_MODES", "DIRECT_ALIGN", "writer_pool", "pwritev_all", "write_file", "fill",
-           "fill_direct", "fsync_dir",
-           "fsync_dirs", "fsync_path", "filesystem_sync_available", "sync_range", "syncfs"]
+           "fsync_dir", "fsync_dirs", "fsync_path", "filesystem_sync_available", "sync_range", "syncfs"]
 
 #: Writer threads (pwritev, fsync and crc32c release the GIL): enough to keep a disk's queue full.
 DEFAULT_WRITE_THREADS = 16
@@ -124,23 +123,16 @@ def syncfs(fd: int) -> None:
 
 
 def fill(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool | str = True, obj: str | None = None,
-         tensor: str | None = None) -> int:
+         tensor: str | None = None, direct: bool = False) -> int:
     """Write ``buffers`` in order from offset 0 into the new file ``fd`` and make it durable as
     ``fsync`` says (True or "fsync": ``fsync``; "range": :func:`sync_range`, durable once a
-    :func:`syncfs` follows; False or "none": not at all); the bytes written. On any failure the
-    file is closed and removed, and the error raised. ``fd`` is closed either way."""
+    :func:`syncfs` follows; False or "none": not at all); the bytes written. ``direct``: ``fd``
+    has ``O_DIRECT`` set, and the bytes go through :func:`_put_direct`. On any failure the file
+    is closed and removed, and the error raised. ``fd`` is closed either way."""
     mode = {True: "fsync", False: "none"}.get(fsync, fsync)  # type: ignore[call-overload]
     name = obj or path
     try:
-        offset, held, iov = 0, 0, []
-        for b in buffers:
-            v = memoryview(b).cast("B")
-            iov.append(v)
-            held += v.nbytes
-            if held >= _STAGE_BYTES or len(iov) >= _IOV_MAX:
-                offset += pwritev_all(fd, iov, offset, obj=name, tensor=tensor)
-                iov, held = [], 0
-        offset += pwritev_all(fd, iov, offset, obj=name, tensor=tensor)
+        offset = (_put_direct if direct else _put)(fd, buffers, name, tensor)
         if mode == "fsync":
             os.fsync(fd)
         elif mode == "range":
@@ -160,12 +152,25 @@ def fill(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool | str = True
     return offset
 
 
+def _put(fd: int, buffers: Iterable[Any], name: str, tensor: str | None) -> int:
+    """``buffers`` through ``pwritev``, gathered up to ``_STAGE_BYTES`` per call; the bytes written."""
+    offset, held, iov = 0, 0, []
+    for b in buffers:
+        v = memoryview(b).cast("B")
+        iov.append(v)
+        held += v.nbytes
+        if held >= _STAGE_BYTES or len(iov) >= _IOV_MAX:
+            offset += pwritev_all(fd, iov, offset, obj=name, tensor=tensor)
+            iov, held = [], 0
+    return offset + pwritev_all(fd, iov, offset, obj=name, tensor=tensor)
+
+
 def write_file(path: str, buffers: Iterable[Any], *, fsync: bool | str = True, obj: str | None = None,
                tensor: str | None = None, direct: bool = False) -> int:
     """Write ``buffers`` as the file ``path``: into ``path + ".__lock"`` (created exclusively),
     made durable as ``fsync`` says (:func:`fill`), checked by size, renamed over ``path``; the bytes written. The directory is not
     ``fsync``'d here (:func:`fsync_dirs`, once for many files). ``direct``: write through
-    ``O_DIRECT`` where the file system takes it (:func:`fill_direct`). On failure the lock file is
+    ``O_DIRECT`` where the file system takes it (:func:`_put_direct`). On failure the lock file is
     removed (gc removes one a killed process leaves) and a StorageError raised."""
     tmp = path + LOCK_SUFFIX
     name = obj or path
@@ -174,10 +179,7 @@ def write_file(path: str, buffers: Iterable[Any], *, fsync: bool | str = True, o
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise storage_error("write failed", e, object=name, key=tensor) from None
-    if direct and _set_direct(fd):
-        n = fill_direct(fd, tmp, buffers, fsync=fsync, obj=name, tensor=tensor)
-    else:
-        n = fill(fd, tmp, buffers, fsync=fsync, obj=name, tensor=tensor)
+    n = fill(fd, tmp, buffers, fsync=fsync, obj=name, tensor=tensor, direct=direct and _set_direct(fd))
     try:
         os.rename(tmp, path)
     except OSError as e:
@@ -213,49 +215,29 @@ class _Staging(threading.local):
 _STAGING = _Staging()
 
 
-def fill_direct(fd: int, path: str, buffers: Iterable[Any], *, fsync: bool | str = True, obj: str | None = None,
-                tensor: str | None = None) -> int:
-    """:func:`fill` through ``O_DIRECT`` (already set on ``fd``): ``buffers`` are copied into this
-    thread's aligned staging buffer and written in whole blocks straight to the device, without
-    page-cache pages to allocate; the last block is padded to :data:`DIRECT_ALIGN` and the file
-    truncated to its size. Durability as ``fill`` (``O_DIRECT`` data may sit in the device's cache:
-    the fsync or syncfs that follows flushes it, and writes the file's metadata)."""
-    mode = {True: "fsync", False: "none"}.get(fsync, fsync)  # type: ignore[call-overload]
-    name = obj or path
+def _put_direct(fd: int, buffers: Iterable[Any], name: str, tensor: str | None) -> int:
+    """``buffers`` through ``O_DIRECT`` (already set on ``fd``): copied into this thread's aligned
+    staging buffer and written in whole blocks straight to the device, without page-cache pages to
+    allocate; the last block is padded to :data:`DIRECT_ALIGN` and the file truncated to its size.
+    The bytes written. (``O_DIRECT`` data may sit in the device's cache: the fsync or syncfs that
+    follows flushes it, and writes the file's metadata.)"""
     stage = _STAGING.get()
-    try:
-        offset, pos = 0, 0
-        for b in buffers:
-            src = np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
-            while src.size:
-                k = min(src.size, stage.size - pos)
-                np.copyto(stage[pos:pos + k], src[:k])
-                pos, src = pos + k, src[k:]
-                if pos == stage.size:
-                    offset += pwritev_all(fd, [stage], offset, obj=name, tensor=tensor)
-                    pos = 0
-        if pos:
-            padded = -(-pos // DIRECT_ALIGN) * DIRECT_ALIGN
-            stage[pos:padded] = 0
-            pwritev_all(fd, [stage[:padded]], offset, obj=name, tensor=tensor)
-            offset += pos
-            os.ftruncate(fd, offset)
-        if mode == "fsync":
-            os.fsync(fd)
-        elif mode == "range":
-            sync_range(fd)
-        st = os.fstat(fd)
-    except OSError as e:
-        _discard(fd, path)
-        raise storage_error("write failed", e, object=name, key=tensor) from None
-    except BaseException:
-        _discard(fd, path)
-        raise
-    os.close(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != offset:
-        _discard(-1, path)
-        raise StorageError("written file has an unexpected size", key=tensor, object=name,
-                           expected=offset, found=st.st_size if stat.S_ISREG(st.st_mode) else "not a regular file")
+    offset, pos = 0, 0
+    for b in buffers:
+        src = np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
+        while src.size:
+            k = min(src.size, stage.size - pos)
+            np.copyto(stage[pos:pos + k], src[:k])
+            pos, src = pos + k, src[k:]
+            if pos == stage.size:
+                offset += pwritev_all(fd, [stage], offset, obj=name, tensor=tensor)
+                pos = 0
+    if pos:
+        padded = -(-pos // DIRECT_ALIGN) * DIRECT_ALIGN
+        stage[pos:padded] = 0
+        pwritev_all(fd, [stage[:padded]], offset, obj=name, tensor=tensor)
+        offset += pos
+        os.ftruncate(fd, offset)
     return offset
 
 
