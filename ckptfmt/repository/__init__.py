@@ -35,7 +35,9 @@ class Repository:
     ``fsync`` (file driver, default True), ``mapped_reads`` (file driver with positional reads,
     default False: a requested box that is one whole single-chunk shard is handed out as a
     copy-on-write mapping of the object once its index and crc32c are checked, instead of a
-    copy; the local tier's choice, FORMAT.md 14.8),
+    copy; the local tier's choice, FORMAT.md 14.8), ``direct_writes`` and ``direct_reads`` (file
+    driver, default True: a save writes, and a positional read reads its large aligned spans,
+    through ``O_DIRECT`` where the file system takes it, FORMAT.md 14.2 and 14.4),
     ``io_concurrency``, ``copy_concurrency``, and
     ``kvstore`` (extra kvstore options such as an S3 endpoint).
 

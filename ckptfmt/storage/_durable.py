@@ -29,7 +29,7 @@ from ckptfmt.storage._kverrors import storage_error
 from ckptfmt.storage._localfs import LOCK_SUFFIX, advance
 from ckptfmt.errors import StorageError
 
-__all__ = ["DEFAULT_WRITE_THREADS", "SYNC_MODES", "DIRECT_ALIGN", "writer_pool", "pwritev_all", "write_file", "fill",
+__all__ = ["DEFAULT_WRITE_THREADS", "SYNC_MODES", "DIRECT_ALIGN", "set_direct", "writer_pool", "pwritev_all", "write_file", "fill",
            "fsync_dir", "fsync_dirs", "fsync_path", "filesystem_sync_available", "sync_range", "syncfs"]
 
 #: Writer threads (pwritev, fsync and crc32c release the GIL): enough to keep a disk's queue full.
@@ -190,11 +190,17 @@ def write_file(path: str, buffers: Iterable[Any], *, fsync: bool | str = True, o
 
 def _set_direct(fd: int) -> bool:
     """Turn on ``O_DIRECT`` for ``fd``; False where the platform or file system refuses it (tmpfs)."""
+    return set_direct(fd, True)
+
+
+def set_direct(fd: int, on: bool) -> bool:
+    """Turn ``O_DIRECT`` on or off for ``fd``; False where the platform or file system refuses it."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return False
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | flag)
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | flag) if on else (flags & ~flag))
         return True
     except OSError:
         return False
