@@ -13,7 +13,7 @@ import pytest
 from ckptfmt import Repository
 from ckptfmt.errors import SizeMismatchError
 from ckptfmt.storage import _durable
-from ckptfmt.storage._filestore import _split_direct
+from ckptfmt.storage._directread import split_direct as _split_direct
 
 _BLOCK = _durable.DIRECT_ALIGN
 
@@ -150,3 +150,34 @@ def test_direct_reads_on_tmpfs_fall_back_or_read(tmp_path):
         assert bytes(out) + bytes(rest) == data
     finally:
         shutil.rmtree(shm)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("addr_shift, at", [(0, 4), (4, 0), (0, 4096 + 4), (100, 8)])
+def test_stretches_aligned_differently_in_memory_read_through_the_page_cache(tmp_path, direct, addr_shift, at):
+    """A chunk four bytes past a block boundary (behind the previous chunk's trailer) cannot be
+    read straight into a page-aligned output: it comes through the page cache, with the file's
+    bytes up to its last, unaligned byte, in both modes."""
+    n = (3 << 20) + 100
+    path, data = _file(tmp_path, n)
+    repo = Repository(str(tmp_path), options={"direct_reads": direct})
+    backing = _aligned(4 << 20)
+    big = backing[addr_shift:addr_shift + (n - at - 4)]
+    trailer = bytearray(4)
+    with repo.storage.open_positional("obj") as f:
+        f.read_into([big, trailer], at)
+    assert bytes(big) + bytes(trailer) == data[at:]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_an_unaligned_read_past_the_end_is_a_size_mismatch(tmp_path, direct):
+    n = (2 << 20) + 10
+    path, data = _file(tmp_path, n)
+    repo = Repository(str(tmp_path), options={"direct_reads": direct})
+    with repo.storage.open_positional("obj", tensor="w") as f:
+        ok = _aligned(n)[:n - 4]
+        f.read_into([ok], 4)  # control: up to the last byte
+        assert bytes(ok) == data[4:]
+        with pytest.raises(SizeMismatchError) as e:
+            f.read_into([_aligned(n)[:n - 3]], 4)
+    assert e.value.key == "w"

@@ -21,7 +21,6 @@
 """
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import stat
@@ -29,9 +28,7 @@ import threading
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
-import numpy as np
-
-from ckptfmt.storage import _durable, _localfs
+from ckptfmt.storage import _directread, _durable, _localfs
 from ckptfmt.storage._kvstore import KvStoreStorage, _check_folder_prefix
 from ckptfmt.errors import MissingShardError, SizeMismatchError, StorageError
 from ckptfmt.storage import Pending, PositionalFile
@@ -338,7 +335,7 @@ class LocalFileStorage(KvStoreStorage):
         return removed
 
 
-class _LocalFile(PositionalFile):
+class _LocalFile(_directread.DirectReads, PositionalFile):
     def __init__(self, fd: int, size: int, key: str, tensor: str | None, direct: bool = False) -> None:
         self.fd, self.size, self.key, self.tensor = fd, size, key, tensor
         self.direct = direct  # option direct_reads: large aligned spans through O_DIRECT
@@ -346,38 +343,13 @@ class _LocalFile(PositionalFile):
     def read_into(self, buffers: Sequence[Any], offset: int) -> None:
         """Loops over short reads (Linux moves at most ~2 GiB per call), resuming inside the
         buffer where the last call stopped. With ``direct`` (option ``direct_reads``, FORMAT.md
-        14.4), the block-aligned middle of each large buffer whose address and file offset agree
-        modulo a block is read through ``O_DIRECT``, so that no page-cache pages are allocated
-        for it; the rest, and everything where the file system refuses ``O_DIRECT``, goes through
-        the page cache."""
+        14.4) large stretches go through ``O_DIRECT`` (:mod:`ckptfmt.storage._directread`), so
+        that no page-cache pages are allocated for them."""
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
-        if not self.direct:
+        if self.direct and sum(v.nbytes for v in views) >= _directread.DIRECT_MIN_BYTES:
+            self._read_split(views, offset)
+        else:
             self._preadv_all(views, offset)
-            return
-        direct, rest = _split_direct(views, offset)
-        if direct:
-            rest += self._read_direct(direct)
-        for at, run in _runs(rest):
-            self._preadv_all(run, at)
-
-    def _read_direct(self, spans: list[tuple[memoryview, int]]) -> list[tuple[memoryview, int]]:
-        """Read ``spans`` (view, file offset) through ``O_DIRECT``; the spans left to read through
-        the page cache (all of them where the file system refuses ``O_DIRECT``)."""
-        if not _durable.set_direct(self.fd, True):
-            self.direct = False
-            return spans
-        try:
-            for i, (view, at) in enumerate(spans):
-                try:
-                    self._preadv_all([view], at, raw=True)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:  # EINVAL: a block size larger than ours
-                        raise StorageError("read failed", key=self.tensor, object=self.key, found=str(e)) from None
-                    self.direct = False
-                    return spans[i:]
-            return []
-        finally:
-            _durable.set_direct(self.fd, False)
 
     def _preadv_all(self, views: list[memoryview], offset: int, raw: bool = False) -> None:
         """Fill ``views`` from ``offset``; SizeMismatchError at an early end; StorageError (the
@@ -418,46 +390,3 @@ def _require_regular(mode: int, key: str, tensor: str | None) -> None:
         raise StorageError("object is not a regular file", key=tensor, object=key, expected="a regular file",
                            found=kind)
 
-
-#: Buffers smaller than this are read through the page cache even where they are aligned.
-_DIRECT_MIN_BYTES = 256 << 10
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
-
-
-def _split_direct(views: list[memoryview], offset: int) -> tuple[list[tuple[memoryview, int]], list[tuple[memoryview, int]]]:
-    """``views`` read back to back from ``offset``, split into (view, file offset) spans: those
-    ``O_DIRECT`` can take (address, offset and length whole blocks of DIRECT_ALIGN) and the rest."""
-    align = _durable.DIRECT_ALIGN
-    direct: list[tuple[memoryview, int]] = []
-    rest: list[tuple[memoryview, int]] = []
-    pos = offset
-    for v in views:
-        n = v.nbytes
-        head = (-pos) % align
-        body = (n - head) // align * align if n > head else 0
-        if body >= _DIRECT_MIN_BYTES and (_address(v) - pos) % align == 0:
-            if head:
-                rest.append((v[:head], pos))
-            direct.append((v[head:head + body], pos + head))
-            if head + body < n:
-                rest.append((v[head + body:], pos + head + body))
-        else:
-            rest.append((v, pos))
-        pos += n
-    return direct, rest
-
-
-def _runs(spans: list[tuple[memoryview, int]]) -> list[tuple[int, list[memoryview]]]:
-    """(file offset, views) of each run of back-to-back spans, in file order: one ``preadv`` each."""
-    out: list[tuple[int, list[memoryview]]] = []
-    end = -1
-    for view, at in sorted(spans, key=lambda s: s[1]):
-        if out and at == end and len(out[-1][1]) < 1024:
-            out[-1][1].append(view)
-        else:
-            out.append((at, [view]))
-        end = at + view.nbytes
-    return out

@@ -1,0 +1,109 @@
+"""Positional reads through ``O_DIRECT`` for the local-file store (FORMAT.md 14.4, repository
+option ``direct_reads``).
+
+A buffer of at least :data:`DIRECT_MIN_BYTES` whose address and file offset agree modulo a block
+(:data:`ckptfmt.storage._durable.DIRECT_ALIGN`) has its whole blocks read straight into it,
+without page-cache pages to allocate. Everything else (a chunk four bytes past a block boundary,
+behind the previous chunk's crc32c trailer; trailers, indexes, heads and tails of blocks) goes
+through the page cache, in one ``preadv`` per run of back-to-back stretches. (Staging unaligned
+chunks through an aligned buffer was measured too: no faster at 1 GiB, and at 8 GiB within the
+noise of this machine's fresh-memory cost; ``docs/profile-save.md`` 7.)
+"""
+from __future__ import annotations
+
+import errno
+from typing import Callable
+
+import numpy as np
+
+from ckptfmt.errors import StorageError
+from ckptfmt.storage import _durable
+
+__all__ = ["DIRECT_MIN_BYTES", "DirectReads", "split_direct", "runs"]
+
+#: Stretches smaller than this are read through the page cache.
+DIRECT_MIN_BYTES = 256 << 10
+_ALIGN = _durable.DIRECT_ALIGN
+
+Span = tuple[memoryview, int]  # a buffer and the file offset its first byte comes from
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def split_direct(views: list[memoryview], offset: int) -> tuple[list[Span], list[Span]]:
+    """``views`` read back to back from ``offset``, split into the spans ``O_DIRECT`` reads
+    straight into (address, file offset and length whole blocks) and the rest."""
+    direct: list[Span] = []
+    rest: list[Span] = []
+    pos = offset
+    for v in views:
+        n = v.nbytes
+        head = (-pos) % _ALIGN
+        body = (n - head) // _ALIGN * _ALIGN if n > head else 0
+        if body >= DIRECT_MIN_BYTES and (_address(v) - pos) % _ALIGN == 0:
+            if head:
+                rest.append((v[:head], pos))
+            direct.append((v[head:head + body], pos + head))
+            if head + body < n:
+                rest.append((v[head + body:], pos + head + body))
+        else:
+            rest.append((v, pos))
+        pos += n
+    return direct, rest
+
+
+def runs(spans: list[Span]) -> list[tuple[int, list[memoryview]]]:
+    """(file offset, views) of each run of back-to-back spans, in file order (at most 1,024 views
+    a run: one ``preadv`` takes no more)."""
+    out: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for view, at in sorted(spans, key=lambda s: s[1]):
+        if out and at == end and len(out[-1][1]) < 1024:
+            out[-1][1].append(view)
+        else:
+            out.append((at, [view]))
+        end = at + view.nbytes
+    return out
+
+
+class DirectReads:
+    """Mixed into the local-file positional reader: needs ``fd``, ``key``, ``tensor``, ``direct``
+    (cleared once the file system refuses ``O_DIRECT``) and ``_preadv_all``."""
+
+    fd: int
+    key: str
+    tensor: str | None
+    direct: bool
+    _preadv_all: Callable[..., None]
+
+    def _read_split(self, views: list[memoryview], offset: int) -> None:
+        """Fill ``views`` from ``offset``: aligned spans through ``O_DIRECT``, the rest (and
+        everything where the file system refuses ``O_DIRECT``) through the page cache."""
+        direct, rest = split_direct(views, offset)
+        if direct and _durable.set_direct(self.fd, True):
+            try:
+                rest += [(view, at) for view, at in direct
+                         if not self._direct_ok(lambda: self._preadv_all([view], at, raw=True))]
+            finally:
+                _durable.set_direct(self.fd, False)
+        elif direct:
+            self.direct = False  # the file system refuses O_DIRECT: no more tries on this file
+            rest += direct
+        for at, run in runs(rest):
+            self._preadv_all(run, at)
+
+    def _direct_ok(self, read: Callable[[], None]) -> bool:
+        """Run one ``O_DIRECT`` read; False (and no more direct reads of this file) where the
+        device wants larger blocks than ours (EINVAL)."""
+        if not self.direct:
+            return False
+        try:
+            read()
+            return True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise StorageError("read failed", key=self.tensor, object=self.key, found=str(e)) from None
+            self.direct = False
+            return False
