@@ -90,11 +90,10 @@ def _array_shards(key: str, arr: jax.Array, copy: bool) -> list[LocalShard]:
     # writes of a replicated box over the processes holding it (FORMAT.md 8.1); further copies
     # in this process only prove the box is held. Lazy: a copy not picked is never made.
     lowest: dict[Box, int] = {}
-    for sh in shards:
-        b = index_to_box(sh.index, shape)
+    boxes = [index_to_box(sh.index, shape) for sh in shards]
+    for sh, b in zip(shards, boxes):
         lowest[b] = min(lowest.get(b, sh.replica_id), sh.replica_id)
-    for sh in shards:
-        box = index_to_box(sh.index, shape)
+    for sh, box in zip(shards, boxes):
         data: Any = None
         if sh.replica_id == lowest[box]:
             data = np.asarray(sh.data) if copy else (lambda d=sh.data: np.asarray(d))

@@ -1,6 +1,7 @@
 """Values that cross layers: boxes, sharding descriptions, local shards."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
@@ -32,7 +33,7 @@ class Box:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # exact Python ints: no int64 overflow for any declared shape
 
     @property
     def ndim(self) -> int:
