@@ -141,6 +141,9 @@ def test_config_rejects_bad_windows():
         DrillConfig(cadence=5, kill_window=(10, 10)).check()  # only a save step
     with pytest.raises(ValueError):
         DrillConfig(train_mesh="3x2").check()
+    with pytest.raises(ValueError):
+        DrillConfig(tier_pairs=2).check()  # pairs need --tiers
+    DrillConfig(tiers=True, tier_pairs=2).check()
     DrillConfig().check()
 
 
@@ -175,3 +178,41 @@ def test_the_tier_drill_expects_a_step_a_holder_s_replica_completes(tmp_path):
     assert _newest_local(str(tmp_path), 2) == (10, "n-10")
     local(1, 15)  # host 1 alone: its own boxes, and host 0's, which host 1 (= 0 - 1 mod 2) replicates
     assert _newest_local(str(tmp_path), 2) == (15, "n-15")
+
+
+def _tier_result(scenario: str, step: int, restore_s: float, extra: float = 0.0) -> dict:
+    f = _fake_receipt()["result"]
+    served = [0, 0, 100] if scenario == "all-lost" else [100, 0, 0]
+    return dict(f, restored_step=step, scenario=scenario, tiers_per_process=[served], tokens_per_process=["n-3"],
+                t_launch=0.0, t_ready=1.0, t_setup=1.1, t_restored=1.1 + restore_s, t_valid=3.1 + restore_s,
+                t_step=3.6 + restore_s + extra)
+
+
+def test_tier_pairs_are_judged_and_their_recovery_leaves_out_the_drill_s_validation():
+    """drill --tiers --tier-pairs: each pair's two jobs are judged like the scenarios; the recovery
+    is end to end less the drill's own validation, and the summary counts the pairs where the own
+    local copy recovered sooner. Controls: a pair whose local job read the persistent tier, and a
+    pair without its persistent half, fail the verdict."""
+    from ckptfmt_tools.drill._tiers import judge_tiers
+
+    ref = _fake_receipt()["ref"]
+    scen = {"killed": _tier_result("killed", 3, 0.2), "all-lost": _tier_result("all-lost", 3, 0.9)}
+    pairs = []
+    for i, (local_s, pers_s, extra) in enumerate([(0.2, 0.9, 0.0), (0.3, 0.8, 1.0), (0.2, 1.0, 0.0)]):
+        pairs += [dict(_tier_result("killed", 3, local_s, extra), pair=i),
+                  dict(_tier_result("all-lost", 3, pers_s), pair=i)]
+    tiers = {"local_step": 3, "local_token": "n-3", "persistent_steps": [3], "scenarios": scen, "pairs": pairs}
+    v = judge_tiers(tiers, ref)
+    assert v["ok"], v
+    k = v["verdicts"]["killed"]["phases"]
+    assert abs(k["recovery_s"] - (k["end_to_end_s"] - k["validation_s"])) < 1e-9 and abs(k["validation_s"] - 2.0) < 1e-9
+    assert [round(r["recovery_diff_s"], 6) for r in v["pairs"]] == [-0.7, 0.5, -0.8]
+    assert v["pairs_summary"] == {"pairs": 3, "local_lower": 2, "median_recovery_diff_s": v["pairs"][0]["recovery_diff_s"]}
+    assert [r["first"] for r in v["pairs"]] == ["local", "persistent", "local"]
+
+    bad = copy.deepcopy(tiers)
+    bad["pairs"][0]["tiers_per_process"] = [[0, 0, 100]]  # the "local" job read the persistent tier
+    assert not judge_tiers(bad, ref)["ok"]
+    half = copy.deepcopy(tiers)
+    del half["pairs"][-1]  # pair 2 lost its persistent job
+    assert not judge_tiers(half, ref)["ok"]

@@ -37,6 +37,7 @@ class DrillConfig:
     control: bool = True               # run the 8 -> 8 control restore
     tiers: bool = False                # local tier with peer replicas, and its four failures (drill --tiers)
     cold_cache: bool = False           # --tiers: drop the page cache before each failure's restore job (root)
+    tier_pairs: int = 0                # --tiers: then this many (own local copy, persistent) restore pairs
 
     @property
     def train_devices(self) -> int:
@@ -64,6 +65,8 @@ class DrillConfig:
         lo, hi = self.window()
         if self.cadence < 1:
             raise ValueError("--cadence must be >= 1")
+        if self.tier_pairs < 0 or (self.tier_pairs and not self.tiers):
+            raise ValueError("--tier-pairs takes a count >= 0, with --tiers")
         if not 1 <= lo <= hi:
             raise ValueError(f"--kill-window must satisfy 1 <= lo <= hi, got {lo}:{hi}")
         if lo <= self.cadence:
@@ -124,6 +127,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cold-cache", action="store_true",
                     help="--tiers: drop the page cache before each tier failure's restore job (root), as for a "
                          "replacement whose host never read the persistent tier (/dev/shm stays: it is memory)")
+    ap.add_argument("--tier-pairs", type=int, default=0,
+                    help="--tiers: then N pairs of replacement jobs, one restoring from the own local copies and one "
+                         "from the persistent tier, back to back in alternating order; prints their paired recovery "
+                         "times (%(default)s)")
     ap.add_argument("--json", action="store_true", help="print the receipt as JSON instead of tables")
     return ap
 
@@ -140,6 +147,6 @@ def from_args(ns: argparse.Namespace) -> DrillConfig:
                       monitor_interval_s=ns.monitor_interval, storage=ns.storage, out=ns.out, seed=ns.seed,
                       d_in=ns.d_in, hidden=ns.hidden,
                       timeout_s=ns.timeout, control=not ns.no_control, tiers=ns.tiers,
-                      cold_cache=ns.cold_cache)
+                      cold_cache=ns.cold_cache, tier_pairs=ns.tier_pairs)
     cfg.check()
     return cfg

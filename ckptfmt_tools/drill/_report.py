@@ -51,6 +51,8 @@ def checks_table(receipt: dict[str, Any]) -> Table:
     jobs = [("replacement", out["continuation"]), ("control", out.get("control")),
             ("missing shard", receipt["rejected_control"].get("verdict"))]
     jobs += [(f"tiers: {k}", v) for k, v in receipt.get("tiers_verdict", {}).get("verdicts", {}).items()]
+    jobs += [(f"tiers pair {r['pair']}: {k}", v) for r in receipt.get("tiers_verdict", {}).get("pairs", [])
+             for k, v in r["checks"].items()]
     for name, verdict in jobs:
         if not verdict:
             continue
@@ -64,22 +66,49 @@ def tiers_table(receipt: dict[str, Any]) -> Table:
     """drill --tiers: each tier failure, the step it restored, which tier served, its recovery phases."""
     tiers = receipt["tiers"]
     t = Table(title=f"Tier failures (local step {tiers['local_step']}, persistent steps {tiers['persistent_steps']})",
-              caption="seconds from the replacement job's launch; bytes summed over processes; redo: steps between "
-                      "the restored step and the killed job's last, 'back at' = end to end + redo x the training "
-                      "job's median step time (an estimate)", title_justify="left", caption_justify="left")
+              caption="seconds from the replacement job's launch; bytes summed over processes; recovery = end to end "
+                      "less the drill's own validation; redo: steps between the restored step and the killed job's "
+                      "last, 'back at' = recovery + redo x the training job's median step time (an estimate)",
+              title_justify="left", caption_justify="left")
     for col in ("failure", "restored", "local B", "peer B", "persistent B", "ready s", "restore s", "validate s",
-                "step s", "end to end s", "redo", "back at s", "ok"):
+                "step s", "end to end s", "recovery s", "redo", "back at s", "ok"):
         t.add_column(col, justify="left" if col == "failure" else "right")
     for name, v in receipt["tiers_verdict"]["verdicts"].items():
-        res = tiers["scenarios"][name]
-        per = res.get("tiers_per_process") or [[0, 0, 0]]
-        p = v["phases"]
-        t.add_row(name, str(res["restored_step"]), *(f"{sum(x[i] for x in per):,}" for i in range(3)),
-                  f"{p['launch_to_ready_s']:.2f}", f"{p['restore_s']:.3f}", f"{p['validation_s']:.3f}",
-                  f"{p['first_step_s']:.3f}", f"{p['end_to_end_s']:.2f}", str(p.get("steps_redone", "-")),
-                  f"{p['back_at_kill_step_s']:.2f}" if "back_at_kill_step_s" in p else "-",
-                  "[green]yes[/]" if v["ok"] else "[red]NO[/]")
+        _tier_row(t, name, tiers["scenarios"][name], v)
     return t
+
+
+def _tier_row(t: Table, name: str, res: dict[str, Any], v: dict[str, Any]) -> None:
+    per = res.get("tiers_per_process") or [[0, 0, 0]]
+    p = v["phases"]
+    t.add_row(name, str(res["restored_step"]), *(f"{sum(x[i] for x in per):,}" for i in range(3)),
+              f"{p['launch_to_ready_s']:.2f}", f"{p['restore_s']:.3f}", f"{p['validation_s']:.3f}",
+              f"{p['first_step_s']:.3f}", f"{p['end_to_end_s']:.2f}", f"{p['recovery_s']:.2f}",
+              str(p.get("steps_redone", "-")),
+              f"{p['back_at_kill_step_s']:.2f}" if "back_at_kill_step_s" in p else "-",
+              "[green]yes[/]" if v["ok"] else "[red]NO[/]")
+
+
+def pairs_table(receipt: dict[str, Any]) -> Table:
+    """drill --tiers --tier-pairs: each pair's recovery from the own local copies and from the persistent tier."""
+    verdict = receipt["tiers_verdict"]
+    s = verdict["pairs_summary"]
+    t = Table(title=f"Paired recoveries: own local copy against persistent tier ({s['pairs']} pairs, order "
+                    f"alternating): local lower in {s['local_lower']} of {s['pairs']}, median difference "
+                    f"{s['median_recovery_diff_s']:+.2f} s",
+              caption="seconds; recovery = end to end less the drill's own validation; difference = local less "
+                      "persistent", title_justify="left", caption_justify="left")
+    for col in ("pair", "first", "local: ready s", "restore s", "step s", "recovery s", "persistent: ready s",
+                "restore s", "step s", "recovery s", "restore diff s", "recovery diff s", "ok"):
+        t.add_column(col, justify="right")
+    for r in verdict["pairs"]:
+        t.add_row(str(r["pair"]), r["first"], *_pair_phases(r["local"]), *_pair_phases(r["persistent"]),
+                  f"{r['restore_diff_s']:+.3f}", f"{r['recovery_diff_s']:+.2f}", "[green]yes[/]" if r["ok"] else "[red]NO[/]")
+    return t
+
+
+def _pair_phases(p: dict[str, Any]) -> list[str]:
+    return [f"{p['launch_to_ready_s']:.2f}", f"{p['restore_s']:.3f}", f"{p['first_step_s']:.3f}", f"{p['recovery_s']:.2f}"]
 
 
 def print_report(receipt: dict[str, Any], console: Console | None = None) -> None:
@@ -96,5 +125,7 @@ def print_report(receipt: dict[str, Any], console: Console | None = None) -> Non
     c.print(checks_table(receipt))
     if "tiers_verdict" in receipt:
         c.print(tiers_table(receipt))
+        if receipt["tiers_verdict"].get("pairs"):
+            c.print(pairs_table(receipt))
     verdict = "[bold green]PASS[/]" if receipt["pass"] else "[bold red]FAIL[/]"
     c.print(f"receipt: {receipt['receipt_path']}  {verdict}")

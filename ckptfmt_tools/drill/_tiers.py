@@ -102,16 +102,37 @@ def run_tiers(cfg: Any, work: str, url: str, victim: int, restore_job: Callable[
     step, token = _newest_local(local_dir(work), cfg.processes)
     out: dict[str, Any] = {"local_step": step, "local_token": token, "persistent_steps": Repository(url).steps(),
                            "scenarios": {}}
+    pairs = int(getattr(cfg, "tier_pairs", 0)) if step is not None else 0
+    backup = os.path.join(work, "local-pairs")
+    if pairs:  # the local tiers as the kill left them, for the pairs after the four scenarios
+        shutil.copytree(local_dir(work), backup)
     for scenario in SCENARIOS:
         note = _damage(scenario, work, victim, step) if step is not None else {"damage": "no local step"}
-        if getattr(cfg, "cold_cache", False):
-            note["cache_dropped"] = drop_page_cache()
-        say(f"tiers ({scenario}): {note['damage']}" + (f"; page cache dropped: {note['cache_dropped']}"
-                                                       if "cache_dropped" in note else ""))
-        res, t_launch = restore_job(f"tiers-{scenario}", local=local_dir(work))
-        res.update(note, t_launch=t_launch)
-        out["scenarios"][scenario] = res
+        out["scenarios"][scenario] = _tier_job(cfg, scenario, f"tiers-{scenario}", note, work, restore_job, say)
+    out["pairs"] = []
+    for i in range(pairs):
+        # Alternating order: neither source always runs first after the other's job.
+        for scenario in (("killed", "all-lost") if i % 2 == 0 else ("all-lost", "killed")):
+            shutil.rmtree(local_dir(work), ignore_errors=True)
+            if scenario == "killed":
+                shutil.copytree(backup, local_dir(work))
+            note = {"damage": "none: the local tiers as the kill left them" if scenario == "killed"
+                    else "every local tier deleted", "pair": i}
+            out["pairs"].append(_tier_job(cfg, scenario, f"tiers-pair{i}-{scenario}", note, work, restore_job, say))
+    if pairs:
+        shutil.rmtree(backup, ignore_errors=True)
     return out
+
+
+def _tier_job(cfg: Any, scenario: str, name: str, note: dict[str, Any], work: str,
+              restore_job: Callable[..., tuple[dict[str, Any], float]], say: Callable[[str], None]) -> dict[str, Any]:
+    """One replacement job restoring after ``note``'s damage; its raw result."""
+    if getattr(cfg, "cold_cache", False):
+        note["cache_dropped"] = drop_page_cache()
+    say(f"{name}: {note['damage']}" + (f"; page cache dropped: {note['cache_dropped']}" if "cache_dropped" in note else ""))
+    res, t_launch = restore_job(name, local=local_dir(work))
+    res.update(note, scenario=scenario, t_launch=t_launch)
+    return res
 
 
 def step_interval(train: dict[str, Any] | None) -> float | None:
@@ -128,33 +149,56 @@ def step_interval(train: dict[str, Any] | None) -> float | None:
 def judge_tiers(tiers: dict[str, Any], reference: dict[str, Any], train: dict[str, Any] | None = None) -> dict[str, Any]:
     """A verdict per scenario: the continuation checks, the tier that served, one save's copies; with
     ``train``, the steps each recovery must redo (the killed job reached ``step_at_kill``) and the
-    estimated seconds until training is back there (end to end + redone steps x the job's median
-    step interval)."""
-    persistent = tiers["persistent_steps"]
+    estimated seconds until training is back there (recovery + redone steps x the job's median
+    step interval). With pairs (``--tier-pairs``): each pair's two verdicts, and the paired
+    differences of the recovery time, own local copy less persistent tier."""
     dt = step_interval(train)
+    verdicts = {scenario: _verdict(tiers, scenario, res, reference, dt, train)
+                for scenario, res in tiers["scenarios"].items()}
+    pairs: dict[int, dict[str, Any]] = {}
+    for res in tiers.get("pairs") or []:
+        pairs.setdefault(int(res["pair"]), {})[res["scenario"]] = _verdict(tiers, res["scenario"], res, reference, dt, train)
+    rows = []
+    for i, got in sorted(pairs.items()):
+        if {"killed", "all-lost"} <= got.keys():
+            local, pers = got["killed"]["phases"], got["all-lost"]["phases"]
+            rows.append({"pair": i, "first": "local" if i % 2 == 0 else "persistent", "ok": got["killed"]["ok"] and got["all-lost"]["ok"],
+                         "local": local, "persistent": pers, "recovery_diff_s": local["recovery_s"] - pers["recovery_s"],
+                         "restore_diff_s": local["restore_s"] - pers["restore_s"], "checks": got})
+    ok = all(v["ok"] for v in verdicts.values()) and all(r["ok"] for r in rows) and len(rows) == len(pairs)
+    out: dict[str, Any] = {"verdicts": verdicts, "ok": ok}
+    if rows:
+        diffs = sorted(r["recovery_diff_s"] for r in rows)
+        out["pairs"] = rows
+        out["pairs_summary"] = {"pairs": len(rows), "local_lower": sum(d < 0 for d in diffs),
+                                "median_recovery_diff_s": diffs[len(diffs) // 2] if len(diffs) % 2 else
+                                (diffs[len(diffs) // 2 - 1] + diffs[len(diffs) // 2]) / 2}
+    return out
+
+
+def _verdict(tiers: dict[str, Any], scenario: str, res: dict[str, Any], reference: dict[str, Any], dt: float | None,
+             train: dict[str, Any] | None) -> dict[str, Any]:
+    persistent = tiers["persistent_steps"]
+    expect = persistent[-1] if scenario == "all-lost" else tiers["local_step"]
+    v = continuation(res, reference, expect)
+    per = res.get("tiers_per_process") or []
+    col = {"local": 0, "peer": 1, "persistent": 2}[_SERVED[scenario]]
+    ok_tier = bool(per) and any(p[col] > 0 for p in per) and (scenario == "all-lost" or all(p[2] == 0 for p in per))
+    v["checks"]["tier_served"] = [ok_tier, f"bytes [local, peer, persistent] per process: {per}"]
+    if scenario != "all-lost":
+        tokens = set(res.get("tokens_per_process") or [])
+        one = tokens == {tiers["local_token"]}
+        v["checks"]["one_save"] = [one, f"tokens {sorted(tokens)}; local manifests' {tiers['local_token']}"]
+    v["ok"] = all(c[0] for c in v["checks"].values())
+    end_to_end, validation = float(res["t_step"] - res["t_launch"]), float(res["t_valid"] - res["t_restored"])
+    # recovery: what a replacement spends before its first step; the drill's own validation (full-state
+    # gathers and hashes, which no production restore runs) is left out of it and reported on its own.
+    v["phases"] = {"launch_to_ready_s": float(res["t_ready"] - res["t_launch"]),
+                   "restore_s": float(res["t_restored"] - res["t_setup"]), "validation_s": validation,
+                   "first_step_s": float(res["t_step"] - res["t_valid"]), "end_to_end_s": end_to_end,
+                   "recovery_s": end_to_end - validation}
     at_kill = (train or {}).get("step_at_kill")
-    verdicts = {}
-    for scenario, res in tiers["scenarios"].items():
-        expect = persistent[-1] if scenario == "all-lost" else tiers["local_step"]
-        v = continuation(res, reference, expect)
-        per = res.get("tiers_per_process") or []
-        served = _SERVED[scenario]
-        col = {"local": 0, "peer": 1, "persistent": 2}[served]
-        ok_tier = bool(per) and any(p[col] > 0 for p in per) and (
-            scenario == "all-lost" or all(p[2] == 0 for p in per))
-        v["checks"]["tier_served"] = [ok_tier, f"bytes [local, peer, persistent] per process: {per}"]
-        if scenario != "all-lost":
-            tokens = set(res.get("tokens_per_process") or [])
-            one = tokens == {tiers["local_token"]}
-            v["checks"]["one_save"] = [one, f"tokens {sorted(tokens)}; local manifests' {tiers['local_token']}"]
-        v["ok"] = all(c[0] for c in v["checks"].values())
-        restore_s = float(res["t_restored"] - res["t_setup"])
-        v["phases"] = {"launch_to_ready_s": float(res["t_ready"] - res["t_launch"]), "restore_s": restore_s,
-                       "validation_s": float(res["t_valid"] - res["t_restored"]),
-                       "first_step_s": float(res["t_step"] - res["t_valid"]),
-                       "end_to_end_s": float(res["t_step"] - res["t_launch"])}
-        if dt is not None and at_kill is not None:
-            redo = max(0, int(at_kill) - int(res["restored_step"]))
-            v["phases"].update(steps_redone=redo, back_at_kill_step_s=v["phases"]["end_to_end_s"] + redo * dt)
-        verdicts[scenario] = v
-    return {"verdicts": verdicts, "ok": all(v["ok"] for v in verdicts.values())}
+    if dt is not None and at_kill is not None:
+        redo = max(0, int(at_kill) - int(res["restored_step"]))
+        v["phases"].update(steps_redone=redo, back_at_kill_step_s=v["phases"]["recovery_s"] + redo * dt)
+    return v
