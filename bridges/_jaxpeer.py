@@ -25,7 +25,8 @@ from jax.sharding import SingleDeviceSharding
 from ckptfmt import Box
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import CheckpointError, KeyMismatchError, ShapeMismatchError
-from ckptfmt.manager._tiers import check_payload, distinct_boxes
+from ckptfmt.manager._payload import as_bytes_view, check_payload
+from ckptfmt.manager._tiers import distinct_boxes
 
 from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding
 
@@ -89,22 +90,23 @@ class JaxExchange:
             self._connections[rank] = self._server.connect(self._addresses[rank])
         return self._connections[rank]
 
-    def shift(self, name: str, payload: bytes, offset: int) -> bytes:
-        n, call = len(payload), self._calls
+    def shift(self, name: str, payload: Any, offset: int) -> np.ndarray:
+        """Returns the received bytes as a uint8 array: a view of the pulled buffer, no copy."""
+        buf = as_bytes_view(payload)
+        n, call = int(buf.size), self._calls
         self._calls += 1
         src = (self.rank - offset) % self.world
         # The offer: one uint8 array (at least one element), pulled once by rank + offset.
-        buf = np.frombuffer(payload, dtype=np.uint8) if n else np.zeros(1, dtype=np.uint8)
-        offered = jax.device_put(buf, self.device)
+        offered = jax.device_put(buf if n else np.zeros(1, dtype=np.uint8), self.device)
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
         self._server.await_pull(call * self.world + self.rank, [offered], timeout=deadline)
-        sizes = [msgpack.unpackb(m) for m in self._coord.allgather(f"{name}/offer", msgpack.packb([n, crc32c(payload)]))]
-        got, error = b"", None
+        sizes = [msgpack.unpackb(m) for m in self._coord.allgather(f"{name}/offer", msgpack.packb([n, crc32c(buf)]))]
+        got, error = np.zeros(0, dtype=np.uint8), None
         try:
             size, crc = int(sizes[src][0]), int(sizes[src][1])
             spec = jax.ShapeDtypeStruct((max(size, 1),), np.uint8, sharding=SingleDeviceSharding(self.device))
             pulled = self._connection(src).pull(call * self.world + src, [spec], timeout=deadline)[0]
-            got = check_payload(np.asarray(pulled)[:size].tobytes(), crc, f"{name} from rank {src}")
+            got = check_payload(np.asarray(pulled)[:size], crc, f"{name} from rank {src}")
         except CheckpointError as e:  # agreed on below, so every rank raises
             error = e.to_json()
         except Exception as e:  # noqa: BLE001 - the transfer service's own error type

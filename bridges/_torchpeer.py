@@ -22,7 +22,8 @@ from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import CheckpointError, KeyMismatchError, ShapeMismatchError
 from ckptfmt.restoreplan import RestorePlan, plan_restore
-from ckptfmt.manager._tiers import check_payload, distinct_boxes
+from ckptfmt.manager._payload import as_bytes_view, check_payload
+from ckptfmt.manager._tiers import distinct_boxes
 
 from ._contract import stage_state
 from ._extra import json_keys
@@ -46,16 +47,19 @@ class TorchExchange:
         for r in reqs:
             r.wait()
 
-    def shift(self, name: str, payload: bytes, offset: int) -> bytes:
+    def shift(self, name: str, payload: Any, offset: int) -> np.ndarray:
         """The size and crc32c go first; a payload whose crc32c differs from the sender's raises
-        ChecksumMismatchError on the receiver (FORMAT.md 8.5)."""
+        ChecksumMismatchError on the receiver (FORMAT.md 8.5). Returns the received bytes as a
+        uint8 array (the receive buffer itself, no copy)."""
         dst, src = (self.rank + int(offset)) % self.world, (self.rank - int(offset)) % self.world
+        buf = as_bytes_view(payload)
+        if not buf.flags.writeable:  # torch wraps writable memory only (a bytes payload)
+            buf = buf.copy()
         head = torch.zeros(2, dtype=torch.int64)
-        self._swap(torch.tensor([len(payload), crc32c(payload)], dtype=torch.int64), head, dst, src)
-        out = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+        self._swap(torch.tensor([buf.size, crc32c(buf)], dtype=torch.int64), head, dst, src)
         into = torch.empty(int(head[0].item()), dtype=torch.uint8)
-        self._swap(out, into, dst, src)
-        return check_payload(into.numpy().tobytes(), int(head[1].item()), f"{name} from rank {src}")
+        self._swap(torch.from_numpy(buf), into, dst, src)
+        return check_payload(into.numpy(), int(head[1].item()), f"{name} from rank {src}")
 
 
 def snapshot(state: Any, extra: Any, rank_state: Any, mapping: Any = None) -> tuple[list[Any], Any]:

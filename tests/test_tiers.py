@@ -268,3 +268,81 @@ def test_a_peer_payload_is_checked_against_the_senders_crc32c():
     with pytest.raises(ChecksumMismatchError, match="in transit") as e:
         check_payload(bytes(bad), crc32c(sent), "tiers/save/6 from rank 1")
     assert e.value.object == "tiers/save/6 from rank 1"
+
+
+def _boxes():
+    import ml_dtypes
+
+    from ckptfmt import Box
+
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((6, 10))
+    return [("w", (12, 10), np.dtype(np.float64), Box((6, 0), (6, 10)), wide[:, :]),
+            ("t", (8, 4), np.dtype(np.float32), Box((0, 0), (4, 8)), rng.standard_normal((8, 4)).astype(np.float32).T),  # not contiguous
+            ("b", (3,), np.dtype(ml_dtypes.bfloat16), Box((0,), (3,)), np.arange(3).astype(ml_dtypes.bfloat16)),
+            ("s", (), np.dtype(np.int32), Box((), ()), np.array(7, np.int32)),
+            ("e", (0, 4), np.dtype(np.bool_), Box((0, 0), (0, 4)), np.zeros((0, 4), np.bool_))]
+
+
+def test_peer_payload_round_trip_is_views_of_one_buffer():
+    """pack_boxes: one uint8 buffer (copies that release the GIL); unpack_boxes: views into it,
+    equal to the boxes, for every dtype and layout (a transposed source, a scalar, an empty box)."""
+    from ckptfmt.manager._payload import pack_boxes, unpack_boxes
+
+    boxes = _boxes()
+    payload = pack_boxes(boxes)
+    assert payload.dtype == np.uint8 and payload.ndim == 1
+    assert np.array_equal(payload, pack_boxes(boxes))  # padding included: the same boxes, the same bytes
+    got = unpack_boxes(payload, "test")
+    for (k, shape, dt, box, a), (k2, shape2, dt2, box2, a2) in zip(boxes, got, strict=True):
+        assert (k, tuple(shape), np.dtype(dt), box) == (k2, shape2, dt2, box2)
+        assert a2.shape == box.shape and np.array_equal(np.asarray(a), a2)
+        if a2.size:
+            assert np.shares_memory(a2, payload)
+    assert unpack_boxes(bytes(payload), "test")[0][4].tolist() == boxes[0][4].tolist()  # bytes work too
+
+
+@pytest.mark.parametrize("damage", ["magic", "short", "header_len", "nbytes", "start", "dtype"])
+def test_a_malformed_peer_payload_is_an_invalid_state_error(damage):
+    """A peer payload is untrusted: each malformed field raises InvalidStateError naming the
+    exchange; the intact payload (the control) unpacks."""
+    import msgpack
+
+    from ckptfmt.errors import InvalidStateError
+    from ckptfmt.manager._payload import pack_boxes, unpack_boxes
+
+    good = pack_boxes(_boxes()[:2])
+    assert len(unpack_boxes(good, "tiers/save/3 from rank 1")) == 2
+    bad = good.copy()
+    n = int(bad[8:16].view("<u8")[0])
+    head = msgpack.unpackb(bad[16:16 + n].tobytes())
+
+    def rebuild(head: list) -> np.ndarray:
+        raw = msgpack.packb(head, use_bin_type=True)
+        base = -(-(16 + len(raw)) // 64) * 64  # the data region moves with the header's length
+        data = good[-(-(16 + n) // 64) * 64:]
+        out = np.zeros(base + data.size, np.uint8)
+        out[:8] = good[:8]
+        out[8:16] = np.frombuffer(np.uint64(len(raw)).astype("<u8").tobytes(), np.uint8)
+        out[16:16 + len(raw)] = np.frombuffer(raw, np.uint8)
+        out[base:] = data
+        return out
+
+    assert len(unpack_boxes(rebuild(head), "x")) == 2  # the rebuild itself keeps a payload intact
+    if damage == "magic":
+        bad[0] ^= 1
+    elif damage == "short":
+        bad = bad[:len(bad) - 8]
+    elif damage == "header_len":
+        bad[8:16] = np.frombuffer(np.uint64(1 << 40).astype("<u8").tobytes(), np.uint8)
+    else:
+        if damage == "nbytes":
+            head[0][6] += 8
+        elif damage == "start":
+            head[1][5] = 1 << 30
+        else:
+            head[0][2] = "float128"
+        bad = rebuild(head)
+    with pytest.raises(InvalidStateError) as e:
+        unpack_boxes(bad, "tiers/save/3 from rank 1")
+    assert e.value.object == "tiers/save/3 from rank 1"

@@ -193,7 +193,7 @@ def _read_own(repo: Repository, step: int, boxes: Sequence[HeldBox], reqs: Seque
     return left
 
 
-def _serve_peer(repo: Repository, step: int, boxes: Sequence[HeldBox], payload: bytes) -> bytes:
+def _serve_peer(repo: Repository, step: int, boxes: Sequence[HeldBox], payload: Any) -> bytes:
     """The holder's answer to its peer's requests: the boxes it could read and verify, and (when
     it was asked anything) the step's global state from its own tier (ckptfmt's state encoding).
     Never raises: a holder that fails answers with nothing, so both ranks finish the exchange."""
@@ -204,11 +204,11 @@ def _serve_peer(repo: Repository, step: int, boxes: Sequence[HeldBox], payload: 
             _read_own(repo, step, boxes, asked, values)
         served = [(k, (), a.dtype, b, a) for (k, b), a in values.items()]
         gstate = _global_state(repo, step, boxes) if asked else None
-        return msgpack.packb({"boxes": pack_boxes(served), "state": None if gstate is None else encode_state(gstate)},
-                             use_bin_type=True)
+        return msgpack.packb({"boxes": memoryview(pack_boxes(served)),
+                              "state": None if gstate is None else encode_state(gstate)}, use_bin_type=True)
     except Exception as e:  # noqa: BLE001 - the peer then asks the persistent tier
         _log.warning("local tier: %s cannot serve its peer for step %d: %s: %s", repo.url, step, type(e).__name__, e)
-        return msgpack.packb({"boxes": pack_boxes([]), "state": None}, use_bin_type=True)
+        return msgpack.packb({"boxes": memoryview(pack_boxes([])), "state": None}, use_bin_type=True)
 
 
 def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], invs: Sequence[Mapping[int, Any]],

@@ -30,21 +30,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-import msgpack
 import numpy as np
 
 from ckptfmt._types import Box, LocalShard
 from ckptfmt.coord import LocalCoordinator
-from ckptfmt.dtypes import dtype_name, numpy_dtype
-from ckptfmt.checksum import crc32c
-from ckptfmt.errors import CheckpointError, ChecksumMismatchError, InvalidStateError
+from ckptfmt.dtypes import dtype_name
+from ckptfmt.errors import CheckpointError, InvalidStateError
 from ckptfmt.repository import Repository
 from ckptfmt.session import save
 from ckptfmt.session._saveopts import SaveOptions
 from ckptfmt.session.asyncsave import BackgroundWorker
+from ckptfmt.manager._payload import check_payload, pack_boxes, unpack_boxes
 
 __all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "TierWriter", "distinct_boxes",
-           "check_payload"]
+           "check_payload", "pack_boxes", "unpack_boxes"]
 
 _log = logging.getLogger("ckptfmt.manager")
 
@@ -94,8 +93,10 @@ class PeerExchange(Protocol):
 
     ``shift(name, payload, offset)`` is a collective: every rank calls it with the same ``name``
     and ``offset``; rank ``r``'s payload goes to rank ``(r + offset) mod world``, and the call
-    returns what rank ``(r - offset) mod world`` sent. Raises the framework's error, or a
-    CheckpointError, on every rank when the exchange fails.
+    returns what rank ``(r - offset) mod world`` sent. A payload is a bytes-like object (a uint8
+    array from :func:`~ckptfmt.manager._payload.pack_boxes`); what comes back may be any bytes-like
+    object, a view of the exchange's own buffer included, checked with ``check_payload``. Raises
+    the framework's error, or a CheckpointError, on every rank when the exchange fails.
 
     ``background``: whether ``shift`` may run in a background thread while the caller's thread
     runs the framework's own collectives (torch: a process group of its own; JAX: its transfer
@@ -107,7 +108,7 @@ class PeerExchange(Protocol):
 
     background: bool
 
-    def shift(self, name: str, payload: bytes, offset: int) -> bytes: ...
+    def shift(self, name: str, payload: Any, offset: int) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -168,40 +169,6 @@ def distinct_boxes(shards: Sequence[LocalShard]) -> list[tuple[str, tuple[int, .
             continue
         seen.add((s.key, s.box))
         out.append((s.key, tuple(s.global_shape), np.dtype(s.dtype), s.box, s.data))
-    return out
-
-
-def check_payload(got: bytes, crc: int, what: str) -> bytes:
-    """``got`` when its crc32c is ``crc`` (the sender's, FORMAT.md 8.5); else ChecksumMismatchError
-    naming ``what`` (the exchange and the sending rank). Every :class:`PeerExchange` checks here."""
-    mine = crc32c(got)
-    if mine != int(crc):
-        raise ChecksumMismatchError("a peer's payload changed in transit", object=what,
-                                    expected=f"crc32c {int(crc)}", found=f"crc32c {mine}")
-    return got
-
-
-def pack_boxes(boxes: Sequence[tuple[str, tuple[int, ...], Any, Box, np.ndarray]]) -> bytes:
-    """A host's boxes as one exchange payload (msgpack: key, global shape, dtype name, offset,
-    shape, raw little-endian bytes)."""
-    return msgpack.packb([[k, list(shape), dtype_name(np.dtype(dt)), list(b.offset), list(b.shape),
-                           np.ascontiguousarray(a).tobytes()] for k, shape, dt, b, a in boxes], use_bin_type=True)
-
-
-def unpack_boxes(payload: bytes, what: str) -> list[tuple[str, tuple[int, ...], Any, Box, np.ndarray]]:
-    """The inverse of :func:`pack_boxes`; InvalidStateError naming ``what`` for a malformed payload."""
-    out = []
-    try:
-        for k, shape, dt, off, bshape, raw in msgpack.unpackb(payload, raw=False):
-            dtype = numpy_dtype(dt)
-            box = Box(tuple(off), tuple(bshape))
-            arr = np.frombuffer(raw, dtype=dtype)
-            out.append((str(k), tuple(int(x) for x in shape), dtype, box, arr.reshape(box.shape)))
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a peer's payload is untrusted input
-        raise InvalidStateError(f"a peer payload does not decode: {type(e).__name__}: {e}", object=what,
-                                expected="the boxes a peer packed", found=f"{len(payload)} bytes") from None
     return out
 
 

@@ -159,6 +159,10 @@ def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (de
               cold_cache: bool = _flag("--tiers: drop the page cache before each tier failure's restore job "
                                        "(root), as for a replacement whose host never read the persistent tier.",
                                        "--cold-cache"),
+              tier_pairs: Optional[int] = _opt("--tiers: then N pairs of replacement jobs, one restoring from the own "
+                                               "local copies and one from the persistent tier, back to back in "
+                                               "alternating order; prints their paired recovery times (default 0).",
+                                               "--tier-pairs"),
               as_json: bool = _flag("Print the receipt as one JSON document; no progress on stderr.",
                                     "--json")) -> None:
     """The restore drill: SIGKILL one process of a training job, restore on a new topology, check one step."""
@@ -169,7 +173,7 @@ def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (de
         ("--kill-window", kill_window), ("--capacity-delay", capacity_delay), ("--monitor-interval", monitor_interval),
         ("--storage", storage), ("--out", out), ("--seed", seed), ("--d-in", d_in), ("--hidden", hidden),
         ("--timeout", timeout), ("--no-control", no_control), ("--tiers", tiers), ("--cold-cache", cold_cache),
-        ("--json", as_json)])
+        ("--tier-pairs", tier_pairs), ("--json", as_json)])
 
 
 def register(app: typer.Typer) -> None:
