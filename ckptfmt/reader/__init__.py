@@ -29,6 +29,7 @@ from ckptfmt.reader._cooperative import cooperative_reads as cooperative_reads
 from ckptfmt.reader._cooperative import plan_cooperative as plan_cooperative
 from ckptfmt.reader._positional import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
 from ckptfmt.reader._positional import PositionalReads, _Batch
+from ckptfmt.reader._verifylocal import LocalVerify
 from ckptfmt._types import Box
 from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import numpy_dtype
@@ -78,7 +79,7 @@ class ReadStats:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
 
-class Checkpoint(PositionalReads):
+class Checkpoint(PositionalReads, LocalVerify):
     """One committed step, opened for reading. Create it with :meth:`Repository.open`."""
 
     def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = DEFAULT_READ_WINDOW,
@@ -323,7 +324,11 @@ class Checkpoint(PositionalReads):
             if progress:
                 progress(done, total)
 
-        for key in self.keys():
+        keys = self.keys()
+        if self.storage.positional_reads:  # local files: ckptfmt.reader._verifylocal
+            self._verify_positional(keys, report)
+            keys = []
+        for key in keys:
             t = self.manifest.tensors[key]
             starts = self._starts(t)
             reads: list[_WholeRead] = []

@@ -1,0 +1,92 @@
+"""``Checkpoint.verify`` on local files (FORMAT.md 9, 14.4): every shard object read whole with
+positional reads (``O_DIRECT`` where it takes them), several at a time, and checked exactly as
+the kvstore path checks it: no link on its path, its size, its index, every chunk's crc32c (and,
+for an encoded chunk, that it decodes). The first fault in the manifest's order is raised.
+
+The kvstore path read one tensor's shards at a time through tensorstore, which copies each
+object into a new ``bytes``; a manager's retention verifies the newest step before it deletes
+an older one after every save, so that cost was on every save's clock (FORMAT.md 14.7).
+"""
+from __future__ import annotations
+
+import mmap
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+from ckptfmt.errors import SizeMismatchError
+from ckptfmt.manifest import TensorEntry
+from ckptfmt.reader._alloc import require_memory
+
+__all__ = ["LocalVerify", "VERIFY_THREADS"]
+
+#: Objects verified at once (each held whole while it is checked).
+VERIFY_THREADS = 16
+
+
+class LocalVerify:
+    """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats``,
+    ``max_inflight_bytes``, ``_plain_dirs``, ``_starts``, ``_check_whole``, ``_decode`` and
+    ``_verify_in_parts``."""
+
+    storage: Any
+    manifest: Any
+    stats: Any
+    max_inflight_bytes: int
+    _plain_dirs: set[str]
+
+    def _verify_positional(self, keys: list[str], report: Callable[[int], None]) -> None:
+        """Verify every shard object of ``keys``, at most :data:`VERIFY_THREADS` at once and at most
+        ``max_inflight_bytes`` of them held; an object larger than that goes in parts."""
+        jobs = [(self.manifest.tensors[k], s) for k in keys for s in range(len(self.manifest.tensors[k].shards))]
+        buffers = threading.local()  # each verify thread reads into one page-aligned buffer, grown as needed
+        pool = ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="ckptfmt-verify")
+        try:
+            pending: deque[Any] = deque()
+            held = 0
+            for t, s in jobs:
+                n = int(t.shards.nbytes[s])
+                if n > self.max_inflight_bytes:  # in order: what is pending first, then this in parts
+                    while pending:
+                        held -= self._verified(pending.popleft(), report)
+                    report(self._verify_in_parts(t, s))  # type: ignore[attr-defined]
+                    continue
+                while pending and (held + n > self.max_inflight_bytes or len(pending) >= 2 * VERIFY_THREADS):
+                    held -= self._verified(pending.popleft(), report)
+                pending.append(pool.submit(self._verify_object, t, s, buffers))
+                held += n
+            while pending:
+                held -= self._verified(pending.popleft(), report)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _verified(self, fut: Any, report: Callable[[int], None]) -> int:
+        n = int(fut.result())  # raises this object's fault
+        self.stats.bytes_read += n
+        report(n)
+        return n
+
+    def _verify_object(self, t: TensorEntry, s: int, buffers: threading.local) -> int:
+        obj, n = t.object_key(s), int(t.shards.nbytes[s])
+        self.storage.check_no_links(obj, self._plain_dirs, tensor=t.key)
+        require_memory(n, t.key, obj, "one shard object")
+        with self.storage.open_positional(obj, tensor=t.key) as f:
+            if f.size != n:
+                raise SizeMismatchError("shard object size differs from the manifest", key=t.key, object=obj,
+                                        expected=n, found=f.size)
+            have = getattr(buffers, "buf", None)
+            if have is None or have.size < n:  # page aligned: the reads can go through O_DIRECT
+                have = np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=np.uint8)
+                if n <= self.max_inflight_bytes // VERIFY_THREADS:  # kept: the threads keep at most one window
+                    buffers.buf = have
+            buf = have[:n]
+            f.read_into([buf], 0)
+        starts = self._starts(t)  # type: ignore[attr-defined]
+        checked = self._check_whole(t, s, obj, memoryview(buf), range(int(starts[s]), int(starts[s + 1])))  # type: ignore[attr-defined]
+        if t.array.codec != "raw":  # an encoded chunk must also decode (FORMAT.md 6.3)
+            for c, mv in checked.items():
+                self._decode(t, c, obj, mv)  # type: ignore[attr-defined]
+        return n
