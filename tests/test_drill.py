@@ -199,8 +199,8 @@ def test_tier_pairs_are_judged_and_their_recovery_leaves_out_the_drill_s_validat
     scen = {"killed": _tier_result("killed", 3, 0.2), "all-lost": _tier_result("all-lost", 3, 0.9)}
     pairs = []
     for i, (local_s, pers_s, extra) in enumerate([(0.2, 0.9, 0.0), (0.3, 0.8, 1.0), (0.2, 1.0, 0.0)]):
-        pairs += [dict(_tier_result("killed", 3, local_s, extra), pair=i),
-                  dict(_tier_result("all-lost", 3, pers_s), pair=i)]
+        pair = [dict(_tier_result("killed", 3, local_s, extra), pair=i), dict(_tier_result("all-lost", 3, pers_s), pair=i)]
+        pairs += pair if i % 2 == 0 else pair[::-1]  # the order the drill runs them in
     tiers = {"local_step": 3, "local_token": "n-3", "persistent_steps": [3], "scenarios": scen, "pairs": pairs}
     v = judge_tiers(tiers, ref)
     assert v["ok"], v

@@ -279,7 +279,7 @@ def test_direct_writes_on_disk_and_on_tmpfs(tmp_path):
 
     fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
     try:
-        on_disk = _durable._set_direct(fd)
+        on_disk = _durable.set_direct(fd, True)
     finally:
         os.close(fd)
     if not os.path.isdir("/dev/shm"):
@@ -288,7 +288,7 @@ def test_direct_writes_on_disk_and_on_tmpfs(tmp_path):
     try:
         fd = os.open(os.path.join(shm, "probe"), os.O_WRONLY | os.O_CREAT)
         try:
-            _durable._set_direct(fd)
+            _durable.set_direct(fd, True)
         finally:
             os.close(fd)
         data = np.arange(10_000, dtype=np.uint8)

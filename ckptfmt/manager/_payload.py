@@ -59,7 +59,7 @@ def pack_boxes(boxes: Sequence[BoxTuple]) -> np.ndarray:
     base = _up(16 + len(head))
     out = np.empty(base + pos, dtype=np.uint8)
     out[:8] = np.frombuffer(_MAGIC, dtype=np.uint8)
-    out[8:16] = np.frombuffer(np.uint64(len(head)).astype("<u8").tobytes(), dtype=np.uint8)
+    out[8:16] = np.frombuffer(len(head).to_bytes(8, "little"), dtype=np.uint8)
     out[16:16 + len(head)] = np.frombuffer(head, dtype=np.uint8)
     out[16 + len(head):base] = 0
     for (_, _, _, _, _, start, n), arr in zip(metas, arrays):
@@ -95,7 +95,7 @@ def unpack_boxes(payload: Any, what: str) -> list[BoxTuple]:
 def _unpack(buf: np.ndarray) -> list[BoxTuple]:
     if buf.size < 16 or buf[:8].tobytes() != _MAGIC:
         raise ValueError("no payload header")
-    n = int(buf[8:16].view("<u8")[0])
+    n = int.from_bytes(buf[8:16].tobytes(), "little")
     if n > min(_MAX_HEADER, buf.size - 16):
         raise ValueError(f"header of {n} bytes in a payload of {buf.size}")
     base = _up(16 + n)

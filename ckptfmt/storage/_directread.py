@@ -55,12 +55,12 @@ def split_direct(views: list[memoryview], offset: int) -> tuple[list[Span], list
 
 
 def runs(spans: list[Span]) -> list[tuple[int, list[memoryview]]]:
-    """(file offset, views) of each run of back-to-back spans, in file order (at most 1,024 views
-    a run: one ``preadv`` takes no more)."""
+    """(file offset, views) of each run of back-to-back spans, in file order (at most IOV_MAX
+    views a run: one ``preadv`` takes no more)."""
     out: list[tuple[int, list[memoryview]]] = []
     end = -1
     for view, at in sorted(spans, key=lambda s: s[1]):
-        if out and at == end and len(out[-1][1]) < 1024:
+        if out and at == end and len(out[-1][1]) < _durable._IOV_MAX:
             out[-1][1].append(view)
         else:
             out.append((at, [view]))

@@ -170,7 +170,7 @@ def write_file(path: str, buffers: Iterable[Any], *, fsync: bool | str = True, o
     """Write ``buffers`` as the file ``path``: into ``path + ".__lock"`` (created exclusively),
     made durable as ``fsync`` says (:func:`fill`), checked by size, renamed over ``path``; the bytes written. The directory is not
     ``fsync``'d here (:func:`fsync_dirs`, once for many files). ``direct``: write through
-    ``O_DIRECT`` where the file system takes it (:func:`_put_direct`). On failure the lock file is
+    ``O_DIRECT`` where the file system takes it (:func:`set_direct`, :func:`_put_direct`). On failure the lock file is
     removed (gc removes one a killed process leaves) and a StorageError raised."""
     tmp = path + LOCK_SUFFIX
     name = obj or path
@@ -179,18 +179,13 @@ def write_file(path: str, buffers: Iterable[Any], *, fsync: bool | str = True, o
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise storage_error("write failed", e, object=name, key=tensor) from None
-    n = fill(fd, tmp, buffers, fsync=fsync, obj=name, tensor=tensor, direct=direct and _set_direct(fd))
+    n = fill(fd, tmp, buffers, fsync=fsync, obj=name, tensor=tensor, direct=direct and set_direct(fd, True))
     try:
         os.rename(tmp, path)
     except OSError as e:
         _discard(-1, tmp)
         raise storage_error("write failed", e, object=name, key=tensor) from None
     return n
-
-
-def _set_direct(fd: int) -> bool:
-    """Turn on ``O_DIRECT`` for ``fd``; False where the platform or file system refuses it (tmpfs)."""
-    return set_direct(fd, True)
 
 
 def set_direct(fd: int, on: bool) -> bool:

@@ -389,4 +389,3 @@ def _require_regular(mode: int, key: str, tensor: str | None) -> None:
                 stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}.get(stat.S_IFMT(mode), "not a regular file")
         raise StorageError("object is not a regular file", key=tensor, object=key, expected="a regular file",
                            found=kind)
-

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 from typing import Any, Callable
 
 from ckptfmt.errors import CheckpointError
@@ -155,24 +156,24 @@ def judge_tiers(tiers: dict[str, Any], reference: dict[str, Any], train: dict[st
     dt = step_interval(train)
     verdicts = {scenario: _verdict(tiers, scenario, res, reference, dt, train)
                 for scenario, res in tiers["scenarios"].items()}
-    pairs: dict[int, dict[str, Any]] = {}
+    pairs: dict[int, dict[str, Any]] = {}  # in the order the jobs ran
     for res in tiers.get("pairs") or []:
         pairs.setdefault(int(res["pair"]), {})[res["scenario"]] = _verdict(tiers, res["scenario"], res, reference, dt, train)
     rows = []
     for i, got in sorted(pairs.items()):
         if {"killed", "all-lost"} <= got.keys():
             local, pers = got["killed"]["phases"], got["all-lost"]["phases"]
-            rows.append({"pair": i, "first": "local" if i % 2 == 0 else "persistent", "ok": got["killed"]["ok"] and got["all-lost"]["ok"],
+            first = "local" if next(iter(got)) == "killed" else "persistent"
+            rows.append({"pair": i, "first": first, "ok": got["killed"]["ok"] and got["all-lost"]["ok"],
                          "local": local, "persistent": pers, "recovery_diff_s": local["recovery_s"] - pers["recovery_s"],
                          "restore_diff_s": local["restore_s"] - pers["restore_s"], "checks": got})
     ok = all(v["ok"] for v in verdicts.values()) and all(r["ok"] for r in rows) and len(rows) == len(pairs)
     out: dict[str, Any] = {"verdicts": verdicts, "ok": ok}
     if rows:
-        diffs = sorted(r["recovery_diff_s"] for r in rows)
+        diffs = [r["recovery_diff_s"] for r in rows]
         out["pairs"] = rows
         out["pairs_summary"] = {"pairs": len(rows), "local_lower": sum(d < 0 for d in diffs),
-                                "median_recovery_diff_s": diffs[len(diffs) // 2] if len(diffs) % 2 else
-                                (diffs[len(diffs) // 2 - 1] + diffs[len(diffs) // 2]) / 2}
+                                "median_recovery_diff_s": statistics.median(diffs)}
     return out
 
 
