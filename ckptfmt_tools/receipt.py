@@ -258,8 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     if args.nproc > 1:
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.nproc,
-                                   process_id=args.rank, initialization_timeout=120)
+        from ckptfmt_tools.jaxjoin import join as join_jax
+        join_jax(args.port, args.nproc, args.rank, timeout=120)
     res = _do_save(args) if args.mode == "save" else _do_restore(args)
     res["process_s"] = time.perf_counter() - t0
     if jax.process_index() == 0:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from ckptfmt.errors import CheckpointError
 from ckptfmt_tools.drill import DrillConfig, main
 from ckptfmt_tools.drill import _judge
 
@@ -144,6 +146,11 @@ def test_config_rejects_bad_windows():
     with pytest.raises(ValueError):
         DrillConfig(tier_pairs=2).check()  # pairs need --tiers
     DrillConfig(tiers=True, tier_pairs=2).check()
+    with pytest.raises(ValueError, match="--local-dir goes with --tiers"):
+        DrillConfig(local_parent="/").check()
+    with pytest.raises(ValueError, match="not a directory"):
+        DrillConfig(tiers=True, local_parent="/nonexistent/ckptfmt").check()
+    DrillConfig(tiers=True, local_parent="/").check()
     DrillConfig().check()
 
 
@@ -178,6 +185,58 @@ def test_the_tier_drill_expects_a_step_a_holder_s_replica_completes(tmp_path):
     assert _newest_local(str(tmp_path), 2) == (10, "n-10")
     local(1, 15)  # host 1 alone: its own boxes, and host 0's, which host 1 (= 0 - 1 mod 2) replicates
     assert _newest_local(str(tmp_path), 2) == (15, "n-15")
+
+
+def test_the_corrupt_scenario_is_skipped_when_no_box_has_two_local_copies(tmp_path):
+    """The kill can land while the victim's own local save of the newest local step is in flight:
+    its holder committed the step (with the victim's replica), the victim did not. No box of that
+    step then has a second local copy, so the corrupt scenario cannot show the next tier serving
+    it: the drill skips it and says why, and the judge reports it as skipped. Control: once the
+    victim's own step committed, the scenario flips a byte of the victim's own box."""
+    import numpy as np
+
+    from ckptfmt import Box
+    from ckptfmt.manager._tiers import write_local_step
+    from ckptfmt.repository import Repository
+    from ckptfmt_tools.drill._tiers import _damage, judge_tiers, local_dir
+
+    box = ("w", (4,), np.dtype(np.float32), Box((0,), (4,)), np.arange(4, dtype=np.float32))
+
+    def local(host: int, step: int) -> None:
+        write_local_step(Repository(os.path.join(local_dir(str(tmp_path)), f"host-{host}")), step, host, 2,
+                         f"n-{step}", [(host, box), ((host + 1) % 2, box)], {}, None)
+
+    local(0, 15)
+    note = _damage("corrupt", str(tmp_path), 1, 15)
+    assert "skipped" in note and "host 1's own local save" in note["skipped"]
+    v = judge_tiers({"local_step": 15, "local_token": "n-15", "persistent_steps": [10],
+                     "scenarios": {"corrupt": {**note, "scenario": "corrupt"}}}, _fake_receipt()["ref"])
+    assert v["ok"] and v["verdicts"]["corrupt"]["skipped"] == note["skipped"]
+    local(1, 15)  # the control: host 1's own copy exists, so its box is corrupted
+    note = _damage("corrupt", str(tmp_path), 1, 15)
+    assert "skipped" not in note and note["damage"].startswith("one byte flipped in host 1's own box h1/")
+    with pytest.raises(CheckpointError):
+        Repository(os.path.join(local_dir(str(tmp_path)), "host-1")).verify(15)
+
+
+@pytest.mark.multiprocess
+def test_drill_tiers_with_a_local_dir_leaves_nothing_there(tmp_path, capsys):
+    """drill --tiers --local-dir: the local tiers live in a new directory under the one given (as
+    /dev/shm would be), every scenario and pair passes, and the drill removes that directory at
+    the end, leaving the rest of the given directory alone."""
+    fast = tmp_path / "fast"
+    fast.mkdir()
+    (fast / "keep-me").write_text("not the drill's")
+    out = tmp_path / "drill-tiers"
+    code = main(SMALL + ["--out", str(out), "--seed", "5", "--no-control", "--tiers", "--tier-pairs", "1",
+                         "--local-dir", str(fast)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    r = _load(out)
+    assert r["inputs"]["local_tier_dir"].startswith(str(fast) + os.sep)
+    assert r["tiers_verdict"]["ok"] and len(r["tiers_verdict"]["pairs"]) == 1
+    assert sorted(os.listdir(fast)) == ["keep-me"]
+    assert not (out / "local").exists()  # nothing under the output directory either
 
 
 def _tier_result(scenario: str, step: int, restore_s: float, extra: float = 0.0) -> dict:

@@ -39,8 +39,8 @@ def worker(rank: int, port: int, params: dict, out: str) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     k = int(params["k"])
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=k, process_id=rank,
-                               initialization_timeout=120)
+    from ckptfmt_tools.jaxjoin import join as join_jax
+    join_jax(port, k, rank, timeout=120)
     import bridges.jax as bj
 
     mesh = Mesh(np.array(jax.devices()).reshape(k, -1), ("data", "model"))

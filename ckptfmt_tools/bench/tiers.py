@@ -62,8 +62,8 @@ def child(args: argparse.Namespace) -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=PROCESSES,
-                               process_id=args.rank, initialization_timeout=120)
+    from ckptfmt_tools.jaxjoin import join as join_jax
+    join_jax(args.port, PROCESSES, args.rank, timeout=120)
     import bridges.jax as bjax
     from ckptfmt.manager import LocalTier
 

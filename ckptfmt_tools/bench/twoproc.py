@@ -67,8 +67,8 @@ def _rank_main(rank: int, port: int, params_path: str, out_path: str) -> None:
     params = json.loads(Path(params_path).read_text())
     import jax
 
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=PROCESSES, process_id=rank,
-                               initialization_timeout=120)
+    from ckptfmt_tools.jaxjoin import join as join_jax
+    join_jax(port, PROCESSES, rank, timeout=120)
     from jax.experimental.multihost_utils import sync_global_devices
 
     import bridges.jax as bj

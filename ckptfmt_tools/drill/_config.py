@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ class DrillConfig:
     tiers: bool = False                # local tier with peer replicas, and its four failures (drill --tiers)
     cold_cache: bool = False           # --tiers: drop the page cache before each failure's restore job (root)
     tier_pairs: int = 0                # --tiers: then this many (own local copy, persistent) restore pairs
+    local_parent: str = ""             # --tiers: the local tiers go in a new directory here ("" = <out>)
 
     @property
     def train_devices(self) -> int:
@@ -67,6 +69,10 @@ class DrillConfig:
             raise ValueError("--cadence must be >= 1")
         if self.tier_pairs < 0 or (self.tier_pairs and not self.tiers):
             raise ValueError("--tier-pairs takes a count >= 0, with --tiers")
+        if self.local_parent and not self.tiers:
+            raise ValueError("--local-dir goes with --tiers")
+        if self.local_parent and not os.path.isdir(self.local_parent):
+            raise ValueError(f"--local-dir {self.local_parent}: not a directory")
         if not 1 <= lo <= hi:
             raise ValueError(f"--kill-window must satisfy 1 <= lo <= hi, got {lo}:{hi}")
         if lo <= self.cadence:
@@ -131,6 +137,10 @@ def parser() -> argparse.ArgumentParser:
                     help="--tiers: then N pairs of replacement jobs, one restoring from the own local copies and one "
                          "from the persistent tier, back to back in alternating order; prints their paired recovery "
                          "times (%(default)s)")
+    ap.add_argument("--local-dir", default="",
+                    help="--tiers: keep the local tiers in a new directory under this one, removed at the end "
+                         "(for example /dev/shm, host memory, as a production local tier; default: the output "
+                         "directory, on the same file system as the default persistent tier)")
     ap.add_argument("--json", action="store_true", help="print the receipt as JSON instead of tables")
     return ap
 
@@ -147,6 +157,7 @@ def from_args(ns: argparse.Namespace) -> DrillConfig:
                       monitor_interval_s=ns.monitor_interval, storage=ns.storage, out=ns.out, seed=ns.seed,
                       d_in=ns.d_in, hidden=ns.hidden,
                       timeout_s=ns.timeout, control=not ns.no_control, tiers=ns.tiers,
-                      cold_cache=ns.cold_cache, tier_pairs=ns.tier_pairs)
+                      cold_cache=ns.cold_cache, tier_pairs=ns.tier_pairs,
+                      local_parent=ns.local_dir)
     cfg.check()
     return cfg

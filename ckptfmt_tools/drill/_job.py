@@ -48,8 +48,8 @@ def _framework(args: argparse.Namespace) -> dict[str, float]:
 
     t_import = time.time()
     if args.nproc > 1:
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.nproc,
-                                   process_id=args.rank, initialization_timeout=120)
+        from ckptfmt_tools.jaxjoin import join as join_jax
+        join_jax(args.port, args.nproc, args.rank, timeout=120)
     jax.devices()
     import bridges.jax  # noqa: F401  (part of the framework cost: flax, optax, the bridge)
     from ckptfmt_tools import training  # noqa: F401

@@ -79,6 +79,9 @@ def tiers_table(receipt: dict[str, Any]) -> Table:
 
 
 def _tier_row(t: Table, name: str, res: dict[str, Any], v: dict[str, Any]) -> None:
+    if "skipped" in v:
+        t.add_row(name, "skipped", *["-"] * 11, "[yellow]skipped[/]")
+        return
     per = res.get("tiers_per_process") or [[0, 0, 0]]
     p = v["phases"]
     t.add_row(name, str(res["restored_step"]), *(f"{sum(x[i] for x in per):,}" for i in range(3)),

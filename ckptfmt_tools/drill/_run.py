@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -120,9 +121,9 @@ class _Chaos(threading.Thread):
 
 
 def _train(cfg: DrillConfig, work: str, url: str, kill_step: int, victim_rank: int,
-           dropout: float) -> dict[str, Any]:
+           dropout: float, tier_root: str) -> dict[str, Any]:
     # drill --tiers: a local tier every cadence steps, the persistent tier every 2 * cadence.
-    tiers = ["--local", local_dir(work), "--local-every", str(cfg.cadence)] if cfg.tiers else []
+    tiers = ["--local", local_dir(tier_root), "--local-every", str(cfg.cadence)] if cfg.tiers else []
     cadence = 2 * cfg.cadence if cfg.tiers else cfg.cadence
     log = os.path.join(work, "train-steps.jsonl")
     port = free_port()
@@ -241,15 +242,19 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
         raise ValueError(f"the storage URL {url} already holds committed steps; give an empty one")
     kill_step, victim = _plan_kill(cfg)
     dropout = 0.0 if cfg.replacement == "torch" else 0.1
+    # --tiers: the local tiers (and the drill's scratch copies of them) live under tier_root: the
+    # output directory, or a new directory under --local-dir that the drill removes at the end.
+    tier_root = tempfile.mkdtemp(prefix="ckptfmt-drill-local-", dir=cfg.local_parent) if cfg.local_parent else work
     receipt: dict[str, Any] = {"drill": "ckptfmt drill", "version": 1, "work_dir": work,
                                "inputs": {**cfg.to_json(), "storage": url, "kill_step": kill_step,
                                           "victim_rank": victim, "dropout": dropout,
+                                          "local_tier_dir": local_dir(tier_root) if cfg.tiers else None,
                                           "environment": _environment()}}
     try:
         say(f"training: {cfg.processes} processes x {cfg.devices_per_process} devices (mesh {cfg.mesh}), "
             + (f"local tier every {cfg.cadence} steps, persistent every {2 * cfg.cadence}; " if cfg.tiers else
                f"async save every {cfg.cadence} steps; ") + f"SIGKILL of rank {victim} at step {kill_step}")
-        train = _train(cfg, work, url, kill_step, victim, dropout)
+        train = _train(cfg, work, url, kill_step, victim, dropout, tier_root)
         receipt["train"] = train
         say(f"killed rank {victim} at step {train['step_at_kill']}; detected after "
             f"{train['t_detect'] - train['t_kill']:.3f} s")
@@ -285,11 +290,14 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
                 return _restore_job(name, cfg, work, url, nproc=cfg.processes, devices=cfg.devices_per_process,
                                     mesh=cfg.mesh, dropout=dropout, local=local)
 
-            receipt["tiers"] = run_tiers(cfg, work, url, victim, tier_job, say)
+            receipt["tiers"] = run_tiers(cfg, work, url, victim, tier_job, say, tier_root=tier_root)
     except Exception as exc:
         receipt["error"] = f"{type(exc).__name__}: {exc}"
         _write_receipt(work, receipt)
         raise DrillFailed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, receipt) from exc
+    finally:
+        if tier_root != work:  # host memory or a local disk the user named: leave nothing behind
+            shutil.rmtree(tier_root, ignore_errors=True)
     receipt.update(_judge.judge(receipt))
     if cfg.tiers:
         receipt["tiers_verdict"] = judge_tiers(receipt["tiers"], receipt["train"]["reference"], receipt["train"])

@@ -1,6 +1,6 @@
 """``ckptfmt drill --tiers``: tier failures after the kill (FORMAT.md 8.5; docs/tiers.md). Imports no framework.
 
-The training job keeps a local tier (``<work>/local``, one repository per host, with peer
+The training job keeps a local tier (``<work>/local``, or under ``--local-dir``; one repository per host, with peer
 replicas) every ``cadence`` steps and saves the persistent tier every ``2 * cadence`` steps. After
 the kill, four jobs on the training topology restore in turn, the supervisor damaging the tiers
 before each:
@@ -34,8 +34,9 @@ SCENARIOS = ("killed", "corrupt", "lost-host", "all-lost")
 _SERVED = {"killed": "local", "corrupt": "peer", "lost-host": "peer", "all-lost": "persistent"}
 
 
-def local_dir(work: str) -> str:
-    return os.path.join(work, "local")
+def local_dir(root: str) -> str:
+    """The drill's local tiers (one ``host-N`` directory per training process) under ``root``."""
+    return os.path.join(root, "local")
 
 
 def _newest_local(local: str, hosts: int) -> tuple[int | None, str | None]:
@@ -65,6 +66,15 @@ def _newest_local(local: str, hosts: int) -> tuple[int | None, str | None]:
     return None, None
 
 
+def _two_copies(local: str, host: int, step: int) -> bool:
+    """Whether ``host``'s own tier committed ``step`` (its holder's replica, the second copy, is what
+    :func:`_newest_local` already required)."""
+    try:
+        return step in Repository(os.path.join(local, f"host-{host}")).steps()
+    except CheckpointError:
+        return False
+
+
 def _corrupt(local: str, host: int, step: int) -> str:
     """Flip one byte of ``host``'s largest own box (a kernel: every restore, JAX or torch, needs it)."""
     repo = Repository(os.path.join(local, f"host-{host}"))
@@ -79,14 +89,21 @@ def _corrupt(local: str, host: int, step: int) -> str:
     return key
 
 
-def _damage(scenario: str, work: str, victim: int, step: int) -> dict[str, Any]:
-    local = local_dir(work)
+def _damage(scenario: str, root: str, victim: int, step: int) -> dict[str, Any]:
+    local = local_dir(root)
     host = os.path.join(local, f"host-{victim}")
-    clean = os.path.join(work, f"host-{victim}-clean")
+    clean = os.path.join(root, f"host-{victim}-clean")  # same file system as the tier: renamed back
     if scenario == "killed":
         shutil.copytree(host, clean)
         return {"damage": "none: the killed process's host and its local tier survive"}
     if scenario == "corrupt":
+        if not _two_copies(local, victim, step):
+            # The kill landed while the victim's own local save of the step was in flight: its
+            # holder committed the step with the victim's replica, the victim did not, so no box of
+            # the step has a second local copy for the next tier to serve. Flipping a byte would
+            # test nothing this scenario claims; the scenario is skipped, and says why.
+            return {"damage": "none", "skipped": f"no box of step {step} has two local copies: host {victim}'s "
+                    "own local save of it had not committed when it was killed"}
         return {"damage": f"one byte flipped in host {victim}'s own box {_corrupt(local, victim, step)}"}
     if scenario == "lost-host":
         shutil.rmtree(host)
@@ -98,40 +115,46 @@ def _damage(scenario: str, work: str, victim: int, step: int) -> dict[str, Any]:
 
 
 def run_tiers(cfg: Any, work: str, url: str, victim: int, restore_job: Callable[..., tuple[dict[str, Any], float]],
-              say: Callable[[str], None]) -> dict[str, Any]:
-    """Run the four scenarios; return their raw results (judged by :func:`judge_tiers`)."""
-    step, token = _newest_local(local_dir(work), cfg.processes)
+              say: Callable[[str], None], *, tier_root: str = "") -> dict[str, Any]:
+    """Run the four scenarios; return their raw results (judged by :func:`judge_tiers`). The local
+    tiers are under ``tier_root`` (default ``work``), as the training job kept them."""
+    root = tier_root or work
+    step, token = _newest_local(local_dir(root), cfg.processes)
     out: dict[str, Any] = {"local_step": step, "local_token": token, "persistent_steps": Repository(url).steps(),
                            "scenarios": {}}
     pairs = int(getattr(cfg, "tier_pairs", 0)) if step is not None else 0
-    backup = os.path.join(work, "local-pairs")
+    backup = os.path.join(root, "local-pairs")
     if pairs:  # the local tiers as the kill left them, for the pairs after the four scenarios
-        shutil.copytree(local_dir(work), backup)
+        shutil.copytree(local_dir(root), backup)
     for scenario in SCENARIOS:
-        note = _damage(scenario, work, victim, step) if step is not None else {"damage": "no local step"}
-        out["scenarios"][scenario] = _tier_job(cfg, scenario, f"tiers-{scenario}", note, work, restore_job, say)
+        note = _damage(scenario, root, victim, step) if step is not None else {"damage": "no local step"}
+        if "skipped" in note:
+            say(f"tiers-{scenario}: skipped: {note['skipped']}")
+            out["scenarios"][scenario] = {**note, "scenario": scenario}
+            continue
+        out["scenarios"][scenario] = _tier_job(cfg, scenario, f"tiers-{scenario}", note, root, restore_job, say)
     out["pairs"] = []
     for i in range(pairs):
         # Alternating order: neither source always runs first after the other's job.
         for scenario in (("killed", "all-lost") if i % 2 == 0 else ("all-lost", "killed")):
-            shutil.rmtree(local_dir(work), ignore_errors=True)
+            shutil.rmtree(local_dir(root), ignore_errors=True)
             if scenario == "killed":
-                shutil.copytree(backup, local_dir(work))
+                shutil.copytree(backup, local_dir(root))
             note = {"damage": "none: the local tiers as the kill left them" if scenario == "killed"
                     else "every local tier deleted", "pair": i}
-            out["pairs"].append(_tier_job(cfg, scenario, f"tiers-pair{i}-{scenario}", note, work, restore_job, say))
+            out["pairs"].append(_tier_job(cfg, scenario, f"tiers-pair{i}-{scenario}", note, root, restore_job, say))
     if pairs:
         shutil.rmtree(backup, ignore_errors=True)
     return out
 
 
-def _tier_job(cfg: Any, scenario: str, name: str, note: dict[str, Any], work: str,
+def _tier_job(cfg: Any, scenario: str, name: str, note: dict[str, Any], root: str,
               restore_job: Callable[..., tuple[dict[str, Any], float]], say: Callable[[str], None]) -> dict[str, Any]:
-    """One replacement job restoring after ``note``'s damage; its raw result."""
+    """One replacement job restoring after ``note``'s damage (the local tiers under ``root``); its raw result."""
     if getattr(cfg, "cold_cache", False):
         note["cache_dropped"] = drop_page_cache()
     say(f"{name}: {note['damage']}" + (f"; page cache dropped: {note['cache_dropped']}" if "cache_dropped" in note else ""))
-    res, t_launch = restore_job(name, local=local_dir(work))
+    res, t_launch = restore_job(name, local=local_dir(root))
     res.update(note, scenario=scenario, t_launch=t_launch)
     return res
 
@@ -179,6 +202,8 @@ def judge_tiers(tiers: dict[str, Any], reference: dict[str, Any], train: dict[st
 
 def _verdict(tiers: dict[str, Any], scenario: str, res: dict[str, Any], reference: dict[str, Any], dt: float | None,
              train: dict[str, Any] | None) -> dict[str, Any]:
+    if "skipped" in res:  # reported, not run: nothing to judge (see _damage)
+        return {"ok": True, "skipped": res["skipped"], "checks": {"skipped": [True, res["skipped"]]}}
     persistent = tiers["persistent_steps"]
     expect = persistent[-1] if scenario == "all-lost" else tiers["local_step"]
     v = continuation(res, reference, expect)

@@ -61,8 +61,8 @@ def _logits(fwd, model, m) -> np.ndarray:
 def main() -> None:
     t0 = time.perf_counter()
     port, rank, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank,
-                               initialization_timeout=120)
+    from ckptfmt_tools.jaxjoin import join as join_jax
+    join_jax(port, 2, rank, timeout=120)
     m = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     cfg = SimpleNamespace(**LLAMA)
     fwd = nnx.jit(lambda mdl, ids: mdl(ids))

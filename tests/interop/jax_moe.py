@@ -46,8 +46,8 @@ def moe_mapping(L: int, E: int, reverse_experts: bool = False) -> Mapping:
 
 def main() -> None:
     port, rank, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank,
-                               initialization_timeout=120)
+    from ckptfmt_tools.jaxjoin import join as join_jax
+    join_jax(port, 2, rank, timeout=120)
     cfg = json.load(open(os.path.join(work, "hf", "config.json")))
     L, E, d, ff = cfg["num_hidden_layers"], cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
     m = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -69,8 +69,8 @@ def main() -> None:
     tensors = int(sys.argv[5]) if len(sys.argv) > 5 else 8
     repo = sys.argv[6] if len(sys.argv) > 6 else os.path.join(os.path.dirname(out), "repo")
     repeats = int(sys.argv[7]) if len(sys.argv) > 7 else 1
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank,
-                               initialization_timeout=60)
+    from ckptfmt_tools.jaxjoin import join as join_jax
+    join_jax(port, 2, rank, timeout=60)
     import numpy as np
 
     import bridges.jax as bj

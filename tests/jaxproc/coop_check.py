@@ -59,8 +59,8 @@ def _flip_served(repo: str, served: list) -> str:
 def main() -> None:
     port, rank, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     repo = sys.argv[4] if len(sys.argv) > 4 else os.path.join(os.path.dirname(out), "repo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank,
-                               initialization_timeout=60)
+    from ckptfmt_tools.jaxjoin import join as join_jax
+    join_jax(port, 2, rank, timeout=60)
     import bridges.jax as bj
     from ckptfmt.errors import CheckpointError
 

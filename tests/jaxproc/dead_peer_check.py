@@ -20,8 +20,8 @@ import jax  # noqa: E402
 
 def main() -> None:
     port, rank, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank,
-                               initialization_timeout=60)
+    from ckptfmt_tools.jaxjoin import join as join_jax
+    join_jax(port, 2, rank, timeout=60)
     from bridges._jaxcoord import JaxCoordinator
     from ckptfmt.errors import CheckpointError
 

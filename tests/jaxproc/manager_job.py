@@ -134,8 +134,8 @@ def run(argv: list[str]) -> None:
     import jax
 
     if args.mode == "train":
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
-                                   process_id=args.rank, initialization_timeout=120)
+        from ckptfmt_tools.jaxjoin import join as join_jax
+        join_jax(args.port, 2, args.rank, timeout=120)
         res = train(args)
     else:
         res = resume(args)

@@ -33,8 +33,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{a.port}", num_processes=2, process_id=a.rank,
-                               initialization_timeout=60)
+    from ckptfmt_tools.jaxjoin import join as join_jax
+    join_jax(a.port, 2, a.rank, timeout=60)
     from jax.experimental import multihost_utils
 
     import bridges.jax as bjax
