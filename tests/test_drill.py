@@ -266,7 +266,8 @@ def test_tier_pairs_are_judged_and_their_recovery_leaves_out_the_drill_s_validat
     k = v["verdicts"]["killed"]["phases"]
     assert abs(k["recovery_s"] - (k["end_to_end_s"] - k["validation_s"])) < 1e-9 and abs(k["validation_s"] - 2.0) < 1e-9
     assert [round(r["recovery_diff_s"], 6) for r in v["pairs"]] == [-0.7, 0.5, -0.8]
-    assert v["pairs_summary"] == {"pairs": 3, "local_lower": 2, "median_recovery_diff_s": v["pairs"][0]["recovery_diff_s"]}
+    assert v["pairs_summary"] == {"pairs": 3, "local_lower": 2, "median_recovery_diff_s": v["pairs"][0]["recovery_diff_s"],
+                                  "median_end_to_end_diff_s": v["pairs"][0]["end_to_end_diff_s"]}
     assert [r["first"] for r in v["pairs"]] == ["local", "persistent", "local"]
 
     bad = copy.deepcopy(tiers)
@@ -275,3 +276,26 @@ def test_tier_pairs_are_judged_and_their_recovery_leaves_out_the_drill_s_validat
     half = copy.deepcopy(tiers)
     del half["pairs"][-1]  # pair 2 lost its persistent job
     assert not judge_tiers(half, ref)["ok"]
+
+
+def test_a_tier_job_that_validates_after_its_first_step_is_timed_in_that_order():
+    """The JAX tier jobs hash the restored state after their first step (t_restored < t_step <
+    t_valid): the recovery runs from the launch to the end of that step, and the validation after it
+    counts only in the end to end. Control: the same times read in the old order (validation before
+    the step) would give a negative first step and a recovery that leaves out the step."""
+    from ckptfmt_tools.drill._tiers import judge_tiers
+
+    ref = _fake_receipt()["ref"]
+    after = dict(_tier_result("killed", 3, 0.2), t_step=1.8, t_valid=3.8, validated_after_step=True,
+                 validation_s=2.0, first_step_s=0.5)  # restored at 1.3, stepped until 1.8, hashed until 3.8
+    tiers = {"local_step": 3, "local_token": "n-3", "persistent_steps": [3],
+             "scenarios": {"killed": after, "all-lost": _tier_result("all-lost", 3, 0.9)}}
+    v = judge_tiers(tiers, ref)
+    p = v["verdicts"]["killed"]["phases"]
+    assert v["ok"] and p["validated_after_step"]
+    assert abs(p["recovery_s"] - 1.8) < 1e-9 and abs(p["first_step_s"] - 0.5) < 1e-9
+    assert abs(p["end_to_end_s"] - 3.8) < 1e-9 and abs(p["validation_s"] - 2.0) < 1e-9
+
+    old_order = {k: x for k, x in after.items() if k not in ("validation_s", "first_step_s", "validated_after_step")}
+    q = judge_tiers({**tiers, "scenarios": {**tiers["scenarios"], "killed": old_order}}, ref)["verdicts"]["killed"]["phases"]
+    assert q["first_step_s"] < 0 and abs(q["recovery_s"] - 1.8) > 0.1  # what the fields prevent

@@ -66,8 +66,9 @@ def tiers_table(receipt: dict[str, Any]) -> Table:
     """drill --tiers: each tier failure, the step it restored, which tier served, its recovery phases."""
     tiers = receipt["tiers"]
     t = Table(title=f"Tier failures (local step {tiers['local_step']}, persistent steps {tiers['persistent_steps']})",
-              caption="seconds from the replacement job's launch; bytes summed over processes; recovery = end to end "
-                      "less the drill's own validation; redo: steps between the restored step and the killed job's "
+              caption="seconds from the replacement job's launch; bytes summed over processes; recovery = from the "
+                      "launch to the end of the first step, without the drill's own validation (end to end includes "
+                      "it; the JAX jobs validate after the first step); redo: steps between the restored step and the killed job's "
                       "last, 'back at' = recovery + redo x the training job's median step time (an estimate)",
               title_justify="left", caption_justify="left")
     for col in ("failure", "restored", "local B", "peer B", "persistent B", "ready s", "restore s", "validate s",
@@ -98,9 +99,11 @@ def pairs_table(receipt: dict[str, Any]) -> Table:
     s = verdict["pairs_summary"]
     t = Table(title=f"Paired recoveries: own local copy against persistent tier ({s['pairs']} pairs, order "
                     f"alternating): local lower in {s['local_lower']} of {s['pairs']}, median difference "
-                    f"{s['median_recovery_diff_s']:+.2f} s",
-              caption="seconds; recovery = end to end less the drill's own validation; difference = local less "
-                      "persistent", title_justify="left", caption_justify="left")
+                    f"{s['median_recovery_diff_s']:+.2f} s"
+                    + (f" (end to end, with the drill's validation: {s['median_end_to_end_diff_s']:+.2f} s)"
+                       if "median_end_to_end_diff_s" in s else ""),
+              caption="seconds; recovery = from the launch to the end of the first step, without the drill's own "
+                      "validation; difference = local less persistent", title_justify="left", caption_justify="left")
     for col in ("pair", "first", "local: ready s", "restore s", "step s", "recovery s", "persistent: ready s",
                 "restore s", "step s", "recovery s", "restore diff s", "recovery diff s", "ok"):
         t.add_column(col, justify="right")

@@ -189,14 +189,16 @@ def judge_tiers(tiers: dict[str, Any], reference: dict[str, Any], train: dict[st
             first = "local" if next(iter(got)) == "killed" else "persistent"
             rows.append({"pair": i, "first": first, "ok": got["killed"]["ok"] and got["all-lost"]["ok"],
                          "local": local, "persistent": pers, "recovery_diff_s": local["recovery_s"] - pers["recovery_s"],
-                         "restore_diff_s": local["restore_s"] - pers["restore_s"], "checks": got})
+                         "restore_diff_s": local["restore_s"] - pers["restore_s"],
+                         "end_to_end_diff_s": local["end_to_end_s"] - pers["end_to_end_s"], "checks": got})
     ok = all(v["ok"] for v in verdicts.values()) and all(r["ok"] for r in rows) and len(rows) == len(pairs)
     out: dict[str, Any] = {"verdicts": verdicts, "ok": ok}
     if rows:
         diffs = [r["recovery_diff_s"] for r in rows]
         out["pairs"] = rows
         out["pairs_summary"] = {"pairs": len(rows), "local_lower": sum(d < 0 for d in diffs),
-                                "median_recovery_diff_s": statistics.median(diffs)}
+                                "median_recovery_diff_s": statistics.median(diffs),
+                                "median_end_to_end_diff_s": statistics.median(r["end_to_end_diff_s"] for r in rows)}
     return out
 
 
@@ -216,13 +218,16 @@ def _verdict(tiers: dict[str, Any], scenario: str, res: dict[str, Any], referenc
         one = tokens == {tiers["local_token"]}
         v["checks"]["one_save"] = [one, f"tokens {sorted(tokens)}; local manifests' {tiers['local_token']}"]
     v["ok"] = all(c[0] for c in v["checks"].values())
-    end_to_end, validation = float(res["t_step"] - res["t_launch"]), float(res["t_valid"] - res["t_restored"])
-    # recovery: what a replacement spends before its first step; the drill's own validation (full-state
-    # gathers and hashes, which no production restore runs) is left out of it and reported on its own.
+    # recovery: from the launch to the end of the first step, without the drill's own validation
+    # (full-state gathers and hashes, which no production restore runs; the JAX job takes it after
+    # the first step, the torch job before it); end to end includes it.
+    validation = float(res.get("validation_s", res["t_valid"] - res["t_restored"]))
+    first_step = float(res.get("first_step_s", res["t_step"] - res["t_valid"]))
+    recovery = float(res["t_restored"] - res["t_launch"]) + first_step
     v["phases"] = {"launch_to_ready_s": float(res["t_ready"] - res["t_launch"]),
                    "restore_s": float(res["t_restored"] - res["t_setup"]), "validation_s": validation,
-                   "first_step_s": float(res["t_step"] - res["t_valid"]), "end_to_end_s": end_to_end,
-                   "recovery_s": end_to_end - validation}
+                   "first_step_s": first_step, "end_to_end_s": recovery + validation, "recovery_s": recovery,
+                   "validated_after_step": bool(res.get("validated_after_step"))}
     at_kill = (train or {}).get("step_at_kill")
     if dt is not None and at_kill is not None:
         redo = max(0, int(at_kill) - int(res["restored_step"]))
