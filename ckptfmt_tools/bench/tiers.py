@@ -4,9 +4,10 @@
 starts 2 processes x 4 JAX CPU devices (``jax.distributed``) holding a row-sharded state of
 ``--mib`` MiB (16 float32 tensors) and, through ``bridges.jax.CheckpointManager``:
 
-1. times the caller's block of ``--saves`` async persistent saves, of as many async local-tier
-   saves (own boxes plus the peer replica), and of as many calls that save both (each kind in one
-   manager; the figure is the median, every run is in the JSON);
+1. times the caller's block of ``--saves`` async persistent saves and as many async local-tier
+   saves (own boxes plus the peer replica), alternating (each kind in its own manager, the order
+   flipping every round; each kind's median, and the paired differences by round), then of as
+   many calls that save both (every run is in the JSON);
 2. restores the newest step from the local tier (``restore()`` with ``local=``: every byte from
    the own tier), then, after dropping the page cache (root only; said in the output), from the
    persistent tier alone (a manager without ``local``), then once more warm.
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,23 +74,27 @@ def child(args: argparse.Namespace) -> None:
     rows = NamedSharding(mesh, P("d"))
     tier = LocalTier(args.local, every=1, keep=1)
     out: dict[str, Any] = {}
-    # Each kind of save --saves times in one manager (the first starts its background thread):
-    # the caller's blocked seconds of every save, and their median, side by side.
+    # The persistent and the local saves alternate, each kind in its own manager (both open; the
+    # first save of each starts its background thread), the order flipping every round, so that
+    # drift of the machine biases neither kind: the caller's blocked seconds of every save, paired
+    # by round, and each kind's median.
     blocked: dict[str, list[float]] = {"persistent": [], "local": [], "both": []}
-    with bjax.CheckpointManager(args.persistent, save_every_steps=1, keep_last=1) as mgr:
+    with bjax.CheckpointManager(args.persistent, save_every_steps=1, keep_last=1) as pmgr, \
+            bjax.CheckpointManager(args.persistent, local=tier) as lmgr:
         for i in range(args.saves):
-            st = jax.block_until_ready(_state(jax, rows, args.mib, 1))  # the save's block, not the state's creation
-            mgr.save(1 + i, st)
-            rec = mgr.wait()
-            blocked["persistent"].append(rec.blocked_s)
-        out["persistent_commit_s"] = rec.write_s
-    with bjax.CheckpointManager(args.persistent, local=tier) as mgr:
-        for i in range(args.saves):
-            st = jax.block_until_ready(_state(jax, rows, args.mib, 2))
-            mgr.save(100 + i, st)
-            mgr.wait()
-            rec = mgr.tier_history[-1]
-            blocked["local"].append(rec.blocked_s)
+            for kind in (("persistent", "local") if i % 2 == 0 else ("local", "persistent")):
+                # the save's block, not the state's creation
+                st = jax.block_until_ready(_state(jax, rows, args.mib, 1 if kind == "persistent" else 2))
+                if kind == "persistent":
+                    pmgr.save(1 + i, st)
+                    prec = pmgr.wait()
+                    blocked["persistent"].append(prec.blocked_s)
+                else:
+                    lmgr.save(100 + i, st)
+                    lmgr.wait()
+                    rec = lmgr.tier_history[-1]
+                    blocked["local"].append(rec.blocked_s)
+        out["persistent_commit_s"] = prec.write_s
         out["local_commit_s"] = rec.write_s
         out["local_exchange_s"] = rec.exchange_s
         out["local_own_bytes"], out["local_peer_bytes"], out["local_committed"] = rec.own_bytes, rec.peer_bytes, rec.committed
@@ -184,16 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _paired(runs: dict[str, list[float]]) -> dict[str, Any]:
+    """The persistent and local saves of each round (they alternate): local less persistent."""
+    diffs = [lo - pe for pe, lo in zip(runs["persistent"], runs["local"])]
+    return {"rounds": len(diffs), "local_not_more": sum(d <= 0 for d in diffs),
+            "median_diff_s": statistics.median(diffs) if diffs else None}
+
+
 def _figures(mib: int, res: list[dict[str, Any]]) -> dict[str, Any]:
     slow = {k: max(r[k] for r in res) for k in res[0] if k.endswith("_s")}
-    return {"state_mib": mib, "processes": PROCESSES, "devices_per_process": DEVICES, **slow,
+    runs = {k: [max(v) for v in zip(*(r[f"{k}_save_blocked_runs"] for r in res))] for k in ("persistent", "local", "both")}
+    return {"blocked_paired": _paired(runs), "state_mib": mib, "processes": PROCESSES, "devices_per_process": DEVICES, **slow,
             "local_vs_cold_persistent": slow["restore_persistent_cold_s"] / slow["restore_local_s"],
             "local_vs_warm_persistent": slow["restore_persistent_warm_s"] / slow["restore_local_s"],
             "cache_dropped": res[0]["cache_dropped"], "restore_local_tiers": [r["restore_local_tiers"] for r in res],
             "restore_local_exact": all(r["restore_local_exact"] for r in res),
             "local_bytes_per_process": [[r["local_own_bytes"], r["local_peer_bytes"]] for r in res],
-            "blocked_runs_s": {k: [max(v) for v in zip(*(r[f"{k}_save_blocked_runs"] for r in res))]
-                               for k in ("persistent", "local", "both")}}
+            "blocked_runs_s": runs}
 
 
 def _table(f: dict[str, Any]) -> str:
@@ -206,6 +219,10 @@ def _table(f: dict[str, Any]) -> str:
                  f"(page cache dropped: {f['cache_dropped']}), {f['local_vs_warm_persistent']:.2f}x than warm")
     lines.append("  blocked per save (ms, slower process): " + "; ".join(
         f"{k} {', '.join(f'{x * 1e3:.1f}' for x in v)}" for k, v in f["blocked_runs_s"].items()))
+    pb = f["blocked_paired"]
+    if pb["rounds"]:
+        lines.append(f"  blocked, paired by round (the two kinds alternate): local no more than persistent in "
+                     f"{pb['local_not_more']} of {pb['rounds']}, median local less persistent {pb['median_diff_s'] * 1e3:+.1f} ms")
     lines.append(f"  bytes served by tier, per process: {f['restore_local_tiers']}; exact: {f['restore_local_exact']}")
     lines.append(f"  local save bytes [own, replica] per process: {f['local_bytes_per_process']}")
     return "\n".join(lines)
