@@ -113,7 +113,7 @@ def child(args: argparse.Namespace) -> None:
             mgr.wait()
     last = 200 + args.saves - 1
     for kind, runs in blocked.items():
-        out[f"{kind}_save_blocked_s"] = float(sorted(runs)[len(runs) // 2])
+        out[f"{kind}_save_blocked_s"] = float(statistics.median_high(runs))
         out[f"{kind}_save_blocked_runs"] = runs
     out["recorded_blocked_runs"] = recorded
     del st

@@ -190,8 +190,7 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
         "ids": ids, "hashes": {"leaves": len(saved), "differ": diff, "exact": bool(saved) and not diff},
         "restore_stats": stats, "bytes_read": stats["reader"]["bytes_read"],
         "t_setup": t_setup, "t_restored": t_restored, "t_valid": t_valid, "t_step": t_step, **times,
-        "validated_after_step": after_step, "validation_s": validation_s,
-        "first_step_s": t_step - (t_restored if after_step else t_valid)}
+        "validated_after_step": after_step}
     if jax.process_count() > 1:
         import numpy as np
         from jax.experimental import multihost_utils

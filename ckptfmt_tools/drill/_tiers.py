@@ -221,13 +221,14 @@ def _verdict(tiers: dict[str, Any], scenario: str, res: dict[str, Any], referenc
     # recovery: from the launch to the end of the first step, without the drill's own validation
     # (full-state gathers and hashes, which no production restore runs; the JAX job takes it after
     # the first step, the torch job before it); end to end includes it.
-    validation = float(res.get("validation_s", res["t_valid"] - res["t_restored"]))
-    first_step = float(res.get("first_step_s", res["t_step"] - res["t_valid"]))
+    after = bool(res.get("validated_after_step"))
+    validation = float(res["t_valid"] - (res["t_step"] if after else res["t_restored"]))
+    first_step = float(res["t_step"] - (res["t_restored"] if after else res["t_valid"]))
     recovery = float(res["t_restored"] - res["t_launch"]) + first_step
     v["phases"] = {"launch_to_ready_s": float(res["t_ready"] - res["t_launch"]),
                    "restore_s": float(res["t_restored"] - res["t_setup"]), "validation_s": validation,
                    "first_step_s": first_step, "end_to_end_s": recovery + validation, "recovery_s": recovery,
-                   "validated_after_step": bool(res.get("validated_after_step"))}
+                   "validated_after_step": after}
     at_kill = (train or {}).get("step_at_kill")
     if dt is not None and at_kill is not None:
         redo = max(0, int(at_kill) - int(res["restored_step"]))
