@@ -15,12 +15,16 @@ venv: $(STAMP)
 
 # The end-to-end demo: a JAX job saves on 8 devices and resumes exactly on 4 (continuation
 # receipt), then the recovery drill kills a 2-process training job mid-run and restores it on a
-# new topology, printing the phase table and the guide's table.
+# new topology, printing the phase table and the guide's table. drill-out/ is the drill's own
+# scratch output (ignored by git): each run replaces the previous one's, since the drill refuses
+# a storage URL that already holds steps.
 demo: $(STAMP)
 	$(BIN)/python -m ckptfmt demo
+	rm -rf drill-out
 	$(BIN)/python -m ckptfmt drill --out drill-out
 
 drill: $(STAMP)
+	rm -rf drill-out
 	$(BIN)/python -m ckptfmt drill --out drill-out
 
 test: $(STAMP)
