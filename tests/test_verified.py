@@ -193,3 +193,64 @@ def test_the_manager_notices_a_flip_after_its_step_was_verified(tmp_path, stamps
     assert steps == ([1, 2] if stamps == "bound" else [2])
     if stamps == "bound":
         Repository(url).verify(1)
+
+
+def big_shards(value: int) -> list[LocalShard]:
+    """1 MiB: read through O_DIRECT into the repository's kept buffers."""
+    x = (np.arange(512 * 512, dtype=np.float32) + value).reshape(512, 512)
+    return [LocalShard("x", x.shape, x.dtype, Box((0, 0), x.shape), x)]
+
+
+def flip_big(r: Repository, step: int) -> None:
+    t = r.manifest(step).tensors["x"]
+    key = t.object_key(0)
+    data = bytearray(r.storage.read(key))
+    data[int(t.chunks.offset[int(t.chunk_start[0])]) + 4096 + 5] ^= 0x10
+    r.storage.write(key, bytes(data))
+
+
+@pytest.mark.parametrize("flipped", [True, False])
+def test_kept_read_buffers_never_pass_a_flipped_bit(tmp_path, flipped):
+    """A repository keeps its verify buffers between verifications; a buffer that held the good
+    bytes of an object must never let the same object pass once one of its bits is flipped (the
+    control: the unflipped object verifies again through the same, reused buffer)."""
+    r = Repository(str(tmp_path / "r"))
+    save(r, 1, big_shards(1))
+    assert r.verify(1) > 0
+    kept = r._read_buffers.kept_bytes
+    assert kept >= 1 << 20  # the buffer stayed for the next verification
+    if flipped:
+        flip_big(r, 1)
+        with pytest.raises(ChecksumMismatchError) as e:
+            r.verify(1)
+        assert e.value.key == "x"
+    else:
+        assert r.verify(1) > 0
+    assert r._read_buffers.kept_bytes == kept  # the same buffer taken and given back, none added
+
+
+def test_read_buffers_keep_at_most_their_cap():
+    from ckptfmt.reader._verifylocal import ReadBuffers
+
+    b = ReadBuffers(keep_bytes=3 << 20)
+    one, two = b.take(2 << 20), b.take(2 << 20)
+    assert one.ctypes.data % 4096 == 0 and one.size >= 2 << 20  # page aligned, for O_DIRECT
+    b.give(one)
+    b.give(two)  # over the cap: dropped
+    assert b.kept_bytes == one.size
+    again = b.take(1 << 20)  # the smallest kept buffer that fits: the one kept
+    assert again.ctypes.data == one.ctypes.data and b.kept_bytes == 0
+    assert b.take(1 << 20).ctypes.data != one.ctypes.data  # nothing kept: a new one
+
+
+def test_read_buffers_of_many_sizes_are_taken_by_position():
+    """Buffers of different sizes in the free list (a regression: taking one compared arrays)."""
+    from ckptfmt.reader._verifylocal import ReadBuffers
+
+    b = ReadBuffers()
+    bufs = [b.take(n) for n in (56, 152, 4096, 56)]
+    for x in bufs:
+        b.give(x)
+    got = b.take(100)
+    assert got.size >= 100 and any(got.ctypes.data == x.ctypes.data for x in bufs)
+    assert b.kept_bytes == sum(x.size for x in bufs) - got.size

@@ -29,7 +29,7 @@ from ckptfmt.reader._cooperative import cooperative_reads as cooperative_reads
 from ckptfmt.reader._cooperative import plan_cooperative as plan_cooperative
 from ckptfmt.reader._positional import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
 from ckptfmt.reader._positional import PositionalReads, _Batch
-from ckptfmt.reader._verifylocal import LocalVerify
+from ckptfmt.reader._verifylocal import LocalVerify, ReadBuffers
 from ckptfmt._types import Box
 from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import numpy_dtype
@@ -310,8 +310,11 @@ class Checkpoint(PositionalReads, LocalVerify):
         return self._state_object(f"rank/{rank}")
 
     # ------------------------------------------------------------------ verify
-    def verify(self, progress: Progress | None = None) -> int:
+    def verify(self, progress: Progress | None = None, *, buffers: ReadBuffers | None = None) -> int:
         """Read every object fully and check it against the manifest. Returns bytes verified.
+
+        ``buffers``: read buffers to reuse (local files; a :class:`~ckptfmt.Repository` keeps one
+        set across its verifications), else new ones for this call.
 
         Raises the first MissingShardError / SizeMismatchError / ChecksumMismatchError found.
         """
@@ -326,7 +329,7 @@ class Checkpoint(PositionalReads, LocalVerify):
 
         keys = self.keys()
         if self.storage.positional_reads:  # local files: ckptfmt.reader._verifylocal
-            self._verify_positional(keys, report)
+            self._verify_positional(keys, report, buffers)
             keys = []
         for key in keys:
             t = self.manifest.tensors[key]

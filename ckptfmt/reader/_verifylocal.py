@@ -5,7 +5,10 @@ for an encoded chunk, that it decodes). The first fault in the manifest's order 
 
 The kvstore path read one tensor's shards at a time through tensorstore, which copies each
 object into a new ``bytes``; a manager's retention verifies the newest step before it deletes
-an older one after every save, so that cost was on every save's clock (FORMAT.md 14.7).
+an older one after every save, so that cost was on every save's clock (FORMAT.md 14.7). For the
+same reason the read buffers can outlive one verification (:class:`ReadBuffers`, kept by a
+:class:`ckptfmt.Repository`): a fresh buffer costs a page fault and a zeroed page per 4 KiB read
+into it, and giving it back costs an unmapping; together about a third of a 32 MiB verify's CPU.
 """
 from __future__ import annotations
 
@@ -21,10 +24,46 @@ from ckptfmt.errors import SizeMismatchError
 from ckptfmt.manifest import TensorEntry
 from ckptfmt.reader._alloc import require_memory
 
-__all__ = ["LocalVerify", "VERIFY_THREADS"]
+__all__ = ["LocalVerify", "ReadBuffers", "VERIFY_THREADS"]
 
 #: Objects verified at once (each held whole while it is checked).
 VERIFY_THREADS = 16
+
+
+class ReadBuffers:
+    """Page-aligned read buffers (private anonymous mappings, so that reads can go through
+    ``O_DIRECT``) kept between verifications, at most ``keep_bytes`` of them; thread safe.
+
+    A buffer is taken whole by one reader and given back when its object is checked; a buffer
+    larger than what may be kept is unmapped when it is given back."""
+
+    def __init__(self, keep_bytes: int = 64 << 20) -> None:
+        self.keep_bytes = int(keep_bytes)
+        self._lock = threading.Lock()
+        self._free: list[np.ndarray] = []
+        self._kept = 0
+
+    def take(self, n: int) -> np.ndarray:
+        """A uint8 buffer of at least ``n`` bytes: the smallest kept one that fits, else a new one."""
+        with self._lock:
+            fits = [(b.size, i) for i, b in enumerate(self._free) if b.size >= n]
+            if fits:
+                buf = self._free.pop(min(fits)[1])  # by position: arrays compare elementwise
+                self._kept -= buf.size
+                return buf
+        return np.frombuffer(mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Keep ``buf`` for a later read if the kept buffers stay within ``keep_bytes``."""
+        with self._lock:
+            if self._kept + buf.size <= self.keep_bytes:
+                self._free.append(buf)
+                self._kept += buf.size
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return self._kept
 
 
 class LocalVerify:
@@ -38,11 +77,14 @@ class LocalVerify:
     max_inflight_bytes: int
     _plain_dirs: set[str]
 
-    def _verify_positional(self, keys: list[str], report: Callable[[int], None]) -> None:
+    def _verify_positional(self, keys: list[str], report: Callable[[int], None],
+                           buffers: ReadBuffers | None = None) -> None:
         """Verify every shard object of ``keys``, at most :data:`VERIFY_THREADS` at once and at most
-        ``max_inflight_bytes`` of them held; an object larger than that goes in parts."""
+        ``max_inflight_bytes`` of them held; an object larger than that goes in parts. The objects
+        are read into ``buffers`` (a new set, dropped afterwards, when None)."""
         jobs = [(self.manifest.tensors[k], s) for k in keys for s in range(len(self.manifest.tensors[k].shards))]
-        buffers = threading.local()  # each verify thread reads into one page-aligned buffer, grown as needed
+        if buffers is None:  # the threads keep at most one window between them
+            buffers = ReadBuffers(self.max_inflight_bytes)
         pool = ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="ckptfmt-verify")
         try:
             pending: deque[Any] = deque()
@@ -69,7 +111,7 @@ class LocalVerify:
         report(n)
         return n
 
-    def _verify_object(self, t: TensorEntry, s: int, buffers: threading.local) -> int:
+    def _verify_object(self, t: TensorEntry, s: int, buffers: ReadBuffers) -> int:
         obj, n = t.object_key(s), int(t.shards.nbytes[s])
         self.storage.check_no_links(obj, self._plain_dirs, tensor=t.key)
         require_memory(n, t.key, obj, "one shard object")
@@ -77,16 +119,15 @@ class LocalVerify:
             if f.size != n:
                 raise SizeMismatchError("shard object size differs from the manifest", key=t.key, object=obj,
                                         expected=n, found=f.size)
-            have = getattr(buffers, "buf", None)
-            if have is None or have.size < n:  # page aligned: the reads can go through O_DIRECT
-                have = np.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=np.uint8)
-                if n <= self.max_inflight_bytes // VERIFY_THREADS:  # kept: the threads keep at most one window
-                    buffers.buf = have
-            buf = have[:n]
-            f.read_into([buf], 0)
-        starts = self._starts(t)  # type: ignore[attr-defined]
-        checked = self._check_whole(t, s, obj, memoryview(buf), range(int(starts[s]), int(starts[s + 1])))  # type: ignore[attr-defined]
-        if t.array.codec != "raw":  # an encoded chunk must also decode (FORMAT.md 6.3)
-            for c, mv in checked.items():
-                self._decode(t, c, obj, mv)  # type: ignore[attr-defined]
+            have = buffers.take(n)
+            try:
+                buf = have[:n]
+                f.read_into([buf], 0)
+                starts = self._starts(t)  # type: ignore[attr-defined]
+                checked = self._check_whole(t, s, obj, memoryview(buf), range(int(starts[s]), int(starts[s + 1])))  # type: ignore[attr-defined]
+                if t.array.codec != "raw":  # an encoded chunk must also decode (FORMAT.md 6.3)
+                    for c, mv in checked.items():
+                        self._decode(t, c, obj, mv)  # type: ignore[attr-defined]
+            finally:  # every view of it is done with: the checks copy nothing out of it
+                buffers.give(have)
         return n

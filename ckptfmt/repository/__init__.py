@@ -19,6 +19,7 @@ from ckptfmt.errors import CheckpointError, InvalidManifestError, ManifestTooLar
 from ckptfmt.layout import MANIFESTS, manifest_key, step_of_manifest_key
 from ckptfmt.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from ckptfmt.reader import DEFAULT_READ_WINDOW, Checkpoint, Progress, ReadStats
+from ckptfmt.reader._verifylocal import ReadBuffers
 from ckptfmt.storage import Storage, open_storage
 
 __all__ = ["Repository", "GcReport"]
@@ -63,6 +64,8 @@ class Repository:
         # The last manifest parsed, with its key and bytes: a save reads the previous step's
         # manifest twice (before and after its lease pins it) and parses it once.
         self._last: tuple[str, bytes, Manifest] | None = None
+        # Read buffers kept between verifications: a manager's retention verifies after every save.
+        self._read_buffers = ReadBuffers()
 
     def __repr__(self) -> str:
         return f"Repository({self.url!r})"
@@ -131,7 +134,7 @@ class Repository:
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> int:
         """Check every byte of a step against its manifest; raise on the first fault. Returns bytes checked."""
-        return self.open(step).verify(progress)
+        return self.open(step).verify(progress, buffers=self._read_buffers)
 
     def delete(self, step: int) -> None:
         """Un-commit a step (its manifest goes first, atomically), then remove its objects.

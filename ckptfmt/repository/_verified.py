@@ -97,7 +97,7 @@ def unverified(repo: Any, step: int) -> str | None:
         return None
     window = int(st.options.get("read_window_bytes", DEFAULT_READ_WINDOW))
     try:
-        nbytes = Checkpoint(st, m, max_inflight_bytes=window).verify()
+        nbytes = Checkpoint(st, m, max_inflight_bytes=window).verify(buffers=getattr(repo, "_read_buffers", None))
     except CheckpointError as e:
         forget(st, m.save_id)
         return f"{type(e).__name__}: {e.message}"
