@@ -24,6 +24,7 @@ from ckptfmt import (Box, ChecksumMismatchError, InvalidManifestError, LocalShar
 from ckptfmt.repository._gc import unrestorable
 from ckptfmt.layout import lease_bytes, lease_key, save_prefix
 from ckptfmt.manifest import REFERENCES, parse_manifest
+from ckptfmt.storage import DelegatingStorage, open_storage
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_V11 = ROOT / "spec" / "examples" / "repo-1.1"
@@ -170,6 +171,43 @@ def test_identity_proof_reads_nothing_and_byte_proof_rereads(tmp_path: Path) -> 
     assert set(m3.tensors["base"].objects) == {0, 1, 2, 3}
     assert m3.tensors["base"].objects[1].startswith(f"saves/{m2.save_id}/")
     restores(repo, 3, values(3, other))
+
+
+class _ShardReads(DelegatingStorage):
+    """Counts the reads of shard objects (a byte proof reads them; an identity proof does not)."""
+
+    def __init__(self, inner: object) -> None:
+        super().__init__(inner)
+        self.reads = 0
+
+    def read_range(self, key: str, start: int, stop: int | None, *, tensor: str | None = None) -> object:
+        self.reads += "/t/" in key
+        return super().read_range(key, start, stop, tensor=tensor)
+
+
+def test_a_changed_source_is_not_hashed_until_it_stops_changing(tmp_path: Path) -> None:
+    """A tracked source whose bytes changed since the previous save (a training step's new array)
+    is written without its digest; the first save that finds it unchanged proves it by bytes (one
+    read) and takes the digest, and the next one proves it by identity (no read). Control: a
+    source first seen in a first save (a frozen base) is proven by identity at once."""
+    url = str(tmp_path / "r")
+    first = BASE.copy()
+    first.flags.writeable = False
+    changed = (BASE + 1).copy()
+    changed.flags.writeable = False
+
+    def step(n: int, src: np.ndarray) -> tuple[int, set[int]]:
+        counting = _ShardReads(open_storage(url))
+        m = save(Repository(url, storage=counting), n, shards(n, src, source=src))
+        return counting.reads, set(m.tensors["base"].objects)
+
+    assert step(0, first) == (0, set())  # nothing to prove against
+    assert step(1, first) == (0, {0, 1, 2, 3})  # control: first seen in a first save: identity at once
+    assert step(2, changed) == (0, set())  # changed since step 1: written, and not hashed
+    reads, refs = step(3, changed)
+    assert refs == {0, 1, 2, 3} and reads == 4  # unchanged now: proven by its bytes, once
+    assert step(4, changed) == (0, {0, 1, 2, 3})  # then by identity and digest
+    restores(Repository(url), 4, values(4, changed))
 
 
 @pytest.mark.parametrize("damage", ["delete", "flip"])

@@ -19,7 +19,10 @@ proof (FORMAT.md 8.4):
   byte is read. The identity alone proves nothing: a ``jax.Array`` may share its buffer with a
   mutable host object (on CPU, ``jax.device_put`` of a 64-byte-aligned numpy array, or
   ``jax.dlpack.from_dlpack``), and JAX exposes no way to tell such an array from one that owns
-  its buffer; the digest catches a change made through the other object.
+  its buffer; the digest catches a change made through the other object. The digest of a shard
+  being written is taken only where it may serve (:meth:`ReusePlanner._may_recur`): ``P`` has no
+  row for it, or its chunk crc32c equal the row's; a shard that changed since ``P`` is proven
+  by bytes at its next save, which then takes it.
 * **byte proof** (``reuse="auto"`` for every other shard and where the identity proof fails,
   ``reuse="compare"`` for all): the
   chunk crc32c (computed anyway) equal ``P``'s, then the stored object is read, checked against
@@ -194,7 +197,7 @@ class ReusePlanner:
             seen = self._seen[(plan.index, item.cell)] = _Seen(source, where, g.chunk_nbytes)
         found = self._stored(plan, item)
         if found is None or not self._proven(found, seen, materialize):
-            if seen is not None:  # to be written: its digest, for the next save's identity proof
+            if seen is not None and self._may_recur(found, materialize):  # its digest, for the next save's identity proof
                 seen.digest = self._digests.add(start_digest(materialize(False)[0]))
             return None
         self.referenced += 1
@@ -217,6 +220,18 @@ class ReusePlanner:
         if seen is not None:
             seen.digest = self._digests.add(start_digest(materialize()[0]))
         return True
+
+    def _may_recur(self, found: tuple[TensorEntry, int, ShardRecord] | None, materialize: "Materialize") -> bool:
+        """Whether a shard to be written is worth its digest (what a later identity proof needs):
+        when ``P`` has no row for it (a first save: a frozen base is proven cheaply from the second
+        save on), or when its chunk crc32c (computed anyway) equal that row's, so that it did not
+        change since ``P``. A shard of a training step, new at every save, is then not hashed at
+        every save (SHA-256: about 0.6 s of CPU per GiB). Never a proof either way: without a
+        digest, the next save's proof of this shard is the byte proof, which then takes it."""
+        if found is None or self.codec != "raw":  # an encoded chunk's crc32c covers its encoded bytes
+            return True
+        crcs = materialize()[1]
+        return crcs is not None and tuple(int(c) for c in crcs) == found[2].chunk_crc32c
 
     def _stored(self, plan: "TensorWritePlan", item: "WriteItem") -> tuple[TensorEntry, int, ShardRecord] | None:
         """``P``'s row for this shard, when ``P`` holds the same tensor with the same geometry: the
