@@ -352,3 +352,22 @@ def test_forced_save_keeps_the_metrics_seen_at_its_step(tmp_path):
         assert m.save(5, _state(5), force=True)  # control: another step's metrics are not carried over
         assert m.save(10, _state(10), metrics={"loss": 0.3})
         assert m.metrics(3) == {"loss": 0.1} and m.metrics(5) == {} and m.best_step() == 3
+
+
+def test_a_commit_is_in_the_history_before_its_retention_runs(tmp_path):
+    """The manager publishes a committed save (history, metrics file) before the retention that
+    follows it, which verifies the newest step byte for byte and may take a while; the deletion
+    it makes comes after the save that caused it. Control: with no retention nothing is deleted
+    and the saves alone are logged, in order."""
+    url, log = str(tmp_path / "r"), tmp_path / "m.jsonl"
+    with CheckpointManager(url, keep_last=1, metrics_file=str(log)) as m:
+        for s in (1, 2, 3):
+            m.save(s, _state(s), force=True)
+    events = [(x["event"], x["step"]) for x in map(json.loads, log.read_text().splitlines())]
+    assert events == [("save", 1), ("save", 2), ("delete", 1), ("save", 3), ("delete", 2)]
+    log2 = tmp_path / "m2.jsonl"
+    with CheckpointManager(str(tmp_path / "r2"), metrics_file=str(log2)) as m:
+        for s in (1, 2, 3):
+            m.save(s, _state(s), force=True)
+    assert [(x["event"], x["step"]) for x in map(json.loads, log2.read_text().splitlines())] == [
+        ("save", 1), ("save", 2), ("save", 3)]

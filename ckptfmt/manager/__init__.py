@@ -256,17 +256,24 @@ class CheckpointManager(TierMixin):
             _log.info("step %d committed: caller blocked %.1f ms (waited %.1f ms for the previous save), "
                       "write %.1f ms, %d bytes", job.step, job.blocked_s * 1e3, job.waited_s * 1e3,
                       job.record.write_s * 1e3, job.record.bytes)
+            # In the history once committed, before retention runs (it may take a while: it
+            # verifies the newest step byte for byte); the next save still waits for both.
+            self._publish(job.record)
             if self.rank == 0:
                 self._retain()
         except BaseException as e:  # delivered by the next save/wait/close
             job.error = e
-            job.record = SaveRecord(job.step, False, job.started_unix, job.blocked_s, job.waited_s,
-                                    time.perf_counter() - job.t0, 0, f"{type(e).__name__}: {e}")
-            _log.error("step %d was not committed: %s: %s", job.step, type(e).__name__, e)
+            if job.record is None:
+                job.record = SaveRecord(job.step, False, job.started_unix, job.blocked_s, job.waited_s,
+                                        time.perf_counter() - job.t0, 0, f"{type(e).__name__}: {e}")
+                _log.error("step %d was not committed: %s: %s", job.step, type(e).__name__, e)
+                self._publish(job.record)
         finally:
-            self._history.append(job.record)  # type: ignore[arg-type]
-            self._emit(job.record.to_json())  # type: ignore[union-attr]
             job.done.set()
+
+    def _publish(self, record: SaveRecord) -> None:
+        self._history.append(record)
+        self._emit(record.to_json())
 
     def _join(self, timeout: float | None) -> SaveRecord | None:
         job = self._job
