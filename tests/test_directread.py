@@ -156,8 +156,8 @@ def test_direct_reads_on_tmpfs_fall_back_or_read(tmp_path):
 @pytest.mark.parametrize("addr_shift, at", [(0, 4), (4, 0), (0, 4096 + 4), (100, 8)])
 def test_stretches_aligned_differently_in_memory_read_through_the_page_cache(tmp_path, direct, addr_shift, at):
     """A chunk four bytes past a block boundary (behind the previous chunk's trailer) cannot be
-    read straight into a page-aligned output: it comes through the page cache, with the file's
-    bytes up to its last, unaligned byte, in both modes."""
+    read straight into a page-aligned output: it comes through the page cache (uncached where the
+    kernel can), with the file's bytes up to its last, unaligned byte, in both modes."""
     n = (3 << 20) + 100
     path, data = _file(tmp_path, n)
     repo = Repository(str(tmp_path), options={"direct_reads": direct})
@@ -181,3 +181,44 @@ def test_an_unaligned_read_past_the_end_is_a_size_mismatch(tmp_path, direct):
         with pytest.raises(SizeMismatchError) as e:
             f.read_into([_aligned(n)[:n - 3]], 4)
     assert e.value.key == "w"
+
+
+
+def _takes_dontcache(path: str) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(16)], 0, 0x80)  # RWF_DONTCACHE (Linux 6.14)
+        return True
+    except (OSError, TypeError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("uncached", [True, False])
+def test_unaligned_stretches_of_a_large_read_leave_no_page_cache_pages(tmp_path, uncached):
+    """Revision 1.2.5: when the reader says its read is large (``prefer_uncached``, a restore of
+    at least ``UNCACHED_READ_BYTES``), a buffer whose address and file offset disagree (a later
+    chunk of a shard) is read with RWF_DONTCACHE, so that the page-cache pages it brings in are
+    dropped once copied; without the hint (the control) they stay cached. Both return the file's
+    bytes, the unaligned last bytes included."""
+    n = (5 << 20) + 4 + 96
+    path, data = _file(tmp_path, n)
+    if _resident_pages(path) > 2:
+        pytest.skip("this file system keeps written pages cached after POSIX_FADV_DONTNEED")
+    if not _takes_dontcache(path):
+        pytest.skip("this kernel or file system has no RWF_DONTCACHE")
+    repo = Repository(str(tmp_path), options={"direct_reads": True})
+    head = bytearray(4)
+    out = _aligned(n)[:n - 4 - 96]  # page-aligned, 4 bytes into the file: never O_DIRECT
+    index = bytearray(96)
+    with repo.storage.open_positional("obj") as f:
+        if uncached:
+            f.prefer_uncached()
+        f.read_into([head, out, index], 0)
+    assert bytes(head) + bytes(out) + bytes(index) == data
+    resident = _resident_pages(path)
+    if uncached:
+        assert resident <= 8, f"{resident} pages cached: the unaligned stretch stayed in the page cache"
+    else:
+        assert resident >= n // mmap.PAGESIZE - 8

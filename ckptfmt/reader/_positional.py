@@ -25,10 +25,15 @@ from ckptfmt.manifest import TensorEntry
 from ckptfmt.plan import ReadItem
 from ckptfmt.storage import PositionalFile
 
-__all__ = ["PositionalReads", "DEFAULT_READ_THREADS"]
+__all__ = ["PositionalReads", "DEFAULT_READ_THREADS", "UNCACHED_READ_BYTES"]
 
 #: Local-file reader threads: enough positional reads in flight to keep a virtual disk's queue full.
 DEFAULT_READ_THREADS = 32
+#: A read whose outputs hold at least this many bytes asks the store to keep what it reads
+#: through the page cache out of it (:meth:`ckptfmt.storage.PositionalFile.prefer_uncached`):
+#: on this project's 2-core virtual machine 8 GiB restored 2-3x faster that way, and 1 GiB about
+#: 15 % slower (``docs/scaling.md``).
+UNCACHED_READ_BYTES = 2 << 30
 #: Most buffers one preadv call takes (Linux IOV_MAX).
 _IOV_MAX = 1024
 
@@ -72,15 +77,17 @@ class PositionalReads(BlockChecks):
         if not jobs:
             return
         threads = min(len(jobs), self._threads())
+        uncached = sum(o.nbytes for o in outs if o is not None) >= UNCACHED_READ_BYTES
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
         try:
             started = time.perf_counter()
-            self._collect(_Batch(outs, [pool.submit(self._read_local_shard, key, s, items, outs) for (key, s), items in jobs],
-                                 started, 0))
+            self._collect(_Batch(outs, [pool.submit(self._read_local_shard, key, s, items, outs, uncached)
+                                        for (key, s), items in jobs], started, 0))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _read_local_shard(self, key: str, s: int, items: list[ReadItem], outs: list[np.ndarray | None]) -> "_ShardStats":
+    def _read_local_shard(self, key: str, s: int, items: list[ReadItem], outs: list[np.ndarray | None],
+                          uncached: bool = False) -> "_ShardStats":
         t = self.manifest.tensors[key]
         g = t.geometry
         obj = t.object_key(s)
@@ -101,6 +108,8 @@ class PositionalReads(BlockChecks):
         tr = time.perf_counter()
         self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
         with self.storage.open_positional(obj, tensor=key) as f:
+            if uncached:
+                f.prefer_uncached()
             want = int(t.shards.nbytes[s])
             if f.size != want:
                 raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,

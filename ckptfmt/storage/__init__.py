@@ -71,6 +71,10 @@ class PositionalFile(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def prefer_uncached(self) -> None:
+        """A hint: this read is large, so what it reads through a page cache should not stay
+        there (the local-file store: ``RWF_DONTCACHE``). Nothing where a store has no such cache."""
+
     def map(self) -> Any:
         """The whole object mapped copy-on-write (an ``mmap``: writes through it stay private), or
         None where this store cannot map. The mapping outlives :meth:`close`."""

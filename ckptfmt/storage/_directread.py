@@ -5,9 +5,15 @@ A buffer of at least :data:`DIRECT_MIN_BYTES` whose address and file offset agre
 (:data:`ckptfmt.storage._durable.DIRECT_ALIGN`) has its whole blocks read straight into it,
 without page-cache pages to allocate. Everything else (a chunk four bytes past a block boundary,
 behind the previous chunk's crc32c trailer; trailers, indexes, heads and tails of blocks) goes
-through the page cache, in one ``preadv`` per run of back-to-back stretches. (Staging unaligned
-chunks through an aligned buffer was measured too: no faster at 1 GiB, and at 8 GiB within the
-noise of this machine's fresh-memory cost; ``docs/profile-save.md`` 7.)
+through the page cache, in one ``preadv`` per run of back-to-back stretches; in a large read
+(:meth:`ckptfmt.storage.PositionalFile.prefer_uncached`, revision 1.2.5) with ``RWF_DONTCACHE``
+where the kernel and file system take it (Linux 6.14 and later): the page-cache pages such a read
+brings in are dropped once copied out, and the next read uses them again instead of taking new
+ones. On this 2-core virtual machine a new page costs its first touch, and a restore of 8 GiB
+through the page cache touched 8 GiB of new cache pages besides its 8 GiB of outputs: 12.5-22.0 s
+against 6.4-7.8 s uncached; at 1 GiB uncached was about 15 % slower (``docs/scaling.md``).
+(Staging unaligned chunks through an aligned buffer with ``O_DIRECT`` was measured too: faster
+at 8 GiB, 15-25 % slower at 1 GiB; ``docs/profile-save.md`` 7.)
 """
 from __future__ import annotations
 
@@ -92,7 +98,7 @@ class DirectReads:
             self.direct = False  # the file system refuses O_DIRECT: no more tries on this file
             rest += direct
         for at, run in runs(rest):
-            self._preadv_all(run, at)
+            self._preadv_all(run, at, uncached=True)
 
     def _direct_ok(self, read: Callable[[], None]) -> bool:
         """Run one ``O_DIRECT`` read; False (and no more direct reads of this file) where the

@@ -21,9 +21,11 @@
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
+import sys
 import threading
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
@@ -34,6 +36,9 @@ from ckptfmt.errors import MissingShardError, SizeMismatchError, StorageError
 from ckptfmt.storage import Pending, PositionalFile
 
 __all__ = ["LocalFileStorage"]
+
+#: preadv2's flag for reads whose new page-cache pages are dropped once copied (Linux 6.14).
+_RWF_DONTCACHE = getattr(os, "RWF_DONTCACHE", 0x80)
 
 
 class LocalFileStorage(KvStoreStorage):
@@ -339,6 +344,12 @@ class _LocalFile(_directread.DirectReads, PositionalFile):
     def __init__(self, fd: int, size: int, key: str, tensor: str | None, direct: bool = False) -> None:
         self.fd, self.size, self.key, self.tensor = fd, size, key, tensor
         self.direct = direct  # option direct_reads: large aligned spans through O_DIRECT
+        self.dontcache = False  # prefer_uncached(): the page-cache part of a large read with RWF_DONTCACHE
+
+    def prefer_uncached(self) -> None:
+        """With option ``direct_reads`` on Linux, the page-cache part of this file's split reads
+        goes with ``RWF_DONTCACHE`` (:mod:`ckptfmt.storage._directread`) until the kernel refuses it."""
+        self.dontcache = self.direct and sys.platform.startswith("linux")
 
     def read_into(self, buffers: Sequence[Any], offset: int) -> None:
         """Loops over short reads (Linux moves at most ~2 GiB per call), resuming inside the
@@ -351,14 +362,24 @@ class _LocalFile(_directread.DirectReads, PositionalFile):
         else:
             self._preadv_all(views, offset)
 
-    def _preadv_all(self, views: list[memoryview], offset: int, raw: bool = False) -> None:
+    def _preadv_all(self, views: list[memoryview], offset: int, raw: bool = False, uncached: bool = False) -> None:
         """Fill ``views`` from ``offset``; SizeMismatchError at an early end; StorageError (the
-        OSError itself with ``raw``) when a read fails."""
+        OSError itself with ``raw``) when a read fails. ``uncached``: with ``RWF_DONTCACHE``
+        (:mod:`ckptfmt.storage._directread`) while this file takes it."""
         want = sum(v.nbytes for v in views)
         got = 0
         while views:
             try:
-                n = os.preadv(self.fd, views, offset + got)
+                if uncached and self.dontcache:
+                    try:
+                        n = os.preadv(self.fd, views, offset + got, _RWF_DONTCACHE)
+                    except OSError as e:
+                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+                        self.dontcache = False  # an older kernel or a file system without it
+                        continue
+                else:
+                    n = os.preadv(self.fd, views, offset + got)
             except OSError as e:
                 if raw:
                     raise
