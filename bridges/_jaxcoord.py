@@ -20,6 +20,7 @@ interpreter ran its heartbeat thread: a process that holds the GIL for longer th
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import time
@@ -62,16 +63,18 @@ def _start_heartbeat(client: Any, rank: int) -> None:
         if _beat.get("client") is client and _beat["thread"].is_alive():
             return
 
+        stop = threading.Event()
+
         def run() -> None:
             n = 0
             try:
-                while _client_is_current(client):
+                while _client_is_current(client) and not stop.is_set():
                     n += 1
                     try:
                         client.key_value_set(_alive_key(rank), str(n), allow_overwrite=True)
                     except Exception:  # noqa: BLE001 - transient, or the service is gone: retry until shut down
                         pass
-                    time.sleep(HEARTBEAT_S)
+                    stop.wait(HEARTBEAT_S)
             finally:
                 with _beat_lock:
                     if _beat.get("client") is client:
@@ -80,6 +83,17 @@ def _start_heartbeat(client: Any, rank: int) -> None:
         thread = threading.Thread(target=run, name="ckptfmt-jax-heartbeat", daemon=True)
         thread.start()
         _beat.update(client=client, thread=thread)
+        # Stopped and joined at interpreter exit, before daemon threads are torn down: a daemon
+        # thread inside the client's C++ call when the interpreter finalizes is unwound through
+        # pybind11's frames on its way back to the GIL, which aborts the process ("terminate
+        # called ... FATAL: exception not rethrown"), after its work is done but with a failing
+        # exit status.
+        atexit.register(_stop_heartbeat, stop, thread)
+
+
+def _stop_heartbeat(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    thread.join(timeout=10.0)
 
 
 def _is_timeout(exc: Exception) -> bool:

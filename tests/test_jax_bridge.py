@@ -166,3 +166,39 @@ def test_cooperative_restore_reads_each_replicated_box_once(tmp_path):
     assert r0["corrupt"]["error"] == r1["corrupt"]["error"] == "ChecksumMismatchError", (r0, r1)
     assert r0["corrupt"]["key"] == r1["corrupt"]["key"] == r1["flipped"]
     assert r0["corrupt"]["message"].startswith("rank 1: "), r0["corrupt"]
+
+
+_EXIT_CHECK = r'''
+import atexit, os, sys, threading
+sys.path.insert(0, sys.argv[3])
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["JAX_PLATFORMS"] = "cpu"
+out = sys.argv[2]
+
+def last():  # registered first, so it runs after every later atexit handler (LIFO)
+    alive = [t.name for t in threading.enumerate() if t.name == "ckptfmt-jax-heartbeat" and t.is_alive()]
+    with open(out, "w") as f:
+        f.write(",".join(alive) or "none")
+
+atexit.register(last)
+from ckptfmt_tools.jaxjoin import join
+join(int(sys.argv[1]), 1, 0, timeout=60)
+from bridges._jaxcoord import _client, _start_heartbeat
+_start_heartbeat(_client(), 0)  # what a coordinator of a world of 2 or more starts
+assert any(t.name == "ckptfmt-jax-heartbeat" for t in threading.enumerate())
+'''
+
+
+@pytest.mark.multiprocess
+def test_the_heartbeat_thread_is_stopped_before_the_interpreter_exits(tmp_path):
+    """The coordinator's heartbeat (a daemon thread that calls into the jax.distributed client's
+    C++) is stopped and joined at exit, before the interpreter tears daemon threads down: one
+    caught inside that call is unwound through pybind11 and aborts the process after its work is
+    done (seen once in a full run: "terminate called ... FATAL: exception not rethrown"). The
+    process exits 0 and, by the time the last exit handler runs, no heartbeat thread is alive;
+    the control is the assertion inside the child that the thread did run."""
+    out = tmp_path / "alive.txt"
+    p = subprocess.run([sys.executable, "-c", _EXIT_CHECK, str(free_port()), str(out), ROOT], env=_env(),
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert out.read_text() == "none"
