@@ -213,6 +213,7 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
     _check_listed(repo, seed, seen, report, incremental)
 
     misses = 0  # runs in a row that committed nothing
+    hits = 0  # runs in a row that committed before the kill
     for i in range(runs):
         step = i + 2
         world = 2 if (multi_writer_every and not publish_first and i % multi_writer_every == multi_writer_every - 1) else 1
@@ -227,8 +228,11 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         # than a whole save, and every kill would land after the commit.
         # The window follows the machine: on a loaded one a save can take longer than the
         # calibration did, and every kill would land mid-save; after each 8 runs in a row without a
-        # commit the window grows by half (at most 8x), so that some saves still commit.
-        widen = min(8.0, 1.5 ** (misses // 8))
+        # commit the window grows by half (at most 8x), so that some saves still commit. And the
+        # other way: a calibration save slower than the saves after it (a first save, a machine
+        # busy then) puts most kills after the commit; after each 4 runs in a row that committed
+        # the window shrinks by a third (at most to 1/8), so that the kills still land mid-save.
+        widen = min(8.0, 1.5 ** (misses // 8)) * max(0.125, (2 / 3) ** (hits // 4))
         kill_at = (float(started["t"]) if started and "t" in started else time.time()) \
             + rng.uniform(0.0, (2.5 if incremental else 1.3) * widen * report.save_seconds)  # gc shares the CPU then
         time.sleep(max(0.0, kill_at - time.time()))
@@ -252,10 +256,10 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         results = [d for rd in readers for d in rd.lines if "ok" in d]
         if any(d.get("ok") for d in results):
             report.committed += 1
-            misses = 0
+            misses, hits = 0, hits + 1
         else:
             report.killed_mid_save += 1
-            misses += 1
+            misses, hits = misses + 1, 0
         for r, p in enumerate(run.procs):
             if r in victims:
                 continue
