@@ -256,9 +256,8 @@ class CheckpointManager(TierMixin):
             _log.info("step %d committed: caller blocked %.1f ms (waited %.1f ms for the previous save), "
                       "write %.1f ms, %d bytes", job.step, job.blocked_s * 1e3, job.waited_s * 1e3,
                       job.record.write_s * 1e3, job.record.bytes)
-            # In the history once committed, before retention runs (it may take a while: it
-            # verifies the newest step byte for byte); the next save still waits for both.
-            self._publish(job.record)
+            self._history.append(job.record)  # once committed, before retention; the next save waits for both
+            self._emit(job.record.to_json())
             if self.rank == 0:
                 self._retain()
         except BaseException as e:  # delivered by the next save/wait/close
@@ -267,13 +266,10 @@ class CheckpointManager(TierMixin):
                 job.record = SaveRecord(job.step, False, job.started_unix, job.blocked_s, job.waited_s,
                                         time.perf_counter() - job.t0, 0, f"{type(e).__name__}: {e}")
                 _log.error("step %d was not committed: %s: %s", job.step, type(e).__name__, e)
-                self._publish(job.record)
+                self._history.append(job.record)
+                self._emit(job.record.to_json())
         finally:
             job.done.set()
-
-    def _publish(self, record: SaveRecord) -> None:
-        self._history.append(record)
-        self._emit(record.to_json())
 
     def _join(self, timeout: float | None) -> SaveRecord | None:
         job = self._job
@@ -322,6 +318,10 @@ class CheckpointManager(TierMixin):
                 if self._metrics_out is not None:
                     self._metrics_out.close()
                     self._metrics_out = None
+            try:  # no rank leaves (rank 0 may host the store) before every rank ended its last save
+                self._coord.barrier("manager/close", min(self.close_timeout_s, 30.0)) if self.world > 1 else None
+            except CheckpointError as e:  # a peer is gone: nothing left to wait for
+                _log.warning("close: ranks did not meet at the end: %s", e)
             close = getattr(self._coord, "close", None)
             if close is not None:
                 close()

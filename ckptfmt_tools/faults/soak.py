@@ -212,8 +212,7 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
     report.save_seconds = float(res.get("seconds", 0.1))
     _check_listed(repo, seed, seen, report, incremental)
 
-    misses = 0  # runs in a row that committed nothing
-    hits = 0  # runs in a row that committed before the kill
+    scale = 1.0  # the kill window's factor, steered towards as many kills mid-save as after the commit
     for i in range(runs):
         step = i + 2
         world = 2 if (multi_writer_every and not publish_first and i % multi_writer_every == multi_writer_every - 1) else 1
@@ -226,13 +225,12 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         # The kill time is drawn relative to the writer's own clock stamp of the start of ``save()``,
         # not to when this process read the line: on a loaded machine that read can lag by more
         # than a whole save, and every kill would land after the commit.
-        # The window follows the machine: on a loaded one a save can take longer than the
-        # calibration did, and every kill would land mid-save; after each 8 runs in a row without a
-        # commit the window grows by half (at most 8x), so that some saves still commit. And the
-        # other way: a calibration save slower than the saves after it (a first save, a machine
-        # busy then) puts most kills after the commit; after each 4 runs in a row that committed
-        # the window shrinks by a third (at most to 1/8), so that the kills still land mid-save.
-        widen = min(8.0, 1.5 ** (misses // 8)) * max(0.125, (2 / 3) ** (hits // 4))
+        # The window follows the machine: a save can take longer than the calibration did (a
+        # loaded machine: every kill would land mid-save) or shorter (a calibration save that ran
+        # while the machine was busy: every kill would land after the commit). After each run
+        # that committed the window shrinks by a fifth, after each that did not it grows by a
+        # quarter (between 1/8 and 8 times the calibrated save), so that both keep happening.
+        widen = scale
         kill_at = (float(started["t"]) if started and "t" in started else time.time()) \
             + rng.uniform(0.0, (2.5 if incremental else 1.3) * widen * report.save_seconds)  # gc shares the CPU then
         time.sleep(max(0.0, kill_at - time.time()))
@@ -256,10 +254,10 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         results = [d for rd in readers for d in rd.lines if "ok" in d]
         if any(d.get("ok") for d in results):
             report.committed += 1
-            misses, hits = 0, hits + 1
+            scale = max(0.125, scale * 0.8)
         else:
             report.killed_mid_save += 1
-            misses, hits = misses + 1, 0
+            scale = min(8.0, scale * 1.25)
         for r, p in enumerate(run.procs):
             if r in victims:
                 continue
