@@ -318,10 +318,11 @@ class CheckpointManager(TierMixin):
                 if self._metrics_out is not None:
                     self._metrics_out.close()
                     self._metrics_out = None
-            try:  # no rank leaves (rank 0 may host the store) before every rank ended its last save
-                self._coord.barrier("manager/close", min(self.close_timeout_s, 30.0)) if self.world > 1 else None
-            except CheckpointError as e:  # a peer is gone: nothing left to wait for
-                _log.warning("close: ranks did not meet at the end: %s", e)
+            if self.world > 1:  # no rank leaves (rank 0 may host the store) before every rank ended its last save
+                try:
+                    self._coord.barrier("manager/close", min(self.close_timeout_s, 30.0))
+                except CheckpointError as e:  # a peer is gone: nothing left to wait for
+                    _log.warning("close: ranks did not meet at the end: %s", e)
             close = getattr(self._coord, "close", None)
             if close is not None:
                 close()

@@ -158,6 +158,11 @@ def previous_manifest(repo: Any, pinned: Any) -> Manifest | None:
     return m if m.save_id == save_id else None
 
 
+def _same_crcs(crcs: Any, stored: ShardRecord) -> bool:
+    """The source block's chunk crc32c equal the stored row's (a raw shard's chunks)."""
+    return crcs is not None and tuple(int(c) for c in crcs) == stored.chunk_crc32c
+
+
 @dataclass
 class _Seen:
     source: Any
@@ -230,8 +235,7 @@ class ReusePlanner:
         digest, the next save's proof of this shard is the byte proof, which then takes it."""
         if found is None or self.codec != "raw":  # an encoded chunk's crc32c covers its encoded bytes
             return True
-        crcs = materialize()[1]
-        return crcs is not None and tuple(int(c) for c in crcs) == found[2].chunk_crc32c
+        return _same_crcs(materialize()[1], found[2])
 
     def _stored(self, plan: "TensorWritePlan", item: "WriteItem") -> tuple[TensorEntry, int, ShardRecord] | None:
         """``P``'s row for this shard, when ``P`` holds the same tensor with the same geometry: the
@@ -257,7 +261,7 @@ class ReusePlanner:
         """The byte proof: the chunk crc32c equal, then the stored object, checked against ``P``'s
         manifest (size, index, every chunk's crc32c), holds exactly the source's chunks."""
         block, crcs = materialize()
-        if self.codec == "raw" and tuple(int(c) for c in crcs) != stored.chunk_crc32c:
+        if self.codec == "raw" and not _same_crcs(crcs, stored):
             return False  # (an encoded chunk's crc32c covers its encoded bytes: compared decoded below)
         obj = t.object_key(s)
         try:

@@ -369,18 +369,13 @@ class _LocalFile(_directread.DirectReads, PositionalFile):
         want = sum(v.nbytes for v in views)
         got = 0
         while views:
+            flags = _RWF_DONTCACHE if uncached and self.dontcache else 0
             try:
-                if uncached and self.dontcache:
-                    try:
-                        n = os.preadv(self.fd, views, offset + got, _RWF_DONTCACHE)
-                    except OSError as e:
-                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                            raise
-                        self.dontcache = False  # an older kernel or a file system without it
-                        continue
-                else:
-                    n = os.preadv(self.fd, views, offset + got)
+                n = os.preadv(self.fd, views, offset + got, flags)
             except OSError as e:
+                if flags and e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    self.dontcache = False  # an older kernel or a file system without it
+                    continue
                 if raw:
                     raise
                 raise StorageError("read failed", key=self.tensor, object=self.key, found=str(e)) from None

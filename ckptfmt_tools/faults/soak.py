@@ -230,9 +230,8 @@ def soak(root: str | Path, runs: int = 50, *, seed: int = 7, rng_seed: int = 0, 
         # while the machine was busy: every kill would land after the commit). After each run
         # that committed the window shrinks by a fifth, after each that did not it grows by a
         # quarter (between 1/8 and 8 times the calibrated save), so that both keep happening.
-        widen = scale
         kill_at = (float(started["t"]) if started and "t" in started else time.time()) \
-            + rng.uniform(0.0, (2.5 if incremental else 1.3) * widen * report.save_seconds)  # gc shares the CPU then
+            + rng.uniform(0.0, (2.5 if incremental else 1.3) * scale * report.save_seconds)  # gc shares the CPU then
         time.sleep(max(0.0, kill_at - time.time()))
         collector = _retention_thread(repo, report, i) if incremental else None
         victims = list(range(world)) if world == 1 else [rng.randrange(world)]
