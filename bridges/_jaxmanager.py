@@ -64,7 +64,7 @@ class CheckpointManager(_CoreManager):
                    blocking: bool) -> Callable[[], Manifest]:
         from .jax import save
 
-        out = save(self.url, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
+        out = save(self.repository, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
                    options=self.options, metadata=metadata)
         return (lambda: out) if blocking else out.result
 

@@ -73,7 +73,7 @@ class CheckpointManager(_CoreManager):
                    blocking: bool) -> Callable[[], Manifest]:
         from .torch import save
 
-        out = save(self.url, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
+        out = save(self.repository, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
                    metadata=metadata, options=self.options, mapping=self.mapping)
         return (lambda: out) if blocking else out.result
 

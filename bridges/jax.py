@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from ckptfmt import Box, LocalShard, SaveHandle, SaveOptions
+from ckptfmt import Box, LocalShard, Repository, SaveHandle, SaveOptions
 from ckptfmt.asyncsave import save_in_flight, start_async
 from ckptfmt import session as _session
 from ckptfmt.reader import RANK_STATE_POLICIES as _CORE_POLICIES
@@ -132,10 +132,12 @@ def _to_shards(state: Any, *, copy: bool) -> tuple[list[LocalShard], dict[str, A
     return shards, {"name": "jax", "version": _BRIDGE_VERSION, "leaves": leaves, "prng_impls": prng}
 
 
-def save(url: str, state: Any, *, step: int, extra: Any = None, rank_state: Mapping[str, Any] | None = None,
+def save(url: "str | Repository", state: Any, *, step: int, extra: Any = None, rank_state: Mapping[str, Any] | None = None,
          blocking: bool = True, coordinator: Any = None, options: SaveOptions | None = None,
          metadata: Mapping[str, Any] | None = None) -> Any:
-    """Save the pytree ``state`` as step ``step`` of the repository at ``url``.
+    """Save the pytree ``state`` as step ``step`` of the repository at ``url`` (a URL, or a
+    :class:`ckptfmt.Repository`, whose storage and caches a caller that saves often keeps: the
+    checkpoint managers pass theirs).
 
     Every process of a ``jax.distributed`` job must call it with the same ``step`` and a
     state of the same structure; each writes its share of its addressable shards (a replicated
@@ -185,7 +187,7 @@ def _stage(state: Any, extra: Any, rank_state: Any, metadata: Mapping[str, Any] 
     return shards, global_state, per_rank, md
 
 
-def _commit(url: str, step: int, shards: list[LocalShard], global_state: Any, per_rank: Any, metadata: Any,
+def _commit(url: "str | Repository", step: int, shards: list[LocalShard], global_state: Any, per_rank: Any, metadata: Any,
             coord: Any, options: SaveOptions, release: bool) -> Any:
     """Write, verify and commit the staged save (the caller's thread, or the background save's)."""
     manifest = _session.save(url, step, shards, state=global_state, rank_state=per_rank, coordinator=coord,

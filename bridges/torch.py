@@ -147,11 +147,13 @@ def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None
     return shards, objects
 
 
-def save(url: str, state: TMapping[str, Any], *, step: int, extra: Any = None, rank_state: Any = None,
+def save(url: "str | ckptfmt.Repository", state: TMapping[str, Any], *, step: int, extra: Any = None, rank_state: Any = None,
          blocking: bool = True, coordinator: Any = None, save_rng: bool = True,
          metadata: TMapping[str, Any] | None = None, mapping: Mapping | None = None, options: Any = None,
          rank_extra: Any = UNSET) -> Any:
-    """Save ``state`` (a state dict: nested dicts of tensors, DTensors and msgpack-able values) as ``step``.
+    """Save ``state`` (a state dict: nested dicts of tensors, DTensors and msgpack-able values) as ``step``
+    of the repository at ``url`` (a URL, or a :class:`ckptfmt.Repository`, whose storage and caches a
+    caller that saves often keeps: the checkpoint manager passes its own).
 
     Every rank of the process group must call it with the same keys. ``extra`` goes to the global
     state (rank 0's copy), ``rank_state`` (e.g. the data sampler cursor) and, with ``save_rng``,

@@ -197,3 +197,15 @@ def test_version_checks_come_before_every_other_rule(good):
     with pytest.raises(InvalidManifestError) as e:
         parse_manifest(mutate(good, lambda d: (later(d), d.update(must_understand=[], extensions={}))))
     assert not isinstance(e.value, UnsupportedVersionError)
+
+
+@pytest.mark.parametrize("ch", ["\x00", "\x01", "\t", "\n", "\x1f", "\x7f"])
+def test_an_object_key_with_a_control_character_is_rejected(ch):
+    """FORMAT.md 5.9 rule 5: C0 controls and DEL. The neighbours (space, '~', non-ASCII) are the
+    control: accepted."""
+    from ckptfmt.manifest._entries import check_object_key
+
+    for ok in ("saves/a/t/000000/c/0", "saves/a b/~x", "saves/é\x80/\u2028"):
+        assert check_object_key(ok) == ok
+    with pytest.raises(InvalidManifestError, match="control character"):
+        check_object_key(f"saves/a{ch}b/c/0", key="x")

@@ -119,3 +119,36 @@ def test_gc_removes_stale_lock_files_of_a_committed_save(tmp_path):
     repo.gc(grace_s=3600)
     assert not lock.exists()
     repo.verify(1)
+
+
+def test_a_manifest_parsed_before_is_served_only_for_the_same_bytes(tmp_path):
+    """Repository keeps parsed manifests (a manager's save and retention read the same ones up to
+    six times). The cache is checked against the bytes read now: a step deleted and committed
+    again by another save is not answered with the manifest parsed before."""
+    repo = Repository(str(tmp_path))
+    save(repo, 5, shards(5)[0], metadata={"v": 1})
+    first = repo.manifest(5)
+    assert repo.manifest(5) is first  # control: served from the cache while the bytes are the same
+    other = Repository(str(tmp_path))  # another process's view
+    other.delete(5)
+    with pytest.raises(StepNotFoundError):
+        repo.manifest(5)
+    save(other, 5, shards(6)[0], metadata={"v": 2})
+    again = repo.manifest(5)
+    assert again is not first and again.metadata["v"] == 2 and again.save_id != first.save_id
+    assert np.array_equal(repo.open(5).read("x"), shards(6)[1])
+
+
+def test_the_manifest_cache_is_bounded():
+    from ckptfmt.manifest import parse_manifest
+    from ckptfmt.repository import MANIFEST_CACHE_ENTRIES
+
+    repo = Repository("memory://")
+    for s in range(MANIFEST_CACHE_ENTRIES + 4):
+        save(repo, s, shards(s)[0])
+        repo.manifest(s)
+    assert len(repo._parsed) == MANIFEST_CACHE_ENTRIES  # the newest used are kept
+    assert min(repo._parsed) == f"manifests/{4:020d}.json"
+    big = repo.storage.read(f"manifests/{0:020d}.json")
+    repo.remember_manifest("manifests/x.json", big + b" " * (64 << 20), parse_manifest(big))  # over the byte cap
+    assert "manifests/x.json" not in repo._parsed and len(repo._parsed) == MANIFEST_CACHE_ENTRIES

@@ -254,3 +254,35 @@ def test_read_buffers_of_many_sizes_are_taken_by_position():
     got = b.take(100)
     assert got.size >= 100 and any(got.ctypes.data == x.ctypes.data for x in bufs)
     assert b.kept_bytes == sum(x.size for x in bufs) - got.size
+
+
+def _verify_threads() -> set[int]:
+    import threading
+
+    return {t.native_id for t in threading.enumerate() if t.name.startswith("ckptfmt-verify")}
+
+
+def test_verifications_share_the_process_verify_threads_and_a_fault_still_surfaces(tmp_path):
+    """Verify threads are started once per process and kept (a manager verifies after every save;
+    starting 16 threads each time took CPU from training). A verification that fails raises its
+    fault with the shared threads, and the next one (the control: good bytes) still passes on the
+    same threads."""
+    from ckptfmt.reader._verifylocal import VERIFY_THREADS
+
+    r = Repository(str(tmp_path / "r"))
+    for step in (1, 2):  # different bytes: step 2 does not reuse step 1's objects
+        save(r, step, [LocalShard(f"x{i}", (256, 256), np.float32, Box((0, 0), (256, 256)),
+                                  np.full((256, 256), i + 100 * step, np.float32)) for i in range(20)])
+    assert r.verify(1) > 0
+    threads = _verify_threads()
+    assert 1 <= len(threads) <= VERIFY_THREADS  # alive after the verification returned
+    t = r.manifest(2).tensors["x7"]
+    data = bytearray(r.storage.read(t.object_key(0)))
+    data[int(t.chunks.offset[int(t.chunk_start[0])]) + 100] ^= 0x01
+    r.storage.write(t.object_key(0), bytes(data))
+    with pytest.raises(ChecksumMismatchError) as e:
+        r.verify(2)
+    assert e.value.key == "x7"
+    assert r.verify(1) > 0
+    after = _verify_threads()  # the same threads kept (the pool may have grown to its cap)
+    assert threads <= after and len(after) <= VERIFY_THREADS

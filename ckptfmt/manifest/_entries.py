@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Mapping
@@ -17,6 +18,8 @@ from ckptfmt.dtypes import DTYPES, itemsize_of
 from ckptfmt.errors import DuplicateShardError, InvalidManifestError, UnsupportedVersionError
 from ckptfmt.layout import CRC_BYTES, MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, shard_key
 from ckptfmt.plan import TensorGeometry, chunk_count_table
+
+_CONTROL = re.compile("[\x00-\x1f\x7f]")  # C0 controls and DEL
 
 __all__ = ["ArraySpec", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key", "CODECS",
            "max_encoded_chunk_nbytes", "DerivedColumns", "derived_columns"]
@@ -50,7 +53,7 @@ def check_object_key(k: Any, *, prefix: str = "", key: str | None = None) -> str
         bad = "absolute, backslash or URL scheme"
     elif any(seg in ("", ".", "..") for seg in k.split("/")):
         bad = "empty, '.' or '..' segment"
-    elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in k):
+    elif _CONTROL.search(k):
         bad = "control character"
     elif prefix and not k.startswith(prefix):
         bad = f"outside {prefix!r}"

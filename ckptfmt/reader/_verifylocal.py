@@ -13,9 +13,10 @@ into it, and giving it back costs an unmapping; together about a third of a 32 M
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 import numpy as np
@@ -28,6 +29,22 @@ __all__ = ["LocalVerify", "ReadBuffers", "VERIFY_THREADS"]
 
 #: Objects verified at once (each held whole while it is checked).
 VERIFY_THREADS = 16
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def verify_pool() -> ThreadPoolExecutor:
+    """The process's verify threads, created on first use (not at import) and kept: a manager's
+    retention verifies after every save, and starting (then unmapping the stacks of) 16 threads per
+    verification took CPU from the training threads. Verifications running at once share them; a
+    job never waits on another job. Per process id, so a forked child never waits on its parent's."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(os.getpid())
+        if pool is None:
+            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(max_workers=VERIFY_THREADS,
+                                                            thread_name_prefix="ckptfmt-verify")
+        return pool
 
 
 class ReadBuffers:
@@ -85,9 +102,9 @@ class LocalVerify:
         jobs = [(self.manifest.tensors[k], s) for k in keys for s in range(len(self.manifest.tensors[k].shards))]
         if buffers is None:  # the threads keep at most one window between them
             buffers = ReadBuffers(self.max_inflight_bytes)
-        pool = ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="ckptfmt-verify")
+        pool = verify_pool()
+        pending: deque[Any] = deque()
         try:
-            pending: deque[Any] = deque()
             held = 0
             for t, s in jobs:
                 n = int(t.shards.nbytes[s])
@@ -102,8 +119,10 @@ class LocalVerify:
                 held += n
             while pending:
                 held -= self._verified(pending.popleft(), report)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        finally:  # on an error: nothing of this verification still runs once it is raised
+            for f in pending:
+                f.cancel()
+            wait(pending)
 
     def _verified(self, fut: Any, report: Callable[[int], None]) -> int:
         n = int(fut.result())  # raises this object's fault

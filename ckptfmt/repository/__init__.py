@@ -9,7 +9,9 @@ holds the rules and enforces them). Subpackages that may import it: session, int
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from typing import Any, Mapping
 
 from ckptfmt.repository import _gc, _recognise, _verified
@@ -23,6 +25,10 @@ from ckptfmt.reader._verifylocal import ReadBuffers
 from ckptfmt.storage import Storage, open_storage
 
 __all__ = ["Repository", "GcReport"]
+
+#: Parsed manifests a Repository keeps (the newest used), and the most manifest bytes they may hold.
+MANIFEST_CACHE_ENTRIES = 8
+MANIFEST_CACHE_BYTES = 64 << 20
 
 
 class Repository:
@@ -61,9 +67,12 @@ class Repository:
             raise ValueError("pass options to the storage, not to Repository, when giving a storage")
         self.storage: Storage = storage if storage is not None else open_storage(self.url, options)
         self.max_manifest_bytes = max_manifest_bytes
-        # The last manifest parsed, with its key and bytes: a save reads the previous step's
-        # manifest twice (before and after its lease pins it) and parses it once.
-        self._last: tuple[str, bytes, Manifest] | None = None
+        # Manifests parsed before, by key, with the bytes they were parsed from: a manager's save
+        # and retention read the same few manifests up to six times, and parse each once. A hit
+        # needs the bytes read now to equal those parsed (a manifest is immutable once committed,
+        # but a step may be deleted and committed again).
+        self._parsed: OrderedDict[str, tuple[bytes, Manifest]] = OrderedDict()
+        self._parsed_lock = threading.Lock()
         # Read buffers kept between verifications: a manager's retention verifies after every save.
         self._read_buffers = ReadBuffers()
 
@@ -97,9 +106,11 @@ class Repository:
         data = self._read_manifest_bytes(key)
         if data is None:
             raise StepNotFoundError("step is not committed", object=key, expected="a committed manifest", found="none")
-        last = self._last
-        if last is not None and last[0] == key and last[1] == data:
-            return last[2]  # the same bytes validated before (a Manifest is immutable)
+        with self._parsed_lock:
+            hit = self._parsed.get(key)
+            if hit is not None and hit[0] == data:
+                self._parsed.move_to_end(key)
+                return hit[1]  # the same bytes validated before (a Manifest is immutable)
         try:
             m = parse_manifest(data, max_bytes=self.max_manifest_bytes)
         except CheckpointError as e:
@@ -108,8 +119,21 @@ class Repository:
         if m.step != int(step):
             raise InvalidManifestError("manifest names a different step than its key", object=key,
                                        expected=int(step), found=m.step)
-        self._last = (key, bytes(data), m)
+        self.remember_manifest(key, bytes(data), m)
         return m
+
+    def remember_manifest(self, key: str, data: bytes, manifest: Manifest) -> None:
+        """Keep ``manifest``, validated from ``data`` (the bytes at ``key``), for :meth:`manifest`:
+        a save gives the one it committed. At most :data:`MANIFEST_CACHE_ENTRIES` are kept, holding
+        at most :data:`MANIFEST_CACHE_BYTES` of manifest bytes; the least recently used go first."""
+        with self._parsed_lock:
+            self._parsed.pop(key, None)
+            if len(data) > MANIFEST_CACHE_BYTES:
+                return
+            self._parsed[key] = (data, manifest)
+            held = sum(len(d) for d, _ in self._parsed.values())
+            while len(self._parsed) > MANIFEST_CACHE_ENTRIES or held > MANIFEST_CACHE_BYTES:
+                held -= len(self._parsed.popitem(last=False)[1][0])
 
     def _read_manifest_bytes(self, key: str) -> bytes | None:
         self.storage.check_no_links(key, set())  # a reader does not leave the repository (FORMAT.md 4.2)

@@ -340,7 +340,9 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
     if "error" in outcome:
         raise CheckpointError.from_json(outcome["error"])
     reuse.remember(save_id, records)
-    return checked if checked is not None else parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
+    committed = checked if checked is not None else parse_manifest(outcome["manifest"], max_bytes=repository.max_manifest_bytes)
+    repository.remember_manifest(manifest_key(step), bytes(outcome["manifest"]), committed)  # read back by retention
+    return committed
 
 
 def _freeze(coord: Coordinator, opts: SaveOptions, step: int, save_id: str,

@@ -209,7 +209,8 @@ class _Staging(threading.local):
 
     def get(self) -> np.ndarray:
         if self.buf is None:
-            self.buf = np.frombuffer(mmap.mmap(-1, _DIRECT_BYTES), dtype=np.uint8)
+            self.buf = np.frombuffer(mmap.mmap(-1, _DIRECT_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                                     dtype=np.uint8)  # private: no shmem pages behind it
         return self.buf
 
 
