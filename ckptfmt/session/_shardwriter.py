@@ -214,17 +214,23 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
     StorageError when a write fails, IncompleteSaveError when a shard does not read back as written."""
     t = time.perf_counter()
     w = _RankWrites(storage, plans, local, save_id, rank, settings, reuse)
-    opened = {p.index: storage.open_array(layout.array_path(save_id, p.index), layout.zarr_array_metadata(
-        p.geometry.shape, p.dtype, p.geometry.shard_shape, p.geometry.chunk_shape, settings.codec, settings.codec_level),
-        create=(rank == 0)) for p in plans if rank == 0 or (settings.codec != "raw" and p.items_for(rank))}
-    if settings.codec != "raw":  # tensorstore encodes: the arrays must be open before the writes
-        w.handles = {idx: _opened(fut, plans[idx], save_id) for idx, fut in opened.items()}
+    raw = settings.codec == "raw"
+    opened = {} if raw else {  # tensorstore encodes: the arrays must be open before the writes
+        p.index: storage.open_array(layout.array_path(save_id, p.index), _metadata(p, settings), create=(rank == 0))
+        for p in plans if rank == 0 or p.items_for(rank)}
+    w.handles = {idx: _opened(fut, plans[idx], save_id) for idx, fut in opened.items()}
+    # Rank 0 writes a raw array's zarr.json as one more object of the save (FORMAT.md 14.2, 1.2.6).
+    metadata = [writer_pool(w.threads).submit(_write_metadata, storage, plans[i:i + _METADATA_PER_TASK], save_id, settings)
+                for i in range(0, len(plans), _METADATA_PER_TASK)] if raw and rank == 0 else []
     if settings.jitter_s > 0 and w.mine:
         time.sleep(secrets.SystemRandom().uniform(0, settings.jitter_s))
     t = clock.add("plan", t)
-    _schedule(w)
-    for idx, fut in opened.items():
-        _opened(fut, plans[idx], save_id)
+    try:
+        _schedule(w)
+    finally:
+        wait(metadata)
+    for fut in metadata:
+        fut.result()  # its StorageError names the tensor and the object
     t = clock.add("write", t)
     storage.sync(layout.save_prefix(save_id))
     t = clock.add("fsync", t)
@@ -234,6 +240,26 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
         return _verify_encoded(storage, w) + w.referenced
     finally:
         clock.add("verify", t)
+
+
+#: zarr.json objects one writer task writes.
+_METADATA_PER_TASK = 32
+
+
+def _metadata(p: TensorWritePlan, settings: WriteSettings) -> dict[str, Any]:
+    g = p.geometry
+    return layout.zarr_array_metadata(g.shape, p.dtype, g.shard_shape, g.chunk_shape, settings.codec, settings.codec_level)
+
+
+def _write_metadata(storage: Storage, plans: list[TensorWritePlan], save_id: str, settings: WriteSettings) -> None:
+    """Write the zarr.json of each of ``plans``' raw arrays: tensorstore's bytes (FORMAT.md 14.2)."""
+    from ckptfmt.storage._kvstore import zarr_json  # tensorstore: imported once a save runs
+
+    for p in plans:
+        path = layout.array_path(save_id, p.index)
+        with kv_errors("cannot create the tensor array", key=p.key, object=path):
+            data = zarr_json(_metadata(p, settings))
+        storage.write_object(f"{path}/zarr.json", [data], tensor=p.key)
 
 
 def _opened(fut: Any, p: TensorWritePlan, save_id: str) -> Any:

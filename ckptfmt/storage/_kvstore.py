@@ -9,6 +9,7 @@ message says what kind of failure it was (disk full, file too large, permission 
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Iterable, Mapping, Sequence
 
 import tensorstore as ts
@@ -21,7 +22,7 @@ from ckptfmt.storage._kverrors import storage_error as storage_error
 from ckptfmt.errors import MissingShardError, SizeMismatchError, StorageError
 from ckptfmt.storage import NO_VALUE, Pending, Storage
 
-__all__ = ["KvStoreStorage", "MemoryStorage", "OutOfRange", "classify", "kv_errors"]
+__all__ = ["KvStoreStorage", "MemoryStorage", "OutOfRange", "classify", "kv_errors", "zarr_json"]
 
 
 def _value(r: Any) -> bytes | None:
@@ -247,6 +248,21 @@ class KvStoreStorage(Storage):
         kwargs: dict[str, Any] = {"context": self.context}
         kwargs.update({"create": True} if create else {"open": True, "assume_metadata": True})
         return ts.open(spec, **kwargs)
+
+
+def zarr_json(metadata: Mapping[str, Any]) -> bytes:
+    """The ``zarr.json`` bytes tensorstore's zarr3 driver writes when it creates an array of
+    ``metadata`` (FORMAT.md 14.2, revision 1.2.6): the array is created in an in-memory kvstore and
+    its ``zarr.json`` copied. Kept for the last 1024 distinct metadata (a training job saves the
+    same arrays every time). Raises tensorstore's error for metadata it does not take."""
+    return _zarr_json(json.dumps(metadata, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=1024)
+def _zarr_json(metadata: str) -> bytes:
+    array = ts.open({"driver": "zarr3", "kvstore": {"driver": "memory"}, "metadata": json.loads(metadata)},
+                    create=True).result()
+    return bytes(array.kvstore.read("zarr.json").result().value)
 
 
 @functools.lru_cache(maxsize=None)
