@@ -88,14 +88,20 @@ def _file(tmp_path, n: int) -> tuple[str, bytes]:
     return str(path), data
 
 
+def _uncached_file(tmp_path, n: int) -> tuple[str, bytes]:
+    """:func:`_file`, skipping the test where its pages stay cached (page-cache counts mean nothing)."""
+    path, data = _file(tmp_path, n)
+    if _resident_pages(path) > 2:
+        pytest.skip("this file system keeps written pages cached after POSIX_FADV_DONTNEED")
+    return path, data
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_direct_reads_return_the_bytes_and_skip_the_page_cache(tmp_path, direct):
     """On the test directory's disk the aligned spans bypass the page cache; the buffered read
     (direct=False) is the control that fills it. Both return the file's bytes."""
     n = (3 << 20) + 4 + 96
-    path, data = _file(tmp_path, n)
-    if _resident_pages(path) > 2:
-        pytest.skip("this file system keeps written pages cached after POSIX_FADV_DONTNEED")
+    path, data = _uncached_file(tmp_path, n)
     repo = Repository(str(tmp_path), options={"direct_reads": direct})
     out, tail, index = _aligned(3 << 20), bytearray(4), bytearray(96)
     with repo.storage.open_positional("obj") as f:
@@ -203,9 +209,7 @@ def test_unaligned_stretches_of_a_large_read_leave_no_page_cache_pages(tmp_path,
     dropped once copied; without the hint (the control) they stay cached. Both return the file's
     bytes, the unaligned last bytes included."""
     n = (5 << 20) + 4 + 96
-    path, data = _file(tmp_path, n)
-    if _resident_pages(path) > 2:
-        pytest.skip("this file system keeps written pages cached after POSIX_FADV_DONTNEED")
+    path, data = _uncached_file(tmp_path, n)
     if not _takes_dontcache(path):
         pytest.skip("this kernel or file system has no RWF_DONTCACHE")
     repo = Repository(str(tmp_path), options={"direct_reads": True})

@@ -152,3 +152,14 @@ def test_the_manifest_cache_is_bounded():
     big = repo.storage.read(f"manifests/{0:020d}.json")
     repo.remember_manifest("manifests/x.json", big + b" " * (64 << 20), parse_manifest(big))  # over the byte cap
     assert "manifests/x.json" not in repo._parsed and len(repo._parsed) == MANIFEST_CACHE_ENTRIES
+
+
+def test_the_manifest_and_its_bytes_come_from_one_read(tmp_path):
+    """A verification record binds the digest of the manifest's bytes (FORMAT.md 10.4): the bytes
+    ``manifest_with_bytes`` returns are those on disk, and its manifest is the one ``manifest``
+    serves (parsed once)."""
+    repo = Repository(str(tmp_path))
+    save(repo, 3, shards(3)[0])
+    m, data = repo.manifest_with_bytes(3)
+    assert data == (tmp_path / "manifests" / f"{3:020d}.json").read_bytes()
+    assert repo.manifest(3) is m

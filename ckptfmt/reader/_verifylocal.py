@@ -13,7 +13,6 @@ into it, and giving it back costs an unmapping; together about a third of a 32 M
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -24,27 +23,17 @@ import numpy as np
 from ckptfmt.errors import SizeMismatchError
 from ckptfmt.manifest import TensorEntry
 from ckptfmt.reader._alloc import require_memory
+from ckptfmt.storage._durable import kept_pool
 
 __all__ = ["LocalVerify", "ReadBuffers", "VERIFY_THREADS"]
 
 #: Objects verified at once (each held whole while it is checked).
 VERIFY_THREADS = 16
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
 
 def verify_pool() -> ThreadPoolExecutor:
-    """The process's verify threads, created on first use (not at import) and kept: a manager's
-    retention verifies after every save, and starting (then unmapping the stacks of) 16 threads per
-    verification took CPU from the training threads. Verifications running at once share them; a
-    job never waits on another job. Per process id, so a forked child never waits on its parent's."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(os.getpid())
-        if pool is None:
-            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(max_workers=VERIFY_THREADS,
-                                                            thread_name_prefix="ckptfmt-verify")
-        return pool
+    """The process's verify threads (:func:`ckptfmt.storage._durable.kept_pool`)."""
+    return kept_pool("ckptfmt-verify", VERIFY_THREADS)
 
 
 class ReadBuffers:

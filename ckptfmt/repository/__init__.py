@@ -102,6 +102,11 @@ class Repository:
 
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of a committed step. StepNotFoundError / InvalidManifestError on failure."""
+        return self.manifest_with_bytes(step)[0]
+
+    def manifest_with_bytes(self, step: int) -> tuple[Manifest, bytes]:
+        """:meth:`manifest`, with the bytes read now that it was validated from (a verification
+        record binds their digest, FORMAT.md 10.4)."""
         key = manifest_key(int(step))
         data = self._read_manifest_bytes(key)
         if data is None:
@@ -110,7 +115,7 @@ class Repository:
             hit = self._parsed.get(key)
             if hit is not None and hit[0] == data:
                 self._parsed.move_to_end(key)
-                return hit[1]  # the same bytes validated before (a Manifest is immutable)
+                return hit[1], hit[0]  # the same bytes validated before (a Manifest is immutable)
         try:
             m = parse_manifest(data, max_bytes=self.max_manifest_bytes)
         except CheckpointError as e:
@@ -119,8 +124,9 @@ class Repository:
         if m.step != int(step):
             raise InvalidManifestError("manifest names a different step than its key", object=key,
                                        expected=int(step), found=m.step)
-        self.remember_manifest(key, bytes(data), m)
-        return m
+        data = bytes(data)
+        self.remember_manifest(key, data, m)
+        return m, data
 
     def remember_manifest(self, key: str, data: bytes, manifest: Manifest) -> None:
         """Keep ``manifest``, validated from ``data`` (the bytes at ``key``), for :meth:`manifest`:

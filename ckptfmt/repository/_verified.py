@@ -20,9 +20,9 @@ import math
 import time
 from typing import Any
 
-from ckptfmt.errors import CheckpointError, InvalidManifestError
-from ckptfmt.layout import manifest_key, save_prefix
-from ckptfmt.manifest import Manifest, parse_manifest
+from ckptfmt.errors import CheckpointError
+from ckptfmt.layout import save_prefix
+from ckptfmt.manifest import Manifest
 from ckptfmt.reader import DEFAULT_READ_WINDOW, Checkpoint
 
 __all__ = ["RECORD_NAME", "RECORD_FORMAT", "record_key", "unverified", "forget"]
@@ -70,25 +70,12 @@ def _trusted(st: Any, want: dict[str, Any]) -> bool:
             and when <= time.time() + _CLOCK_SLACK_S)
 
 
-def _manifest_and_bytes(repo: Any, step: int) -> tuple[Manifest, bytes]:
-    m = repo.manifest(step)
-    last = getattr(repo, "_last", None)  # the bytes Repository.manifest just validated
-    if last is not None and last[0] == manifest_key(step) and last[2] is m:
-        return m, last[1]
-    data = repo._read_manifest_bytes(manifest_key(step))  # another thread's read replaced it
-    m = parse_manifest(data, max_bytes=repo.max_manifest_bytes)
-    if m.step != step:
-        raise InvalidManifestError("manifest names a different step than its key", object=manifest_key(step),
-                              expected=step, found=m.step)
-    return m, data
-
-
 def unverified(repo: Any, step: int) -> str | None:
     """Why ``step`` is not verified byte for byte now, or None: its record matches, or it was
     read and checked in full just now (and the record written). Never raises for bad content."""
     st = repo.storage
     try:
-        m, data = _manifest_and_bytes(repo, int(step))
+        m, data = repo.manifest_with_bytes(int(step))
         stamps = st.stamps(_objects(m))  # before the read: a write after this changes them
     except CheckpointError as e:
         return f"{type(e).__name__}: {e.message}"

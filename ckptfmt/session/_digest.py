@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+
+from ckptfmt.storage._durable import kept_pool
 
 __all__ = ["PendingDigest", "start_digest", "DigestWindow"]
 
@@ -22,19 +23,9 @@ _INLINE_BYTES = 64 << 10  # a smaller block is hashed at once, in the caller's t
 WINDOW_BYTES = 256 << 20
 _MAX_THREADS = 8
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
 def _pool() -> ThreadPoolExecutor:
-    """The process's digest threads, created on first use (not at import), per process id (a
-    forked child never waits on its parent's threads)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(os.getpid())
-        if pool is None:
-            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(
-                max_workers=max(1, min(_MAX_THREADS, os.cpu_count() or 1)), thread_name_prefix="ckptfmt-digest")
-        return pool
+    """The process's digest threads (:func:`ckptfmt.storage._durable.kept_pool`)."""
+    return kept_pool("ckptfmt-digest", max(1, min(_MAX_THREADS, os.cpu_count() or 1)))
 
 
 def _piece(view: memoryview) -> bytes:

@@ -29,7 +29,7 @@ from ckptfmt.storage._kverrors import storage_error
 from ckptfmt.storage._localfs import LOCK_SUFFIX, advance
 from ckptfmt.errors import StorageError
 
-__all__ = ["DEFAULT_WRITE_THREADS", "SYNC_MODES", "DIRECT_ALIGN", "set_direct", "writer_pool", "pwritev_all", "write_file", "fill",
+__all__ = ["DEFAULT_WRITE_THREADS", "SYNC_MODES", "DIRECT_ALIGN", "set_direct", "kept_pool", "writer_pool", "pwritev_all", "write_file", "fill",
            "fsync_dir", "fsync_dirs", "fsync_path", "filesystem_sync_available", "sync_range", "syncfs"]
 
 #: Writer threads (pwritev, fsync and crc32c release the GIL): enough to keep a disk's queue full.
@@ -50,21 +50,28 @@ SYNC_MODES = ("fsync", "range", "none")
 #: sync_file_range flags: SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER.
 _RANGE_WAIT_WRITE_WAIT = 1 | 2 | 4
 
-_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[int, str, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def writer_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's writer threads for ``threads`` workers, created on first use (not at import)
-    and kept: starting 16 threads took as long as a small save's writes. Saves running at once
-    share them; jobs never wait on other jobs, so sharing cannot deadlock. Keyed by process id, so
-    a forked child never waits on threads that exist only in its parent."""
-    key = (os.getpid(), threads)
+def kept_pool(name: str, threads: int) -> ThreadPoolExecutor:
+    """The process's threads named ``name`` (``threads`` workers), created on first use (not at
+    import) and kept: starting 16 threads took as long as a small save's writes, and a manager's
+    retention, which verifies after every save, took that CPU from the training threads. Work
+    running at once shares them; callers submit only jobs that never wait on other jobs, so
+    sharing cannot deadlock. Keyed by process id, so a forked child never waits on threads that
+    exist only in its parent."""
+    key = (os.getpid(), name, threads)
     with _POOLS_LOCK:
         pool = _POOLS.get(key)
         if pool is None:
-            pool = _POOLS[key] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-write")
+            pool = _POOLS[key] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         return pool
+
+
+def writer_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's writer threads for ``threads`` workers (:func:`kept_pool`)."""
+    return kept_pool("ckptfmt-write", threads)
 
 
 def pwritev_all(fd: int, buffers: Sequence[Any], offset: int, *, obj: str, tensor: str | None = None) -> int:
