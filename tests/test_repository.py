@@ -139,11 +139,11 @@ def test_a_manifest_parsed_before_is_served_only_for_the_same_bytes(tmp_path):
     assert np.array_equal(repo.open(5).read("x"), shards(6)[1])
 
 
-def test_the_manifest_cache_is_bounded():
+def test_the_manifest_cache_is_bounded(tmp_path):
     from ckptfmt.manifest import parse_manifest
     from ckptfmt.repository import MANIFEST_CACHE_ENTRIES
 
-    repo = Repository("memory://")
+    repo = Repository(str(tmp_path))  # its own repository ("memory://" is shared within the process)
     for s in range(MANIFEST_CACHE_ENTRIES + 4):
         save(repo, s, shards(s)[0])
         repo.manifest(s)
