@@ -107,7 +107,7 @@ def _publish_first(url: str, step: int, shards: list, seed: int, options: Any) -
                 out = dst / p.relative_to(src)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(p, out)
-                time.sleep(0.03)
+                time.sleep(0.1)  # the copy is most of the save: kills land in it under any load
     return m
 
 
