@@ -1,6 +1,7 @@
 """ckptfmt: a distributed checkpoint format. The manifest is the commit.
 
-The core imports numpy, tensorstore and msgpack only; framework bridges live in ``bridges``.
+The core imports numpy, tensorstore, msgpack, crc32c and ml_dtypes only; framework bridges live in
+``bridges``.
 
 Layout: the floor, the top-level modules every module may import (``_boxcols``, ``_types``,
 ``_version``, ``agree``, ``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``, ``plan``,

@@ -3,7 +3,8 @@
 ckptfmt imports neither bridges nor the tools (its one exception is ``ckptfmt/__main__.py``, the
 command's entry point, which imports the tools' CLI when it runs); bridges never imports the
 tools; the tools use only public bridge modules; ``import ckptfmt`` pulls in no tool and no CLI
-dependency, and a missing CLI extra is reported with the extra to install.
+dependency, and a missing CLI extra is reported with the extra to install. The core's third-party
+imports are the dependencies pyproject.toml declares, and the docs name the same list.
 """
 from __future__ import annotations
 
@@ -43,6 +44,35 @@ def test_the_import_graph_runs_one_way():
     assert _offenders("bridges", ("ckptfmt_tools",)) == []
     # Broken control: the entry point is the one place ckptfmt names the tools, and it is seen.
     assert _offenders("ckptfmt", ("ckptfmt_tools",)) == ["ckptfmt/__main__.py imports ckptfmt_tools.cli"]
+
+
+def _declared_dependencies() -> set[str]:
+    """The import names of ``[project] dependencies`` in pyproject.toml (each distribution here is
+    imported under its own name, with ``-`` read as ``_``)."""
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower().replace("-", "_") for d in deps}
+
+
+def _undeclared(imports: dict[Path, set[str]], declared: set[str]) -> list[str]:
+    return [f"{p.relative_to(ROOT)} imports {m}" for p, mods in imports.items() if p != ENTRY
+            for m in sorted(mods) if m.split(".")[0] not in sys.stdlib_module_names | declared | {"ckptfmt"}]
+
+
+def test_the_core_imports_only_its_declared_dependencies():
+    """Every import in ckptfmt/ (function-level ones too) is the standard library, ckptfmt, or a
+    dependency pyproject.toml declares, which never names jax, torch or flax; the README and the
+    package docstring name that same list. Control: a module importing jax is reported."""
+    declared = _declared_dependencies()
+    assert declared == {"numpy", "tensorstore", "msgpack", "crc32c", "ml_dtypes"}
+    assert _undeclared(_imports("ckptfmt"), declared) == []
+    fake = {ROOT / "ckptfmt" / "x.py": {"numpy", "jax.numpy", "os.path"}}
+    assert _undeclared(fake, declared) == ["ckptfmt/x.py imports jax.numpy"]
+    said = "numpy, tensorstore, msgpack, crc32c and ml_dtypes only"
+    for doc in ("README.md", "ckptfmt/__init__.py", "docs/getting-started.md", "docs/api/ckptfmt.md"):
+        assert said in " ".join((ROOT / doc).read_text().split()), doc
 
 
 def test_tools_use_public_bridge_apis_only():
