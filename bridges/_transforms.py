@@ -107,6 +107,19 @@ class Transform:
         raise NotImplementedError
 
 
+class _Elementwise(Transform):
+    """A transform of each element alone: shapes and boxes pass through unchanged."""
+
+    def out_shape(self, shape: Shape) -> Shape:
+        return shape
+
+    def in_shape(self, shape: Shape) -> Shape:
+        return shape
+
+    def in_box(self, box: Box, in_shape: Shape) -> Box:
+        return box
+
+
 # ---------------------------------------------------------------------------------------- transpose
 
 
@@ -296,7 +309,7 @@ def _is_power_of_two(f: float) -> bool:
 
 
 @dataclass(frozen=True)
-class Scale(Transform):
+class Scale(_Elementwise):
     """``out = in * factor`` (``divide=True``: ``in / factor``), computed in the input's float dtype.
 
     The inverse divides (multiplies). It is exact for a power-of-two factor; otherwise a save
@@ -307,15 +320,6 @@ class Scale(Transform):
     factor: float
     divide: bool = False
     allow_inexact_inverse: bool = False
-
-    def out_shape(self, shape: Shape) -> Shape:
-        return shape
-
-    def in_shape(self, shape: Shape) -> Shape:
-        return shape
-
-    def in_box(self, box: Box, in_shape: Shape) -> Box:
-        return box
 
     def _do(self, block: np.ndarray, divide: bool) -> np.ndarray:
         if block.dtype.kind not in "fc" and block.dtype.name not in ("bfloat16",) and "float8" not in block.dtype.name:
@@ -347,7 +351,7 @@ def _require_exact(again: np.ndarray, block: np.ndarray, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class Shift(Transform):
+class Shift(_Elementwise):
     """``out = in + offset``, computed in the input's float dtype (Gemma's norm scales: MaxText
     stores the multiplier ``1 + scale``, Hugging Face ``scale``: ``Shift(-1.0)``).
 
@@ -358,15 +362,6 @@ class Shift(Transform):
 
     offset: float
     allow_inexact_inverse: bool = False
-
-    def out_shape(self, shape: Shape) -> Shape:
-        return shape
-
-    def in_shape(self, shape: Shape) -> Shape:
-        return shape
-
-    def in_box(self, box: Box, in_shape: Shape) -> Box:
-        return box
 
     def _do(self, block: np.ndarray, sign: float) -> np.ndarray:
         if block.dtype.kind != "f" and block.dtype.name != "bfloat16":
@@ -388,24 +383,15 @@ class Shift(Transform):
 
 
 @dataclass(frozen=True)
-class Cast(Transform):
+class Cast(_Elementwise):
     """``out = in.astype(dtype)``. ``source_dtype`` (the checkpoint's) makes it invertible: a save
     casts back and raises :class:`NotExact` when a value does not survive the round trip."""
 
     dtype: str
     source_dtype: str | None = None
 
-    def out_shape(self, shape: Shape) -> Shape:
-        return shape
-
-    def in_shape(self, shape: Shape) -> Shape:
-        return shape
-
     def out_dtype(self, dtype: np.dtype) -> np.dtype:
         return _np_dtype(self.dtype)
-
-    def in_box(self, box: Box, in_shape: Shape) -> Box:
-        return box
 
     def apply(self, block: np.ndarray, in_box: Box, out_box: Box, in_shape: Shape) -> np.ndarray:
         return block.astype(_np_dtype(self.dtype), copy=False)
