@@ -7,6 +7,7 @@ lease pins, and free it once nothing does.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -313,6 +314,38 @@ def test_a_live_lease_pins_the_saves_it_may_reference(tmp_path: Path) -> None:
     lease.write_bytes(lease_bytes({"save_id": busy, "step": 1, "world": 1, "refs": [base_sid], "state": "collected"}))
     repo.gc(grace_s=60.0)
     assert not (root / save_prefix(base_sid)).exists()
+
+
+class _BlindFolder(DelegatingStorage):
+    """The file store, but the shallow scan could not look into one save folder (as when it is
+    swapped for a link between the listing and the look, or cannot be opened)."""
+
+    def __init__(self, inner, name: str) -> None:
+        super().__init__(inner)
+        self.name = name
+
+    def scan_children(self, prefix: str, *, marker=None, deep: bool = True):
+        out = self.inner.scan_children(prefix, marker=marker, deep=deep)
+        return [dataclasses.replace(e, marker=None, error="PermissionError: denied")
+                if not deep and e.name == self.name else e for e in out]
+
+
+@pytest.mark.parametrize("blind", [True, False])
+def test_a_save_folder_the_lease_scan_cannot_look_into_pins_everything(tmp_path: Path, blind: bool) -> None:
+    """The leases are read folder by folder (``scan_children(deep=False)``): a folder under saves/
+    that could not be looked into may hold a lease that pins anything, so a delete keeps the
+    objects it would remove (FORMAT.md 4.4). Control: the same folder, looked into, holds no
+    lease, and the delete removes them."""
+    url = str(tmp_path / "r")
+    base_sid = save(url, 0, shards(0)).save_id
+    root = Path(url)
+    busy = "000000000001-20260101T000000-0000abcd"
+    (root / save_prefix(busy)).mkdir(parents=True)
+    inner = open_storage(url)
+    repo = Repository(url, storage=_BlindFolder(inner, busy) if blind else inner)
+    repo.delete(0)
+    assert repo.steps() == []
+    assert (root / save_prefix(base_sid)).is_dir() is blind
 
 
 @pytest.mark.parametrize("killed_lease", ["stale", "fresh", "stale-and-another-pin"])

@@ -177,6 +177,31 @@ def test_scan_children(store):
     assert (got["s2"].kind, got["s2"].marker) == ("dir", None) and got["stray"].kind == "file"
     assert store.scan_children("saves/")[0].marker is None  # the store looks for nothing unless told
     assert store.scan_children("nothing/") == [] and store.plain_dir("nothing/")
+    shallow = {e.name: e for e in store.scan_children("saves/", marker="LEASE", deep=False)}
+    assert {n: (e.kind, e.marker, e.error) for n, e in shallow.items()} == {
+        "s1": ("dir", "file", None), "s2": ("dir", None, None), "stray": ("file", None, None)}
+
+
+def test_shallow_scan_judges_markers_without_following_links(tmp_path):
+    """``deep=False`` reads a folder's marker and nothing else below it: no object count, no age;
+    a marker that is a link is reported as one (a lease pins nothing through a link), a folder
+    that is a link is never entered. The deep scan is the control: same kinds and markers."""
+    st = open_storage(str(tmp_path / "repo"))
+    st.write("saves/a/LEASE", b"{}")
+    st.write("saves/a/t/0/c/0", b"x")
+    st.write("saves/b/t/0", b"x")
+    outside = tmp_path / "outside"
+    (outside / "d").mkdir(parents=True)
+    (outside / "d" / "LEASE").write_bytes(b"{}")
+    os.makedirs(tmp_path / "repo" / "saves" / "c")
+    os.symlink(outside / "d" / "LEASE", tmp_path / "repo" / "saves" / "c" / "LEASE")
+    os.symlink(outside / "d", tmp_path / "repo" / "saves" / "lnk")
+    deep = {e.name: e for e in st.scan_children("saves/", marker="LEASE")}
+    shallow = {e.name: e for e in st.scan_children("saves/", marker="LEASE", deep=False)}
+    assert {n: (e.kind, e.marker) for n, e in shallow.items()} == {n: (e.kind, e.marker) for n, e in deep.items()} == {
+        "a": ("dir", "file"), "b": ("dir", None), "c": ("dir", "link"), "lnk": ("link", None)}
+    assert deep["a"].objects == 2 and deep["a"].newest_mtime is not None  # control: the deep scan counts
+    assert shallow["a"].objects == 0 and shallow["a"].newest_mtime is None
 
 
 def test_positional_reads_only_where_offered(store):

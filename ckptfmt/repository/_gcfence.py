@@ -59,12 +59,12 @@ def collected_lease(sid: str) -> bytes:
     return layout.lease_bytes({"save_id": sid, "state": "collected"})
 
 
-def scan_saves(st: Any) -> list[Entry]:
+def scan_saves(st: Any, *, deep: bool = True) -> list[Entry]:
     """Every name under ``saves/``, judged without following links (the store's
     ``scan_children``); a directory's ``marker`` is the kind of its ``LEASE`` ("file", "link",
     ...; None when it has none). The store knows nothing of leases: the collector says what to
-    look for."""
-    return st.scan_children(SAVES, marker=LEASE_NAME)
+    look for. ``deep=False``: the leases only (no object counts or ages)."""
+    return st.scan_children(SAVES, marker=LEASE_NAME, deep=deep)
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,12 @@ def lease_pins(st: Any, *, but: str | None = None) -> set[str] | None:
     links; ``but``'s own lease aside) pins; None when a lease or the listing cannot be read, so
     that the caller keeps everything."""
     try:
-        entries = [e for e in scan_saves(st) if e.kind == "dir" and e.marker is not None and e.name != but]
+        entries = [e for e in scan_saves(st, deep=False) if e.kind == "dir" and e.name != but]
     except StorageError:
         return None
+    if any(e.error is not None for e in entries):
+        return None  # a save folder that could not be looked into may hold a lease
+    entries = [e for e in entries if e.marker is not None]
     if any(e.marker != "file" for e in entries):
         return None
     pins: set[str] = set()

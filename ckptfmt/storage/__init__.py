@@ -215,10 +215,12 @@ class Storage(ABC):
         """Keys under ``prefix``, sorted."""
 
     @abstractmethod
-    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[Entry]:
+    def scan_children(self, prefix: str, *, marker: str | None = None, deep: bool = True) -> list[Entry]:
         """Every name directly under ``prefix`` (ending with "/"), judged without following links;
         for each folder, the kind of the object ``<name>/<marker>`` when ``marker`` is given (the
-        caller says what to look for: the collector, a lease). StorageError when the prefix cannot
+        caller says what to look for: the collector, a lease). ``deep=False``: the caller needs
+        only the markers; a store may then skip each folder's object count and newest time, and
+        sets ``error`` on a folder it could not look into. StorageError when the prefix cannot
         be listed or is itself a link."""
 
     @abstractmethod
@@ -323,8 +325,8 @@ class DelegatingStorage(Storage):
     def list(self, prefix: str = "") -> list[str]:
         return self.inner.list(prefix)
 
-    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[Entry]:
-        return self.inner.scan_children(prefix, marker=marker)
+    def scan_children(self, prefix: str, *, marker: str | None = None, deep: bool = True) -> list[Entry]:
+        return self.inner.scan_children(prefix, marker=marker, deep=deep)
 
     def plain_dir(self, prefix: str) -> bool:
         return self.inner.plain_dir(prefix)

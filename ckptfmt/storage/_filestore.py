@@ -307,10 +307,10 @@ class LocalFileStorage(KvStoreStorage):
         except OSError as e:
             raise StorageError("delete failed", object=prefix, found=f"{type(e).__name__}: {e}") from None
 
-    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[_localfs.Entry]:
+    def scan_children(self, prefix: str, *, marker: str | None = None, deep: bool = True) -> list[_localfs.Entry]:
         """From ``lstat``: lock files of killed writes included, which the kvstore listing hides."""
         try:
-            return _localfs.scan_children(self.root, prefix, marker)
+            return _localfs.scan_children(self.root, prefix, marker, deep)
         except FileNotFoundError:
             return []
         except OSError as e:

@@ -218,8 +218,9 @@ class KvStoreStorage(Storage):
                 keys = self.kv.list().result()
         return sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
 
-    def scan_children(self, prefix: str, *, marker: str | None = None) -> list[Entry]:
-        """From the listing: no links here, and no modification times."""
+    def scan_children(self, prefix: str, *, marker: str | None = None, deep: bool = True) -> list[Entry]:
+        """From the listing (``deep`` changes nothing: one listing finds the markers): no links
+        here, and no modification times."""
         counts: dict[str, int] = {}
         plain: set[str] = set()
         marked: set[str] = set()

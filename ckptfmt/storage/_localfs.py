@@ -118,9 +118,15 @@ def walk(top: str) -> Iterator[tuple[str, os.stat_result]]:
                     stack.append(e.path)
 
 
-def scan_children(root: str, prefix: str, marker: str | None = None) -> list[Entry]:
+def scan_children(root: str, prefix: str, marker: str | None = None, deep: bool = True) -> list[Entry]:
     """Every name directly under ``root/prefix``, judged without following links; for each
     directory, the kind of ``<name>/<marker>`` (when given) found on the way.
+
+    ``deep=False`` looks at nothing below a directory but its marker (one ``lstat`` through the
+    directory opened with ``O_NOFOLLOW``): no object count and no modification time, and a
+    directory that cannot be opened (replaced by a link meanwhile, unreadable) comes back with
+    ``error`` set. What reads only the markers (the leases, FORMAT.md 10.3) then costs one
+    directory per save, not every object of every save.
 
     Raises FileNotFoundError when the prefix is absent, and OSError (ELOOP, ENOTDIR) when it or a
     component on the way is a link or not a directory."""
@@ -128,6 +134,8 @@ def scan_children(root: str, prefix: str, marker: str | None = None) -> list[Ent
     try:
         with os.scandir(fd) as it:
             names = sorted(e.name for e in it)
+        if not deep:
+            return [e for e in (_shallow(fd, name, marker) for name in names) if e is not None]
     finally:
         os.close(fd)
     base = os.path.join(root, prefix)
@@ -154,6 +162,31 @@ def scan_children(root: str, prefix: str, marker: str | None = None) -> list[Ent
             error = f"{type(e).__name__}: {e.strerror or e}"
         out.append(Entry(name, "dir", objects, newest, found, error))
     return out
+
+
+def _shallow(parent: int, name: str, marker: str | None) -> Entry | None:
+    """``name`` under the directory ``parent`` and, for a directory, its marker's kind; None when
+    it is gone."""
+    try:
+        kind = _kind(os.lstat(name, dir_fd=parent).st_mode)
+    except FileNotFoundError:
+        return None
+    if kind != "dir" or marker is None:
+        return Entry(name, kind)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return Entry(name, kind, error=f"{type(e).__name__}: {e.strerror or e}")
+    try:
+        return Entry(name, kind, marker=_kind(os.lstat(marker, dir_fd=fd).st_mode))
+    except FileNotFoundError:
+        return Entry(name, kind)
+    except OSError as e:
+        return Entry(name, kind, error=f"{type(e).__name__}: {e.strerror or e}")
+    finally:
+        os.close(fd)
 
 
 def remove_tree(root: str, prefix: str) -> None:
