@@ -31,6 +31,11 @@ class Entry:
     error: str | None = None     # why the walk below this directory stopped early
 
 
+def _why(e: OSError) -> str:
+    """An ``Entry.error``: the exception's type and the system's words for it."""
+    return f"{type(e).__name__}: {e.strerror or e}"
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISLNK(mode):
         return "link"
@@ -159,7 +164,7 @@ def scan_children(root: str, prefix: str, marker: str | None = None, deep: bool 
                 if p == mark:
                     found = _kind(st.st_mode)
         except OSError as e:
-            error = f"{type(e).__name__}: {e.strerror or e}"
+            error = _why(e)
         out.append(Entry(name, "dir", objects, newest, found, error))
     return out
 
@@ -178,13 +183,13 @@ def _shallow(parent: int, name: str, marker: str | None) -> Entry | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        return Entry(name, kind, error=f"{type(e).__name__}: {e.strerror or e}")
+        return Entry(name, kind, error=_why(e))
     try:
         return Entry(name, kind, marker=_kind(os.lstat(marker, dir_fd=fd).st_mode))
     except FileNotFoundError:
         return Entry(name, kind)
     except OSError as e:
-        return Entry(name, kind, error=f"{type(e).__name__}: {e.strerror or e}")
+        return Entry(name, kind, error=_why(e))
     finally:
         os.close(fd)
 

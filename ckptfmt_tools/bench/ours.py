@@ -180,7 +180,6 @@ def restore(params: dict) -> dict:
     import ckptfmt
 
     _engine_before_the_clock()
-
     layout, url, devices = StateLayout.from_json(params["layout"]), params["url"], params["devices"]
     api = _api(params)
     if api != "core-numpy":
