@@ -255,3 +255,32 @@ def test_bench_rotated_tiny(tmp_path):
     assert result.rotated["save_cache"] == "sync" and result.rotated["phases"]["save"]["ratio"] is None
     assert "Rotated harness: 1 repetitions" in result.table and "rep 1: ckptfmt" in result.table
     assert not any((tmp_path / "repo").rglob("*.json"))  # every checkpoint removed when its repetition ended
+
+
+def test_inode_churn_keys_layout_is_a_real_saves_and_flat_makes_fewer(tmp_path):
+    """The churn tool's ``keys`` layout makes the same files and folders as a real ckptfmt save of
+    the cadence state's shapes (so its figures speak of ckptfmt's layout); ``flat`` makes fewer.
+    Control: a save of other shapes (one more 2-D tensor) makes a different count."""
+    import numpy as np
+
+    import ckptfmt
+    from ckptfmt import LocalShard
+    from ckptfmt_tools.bench import inode_churn
+
+    def saved(arrays):
+        url = tmp_path / f"repo{len(arrays)}"
+        shards = []
+        for i, (ndim, nbytes) in enumerate(arrays):
+            shape = (nbytes // 4 // 1024, 1024) if ndim == 2 else (nbytes // 4,)
+            a = np.zeros(shape, np.float32)
+            shards.append(LocalShard(f"t{i:02d}", a.shape, a.dtype, ckptfmt.Box.full(a.shape), a))
+        ckptfmt.save(str(url), 1, shards, state={"step": 1}, options=ckptfmt.SaveOptions(reuse="off"))
+        (save,) = (url / "saves").iterdir()
+        return inode_churn.inodes(str(save))
+
+    run = inode_churn.run(str(tmp_path / "churn"), rounds=2, block=2, pause_s=0.0, log=None)
+    assert run["inodes"]["keys"] == saved(inode_churn.ARRAYS)
+    assert saved(inode_churn.ARRAYS + ((2, 4 << 20),)) != run["inodes"]["keys"]
+    assert run["inodes"]["flat"] < run["inodes"]["keys"]
+    assert all(len(v["save_cpu"]) == 2 and len(v["delete_cpu"]) == 0 for v in run["rounds"].values())
+    assert not (tmp_path / "churn").exists()
