@@ -24,7 +24,6 @@ every inode it creates (docs/profile-save.md section 11).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import mmap
 import os
 import shutil
@@ -33,6 +32,7 @@ import time
 from typing import Any
 
 from ckptfmt import layout
+from ckptfmt.storage import _durable
 
 #: (rank, bytes) of the cadence state's tensors (``tailstep.MODEL``: 4 layers of 1024 x 1024
 #: float32 weights and 1024 biases, params and momentum), one object each.
@@ -41,38 +41,31 @@ LAYOUTS = ("keys", "flat")
 _ALIGN = 4096
 
 
-def object_keys(kind: str, save_id: str) -> list[str]:
-    """Every object of one save of the state in layout ``kind`` (``keys`` or ``flat``)."""
+def objects(kind: str, save_id: str) -> list[tuple[str, int]]:
+    """Every object of one save of the state in layout ``kind`` (``keys`` or ``flat``), with its size."""
     if kind not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {kind!r}")
-    keys = [layout.state_key(save_id, None)]
-    for i, (ndim, _) in enumerate(ARRAYS):
+    out = [(layout.state_key(save_id, None), 1024)]
+    for i, (ndim, nbytes) in enumerate(ARRAYS):
         path = layout.array_path(save_id, i)
         cell = (0,) * ndim
         chunk = layout.shard_key(path, cell) if kind == "keys" else f"{path}/c." + ".".join(map(str, cell))
-        keys += [f"{path}/zarr.json", chunk]
-    return keys
-
-
-def _sizes() -> list[int]:
-    out = [1024]
-    for _, nbytes in ARRAYS:
-        out += [512, nbytes]
+        out += [(f"{path}/zarr.json", 512), (chunk, nbytes)]
     return out
 
 
 def _syncfs(path: str) -> None:
+    """ckptfmt's own ``syncfs`` of the file system (``fsync`` of ``path`` where it is missing)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
-            os.fsync(fd)
+        (_durable.syncfs if _durable.filesystem_sync_available() else os.fsync)(fd)
     finally:
         os.close(fd)
 
 
 def write_save(root: str, kind: str, save_id: str, buf: Any) -> None:
     """One save's objects under ``root``, each written with O_DIRECT where the file system allows it."""
-    for key, nbytes in zip(object_keys(kind, save_id), _sizes()):
+    for key, nbytes in objects(kind, save_id):
         path = os.path.join(root, key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         padded = -(-nbytes // _ALIGN) * _ALIGN
