@@ -284,3 +284,25 @@ def test_inode_churn_keys_layout_is_a_real_saves_and_flat_makes_fewer(tmp_path):
     assert run["inodes"]["flat"] < run["inodes"]["keys"]
     assert all(len(v["save_cpu"]) == 2 and len(v["delete_cpu"]) == 0 for v in run["rounds"].values())
     assert not (tmp_path / "churn").exists()
+
+
+def test_save_cpu_measures_each_system_with_and_without_retention(tmp_path):
+    """The save-CPU tool runs every system in its own process and measures every save; ckptfmt's
+    row keeps two steps (retention on), its ``-nokeep`` row keeps them all (retention off), DCP's
+    keeps two. Control: a system the tool does not know is refused, and the figures of the two
+    ckptfmt rows come from different runs (the counts left differ as the modes say)."""
+    from ckptfmt_tools.bench import save_cpu
+
+    saves = 3
+    rows = save_cpu.compare(save_cpu.SYSTEMS, saves=saves, pause_s=0.0, storage=str(tmp_path / "s"),
+                            model={"hidden": 32, "layers": 1, "batch": 4}, log=None)
+    by = {r["system"]: r for r in rows}
+    assert set(by) == set(save_cpu.SYSTEMS) and not any("error" in r for r in rows), rows
+    assert by["ckptfmt"]["left"] == 2 and by["dcp"]["left"] == 2 and by["ckptfmt-nokeep"]["left"] == saves + 1
+    for r in rows:
+        assert all(len(r[k]) == saves for k in ("user", "sys", "caller", "wall")), r
+        assert all(u + s > 0 for u, s in zip(r["user"], r["sys"])) and all(w > 0 for w in r["wall"])
+        assert save_cpu.line(r).startswith(f"| {r['system']} | 0 | ")
+    assert not any((tmp_path / "s").iterdir())  # every run's checkpoints removed
+    with pytest.raises(ValueError, match="systems must be among"):
+        save_cpu.compare(("ckptfmt", "tensorflow"), saves=1, log=None)
