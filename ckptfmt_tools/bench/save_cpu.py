@@ -33,6 +33,7 @@ from typing import Any
 
 from .child import ChildFailed, run_child
 from .jaxstate import xla_env
+from .tailstep_peers import torch_view
 
 SYSTEMS = ("ckptfmt", "ckptfmt-nokeep", "dcp")
 
@@ -44,18 +45,13 @@ def _cpu() -> tuple[float, float]:
 
 class _Dcp:
     def __init__(self, root: str) -> None:
-        import torch
         import torch.distributed.checkpoint as dcp
 
-        self.torch, self.dcp, self.root = torch, dcp, root
+        self.dcp, self.root = dcp, root
         self.kept: list[str] = []
 
     def save(self, step: int, state: dict) -> None:
-        import jax
-        import numpy as np
-
-        flat, _ = jax.tree_util.tree_flatten_with_path(state)
-        view = {jax.tree_util.keystr(k): self.torch.from_numpy(np.asarray(a)) for k, a in flat}
+        view = torch_view(state)
         target = os.path.join(self.root, f"step_{step}")
         with warnings.catch_warnings():  # jax's host buffers are read-only; DCP only reads them
             warnings.simplefilter("ignore", UserWarning)
@@ -91,8 +87,6 @@ def measure(params: dict) -> dict:
     """Child task: ``params`` ``system``, ``saves``, ``path``, ``pause_s``; optional model sizes
     (``tailstep.MODEL``). Per-save lists in seconds (``user`` and ``sys``: the process's CPU;
     ``caller``: the calling thread's CPU; ``wall``: the call), and the saves ``left`` at the end."""
-    import jax
-
     from .tailstep import Trainer
 
     system, root = params["system"], params["path"]
@@ -103,8 +97,7 @@ def measure(params: dict) -> dict:
     rows: dict[str, list[float]] = {"user": [], "sys": [], "caller": [], "wall": []}
     try:
         for k in range(int(params["saves"]) + 1):  # save 0 is a warm-up: its figures are dropped
-            trainer.p, trainer.m = trainer._step(trainer.p, trainer.m)
-            jax.block_until_ready(trainer.p)
+            trainer.timed(None, k, 1)  # one training step, not measured
             state = trainer.state()
             (u0, s0), c0, w0 = _cpu(), time.thread_time(), time.perf_counter()
             saver.save(k, state)

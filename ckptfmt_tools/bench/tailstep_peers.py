@@ -64,22 +64,24 @@ class _Orbax:
         self.mgr.close()
 
 
+def torch_view(state: dict) -> dict:
+    """DCP's state dict of a JAX state: each leaf's key path to a torch view (no copy) of its host buffer."""
+    import jax
+    import numpy as np
+    import torch
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {jax.tree_util.keystr(k): torch.from_numpy(np.asarray(a)) for k, a in flat}
+
+
 class _Dcp:
     def __init__(self, path: str, every: int, saves: Saves) -> None:
-        import numpy as np
-        import torch
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint as dcp  # torch too: imported before the loop, not in a step
 
-        self.np, self.torch, self.dcp = np, torch, dcp
+        self.dcp = dcp
         self.path, self.every, self.saves = path, every, saves
         self.future: Any = None
         self.kept: list[str] = []
-
-    def _view(self, state: dict) -> dict:
-        import jax
-
-        flat, _ = jax.tree_util.tree_flatten_with_path(state)
-        return {jax.tree_util.keystr(k): self.torch.from_numpy(self.np.asarray(a)) for k, a in flat}
 
     def step(self, t: int, state: dict) -> None:
         if t % self.every:
@@ -92,7 +94,7 @@ class _Dcp:
         target = os.path.join(self.path, f"step_{t}")
         with warnings.catch_warnings():  # jax's host buffers are read-only; DCP's stager copies them
             warnings.simplefilter("ignore", UserWarning)
-            self.future = self.dcp.async_save(self._view(state), storage_writer=self.dcp.FileSystemWriter(
+            self.future = self.dcp.async_save(torch_view(state), storage_writer=self.dcp.FileSystemWriter(
                 target, sync_files=True), no_dist=True)
         self.saves.start(t, t0, waited)
         self.kept.append(target)
