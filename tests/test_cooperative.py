@@ -12,7 +12,7 @@ import pytest
 
 import ckptfmt
 from ckptfmt import Box, LocalShard, Repository
-from ckptfmt.errors import ChecksumMismatchError
+from ckptfmt.errors import ChecksumMismatchError, CoordinatorLostError, StepMismatchError
 from ckptfmt.reader import CoopStats, cooperative_reads, plan_cooperative
 
 
@@ -63,14 +63,15 @@ class _Threads:
         return _Rank()
 
 
-def _run(url: str, batches: list[list[list[Any]]]) -> list[Any]:
+def _run(url: str, batches: list[list[list[Any]]], group: Any = None, sources: Any = None) -> list[Any]:
     world = len(batches)
-    group, out = _Threads(world), [None] * world
+    group, out = group or _Threads(world), [None] * world
 
     def rank(r: int) -> None:
         stats = CoopStats()
         try:
-            got = list(cooperative_reads(Repository(url).open(1), batches[r], group.at(r), stats=stats))
+            source = sources(r) if sources is not None else Repository(url).open(1)
+            got = list(cooperative_reads(source, batches[r], group.at(r), stats=stats))
             out[r] = (got, stats)
         except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
             out[r] = e
@@ -80,6 +81,16 @@ def _run(url: str, batches: list[list[list[Any]]]) -> list[Any]:
     for t in threads:
         t.join(60)
     return out
+
+
+def _flip(repo: Any, key: str, row: int) -> None:
+    """Flip one data byte of stored chunk ``row`` of tensor ``key`` of step 1."""
+    t = Repository(str(repo)).manifest(1).tensors[key]
+    s = int(np.searchsorted(t.chunk_start, row, side="right")) - 1
+    path = repo / t.object_key(s)
+    data = bytearray(path.read_bytes())
+    data[int(t.chunks.offset[row]) + 8] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_rounds_share_verified_boxes_and_a_failed_read_fails_every_rank(tmp_path):
@@ -94,14 +105,10 @@ def test_rounds_share_verified_boxes_and_a_failed_read_fails_every_rank(tmp_path
     for got, want in ((got0[0], reqs[:2]), (got0[1], reqs[2:]), (got1[0], reqs[:2])):
         for blk, (_, box) in zip(got, want):
             assert np.array_equal(blk, a[box.offset[0]:box.offset[0] + 4])
-    assert s0.cooperative and s0.shared_boxes == 2 and s0.bytes_received == s1.bytes_sent == 128
-    # A flipped byte in the shard rank 1 serves: both ranks raise its ChecksumMismatchError.
-    served = Repository(url).manifest(1).tensors["a"]
-    row = next(i for i in range(len(served.shards)) if list(served.shards.offset[i]) == s1.served[0][1])
-    path = tmp_path / "repo" / served.object_key(row)
-    data = bytearray(path.read_bytes())
-    data[8] ^= 0xFF
-    path.write_bytes(bytes(data))
+    # Two shared stored chunks of 4 x 8 float32, each sent with its 4-byte crc32c trailer.
+    assert s0.cooperative and s0.shared_boxes == 2 and s0.bytes_received == s1.bytes_sent == 132
+    # A flipped byte in the chunk rank 1 serves: both ranks raise its ChecksumMismatchError.
+    _flip(tmp_path / "repo", *s1.served[0])
     e0, e1 = _run(url, batches)
     assert isinstance(e0, ChecksumMismatchError) and isinstance(e1, ChecksumMismatchError), (e0, e1)
     assert e0.key == e1.key == "a" and e0.object == e1.object and str(e0).startswith("rank 1: "), (e0, e1)
@@ -118,8 +125,8 @@ def test_a_process_that_serves_nothing_in_a_round_keeps_its_reads_in_step(tmp_pa
     out = _run(url, [[[reqs[0]], [reqs[1]]]] * 3)
     for got, stats in out:
         assert np.array_equal(got[0][0], a[:4]) and np.array_equal(got[1][0], a[4:])
-        assert stats.bytes_sent <= 128
-    assert [s.served for _, s in out] == [[["a", [0, 0]]], [["a", [4, 0]]], []]
+        assert stats.bytes_sent <= 132
+    assert [s.served for _, s in out] == [[["a", 0]], [["a", 1]], []]  # (key path, chunk row)
 
 
 def test_a_process_that_never_arrives_is_a_bounded_typed_failure(tmp_path):
@@ -159,3 +166,126 @@ def test_a_process_that_never_arrives_is_a_bounded_typed_failure(tmp_path):
             assert all(isinstance(o, list) and len(o[0]) == 4 for o in out), out
         else:
             assert isinstance(out[0], CoordinatorTimeoutError), out
+
+
+# ---------------------------------------------------------------- the receiver verifies (FORMAT.md 9.1)
+class _Tampering(_Threads):
+    """The all-gather of :class:`_Threads`, with a fault on what one rank receives from another:
+    ``flip`` flips one byte of ``sender``'s buffer of round 0 as ``receiver`` gets it (in
+    transit), past the status and binding (a chunk byte); ``lose`` makes ``sender``'s call number ``at`` fail as
+    a lost gloo peer does, and the others' wait break (a dead process)."""
+
+    def __init__(self, world: int, *, flip: tuple[int, int] | None = None, lose: tuple[int, int] | None = None) -> None:
+        super().__init__(world)
+        self.flip, self.lose, self.calls, self.flipped = flip, lose, [0] * world, []
+
+    def at(self, rank: int) -> Any:
+        inner, group = super().at(rank), self
+
+        class _Rank:
+            def __init__(self) -> None:
+                self.rank, self.world = rank, group.world
+
+            def allgather(self, name: str, data: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+                group.calls[rank] += 1
+                if group.lose is not None and (rank, group.calls[rank]) == group.lose:
+                    group.barrier.abort()  # the survivors' collective breaks, as gloo's does
+                    raise RuntimeError("[gloo] Connection closed by peer")
+                out = [np.array(b) for b in inner.allgather(name, data, sizes)]
+                if group.flip is not None and rank == group.flip[1] and name == "restore/coop/0":
+                    before = out[group.flip[0]].copy()
+                    out[group.flip[0]][24 + 8] ^= 0xFF
+                    group.flipped.append(not np.array_equal(before, out[group.flip[0]]))
+                return out
+        return _Rank()
+
+
+def _two_ranks_one_box(tmp_path: Any) -> tuple[str, np.ndarray, list]:
+    url = str(tmp_path / "repo")
+    a = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    ckptfmt.save(url, 1, [LocalShard("a", a.shape, a.dtype, Box((r, 0), (4, 8)), a[r:r + 4]) for r in range(0, 16, 4)])
+    return url, a, [[[_req("a", r) for r in range(0, 16, 4)]]] * 2
+
+
+def test_a_chunk_changed_in_transit_fails_on_the_receiver_and_every_rank(tmp_path):
+    """Rank 0 receives rank 1's chunks with one byte flipped on the way: rank 0 checks them
+    against its own manifest and raises ChecksumMismatchError naming rank 1 as the sender, and
+    rank 1 raises the same error ("rank 0: ..."). The control: the same exchange without the flip
+    is exact on both, and the flip did reach rank 0's buffer."""
+    url, a, batches = _two_ranks_one_box(tmp_path)
+    for r, (got, stats) in enumerate(_run(url, batches, _Tampering(2))):
+        assert stats.cooperative and all(np.array_equal(b, a[4 * i:4 * i + 4]) for i, b in enumerate(got[0])), r
+    group = _Tampering(2, flip=(1, 0))
+    e0, e1 = _run(url, batches, group)
+    assert group.flipped == [True], group.flipped  # the fault reached the receiver
+    assert isinstance(e0, ChecksumMismatchError) and isinstance(e1, ChecksumMismatchError), (e0, e1)
+    assert "sent by rank 1" in e0.object and e0.key == "a", e0
+    assert str(e1).startswith("rank 0: ") and e1.object == e0.object, e1
+
+
+class _Other:
+    """A source whose ``read_chunks`` hands out the stored chunks of another step (valid trailers,
+    other bytes): a sender that sends other bytes than the manifest's."""
+
+    def __init__(self, ckpt: Any, other: Any) -> None:
+        self._ckpt, self._other = ckpt, other
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ckpt, name)
+
+    def read_chunks(self, refs: Any) -> Any:
+        return self._other.read_chunks(refs)
+
+
+def test_a_sender_of_other_bytes_or_another_save_is_refused(tmp_path):
+    """Rank 1 sends the stored chunks of step 2 (the same layout, other values, each with its own
+    valid trailer) as step 1's: rank 0's check against its manifest raises ChecksumMismatchError
+    and both ranks fail. Rank 1 restoring step 2 outright (another save) makes the binding differ:
+    StepMismatchError on both. The control: a sender that reads step 1 is exact."""
+    url, a, batches = _two_ranks_one_box(tmp_path)
+    ckptfmt.save(url, 2, [LocalShard("a", a.shape, a.dtype, Box((r, 0), (4, 8)), a[r:r + 4] + 1) for r in range(0, 16, 4)])
+    repo = Repository(url)
+
+    def lying(r: int) -> Any:
+        return repo.open(1) if r == 0 else _Other(repo.open(1), repo.open(2))
+
+    def honest(r: int) -> Any:
+        return _Other(repo.open(1), repo.open(1))
+    for r, (got, _) in enumerate(_run(url, batches, sources=honest)):
+        assert all(np.array_equal(b, a[4 * i:4 * i + 4]) for i, b in enumerate(got[0])), r
+    e0, e1 = _run(url, batches, sources=lying)
+    assert isinstance(e0, ChecksumMismatchError) and "sent by rank 1" in e0.object, e0
+    assert isinstance(e1, ChecksumMismatchError) and str(e1).startswith("rank 0: "), e1
+    e0, e1 = _run(url, batches, sources=lambda r: repo.open(1 + r))
+    assert isinstance(e0, StepMismatchError) and isinstance(e1, StepMismatchError), (e0, e1)
+
+
+def test_a_peer_lost_in_a_round_is_a_typed_error(tmp_path):
+    """Rank 1's first data round's collective fails as gloo's does when a peer dies (RuntimeError): rank 1
+    raises CoordinatorLostError naming the round, and rank 0, whose collective broke, too; nothing
+    is returned. The control: the same exchange with no loss is exact."""
+    url, a, batches = _two_ranks_one_box(tmp_path)
+    ok = _run(url, batches, _Tampering(2))
+    assert all(isinstance(o, tuple) for o in ok), ok
+    e0, e1 = _run(url, batches, _Tampering(2, lose=(1, 3)))  # calls 1-2 gather the needs, 3 is round 0
+    assert isinstance(e0, CoordinatorLostError) and isinstance(e1, CoordinatorLostError), (e0, e1)
+    assert "restore/coop/0" in e1.object and "gloo" in str(e1), e1
+
+
+def test_a_source_that_cannot_verify_chunks_is_read_by_each_process_alone(tmp_path):
+    """A source without stored chunks to share (a safetensors file: ``chunk_refs`` absent) is never
+    shared: each process reads every box itself, so no unverifiable bytes cross processes."""
+    url, a, batches = _two_ranks_one_box(tmp_path)
+
+    class _BoxesOnly:
+        def __init__(self) -> None:
+            self._ckpt = Repository(url).open(1)
+
+        def tensor(self, key: str) -> Any:
+            return self._ckpt.tensor(key)
+
+        def iter_read_boxes(self, batches: Any) -> Any:
+            return self._ckpt.iter_read_boxes(batches)
+    for got, stats in _run(url, batches, sources=lambda r: _BoxesOnly()):
+        assert not stats.cooperative and stats.bytes_received == 0
+        assert all(np.array_equal(b, a[4 * i:4 * i + 4]) for i, b in enumerate(got[0]))

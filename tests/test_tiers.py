@@ -346,3 +346,92 @@ def test_a_malformed_peer_payload_is_an_invalid_state_error(damage):
     with pytest.raises(InvalidStateError) as e:
         unpack_boxes(bad, "tiers/save/3 from rank 1")
     assert e.value.object == "tiers/save/3 from rank 1"
+
+
+# ---------------------------------------------------------------- the receiver verifies a peer's answer (FORMAT.md 8.5)
+def _holder(tmp_path: Path) -> tuple[Repository, dict, list]:
+    """Host 0 of 2 holds, in its local tier, its own box and host 1's box of tensor "a" for steps 4
+    and 6 (tokens tok-4 and tok-6); host 1 asks for its box of "a" (rows 2-3)."""
+    repo = Repository(str(tmp_path / "host-0"))
+    for step in (4, 6):
+        a = np.arange(16, dtype=np.float32).reshape(4, 4) + step
+        boxes = [(0, ("a", a.shape, a.dtype, Box((0, 0), (2, 4)), a[:2])),
+                 (1, ("a", a.shape, a.dtype, Box((2, 0), (2, 4)), a[2:]))]
+        write_local_step(repo, step, 0, 2, f"tok-{step}", boxes, {"step": step}, None, whole_chunks=True)
+    inv = inventory(repo)
+    return repo, inv, [("a", Box((2, 0), (2, 4)))]
+
+
+def _ask(inv: dict, step: int, reqs: list) -> tuple[bytes, list]:
+    from ckptfmt.manager._tierrestore import _peer_ask, by_key, cover
+
+    index = by_key(held([{step: inv[step]}][0], step, f"tok-{step}", 1, 2))
+    plan = [(r, cover(index, *r)) for r in reqs]
+    return _peer_ask(step, f"tok-{step}", plan), plan
+
+
+def test_a_peer_answer_is_bound_to_the_step_token_and_host_asked(tmp_path):
+    """Host 1 asks host 0 for its box of step 6. The honest answer (control) is exact, with the
+    step's global state. An answer of step 4 (a holder serving an older step), of host 1's own
+    tier (another host), or an answer whose manifest differs from the one the holder listed, is
+    refused as a whole (StepMismatchError): nothing of it is used."""
+    from ckptfmt.errors import StepMismatchError
+    from ckptfmt.manager._tierrestore import accept_replica, serve_replica
+
+    repo, inv, reqs = _holder(tmp_path)
+    ask6, plan6 = _ask(inv, 6, reqs)
+    ask4, _ = _ask(inv, 4, reqs)
+    kw = dict(step=6, token="tok-6", holder=0, world=2, digest=inv[6]["digest"], plan=plan6)
+    values, gstate = accept_replica(serve_replica(repo, 1, ask6), **kw)
+    assert np.array_equal(values[reqs[0]], (np.arange(16, dtype=np.float32).reshape(4, 4) + 6)[2:]) and gstate == {"step": 6}
+    with pytest.raises(StepMismatchError):  # asked 6, served 4
+        accept_replica(serve_replica(repo, 1, ask4), **kw)
+    other = Repository(str(tmp_path / "host-1"))  # host 1's own tier, same steps and tokens, other host
+    a = np.arange(16, dtype=np.float32).reshape(4, 4) + 6
+    write_local_step(other, 6, 1, 2, "tok-6", [(1, ("a", a.shape, a.dtype, Box((2, 0), (2, 4)), a[2:]))], {"step": 6}, None,
+                     whole_chunks=True)
+    with pytest.raises(StepMismatchError):  # the inventory's digest is host 0's manifest
+        accept_replica(serve_replica(other, 1, ask6), **kw)
+    with pytest.raises(StepMismatchError):  # the right digest, but the manifest records host 1
+        accept_replica(serve_replica(other, 1, ask6), **dict(kw, digest=inventory(other)[6]["digest"]))
+
+
+def test_a_peer_answer_with_other_bytes_serves_nothing_and_the_next_tier_does(tmp_path):
+    """The holder's chunks are checked by the receiver against the holder's listed manifest: a
+    byte flipped in transit, or the holder's own box's bytes sent under the asked one (a valid
+    trailer, other values), leaves the box unserved (the persistent tier then serves it) and
+    never reaches the values. The control: the unaltered answer serves it exactly. A truncated
+    answer is an InvalidStateError."""
+    import msgpack
+
+    from ckptfmt.errors import InvalidStateError
+    from ckptfmt.manager._tierrestore import accept_replica, serve_replica
+
+    repo, inv, reqs = _holder(tmp_path)
+    ask, plan = _ask(inv, 6, reqs)
+    kw = dict(step=6, token="tok-6", holder=0, world=2, digest=inv[6]["digest"], plan=plan)
+    honest = serve_replica(repo, 1, ask)
+    assert reqs[0] in accept_replica(honest, **kw)[0]
+    doc = msgpack.unpackb(honest, raw=False)
+    flipped = dict(doc, chunks=[bytes([doc["chunks"][0][0] ^ 1]) + bytes(doc["chunks"][0][1:])])
+    assert accept_replica(msgpack.packb(flipped, use_bin_type=True), **kw)[0] == {}
+    ckpt = repo.open(6)  # the holder's own box (h0/...), stored with its own valid trailer
+    own = ckpt.read_chunks(ckpt.chunk_refs([("h0/000000", Box((0, 0), (2, 4)))]))[0]
+    swapped = dict(doc, chunks=[bytes(own)])
+    assert bytes(own) != bytes(doc["chunks"][0]) and accept_replica(msgpack.packb(swapped, use_bin_type=True), **kw)[0] == {}
+    with pytest.raises(InvalidStateError):
+        accept_replica(honest[:len(honest) // 2], **kw)
+
+
+def test_a_holder_never_serves_a_box_of_another_owner(tmp_path):
+    """Asked by host 1 for host 0's own tensor (h0/...), the holder serves nothing of it; the
+    control: asked for h1/..., it serves."""
+    import msgpack
+
+    from ckptfmt.manager._tierrestore import serve_replica
+
+    repo, _, _ = _holder(tmp_path)
+    for local, served in (("h0/000000", False), ("h1/000001", True)):
+        ask = msgpack.packb({"step": 6, "token": "tok-6", "reqs": [[local, [0, 0], [2, 4]]]})
+        doc = msgpack.unpackb(serve_replica(repo, 1, ask), raw=False)
+        assert bool(doc["refs"]) == served, (local, doc["refs"])

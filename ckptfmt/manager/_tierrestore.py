@@ -15,14 +15,22 @@ bridge's :class:`~ckptfmt.manager._tiers.PeerExchange` for tensor bytes):
    ``allgather("tiers/restore/<n>/feasible")``; the step is the newest one feasible on every rank
    (none, or an older one than the newest persistent step: the ordinary restore runs instead).
 3. Own reads (verified by the core reader); a box that fails verification is logged and asked of
-   the next tier. ``shift(-1)`` sends each rank's requests to its holder, which reads and
-   verifies them and answers over ``shift(+1)`` (a box it cannot serve comes back as missing).
+   the next tier. ``shift(-1)`` sends each rank's ask (step, token, the parts of its holder's
+   local tensors that cover its requests, from the holder's inventory) to its holder, which reads
+   the stored chunks and answers over ``shift(+1)`` with them, its manifest and its global state
+   as stored (:func:`serve_replica`). The receiving rank checks everything itself
+   (:func:`accept_replica`): the manifest is the one the holder listed (SHA-256) and records the
+   asked step, token, host and host count, and every chunk passes the same checks against it as
+   a chunk read from storage. An answer of another step or save raises StepMismatchError (the
+   restore through the tiers then fails on every rank, and the ordinary restore runs); a chunk
+   that fails is left to the next tier.
 4. The persistent tier serves what is left (verified). ``allgather("tiers/restore/<n>/done")``
    of every rank's outcome: when any rank failed, every rank returns None and the manager runs
    its ordinary restore, so a damaged local tier never fails a restore.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -30,15 +38,20 @@ import msgpack
 import numpy as np
 
 from ckptfmt._types import Box
-from ckptfmt.errors import CheckpointError, InvalidStateError, MissingShardError
-from ckptfmt.manager._tiers import TIERS_KEY, HeldBox, pack_boxes, unpack_boxes
+from ckptfmt.errors import CheckpointError, InvalidStateError, MissingShardError, StepMismatchError
+from ckptfmt.manager._tiers import TIERS_KEY, HeldBox
+from ckptfmt.manifest import parse_manifest
+from ckptfmt.reader import Checkpoint, check_state_bytes
 from ckptfmt.repository import Repository
-from ckptfmt.state import decode_state, encode_state
+from ckptfmt.state import decode_state
 
-__all__ = ["inventory", "feasible_steps", "tiered_read", "cover", "by_key", "held_tensors"]
+__all__ = ["inventory", "feasible_steps", "tiered_read", "cover", "by_key", "held_tensors", "serve_replica",
+           "accept_replica"]
 
 _log = logging.getLogger("ckptfmt.manager")
 Request = tuple[str, Box]
+#: Largest ask a holder decodes: a rank's requests as (local key, offset, shape) triples.
+MAX_ASK_BYTES = 16 << 20
 
 
 def inventory(repo: Repository) -> dict[int, dict[str, Any]]:
@@ -51,8 +64,10 @@ def inventory(repo: Repository) -> dict[int, dict[str, Any]]:
         return out
     for s in steps:
         try:
+            manifest, data = repo.manifest_with_bytes(s)
             t = repo.open(s).state()["tiers"]
-            out[s] = {"token": str(t["token"]), "hosts": int(t["hosts"]), "boxes": list(t["boxes"])}
+            out[s] = {"token": str(t["token"]), "hosts": int(t["hosts"]), "boxes": list(t["boxes"]),
+                      "digest": hashlib.sha256(data).hexdigest()}
         except (CheckpointError, KeyError, TypeError, ValueError) as e:
             _log.warning("local tier %s: step %d is left out: %s: %s", repo.url, s, type(e).__name__, e)
     return out
@@ -193,22 +208,106 @@ def _read_own(repo: Repository, step: int, boxes: Sequence[HeldBox], reqs: Seque
     return left
 
 
-def _serve_peer(repo: Repository, step: int, boxes: Sequence[HeldBox], payload: Any) -> bytes:
-    """The holder's answer to its peer's requests: the boxes it could read and verify, and (when
-    it was asked anything) the step's global state from its own tier (ckptfmt's state encoding).
-    Never raises: a holder that fails answers with nothing, so both ranks finish the exchange."""
+def _peer_ask(step: int, token: str, plan: Sequence[tuple[Request, Cover]]) -> bytes:
+    """What a rank asks its holder for: the step and token, and the parts of the holder's local
+    tensors (local key path, box within it) that cover its requests."""
+    return msgpack.packb({"step": int(step), "token": str(token),
+                          "reqs": [[h.local, list(h.within(p).offset), list(p.shape)] for _, c in plan for h, p in c]})
+
+
+def serve_replica(repo: Repository, asker: int, payload: Any) -> bytes:
+    """The holder's answer to its peer's ask (:func:`_peer_ask`): the asked step's manifest as
+    stored, the stored chunks of the asked parts (each read and checked against that manifest:
+    ``Checkpoint.read_chunks``) and the stored bytes of its global state. Only tensors of owner
+    ``asker`` (local key ``h<asker>/...``) are served. Never raises: a holder that fails answers
+    with nothing, so both ranks finish the exchange; the peer checks everything it receives
+    (:func:`accept_replica`) and asks the persistent tier for the rest."""
+    empty = msgpack.packb({"manifest": None, "refs": [], "chunks": [], "state": None}, use_bin_type=True)
     try:
-        asked = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in msgpack.unpackb(payload, raw=False)]
-        values: dict[Request, np.ndarray] = {}
-        if asked:
-            _read_own(repo, step, boxes, asked, values)
-        served = [(k, (), a.dtype, b, a) for (k, b), a in values.items()]
-        gstate = _global_state(repo, step, boxes) if asked else None
-        return msgpack.packb({"boxes": memoryview(pack_boxes(served)),
-                              "state": None if gstate is None else encode_state(gstate)}, use_bin_type=True)
+        if len(memoryview(payload).cast("B")) > MAX_ASK_BYTES:  # msgpack's own limits scale with the buffer
+            raise InvalidStateError("a peer's ask is larger than the cap", object="tiers ask",
+                                    expected=f"<= {MAX_ASK_BYTES} bytes", found=len(memoryview(payload).cast("B")))
+        ask = msgpack.unpackb(payload, raw=False)
+        reqs = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in ask["reqs"]]
+        if not reqs:
+            return empty
+        step = int(ask["step"])
+        ckpt = repo.open(step)
+        manifest = repo.manifest_with_bytes(step)[1]
+        refs: list[tuple[str, int]] = []
+        chunks: list[Any] = []
+        for req in reqs:
+            if not req[0].startswith(f"h{int(asker)}/"):
+                continue  # not the asker's box: never served
+            try:
+                mine = [r for r in ckpt.chunk_refs([req]) if r not in set(refs)]
+                chunks += [memoryview(c) for c in ckpt.read_chunks(mine)]
+                refs += mine
+            except CheckpointError as e:
+                _log.warning("local tier: %s does not serve %s of step %d to its peer: %s: %s", repo.url, req[0], step,
+                             type(e).__name__, e)
+        return msgpack.packb({"manifest": manifest, "refs": [[k, c] for k, c in refs], "chunks": chunks,
+                              "state": ckpt.state_bytes("global")}, use_bin_type=True)
     except Exception as e:  # noqa: BLE001 - the peer then asks the persistent tier
-        _log.warning("local tier: %s cannot serve its peer for step %d: %s: %s", repo.url, step, type(e).__name__, e)
-        return msgpack.packb({"boxes": memoryview(pack_boxes([])), "state": None}, use_bin_type=True)
+        _log.warning("local tier: %s cannot serve its peer: %s: %s", repo.url, type(e).__name__, e)
+        return empty
+
+
+def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: int, digest: str | None,
+                   plan: Sequence[tuple[Request, Cover]]) -> tuple[dict[Request, np.ndarray], Any]:
+    """The requests a holder's answer serves, each checked by this process (FORMAT.md 8.5, the
+    receiver verifies): the answer's manifest must be the one the holder listed in its inventory
+    (``digest``: its SHA-256) and must record ``step``, ``token``, host ``holder`` of ``world``
+    hosts; every chunk is checked against that manifest's crc32c, exactly as a chunk read from
+    storage (``Checkpoint.read_boxes(supplied=...)``); the global state against its crc32c.
+    Raises StepMismatchError when the answer is of another step, save, token or host (nothing of
+    it is used); a request whose chunks are missing or fail their checks is left out (logged):
+    the next tier serves it. Returns the served values and the holder's global state (or None)."""
+    what = f"the replica host {holder} holds of step {step}"
+    try:
+        doc = msgpack.unpackb(answer, raw=False)
+        if not isinstance(doc, dict):
+            raise TypeError(f"a {type(doc).__name__}")
+    except Exception as e:  # noqa: BLE001 - another process's bytes: untrusted input
+        raise InvalidStateError(f"a holder's answer does not decode: {type(e).__name__}: {e}", object=what,
+                                expected="the answer serve_replica packs", found=f"{len(answer)} bytes") from None
+    if not plan or doc.get("manifest") is None:
+        return {}, None
+    data = bytes(doc["manifest"])
+    found = hashlib.sha256(data).hexdigest()
+    if digest is None or found != digest:
+        raise StepMismatchError("the holder answered with another local step than it listed", object=what,
+                                expected=f"manifest sha256 {digest}", found=f"manifest sha256 {found}")
+    manifest = parse_manifest(data)
+    meta = manifest.metadata.get(TIERS_KEY) if isinstance(manifest.metadata, Mapping) else None
+    meta = meta if isinstance(meta, Mapping) else {}
+    want = {"step": int(step), "token": str(token), "host": int(holder), "hosts": int(world)}
+    got = {"step": manifest.step, "token": meta.get("token"), "host": meta.get("host"), "hosts": meta.get("hosts")}
+    if got != want:
+        raise StepMismatchError("the holder answered for another step, save or host", object=what,
+                                expected=str(want), found=str(got))
+    ckpt = Checkpoint(None, manifest)  # type: ignore[arg-type]  # every chunk comes from the answer
+    sender = f"rank {holder} (its local tier)"
+    supplied = {(str(k), int(c)): (np.frombuffer(b, dtype=np.uint8), sender)
+                for (k, c), b in zip(doc.get("refs") or [], doc.get("chunks") or [])}
+    values: dict[Request, np.ndarray] = {}
+    for req, parts in plan:
+        local = [(h.local, h.within(p)) for h, p in parts]
+        try:
+            if any(r not in supplied for r in ckpt.chunk_refs(local)):
+                continue
+            values[req] = _assemble(req[1], parts, ckpt.read_boxes(local, supplied=supplied))
+        except CheckpointError as e:
+            _log.warning("local tier: box %s %s of step %d from %s rejected (%s: %s); the next tier serves it",
+                         req[0], list(req[1].offset), step, sender, type(e).__name__, e)
+    gstate = None
+    if doc.get("state") is not None and "global" in manifest.state:
+        try:
+            check_state_bytes(manifest, "global", bytes(doc["state"]), sender)
+            gstate = decode_state(bytes(doc["state"])).get("global")
+        except (CheckpointError, AttributeError) as e:
+            _log.warning("local tier: the global state of step %d from %s rejected: %s", step, sender, e)
+    return values, gstate
 
 
 def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], invs: Sequence[Mapping[int, Any]],
@@ -221,30 +320,32 @@ def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], in
     peer_state: Any = None
     try:  # nothing before the exchanges may raise: every rank must reach both
         own = held(invs[rank], step, token, rank, world)
-        mine = held(invs[rank], step, token, (rank + 1) % world, world)  # the replica this rank holds
         left = _read_own(tiers.repository, step, own, list(requests), values)
     except Exception as e:  # noqa: BLE001 - the own tier is then not used
         _log.warning("local tier: %s unusable for step %d: %s: %s", tiers.repository.url, step, type(e).__name__, e)
-        own, mine, left = [], [], list(requests)
+        own, left = [], list(requests)
         values.clear()
     stats["local"] = sum(int(a.nbytes) for a in values.values())
     # The exchanges only when some rank asks its holder for something (metadata through the coordinator).
     wants = world > 1 and tiers.exchange is not None and any(
         g["left"] for g in mgr._gather(f"tiers/restore/{mgr._tier_restores}/wants", {"left": len(left)}))
     if wants:
-        asked = tiers.exchange.shift(f"tiers/restore/{step}/ask", msgpack.packb(
-            [[k, list(b.offset), list(b.shape)] for k, b in left]), -1)
-        answer = msgpack.unpackb(tiers.exchange.shift(f"tiers/restore/{step}/serve", _serve_peer(
-            tiers.repository, step, mine, asked), +1), raw=False)
-        got = unpack_boxes(answer["boxes"], f"the replica host {(rank - 1) % world} holds of step {step}")
-        served = {(k, b): a for k, _, _, b, a in got if (k, b) in set(left)}
-        peer_state = None if answer.get("state") is None else decode_state(answer["state"])
+        holder = (rank - 1) % world
+        index = by_key(held(invs[holder], step, token, rank, world))
+        plan = [(r, c) for r, c in ((r, cover(index, *r)) for r in left) if c is not None]
+        asked = tiers.exchange.shift(f"tiers/restore/{step}/ask", _peer_ask(step, token, plan), -1)
+        answer = tiers.exchange.shift(f"tiers/restore/{step}/serve", serve_replica(
+            tiers.repository, (rank + 1) % world, asked), +1)
+        served, peer_global = accept_replica(answer, step=step, token=token, holder=holder, world=world,
+                                             digest=(invs[holder].get(step) or {}).get("digest"), plan=plan)
+        peer_state = None if peer_global is None else {"global": peer_global}
         values.update(served)
         stats["peer"] = sum(int(a.nbytes) for a in served.values())
         left = [r for r in left if r not in served]
     gstate = _global_state(tiers.repository, step, own)
     if gstate is None and world > 1 and tiers.exchange is not None and isinstance(peer_state, dict):
-        gstate = {k: v for k, v in peer_state.items() if k != "rank"}  # the holder's own per-rank state
+        gs = peer_state["global"]
+        gstate = {k: v for k, v in gs.items() if k != "rank"} if isinstance(gs, dict) else gs  # the holder's own per-rank state
     if left or gstate is None:
         if not mix:
             k, b = left[0] if left else ("<global state>", Box((), ()))

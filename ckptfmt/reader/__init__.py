@@ -40,7 +40,7 @@ from ckptfmt.plan import ReadItem, plan_reads
 from ckptfmt.state import decode_state
 from ckptfmt.storage import Pending, Storage
 
-__all__ = ["Checkpoint", "ReadStats", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy",
+__all__ = ["Checkpoint", "ReadStats", "ChunkRef", "SuppliedChunk", "check_state_bytes", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy",
            "Exchange", "CoopPlan", "CoopStats", "RoundPlan", "plan_cooperative", "cooperative_reads"]
 
 #: Bytes of reads kept in flight by one reader: a fixed memory overhead, independent of state size.
@@ -49,6 +49,10 @@ DEFAULT_READ_WINDOW = 256 << 20
 MAX_STATE_BYTES = 64 << 20
 
 Progress = Callable[[int, int], None]
+#: A stored chunk of a tensor: (key path, row of its chunk table).
+ChunkRef = tuple[str, int]
+#: A chunk another process delivered: its stored bytes (data and trailer) and who sent them.
+SuppliedChunk = tuple[Any, str]
 
 #: The per-rank state policies of FORMAT.md 7.4 (None, the default, means "same world only").
 RANK_STATE_POLICIES = ("drop", "rank0", "same-rank")
@@ -116,15 +120,28 @@ class Checkpoint(PositionalReads, LocalVerify):
         t = self.tensor(key)
         return self.read_boxes([(key, box if box is not None else Box.full(t.shape))])[0]
 
-    def read_boxes(self, requests: Sequence[tuple[str, Box]]) -> list[np.ndarray]:
+    def read_boxes(self, requests: Sequence[tuple[str, Box]], *,
+                   supplied: Mapping[ChunkRef, SuppliedChunk] | None = None) -> list[np.ndarray]:
         """Read many boxes of many tensors at once.
 
         Reads only the inner chunks each box touches, verifies each against the manifest's crc32c
         (and each touched object's size and index checksum), and returns fresh arrays only after
         every byte has been verified. On any fault it raises and returns nothing.
+
+        ``supplied``: stored chunks another process delivered (FORMAT.md 9.1, "the receiver
+        verifies"): ``(key path, chunk row) -> (stored bytes, who sent them)``. A chunk the
+        requests touch is taken from there instead of storage, after the same checks as a chunk
+        read from storage (its length and its crc32c, recomputed and in its trailer, against this
+        process's manifest); one that fails raises SizeMismatchError or ChecksumMismatchError
+        naming the sender, and nothing is returned.
         """
         t0 = time.perf_counter()
         outs, work = self._plan(requests)
+        if supplied:
+            work = self._take_supplied(work, outs, supplied)
+            if not work:  # every chunk came from another process (and passed every check here)
+                self.stats.add_time("total", time.perf_counter() - t0)
+                return outs  # type: ignore[return-value]
         if self.storage.positional_reads:
             self._read_local(work, outs)
             self.stats.add_time("total", time.perf_counter() - t0)
@@ -177,6 +194,94 @@ class Checkpoint(PositionalReads, LocalVerify):
                 yield self._collect(pending.popleft())
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ stored chunks (cooperative restore)
+    def chunk_refs(self, requests: Sequence[tuple[str, Box]]) -> list[ChunkRef]:
+        """The stored chunks (key path, chunk row) that reading ``requests`` touches, each once, in
+        plan order. Pure: every process computes the same refs from the same manifest."""
+        out: dict[ChunkRef, None] = {}
+        by_key: dict[str, list[Box]] = {}
+        for key, box in requests:
+            by_key.setdefault(key, []).append(box)
+        for key, boxes in by_key.items():
+            t = self.tensor(key)
+            for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
+                out.setdefault((key, int(item.chunk)), None)
+        return list(out)
+
+    def chunk_nbytes(self, ref: ChunkRef) -> int:
+        """The stored length of chunk ``ref`` (data and its crc32c trailer), from the manifest."""
+        return int(self.tensor(ref[0]).chunks.nbytes[ref[1]])
+
+    def read_chunks(self, refs: Sequence[ChunkRef]) -> list[np.ndarray]:
+        """The stored bytes (data and trailer, as a uint8 array) of each chunk ``refs`` names, read
+        from storage and checked as :meth:`read_boxes` checks them (FORMAT.md 9 steps 4-6: the
+        object's presence, size and links, its index's crc32c and entries, the chunk's crc32c).
+        What a cooperative restore sends to the processes that need a chunk; each of them checks
+        the bytes again against its own manifest (``read_boxes(supplied=...)``). Raises the first
+        fault; returns nothing then."""
+        by_shard: dict[tuple[str, int], list[int]] = {}
+        for key, c in refs:
+            t = self.tensor(key)
+            if not 0 <= int(c) < len(t.chunks.crc32c):
+                raise KeyMismatchError("chunk row is not in the tensor's chunk table", key=key,
+                                       object=f"step {self.step}", expected=f"0 <= row < {len(t.chunks.crc32c)}", found=c)
+            s = int(np.searchsorted(self._starts(t), int(c), side="right")) - 1
+            by_shard.setdefault((key, s), []).append(int(c))
+        got: dict[ChunkRef, np.ndarray] = {}
+        for (key, s), chunks in by_shard.items():
+            t = self.manifest.tensors[key]
+            obj, nbytes, g = t.object_key(s), int(t.shards.nbytes[s]), t.geometry
+            self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
+            probe = self.storage.size_check(obj, nbytes, tensor=key)
+            need = sorted(set(chunks))
+            require_memory(int(t.chunks.nbytes[need].sum()) + g.index_nbytes, key, obj, "the chunks to share")
+            index = self.storage.read_range(obj, nbytes - g.index_nbytes, nbytes, tensor=key)
+            reads = [(c, self.storage.read_range(obj, int(t.chunks.offset[c]),
+                                                 int(t.chunks.offset[c]) + int(t.chunks.nbytes[c]), tensor=key))
+                     for c in need]
+            probe.result()
+            mv = memoryview(index.result())
+            if len(mv) != g.index_nbytes:
+                raise SizeMismatchError("shard index read differs from its recorded length", key=key, object=obj,
+                                        expected=g.index_nbytes, found=len(mv))
+            self._check_index(t, s, obj, mv)
+            self.stats.bytes_read += len(mv)
+            self.stats.requests += 1 + len(reads) + probe.requests
+            for c, fut in reads:
+                data = np.frombuffer(fut.result(), dtype=np.uint8)
+                self._check_chunk(t, c, obj, memoryview(data))
+                self.stats.bytes_read += int(data.size)
+                got[(key, c)] = data
+        return [got[(k, int(c))] for k, c in refs]
+
+    def _take_supplied(self, work: dict[tuple[str, int], list[ReadItem]], outs: list[np.ndarray | None],
+                       supplied: Mapping[ChunkRef, SuppliedChunk]) -> dict[tuple[str, int], list[ReadItem]]:
+        """Fill ``outs`` from the supplied chunks the plan touches, each checked against this
+        process's manifest first (the receiver verifies, FORMAT.md 9.1); returns the work left
+        for storage."""
+        left: dict[tuple[str, int], list[ReadItem]] = {}
+        mine: dict[ChunkRef, list[ReadItem]] = {}
+        for (key, s), items in work.items():
+            for it in items:
+                if (key, it.chunk) in supplied:
+                    mine.setdefault((key, it.chunk), []).append(it)
+                else:
+                    left.setdefault((key, s), []).append(it)
+        tv = time.perf_counter()
+        decoded: dict[ChunkRef, np.ndarray] = {}
+        for (key, c) in mine:
+            t = self.manifest.tensors[key]
+            data, sender = supplied[(key, c)]
+            what = f"chunk {c} of {t.object_key(int(np.searchsorted(self._starts(t), c, side='right')) - 1)}, sent by {sender}"
+            mv = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            self._check_chunk(t, c, what, mv)
+            decoded[(key, c)] = self._decode(t, c, what, mv)
+        self.stats.add_time("verify", time.perf_counter() - tv)
+        for ref, items in mine.items():
+            for it in items:
+                outs[it.request][it.dst or ...] = decoded[ref][it.src or ...]  # type: ignore[index]
+        return left
 
     def _plan(self, requests: Sequence[tuple[str, Box]]) -> tuple[list[np.ndarray | None], dict[tuple[str, int], list[ReadItem]]]:
         """Allocate fresh outputs and group the read items by (tensor, shard). Pure except allocation."""
@@ -265,6 +370,13 @@ class Checkpoint(PositionalReads, LocalVerify):
 
     # ------------------------------------------------------------------ non-tensor state
     def _state_object(self, name: str) -> Any:
+        data = self.state_bytes(name)
+        return None if data is None else decode_state(data)
+
+    def state_bytes(self, name: str = "global") -> bytes | None:
+        """The stored bytes of state object ``name`` (``"global"`` or ``"rank/<r>"``), checked
+        against the manifest (size and crc32c), not decoded; None when the step has none. What a
+        holder sends a peer, which checks them again (:func:`check_state_bytes`)."""
         e = self.manifest.state.get(name)
         if e is None:
             return None
@@ -279,11 +391,9 @@ class Checkpoint(PositionalReads, LocalVerify):
         if len(data) != e.nbytes:
             raise SizeMismatchError("state object size differs from the manifest", key=name, object=e.key,
                                     expected=e.nbytes, found=len(data))
-        if crc32c(data) != e.crc32c:
-            raise ChecksumMismatchError("state object checksum differs from the manifest", key=name, object=e.key,
-                                        expected=e.crc32c, found=crc32c(data))
+        check_state_bytes(self.manifest, name, data)
         self.stats.bytes_read += len(data)
-        return decode_state(data)
+        return data
 
     def state(self) -> Any:
         """The global non-tensor state (decoded msgpack, verified), or None if none was saved."""
@@ -391,6 +501,21 @@ class Checkpoint(PositionalReads, LocalVerify):
                     self._decode(t, c, obj, mv)
         self.stats.bytes_read += g.index_nbytes + int(t.chunks.nbytes[c0:c1].sum())
         return n
+
+
+def check_state_bytes(manifest: Manifest, name: str, data: Any, sender: str = "") -> None:
+    """State object ``name``'s bytes against ``manifest``: its size, then its crc32c
+    (SizeMismatchError / ChecksumMismatchError naming the object and ``sender`` when another
+    process sent them)."""
+    e = manifest.state[name]
+    what = e.key + (f", sent by {sender}" if sender else "")
+    if len(data) != e.nbytes:
+        raise SizeMismatchError("state object size differs from the manifest", key=name, object=what,
+                                expected=e.nbytes, found=len(data))
+    got = crc32c(data)
+    if got != e.crc32c:
+        raise ChecksumMismatchError("state object checksum differs from the manifest", key=name, object=what,
+                                    expected=e.crc32c, found=got)
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,31 @@
-"""Cooperative restore (FORMAT.md 9.1): several processes that restore the same box read it once.
+"""Cooperative restore (FORMAT.md 9.1): several processes that restore the same stored chunk read
+it from storage once, and every process verifies what it receives.
 
 Call order (a bridge's batched restore, ``bridges._contract.read_batches``): every process of
 the restore calls :func:`cooperative_reads` at the same point with its own batches of requests
 (its ``(key path, box)`` reads, batch by batch), and drains the iterator to its end. Inside:
 
 1. one all-gather of every process's batches (the *needs*, a small JSON document);
-2. :func:`plan_cooperative` (pure): round ``r`` is every process's ``r``-th batch; a request that
-   several processes need in one round is a *shared* box, assigned to one of them (balanced by
-   bytes); every other request is read by the process that needs it;
-3. per round: each process reads, from storage, its own requests and the shared boxes assigned
-   to it; the reader verifies every crc32c (FORMAT.md 9, steps 4-6) before a byte is returned;
-   then one all-gather carries each process's status and its verified shared boxes to every
-   process. A process whose read failed sends its error instead of bytes, and every process
-   raises that error (:meth:`ckptfmt.CheckpointError.from_json`), so none returns partial state.
+2. :func:`plan_cooperative` (pure): round ``r`` is every process's ``r``-th batch; each process's
+   requests become the stored chunks they touch (``source.chunk_refs``); a chunk that several
+   processes need in one round is *shared*, assigned to one of them (balanced by bytes);
+3. per round: each process reads the shared chunks assigned to it, as stored (data and crc32c
+   trailer), checked against the manifest (``source.read_chunks``); one all-gather carries each
+   process's status, the digest of the step and save it restores, and those stored chunks; then
+   each process reads its own requests with the chunks its peers sent (``source.read_boxes(...,
+   supplied=...)``), which checks every received chunk against this process's own manifest
+   exactly as a chunk read from storage (the receiver verifies: a byte flipped in transit, or a
+   peer that sends other bytes than the manifest's, fails there); a last small all-gather of
+   every process's outcome. A process that failed sends its error, and every process raises the
+   lowest failed rank's error (:meth:`ckptfmt.CheckpointError.from_json`), so none returns
+   partial state; a peer lost in a collective is a CoordinatorLostError naming the round.
 
 The data plane is the framework's own collectives, behind the :class:`Exchange` protocol (the
 JAX bridge: ``bridges._jaxshare``; torch: ``bridges._torchshare``). Framework-free: numpy only.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -26,14 +33,16 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from ckptfmt._types import Box
-from ckptfmt.dtypes import numpy_dtype
-from ckptfmt.errors import CheckpointError
+from ckptfmt.errors import CheckpointError, CoordinatorLostError, InvalidStateError, StepMismatchError
 
-__all__ = ["Exchange", "RoundPlan", "CoopPlan", "CoopStats", "plan_cooperative", "cooperative_reads",
-           "gather_bytes"]
+__all__ = ["Exchange", "ChunkSource", "RoundPlan", "CoopPlan", "CoopStats", "plan_cooperative",
+           "cooperative_reads", "gather_bytes"]
 
 Request = tuple[str, Box]
+#: A stored chunk: (key path, row of the tensor's chunk table).
+ChunkRef = tuple[str, int]
 _HEADER = 8  # bytes before a process's blocks in a round: 0, or the length of its error's JSON
+_BIND = 16  # then the digest of the step and save it restores (:func:`_binding`)
 
 
 class Exchange(Protocol):
@@ -101,15 +110,21 @@ def _order(req: Request) -> tuple:
     return (req[0], req[1].offset, req[1].shape)
 
 
-def plan_cooperative(needs: Sequence[Sequence[Sequence[Request]]], nbytes: Callable[[Request], int],
-                     rank: int) -> CoopPlan:
-    """The cooperative plan of process ``rank`` from every process's batches (``needs[p][r]``:
-    process ``p``'s requests of round ``r``). Pure and deterministic: every process computes the
-    same assignment from the same needs.
+def _chunk_order(ref: ChunkRef) -> tuple:
+    return (ref[0], int(ref[1]))
 
-    A request that several processes need in one round goes to one of them: the shared boxes of
-    a round, largest first (ties in key path, offset order), each to the process among those
-    needing it that serves the fewest bytes so far (over all rounds; ties: the lowest rank).
+
+def plan_cooperative(needs: Sequence[Sequence[Sequence[Any]]], nbytes: Callable[[Any], int],
+                     rank: int, *, order: Callable[[Any], tuple] = _order) -> CoopPlan:
+    """The cooperative plan of process ``rank`` from every process's batches (``needs[p][r]``:
+    process ``p``'s units of round ``r``: requests, or the stored chunks they touch, which
+    :func:`cooperative_reads` shares). Pure and deterministic: every process computes the same
+    assignment from the same needs.
+
+    A unit that several processes need in one round goes to one of them: the shared units of a
+    round, largest first (ties in ``order``: key path, then offset or chunk row), each to the
+    process among those needing it that serves the fewest bytes so far (over all rounds; ties:
+    the lowest rank).
     """
     world = len(needs)
     rounds = max((len(n) for n in needs), default=0)
@@ -121,7 +136,7 @@ def plan_cooperative(needs: Sequence[Sequence[Sequence[Request]]], nbytes: Calla
         for p in range(world):
             for req in (dict.fromkeys(needs[p][r]) if r < len(needs[p]) else ()):
                 who.setdefault(req, []).append(p)
-        shared = sorted((q for q, ps in who.items() if len(ps) > 1), key=lambda q: (-nbytes(q), _order(q)))
+        shared = sorted((q for q, ps in who.items() if len(ps) > 1), key=lambda q: (-nbytes(q), order(q)))
         serves: list[list[Request]] = [[] for _ in range(world)]
         for req in shared:
             owner = min(who[req], key=lambda p: (load[p], p))
@@ -137,8 +152,8 @@ def gather_bytes(exchange: Exchange, name: str, payload: bytes) -> list[bytes]:
     """Every process's ``payload`` (any lengths): their lengths first, then the bytes."""
     n = np.frombuffer(np.array([len(payload)], dtype="<u8").tobytes(), dtype=np.uint8)
     sizes = [int(np.frombuffer(b[:_HEADER].tobytes(), dtype="<u8")[0])
-             for b in exchange.allgather(name + "/len", n, [_HEADER] * exchange.world)]
-    got = exchange.allgather(name, np.frombuffer(payload, dtype=np.uint8), sizes)
+             for b in _allgather(exchange, name + "/len", n, [_HEADER] * exchange.world)]
+    got = _allgather(exchange, name, np.frombuffer(payload, dtype=np.uint8), sizes)
     return [bytes(memoryview(np.ascontiguousarray(b[:s]))) for b, s in zip(got, sizes)]
 
 
@@ -146,8 +161,13 @@ def _encode(batches: Sequence[Sequence[Request]]) -> bytes:
     return json.dumps([[[k, list(b.offset), list(b.shape)] for k, b in batch] for batch in batches]).encode()
 
 
-def _decode(blob: bytes) -> list[list[Request]]:
-    return [[(str(k), Box(tuple(o), tuple(s))) for k, o, s in batch] for batch in json.loads(blob)]
+def _decode(blob: bytes, rank: int) -> list[list[Request]]:
+    try:
+        return [[(str(k), Box(tuple(int(x) for x in o), tuple(int(x) for x in s))) for k, o, s in batch]
+                for batch in json.loads(blob)]
+    except (ValueError, TypeError) as e:  # another process's document: untrusted input
+        raise InvalidStateError(f"a process's needs do not decode: {type(e).__name__}", object=f"needs of rank {rank}",
+                                expected="the JSON list of its batches", found=f"{len(blob)} bytes") from None
 
 
 def _error_json(e: BaseException) -> dict[str, Any]:
@@ -156,93 +176,159 @@ def _error_json(e: BaseException) -> dict[str, Any]:
     return {"error": type(e).__name__, "message": str(e)[:500], "untyped": True}
 
 
+class ChunkSource(Protocol):
+    """What a cooperative restore needs of its source besides ``read_boxes``: the stored chunks a
+    read touches, their stored lengths, and their stored bytes, verified
+    (:class:`ckptfmt.reader.Checkpoint`). A source without these is read by each process alone."""
+
+    def chunk_refs(self, requests: Sequence[Request]) -> list[ChunkRef]: ...
+
+    def chunk_nbytes(self, ref: ChunkRef) -> int: ...
+
+    def read_chunks(self, refs: Sequence[ChunkRef]) -> list[np.ndarray]: ...
+
+
+def _shares_chunks(source: Any) -> bool:
+    return all(callable(getattr(source, m, None)) for m in ("chunk_refs", "chunk_nbytes", "read_chunks"))
+
+
+def _binding(source: Any) -> bytes:
+    """What every process's buffer of a round starts with after its status: the step and the save
+    it restores (FORMAT.md 9.1: an answer is bound to the save asked), as 16 bytes."""
+    manifest = getattr(source, "manifest", None)
+    ident = f"{getattr(manifest, 'step', '')}/{getattr(manifest, 'save_id', '')}".encode()
+    return hashlib.blake2b(ident, digest_size=_BIND).digest()
+
+
 def cooperative_reads(source: Any, batches: Sequence[Sequence[Request]], exchange: Exchange, *,
                       stats: CoopStats | None = None, name: str = "restore/coop") -> Iterator[list[np.ndarray]]:
     """What ``source.iter_read_boxes(batches)`` yields (each batch's arrays, in order, every byte
-    verified), with the boxes that several processes need read from storage once (module docstring).
+    verified), with the stored chunks that several processes need read from storage once (module
+    docstring).
 
     Every process of ``exchange`` must call it at the same point and drain the iterator to its end
     (it runs the rounds of the processes with more batches after its own last yield). Fails
-    closed, on every process at once: a read that fails on any process raises, at the same
-    round on every process, that process's error (of several, the lowest rank's) (the same CheckpointError class, key, object,
-    expected and found; the message prefixed ``rank p: `` on the others; an untyped error arrives
-    as a CheckpointError naming its class). Nothing is yielded from a round that failed.
+    closed, on every process at once: a read that fails on any process, or a chunk a process
+    received that does not verify against its own manifest, raises, at the same round on every
+    process, that process's error (of several, the lowest rank's) (the same CheckpointError
+    class, key, object, expected and found; the message prefixed ``rank p: `` on the others; an
+    untyped error arrives as a CheckpointError naming its class). A peer lost in a round raises
+    CoordinatorLostError naming the round. Nothing is yielded from a round that failed.
     """
     stats = stats if stats is not None else CoopStats()
     coordinator = getattr(exchange, "coordinator", None)
     blobs = (coordinator.allgather(name + "/needs", _encode(batches)) if coordinator is not None
              else gather_bytes(exchange, name + "/needs", _encode(batches)))
-    needs = [_decode(b) for b in blobs]
-
-    def size(req: Request) -> int:
-        return req[1].size * numpy_dtype(source.tensor(req[0]).dtype).itemsize
-
-    plan = plan_cooperative(needs, size, exchange.rank)
+    needs = [_decode(b, p) for p, b in enumerate(blobs)]
+    if not _shares_chunks(source):  # nothing it could verify on receipt: every process reads alone
+        yield from source.iter_read_boxes(batches)
+        return
+    chunk_needs = [[source.chunk_refs(batch) for batch in per] for per in needs]
+    plan = plan_cooperative(chunk_needs, source.chunk_nbytes, exchange.rank, order=_chunk_order)
     stats.rounds, stats.shared_boxes = len(plan.rounds), plan.shared
     if not plan.shared:  # nothing to share: every process reads on its own
         yield from source.iter_read_boxes(batches)
         return
     stats.cooperative = True
-    reader = source.iter_read_boxes([rp.reads for rp in plan.rounds if rp.reads])  # _round skips the empty
-    held: list[np.ndarray] | None = None
+    bind = _binding(source)
+    for r, rp in enumerate(plan.rounds):
+        want = list(batches[r]) if r < len(batches) else []
+        mine = set(chunk_needs[exchange.rank][r]) if r < len(chunk_needs[exchange.rank]) else set()
+        got = _round(source, exchange, f"{name}/{r}", rp, want, mine, bind, stats)
+        if want:
+            yield got
+
+
+def _allgather(exchange: Exchange, name: str, data: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """The exchange's all-gather; a peer lost in it (the framework's own error) is a typed error."""
     try:
-        for r, rp in enumerate(plan.rounds):
-            want = batches[r] if r < len(batches) else []
-            got = _round(source, exchange, f"{name}/{r}", rp, reader, size, stats, set(want))
-            if held is not None:
-                yield held
-                held = None
-            if want:
-                held = [got[req] for req in want]
-                del got
-        if held is not None:
-            yield held
-    finally:
-        reader.close()
+        return exchange.allgather(name, data, sizes)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - gloo, XLA and others raise their own types
+        raise CoordinatorLostError(f"a process of the cooperative restore was lost: {type(e).__name__}: {e}",
+                                   object=name, expected=f"{exchange.world} processes in the round",
+                                   found="the collective failed") from e
 
 
-def _round(source: Any, exchange: Exchange, name: str, rp: RoundPlan, reader: Iterator[list[np.ndarray]],
-           size: Callable[[Request], int], stats: CoopStats, want: set[Request]) -> dict[Request, np.ndarray]:
-    """One round: read (verified), then one all-gather of status and shared boxes. Returns the
-    blocks this process holds after the round: its reads, and the shared boxes of ``want``."""
-    me = exchange.rank
+def _status(exchange: Exchange, name: str, failure: BaseException | None) -> None:
+    """Every process's outcome of a step of a round; when any failed, every process raises the
+    lowest failed rank's error (its own, or a copy prefixed ``rank p: ``)."""
+    err = json.dumps(_error_json(failure)).encode() if failure is not None else b""
+    head = np.frombuffer(np.array([len(err)], dtype="<u8").tobytes(), dtype=np.uint8)
+    bufs = _allgather(exchange, name, head, [_HEADER] * exchange.world)
+    _raise_first(exchange, name, bufs, failure, err)
+
+
+def _raise_first(exchange: Exchange, name: str, bufs: Sequence[np.ndarray], failure: BaseException | None,
+                 err: bytes) -> None:
+    errs = [int(np.frombuffer(np.ascontiguousarray(b[:_HEADER]).tobytes(), dtype="<u8")[0]) for b in bufs]
+    if not any(errs):
+        return
+    docs = gather_bytes(exchange, name + "/error", err)
+    first = next(p for p, n in enumerate(errs) if n)  # several failed: the lowest rank's, everywhere
+    if first == exchange.rank and failure is not None:
+        raise failure
+    try:
+        doc = json.loads(docs[first])
+    except ValueError:
+        doc = {"error": "CheckpointError", "message": "an unreadable error", "untyped": True}
+    raise CheckpointError.from_json(doc, prefix=f"rank {first}: ")
+
+
+def _round(source: Any, exchange: Exchange, name: str, rp: RoundPlan, want: list[Request], mine: set[ChunkRef],
+           bind: bytes, stats: CoopStats) -> list[np.ndarray]:
+    """One round: read and verify the chunks this process serves; one all-gather of status,
+    binding and chunks; then read this process's requests with the chunks its peers sent, each
+    verified here against this process's manifest (the receiver verifies, FORMAT.md 9.1); one
+    all-gather of the outcome. Returns this process's arrays of the round."""
+    me, world = exchange.rank, exchange.world
     failure: BaseException | None = None
-    got: dict[Request, np.ndarray] = {}
+    served: list[np.ndarray] = []
     try:
-        got = dict(zip(rp.reads, next(reader))) if rp.reads else {}
+        served = source.read_chunks(list(rp.serves[me])) if rp.serves[me] else []
     except Exception as e:  # noqa: BLE001 - every process must hear of it, typed or not
         failure = e
-    sizes = [_HEADER + sum(size(q) for q in rp.serves[p]) for p in range(exchange.world)]
-    stats.served.extend([q[0], list(q[1].offset)] for q in rp.serves[me])
+    sizes = [_HEADER + _BIND + sum(source.chunk_nbytes(q) for q in rp.serves[p]) for p in range(world)]
+    stats.served.extend([q[0], int(q[1])] for q in rp.serves[me])
     buf = np.zeros(sizes[me], dtype=np.uint8)
+    buf[_HEADER:_HEADER + _BIND] = np.frombuffer(bind, dtype=np.uint8)
+    err = b""
     if failure is not None:
         err = json.dumps(_error_json(failure)).encode()
         buf[:_HEADER] = np.frombuffer(np.array([len(err)], dtype="<u8").tobytes(), dtype=np.uint8)
     else:
-        at = _HEADER
-        for q in rp.serves[me]:  # verified blocks only: the reader checked every crc32c
-            blk = np.ascontiguousarray(got[q])
-            buf[at:at + blk.nbytes] = blk.reshape(-1).view(np.uint8)
-            at += blk.nbytes
-        stats.bytes_sent += at - _HEADER
-    bufs = exchange.allgather(name, buf, sizes)
-    errs = [int(np.frombuffer(np.ascontiguousarray(b[:_HEADER]).tobytes(), dtype="<u8")[0]) for b in bufs]
-    if any(errs):
-        docs = gather_bytes(exchange, name + "/error", json.dumps(_error_json(failure)).encode()
-                            if failure is not None else b"")
-        first = next(p for p, n in enumerate(errs) if n)  # several failed: the lowest rank's, everywhere
-        if first == me:
-            raise failure  # type: ignore[misc]
-        raise CheckpointError.from_json(json.loads(docs[first]), prefix=f"rank {first}: ")
+        at = _HEADER + _BIND
+        for blk in served:  # verified by read_chunks; each receiver verifies again
+            buf[at:at + blk.size] = blk
+            at += blk.size
+        stats.bytes_sent += at - _HEADER - _BIND
+    bufs = _allgather(exchange, name, buf, sizes)
+    _raise_first(exchange, name, bufs, failure, err)
+    supplied: dict[ChunkRef, tuple[Any, str]] = {}
+    received = 0
     for p, b in enumerate(bufs):
-        if p == me or not rp.serves[p]:
+        if not rp.serves[p]:
             continue
-        b = b if b.flags.writeable else b.copy()  # the restore's own memory, handed out as values
-        at = _HEADER
+        if p != me and bytes(np.ascontiguousarray(b[_HEADER:_HEADER + _BIND])) != bind:
+            failure = StepMismatchError("a process of the cooperative restore sent chunks of another save",
+                                        object=f"{name} from rank {p}", expected="the step and save this process restores",
+                                        found="another step or save")
+            break
+        at = _HEADER + _BIND
         for q in rp.serves[p]:
-            n = size(q)
-            if q in want:
-                got[q] = b[at:at + n].view(numpy_dtype(source.tensor(q[0]).dtype)).reshape(q[1].shape)
-                stats.bytes_received += n
+            n = source.chunk_nbytes(q)
+            if q in mine:
+                supplied[q] = (b[at:at + n], "this process" if p == me else f"rank {p}")
+                received += n if p != me else 0
             at += n
+    got: list[np.ndarray] = []
+    if failure is None and want:
+        try:
+            got = source.read_boxes(want, supplied=supplied)
+        except Exception as e:  # noqa: BLE001 - every process must hear of it, typed or not
+            failure = e
+    if failure is None:
+        stats.bytes_received += received
+    _status(exchange, name + "/done", failure)
     return got

@@ -44,14 +44,15 @@ def _exact(out: dict) -> bool:
 def _flip_served(repo: str, served: list) -> str:
     from ckptfmt import Repository
 
-    key, offset = served[0]
+    key, row = served[0]  # a stored chunk this process read and sent: (key path, chunk row)
     t = Repository(repo).manifest(1).tensors[key]
-    s = next(i for i in range(len(t.shards)) if [int(x) for x in t.shards.offset[i]] == offset)
+    s = int(np.searchsorted(t.chunk_start, row, side="right")) - 1
+    at = int(t.chunks.offset[row]) + 8  # inside that chunk's data
     path = os.path.join(repo, t.object_key(s))
     with open(path, "r+b") as f:
-        f.seek(8)  # inside the first chunk's data
+        f.seek(at)
         b = f.read(1)
-        f.seek(8)
+        f.seek(at)
         f.write(bytes([b[0] ^ 0xFF]))
     return key
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import numpy as np
 from typing import Any
 
 import torch
@@ -30,13 +32,14 @@ def _target(mesh: Any) -> dict[str, Any]:
 
 
 def _flip_served(url: str, served: list) -> str:
-    key, offset = served[0]
+    key, row = served[0]  # a stored chunk this process read and sent: (key path, chunk row)
     t = Repository(url).manifest(1).tensors[key]
-    s = next(i for i in range(len(t.shards)) if [int(x) for x in t.shards.offset[i]] == offset)
+    s = int(np.searchsorted(t.chunk_start, row, side="right")) - 1
+    at = int(t.chunks.offset[row]) + 8  # inside that chunk's data
     with open(os.path.join(url, t.object_key(s)), "r+b") as f:
-        f.seek(8)  # inside the first chunk's data
+        f.seek(at)
         b = f.read(1)
-        f.seek(8)
+        f.seek(at)
         f.write(bytes([b[0] ^ 0xFF]))
     return key
 
