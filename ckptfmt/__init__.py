@@ -30,6 +30,7 @@ from .reader import ReadStats as ReadStats
 from .repository import GcReport as GcReport
 from .repository import Repository as Repository
 from .session._saveopts import SaveOptions as SaveOptions
+from .storage import StorageOptions as StorageOptions
 from .session import save as save
 from .asyncsave import SaveHandle as SaveHandle
 from .asyncsave import save_async as save_async
@@ -40,5 +41,5 @@ from .manager import SkippedStep as SkippedStep
 
 __all__ = ["__version__", "agree_step", "Box", "LocalShard", "TensorSharding", "Coordinator", "LocalCoordinator",
            "TcpCoordinator", "Manifest", "TensorEntry", "parse_manifest", "Checkpoint", "ReadStats",
-           "GcReport", "Repository", "SaveOptions", "save", "save_async", "SaveHandle", "CheckpointManager",
+           "GcReport", "Repository", "StorageOptions", "SaveOptions", "save", "save_async", "SaveHandle", "CheckpointManager",
            "RestoreResult", "SaveRecord", "SkippedStep", *_error_names]

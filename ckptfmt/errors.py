@@ -17,7 +17,7 @@ __all__ = [
     "NotARepositoryError",
     "InvalidDataError", "AllocationError",
     "InvalidSourceError", "ReferenceCycleError",
-    "OutputExistsError", "InvalidConfigError",
+    "OutputExistsError", "InvalidConfigError", "InvalidOptionError",
 ]
 
 
@@ -230,3 +230,10 @@ class OutputExistsError(StorageError, FileExistsError):
 class InvalidConfigError(CheckpointError, ValueError):
     """A model config given to an export (``config.json`` or a dict) is not a JSON object within the
     caps (size, nesting), or cannot be written as JSON; checked before anything is written."""
+
+
+class InvalidOptionError(CheckpointError, ValueError):
+    """Repository options (:class:`ckptfmt.StorageOptions`, or the mapping given to ``Repository``)
+    name an option that does not exist (the message suggests the closest one) or give one a value
+    of the wrong type or out of range; refused before any store is opened. A ValueError too, as
+    :class:`ckptfmt.SaveOptions` raises for its own bad values."""

@@ -235,8 +235,9 @@ def test_sync_modes_write_the_same_bytes_and_an_unknown_mode_is_refused(tmp_path
     """Repository option sync_mode (FORMAT.md 8.3, 14.2): "fsync" (each object and directory) and
     "syncfs" (sync_file_range of each object, one syncfs; Linux) leave the same bytes under the
     final names and no lock file; the default is "syncfs" where Linux has it. A mode the store
-    does not know is refused when the store opens (control: the two known modes are accepted)."""
-    from ckptfmt.errors import StorageError
+    does not know is refused, as a bad option (InvalidOptionError), before the store opens
+    (control: the two known modes are accepted)."""
+    from ckptfmt.errors import InvalidOptionError
     from ckptfmt.storage._durable import filesystem_sync_available
 
     modes = ["fsync"] + (["syncfs"] if filesystem_sync_available() else [])
@@ -250,9 +251,9 @@ def test_sync_modes_write_the_same_bytes_and_an_unknown_mode_is_refused(tmp_path
         assert (root / "saves/x/t/0/c/0/0").read_bytes() == b"abcd" and (root / "saves/x/t/0/c/1/0").read_bytes() == b"ef"
         assert not list(root.rglob("*.__lock"))
     assert Repository(str(tmp_path / "d")).storage._syncfs is filesystem_sync_available()
-    with pytest.raises(StorageError, match="sync_mode") as e:
+    with pytest.raises(InvalidOptionError, match="sync_mode") as e:
         Repository(str(tmp_path / "bad"), options={"sync_mode": "fdatasync"}).storage
-    assert "fdatasync" in str(e.value)
+    assert "fdatasync" in str(e.value) and not (tmp_path / "bad").exists()
 
 
 # ------------------------------------------------------------------ O_DIRECT writes (FORMAT.md 14.2)

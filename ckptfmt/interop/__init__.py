@@ -37,6 +37,7 @@ from ckptfmt.interop._stsource import SafetensorsSource, SourceTensor, find_safe
 from ckptfmt._types import Box
 from ckptfmt.errors import StepNotFoundError
 from ckptfmt.repository import Repository
+from ckptfmt.storage import StorageOptions
 from ckptfmt.restoreplan import RestoreSource
 
 __all__ = ["open_source", "export_safetensors", "prepare_export", "import_safetensors", "import_tensors",
@@ -53,7 +54,7 @@ TensorsFor = Callable[[Any], tuple[Sequence[ExportTensor], Sequence[str]]]
 
 
 def open_source(url: str, step: int | None = None, *, resolve: Callable[[Repository, int | None], int | None] | None = None,
-                options: Mapping[str, Any] | None = None) -> RestoreSource:
+                options: StorageOptions | Mapping[str, Any] | None = None) -> RestoreSource:
     """A committed step of the repository at ``url`` (a :class:`ckptfmt.Checkpoint`), or, when
     ``url`` names a safetensors file or directory, a :class:`SafetensorsSource` with the same
     reading interface (no steps: ``step`` must be None or the step its export recorded).
@@ -139,7 +140,7 @@ def safetensors_provenance(source: SafetensorsSource, src: str) -> dict[str, Any
 
 
 def import_safetensors(src: str, url: str, *, step: int | None = None, prefix: str = "",
-                       progress: Progress | None = None, options: Mapping[str, Any] | None = None,
+                       progress: Progress | None = None, options: StorageOptions | Mapping[str, Any] | None = None,
                        max_tensors: int | None = None) -> ImportReport:
     """Import a safetensors file or sharded directory (with its index; local, ``s3://``, ...) as
     step ``step`` of ``url`` (None: the step an export of ours recorded, else 0). Tensor ``name``

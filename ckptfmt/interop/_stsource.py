@@ -39,7 +39,7 @@ from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import (ChecksumMismatchError, InvalidDataError, InvalidSourceError, KeyMismatchError,
                             ShapeMismatchError, SizeMismatchError)
 from ckptfmt.reader import ReadStats, check_rank_state_policy
-from ckptfmt.storage import PositionalFile, open_storage
+from ckptfmt.storage import PositionalFile, StorageOptions, open_storage
 
 __all__ = ["SafetensorsSource", "SourceTensor", "SourceManifest", "find_safetensors", "MAX_INDEX_BYTES"]
 
@@ -90,7 +90,7 @@ def _split(url: str) -> tuple[str, str]:
     return base or ".", name
 
 
-def find_safetensors(url: str, options: Mapping[str, Any] | None = None) -> tuple[str, str] | None:
+def find_safetensors(url: str, options: StorageOptions | Mapping[str, Any] | None = None) -> tuple[str, str] | None:
     """(directory URL, index or file name) when ``url`` names a safetensors source, else None.
 
     A source is a ``.safetensors`` file, a ``.safetensors.index.json`` file, or a directory that is
@@ -132,7 +132,7 @@ class SafetensorsSource:
     ChecksumMismatchError (the tensor table's checksum), all before any tensor byte is read.
     """
 
-    def __init__(self, url: str, *, options: Mapping[str, Any] | None = None, found: tuple[str, str] | None = None) -> None:
+    def __init__(self, url: str, *, options: StorageOptions | Mapping[str, Any] | None = None, found: tuple[str, str] | None = None) -> None:
         self.url = str(url)
         where = found or find_safetensors(self.url, options)
         if where is None:

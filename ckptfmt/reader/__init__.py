@@ -39,12 +39,11 @@ from ckptfmt.manifest import Manifest, TensorEntry
 from ckptfmt.plan import ReadItem, plan_reads
 from ckptfmt.state import decode_state
 from ckptfmt.storage import Pending, Storage
+from ckptfmt.storage._options import DEFAULT_READ_WINDOW as DEFAULT_READ_WINDOW
 
 __all__ = ["Checkpoint", "ReadStats", "ChunkRef", "SuppliedChunk", "check_state_bytes", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy",
            "Exchange", "CoopPlan", "CoopStats", "RoundPlan", "plan_cooperative", "cooperative_reads"]
 
-#: Bytes of reads kept in flight by one reader: a fixed memory overhead, independent of state size.
-DEFAULT_READ_WINDOW = 256 << 20
 #: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
 MAX_STATE_BYTES = 64 << 20
 

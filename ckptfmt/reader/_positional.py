@@ -24,11 +24,10 @@ from ckptfmt.shard import back_to_back
 from ckptfmt.manifest import TensorEntry
 from ckptfmt.plan import ReadItem
 from ckptfmt.storage import PositionalFile
+from ckptfmt.storage._options import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
 
 __all__ = ["PositionalReads", "DEFAULT_READ_THREADS", "UNCACHED_READ_BYTES"]
 
-#: Local-file reader threads: enough positional reads in flight to keep a virtual disk's queue full.
-DEFAULT_READ_THREADS = 32
 #: A read whose outputs hold at least this many bytes asks the store to keep what it reads
 #: through the page cache out of it (:meth:`ckptfmt.storage.PositionalFile.prefer_uncached`):
 #: on this project's 2-core virtual machine 8 GiB restored 2-3x faster that way, and 1 GiB about
@@ -51,7 +50,7 @@ class PositionalReads(BlockChecks):
         raise NotImplementedError
 
     def _threads(self) -> int:
-        return max(1, int(self.storage.options.get("read_threads", DEFAULT_READ_THREADS)))
+        return max(1, self.storage.options.read_threads)
 
     def _collect(self, batch: "_Batch") -> list[np.ndarray]:
         sums: dict[str, float] = {}
@@ -116,7 +115,7 @@ class PositionalReads(BlockChecks):
                                         expected=want, found=f.size)
             starts = self._starts(t)
             c0, c1 = int(starts[s]), int(starts[s + 1])
-            if c1 - c0 == 1 and c0 in direct and self.storage.options.get("mapped_reads"):
+            if c1 - c0 == 1 and c0 in direct and self.storage.options.mapped_reads:
                 req = by_chunk[c0][0].request
                 if tuple(outs[req].shape) == tuple(g.chunk_shape):  # type: ignore[union-attr]
                     mapped = self._read_mapped(t, s, obj, f, c0, phases, tr)

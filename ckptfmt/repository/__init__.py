@@ -20,9 +20,9 @@ from ckptfmt.repository._gc import GcReport as GcReport
 from ckptfmt.errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
 from ckptfmt.layout import MANIFESTS, manifest_key, step_of_manifest_key
 from ckptfmt.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from ckptfmt.reader import DEFAULT_READ_WINDOW, Checkpoint, Progress, ReadStats
+from ckptfmt.reader import Checkpoint, Progress, ReadStats
 from ckptfmt.reader._verifylocal import ReadBuffers
-from ckptfmt.storage import Storage, open_storage
+from ckptfmt.storage import Storage, StorageOptions, open_storage
 
 __all__ = ["Repository", "GcReport"]
 
@@ -34,19 +34,11 @@ MANIFEST_CACHE_BYTES = 64 << 20
 class Repository:
     """A ckptfmt repository at ``url`` (local path, file://, memory://, s3://, gs://).
 
-    ``options``: ``read_window_bytes`` (bytes of reads in flight per reader, default 256 MiB),
-    ``read_threads`` (local-file reader threads, default 32), ``positional_reads`` (file driver: read
-    shards with preadv straight into the outputs, default True; False reads through tensorstore's
-    kvstore as on every other store), ``write_threads`` (a save's writer threads, default 16; on
-    local files they write shard objects with pwritev straight from the source arrays),
-    ``fsync`` (file driver, default True), ``mapped_reads`` (file driver with positional reads,
-    default False: a requested box that is one whole single-chunk shard is handed out as a
-    copy-on-write mapping of the object once its index and crc32c are checked, instead of a
-    copy; the local tier's choice, FORMAT.md 14.8), ``direct_writes`` and ``direct_reads`` (file
-    driver, default True: a save writes, and a positional read reads its large aligned spans,
-    through ``O_DIRECT`` where the file system takes it, FORMAT.md 14.2 and 14.4),
-    ``io_concurrency``, ``copy_concurrency``, and
-    ``kvstore`` (extra kvstore options such as an S3 endpoint).
+    ``options``: a :class:`~ckptfmt.StorageOptions`, or a mapping of its field names (each field's
+    docstring gives its meaning and default: ``read_window_bytes``, ``read_threads``,
+    ``positional_reads``, ``mapped_reads``, ``direct_reads``, ``write_threads``, ``direct_writes``,
+    ``fsync``, ``sync_mode``, ``io_concurrency``, ``copy_concurrency``, ``kvstore``). A key that is
+    no option raises InvalidOptionError suggesting the closest name; it is never ignored.
 
     ``storage``: an object with the storage interface to use instead of opening ``url`` (a
     wrapper around another repository's ``storage``, e.g. the fault fixture's); ``options`` are
@@ -55,13 +47,15 @@ class Repository:
     Only committed manifests are visible: a save that has not committed is never listed.
     """
 
-    def __init__(self, url: str, *, options: Mapping[str, Any] | None = None, storage: Storage | None = None,
+    def __init__(self, url: str, *, options: StorageOptions | Mapping[str, Any] | None = None,
+                 storage: Storage | None = None,
                  max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
         """``storage``: any object with the :class:`~ckptfmt.storage.Storage` interface to use
         instead of the backend :func:`~ckptfmt.storage.open_storage` picks for ``url`` (such as a
         :class:`~ckptfmt.storage.DelegatingStorage` that injects faults); its own options apply,
-        so ``options`` must then be None (ValueError otherwise). Raises InvalidURLError for a URL
-        that addresses nothing and StorageError when the store cannot be opened."""
+        so ``options`` must then be None (ValueError otherwise). Raises InvalidOptionError (a
+        ValueError) for an unknown option or a bad value, InvalidURLError for a URL that
+        addresses nothing and StorageError when the store cannot be opened."""
         self.url = str(url)
         if storage is not None and options is not None:
             raise ValueError("pass options to the storage, not to Repository, when giving a storage")
@@ -159,7 +153,7 @@ class Repository:
         stats = ReadStats()
         m = self.manifest(step)
         stats.add_time("manifest", time.perf_counter() - t0)
-        window = int(self.storage.options.get("read_window_bytes", DEFAULT_READ_WINDOW))
+        window = self.storage.options.read_window_bytes
         return Checkpoint(self.storage, m, stats=stats, max_inflight_bytes=window)
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> int:

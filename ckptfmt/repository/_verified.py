@@ -23,7 +23,7 @@ from typing import Any
 from ckptfmt.errors import CheckpointError
 from ckptfmt.layout import save_prefix
 from ckptfmt.manifest import Manifest
-from ckptfmt.reader import DEFAULT_READ_WINDOW, Checkpoint
+from ckptfmt.reader import Checkpoint
 
 __all__ = ["RECORD_NAME", "RECORD_FORMAT", "record_key", "unverified", "forget"]
 
@@ -82,7 +82,7 @@ def unverified(repo: Any, step: int) -> str | None:
     want = _bindings(m, data, stamps) if stamps is not None else None
     if want is not None and _trusted(st, want):
         return None
-    window = int(st.options.get("read_window_bytes", DEFAULT_READ_WINDOW))
+    window = st.options.read_window_bytes
     try:
         nbytes = Checkpoint(st, m, max_inflight_bytes=window).verify(buffers=getattr(repo, "_read_buffers", None))
     except CheckpointError as e:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ckptfmt import layout
 from ckptfmt.shard._codec import decoder_for
-from ckptfmt.storage._durable import DEFAULT_WRITE_THREADS, writer_pool
+from ckptfmt.storage._durable import writer_pool
 from ckptfmt.storage._kverrors import kv_errors
 from ckptfmt.manifest._entries import max_encoded_chunk_nbytes
 from ckptfmt._types import Box, LocalShard
@@ -150,7 +150,7 @@ class _RankWrites:
         self.referenced: list[ShardRecord] = []
         self.handles: dict[int, Any] = {}
         self.encoded: dict[int, tuple[int, ...]] = {}  # zstd: item -> its source chunks' crc32c
-        self.threads = max(1, min(len(self.mine), int(storage.options.get("write_threads", DEFAULT_WRITE_THREADS))))
+        self.threads = max(1, min(len(self.mine), storage.options.write_threads))
         self.stopped = threading.Event()  # set once this save ends: its queued objects are not written
 
     def decide(self, n: int) -> list[Any] | None:

@@ -21,7 +21,7 @@ Subpackage ``ckptfmt.storage``. Storage: the interface every backend implements,
 backend for a URL and the backends themselves (the tensorstore kvstore, the local-file backend, the
 URL grammar, the link-safe local walks) (FORMAT.md 4.1, 14). It knows keys and bytes, never
 manifests. Its modules: ``_durable``, ``_filestore``, ``_kverrors``, ``_kvstore``, ``_kvurl``,
-``_localfs``. May import: floor. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
+``_localfs``, ``_options`` (:class:`StorageOptions`, the repository options). May import: floor. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
 (tests/test_layering.py holds the rules and enforces them). Subpackages that may import it: reader,
 repository, session, interop.
 """
@@ -32,9 +32,10 @@ from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
 
 from ckptfmt.storage._kvurl import kvstore_spec
 from ckptfmt.storage._localfs import Entry
+from ckptfmt.storage._options import StorageOptions as StorageOptions
 from ckptfmt.errors import StorageError
 
-__all__ = ["Storage", "Pending", "PositionalFile", "DelegatingStorage", "open_storage", "NO_VALUE"]
+__all__ = ["Storage", "StorageOptions", "Pending", "PositionalFile", "DelegatingStorage", "open_storage", "NO_VALUE"]
 
 NO_VALUE = b"\x02"  # tensorstore's StorageGeneration::NoValue(): "write only if absent"
 
@@ -90,12 +91,13 @@ class PositionalFile(ABC):
 class Storage(ABC):
     """A repository's objects. Keys are relative to the repository root, "/"-separated.
 
-    ``url`` is the repository URL; ``options`` the repository options (reader settings such as
-    ``read_window_bytes`` live there too). Every method raises a CheckpointError on failure.
+    ``url`` is the repository URL; ``options`` the repository options, checked and typed (reader
+    settings such as ``read_window_bytes`` live there too). Every method raises a CheckpointError
+    on failure.
     """
 
     url: str
-    options: Mapping[str, Any]
+    options: StorageOptions
 
     # ------------------------------------------------------------------ whole objects
     @abstractmethod
@@ -257,7 +259,7 @@ class DelegatingStorage(Storage):
         return self.inner.url
 
     @property
-    def options(self) -> Mapping[str, Any]:  # type: ignore[override]
+    def options(self) -> StorageOptions:  # type: ignore[override]
         return self.inner.options
 
     def read(self, key: str, *, max_bytes: int | None = None) -> bytes | None:
@@ -338,16 +340,18 @@ class DelegatingStorage(Storage):
         return self.inner.open_array(path, metadata, create=create)
 
 
-def open_storage(url: str, options: Mapping[str, Any] | None = None) -> Storage:
+def open_storage(url: str, options: StorageOptions | Mapping[str, Any] | None = None) -> Storage:
     """The backend for a repository URL (see :mod:`ckptfmt.storage._kvurl` for the accepted forms).
-    Raises InvalidURLError for a URL it cannot address and StorageError when the store cannot
-    be opened."""
+    ``options``: a :class:`StorageOptions`, or a mapping of its field names (never changed).
+    Raises InvalidOptionError for an unknown option (naming the closest) or a bad value, before
+    anything is opened; InvalidURLError for a URL it cannot address and StorageError when the
+    store cannot be opened."""
     # The backends import tensorstore: imported here, when a repository is opened, so that
     # `import ckptfmt` stays quick (and they subclass Storage, defined above).
     from ckptfmt.storage._filestore import LocalFileStorage
     from ckptfmt.storage._kvstore import KvStoreStorage, MemoryStorage
 
-    opts = dict(options or {})
-    spec = kvstore_spec(url, opts.get("kvstore"))
+    opts = StorageOptions.of(options, url=url)  # the one place options enter: checked here, typed after
+    spec = kvstore_spec(url, opts.kvstore)
     backend = {"file": LocalFileStorage, "memory": MemoryStorage}.get(spec.get("driver"), KvStoreStorage)
     return backend(url, opts, spec)

@@ -29,11 +29,9 @@ from ckptfmt.storage._kverrors import storage_error
 from ckptfmt.storage._localfs import LOCK_SUFFIX, advance
 from ckptfmt.errors import StorageError
 
-__all__ = ["DEFAULT_WRITE_THREADS", "SYNC_MODES", "DIRECT_ALIGN", "set_direct", "kept_pool", "writer_pool", "pwritev_all", "write_file", "fill",
+__all__ = ["SYNC_MODES", "DIRECT_ALIGN", "set_direct", "kept_pool", "writer_pool", "pwritev_all", "write_file", "fill",
            "fsync_dir", "fsync_dirs", "fsync_path", "filesystem_sync_available", "sync_range", "syncfs"]
 
-#: Writer threads (pwritev, fsync and crc32c release the GIL): enough to keep a disk's queue full.
-DEFAULT_WRITE_THREADS = 16
 #: Bytes one ``write_file`` gathers before it hands them to ``pwritev`` (chunk copies are made as
 #: the buffers are iterated, so this bounds what one writer thread holds of them).
 _STAGE_BYTES = 8 << 20

@@ -27,13 +27,12 @@ import os
 import stat
 import sys
 import threading
-import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 from ckptfmt.storage import _directread, _durable, _localfs
 from ckptfmt.storage._kvstore import KvStoreStorage, _check_folder_prefix
 from ckptfmt.errors import MissingShardError, SizeMismatchError, StorageError
-from ckptfmt.storage import Pending, PositionalFile
+from ckptfmt.storage import Pending, PositionalFile, StorageOptions
 
 __all__ = ["LocalFileStorage"]
 
@@ -44,17 +43,13 @@ _RWF_DONTCACHE = getattr(os, "RWF_DONTCACHE", 0x80)
 class LocalFileStorage(KvStoreStorage):
     """A repository in a local directory (``root`` ends with "/")."""
 
-    def __init__(self, url: str, options: Mapping[str, Any], spec: dict[str, Any]) -> None:
+    def __init__(self, url: str, options: StorageOptions, spec: dict[str, Any]) -> None:
         super().__init__(url, options, spec)
-        if "vectored_writes" in options:  # gone in revision 1.2.2: one write path on every store
-            warnings.warn("the storage option 'vectored_writes' is gone (spec/FORMAT.md 1.2.2): every store writes "
-                          "shard objects through one path, with the same bytes; the option is ignored",
-                          DeprecationWarning, stacklevel=3)
         self._dirs: set[str] = set()  # renamed into by write_object since the last sync of their prefix
         self._dirs_lock = threading.Lock()
-        mode = options.get("sync_mode", "syncfs" if _durable.filesystem_sync_available() else "fsync")
-        if mode not in ("syncfs", "fsync") or (mode == "syncfs" and not _durable.filesystem_sync_available()):
-            raise StorageError("unknown or unavailable storage option sync_mode", object=url,
+        mode = options.sync_mode or ("syncfs" if _durable.filesystem_sync_available() else "fsync")
+        if mode == "syncfs" and not _durable.filesystem_sync_available():  # known (checked), not here
+            raise StorageError("storage option sync_mode 'syncfs' is unavailable on this platform", object=url,
                                expected="'fsync', or 'syncfs' on Linux", found=repr(mode))
         self._syncfs = mode == "syncfs"
         # syncfs: opened before the first write since the last sync, so that its syncfs reports a
@@ -71,7 +66,7 @@ class LocalFileStorage(KvStoreStorage):
         return self.spec["path"]
 
     def _context_config(self) -> dict[str, Any]:
-        return dict(super()._context_config(), file_io_sync=bool(self.options.get("fsync", True)))
+        return dict(super()._context_config(), file_io_sync=self.options.fsync)
 
     # ------------------------------------------------------------------ special files
     def _stat(self, key: str, tensor: str | None) -> os.stat_result:
@@ -183,7 +178,7 @@ class LocalFileStorage(KvStoreStorage):
 
     @property
     def positional_reads(self) -> bool:
-        return bool(self.options.get("positional_reads", True))
+        return self.options.positional_reads
 
     def open_positional(self, key: str, *, tensor: str | None = None) -> PositionalFile:
         if not self.positional_reads:
@@ -201,7 +196,7 @@ class LocalFileStorage(KvStoreStorage):
         except BaseException:
             os.close(fd)
             raise
-        return _LocalFile(fd, st.st_size, key, tensor, direct=bool(self.options.get("direct_reads", True)))
+        return _LocalFile(fd, st.st_size, key, tensor, direct=self.options.direct_reads)
 
     # ------------------------------------------------------------------ writes
     def write_object(self, key: str, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
@@ -217,7 +212,7 @@ class LocalFileStorage(KvStoreStorage):
         d = os.path.dirname(path)
         try:
             n = _durable.write_file(path, buffers, fsync=how, obj=key, tensor=tensor,
-                                    direct=bool(self.options.get("direct_writes", True)))
+                                    direct=self.options.direct_writes)
             if how == "range" and os.stat(d).st_dev != self._sync_dev:  # below a mount point: syncfs misses it
                 _durable.fsync_path(path, obj=key, tensor=tensor)
                 with self._dirs_lock:
@@ -268,7 +263,7 @@ class LocalFileStorage(KvStoreStorage):
             while d.startswith(top) and d != top and d not in todo:
                 todo.add(d)
                 d = os.path.dirname(d)
-        threads = max(1, min(len(todo), int(self.options.get("write_threads", _durable.DEFAULT_WRITE_THREADS))))
+        threads = max(1, min(len(todo), self.options.write_threads))
         _durable.fsync_dirs(todo, threads)
 
     def _sync_filesystem(self, mine: set[str]) -> None:
@@ -295,7 +290,7 @@ class LocalFileStorage(KvStoreStorage):
 
     @property
     def _fsync(self) -> bool:
-        return bool(self.options.get("fsync", True))
+        return self.options.fsync
 
     # ------------------------------------------------------------------ deletes and walks
     def delete_prefix(self, prefix: str) -> None:

@@ -20,7 +20,7 @@ from ckptfmt.storage._kverrors import classify as classify
 from ckptfmt.storage._kverrors import kv_errors as kv_errors
 from ckptfmt.storage._kverrors import storage_error as storage_error
 from ckptfmt.errors import MissingShardError, SizeMismatchError, StorageError
-from ckptfmt.storage import NO_VALUE, Pending, Storage
+from ckptfmt.storage import NO_VALUE, Pending, Storage, StorageOptions
 
 __all__ = ["KvStoreStorage", "MemoryStorage", "OutOfRange", "classify", "kv_errors", "zarr_json"]
 
@@ -30,11 +30,12 @@ def _value(r: Any) -> bytes | None:
 
 
 class KvStoreStorage(Storage):
-    """A repository on a tensorstore kvstore. ``spec`` is its kvstore spec (from the URL)."""
+    """A repository on a tensorstore kvstore. ``spec`` is its kvstore spec (from the URL);
+    ``options`` were checked by :func:`ckptfmt.storage.open_storage`."""
 
-    def __init__(self, url: str, options: Mapping[str, Any], spec: dict[str, Any]) -> None:
+    def __init__(self, url: str, options: StorageOptions, spec: dict[str, Any]) -> None:
         self.url = url
-        self.options = dict(options)
+        self.options = options
         self.spec = spec
         self.context = self._make_context()
         with kv_errors("cannot open repository", object=url):
@@ -42,8 +43,8 @@ class KvStoreStorage(Storage):
 
     def _context_config(self) -> dict[str, Any]:
         return {"cache_pool": {"total_bytes_limit": 0},
-                "file_io_concurrency": {"limit": int(self.options.get("io_concurrency", 32))},
-                "data_copy_concurrency": {"limit": int(self.options.get("copy_concurrency", 8))}}
+                "file_io_concurrency": {"limit": self.options.io_concurrency},
+                "data_copy_concurrency": {"limit": self.options.copy_concurrency}}
 
     def _make_context(self) -> ts.Context:
         return ts.Context(self._context_config())

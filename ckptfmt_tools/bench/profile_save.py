@@ -144,12 +144,10 @@ def _one_save(a: argparse.Namespace, n: int, root: str, state: Any) -> None:
     import time
 
     import bridges.jax as bj
-    from ckptfmt import Repository, SaveOptions
+    from ckptfmt import Repository, SaveOptions, StorageOptions
 
     phases: dict[str, float] = {}
-    opts: dict[str, Any] = {"write_threads": a.write_threads} if a.write_threads else {}
-    if a.sync_mode:
-        opts["sync_mode"] = a.sync_mode
+    opts = StorageOptions(write_threads=a.write_threads or StorageOptions.write_threads, sync_mode=a.sync_mode or None)
     shutil.rmtree(os.path.join(root, f"s{n}"), ignore_errors=True)
     os.sync()
     repo = Repository(os.path.join(root, f"s{n}"), options=opts)
