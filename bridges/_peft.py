@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping as TMapping, Sequence
 import numpy as np
 
 from ckptfmt.checksum import crc32c
-from ckptfmt.errors import ChecksumMismatchError, KeyMismatchError, ShapeMismatchError
+from ckptfmt.errors import ChecksumMismatchError, InvalidConfigError, KeyMismatchError, ShapeMismatchError
 from ckptfmt.dtypes import dtype_name, numpy_dtype
 from ckptfmt.interop import ImportTensor, check_out_dir, export_safetensors, import_tensors, output_dtype
 from ckptfmt.interop._exportfiles import create_exclusive, publish, read_config, temp_name
@@ -93,7 +93,8 @@ def _pairs(keys: set[str], config: Any, target_modules: Sequence[str] | None,
     table = dict(LLAMA_NNX_NAMES, **(names or {}))
     feats = _features(llama_dims(config))
     given = dict(adapters or {})
-    unknown = sorted(set(given) | set(target_modules or ()) - set(LORA_MODULES))
+    # Parenthesised: `-` binds tighter than `|`, and every module adapters= names was reported unknown.
+    unknown = sorted((set(given) | set(target_modules or ())) - set(LORA_MODULES))
     if unknown:
         raise ValueError(f"unknown LoRA target module(s) {unknown}; known: {sorted(LORA_MODULES)}")
     out = []
@@ -134,11 +135,36 @@ def _check_shapes(ckpt: Any, pairs: Sequence[_Pair], layers: int, rank: int | No
                 raise ShapeMismatchError(f"LoRA target {p.module}: tensor does not fit its layer (a stacked "
                                          "(L, in, r) / (L, r, out) pair, nnx.LoRA's orientation)", key=key,
                                          expected=want, found=found)
+        if r < 1:  # PEFT cannot load r = 0, and alpha / r (the merge's scale) is undefined
+            raise ShapeMismatchError(f"LoRA target {p.module}: the pair has rank 0 (lora_a's last dim); PEFT's r "
+                                     f"must be 1 or more: leave {p.module} out of target_modules= (or adapters=), "
+                                     "or save the pair with its rank", key=p.a, expected="r >= 1", found=sa)
         ranks.add(r)
     if len(ranks) != 1 or (rank is not None and ranks != {rank}):
         raise ShapeMismatchError("the LoRA pairs do not share one rank (PEFT's r)", key=pairs[0].a,
                                  expected=rank if rank is not None else "one rank", found=sorted(ranks))
     return ranks.pop()
+
+
+def _finite_alpha(alpha: float | None, r: int) -> float:
+    """PEFT's lora_alpha as a finite float; InvalidConfigError otherwise (JSON has no NaN or Infinity,
+    and a merge would add NaN * a @ b to every adapted kernel)."""
+    value = float(r if alpha is None else alpha)
+    if not math.isfinite(value):
+        raise InvalidConfigError("alpha (PEFT's lora_alpha) is not a finite number, so adapter_config.json cannot "
+                                 "hold it and a merge would write NaN weights; pass alpha= as the JAX forward's "
+                                 "scale times r (None: r)", object=ADAPTER_CONFIG, expected="a finite number",
+                                 found=repr(alpha))
+    return value
+
+
+def _config_bytes(conf: TMapping[str, Any]) -> bytes:
+    """``adapter_config.json``'s bytes; strict JSON (no NaN/Infinity), InvalidConfigError otherwise."""
+    try:
+        return json.dumps(dict(conf), indent=2, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:  # a non-JSON base_model_name_or_path, a non-finite float
+        raise InvalidConfigError("the adapter config cannot be written as JSON", object=ADAPTER_CONFIG,
+                                 found=str(e)[:200]) from None
 
 
 def _peft_tensors(ckpt: Any, pairs: Sequence[_Pair], layers: int, dtype: str | None) -> dict[str, np.ndarray]:
@@ -255,9 +281,11 @@ def export_peft(url: str, out_dir: str, *, config: TMapping[str, Any] | str | os
     ``alpha``: PEFT's lora_alpha, the JAX forward's scale times r (None: r, nnx.LoRA's unscaled
     forward). ``rank``: asserted when given.
 
-    Fails closed, before anything is written: KeyMismatchError naming a missing ``lora_a`` /
-    ``lora_b`` / base kernel; ShapeMismatchError naming a tensor whose shape does not fit (or
-    pairs of different ranks); OutputExistsError when ``out_dir`` holds safetensors files or the
+    Fails closed, before anything is written: ValueError for a module name not in
+    :data:`LORA_MODULES`; KeyMismatchError naming a missing ``lora_a`` / ``lora_b`` / base kernel;
+    ShapeMismatchError naming a tensor whose shape does not fit (or pairs of different ranks, or a
+    pair of rank 0); InvalidConfigError for an ``alpha`` that is NaN or infinite (or a
+    ``base_model_name_or_path`` JSON cannot hold); OutputExistsError when ``out_dir`` holds safetensors files or the
     adapter files. Later the reader's CheckpointError, or ChecksumMismatchError when a written file
     reads back different; then no file of this export keeps its name but those already published
     (the weights before the config: a directory without ``adapter_config.json`` is not an adapter).
@@ -269,7 +297,7 @@ def export_peft(url: str, out_dir: str, *, config: TMapping[str, Any] | str | os
     layers = llama_dims(config)["layers"]
     pairs = _pairs(set(ckpt.keys()), config, target_modules, adapters, names, model)
     r = _check_shapes(ckpt, pairs, layers, rank)
-    alpha = float(r if alpha is None else alpha)
+    alpha = _finite_alpha(alpha, r)
     modules = tuple(sorted(p.module for p in pairs))
     if merge:
         rep = _merge(str(url), ckpt, out_dir, pairs, alpha / r, config, names, model, dtype)
@@ -278,7 +306,7 @@ def export_peft(url: str, out_dir: str, *, config: TMapping[str, Any] | str | os
     check_out_dir(out_dir, [ADAPTER_FILE, ADAPTER_CONFIG])
     tensors = _peft_tensors(ckpt, pairs, layers, dtype)
     data = _safetensors_bytes(tensors, {"format": "pt"})
-    conf = json.dumps(adapter_config(pairs, r, alpha, base_model_name_or_path), indent=2, sort_keys=True).encode()
+    conf = _config_bytes(adapter_config(pairs, r, alpha, base_model_name_or_path))
     files = (_write_verified(out_dir, ADAPTER_FILE, data), _write_verified(out_dir, ADAPTER_CONFIG, conf))
     return PeftReport(str(out_dir), files, modules, r, alpha, sum(v.nbytes for v in tensors.values()),
                       int(ckpt.stats.bytes_read), time.perf_counter() - t0, ckpt.step, False)

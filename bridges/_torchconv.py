@@ -202,16 +202,26 @@ def _target_boxes(v: torch.Tensor, key: str) -> list[tuple[Box, tuple[slice, ...
     return [(p.box, p.local) for p in pieces]
 
 
+def _materialized(t: torch.Tensor, key: str) -> torch.Tensor:
+    """``t`` itself; InvalidStateError naming ``key`` for a meta tensor, which has a shape but no data
+    (a model built under ``torch.device("meta")`` and not yet materialized), before anything is written."""
+    if t.is_meta:
+        raise InvalidStateError("a meta tensor has no data to save: materialize it first (module.to_empty(device=...) "
+                                "and load or initialize its weights) or leave it out of the state",
+                                key=key, expected="a tensor with data (cpu, cuda, ...)", found=f"meta tensor {tuple(t.shape)}")
+    return t
+
+
 def _local_parts(v: torch.Tensor, key: str) -> tuple[list[tuple[Box, np.ndarray]] | None, int, TensorSharding | None]:
     """This rank's (global box, block) pairs of ``v`` (None: not on its mesh), replica id and
     sharding description: one pair for a plain tensor or a Shard/Replicate DTensor, several for
     a strided layout (bridges/_dtensor.py)."""
     if DTensor is None or not isinstance(v, DTensor):
-        return [(Box.full(tuple(v.shape)), to_numpy(v))], _rank(), None
+        return [(Box.full(tuple(v.shape)), to_numpy(_materialized(v, key)))], _rank(), None
     pieces, rid, sharding = dtensor_pieces(v, key)
     if pieces is None:
         return None, rid, None
-    local = _local(v)
+    local = _materialized(_local(v), key)
     data = to_numpy(local)
     covered = sum(int(np.prod(p.box.shape)) for p in pieces)
     if covered != int(np.prod(tuple(local.shape))):

@@ -24,6 +24,28 @@ Call order (DCP drives it, every rank): ``reset`` -> ``read_metadata`` -> ``set_
   ``DefaultLoadPlanner`` gets a KeyMismatchError for a non-tensor entry.
 
 The writer is :class:`CkptfmtStorageWriter` (``bridges/_dcp_writer.py``).
+
+**Errors arrive wrapped.** DCP runs the writer and the reader inside its own collectives and
+raises what any rank raised wrapped in ``torch.distributed.checkpoint.api.CheckpointException``,
+which derives from ``BaseException``: around ``dcp.save`` / ``dcp.load`` (and an
+``async_save`` future's ``result()``), ``except ckptfmt.CheckpointError`` and ``except Exception``
+do not catch a ckptfmt refusal. Catch ``CheckpointException`` and look inside with
+:func:`unwrap`, which returns the first ckptfmt error (lowest rank first), or None:
+
+```python
+from torch.distributed.checkpoint.api import CheckpointException
+from bridges.dcp import unwrap
+
+try:
+    dcp.save(state, storage_writer=CkptfmtStorageWriter(url, step=step))
+except CheckpointException as e:  # a BaseException: `except Exception` passes it by
+    err = unwrap(e)  # StepAlreadyCommittedError, InvalidStateError, ChecksumMismatchError, ...
+    if err is None:
+        raise  # not ckptfmt's: DCP's own planner, or another rank's untyped error
+    raise err from e  # now `except ckptfmt.CheckpointError` (and `except Exception`) catch it
+```
+
+``e.failures`` (rank -> (exception, traceback)) holds every rank's error.
 """
 from __future__ import annotations
 
@@ -34,6 +56,7 @@ from typing import Any, Callable
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
@@ -49,10 +72,36 @@ from ._dcp_writer import CkptfmtStorageWriter
 from ._torchconv import _BY_NAME, from_numpy
 from ._torchload import _open, _saved_objects
 
-__all__ = ["CkptfmtStorageReader", "CkptfmtStorageWriter"]
+__all__ = ["CkptfmtStorageReader", "CkptfmtStorageWriter", "unwrap"]
 
 #: How deep an object's nested values are offered under their own fqns (DCP's flattening).
 _OBJECT_DEPTH = 16
+
+
+def unwrap(exc: BaseException) -> CheckpointError | None:
+    """The ckptfmt error behind ``exc``: ``exc`` itself when it is a CheckpointError; for DCP's
+    ``CheckpointException`` (a ``BaseException`` wrapping every failed rank's error) the first
+    CheckpointError among its ``failures``, lowest rank first; else the one its ``__cause__``
+    chain holds. None when there is none (DCP's own errors, a plain ``ValueError``). Never raises."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:  # breadth first: a rank's own error before what it was raised from
+        e = todo.pop(0)
+        if id(e) in seen:  # a cause chain that loops
+            continue
+        seen.add(id(e))
+        if isinstance(e, CheckpointError):
+            return e
+        failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+        if isinstance(failures, dict):
+            for rank in sorted(failures, key=lambda r: (0, r, "") if isinstance(r, int) else (1, 0, str(r))):
+                wrapped = failures[rank]
+                inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        if isinstance(e.__cause__, BaseException):
+            todo.append(e.__cause__)
+    return None
 
 
 def _default_fqn(key: str) -> str:

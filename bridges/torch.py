@@ -165,7 +165,8 @@ def save(url: "str | ckptfmt.Repository", state: TMapping[str, Any], *, step: in
     On failure nothing is committed and every rank raises the same CheckpointError
     (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError, ...; by ``result()`` for a
     background save); a non-tensor leaf msgpack cannot encode raises InvalidStateError naming its
-    key path before anything is written; a save while an earlier ``blocking=False`` save is in
+    key path before anything is written, and so does a meta tensor (no data: materialize it first,
+    e.g. ``module.to_empty(device=...)`` and load its weights); a save while an earlier ``blocking=False`` save is in
     flight raises SaveInProgressError.
 
     ``extra`` / ``rank_state`` take any value ``json.dumps`` takes (a Hugging Face config dict)

@@ -414,6 +414,29 @@ def test_ls_inspect_verify_show_written_and_referenced_bytes(tmp_path):
     assert code == 1 and [s["error"] for s in doc["steps"]] == ["ChecksumMismatchError"] * 2
 
 
+def test_delete_newest_without_force_is_a_usage_refusal_not_step_not_found(tmp_path):
+    """Issue 47: ``ckptfmt delete URL NEWEST`` without --force reported StepNotFoundError ("no
+    committed step") for a step that exists. Now exit 2 (usage) saying the step is the newest and
+    to pass --force, as text and as --json; nothing deleted. Broken controls: a step that does not
+    exist is still StepNotFoundError (exit 1), an older step deletes, and --force deletes the newest."""
+    url = str(tmp_path / "repo")
+    for step in (1, 2, 3):
+        ckptfmt.save(url, step, [LocalShard("w", (4,), "float32", Box.full((4,)), np.full(4, step, np.float32))])
+    r = runner.invoke(app, ["delete", url, "3"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.stderr.split())
+    assert "step 3 is the newest committed step" in text and "--force" in text and "StepNotFound" not in text
+    code, doc = _json(["delete", url, "3", "--json"])
+    assert code == 2 and doc["ok"] is False and doc["error"] == "usage" and doc["step"] == 3 and doc["newest"] is True
+    assert "newest" in doc["message"] and "--force" in doc["message"]
+    assert ckptfmt.Repository(url).steps() == [1, 2, 3]
+    code, doc = _json(["delete", url, "9", "--json"])
+    assert code == 1 and doc["error"] == "StepNotFoundError"
+    assert _json(["delete", url, "2", "--json"])[0] == 0
+    assert _json(["delete", url, "3", "--force", "--json"])[0] == 0
+    assert ckptfmt.Repository(url).steps() == [1]
+
+
 def test_delete_one_step_and_version(tmp_path):
     """Issue 30: ``ckptfmt delete URL STEP`` removes one committed step through Repository.delete
     (the step's objects go, the others' stay and still verify); the newest step needs --force; a
@@ -431,8 +454,8 @@ def test_delete_one_step_and_version(tmp_path):
     for step in (1, 2, 3):
         ckptfmt.save(url, step, [LocalShard("w", (4,), "float32", ckptfmt.Box.full((4,)),
                                             np.full(4, step, np.float32))])
-    r = CliRunner().invoke(cli, ["delete", url, "3", "--json"])
-    assert r.exit_code == 1 and _json.loads(r.stdout)["error"] == "StepNotFoundError", r.output  # newest: refused
+    r = CliRunner().invoke(cli, ["delete", url, "3", "--json"])  # newest: refused (test below)
+    assert r.exit_code == 2 and _json.loads(r.stdout)["error"] == "usage", r.output
     r = CliRunner().invoke(cli, ["delete", url, "7", "--json"])
     assert r.exit_code == 1 and _json.loads(r.stdout)["error"] == "StepNotFoundError", r.output
     r = CliRunner().invoke(cli, ["delete", str(tmp_path / "nothing"), "1", "--json"])

@@ -1,6 +1,7 @@
 """bridges.dcp: torch.distributed.checkpoint loads a ckptfmt checkpoint through its own planner."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +13,9 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bridges import torch as bt  # noqa: E402
-from bridges.dcp import CkptfmtStorageReader  # noqa: E402
+import bridges.dcp  # noqa: E402
+from bridges.dcp import CkptfmtStorageReader, CkptfmtStorageWriter, unwrap  # noqa: E402
+from ckptfmt.errors import CheckpointError, ChecksumMismatchError, StepAlreadyCommittedError  # noqa: E402
 from torchproc.launch import run_world  # noqa: E402
 
 
@@ -42,6 +45,70 @@ def test_dcp_load_single_process(tmp_path):
     for k in ("fc.weight", "fc.bias"):
         assert torch.equal(target["model"][k], src["model"][k])
     assert float(target["s"]) == 2.0
+
+
+def _docs_pattern() -> str:
+    """The except pattern bridges/dcp.py's docstring shows (the API reference renders it)."""
+    blocks = re.findall(r"```python\n(.*?)```", bridges.dcp.__doc__, re.S)
+    assert len(blocks) == 1 and "unwrap(e)" in blocks[0], "bridges/dcp.py lost its except pattern"
+    return blocks[0]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to")
+def test_ckptfmt_errors_arrive_wrapped_by_dcp_and_unwrap_finds_them(tmp_path):
+    """Issue 47 D: through dcp.save / dcp.load a ckptfmt refusal arrives inside DCP's
+    CheckpointException, a BaseException, so ``except ckptfmt.CheckpointError`` and ``except
+    Exception`` miss it. ``unwrap`` returns the typed error inside: a refused save (the step is
+    already committed), a corrupted repository's load, an async_save's future; the docstring's
+    pattern, run verbatim, re-raises it as a CheckpointError. Broken controls: the clean save and
+    load succeed; DCP's own refusal (a target of another shape) and plain errors unwrap to None."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    url = str(tmp_path / "repo")
+    w = torch.arange(64, dtype=torch.float32)
+    dcp.save({"w": w}, storage_writer=CkptfmtStorageWriter(url, step=1), no_dist=True)
+    target = {"w": torch.zeros(64)}
+    dcp.load(target, storage_reader=CkptfmtStorageReader(url), no_dist=True)
+    assert torch.equal(target["w"], w)
+
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"w": torch.ones(64)}, storage_writer=CkptfmtStorageWriter(url, step=1), no_dist=True)
+    assert not isinstance(e.value, Exception)  # the trap the docs describe
+    err = unwrap(e.value)
+    assert isinstance(err, StepAlreadyCommittedError) and err is e.value.failures[0][0]
+
+    scope = {"dcp": dcp, "CkptfmtStorageWriter": CkptfmtStorageWriter, "state": {"w": torch.ones(64)},
+             "url": url, "step": 1}
+    with pytest.raises(CheckpointError) as typed:  # the documented pattern makes it catchable
+        exec(compile(_docs_pattern(), "bridges/dcp.py docstring", "exec"), scope)
+    assert isinstance(typed.value, StepAlreadyCommittedError) and isinstance(typed.value.__cause__, CheckpointException)
+
+    fut = dcp.async_save({"w": torch.ones(64)}, storage_writer=CkptfmtStorageWriter(url, step=1))
+    with pytest.raises(CheckpointException) as e:
+        fut.result(timeout=60)
+    assert isinstance(unwrap(e.value), StepAlreadyCommittedError)
+
+    with pytest.raises(CheckpointException) as e:  # control: DCP's own refusal is no ckptfmt error
+        dcp.load({"w": torch.zeros(65)}, storage_reader=CkptfmtStorageReader(url), no_dist=True)
+    assert unwrap(e.value) is None
+
+    shard = next(p for p in Path(url).rglob("*") if p.is_file() and "/t/" in str(p) and p.name != "zarr.json")
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0x40
+    shard.write_bytes(bytes(raw))
+    target = {"w": torch.zeros(64)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(target, storage_reader=CkptfmtStorageReader(url), no_dist=True)
+    err = unwrap(e.value)
+    assert isinstance(err, ChecksumMismatchError) and err.key == "w"
+    assert float(target["w"].sum()) == 0  # nothing copied in
+
+    assert unwrap(err) is err and unwrap(ValueError("x")) is None
+    try:
+        raise RuntimeError("wrapped by a caller") from err
+    except RuntimeError as chained:
+        assert unwrap(chained) is err
 
 
 @pytest.mark.multiprocess

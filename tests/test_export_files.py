@@ -181,6 +181,21 @@ def test_a_config_that_cannot_be_written_fails_before_any_byte(repo, tmp_path):
     _loads_back(out, t)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_config_value_is_refused_not_written_as_nan(repo, tmp_path, value):
+    """Issue 47: json.dumps wrote ``NaN`` / ``Infinity`` into config.json, which is not JSON (a strict
+    parser, and every non-Python loader, refuses it). Now InvalidConfigError, OUT not created.
+    Control: the same config with a finite value exports and parses strictly."""
+    url, t = repo
+    out = tmp_path / "out"
+    with pytest.raises(InvalidConfigError, match="cannot be written as JSON"):
+        export_safetensors(url, str(out), config=dict(CONFIG, rope_scaling={"type": "linear", "factor": value}))
+    assert not out.exists()
+    export_safetensors(url, str(out), max_shard_size=1000, config=CONFIG)
+    _loads_back(out, t)
+    json.loads((out / "config.json").read_text(), parse_constant=lambda name: pytest.fail(f"not JSON: {name}"))
+
+
 def test_config_read_keeps_the_caller_dict(repo, tmp_path):
     """The export copies the config; the caller's dict is not changed."""
     url, _ = repo

@@ -6,6 +6,8 @@ forward of the JAX layout (tests/_llama_ref.py) with ``x @ W + s * (x @ a @ b)``
 """
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -19,12 +21,13 @@ jnp = pytest.importorskip("jax.numpy")
 nnx = pytest.importorskip("flax.nnx")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+INTEROP_MD = Path(__file__).resolve().parent.parent / "docs" / "INTEROP.md"
 
 from _llama_ref import llama_forward  # noqa: E402
 from bridges import torch as bt  # noqa: E402
 from bridges.interop import export_peft, preset_mapping  # noqa: E402
 from bridges.presets import hf_llama_from_nnx  # noqa: E402
-from ckptfmt.errors import KeyMismatchError, OutputExistsError, ShapeMismatchError  # noqa: E402
+from ckptfmt.errors import InvalidConfigError, KeyMismatchError, OutputExistsError, ShapeMismatchError  # noqa: E402
 from torchproc.hf_configs import EVAL_IDS, LLAMA  # noqa: E402
 from _torchtree import nest_tensors  # noqa: E402
 
@@ -57,15 +60,20 @@ def _params(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 
-def _reference(p: dict[str, np.ndarray], scale: float) -> np.ndarray:
-    """Logits of base + adapters: each adapted kernel W + s * (a @ b), in float64."""
+def _reference(p: dict[str, np.ndarray], scale: float,
+               pairs: dict[str, tuple[str, str]] | None = None) -> np.ndarray:
+    """Logits of base + adapters: each adapted kernel W + s * (a @ b), in float64. ``pairs``: kernel
+    name -> (a key, b key) under layers/ (default: KERNELS' nnx.LoRALinear pairs)."""
+    if pairs is None:
+        pairs = {n: (f"{k}/lora/lora_a", f"{k}/lora/lora_b") for n, k in KERNELS.items()}
+
     def layer(name: str, i: int) -> np.ndarray | None:
         if name not in NAMES:
             return None
         w = p[f"layers/{NAMES[name]}"][i].astype(np.float64)
-        if name in KERNELS:
-            a = p[f"layers/{KERNELS[name]}/lora/lora_a"][i].astype(np.float64)
-            b = p[f"layers/{KERNELS[name]}/lora/lora_b"][i].astype(np.float64)
+        if name in pairs:
+            a = p[f"layers/{pairs[name][0]}"][i].astype(np.float64)
+            b = p[f"layers/{pairs[name][1]}"][i].astype(np.float64)
             w = w + scale * np.tensordot(a, b, axes=1)
         return w
     return llama_forward(EVAL_IDS, layers=LLAMA["num_hidden_layers"], layer=layer, embed=p["embed/embedding"],
@@ -159,3 +167,99 @@ def test_preset_export_of_the_base_leaves_adapters_unmapped(lora_ckpt):
     url, _ = lora_ckpt
     _, unmapped, _ = mapped_tensors(Repository(url).open(1), preset_mapping("hf_llama_from_nnx", LLAMA))
     assert "model/layers/attn/q/lora/lora_a" in unmapped
+
+
+def _docs_own_pair_call() -> str:
+    """The "your own pair" call of docs/INTEROP.md section 11, as the page prints it."""
+    text = INTEROP_MD.read_text()
+    m = re.search(r"^export_peft\(url, out, config=cfg, adapters=.*\n(?:[ ]+\S.*\n)*", text, re.M)
+    assert m, "docs/INTEROP.md section 11 lost its adapters= example"
+    return m.group(0)
+
+
+def test_the_docs_one_pair_example_exports_and_loads_with_peft(tmp_path):
+    """Issue 47: ``export_peft(..., adapters=...)`` raised "unknown LoRA target module(s) ['q_proj']"
+    on every call (``|`` was taken after ``-``). The docs' own example, run verbatim on a checkpoint
+    holding its keys (rank 8, the JAX forward's scale 2 -> alpha 16): the adapter PEFT loads gives the
+    logits of base + 2 * a @ b on q_proj. Broken controls: a misspelt module is still refused, naming
+    only that module; the base alone is off by far more than the tolerance."""
+    rng = np.random.default_rng(5)
+    p = {k: v for k, v in _params(rng).items() if "/lora/" not in k}
+    L, d, h, hd = (LLAMA["num_hidden_layers"], LLAMA["hidden_size"], LLAMA["num_attention_heads"], LLAMA["head_dim"])
+    p["layers/attn/q/A"] = (rng.standard_normal((L, d, 8)) * 0.2).astype(np.float32)
+    p["layers/attn/q/B"] = (rng.standard_normal((L, 8, h, hd)) * 0.2).astype(np.float32)
+    url = str(tmp_path / "repo")
+    bt.save(url, nest_tensors(p, prefix="model/"), step=1)
+    out = str(tmp_path / "adapter")
+    scope = {"export_peft": export_peft, "url": url, "out": out, "cfg": dict(LLAMA)}
+    exec(compile("rep = " + _docs_own_pair_call(), str(INTEROP_MD), "exec"), scope)
+    rep = scope["rep"]
+    assert rep.target_modules == ("q_proj",) and rep.rank == 8 and rep.alpha == 16.0
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert conf["target_modules"] == ["q_proj"] and conf["r"] == 8 and conf["lora_alpha"] == 16.0
+    lora = peft.PeftModel.from_pretrained(_base(url), out).eval()
+    want = _reference(p, 2.0, {"q": ("attn/q/A", "attn/q/B")})
+    assert float(np.abs(_logits(lora) - want).max()) < LOGIT_ATOL
+    assert float(np.abs(_logits(_base(url)) - want).max()) > 1e-2
+    with pytest.raises(ValueError) as e:
+        export_peft(url, str(tmp_path / "bad"), config=LLAMA, adapters={"qq_proj": ("model/layers/attn/q/A", "x")})
+    assert "['qq_proj']" in str(e.value) and "['q_proj']" not in str(e.value).split("known")[0]
+
+
+def test_adapters_prefix_names_the_pair_beside_the_defaults(lora_ckpt, tmp_path):
+    """adapters= with a key prefix (the default one spelt out) for one module; the other pairs are
+    found by default. Before the fix this raised "unknown LoRA target module(s) ['q_proj']"."""
+    url, _ = lora_ckpt
+    rep = export_peft(url, str(tmp_path / "a"), config=LLAMA, alpha=ALPHA,
+                      adapters={"q_proj": "model/layers/attn/q/lora"})
+    assert rep.target_modules == ("down_proj", "o_proj", "q_proj", "v_proj") and rep.rank == R
+
+
+def _rank0(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same pairs with rank 0: a (L, *in, 0), b (L, 0, *out)."""
+    out = dict(p)
+    for k, v in p.items():
+        if k.endswith("/lora_a"):
+            out[k] = np.zeros(v.shape[:-1] + (0,), v.dtype)
+        elif k.endswith("/lora_b"):
+            out[k] = np.zeros(v.shape[:1] + (0,) + v.shape[2:], v.dtype)
+    return out
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_rank_zero_pairs_are_refused_by_name(lora_ckpt, tmp_path, merge):
+    """Rank-0 pairs: merge=True raised ZeroDivisionError (alpha / r), merge=False wrote an ``r: 0``
+    adapter PEFT cannot load. Both are a ShapeMismatchError naming the first module's lora_a and
+    what to do, before anything is written. Broken control: the rank-4 checkpoint exports."""
+    url, p = lora_ckpt
+    url0 = str(tmp_path / "repo0")
+    bt.save(url0, nest_tensors(_rank0(p), prefix="model/"), step=1)
+    out = tmp_path / "out"
+    with pytest.raises(ShapeMismatchError, match="q_proj.*rank 0.*target_modules") as e:
+        export_peft(url0, str(out), config=LLAMA, merge=merge)
+    assert e.value.key == "model/layers/attn/q/lora/lora_a" and e.value.expected == "r >= 1"
+    assert not out.exists() or not any(out.iterdir())
+    rep = export_peft(url, str(tmp_path / "good"), config=LLAMA, alpha=ALPHA, merge=merge)
+    assert rep.rank == R and rep.merged is merge
+
+
+def _strict_json(text: str) -> dict:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_alpha_is_refused_before_writing(lora_ckpt, tmp_path, alpha):
+    """alpha NaN or +-inf wrote ``"lora_alpha": NaN`` (not JSON) into adapter_config.json, and a
+    merge would add NaN * a @ b to every adapted kernel: InvalidConfigError naming the config, for
+    both, before anything is written. Broken control: a finite alpha writes strict JSON."""
+    url, _ = lora_ckpt
+    for merge in (False, True):
+        out = tmp_path / f"out-{merge}"
+        with pytest.raises(InvalidConfigError, match="finite") as e:
+            export_peft(url, str(out), config=LLAMA, alpha=alpha, merge=merge)
+        assert e.value.object == "adapter_config.json"
+        assert not out.exists() or not any(out.iterdir())
+    export_peft(url, str(tmp_path / "good"), config=LLAMA, alpha=ALPHA)
+    assert _strict_json((tmp_path / "good" / "adapter_config.json").read_text())["lora_alpha"] == ALPHA

@@ -216,6 +216,30 @@ def test_unencodable_leaf_and_overlapping_async_saves(tmp_path):
     fut.result(timeout=60)
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_meta_tensor_is_refused_by_key_path_before_writing(tmp_path, blocking):
+    """Issue 47: a module built on the meta device (no data) made save raise an untyped
+    NotImplementedError ("Cannot copy out of meta tensor"). Now InvalidStateError naming the key
+    path and saying to materialize it, from save() itself (blocking or not), nothing written.
+    Broken control: the same module after to_empty() and initialization saves and loads back."""
+    with torch.device("meta"):
+        net = torch.nn.Linear(4, 3)
+    url = str(tmp_path / "repo")
+    with pytest.raises(InvalidStateError, match="materialize") as e:
+        bt.save(url, {"model": net.state_dict()}, step=1, blocking=blocking)
+    assert e.value.key == "model/weight" and "to_empty" in str(e.value) and "meta" in str(e.value.found)
+    assert not (tmp_path / "repo").exists() or ckptfmt.Repository(url).steps() == []
+    net.to_empty(device="cpu")
+    with torch.no_grad():
+        net.weight.copy_(torch.arange(12.0).reshape(3, 4))
+        net.bias.fill_(0.5)
+    saved = bt.save(url, {"model": net.state_dict()}, step=1, blocking=blocking)
+    if not blocking:
+        saved.result(timeout=60)
+    out = bt.load(url, {"model": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}})
+    assert torch.equal(out["model"]["weight"], net.weight.detach()) and torch.equal(out["model"]["bias"], net.bias.detach())
+
+
 def test_mapping_writes_jax_layout_and_reads_back(tmp_path):
     """save(mapping=...) stores torch Linear weights as Flax kernels (transposed); load reverses it."""
     net = torch.nn.Sequential()

@@ -141,13 +141,14 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
 def encode_config(config: Mapping[str, Any]) -> bytes:
     """The bytes of ``config.json`` (indented JSON and a newline). InvalidConfigError, before anything
     is written, for a value that is not a mapping, nests over MAX_CONFIG_NESTING (or contains
-    itself), cannot be encoded as JSON, or encodes to more than MAX_CONFIG_BYTES."""
+    itself), cannot be encoded as strict JSON (NaN and Infinity included), or encodes to more than
+    MAX_CONFIG_BYTES."""
     if not isinstance(config, Mapping):
         raise InvalidConfigError("a model config is a mapping (a JSON object)", object=CONFIG_NAME,
                                  expected="a dict", found=type(config).__name__)
     _check_nesting(config, CONFIG_NAME)
     try:
-        text = json.dumps(dict(config), indent=2) + "\n"
+        text = json.dumps(dict(config), indent=2, allow_nan=False) + "\n"  # strict JSON: no NaN/Infinity
         data = text.encode("utf-8")
     except (TypeError, ValueError) as e:  # a non-JSON value or key, a lone surrogate (UnicodeEncodeError)
         raise InvalidConfigError("the model config cannot be written as JSON", object=CONFIG_NAME,

@@ -307,7 +307,7 @@ def encode_header(tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: M
         doc[name] = {"dtype": FORMAT_DTYPES[dtype], "shape": [int(d) for d in shape], "data_offsets": [pos, pos + n]}
         rel.append((name, dtype, tuple(int(d) for d in shape), pos, pos + n))
         pos += n
-    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
     body += b" " * (-len(body) % 8)
     start = 8 + len(body)
     entries = [StEntry(name, dt, shape, start + b, start + e) for name, dt, shape, b, e in rel]

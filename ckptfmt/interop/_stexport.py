@@ -226,7 +226,7 @@ class _BlockCrc:
 def _metadata(plan: ExportPlan, crcs: Mapping[str, str], table: str) -> dict[str, str]:
     return {"format": "pt", META_VERSION: "1", "ckptfmt.source": plan.url, "ckptfmt.step": str(plan.step),
             "ckptfmt.save_id": plan.save_id, META_BLOCK: str(CRC_BLOCK),
-            META_CRC: json.dumps(dict(crcs), separators=(",", ":")), META_TABLE_CRC: table}
+            META_CRC: json.dumps(dict(crcs), separators=(",", ":"), allow_nan=False), META_TABLE_CRC: table}
 
 
 def begin_export(out_dir: str, plan: ExportPlan, config: Mapping[str, Any] | None = None) -> None:
@@ -368,7 +368,7 @@ def finish_export(out_dir: str, plan: ExportPlan, config: Mapping[str, Any] | No
         if blob is not None:
             _write_new(out_dir, CONFIG_NAME, blob)
             names.append(CONFIG_NAME)
-        _write_new(out_dir, INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode("utf-8"))
+        _write_new(out_dir, INDEX_NAME, (json.dumps(index, indent=2, allow_nan=False) + "\n").encode("utf-8"))
         names.append(INDEX_NAME)
         for name in names:
             publish(os.path.join(out_dir, temp_name(name)), os.path.join(out_dir, name))

@@ -6,7 +6,8 @@ options ``--help`` lists (a flag is shown as a flag; ``demo``, ``bench`` and ``d
 their options to the tools' runners, :mod:`ckptfmt_tools.cli._runs`).
 
 Exit codes: 0 success; 1 a :class:`~ckptfmt.errors.CheckpointError` (its class name, tensor
-key, object, expected and found are printed, or emitted as JSON with ``--json``); 2 usage.
+key, object, expected and found are printed, or emitted as JSON with ``--json``); 2 usage
+(also ``delete`` of the newest committed step without ``--force``: ``"error": "usage"`` with --json).
 Every command takes ``--json`` and then prints exactly one JSON document on stdout, whose
 ``"ok"`` is true exactly when the command exits 0. A command that reads a repository (``ls``,
 ``inspect``, ``show``, ``diff``, ``verify``, ``gc``, ``export``) exits 1 with
@@ -241,12 +242,25 @@ def gc_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
 # ------------------------------------------------------------------------------- delete
 
 
+def _refuse_newest(url: str, step: int, steps: list[int], as_json: bool) -> "typer.Exit":
+    """Say that ``step`` is the newest committed step and that deleting it takes --force; the Exit (2) to raise."""
+    message = (f"step {step} is the newest committed step of {url}; nothing deleted. Pass --force to delete it "
+               "(a restore of the latest step then gets the one before it)")
+    if as_json:
+        _emit_json({"ok": False, "error": "usage", "message": message, "url": url, "step": step, "newest": True,
+                    "steps": steps})
+    else:
+        _err().print(f"[red]refused:[/] {_render.safe(message)}")
+    return typer.Exit(code=2)
+
+
 @app.command("delete")
 def delete_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                step: int = typer.Argument(..., help="The committed step to delete."),
                force: bool = typer.Option(False, "--force", help="Also delete the newest committed step."),
                as_json: bool = JsonOpt) -> None:
-    """Delete one committed step, its manifest first, then the objects nothing else needs (FORMAT.md 4.4)."""
+    """Delete one committed step, its manifest first, then the objects nothing else needs (FORMAT.md 4.4).
+    The newest committed step only with --force: without it, exit 2 (usage) and nothing deleted."""
     from ckptfmt.errors import CheckpointError, StepNotFoundError
 
     try:
@@ -256,8 +270,8 @@ def delete_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
             raise StepNotFoundError("no such committed step; nothing deleted", object=url,
                                     expected=f"one of {steps[-8:]}", found=step)
         if step == steps[-1] and not force:
-            raise StepNotFoundError("refusing to delete the newest committed step without --force; nothing deleted",
-                                    object=url, expected=f"a step older than {step}, or --force", found=step)
+            # Not a checkpoint fault (the step exists): a usage refusal, exit 2, nothing deleted.
+            raise _refuse_newest(url, step, steps, as_json)
         repo.delete(step)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
