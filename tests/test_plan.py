@@ -220,10 +220,13 @@ def test_packed_columns_plan_like_box_objects(layout):
         assert np.array_equal(g.cells, w.cells) and np.array_equal(g.writers, w.writers), g.key
 
 
-@pytest.mark.parametrize("damage", ["short_offsets", "counts_vs_rows", "missing_column", "unknown_key"])
+@pytest.mark.parametrize("damage", ["short_offsets", "counts_vs_rows", "missing_column", "unknown_key",
+                                    "writable_byte", "wrapping_box", "too_many_dims"])
 def test_malformed_freeze_message_is_a_step_mismatch(damage):
-    """Broken controls: a message whose columns disagree is refused, naming the rank; the intact
-    message plans."""
+    """Broken controls: a message whose columns disagree, or that holds a value the planner's int64
+    arithmetic or the format cannot take (a box whose offset + shape wraps, 40 dimensions, a
+    writable byte of 2), is refused, naming the rank; the intact message plans. (A wrapping box
+    made the planner try to allocate 3.2 EiB.)"""
     inv = {"w": ((8, 2), "float32", 4)}
     boxes = [{"w": [(Box((4 * r, 0), (4, 2)), 0)]} for r in range(2)]
     packed = _packed(boxes)
@@ -235,6 +238,14 @@ def test_malformed_freeze_message_is_a_step_mismatch(damage):
         bad["counts"] = [2]
     elif damage == "missing_column":
         del bad["replica"]
+    elif damage == "writable_byte":
+        bad["writable"] = b"\x02"
+    elif damage == "wrapping_box":
+        bad["offset"] = np.array([1 << 62, 0], "<i8").tobytes()
+        bad["shape"] = np.array([1 << 62, 2], "<i8").tobytes()
+    elif damage == "too_many_dims":
+        bad["ndim"] = np.array([40], "<i8").tobytes()
+        bad["offset"], bad["shape"] = np.zeros(40, "<i8").tobytes(), np.ones(40, "<i8").tobytes()
     else:
         bad["keys"] = ["v"]
     with pytest.raises(StepMismatchError, match="rank 1"):

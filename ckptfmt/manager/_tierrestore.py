@@ -202,7 +202,8 @@ def _serve_peer(repo: Repository, step: int, boxes: Sequence[HeldBox], payload: 
         values: dict[Request, np.ndarray] = {}
         if asked:
             _read_own(repo, step, boxes, asked, values)
-        served = [(k, (), a.dtype, b, a) for (k, b), a in values.items()]
+        shapes = {h.key: h.shape for h in boxes}  # the global shape: unpack_boxes checks each box lies inside it
+        served = [(k, shapes[k], a.dtype, b, a) for (k, b), a in values.items()]
         gstate = _global_state(repo, step, boxes) if asked else None
         return msgpack.packb({"boxes": memoryview(pack_boxes(served)),
                               "state": None if gstate is None else encode_state(gstate)}, use_bin_type=True)
