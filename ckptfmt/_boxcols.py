@@ -136,7 +136,9 @@ def pack_boxes(boxes: Mapping[str, Sequence[tuple[Box, int, bool]]],
 def unpack_held(index: Mapping[str, int], packed: Sequence[Mapping[str, Any]], width: int) -> Held:
     """The columns of every rank's :func:`pack_boxes` message, rank ``r`` being ``packed[r]``; a
     message without keys holds those of ``index``, in its order. StepMismatchError for a key not
-    in ``index`` or a message whose columns disagree."""
+    in ``index``, a message whose columns disagree, or one with more than MAX_NDIM dimensions, a
+    writable byte other than 0 or 1, or an offset, extent or their sum beyond 2^62 in magnitude (a
+    message comes from another process: the planner's int64 arithmetic must not wrap)."""
     cols: dict[str, list[np.ndarray]] = {c: [] for c in ("tensor", "rank", "reps", "writable", "ndim", "offs", "shps")}
     known = list(index)
     last: list[str] | None = None
@@ -155,6 +157,13 @@ def unpack_held(index: Mapping[str, int], packed: Sequence[Mapping[str, Any]], w
         if (len(keys) != len(counts) or (counts < 0).any() or len(ndim) != n or len(reps) != n or len(writable) != n
                 or (ndim < 0).any() or len(offs) != int(ndim.sum()) or len(shps) != len(offs)):
             raise StepMismatchError("a rank's freeze message is malformed", expected="columns of equal length",
+                                    found=f"rank {r}")
+        # Offsets and shapes within +-2^62 whose sums stay within 2^62 (so the planner's int64 sums
+        # cannot wrap); a negative or outside box that passes here is named by the planner.
+        if ((ndim > MAX_NDIM).any() or (writable > 1).any() or (offs < -MAX_DIM).any() or (offs > MAX_DIM).any()
+                or (shps < -MAX_DIM).any() or (shps > MAX_DIM).any() or (offs > MAX_DIM - np.maximum(shps, 0)).any()):
+            raise StepMismatchError("a rank's freeze message holds a value out of range",
+                                    expected=f"<= {MAX_NDIM} dims, extents and their sums within 2^62, writable 0 or 1",
                                     found=f"rank {r}")
         if keys is not last and keys != last:  # ranks usually hold the same keys in the same order
             if not index.keys() >= set(keys):

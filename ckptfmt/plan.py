@@ -27,6 +27,8 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_TARGET_BYTES = 4 << 20
+#: A chunk is never chosen smaller than the target divided by this, unless the shard is (14.1).
+CHUNK_FLOOR_DIVISOR = 64
 
 
 @dataclass(frozen=True)
@@ -130,16 +132,32 @@ def shard_grid(shape: tuple[int, ...], boxes: Iterable[Box]) -> tuple[int, ...]:
 
 def chunk_shape_for(shard_shape: tuple[int, ...], itemsize: int,
                     target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES) -> tuple[int, ...]:
-    """Inner chunk shape: divisors of the shard shape, near-cubic, at most ``target_bytes``.
+    """Inner chunk shape: divisors of the shard shape, near-cubic, at most ``target_bytes`` where
+    the shard's factors allow it, and never far below it (FORMAT.md 14.1).
 
     Repeatedly splits the largest dimension by its smallest prime factor until the chunk fits.
+    When that ends below ``target_bytes / CHUNK_FLOOR_DIVISOR`` (a dimension whose only factor is
+    a large prime: a tensor of prime length became one chunk per element), it splits again and
+    takes only the splits that stay at or above that floor, so the chunk may then exceed the
+    target, up to the whole shard. Every chunk divides the shard (the format requires it, 5.7),
+    and a shard holds at most ``CHUNK_FLOOR_DIVISOR`` x its bytes / ``target_bytes`` chunks, or one.
     """
+    chunk = _split(shard_shape, itemsize, target_bytes, 0)
+    floor = target_bytes // CHUNK_FLOOR_DIVISOR
+    if math.prod(chunk) * itemsize >= floor:
+        return chunk  # the plain rule, as earlier revisions chose it: those layouts are kept
+    return _split(shard_shape, itemsize, target_bytes, floor)
+
+
+def _split(shard_shape: tuple[int, ...], itemsize: int, target_bytes: int, floor: int) -> tuple[int, ...]:
+    """The largest dimension that divides into a chunk of at least ``floor`` bytes, divided by its
+    smallest prime factor, until the chunk fits ``target_bytes`` or no such split is left."""
     chunk = list(shard_shape)
-    while math.prod(chunk) * itemsize > target_bytes:
+    while (nbytes := math.prod(chunk) * itemsize) > target_bytes:
         order = sorted(range(len(chunk)), key=lambda d: -chunk[d])
         for d in order:
             p = _smallest_factor(chunk[d])
-            if p:
+            if p and nbytes // p >= floor:
                 chunk[d] //= p
                 break
         else:
@@ -147,6 +165,7 @@ def chunk_shape_for(shard_shape: tuple[int, ...], itemsize: int,
     return tuple(chunk)
 
 
+@lru_cache(maxsize=4096)  # the floor rule asks again for a prime dimension it cannot split
 def _smallest_factor(n: int) -> int:
     if n < 2:
         return 0

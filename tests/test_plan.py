@@ -25,6 +25,64 @@ def test_chunk_shape_divides_and_is_bounded():
     assert chunk_shape_for((2048, 1024), 4, 4 << 20) == (1024, 1024)
 
 
+def _divisor_rule(shard_shape, itemsize, target):
+    """The rule before issue 47 (FORMAT.md 14.1 up to 1.2.x): split the largest dimension by its
+    smallest prime factor while the chunk exceeds the target, however small it gets."""
+    chunk = list(shard_shape)
+    while np.prod(chunk, dtype=object) * itemsize > target:
+        d = next((d for d in sorted(range(len(chunk)), key=lambda d: -chunk[d]) if chunk[d] > 1), None)
+        if d is None:
+            break
+        chunk[d] //= next(p for p in range(2, chunk[d] + 1) if chunk[d] % p == 0)
+    return tuple(chunk)
+
+
+@pytest.mark.parametrize("shard, itemsize, want", [
+    ((1_048_583,), 4, (1_048_583,)),               # a prime: 4 MiB + 28 B is one chunk, not 1,048,583
+    ((4_194_319,), 1, (4_194_319,)),               # 4 MiB + 15 B of uint8, a prime
+    ((16_777_259,), 1, (16_777_259,)),             # a prime above 2^24 elements: was over the chunk-row cap
+    ((2 * 1_048_583,), 4, (1_048_583,)),           # 2p: the prime part stays whole
+    ((1733 * 29, 768), 4, (1733, 384)),            # GPT-2's vocabulary (29 x 1733) x 768: not (1, 768)
+    ((1_048_583, 3), 2, (1_048_583, 1)),
+])
+def test_chunk_shape_is_bounded_for_every_length(shard, itemsize, want):
+    """Issue 47 item 5: a dimension with a large prime factor no longer makes chunks of a few bytes.
+    The chunk divides the shard, is at least target/64 (or the whole shard), and the shard's chunk
+    count is at most 64 x its bytes / target. The control: the old divisor rule's count for the
+    same shard is huge (its chunk far below the target)."""
+    target = 4 << 20
+    c = chunk_shape_for(shard, itemsize, target)
+    assert c == want
+    assert all(s % x == 0 for s, x in zip(shard, c))
+    shard_bytes, chunk_bytes = int(np.prod(shard, dtype=object)) * itemsize, int(np.prod(c, dtype=object)) * itemsize
+    assert chunk_bytes >= min(shard_bytes, target // 64)
+    assert shard_bytes // chunk_bytes <= max(1, 64 * shard_bytes // target)
+    old = _divisor_rule(shard, itemsize, target)
+    assert int(np.prod(old, dtype=object)) * itemsize < target // 64  # the old rule went far below the target
+    assert shard_bytes // (int(np.prod(old, dtype=object)) * itemsize) >= 768  # >= 768 chunks, up to 16.7 M
+
+
+def test_chunk_shape_keeps_the_divisor_rule_where_it_is_near_the_target():
+    """Layouts the divisor rule already bounded are unchanged (golden files, earlier saves): over
+    many shapes and targets, the new rule differs from the old only where the old chunk was below
+    target/64, and then the new chunk is larger."""
+    rng = np.random.default_rng(47)
+    shapes = [(2048, 1024), (3, 7), (1000, 3), (64, 64, 64), (1,), (50257, 768), (11008, 4096), (151936, 4096),
+              (128256, 4096), (14336, 4096), (5, 3), (1024,), (4, 3, 5)]
+    shapes += [tuple(int(x) for x in rng.integers(1, 5000, size=rng.integers(1, 4))) for _ in range(200)]
+    changed = 0
+    for shape in shapes:
+        for itemsize in (1, 2, 4):
+            for target in (12, 256, 4096, 1 << 16, 4 << 20):
+                old, new = _divisor_rule(shape, itemsize, target), chunk_shape_for(shape, itemsize, target)
+                small = int(np.prod(old, dtype=object)) * itemsize < target // 64
+                assert (old == new) or small, (shape, itemsize, target, old, new)
+                if old != new:
+                    changed += 1
+                    assert np.prod(new, dtype=object) > np.prod(old, dtype=object)
+    assert changed  # the control: some shapes do change (those with a large prime factor)
+
+
 def test_owner_is_lowest_replica_then_rank():
     inv = {"w": ((8, 2), "float32", 4)}
     full = Box((0, 0), (8, 2))
@@ -220,10 +278,13 @@ def test_packed_columns_plan_like_box_objects(layout):
         assert np.array_equal(g.cells, w.cells) and np.array_equal(g.writers, w.writers), g.key
 
 
-@pytest.mark.parametrize("damage", ["short_offsets", "counts_vs_rows", "missing_column", "unknown_key"])
+@pytest.mark.parametrize("damage", ["short_offsets", "counts_vs_rows", "missing_column", "unknown_key",
+                                    "writable_byte", "wrapping_box", "too_many_dims"])
 def test_malformed_freeze_message_is_a_step_mismatch(damage):
-    """Broken controls: a message whose columns disagree is refused, naming the rank; the intact
-    message plans."""
+    """Broken controls: a message whose columns disagree, or that holds a value the planner's int64
+    arithmetic or the format cannot take (a box whose offset + shape wraps, 40 dimensions, a
+    writable byte of 2), is refused, naming the rank; the intact message plans. (A wrapping box
+    made the planner try to allocate 3.2 EiB.)"""
     inv = {"w": ((8, 2), "float32", 4)}
     boxes = [{"w": [(Box((4 * r, 0), (4, 2)), 0)]} for r in range(2)]
     packed = _packed(boxes)
@@ -235,6 +296,14 @@ def test_malformed_freeze_message_is_a_step_mismatch(damage):
         bad["counts"] = [2]
     elif damage == "missing_column":
         del bad["replica"]
+    elif damage == "writable_byte":
+        bad["writable"] = b"\x02"
+    elif damage == "wrapping_box":
+        bad["offset"] = np.array([1 << 62, 0], "<i8").tobytes()
+        bad["shape"] = np.array([1 << 62, 2], "<i8").tobytes()
+    elif damage == "too_many_dims":
+        bad["ndim"] = np.array([40], "<i8").tobytes()
+        bad["offset"], bad["shape"] = np.zeros(40, "<i8").tobytes(), np.ones(40, "<i8").tobytes()
     else:
         bad["keys"] = ["v"]
     with pytest.raises(StepMismatchError, match="rank 1"):

@@ -278,7 +278,7 @@ def _boxes():
     rng = np.random.default_rng(3)
     wide = rng.standard_normal((6, 10))
     return [("w", (12, 10), np.dtype(np.float64), Box((6, 0), (6, 10)), wide[:, :]),
-            ("t", (8, 4), np.dtype(np.float32), Box((0, 0), (4, 8)), rng.standard_normal((8, 4)).astype(np.float32).T),  # not contiguous
+            ("t", (8, 8), np.dtype(np.float32), Box((0, 0), (4, 8)), rng.standard_normal((8, 4)).astype(np.float32).T),  # not contiguous
             ("b", (3,), np.dtype(ml_dtypes.bfloat16), Box((0,), (3,)), np.arange(3).astype(ml_dtypes.bfloat16)),
             ("s", (), np.dtype(np.int32), Box((), ()), np.array(7, np.int32)),
             ("e", (0, 4), np.dtype(np.bool_), Box((0, 0), (0, 4)), np.zeros((0, 4), np.bool_))]
@@ -435,3 +435,178 @@ def test_a_holder_never_serves_a_box_of_another_owner(tmp_path):
         ask = msgpack.packb({"step": 6, "token": "tok-6", "reqs": [[local, [0, 0], [2, 4]]]})
         doc = msgpack.unpackb(serve_replica(repo, 1, ask), raw=False)
         assert bool(doc["refs"]) == served, (local, doc["refs"])
+
+def _raw_payload(head: list, data: bytes) -> np.ndarray:
+    """A payload with this header (a list of box records, packed as is) and data region: what a
+    hostile peer can send, since the payload's crc32c only proves it arrived as sent."""
+    import msgpack
+
+    raw = msgpack.packb(head, use_bin_type=True)
+    base = -(-(16 + len(raw)) // 64) * 64
+    out = np.zeros(base + len(data), np.uint8)
+    out[:8] = np.frombuffer(b"ckptbox1", np.uint8)
+    out[8:16] = np.frombuffer(len(raw).to_bytes(8, "little"), np.uint8)
+    out[16:16 + len(raw)] = np.frombuffer(raw, np.uint8)
+    out[base:] = np.frombuffer(data, np.uint8)
+    return out
+
+
+def _good_head() -> tuple[list, bytes]:
+    """Two float32 boxes of "w" (12,) and a bool box of "m" (2,), laid out as pack_boxes lays them."""
+    data = bytearray(192)
+    data[0:16] = np.arange(4, dtype="<f4").tobytes()
+    data[64:80] = np.arange(4, 8, dtype="<f4").tobytes()
+    data[128:130] = b"\x01\x00"
+    return [["w", [12], "float32", [0], [4], 0, 16], ["w", [12], "float32", [4], [4], 64, 16],
+            ["m", [2], "bool", [0], [2], 128, 2]], bytes(data)
+
+
+def _damaged(damage: str) -> tuple[list, bytes]:
+    head, data = _good_head()
+    if damage == "negative_shape":
+        head[1][4] = [-4]
+    elif damage == "box_outside_tensor":
+        head[1][3] = [10]  # rows 10..13 of a 12-row tensor
+    elif damage == "box_rank":
+        head[1][3], head[1][4] = [4, 0], [4, 1]
+    elif damage == "duplicate_box":
+        head[1][3] = [0]  # the first box again, at its own bytes
+    elif damage == "overlapping_data":
+        head[1][5] = 0  # another box, on the first box's bytes
+    elif damage == "unaligned_data":
+        head[1][5] = 32
+    elif damage == "two_shapes_for_a_key":
+        head[1][1] = [16]
+    elif damage == "bool_byte":
+        data = data[:129] + b"\x02" + data[130:]
+    elif damage == "unknown_dtype":
+        head[0][2] = "float128"  # numpy knows it; the format does not
+    elif damage == "non_integer_extent":
+        head[0][4] = [True]
+    elif damage == "too_many_dims":
+        head[0][1], head[0][3], head[0][4] = [1] * 40, [0] * 40, [1] * 40
+    elif damage == "short_record":
+        head[0] = head[0][:6]
+    elif damage == "trailing_header_bytes":
+        head = [*head, []]  # the box count says 4, the records 3 and an empty array
+        raw = _raw_payload(head, data)
+        raw[16] = 0x93  # fixarray of 3: a header with bytes after its last box
+        return raw, data  # type: ignore[return-value]
+    return head, data
+
+
+@pytest.mark.parametrize("damage", ["negative_shape", "box_outside_tensor", "box_rank", "duplicate_box",
+                                    "overlapping_data", "unaligned_data", "two_shapes_for_a_key", "bool_byte",
+                                    "unknown_dtype", "non_integer_extent", "too_many_dims", "short_record",
+                                    "trailing_header_bytes"])
+def test_unpack_boxes_checks_every_header_field(damage):
+    """Each hostile header field (issue 47, item 6) raises a typed error naming the exchange and,
+    where the record names one, the key: InvalidStateError, InvalidDataError for a bool byte other
+    than 0/1. The control: the intact payload built the same way decodes to its values."""
+    from ckptfmt.errors import InvalidDataError, InvalidStateError
+    from ckptfmt.manager._payload import unpack_boxes
+
+    head, data = _good_head()
+    got = unpack_boxes(_raw_payload(head, data), "tiers/save/3 from rank 1")
+    assert [(k, s, b) for k, s, _, b, _ in got] == [("w", (12,), Box((0,), (4,))), ("w", (12,), Box((4,), (4,))),
+                                                    ("m", (2,), Box((0,), (2,)))]
+    assert got[1][4].tolist() == [4.0, 5.0, 6.0, 7.0] and got[2][4].tolist() == [True, False]
+    head, data = _damaged(damage)
+    bad = head if isinstance(head, np.ndarray) else _raw_payload(head, data)
+    want = InvalidDataError if damage == "bool_byte" else InvalidStateError
+    with pytest.raises(want) as e:
+        unpack_boxes(bad, "tiers/save/3 from rank 1")
+    assert type(e.value) is want and e.value.object == "tiers/save/3 from rank 1"
+    if damage in ("negative_shape", "box_outside_tensor", "box_rank", "duplicate_box", "overlapping_data",
+                  "unaligned_data", "two_shapes_for_a_key", "bool_byte"):
+        assert e.value.key == ("m" if damage == "bool_byte" else "w"), e.value
+
+
+_HOSTILE = r'''
+import json, resource, sys, time
+import msgpack, numpy as np
+from ckptfmt.manager import _payload as P
+
+case = sys.argv[1]
+pk = msgpack.Packer(use_bin_type=True)
+if case == "empty_arrays":  # the decoder's own header cap, all empty arrays
+    n = P._MAX_HEADER - 5
+    raw, data = pk.pack_array_header(n) + b"\x90" * n, 0
+elif case == "one_empty_array":  # an empty box list followed by a header cap of empty arrays
+    raw, data = b"\x90" * P._MAX_HEADER, 0
+else:  # the box cap of valid records (+1 over it), or at the cap with the last the first again
+    n = P._MAX_BOXES + (case == "over_box_cap")
+    raw = bytearray(pk.pack_array_header(n))
+    for i in range(n):  # entry by entry, so that building the header does not raise the peak
+        raw += pk.pack([f"k{0 if case == 'duplicate_at_cap' and i == n - 1 else i}", [], "bool", [], [], 64 * i, 1])
+    data = 64 * n
+base = -(-(16 + len(raw)) // 64) * 64
+pay = np.zeros(base + data, np.uint8)
+pay[:8] = np.frombuffer(b"ckptbox1", np.uint8)
+pay[8:16] = np.frombuffer(len(raw).to_bytes(8, "little"), np.uint8)
+pay[16:16 + len(raw)] = np.frombuffer(bytes(raw), np.uint8)
+del raw
+r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+try:
+    P.unpack_boxes(pay, "tiers/save/3 from rank 1")
+    err = None
+except Exception as e:
+    err = type(e).__name__
+print(json.dumps({"s": time.perf_counter() - t, "mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - r0) / 1024,
+                  "error": err, "header": int(pay[8:16].view("<u8")[0])}))
+'''
+
+
+@pytest.mark.parametrize("case", ["empty_arrays", "one_empty_array", "over_box_cap", "duplicate_at_cap"])
+def test_a_hostile_peer_header_costs_at_most_its_size(case):
+    """A header at the decoder's caps is rejected with InvalidStateError in bounded time and memory
+    (the peak RSS growth of a fresh process): 64 MiB of empty msgpack arrays took 47 s and 4.86 GB
+    before the box count was checked before decoding. The box cap itself: one box over it is
+    rejected before any box is decoded; at the cap every box is decoded, so a duplicate as the
+    last box is the dearest header there is. The control: the same boxes without it decode."""
+    from ckptfmt.manager import _payload
+
+    def run(case: str) -> dict:
+        root = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        p = subprocess.run([sys.executable, "-c", _HOSTILE, case], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=root)
+        assert p.returncode == 0, p.stderr[-4000:]
+        return json.loads(p.stdout)
+
+    got = run(case)
+    assert got["error"] == "InvalidStateError", got
+    assert got["mib"] < 200, got
+    if case in ("empty_arrays", "one_empty_array"):
+        assert got["header"] == _payload._MAX_HEADER and got["s"] < 5, got
+    elif case == "over_box_cap":
+        assert got["s"] < 1, got  # rejected before any box is decoded
+    else:
+        assert got["s"] < 10, got  # every box decoded (about 2 s here)
+        control = run("at_cap")
+        assert control["error"] is None and control["mib"] < 200, control
+
+
+def test_a_hostile_answer_or_ask_costs_about_its_size(tmp_path):
+    """16 MiB of empty msgpack arrays as a holder's answer (or as an ask to a holder) is refused in
+    well under a second (InvalidStateError; the holder answers with nothing), where the decoder's
+    default limits built 16 M lists first. The control: an honest answer of the same step decodes."""
+    import time
+
+    import msgpack
+
+    from ckptfmt.errors import InvalidStateError
+    from ckptfmt.manager._tierrestore import accept_replica, serve_replica
+
+    repo, inv, reqs = _holder(tmp_path)
+    ask, plan = _ask(inv, 6, reqs)
+    kw = dict(step=6, token="tok-6", holder=0, world=2, digest=inv[6]["digest"], plan=plan)
+    assert reqs[0] in accept_replica(serve_replica(repo, 1, ask), **kw)[0]
+    n = 16 << 20
+    hostile = msgpack.packb({"manifest": b"", "refs": [[]] * (n - 64), "chunks": [], "state": None})
+    t0 = time.perf_counter()
+    with pytest.raises(InvalidStateError):
+        accept_replica(hostile, **kw)
+    empty = msgpack.unpackb(serve_replica(repo, 1, msgpack.packb({"step": 6, "token": "tok-6", "reqs": [[]] * (n - 64)})))
+    assert empty["refs"] == [] and time.perf_counter() - t0 < 5

@@ -16,6 +16,7 @@ before it makes a view.
 from __future__ import annotations
 
 import math
+from operator import add, le
 from typing import Any, Sequence
 
 import msgpack
@@ -23,14 +24,23 @@ import numpy as np
 
 from ckptfmt._types import Box
 from ckptfmt.checksum import crc32c
-from ckptfmt.dtypes import dtype_name, numpy_dtype
-from ckptfmt.errors import CheckpointError, ChecksumMismatchError, InvalidStateError
+from ckptfmt.dtypes import DTYPES, dtype_name, numpy_dtype
+from ckptfmt.errors import CheckpointError, ChecksumMismatchError, InvalidDataError, InvalidStateError
+from ckptfmt.layout import MAX_DIM, MAX_NDIM
 
 __all__ = ["pack_boxes", "unpack_boxes", "check_payload", "as_bytes_view"]
 
 _MAGIC = b"ckptbox1"
 _ALIGN = 64
-_MAX_HEADER = 64 << 20  # 64 MiB of header: about a million boxes
+# Boxes in one payload: a host's first replicas (a few per tensor), each a tensor of the local
+# step beside the host's own. Every box costs about 600 bytes of Python objects to decode, so the
+# box count, checked before any box is decoded, is what bounds a hostile header's cost.
+_MAX_BOXES = 1 << 18
+# The fewest header bytes one box record takes: fixarray 1, a one-character key 2, three empty
+# lists 3, "bool" 5, start and nbytes 1 each. The header cap allows 256 bytes per box on average.
+_MIN_ENTRY = 13
+_MAX_HEADER = _MAX_BOXES * 256
+_MAX_KEY_BYTES = 1 << 16  # a key path's UTF-8 bytes (the manifest allows 4096 characters)
 
 BoxTuple = tuple[str, tuple[int, ...], Any, Box, np.ndarray]
 
@@ -80,33 +90,116 @@ def check_payload(got: Any, crc: int, what: str) -> Any:
 
 
 def unpack_boxes(payload: Any, what: str) -> list[BoxTuple]:
-    """The boxes of a payload :func:`pack_boxes` made, as views into it; InvalidStateError naming
-    ``what`` for anything malformed (a peer's payload is untrusted input)."""
+    """The boxes of a payload :func:`pack_boxes` made, as views into it.
+
+    A peer's payload is untrusted input: every header field is checked before a view is made
+    (a known dtype name; a box of its tensor's rank inside the tensor; the byte count the box
+    needs, 64-byte aligned, after the previous box's data and inside the payload; no key and box
+    twice; one shape and dtype per key), and the header is decoded field by field with a cap on
+    the box count checked before any box is decoded, so a hostile header costs at most about
+    its own size. Raises InvalidStateError naming ``what`` (and the key and box, where one is
+    named) for anything malformed, InvalidDataError for a bool byte other than 0 or 1.
+    """
     buf = as_bytes_view(payload)
     try:
-        return _unpack(buf)
+        return _unpack(buf, what)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - untrusted input
+    except Exception as e:  # noqa: BLE001 - untrusted input (msgpack's own errors, a truncated header)
         raise InvalidStateError(f"a peer payload does not decode: {type(e).__name__}: {e}", object=what,
                                 expected="the boxes a peer packed", found=f"{buf.size} bytes") from None
 
 
-def _unpack(buf: np.ndarray) -> list[BoxTuple]:
+class _Reader:
+    """A read-only file over the header's bytes: msgpack's Unpacker pulls small pieces from it
+    instead of copying the whole header first."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = view, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n < 0 else min(len(self.view), self.pos + n)
+        out, self.pos = bytes(self.view[self.pos:end]), end
+        return out
+
+
+def _unpack(buf: np.ndarray, what: str) -> list[BoxTuple]:
     if buf.size < 16 or buf[:8].tobytes() != _MAGIC:
         raise ValueError("no payload header")
     n = int.from_bytes(buf[8:16].tobytes(), "little")
     if n > min(_MAX_HEADER, buf.size - 16):
-        raise ValueError(f"header of {n} bytes in a payload of {buf.size}")
+        raise ValueError(f"header of {n} bytes in a payload of {buf.size} (at most {_MAX_HEADER})")
     base = _up(16 + n)
-    metas = msgpack.unpackb(buf[16:16 + n].tobytes(), raw=False)
+    room = buf.size - base  # the data region's bytes
+    # Arrays and maps are only read through read_array_header (whose lengths are checked here), so
+    # unpack() returns scalars: nothing in a field can build a large object.
+    u = msgpack.Unpacker(_Reader(memoryview(buf[16:16 + n])), raw=False, read_size=1 << 16, max_array_len=0,
+                         max_map_len=0, max_bin_len=0, max_ext_len=0, max_str_len=_MAX_KEY_BYTES)
+    count = u.read_array_header()
+    if count > _MAX_BOXES or count > n // _MIN_ENTRY:
+        raise InvalidStateError("a peer payload lists too many boxes", object=what,
+                                expected=f"at most {_MAX_BOXES} boxes of at least {_MIN_ENTRY} header bytes each",
+                                found=f"{count} boxes in a header of {n} bytes")
     out: list[BoxTuple] = []
-    for k, shape, dt, off, bshape, start, nbytes in metas:
-        dtype = numpy_dtype(dt)
-        box = Box(tuple(off), tuple(bshape))
-        want = math.prod(box.shape) * dtype.itemsize
-        if not isinstance(k, str) or int(nbytes) != want or not 0 <= int(start) <= buf.size - base - want:
-            raise ValueError(f"box {k!r}: {nbytes} bytes at {start}, want {want} within {buf.size - base}")
-        data = buf[base + int(start):base + int(start) + want].view(dtype).reshape(box.shape)
-        out.append((k, tuple(int(x) for x in shape), dtype, box, data))
+    seen: set[tuple[str, Box]] = set()
+    tensors: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    dtypes: dict[str, np.dtype] = {}
+    end = 0  # where the previous box's data ended
+    for i in range(count):
+        if u.read_array_header() != 7:
+            raise InvalidStateError("a peer payload's box record is malformed", object=what,
+                                    expected="7 fields", found=f"box record {i}")
+        k = u.unpack()
+        key = k if isinstance(k, str) else None
+        shape, dt = _ints(u, what, i, key), u.unpack()
+        off, bshape, start, nbytes = _ints(u, what, i, key), _ints(u, what, i, key), u.unpack(), u.unpack()
+        if not isinstance(k, str) or not k or not isinstance(dt, str) or dt not in DTYPES \
+                or type(start) is not int or type(nbytes) is not int:
+            raise InvalidStateError("a peer payload's box record is malformed", key=key,
+                                    object=what, expected="a key path, a dtype name of the format and integers",
+                                    found=f"box record {i}: key {k!r:.80}, dtype {dt!r:.40}, start {start!r:.40}, "
+                                          f"nbytes {nbytes!r:.40}")
+        nd = len(shape)
+        if len(off) != nd or len(bshape) != nd or not all(map(le, map(add, off, bshape), shape)):
+            raise InvalidStateError("a peer payload's box lies outside its tensor", key=k, object=what,
+                                    expected=f"a box of {nd} dimensions inside {list(shape)}",
+                                    found=f"offset {list(off)}, shape {list(bshape)}")
+        box = Box(off, bshape)
+        dtype = dtypes.get(dt) or dtypes.setdefault(dt, numpy_dtype(dt))
+        if tensors.setdefault(k, (shape, dtype)) != (shape, dtype):
+            raise InvalidStateError("a peer payload gives one tensor two shapes or dtypes", key=k, object=what,
+                                    expected=f"{list(tensors[k][0])} {dtype_name(tensors[k][1])}",
+                                    found=f"{list(shape)} {dt} for box at {list(off)}")
+        if (k, box) in seen:
+            raise InvalidStateError("a peer payload holds one box twice", key=k, object=what,
+                                    expected="each box once", found=str(box))
+        seen.add((k, box))
+        want = math.prod(bshape) * dtype.itemsize
+        # pack_boxes lays the boxes out in order, each 64-byte aligned: no two share a byte.
+        if nbytes != want or start % _ALIGN or not end <= start <= room - want:
+            raise InvalidStateError("a peer payload's box data is out of place", key=k, object=what,
+                                    expected=f"{want} bytes at a 64-byte aligned offset in [{end}, {room - want}]",
+                                    found=f"{nbytes} bytes at {start} for box {box}")
+        end = start + want
+        data = buf[base + start:base + end]
+        if dtype == np.bool_ and data.size and int(data.max()) > 1:
+            raise InvalidDataError("a peer payload's bool box holds a byte other than 0 or 1", key=k, object=what,
+                                   expected="0x00 or 0x01", found=f"0x{int(data.max()):02x} in box {box}")
+        out.append((k, shape, dtype, box, data.view(dtype).reshape(box.shape)))
+    if u.tell() != n:
+        raise InvalidStateError("a peer payload's header has bytes after its last box", object=what,
+                                expected=f"{n} header bytes", found=f"{count} boxes in {u.tell()} bytes")
     return out
+
+
+def _ints(u: msgpack.Unpacker, what: str, i: int, key: str | None) -> tuple[int, ...]:
+    """One header field of box record ``i``: a list of at most MAX_NDIM integers in [0, 2^62]."""
+    m = u.read_array_header()
+    if m > MAX_NDIM:
+        raise InvalidStateError("a peer payload's box has too many dimensions", key=key, object=what,
+                                expected=f"at most {MAX_NDIM}", found=f"{m} in box record {i}")
+    vals = tuple([u.unpack() for _ in range(m)])
+    if vals and (not all(type(v) is int for v in vals) or min(vals) < 0 or max(vals) > MAX_DIM):
+        raise InvalidStateError("a peer payload's box has a negative or non-integer extent", key=key, object=what,
+                                expected="integers in [0, 2^62]", found=f"{list(vals)!r:.200} in box record {i}")
+    return vals

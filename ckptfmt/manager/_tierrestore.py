@@ -208,6 +208,14 @@ def _read_own(repo: Repository, step: int, boxes: Sequence[HeldBox], reqs: Seque
     return left
 
 
+def _limits(n: int) -> dict[str, int]:
+    """msgpack decoding limits for a peer's ask or answer of ``n`` bytes: containers and strings no
+    longer than the bytes could describe, so a hostile document costs about its own size (the
+    decoder's defaults scale each limit with the buffer; a list of empty lists cost 75x its bytes)."""
+    return {"max_array_len": max(16, n // 8), "max_map_len": 16, "max_str_len": 1 << 16, "max_bin_len": n,
+            "max_ext_len": 0}
+
+
 def _peer_ask(step: int, token: str, plan: Sequence[tuple[Request, Cover]]) -> bytes:
     """What a rank asks its holder for: the step and token, and the parts of the holder's local
     tensors (local key path, box within it) that cover its requests."""
@@ -227,7 +235,7 @@ def serve_replica(repo: Repository, asker: int, payload: Any) -> bytes:
         if len(memoryview(payload).cast("B")) > MAX_ASK_BYTES:  # msgpack's own limits scale with the buffer
             raise InvalidStateError("a peer's ask is larger than the cap", object="tiers ask",
                                     expected=f"<= {MAX_ASK_BYTES} bytes", found=len(memoryview(payload).cast("B")))
-        ask = msgpack.unpackb(payload, raw=False)
+        ask = msgpack.unpackb(payload, raw=False, **_limits(len(memoryview(payload).cast("B"))))
         reqs = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in ask["reqs"]]
         if not reqs:
             return empty
@@ -265,7 +273,7 @@ def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: in
     the next tier serves it. Returns the served values and the holder's global state (or None)."""
     what = f"the replica host {holder} holds of step {step}"
     try:
-        doc = msgpack.unpackb(answer, raw=False)
+        doc = msgpack.unpackb(answer, raw=False, **_limits(len(memoryview(answer).cast("B"))))
         if not isinstance(doc, dict):
             raise TypeError(f"a {type(doc).__name__}")
     except Exception as e:  # noqa: BLE001 - another process's bytes: untrusted input
