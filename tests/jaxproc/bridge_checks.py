@@ -507,6 +507,44 @@ def mapping_strict_and_report(d):
     assert [w.category for w in caught] == [KeptValuesWarning] and "absent" in str(caught[0].message)
 
 
+@check
+def default_placement(d):
+    """Issue 47 item 9: a leaf JAX placed by default (uncommitted: optax's count, a fresh jnp array)
+    comes back uncommitted, so a jitted step beside mesh arrays runs; a committed leaf keeps its
+    placement, one device included. The control: the same count committed to device 0 (as
+    restores placed it before) makes that step raise."""
+    m = mesh((8,), ("x",))
+    w = put(jnp.arange(16.0).reshape(8, 2), m, P("x"))
+    state = {"w": w, "count": jnp.zeros((), jnp.int32), "key": jax.random.key(3),
+             "pinned": jax.device_put(jnp.ones(2), DEV[3])}
+    assert not state["count"].committed and state["pinned"].committed
+    bj.save(d, state, step=1)
+    target = bj.abstract_target(state)
+    assert target["count"].sharding is None and target["key"].sharding is None
+    assert target["w"].sharding == w.sharding and target["pinned"].sharding == SingleDeviceSharding(DEV[3])
+    assert state["count"].committed is False and state["w"] is w  # the caller's tree is untouched
+
+    @jax.jit
+    def step(w, count, key):
+        return w * (count + 1).astype(w.dtype) + jax.random.uniform(key, w.shape), count + 1
+
+    for got in (bj.restore(d, target), bj.restore(d, state)):  # abstract and live targets alike
+        for k in state:
+            same(got[k], state[k])
+        assert not got["count"].committed and not got["key"].committed
+        assert got["pinned"].committed and got["pinned"].devices() == {DEV[3]}
+        assert got["w"].sharding == w.sharding
+        _, count = step(got["w"], got["count"], got["key"])
+        assert int(count) == 1
+    pinned = bj.restore(d, {"count": sds(state["count"], SingleDeviceSharding(DEV[0]))})["count"]
+    assert pinned.committed
+    try:
+        step(w, pinned, state["key"])
+        raise AssertionError("the control: a count committed to device 0 beside mesh arrays ran")
+    except ValueError as e:
+        assert "incompatible devices" in str(e), e
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:] or list(CHECKS)
     results = {}
