@@ -224,7 +224,18 @@ def _restore_batches(ckpt: Any, plans: list[_ArrayPlan], built: dict[str, Any], 
             del got
     finally:
         batches.close()  # stops the reader's threads on every path
+    for p in plans:
+        if not p.requests():  # an empty tensor has no shards to read (FORMAT.md 5.7): build it as it is
+            built[p.key] = _build(p, {b: _empty(p, b) for b in p.boxes})
     return nbytes, t_read, count
+
+
+def _empty(plan: _ArrayPlan, box: Box) -> np.ndarray:
+    """The block of a box with nothing to read: a box of no elements."""
+    if not box.is_empty():  # every box of a tensor with elements has reads: never invent its values
+        raise CheckpointError("a box of a restored tensor has no reads; report this as a bug", key=plan.key,
+                              expected="reads for every box with elements", found=f"box {box.offset} {box.shape}")
+    return np.empty(box.shape, dtype=plan.tp.dtype)
 
 
 def restore(url: str, target: Any = None, *, step: int | None = None, rank_state_policy: str | None = None,
