@@ -28,7 +28,7 @@ from ckptfmt.errors import CheckpointError, KeyMismatchError, ShapeMismatchError
 from ckptfmt.manager._payload import as_bytes_view, check_payload
 from ckptfmt.manager._tiers import distinct_boxes
 
-from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding
+from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding, placement
 
 __all__ = ["JaxExchange", "snapshot", "requests", "build"]
 
@@ -38,6 +38,8 @@ _exchanges = itertools.count()  # every process constructs its managers (and so 
 #: processes: 512 MiB in 3.9 s with one stream and 256 MiB requests, 0.73 s with 4 streams and 8 MiB).
 STREAMS = 4
 TRANSFER_BYTES = 8 << 20
+#: The device of a leaf whose placement is JAX's default (``_jaxtree.placement``): built uncommitted.
+_DEFAULT = "default"
 #: Environment variable naming the address this process's transfer server listens on and
 #: advertises (default: the local address that reaches the jax.distributed coordinator).
 ADDRESS_ENV = "CKPTFMT_TIER_ADDRESS"
@@ -139,26 +141,31 @@ def snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
 
 def _physical(leaf: Any) -> tuple[tuple[int, ...], Any, Any]:
     """(shape, dtype, sharding) of what is stored for a target leaf: a typed PRNG key is its uint32
-    key data (trailing key dimensions never split), as the bridge saves it."""
+    key data (trailing key dimensions never split), as the bridge saves it. The sharding is None
+    where the leaf leaves its placement to JAX (``_jaxtree.placement``)."""
+    placed = placement(leaf)
     if is_prng_key(leaf):
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-        return tuple(data.shape), np.dtype(data.dtype), physical_sharding(leaf.sharding, tuple(leaf.shape), leaf.dtype)
-    return tuple(leaf.shape), np.dtype(leaf.dtype), getattr(leaf, "sharding", None)
+        physical = None if placed is None else physical_sharding(placed, tuple(leaf.shape), leaf.dtype)
+        return tuple(data.shape), np.dtype(data.dtype), physical
+    return tuple(leaf.shape), np.dtype(leaf.dtype), placed
 
 
 def _leaf_boxes(key: str, leaf: Any) -> list[tuple[Any, Box]] | None:
     if isinstance(leaf, np.ndarray):
         return [(None, Box.full(tuple(leaf.shape)))]
-    if getattr(leaf, "sharding", None) is None or not hasattr(leaf, "dtype"):
+    if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
         return None
     shape, _, sharding = _physical(leaf)
+    if sharding is None:  # JAX's default placement: the whole array, built uncommitted as the restore does
+        return [(_DEFAULT, Box.full(shape))]
     return [(d, index_to_box(idx, shape)) for d, idx in sharding.addressable_devices_indices_map(shape).items()]
 
 
 def requests(target: Any) -> list[tuple[str, Box]] | None:
-    """The boxes ``target`` (arrays or ``jax.ShapeDtypeStruct`` with shardings; typed PRNG keys as
-    their key data) needs here, or None when the tiers cannot serve it (no target, a leaf
-    without a sharding)."""
+    """The boxes ``target`` (arrays or ``jax.ShapeDtypeStruct``; typed PRNG keys as their key data;
+    a leaf without a placement of its own is one whole box) needs here, or None when the tiers
+    cannot serve it (no target, a leaf that is no array)."""
     if target is None:
         return None
     try:
@@ -200,11 +207,12 @@ def build(target: Any, values: Mapping[tuple[str, Box], np.ndarray], global_stat
             if a.dtype != dtype or tuple(a.shape) != box.shape:
                 raise ShapeMismatchError("a local copy differs from the target", key=key, expected=f"{dtype} {box.shape}",
                                          found=f"{a.dtype} {tuple(a.shape)}")
-            parts.append(a if d is None else jax.device_put(a, d))
+            # d: None for a numpy leaf, _DEFAULT for JAX's default placement (uncommitted), else a device
+            parts.append(a if d is None else jax.device_put(a, None if d is _DEFAULT else d))
         if isinstance(leaf, np.ndarray):
             leaves.append(np.array(parts[0]))
             continue
-        arr = jax.make_array_from_single_device_arrays(shape, sharding, parts)
+        arr = parts[0] if sharding is None else jax.make_array_from_single_device_arrays(shape, sharding, parts)
         if is_prng_key(leaf):
             if key not in impls:
                 raise KeyMismatchError("a typed PRNG key has no implementation in the local step's state", key=key,

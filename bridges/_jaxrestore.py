@@ -28,7 +28,7 @@ from ._contract import caller_rank_state, check_topology, effective_policy, read
 from ._contract import rank_state as _rank_state
 from ._jaxcoord import JaxCoordinator
 from ._jaxshare import JaxExchange, spans_processes
-from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, nest, physical_sharding
+from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, nest, physical_sharding, placement
 from .mapping import KeptValuesWarning, Mapping as KeyMapping
 
 __all__ = ["restore", "load_extra", "load_rank_state"]
@@ -86,24 +86,21 @@ def _impl_name(dtype: Any) -> str:
     return str(dtype._impl.name)  # typed key dtypes carry their PRNGImpl
 
 
-def _target_sharding(leaf: Any) -> Any:
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is None:  # a bare ShapeDtypeStruct: jnp's default placement
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return sharding
-
+#: Where an array is built besides a sharding: a host numpy array, or JAX's default placement (an
+#: uncommitted array on the default device, as ``jnp`` creates one; ``_jaxtree.placement``).
+_HOST, _DEFAULT = "host", "default"
 
 
 class _ArrayPlan:
-    """One target array: the core's TensorPlan, and the boxes of this process's shards (host: one
-    whole box, a numpy array); ``reads`` lists each box's checkpoint reads."""
+    """One target array: the core's TensorPlan, and the boxes of this process's shards (``_HOST``
+    or ``_DEFAULT``: one whole box); ``reads`` lists each box's checkpoint reads."""
 
     __slots__ = ("tp", "key", "shape", "sharding", "prng", "boxes", "host", "reads")
 
     def __init__(self, tp: TensorPlan, sharding: Any, prng: str | None) -> None:
         self.tp, self.key, self.shape, self.sharding, self.prng = tp, tp.key, tp.shape, sharding, prng
-        self.host = sharding is None
-        if self.host:
+        self.host = sharding is _HOST
+        if sharding is _HOST or sharding is _DEFAULT:
             self.boxes = [Box.full(tp.shape)]
         else:
             indices = sharding.addressable_devices_indices_map(tp.shape).values()
@@ -153,11 +150,13 @@ def _arrays(plan: RestorePlan, flat: list[tuple[str, Any]], impls: dict[str, Any
                 raise ShapeMismatchError("typed PRNG keys are restored under their own key, not through a mapping",
                                          key=tp.key, expected="an identity mapping", found=str(tp.source_keys))
             logical = tuple(int(n) for n in leaf.shape)
-            sharding = physical_sharding(_target_sharding(leaf), logical, leaf.dtype)
+            placed = placement(leaf)
+            sharding = _DEFAULT if placed is None else physical_sharding(placed, logical, leaf.dtype)
         elif leaf is None or isinstance(leaf, np.ndarray) or not _is_array_target(leaf):
-            sharding = None  # host numpy (target None, a numpy leaf, a scalar placeholder for an array)
+            sharding = _HOST  # host numpy (target None, a numpy leaf, a scalar placeholder for an array)
         else:
-            sharding = _target_sharding(leaf)
+            placed = placement(leaf)
+            sharding = _DEFAULT if placed is None else placed
         out[tp.key] = _ArrayPlan(tp, sharding, prng)
     return out
 
@@ -165,6 +164,8 @@ def _arrays(plan: RestorePlan, flat: list[tuple[str, Any]], impls: dict[str, Any
 def _build(plan: _ArrayPlan, blocks: dict[Box, np.ndarray]) -> Any:
     if plan.host:
         arr: Any = blocks[plan.boxes[0]]
+    elif plan.sharding is _DEFAULT:
+        arr = jax.device_put(blocks[plan.boxes[0]], may_alias=True)  # uncommitted: jit may move it
     else:
         # The blocks are fresh arrays this restore owns, so a device may take the host memory as is
         # (may_alias: no second copy on CPU). A block placed on several devices (replication) is
@@ -223,7 +224,18 @@ def _restore_batches(ckpt: Any, plans: list[_ArrayPlan], built: dict[str, Any], 
             del got
     finally:
         batches.close()  # stops the reader's threads on every path
+    for p in plans:
+        if not p.requests():  # an empty tensor has no shards to read (FORMAT.md 5.7): build it as it is
+            built[p.key] = _build(p, {b: _empty(p, b) for b in p.boxes})
     return nbytes, t_read, count
+
+
+def _empty(plan: _ArrayPlan, box: Box) -> np.ndarray:
+    """The block of a box with nothing to read: a box of no elements."""
+    if not box.is_empty():  # every box of a tensor with elements has reads: never invent its values
+        raise CheckpointError("a box of a restored tensor has no reads; report this as a bug", key=plan.key,
+                              expected="reads for every box with elements", found=f"box {box.offset} {box.shape}")
+    return np.empty(box.shape, dtype=plan.tp.dtype)
 
 
 def restore(url: str, target: Any = None, *, step: int | None = None, rank_state_policy: str | None = None,
@@ -232,8 +244,10 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     """Restore step ``step`` (None: the latest committed step) of the repository at ``url``.
 
     ``target`` is a pytree like the saved state. Leaves that are ``jax.ShapeDtypeStruct`` (with
-    a ``.sharding``; none means the first local device) or ``jax.Array`` (its sharding is used)
-    come back as ``jax.Array`` laid out that way; ``numpy.ndarray`` leaves come back as host
+    a ``.sharding``) or committed ``jax.Array`` (its sharding is used) come back as ``jax.Array``
+    laid out that way; a ShapeDtypeStruct without a sharding, or an uncommitted ``jax.Array``,
+    comes back uncommitted on the default device, as ``jnp`` places a new array (a jitted step
+    moves it to its other arguments' devices); ``numpy.ndarray`` leaves come back as host
     numpy arrays; any other leaf takes the saved scalar. ``target=None`` returns host numpy arrays
     in nested dicts keyed by the key-path components (typed PRNG keys come back as key arrays on
     the default device); custom pytree classes and sequences need a target to come back as themselves.

@@ -31,7 +31,7 @@ from ckptfmt.errors import ReferenceCycleError
 
 __all__ = [
     "render_path", "flatten_with_keys", "index_to_box", "describe_sharding", "is_prng_key",
-    "physical_sharding", "nest", "check_acyclic",
+    "physical_sharding", "placement", "nest", "check_acyclic",
 ]
 
 _LEAVES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, str, bytes)
@@ -184,6 +184,19 @@ def is_prng_key(x: Any) -> bool:
     """True for typed PRNG key arrays (and ShapeDtypeStructs of a key dtype)."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def placement(leaf: Any) -> Any:
+    """The sharding ``leaf`` asks a restore for, or None where it leaves the placement to JAX.
+
+    None for an uncommitted ``jax.Array`` (one that JAX placed by default, as ``jnp.zeros`` or
+    optax's ``count`` are: a jitted computation moves it to the devices of its other arguments)
+    and for a ShapeDtypeStruct without a sharding; a committed array's own sharding otherwise,
+    one device included (a leaf put there on purpose stays there).
+    """
+    if isinstance(leaf, jax.Array) and not leaf.committed:
+        return None
+    return getattr(leaf, "sharding", None)
 
 
 def physical_sharding(sharding: Any, logical_shape: tuple[int, ...], dtype: Any) -> Any:

@@ -35,7 +35,9 @@ def nnx_target(obj: Any, sharding: Callable[[str, Any], Any] | Any = None) -> di
     """A restore target for :func:`nnx_state` of ``obj``.
 
     ``obj`` may be live or abstract (``nnx.eval_shape``). Leaves become ShapeDtypeStructs with
-    ``sharding(key_path, leaf)`` when given (a callable or one Sharding), else the leaf's own.
+    ``sharding(key_path, leaf)`` when given (a callable or one Sharding), else the leaf's own
+    placement (an uncommitted leaf, such as optax's ``count``, comes back uncommitted:
+    :func:`bridges.jax.abstract_target`).
     """
     from .jax import abstract_target
 

@@ -57,7 +57,7 @@ from ._jaxcoord import JaxCoordinator, default_coordinator
 from ._jaxrestore import BRIDGE_VERSION as _BRIDGE_VERSION
 from ._jaxrestore import load_extra as load_extra, load_rank_state as load_rank_state, restore as restore
 from ._jaxrestore import _bridge_state as _bridge_state, _open as _open  # noqa: F401 (tests, the manager)
-from ._jaxtree import describe_sharding, index_to_box, is_prng_key
+from ._jaxtree import describe_sharding, index_to_box, is_prng_key, placement
 from ._jaxtree import flatten_with_keys as flatten_with_keys  # public: the profile's key paths of a pytree
 
 __all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "flatten_with_keys",
@@ -205,15 +205,19 @@ def _commit(url: "str | Repository", step: int, shards: list[LocalShard], global
 def abstract_target(tree: Any, sharding: Any = None) -> Any:
     """A restore target from a live or abstract pytree: arrays become ShapeDtypeStructs.
 
-    ``sharding`` is None (keep each leaf's own), one ``jax.sharding.Sharding`` for every array
-    leaf, or a callable ``(key path, leaf) -> Sharding | None``. Other leaves pass through.
+    ``sharding`` is None (keep each leaf's own placement), one ``jax.sharding.Sharding`` for every
+    array leaf, or a callable ``(key path, leaf) -> Sharding | None`` (None: the leaf's own).
+    A leaf's own placement is its sharding when it is committed, and none when JAX placed it by
+    default (an uncommitted array, such as optax's ``count`` or a fresh ``jnp.zeros``): that leaf
+    is restored uncommitted on the default device, so a jitted step moves it to the devices of its
+    other arguments as it did before the save. Other leaves pass through. ``tree`` is not modified.
     """
     flat, treedef = flatten_with_keys(tree)
     out = []
     for key, leaf in flat:
         if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
             s = sharding(key, leaf) if callable(sharding) else sharding
-            s = s if s is not None else getattr(leaf, "sharding", None)
+            s = s if s is not None else placement(leaf)
             out.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s))
         else:
             out.append(leaf)

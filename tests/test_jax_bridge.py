@@ -26,7 +26,8 @@ CHECKS = [
     "scalars_and_leaves", "low_precision_dtypes", "typed_and_raw_keys", "missing_key_and_shape_mismatch",
     "host_structure", "key_paths", "linen_trainstate", "nnx_model_and_optimizer", "extra_rank_state_and_latest",
     "nonblocking_save", "restore_stats_and_partial", "profile_record_checked", "mapping_strict_and_report",
-    "reference_cycles",
+    "reference_cycles", "default_placement", "empty_arrays", "empty_arrays_targetless",
+    "empty_arrays_manager",
 ]
 
 

@@ -83,6 +83,22 @@ def test_round_trip_dtypes_objects_and_state(tmp_path):
     assert all(float(v.abs().sum()) == 0 for v in target["model"].values())  # target untouched
 
 
+def test_size_zero_tensors_load_as_new_empty_tensors(tmp_path):
+    """Issue 47 item 10, checked in the torch bridge: a tensor with a zero in its shape has no shards
+    (FORMAT.md 5.7) and loads as a new empty tensor of the target's shape and dtype, never as the
+    target's own tensor; the tensors beside it load as usual."""
+    sd = {"a": torch.zeros(0), "b": torch.zeros(3, 0, 2, dtype=torch.bfloat16), "c": torch.zeros(0, 4, dtype=torch.int8),
+          "d": torch.zeros(2, 0, dtype=torch.bool), "w": torch.arange(6.0)}
+    url = str(tmp_path / "repo")
+    bt.save(url, sd, step=1)
+    assert sorted(ckptfmt.Repository(url).manifest(1).tensors) == ["a", "b", "c", "d", "w"]
+    target = _like(sd)
+    out = bt.load(url, target)
+    _assert_same(out, sd)
+    assert all(out[k] is not target[k] for k in sd) and out.missing_keys == [] and out.unexpected_keys == []
+    assert torch.cat([out["c"], torch.ones(1, 4, dtype=torch.int8)]).shape == (1, 4)
+
+
 def test_unknown_rank_policy_is_a_usage_error(tmp_path):
     url = str(tmp_path / "repo")
     bt.save(url, {"w": torch.ones(2)}, step=1, rank_state={"cursor": 3})

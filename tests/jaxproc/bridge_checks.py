@@ -507,6 +507,109 @@ def mapping_strict_and_report(d):
     assert [w.category for w in caught] == [KeptValuesWarning] and "absent" in str(caught[0].message)
 
 
+@check
+def default_placement(d):
+    """Issue 47 item 9: a leaf JAX placed by default (uncommitted: optax's count, a fresh jnp array)
+    comes back uncommitted, so a jitted step beside mesh arrays runs; a committed leaf keeps its
+    placement, one device included. The control: the same count committed to device 0 (as
+    restores placed it before) makes that step raise."""
+    m = mesh((8,), ("x",))
+    w = put(jnp.arange(16.0).reshape(8, 2), m, P("x"))
+    state = {"w": w, "count": jnp.zeros((), jnp.int32), "key": jax.random.key(3),
+             "pinned": jax.device_put(jnp.ones(2), DEV[3])}
+    assert not state["count"].committed and state["pinned"].committed
+    bj.save(d, state, step=1)
+    target = bj.abstract_target(state)
+    assert target["count"].sharding is None and target["key"].sharding is None
+    assert target["w"].sharding == w.sharding and target["pinned"].sharding == SingleDeviceSharding(DEV[3])
+    assert state["count"].committed is False and state["w"] is w  # the caller's tree is untouched
+
+    @jax.jit
+    def step(w, count, key):
+        return w * (count + 1).astype(w.dtype) + jax.random.uniform(key, w.shape), count + 1
+
+    for got in (bj.restore(d, target), bj.restore(d, state)):  # abstract and live targets alike
+        for k in state:
+            same(got[k], state[k])
+        assert not got["count"].committed and not got["key"].committed
+        assert got["pinned"].committed and got["pinned"].devices() == {DEV[3]}
+        assert got["w"].sharding == w.sharding
+        _, count = step(got["w"], got["count"], got["key"])
+        assert int(count) == 1
+    pinned = bj.restore(d, {"count": sds(state["count"], SingleDeviceSharding(DEV[0]))})["count"]
+    assert pinned.committed
+    try:
+        step(w, pinned, state["key"])
+        raise AssertionError("the control: a count committed to device 0 beside mesh arrays ran")
+    except ValueError as e:
+        assert "incompatible devices" in str(e), e
+
+
+def _empty_state(m):
+    return {"e": jnp.zeros((0, 4)), "es": put(jnp.zeros((8, 0), jnp.bfloat16), m, P("x")),
+            "n": np.zeros((0,), np.int16), "keys": jax.random.split(jax.random.key(0), 0), "w": jnp.ones(3)}
+
+
+def _check_empties(got, state, target):
+    for k in ("e", "es", "keys"):
+        assert isinstance(got[k], jax.Array) and not isinstance(got[k], jax.ShapeDtypeStruct), (k, type(got[k]))
+        assert got[k].shape == state[k].shape and got[k].dtype == state[k].dtype, (k, got[k])
+        assert (got[k].sharding == target[k].sharding) if target[k].sharding is not None else not got[k].committed, k
+    assert isinstance(got["n"], np.ndarray) and got["n"].shape == (0,) and got["n"].dtype == np.int16
+    assert got["n"] is not state["n"]  # a fresh array, never the caller's own
+    assert jnp.concatenate([got["e"], jnp.ones((1, 4))]).shape == (1, 4)  # a resumed state computes
+    same(got["w"], state["w"])
+
+
+@check
+def empty_arrays(d):
+    """Issue 47 item 10: a size-0 tensor restores as a real array of the target's shape, dtype and
+    sharding (it has no shards to read: FORMAT.md 5.7), on the saving topology and another."""
+    m = mesh((8,), ("x",))
+    state = _empty_state(m)
+    bj.save(d, state, step=1)
+    assert {"e", "es", "n", "keys", "w"} == set(tensors(d, 1))
+    target = bj.abstract_target(state)
+    _check_empties(bj.restore(d, target), state, target)
+    m4 = mesh((4,), ("y",))  # another topology
+    resharded = dict(target, es=sds(state["es"], NamedSharding(m4, P("y"))))
+    _check_empties(bj.restore(d, resharded), state, resharded)
+
+
+@check
+def empty_arrays_targetless(d):
+    """Issue 47 item 10: without a target, every tensor of the manifest comes back (FORMAT.md 13.2),
+    the size-0 ones as empty arrays."""
+    state = _empty_state(mesh((8,), ("x",)))
+    bj.save(d, state, step=1)
+    flat = bj.restore(d)
+    assert set(flat) == {"e", "es", "n", "keys", "w"}, sorted(flat)
+    for k in ("e", "es", "n"):
+        assert isinstance(flat[k], np.ndarray) and flat[k].shape == state[k].shape, (k, flat[k])
+        assert flat[k].dtype == np.dtype(state[k].dtype), (k, flat[k].dtype)
+    assert flat["keys"].shape == (0,) and jax.dtypes.issubdtype(flat["keys"].dtype, jax.dtypes.prng_key)
+
+
+@check
+def empty_arrays_manager(d):
+    """Issue 47 item 10 through CheckpointManager.restore (the persistent tier, then a local tier)."""
+    from ckptfmt.manager import LocalTier
+
+    m = mesh((8,), ("x",))
+    state = _empty_state(m)
+    target = bj.abstract_target(state)
+    with bj.CheckpointManager(d) as mgr:
+        mgr.save(1, state, force=True)
+        mgr.wait()
+        _check_empties(mgr.restore(target).state, state, target)
+    with bj.CheckpointManager(d + "-tiered", local=LocalTier(d + "-local", every=1)) as mgr:
+        mgr.save(1, state, force=True)
+        mgr.wait()
+        r = mgr.restore(target)
+        assert r.stats["tiers"]["local"] > 0, r.stats
+        _check_empties(r.state, state, target)
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:] or list(CHECKS)
     results = {}
