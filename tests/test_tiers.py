@@ -610,3 +610,29 @@ def test_a_hostile_answer_or_ask_costs_about_its_size(tmp_path):
         accept_replica(hostile, **kw)
     empty = msgpack.unpackb(serve_replica(repo, 1, msgpack.packb({"step": 6, "token": "tok-6", "reqs": [[]] * (n - 64)})))
     assert empty["refs"] == [] and time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_tier_file_written_after_a_restore_never_reaches_the_default_restore(tmp_path, mapped):
+    """After a restore from the local tier, another process rewrites every tier file in place
+    (same size, other bytes). With the default (``mapped=False``: a private copy) the restored
+    state is unchanged. The broken control, ``mapped=True`` (opt-in, documented risk), shows the
+    write reaching the live state through the mapping."""
+    assert LocalTier(str(tmp_path)).mapped is False  # the default copies
+    tier = LocalTier(str(tmp_path / "local"), every=2, keep=2, mapped=mapped)
+    with CheckpointManager(str(tmp_path / "p"), save_every_steps=4, local=tier) as m:
+        for s in range(1, 5):
+            m.save(s, _state(s), extra={"s": s})
+    with CheckpointManager(str(tmp_path / "p"), local=tier) as m:
+        r = m.restore(_state(0))
+    assert r.stats["tiers"]["local"] > 0 and r.stats["tiers"]["persistent"] == 0
+    before = {k: np.array(v) for k, v in r.state.items()}
+    for root, _, files in os.walk(tier.url(0)):
+        for name in files:
+            path = os.path.join(root, name)
+            if "/t/" in path:  # a shard object of a tensor
+                size = os.path.getsize(path)
+                with open(path, "r+b") as f:
+                    f.write(b"\x7f" * size)
+    changed = any(not np.array_equal(before[k], r.state[k]) for k in before)
+    assert changed == mapped, (mapped, changed)

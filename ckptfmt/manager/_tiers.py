@@ -60,17 +60,24 @@ class LocalTier:
     """A local tier: ``path`` (a directory: one repository ``host-<h>`` per host under it), its own
     cadence ``every`` (a step divisible by it is saved there; ``force=True`` saves too), its
     retention ``keep`` (newest steps kept per host), ``replicate`` (hold a replica of the
-    next host's boxes) and ``mapped`` (restore by mapping verified boxes, not copying them).
+    next host's boxes) and ``mapped`` (restore by mapping verified boxes instead of copying them:
+    off by default, see the field).
     Bad values raise ValueError."""
 
     path: str
     every: int = 10
     keep: int = 2
     replicate: bool = True
-    #: Each box is saved as one inner chunk, and a restore maps it (copy-on-write) after checking
-    #: its crc32c instead of copying it (FORMAT.md 14.8). The restored arrays then share pages with
-    #: the tier's files, which ckptfmt never rewrites; False copies (a tier other processes may write).
-    mapped: bool = True
+    #: False (the default): a restore copies each verified box into memory of its own, so nothing
+    #: done to the tier's files afterwards can reach the restored state. True: each box is saved as
+    #: one inner chunk and a restore maps it (``MAP_PRIVATE``) after checking its crc32c instead of
+    #: copying it (FORMAT.md 14.8), which saves the copy into fresh pages, AT A RISK: the restored
+    #: arrays then share pages with the tier's files, so a later write to a tier file by any process
+    #: changes the live training state (Linux shows a shared file's writes through a private
+    #: mapping until the process itself writes that page), and a truncation kills the process with
+    #: SIGBUS on its next access. Only for a tier directory that nothing but this job writes
+    #: (docs/tiers.md, "Mapped restores").
+    mapped: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):

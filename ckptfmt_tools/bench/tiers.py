@@ -72,7 +72,7 @@ def child(args: argparse.Namespace) -> None:
     sync = multihost_utils.sync_global_devices
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
     rows = NamedSharding(mesh, P("d"))
-    tier = LocalTier(args.local, every=1, keep=1)
+    tier = LocalTier(args.local, every=1, keep=1, mapped=args.mapped)
     out: dict[str, Any] = {}
     # The persistent and the local saves alternate, each kind in its own manager (both open; the
     # first save of each starts its background thread), the order flipping every round, so that
@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the persistent tier: a directory on disk, or a bucket of a local moto S3 server")
     ap.add_argument("--saves", type=int, default=5, help="saves of each kind (the blocked figure is their median)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--mapped", action="store_true",
+                    help="restore the local tier by mapping (LocalTier(mapped=True), opt-in) instead of copying")
     ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         outs = [os.path.join(work, f"out{r}.json") for r in range(PROCESSES)]
         procs = [subprocess.Popen([sys.executable, "-m", "ckptfmt_tools.bench.tiers", "--mib", str(args.mib), "--local",
                                    local, "--persistent", persistent, "--saves", str(args.saves), "--rank", str(r), "--port", str(port),
-                                   "--out", outs[r]], env=env, stdout=sys.stderr) for r in range(PROCESSES)]
+                                   "--out", outs[r]] + (["--mapped"] if args.mapped else []), env=env, stdout=sys.stderr)
+                 for r in range(PROCESSES)]
         rcs = [p.wait(timeout=1800) for p in procs]
         if any(rcs):
             print(f"bench failed: exit codes {rcs}", file=sys.stderr)
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
         if moto is not None:
             moto.close()
-    figures = dict(_figures(args.mib, res), store=args.store)
+    figures = dict(_figures(args.mib, res), store=args.store, mapped=args.mapped)
     print(json.dumps(figures, indent=1) if args.json else _table(figures))
     return 0
 
