@@ -125,8 +125,9 @@ def _tiled_local_step(tier: LocalTier, step: int, token: str, drop: int | None =
     parts.insert(1, ("a", (3, 4), np.float32, Box((1, 0), (1, 4)), st["a"][1:2]))  # a repeat: one part serves
     parts = [p for i, p in enumerate(parts) if i != drop]
     whole = [(k, np.shape(v), v.dtype, Box.full(np.shape(v)), v) for k, v in st.items() if k != "a"]
+    run = Repository(tier.url(0)).open(step).state()["tiers"]["run"]  # the run this step belongs to
     write_local_step(Repository(tier.url(0)), step, 0, 1, token, [(0, b) for b in parts + whole],
-                     {"extra": {"s": step}}, None, whole_chunks=tier.mapped)
+                     {"extra": {"s": step}}, None, whole_chunks=tier.mapped, run=run)
 
 
 def test_a_request_tiled_by_several_held_boxes_is_assembled_from_one_tier(tmp_path):
@@ -636,3 +637,30 @@ def test_a_tier_file_written_after_a_restore_never_reaches_the_default_restore(t
                     f.write(b"\x7f" * size)
     changed = any(not np.array_equal(before[k], r.state[k]) for k in before)
     assert changed == mapped, (mapped, changed)
+
+
+def test_a_local_tier_serves_only_its_own_run(tmp_path):
+    """Run A saves steps 1-6 beside repository pA (local 4 and 6; persistent 4). A new run B with a
+    fresh, empty repository pB and the same tier path (a sweep, a copied config, a /dev/shm that
+    outlived a crash) must not resume from A's local step: it finds nothing to restore. Controls:
+    run A restarted on pA resumes from its own tier (step 6), and B with
+    ``LocalTier(adopt=True)`` adopts A's tier on purpose. The run identity is pA's, kept in
+    ``tiers/run.json`` and recorded in every local step."""
+    from ckptfmt.errors import StepNotFoundError
+    from ckptfmt.manager._tiers import RUN_KEY
+
+    tier = _save(tmp_path, range(1, 7))
+    pa = Repository(str(tmp_path / "p"))
+    run_a = json.loads(pa.storage.read(RUN_KEY))["run"]
+    assert inventory(Repository(tier.url(0)))[6]["run"] == run_a
+    with CheckpointManager(str(tmp_path / "p"), local=tier) as m:  # control: the same run resumes locally
+        r = m.restore(_state(0))
+    assert r.step == 6 and r.stats["tiers"]["local"] > 0
+    with CheckpointManager(str(tmp_path / "pB"), local=tier) as m:
+        with pytest.raises(StepNotFoundError):  # nothing of run A: a fresh start
+            m.restore(_state(0))
+    assert json.loads(Repository(str(tmp_path / "pB")).storage.read(RUN_KEY))["run"] != run_a
+    adopted = LocalTier(tier.path, every=tier.every, keep=tier.keep, adopt=True)
+    with CheckpointManager(str(tmp_path / "pB"), local=adopted) as m:  # control: adopted on purpose
+        r = m.restore(_state(0))
+    assert r.step == 6 and all(np.array_equal(r.state[k], v) for k, v in _state(6).items())

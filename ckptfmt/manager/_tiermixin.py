@@ -39,7 +39,8 @@ class TierMixin:
             raise ValueError(f"local must be a LocalTier or None, got {type(local).__name__}")
         self.local = local
         self._tiers = None if local is None else TierWriter(local, self.rank, self.world, self._coord,
-                                                            self._new_exchange(), self.options)  # type: ignore[attr-defined]
+                                                            self._new_exchange(), self.options,  # type: ignore[attr-defined]
+                                                            self.repository)  # type: ignore[attr-defined]
         self._tier_restores = 0
 
     # ------------------------------------------------------------------ bridge hooks
@@ -121,6 +122,7 @@ class TierMixin:
         self._tier_restores += 1
         invs = [{int(s): e for s, e in g["inv"].items()} for g in self._gather(
             f"tiers/restore/{n}/inventory", {"inv": {str(s): e for s, e in inventory(tiers.repository).items()}})]
+        invs = [self._of_this_run(r, inv) for r, inv in enumerate(invs)]
         requests = self._tier_requests(target, held_tensors(invs))
         try:
             psteps = set(self.repository.steps())  # type: ignore[attr-defined]
@@ -143,6 +145,21 @@ class TierMixin:
         if any(p["tokens"][str(step)] != [token, mix] for p in plan):
             return None  # the ranks see the persistent tier differently: the ordinary restore decides
         return self._tier_finish(target, n, step, token, bool(mix), requests or [], invs)
+
+    def _of_this_run(self, host: int, inv: dict[int, Any]) -> dict[int, Any]:
+        """The local steps of one host's inventory that a restore may use: those recording this
+        manager's repository's run identity (FORMAT.md 8.5), or all with ``LocalTier(adopt=True)``.
+        Every rank filters the same gathered inventories the same way."""
+        tiers = self._tiers
+        if tiers is None or tiers.tier.adopt:
+            return inv
+        kept = {s: e for s, e in inv.items() if tiers.run is not None and e.get("run") == tiers.run}
+        for s in sorted(set(inv) - set(kept)):
+            if self.rank == host:
+                _log.warning("local tier: step %d on host %d belongs to another run (run %s; %s is run %s) and is "
+                             "not restored; pass LocalTier(adopt=True) to adopt the tier", s, host, inv[s].get("run"),
+                             self.url, tiers.run)
+        return kept
 
     def _tier_finish(self, target: Any, n: int, step: int, token: str, mix: bool, requests: list,
                      invs: list) -> RestoreResult | None:

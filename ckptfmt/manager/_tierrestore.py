@@ -67,7 +67,7 @@ def inventory(repo: Repository) -> dict[int, dict[str, Any]]:
             manifest, data = repo.manifest_with_bytes(s)
             t = repo.open(s).state()["tiers"]
             out[s] = {"token": str(t["token"]), "hosts": int(t["hosts"]), "boxes": list(t["boxes"]),
-                      "digest": hashlib.sha256(data).hexdigest()}
+                      "digest": hashlib.sha256(data).hexdigest(), "run": t.get("run")}
         except (CheckpointError, KeyError, TypeError, ValueError) as e:
             _log.warning("local tier %s: step %d is left out: %s: %s", repo.url, s, type(e).__name__, e)
     return out

@@ -22,6 +22,7 @@ stays the authority). Restore: :mod:`ckptfmt.manager._tierrestore`.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import secrets
@@ -42,13 +43,37 @@ from ckptfmt.session._saveopts import SaveOptions
 from ckptfmt.session.asyncsave import BackgroundWorker
 from ckptfmt.manager._payload import check_payload, pack_boxes, unpack_boxes
 
-__all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "TierWriter", "distinct_boxes",
+__all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "RUN_KEY", "TierWriter", "distinct_boxes",
+           "run_identity",
            "check_payload", "pack_boxes", "unpack_boxes"]
 
 _log = logging.getLogger("ckptfmt.manager")
 
 #: The inner-chunk target of a mapped local tier: any box is one chunk.
 WHOLE_CHUNK_BYTES = 1 << 62
+
+#: The persistent repository's run identity (FORMAT.md 4.2, 8.5): ``{"run": "<32 hex digits>"}``.
+RUN_KEY = "tiers/run.json"
+_RUN_MAX_BYTES = 4096
+
+
+def run_identity(repo: Repository) -> str:
+    """The run identity of the persistent repository ``repo`` (FORMAT.md 8.5): created, if absent,
+    with one create-if-absent write of a fresh random identity, then read back (so concurrent
+    creators agree on the first). Raises InvalidStateError for an object that is not a run
+    identity, StorageError when the store refuses the write or the read."""
+    fresh = json.dumps({"run": secrets.token_hex(16)}, separators=(",", ":")).encode() + b"\n"
+    repo.storage.create_if_absent(RUN_KEY, fresh)
+    data = repo.storage.read(RUN_KEY, max_bytes=_RUN_MAX_BYTES)
+    try:
+        run = json.loads(data or b"")["run"]
+        if not (isinstance(run, str) and len(run) == 32 and all(c in "0123456789abcdef" for c in run)):
+            raise ValueError(run)
+    except (ValueError, KeyError, TypeError):
+        raise InvalidStateError("the repository's run identity is malformed", key=RUN_KEY, object=repo.url,
+                                expected='{"run": "<32 hex digits>"}', found=repr(data)[:80]) from None
+    return run
+
 
 #: The key of the tier record: in a local step's global state, and in a persistent manifest's
 #: ``metadata`` (the token only) when one manager call saved the step on both tiers.
@@ -78,6 +103,11 @@ class LocalTier:
     #: SIGBUS on its next access. Only for a tier directory that nothing but this job writes
     #: (docs/tiers.md, "Mapped restores").
     mapped: bool = False
+    #: A local step belongs to the run of the persistent repository it was saved beside (its run
+    #: identity, FORMAT.md 8.5); a restore uses only local steps of this manager's repository's
+    #: run. True adopts the tier's steps whatever run they record (a tier moved to a new
+    #: repository on purpose); never needed to resume a run from its own tier.
+    adopt: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -181,11 +211,13 @@ def distinct_boxes(shards: Sequence[LocalShard]) -> list[tuple[str, tuple[int, .
 
 def write_local_step(repo: Repository, step: int, host: int, hosts: int, token: str,
                      boxes: Sequence[tuple[int, tuple[str, tuple[int, ...], Any, Box, np.ndarray]]],
-                     global_state: Any, options: SaveOptions | None, whole_chunks: bool = False) -> Any:
+                     global_state: Any, options: SaveOptions | None, whole_chunks: bool = False,
+                     run: str | None = None) -> Any:
     """Save one local step of ``host`` (world 1): every (owner, box) as tensor ``h<owner>/<n>``, the
     box map and token in the global state; ``whole_chunks``: each box one inner chunk (so that a
-    restore can map it). A step already committed there (an earlier run's) is deleted first, so a
-    local step always holds one save. Raises the save's CheckpointError."""
+    restore can map it); ``run``: the persistent repository's run identity, recorded in the step
+    (a restore uses only steps of its own run). A step already committed there (an earlier run's)
+    is deleted first, so a local step always holds one save. Raises the save's CheckpointError."""
     shards, held = [], []
     for n, (owner, (key, shape, dt, box, arr)) in enumerate(boxes):
         local = f"h{owner}/{n:06d}"
@@ -194,9 +226,10 @@ def write_local_step(repo: Repository, step: int, host: int, hosts: int, token: 
         held.append(HeldBox(local, owner, key, tuple(shape), dtype_name(np.dtype(dt)), box).to_wire())
     if step in repo.steps():
         repo.delete(step)
-    state = {"global": global_state, "tiers": {"token": token, "host": host, "hosts": hosts, "boxes": held}}
+    state = {"global": global_state, "tiers": {"token": token, "host": host, "hosts": hosts, "boxes": held, "run": run}}
     opts = options or SaveOptions()
-    return save(repo, step, shards, state=state, metadata={TIERS_KEY: {"token": token, "host": host, "hosts": hosts}},
+    return save(repo, step, shards, state=state,
+                metadata={TIERS_KEY: {"token": token, "host": host, "hosts": hosts, "run": run}},
                 coordinator=LocalCoordinator(), options=SaveOptions(
                     timeout_s=opts.timeout_s, reuse="off",
                     chunk_target_bytes=WHOLE_CHUNK_BYTES if whole_chunks else opts.chunk_target_bytes))
@@ -213,7 +246,7 @@ class TierWriter:
     """The local tier's save side for one manager: cadence, one save in flight, token, retention."""
 
     def __init__(self, tier: LocalTier, rank: int, world: int, coord: Any, exchange: PeerExchange | None,
-                 options: SaveOptions | None) -> None:
+                 options: SaveOptions | None, persistent: Repository | None = None) -> None:
         self.tier, self.rank, self.world, self.coord = tier, rank, world, coord
         self.exchange = exchange if tier.replicate and world > 1 else None
         self.options = options
@@ -226,8 +259,19 @@ class TierWriter:
         # The run's nonce, drawn by rank 0 once, here: no save of this manager is in flight yet, so
         # the coordinator is never used by two threads at once (the torch store client is not
         # safe for that). A step's token is the nonce and the step: unique per manager and step.
-        mine = secrets.token_hex(8).encode() if rank == 0 else None
-        self.nonce = bytes(mine if world == 1 else coord.broadcast("tiers/nonce", mine)).decode()
+        # The persistent repository's run identity too (rank 0 reads or creates it): None when the
+        # store refuses, and then no local step is ever restored unless the tier is adopted.
+        mine = None
+        if rank == 0:
+            run = ""
+            try:
+                run = run_identity(persistent) if persistent is not None else ""
+            except CheckpointError as e:
+                _log.warning("local tier: no run identity in %s (%s); its local steps will not be restored",
+                             getattr(persistent, "url", "?"), e)
+            mine = json.dumps([secrets.token_hex(8), run]).encode()
+        nonce, run = json.loads(bytes(mine if world == 1 else coord.broadcast("tiers/nonce", mine)).decode())
+        self.nonce, self.run = str(nonce), (str(run) or None)
 
     def due(self, step: int, force: bool) -> bool:
         return step != self._last and (force or step % self.tier.every == 0)
@@ -273,7 +317,7 @@ class TierWriter:
                 peer_bytes = sum(int(a.nbytes) for *_, a in peer)
                 boxes += [((self.rank + 1) % self.world, b) for b in peer]
             write_local_step(self.repository, job.step, self.rank, self.world, token, boxes, global_state, self.options,
-                             whole_chunks=self.tier.mapped)
+                             whole_chunks=self.tier.mapped, run=self.run)
             job.record = TierSave(job.step, token, True, blocked_s, time.perf_counter() - t0, own_bytes, peer_bytes,
                                   exchange_s=exchange_s)
             self._retain()
