@@ -5,15 +5,17 @@ tests/test_jax_bridge.py and tests/test_torch_bridge.py)."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
-import pytest
 
 import ckptfmt
 from ckptfmt import Box, LocalShard, Repository
 from ckptfmt.errors import ChecksumMismatchError, CoordinatorLostError, StepMismatchError
 from ckptfmt.reader import CoopStats, cooperative_reads, plan_cooperative
+
+from _exchange import Tampering as _Tampering
+from _exchange import Threads as _Threads
 
 
 def _req(key: str, row: int) -> tuple[str, Box]:
@@ -38,29 +40,6 @@ def test_each_shared_box_goes_to_one_process_balanced_and_the_same_on_every_proc
     # The control: needs with nothing in common share nothing, and each process reads its own.
     alone = plan_cooperative([[shared[:4]], [shared[4:]]], _size, 0)
     assert alone.shared == 0 and alone.rounds[0].reads == tuple(shared[:4])
-
-
-class _Threads:
-    """Two ranks in threads of one process: an all-gather through a shared list and a barrier."""
-
-    def __init__(self, world: int) -> None:
-        self.world, self.slots, self.barrier = world, [None] * world, threading.Barrier(world, timeout=30)
-
-    def at(self, rank: int) -> Any:
-        group = self
-
-        class _Rank:
-            def __init__(self) -> None:
-                self.rank, self.world = rank, group.world
-
-            def allgather(self, name: str, data: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
-                assert data.size == sizes[rank], (name, data.size, sizes)
-                group.slots[rank] = np.array(data)
-                group.barrier.wait()
-                out = list(group.slots)
-                group.barrier.wait()
-                return out
-        return _Rank()
 
 
 def _run(url: str, batches: list[list[list[Any]]], group: Any = None, sources: Any = None) -> list[Any]:
@@ -169,37 +148,6 @@ def test_a_process_that_never_arrives_is_a_bounded_typed_failure(tmp_path):
 
 
 # ---------------------------------------------------------------- the receiver verifies (FORMAT.md 9.1)
-class _Tampering(_Threads):
-    """The all-gather of :class:`_Threads`, with a fault on what one rank receives from another:
-    ``flip`` flips one byte of ``sender``'s buffer of round 0 as ``receiver`` gets it (in
-    transit), past the status and binding (a chunk byte); ``lose`` makes ``sender``'s call number ``at`` fail as
-    a lost gloo peer does, and the others' wait break (a dead process)."""
-
-    def __init__(self, world: int, *, flip: tuple[int, int] | None = None, lose: tuple[int, int] | None = None) -> None:
-        super().__init__(world)
-        self.flip, self.lose, self.calls, self.flipped = flip, lose, [0] * world, []
-
-    def at(self, rank: int) -> Any:
-        inner, group = super().at(rank), self
-
-        class _Rank:
-            def __init__(self) -> None:
-                self.rank, self.world = rank, group.world
-
-            def allgather(self, name: str, data: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
-                group.calls[rank] += 1
-                if group.lose is not None and (rank, group.calls[rank]) == group.lose:
-                    group.barrier.abort()  # the survivors' collective breaks, as gloo's does
-                    raise RuntimeError("[gloo] Connection closed by peer")
-                out = [np.array(b) for b in inner.allgather(name, data, sizes)]
-                if group.flip is not None and rank == group.flip[1] and name == "restore/coop/0":
-                    before = out[group.flip[0]].copy()
-                    out[group.flip[0]][24 + 8] ^= 0xFF
-                    group.flipped.append(not np.array_equal(before, out[group.flip[0]]))
-                return out
-        return _Rank()
-
-
 def _two_ranks_one_box(tmp_path: Any) -> tuple[str, np.ndarray, list]:
     url = str(tmp_path / "repo")
     a = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
