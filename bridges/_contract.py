@@ -15,12 +15,13 @@ import numpy as np
 
 from ckptfmt import Box
 from ckptfmt.dtypes import numpy_dtype
-from ckptfmt.errors import TopologyChangedError
+from ckptfmt.errors import InvalidStateError, TopologyChangedError
 from ckptfmt.reader import RANK_STATE_POLICIES, check_rank_state_policy, cooperative_reads
 from ckptfmt.state import decode_state, encode_state
 
 __all__ = ["RESTORE_BATCH_BYTES", "Batch", "read_batches", "check_topology", "rank_state", "renamed_keyword",
-           "UNSET", "effective_policy", "caller_rank_state", "stage_state", "restore_stats"]
+           "UNSET", "effective_policy", "caller_rank_state", "state_profile", "refuse_tier_state", "stage_state",
+           "restore_stats"]
 
 #: Host bytes read per batch during restore: bounds the host copies alive at once. Read at each
 #: call, so a process may set it (``bridges._contract.RESTORE_BATCH_BYTES = ...``) for every bridge.
@@ -45,9 +46,40 @@ def caller_rank_state(gstate: Any) -> bool:
     """Whether a checkpoint's per-rank state holds what a caller asked to save: False only when the
     torch profile's record says ``rank_state: false`` (only the RNG states the torch bridge recorded
     itself; FORMAT.md 13.3). A checkpoint without the flag (older, or of another profile) is taken
-    to hold the caller's state. Both bridges pass this to :func:`effective_policy`."""
+    to hold the caller's state. Both bridges pass this to :func:`effective_policy`.
+
+    InvalidStateError when the flag is present and not a boolean (FORMAT.md 13.3): a ``0`` or a
+    ``"false"`` must not decide which per-rank state a restore drops."""
+    refuse_tier_state(gstate)
     record = gstate.get("torch") if isinstance(gstate, dict) else None
+    if isinstance(record, dict) and "rank_state" in record and not isinstance(record["rank_state"], bool):
+        raise InvalidStateError("the torch profile record of the global state is malformed: "
+                                "torch.rank_state must be a boolean", key="torch/rank_state", expected="bool",
+                                found=f"{type(record['rank_state']).__name__} {record['rank_state']!r}"[:80])
     return not (isinstance(record, dict) and record.get("rank_state") is False)
+
+
+def state_profile(gstate: Any) -> str | None:
+    """The profile a global state root follows (FORMAT.md 13.1): "jax" (a ``bridge`` member),
+    "torch" (a ``torch`` member), "tier" (a local-tier step, 8.5: exactly the members ``global``
+    and ``tiers``, the latter a map), or None (no profile). Only the root's members decide: what
+    they hold is each bridge's to check."""
+    if not isinstance(gstate, dict):
+        return None
+    if set(gstate) == {"global", "tiers"} and isinstance(gstate["tiers"], dict):
+        return "tier"
+    return "jax" if "bridge" in gstate else "torch" if "torch" in gstate else None
+
+
+def refuse_tier_state(gstate: Any) -> None:
+    """InvalidStateError when ``gstate`` is a local-tier step's (FORMAT.md 13.1, 8.5): its tensors
+    are named ``h<owner>/<n>`` and mean something only through ``tiers.boxes``, so a bridge's plain
+    restore of it would find none of the caller's key paths. It is restored through the checkpoint
+    manager's tiers, which unwrap ``global``."""
+    if state_profile(gstate) == "tier":
+        raise InvalidStateError("this is a local-tier step (FORMAT.md 8.5): restore it through the checkpoint "
+                                "manager's tiers, not a bridge's restore", key="tiers", expected="a JAX or PyTorch "
+                                "profile state (13.1)", found="{global, tiers}")
 
 
 def stage_state(global_state: Any, per_rank: Any, metadata: Any = None, *, blocking: bool) -> tuple[Any, Any, Any]:

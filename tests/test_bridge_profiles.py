@@ -182,3 +182,59 @@ def test_torch_profile_spec_only_decoding(tmp_path):
     (rank,) = ranks.values()
     assert set(rank) == {"torch", "extra"} and rank["extra"] == {"sampler": 17}
     assert rank["torch"]["rng"]["cpu"].dtype == np.uint8 and rank["torch"]["rng"]["cpu"].tobytes() == cpu_rng.tobytes()
+
+
+# ------------------------------------------------------------------ issue 47 item 14.6 and 14.7
+def _core_save(url: str, gstate: Any, rank_state: Any = None) -> None:
+    from ckptfmt import Box, LocalShard, save
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    save(url, 1, [LocalShard("w", w.shape, w.dtype, Box.full(w.shape), w)], state=gstate, rank_state=rank_state)
+
+
+@pytest.mark.parametrize("flag", [False, True, 0, 1, "false", None])
+def test_a_torch_rank_state_flag_that_is_not_a_boolean_is_refused(tmp_path, flag):
+    """FORMAT.md 13.3: a present ``torch.rank_state`` MUST be a boolean; a reader refuses another
+    type with InvalidStateError naming it, before it decides what per-rank state to drop. Controls:
+    ``false`` and ``true`` load (``true`` on another world needs a policy, 7.4)."""
+    torch = pytest.importorskip("torch")
+    from bridges import torch as bt
+    from ckptfmt.errors import InvalidStateError, TopologyChangedError
+    url = str(tmp_path / "repo")
+    _core_save(url, {"torch": {"objects": {}, "rank_state": flag}, "extra": None},
+               rank_state={"torch": {"rng": None}, "extra": None})
+    target = {"w": torch.zeros(2, 3)}
+    if isinstance(flag, bool):
+        assert bt.load(url, target)["w"].sum().item() == 15.0
+        assert bt.load_rank_state(url) is None
+        return
+    with pytest.raises(InvalidStateError) as e:
+        bt.load(url, target)
+    assert e.value.key == "torch/rank_state" and e.value.expected == "bool"
+    with pytest.raises(InvalidStateError):
+        bt.load_rank_state(url)
+
+
+def test_a_local_tier_step_has_the_tier_profile_and_a_bridge_restore_refuses_it(tmp_path):
+    """FORMAT.md 13.1, 8.5: a local-tier step's global state ``{"global": G, "tiers": T}`` is the
+    third profile, "tier"; a bridge's plain restore refuses it by name (InvalidStateError), instead
+    of finding none of the caller's key paths. Control: the same G saved as an ordinary step loads."""
+    torch = pytest.importorskip("torch")
+    from bridges import torch as bt
+    from bridges._contract import state_profile
+    from ckptfmt import Box, Repository
+    from ckptfmt.errors import InvalidStateError
+    from ckptfmt.manager._tiers import write_local_step
+    g = {"torch": {"objects": {}, "rank_state": False}, "extra": None}
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    local = str(tmp_path / "local" / "host-0")
+    write_local_step(Repository(local), 1, 0, 1, "t-1", [(0, ("w", w.shape, w.dtype, Box.full(w.shape), w))], g, None)
+    gstate = Repository(local).open(1).state()
+    assert state_profile(gstate) == "tier" and state_profile(gstate["global"]) == "torch"
+    assert state_profile({"bridge": {}, "extra": None}) == "jax" and state_profile({"x": 1}) is None
+    assert state_profile({"global": 1, "tiers": [], "x": 2}) is None
+    with pytest.raises(InvalidStateError) as e:
+        bt.load(local, {"w": torch.zeros(2, 3)})
+    assert e.value.key == "tiers" and "local-tier step" in e.value.message
+    url = str(tmp_path / "persistent")
+    _core_save(url, g)
+    assert bt.load(url, {"w": torch.zeros(2, 3)})["w"].sum().item() == 15.0  # control

@@ -345,3 +345,99 @@ def test_ckptfmt_reads_the_v12_example_with_the_v10_tables() -> None:
     ck = repo.open(STEP)
     for k, v in make_example.tensors().items():
         _assert_same(ck.read(k), v)
+
+
+# ------------------------------------------------------------------ revision 1.2.7 (issue 47 item 14.9)
+GOLDEN_ZSTD = EXAMPLES / "repo-zstd"
+GOLDEN_VERIFIED = EXAMPLES / "verified"
+GOLDEN_PROFILES = EXAMPLES / "profiles"
+
+
+def test_regenerated_zstd_example_is_byte_identical_and_reads_back(tmp_path: Path) -> None:
+    """The section 12 example with codec zstd (FORMAT.md 6.3): byte for byte, each chunk a zstd
+    frame whose crc32c trailer covers the encoded bytes; ckptfmt reads the same values."""
+    out = tmp_path / "repo"
+    make_example.generate(out, codec="zstd")
+    want, got = _files(GOLDEN_ZSTD), _files(out)
+    assert sorted(got) == sorted(want) and all(got[k] == want[k] for k in want)
+    m = json.loads(want[f"manifests/{STEP:020d}.json"])
+    assert m["must_understand"] == ["ckptfmt.zstd"] and m["extensions"] == {"ckptfmt.zstd": {}}
+    t = m["tensors"]["params/w"]
+    shard = want[t["array"]["path"] + "/" + t["shards"]["key"][0]]
+    for off, n, crc in zip(t["chunks"]["offset"][:3], t["chunks"]["nbytes"][:3], t["chunks"]["crc32c"][:3]):
+        enc = shard[off:off + n - 4]
+        assert enc[:4] == b"\x28\xb5\x2f\xfd" and _crc(enc) == crc == int.from_bytes(shard[off + n - 4:off + n], "little")
+    ck = ckptfmt.Repository(str(GOLDEN_ZSTD)).open(STEP)
+    for key, value in make_example.tensors().items():
+        assert ck.read(key).tobytes() == value.tobytes(), key
+
+
+def _spec_stamp_list(manifest: dict, stamps: list[str]) -> bytes:
+    """FORMAT.md 10.4's stamp list from the text alone: shard objects by sorted key path, rows in
+    order, then state objects by sorted name; ``<key>\\t<stamp>\\n`` each."""
+    keys = [t["array"]["path"] + "/" + k for _, t in sorted(manifest["tensors"].items()) for k in t["shards"]["key"]]
+    keys += [e["key"] for _, e in sorted(manifest["state"].items())]
+    return "".join(f"{k}\t{s}\n" for k, s in zip(keys, stamps, strict=True)).encode("utf-8")
+
+
+def test_regenerated_verification_record_is_byte_identical_and_follows_the_text(tmp_path: Path) -> None:
+    """FORMAT.md 10.4: the record of step 7 with fixed POSIX stamps regenerates byte for byte; a
+    digest computed from the text alone (stamp list order, separators, canonical JSON) equals it."""
+    out = tmp_path / "verified"
+    make_example.generate_verified(out, GOLDEN)
+    assert _files(out) == _files(GOLDEN_VERIFIED)
+    import hashlib
+    raw = (GOLDEN_VERIFIED / "VERIFIED").read_bytes()
+    doc = json.loads(raw)
+    assert raw == json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    mbytes = (GOLDEN / f"manifests/{STEP:020d}.json").read_bytes()
+    manifest = json.loads(mbytes)
+    lines = (GOLDEN_VERIFIED / "stamps.txt").read_bytes()
+    stamps = [ln.split("\t")[1] for ln in lines.decode().splitlines()]
+    assert all(len(s.split(":")) == 5 and all(p.isdigit() for p in s.split(":")) for s in stamps)
+    assert _spec_stamp_list(manifest, stamps) == lines
+    want_bytes = sum(sum(t["shards"]["nbytes"]) for t in manifest["tensors"].values()) + \
+        sum(e["nbytes"] for e in manifest["state"].values())
+    assert doc == {"format": "ckptfmt.verified", "step": STEP, "save_id": manifest["save_id"],
+                   "manifest_sha256": hashlib.sha256(mbytes).hexdigest(),
+                   "stamps_sha256": hashlib.sha256(lines).hexdigest(),
+                   "verified_unix": make_example.VERIFIED_UNIX, "bytes": want_bytes}
+
+
+def test_the_stamp_list_does_not_depend_on_the_manifests_member_order() -> None:
+    """FORMAT.md 10.4, 5.1: the same manifest with its members in reverse order (valid, not
+    canonical) gives the same stamp list. Control: the reversed text really is another order."""
+    from ckptfmt.repository import _verified
+
+    def reverse(v):
+        return {k: reverse(v[k]) for k in reversed(list(v))} if isinstance(v, dict) else v
+
+    mbytes = (GOLDEN / f"manifests/{STEP:020d}.json").read_bytes()
+    doc = json.loads(mbytes)
+    doc["state"]["rank/1"] = {"key": f"saves/{doc['save_id']}/state/rank-00001.msgpack", "nbytes": 1,
+                              "crc32c": 0, "scope": "rank", "rank": 1}
+    doc["state"]["rank/0"] = dict(doc["state"]["rank/1"], key=f"saves/{doc['save_id']}/state/rank-00000.msgpack", rank=0)
+    canonical = json.dumps(doc, sort_keys=True).encode()
+    reordered = json.dumps(reverse(doc)).encode()
+    assert list(json.loads(reordered)["tensors"]) != sorted(doc["tensors"])  # the control
+    a, b = ckptfmt.parse_manifest(canonical), ckptfmt.parse_manifest(reordered)
+    assert _verified._objects(a) == _verified._objects(b)
+    stamps = [str(i) for i in range(len(_verified._objects(a)))]
+    assert _verified.stamp_lines(_verified._objects(b), stamps) == _spec_stamp_list(doc, stamps)
+
+
+def test_regenerated_profile_state_objects_are_byte_identical(tmp_path: Path) -> None:
+    """FORMAT.md 13.1, 13.3, 8.5: the PyTorch profile's global and per-rank state objects as
+    bridges.torch.save writes them, and a local-tier step's global state, byte for byte; each
+    root has the members of its row of 13.1."""
+    pytest.importorskip("torch")
+    out = tmp_path / "profiles"
+    make_example.generate_profiles(out)
+    assert _files(out) == _files(GOLDEN_PROFILES)
+    g = decode_state((GOLDEN_PROFILES / "torch-global.msgpack").read_bytes())
+    assert set(g) == {"torch", "extra"} and set(g["torch"]) == {"objects", "rank_state"} and g["torch"]["rank_state"] is True
+    r = decode_state((GOLDEN_PROFILES / "torch-rank-00000.msgpack").read_bytes())
+    assert r == {"torch": {"rng": None}, "extra": {"cursor": 640}}
+    tier = decode_state((GOLDEN_PROFILES / "tier-global.msgpack").read_bytes())
+    assert set(tier) == {"global", "tiers"} and tier["global"] == g
+    assert set(tier["tiers"]) == {"token", "host", "hosts", "boxes"} and len(tier["tiers"]["boxes"][0]) == 7

@@ -597,3 +597,45 @@ def test_a_mapped_read_of_a_corrupt_object_hands_out_nothing(tmp_path):
     with pytest.raises(ChecksumMismatchError) as e:
         mapped.open(1).read_boxes([("x", Box((32, 0), (32, 32)))])
     assert e.value.key == "x" and t.shards.key[1] in str(e.value.object)
+
+
+def test_a_manifests_folder_that_is_a_link_is_refused_at_listing(tmp_path):
+    """FORMAT.md 4.2, 9 step 1 (issue 47 item 14.3): a repository whose ``manifests/`` is a link
+    (to another repository's, byte for byte the same) is refused when its steps are listed, with
+    a StorageError naming the link, not listed and then refused step by step. Control: the other
+    repository, whose ``manifests/`` is a real folder, lists its step."""
+    repo, url = _repo("positional", tmp_path)
+    other = str(tmp_path / "other")
+    shutil.copytree(url, other)
+    _link_into(other, url, "manifests/")
+    for listing in (Repository(url).steps, Repository(url).latest, Repository(url).foreign_manifests):
+        with pytest.raises(StorageError) as e:
+            listing()
+        assert e.value.object == "manifests/" and e.value.found == "manifests/ a symbolic link"
+    assert Repository(other).steps() == [1]  # control
+
+
+@pytest.mark.parametrize("swapped", ["object", "directory"])
+def test_a_link_swapped_in_after_the_check_is_refused_by_the_open(tmp_path, swapped):
+    """FORMAT.md 9 step 4 (issue 47 item 14.4): the open itself does not follow a link (openat with
+    O_NOFOLLOW per component), so an object, or a directory on its way, replaced by a link to an
+    identical copy after :meth:`check_no_links` passed is still refused, for positional opens and
+    whole reads alike. Control: the same calls on the regular file read its bytes."""
+    repo, url = _repo("positional", tmp_path)
+    m = repo.manifest(1)
+    st = repo.storage
+    key = m.tensors["x"].object_key(0)
+    checked: set[str] = set()
+    st.check_no_links(key, checked)
+    f = st.open_positional(key, tensor="x")  # control: the regular file opens
+    assert f.size == m.tensors["x"].shards.nbytes[0]
+    f.close()
+    assert st.read(key) == Path(url, key).read_bytes()
+    other = str(tmp_path / "other")
+    shutil.copytree(url, other)
+    rel = key if swapped == "object" else key[:key.rfind("/") + 1]
+    _link_into(other, url, rel)  # after the check: the set still says every directory is plain
+    for op in (lambda: st.open_positional(key, tensor="x"), lambda: st.read(key)):
+        with pytest.raises(StorageError) as e:
+            op()
+        assert e.value.object == key and "symbolic link" in str(e.value.found)

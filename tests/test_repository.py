@@ -93,6 +93,22 @@ def test_state_and_rank_state_policy(repo_url):
     assert ck.rank_state(3, world=4, policy="rank0") == {"np_rng": [1, 2, 3]}
 
 
+def test_rank_state_without_per_rank_state_is_none_on_any_world(repo_url):
+    """FORMAT.md 7.4 (issue 47 item 14.2): only per-rank state that was saved needs a policy on
+    another world size; a checkpoint with none returns None for any world. Control: one with
+    per-rank state still raises TopologyChangedError, and names the saved and restoring worlds."""
+    repo = Repository(repo_url)
+    save(repo, 1, shards(1)[0], state={"cursor": 1})
+    ck = repo.open(1)
+    assert ck.rank_state(0, world=2) is None
+    assert ck.rank_state(3, world=4, policy="rank0") is None and ck.rank_state(0, world=1) is None
+    save(repo, 2, shards(1)[0], state={"cursor": 2}, rank_state={"rng": 7})
+    with pytest.raises(TopologyChangedError) as e:
+        repo.open(2).rank_state(0, world=2)
+    assert (e.value.expected, e.value.found) == ("world 1", "world 2")
+    assert repo.open(2).rank_state(0, world=1) == {"rng": 7}
+
+
 def test_wrong_shard_dtype_or_shape_fails_closed(repo_url):
     from ckptfmt import IncompleteSaveError
     x = np.ones((4, 4), np.float64)

@@ -351,3 +351,44 @@ def test_sharding_description_is_recorded() -> None:
     doc = _save([LocalShard("w", a.shape, a.dtype, Box((r, 0), (2, 2)), a[r:r + 2], sharding=sh) for r in (0, 2)])
     assert _schema_errors(doc) == []
     assert doc["tensors"]["w"]["sharding"] == sh.to_json()
+
+
+# Issue 47 item 14.5: a pattern's "$" must mean the end of the string under Python's re too,
+# where it also matches before a final line feed (FORMAT.md 2).
+WHOLE_STRING = [
+    ("save_id", SCHEMA["$defs"]["save_id"], "id", "id\n"),
+    ("state name", {"type": "object", "propertyNames": SCHEMA["properties"]["state"]["propertyNames"]},
+     {"rank/1": 0}, {"rank/1\n": 0}),
+]
+
+
+@pytest.mark.parametrize("name,schema,good,bad", WHOLE_STRING, ids=[w[0] for w in WHOLE_STRING])
+def test_a_trailing_line_feed_is_rejected_by_the_schema(name: str, schema: Any, good: Any, bad: Any) -> None:
+    v = jsonschema.Draft202012Validator(schema)
+    assert v.is_valid(good)        # control
+    assert not v.is_valid(bad)
+
+
+def test_a_save_id_with_a_trailing_line_feed_is_rejected_by_schema_and_parser() -> None:
+    """The whole manifest, its keys renamed consistently, so that only the line feed is wrong."""
+    doc = _golden()
+    assert _schema_errors(doc) == []
+    text = json.dumps(doc).replace(doc["save_id"], "abc")
+    ckptfmt.parse_manifest(text.encode())  # control: a valid id, keys renamed with it
+    assert _schema_errors(json.loads(text)) == []
+    bad = json.loads(text)
+    bad["save_id"] = "abc\n"
+    assert _schema_errors(bad)
+    with pytest.raises(ckptfmt.InvalidManifestError):
+        ckptfmt.parse_manifest(json.dumps(bad).encode())
+
+
+def test_every_current_revision_is_the_documents() -> None:
+    """Issue 47 item 14.10: FORMAT.md's header, the schema's title and the reader's
+    FORMAT_REVISION (what ``ckptfmt --version`` prints) name one revision."""
+    import re
+
+    from ckptfmt.manifest import FORMAT_REVISION
+    (rev,) = re.findall(r"^\*\*Document revision:\*\* (\S+)$", (ROOT / "spec" / "FORMAT.md").read_text(), re.M)
+    assert SCHEMA["title"].endswith(f"(document revision {rev})")
+    assert FORMAT_REVISION == rev

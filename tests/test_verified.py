@@ -90,7 +90,9 @@ def test_the_record_binds_the_manifest_and_every_object_and_is_paid_once(repo_ur
         save(r, s, shards(s))
     assert r.gc(keep_last=2).removed_steps == [1]
     m3 = r.manifest(3)
-    doc = json.loads(r.storage.read(record_key(m3.save_id)))
+    raw = r.storage.read(record_key(m3.save_id))
+    assert raw.endswith(b"}\n") and b", " not in raw and b": " not in raw  # canonical JSON (FORMAT.md 10.4, 5.1)
+    doc = json.loads(raw)
     assert set(doc) == {"format", "step", "save_id", "manifest_sha256", "stamps_sha256", "verified_unix", "bytes"}
     assert (doc["format"], doc["step"], doc["save_id"]) == ("ckptfmt.verified", 3, m3.save_id)
     assert doc["manifest_sha256"] == hashlib.sha256(r.storage.read(manifest_key(3))).hexdigest()

@@ -64,9 +64,10 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
-#: The document revision this reader implements (FORMAT.md header): format version 1 with the
+#: The document revision this reader implements (FORMAT.md header, "Document revision"; tests/test_schema.py
+#: checks they agree): format version 1 with the
 #: extensions of revision 1.1 (``ckptfmt.references``, ``ckptfmt.zstd``) and 1.2 (``ckptfmt.derived``).
-FORMAT_REVISION = "1.2"
+FORMAT_REVISION = "1.2.7"
 
 
 @dataclass(frozen=True, eq=False)

@@ -399,14 +399,18 @@ class Checkpoint(PositionalReads, LocalVerify):
         return self._state_object("global")
 
     def rank_state(self, rank: int, *, world: int | None = None, policy: str | None = None) -> Any:
-        """Per-rank state saved by ``rank``.
+        """Per-rank state saved by ``rank``, or None when that rank saved none.
 
-        When restoring on a different number of ranks (``world`` != saved writers) this raises
-        TopologyChangedError unless ``policy`` is given: "drop" returns None, "rank0" returns
-        rank 0's state for every rank, "same-rank" returns rank ``rank``'s state when it exists.
-        A policy not in :data:`RANK_STATE_POLICIES` is a usage error: ValueError, before any read.
+        A checkpoint that holds no per-rank state (no ``rank/<r>`` entry) returns None for any
+        ``world`` and policy (FORMAT.md 7.4). One that holds some, restored on a different number
+        of ranks (``world`` != saved writers), raises TopologyChangedError unless ``policy`` is
+        given: "drop" returns None, "rank0" returns rank 0's state for every rank, "same-rank"
+        returns rank ``rank``'s state when it exists. A policy not in :data:`RANK_STATE_POLICIES`
+        is a usage error: ValueError, before any read.
         """
         check_rank_state_policy(policy)
+        if not any(name.startswith("rank/") for name in self.manifest.state):
+            return None  # nothing per rank was saved: nothing to hand to the wrong rank
         if world is not None and world != self.saved_world:
             if policy is None:
                 raise TopologyChangedError("per-rank state saved on a different topology needs a policy",

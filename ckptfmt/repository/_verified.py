@@ -25,7 +25,7 @@ from ckptfmt.layout import save_prefix
 from ckptfmt.manifest import Manifest
 from ckptfmt.reader import Checkpoint
 
-__all__ = ["RECORD_NAME", "RECORD_FORMAT", "record_key", "unverified", "forget"]
+__all__ = ["RECORD_NAME", "RECORD_FORMAT", "record_key", "record_bytes", "stamp_lines", "unverified", "forget"]
 
 RECORD_NAME = "VERIFIED"
 RECORD_FORMAT = "ckptfmt.verified"
@@ -39,16 +39,32 @@ def record_key(save_id: str) -> str:
 
 
 def _objects(m: Manifest) -> list[tuple[str, int]]:
-    """Every object the step reads: its shards (references to earlier saves included) and state."""
-    out = [(t.object_key(i), int(t.shards.nbytes[i])) for t in m.tensors.values() for i in range(len(t.shards))]
-    return out + [(se.key, int(se.nbytes)) for se in m.state.values()]
+    """Every object the step reads, in the order of FORMAT.md 10.4: the shards of each tensor, key
+    paths sorted by code point, each tensor's in row order (a referenced row under the earlier
+    save's key), then the state objects, names sorted. Sorted, not in the manifest's member order,
+    which a reader must not depend on (5.1); for a canonical manifest the two are the same."""
+    out = [(t.object_key(i), int(t.shards.nbytes[i])) for _, t in sorted(m.tensors.items())
+           for i in range(len(t.shards))]
+    return out + [(se.key, int(se.nbytes)) for _, se in sorted(m.state.items())]
+
+
+def stamp_lines(objects: list[tuple[str, int]], stamps: list[str]) -> bytes:
+    """What ``stamps_sha256`` digests (FORMAT.md 10.4): one UTF-8 line ``<key>\\t<stamp>\\n`` per object."""
+    return "".join(f"{k}\t{s}\n" for (k, _), s in zip(objects, stamps, strict=True)).encode("utf-8")
 
 
 def _bindings(m: Manifest, data: bytes, stamps: list[str]) -> dict[str, Any]:
-    lines = "".join(f"{k}\t{s}\n" for (k, _), s in zip(_objects(m), stamps))
     return {"format": RECORD_FORMAT, "step": m.step, "save_id": m.save_id,
             "manifest_sha256": hashlib.sha256(data).hexdigest(),
-            "stamps_sha256": hashlib.sha256(lines.encode()).hexdigest()}
+            "stamps_sha256": hashlib.sha256(stamp_lines(_objects(m), stamps)).hexdigest()}
+
+
+def record_bytes(bindings: dict[str, Any], verified_unix: float, nbytes: int) -> bytes:
+    """The record as stored: canonical JSON (FORMAT.md 5.1: members sorted, no whitespace, UTF-8,
+    one line feed at the end). Records written before revision 1.2.7 used ", " and ": " and no
+    line feed; a reader parses the JSON and never compares bytes, so they are trusted alike."""
+    doc = dict(bindings, verified_unix=float(verified_unix), bytes=int(nbytes))
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode() + b"\n"
 
 
 def _trusted(st: Any, want: dict[str, Any]) -> bool:
@@ -90,8 +106,7 @@ def unverified(repo: Any, step: int) -> str | None:
         return f"{type(e).__name__}: {e.message}"
     if want is not None and st.plain_dir(save_prefix(m.save_id)):  # never written through a link
         try:
-            st.write(record_key(m.save_id), json.dumps(dict(want, verified_unix=time.time(), bytes=nbytes),
-                                                       sort_keys=True).encode())
+            st.write(record_key(m.save_id), record_bytes(want, time.time(), nbytes))
         except CheckpointError:
             pass  # verified all the same; the next decision verifies again
     return None

@@ -92,12 +92,9 @@ class LocalFileStorage(KvStoreStorage):
         the returned object, so an object at a size cap costs that cap in memory once (a kvstore
         read holds tensorstore's buffer and the Python copy: about 3x the object at its peak)."""
         self._refuse_special(key)  # by stat, before opening (opening a FIFO or a device has effects)
-        try:
-            fd = os.open(self.root + key, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-        except (FileNotFoundError, NotADirectoryError):
+        fd = self._open_object(key, None, missing=None)
+        if fd is None:
             return None
-        except OSError as e:
-            raise StorageError("read failed", object=key, found=str(e)[:300]) from None
         try:
             st = os.fstat(fd)
             _require_regular(st.st_mode, key, None)
@@ -119,6 +116,17 @@ class LocalFileStorage(KvStoreStorage):
             os.close(fd)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
+    def list(self, prefix: str = "") -> list[str]:
+        """As every store's, except that a folder prefix (``manifests/``) that is, or lies below, a
+        symbolic link is refused with StorageError before anything is listed (FORMAT.md 4.2, 9 step
+        1): discovery does not leave the repository, as no read does."""
+        if "/" in prefix:
+            bad = _localfs.link_on_path(self.root, prefix[:prefix.rfind("/") + 1], set())
+            if bad is not None:
+                raise StorageError("cannot list below a symbolic link; a reader does not leave the repository",
+                                   object=prefix, expected=f"{bad} a directory", found=f"{bad} a symbolic link")
+        return super().list(prefix)
+
     def larger_than(self, key: str, limit: int) -> bool | None:
         self._refuse_special(key)
         return super().larger_than(key, limit)
@@ -138,6 +146,27 @@ class LocalFileStorage(KvStoreStorage):
                                object=key, expected="a regular file", found="a symbolic link")
         raise StorageError("object lies below a symbolic link; a reader does not leave the repository", key=tensor,
                            object=key, expected=f"{bad} a directory", found=f"{bad} a symbolic link")
+
+    def _open_object(self, key: str, tensor: str | None, *, missing: type[MissingShardError] | None) -> int | None:
+        """A read-only, non-blocking fd of ``key`` opened without following a link below the root
+        (:func:`_localfs.open_beneath`: FORMAT.md 9 step 4, so a link swapped in after
+        :meth:`check_no_links` is refused by the open itself). An absent object: None, or
+        ``missing`` raised. StorageError naming the link, or when the open fails."""
+        try:
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
+            return _localfs.open_beneath(self.root, key, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise StorageError("open failed", key=tensor, object=key, found=str(e)[:300]) from None
+            self.check_no_links(key, set(), tensor=tensor)  # names the link, as the lstat check does
+            if e.errno == errno.ELOOP:  # the link is gone again: still not a plain file
+                raise StorageError("object is a symbolic link; a reader does not leave the repository", key=tensor,
+                                   object=key, expected="a regular file", found="a symbolic link") from None
+        if missing is None:  # absent, or a file where a directory on the way should be
+            return None
+        raise missing("object is missing", key=tensor, object=key, expected="present", found="missing")
 
     def size_check(self, key: str, nbytes: int, *, tensor: str | None = None) -> Pending[None]:
         """Decided at once from ``stat``: raises here, never from the result."""
@@ -183,13 +212,8 @@ class LocalFileStorage(KvStoreStorage):
     def open_positional(self, key: str, *, tensor: str | None = None) -> PositionalFile:
         if not self.positional_reads:
             return super().open_positional(key, tensor=tensor)
-        try:
-            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever.
-            fd = os.open(self.root + key, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError):
-            raise MissingShardError("object is missing", key=tensor, object=key, expected="present", found="missing") from None
-        except OSError as e:
-            raise StorageError("open failed", key=tensor, object=key, found=str(e)) from None
+        fd = self._open_object(key, tensor, missing=MissingShardError)
+        assert fd is not None
         try:
             st = os.fstat(fd)
             _require_regular(st.st_mode, key, tensor)

@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from typing import Iterator
 
-__all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir", "link_on_path", "LOCK_SUFFIX"]
+__all__ = ["Entry", "scan_children", "walk", "remove_tree", "plain_dir", "link_on_path", "open_beneath", "LOCK_SUFFIX"]
 
 LOCK_SUFFIX = ".__lock"  # tensorstore's file driver: the temporary file of a write in flight
 
@@ -50,10 +50,11 @@ def _open_dir(root: str, rel: str) -> int:
     """An fd of ``root/rel``, opened one component at a time with O_NOFOLLOW below ``root``.
 
     Raises OSError: ELOOP or ENOTDIR when a component is a link or not a directory."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    cloexec = getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | cloexec)
     try:
         for part in (p for p in rel.split("/") if p):
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | cloexec, dir_fd=fd)
             os.close(fd)
             fd = nxt
     except BaseException:
@@ -72,6 +73,22 @@ def plain_dir(root: str, rel: str) -> bool | None:
     except OSError:
         return False
     return True
+
+
+def open_beneath(root: str, key: str, flags: int) -> int:
+    """An fd of the object ``root/key`` opened without following any link below ``root``: each
+    directory with ``openat(O_DIRECTORY | O_NOFOLLOW)`` relative to its parent's fd, the object
+    itself with ``O_NOFOLLOW`` (FORMAT.md 9 step 4). A link swapped in after a check cannot
+    redirect the open: the open itself refuses it.
+
+    Raises OSError: FileNotFoundError when absent; ELOOP when the object is a link; ENOTDIR when a
+    directory on the way is a link or not a directory (:func:`link_on_path` tells which)."""
+    cut = key.rfind("/")
+    fd = _open_dir(root, key[:cut]) if cut > 0 else os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return os.open(key[cut + 1:], flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def link_on_path(root: str, key: str, checked: set[str]) -> str | None:

@@ -25,6 +25,16 @@ with ``SaveOptions(manifest_columns="derived")``: the same objects byte for byte
 whose tensor entries leave out the five columns their geometry determines.
 
     .venv/bin/python spec/examples/make_example.py --v12 --out DIR  # a fresh 1.2 repository at DIR
+
+Revision 1.2.7 adds three more (spec/examples/README.md):
+
+- spec/examples/repo-zstd/: the section 12 example saved with ``SaveOptions(codec="zstd")``
+  (FORMAT.md 6.3, extension ``ckptfmt.zstd``): ``--zstd``.
+- spec/examples/verified/: the verification record (FORMAT.md 10.4) of the section 12 example's
+  step 7, with fixed POSIX stamps, and the stamp list it digests: ``--verified``.
+- spec/examples/profiles/: the state objects of the PyTorch profile (FORMAT.md 13.3, written by
+  ``bridges.torch.save``) and of a local-tier step (8.5, 13.1, written by the local tier's own
+  save) for a small fixed state: ``--profiles`` (needs torch).
 """
 from __future__ import annotations
 
@@ -56,6 +66,11 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "repo"
 DEFAULT_OUT_V11 = HERE / "repo-1.1"
 DEFAULT_OUT_V12 = HERE / "repo-1.2"
+DEFAULT_OUT_ZSTD = HERE / "repo-zstd"
+DEFAULT_OUT_VERIFIED = HERE / "verified"
+DEFAULT_OUT_PROFILES = HERE / "profiles"
+#: The record's time, a fixed verification time (2026-01-01T00:01:00Z).
+VERIFIED_UNIX = 1767225660.0
 #: The revision 1.1 example: two steps of one writer, save ids and times fixed.
 V11_SAVES = {1: ("000000000001-20260101T000000-0000beef", 1767225601.0),
              2: ("000000000002-20260101T000000-0001beef", 1767225602.0)}
@@ -96,15 +111,16 @@ def local_shards(rank: int) -> list[LocalShard]:
     ]
 
 
-def generate(out: str | os.PathLike[str], manifest_columns: str = "explicit") -> ckptfmt.Manifest:
+def generate(out: str | os.PathLike[str], manifest_columns: str = "explicit", codec: str = "raw") -> ckptfmt.Manifest:
     """Write the example repository at ``out`` (which must not exist yet) and return its manifest.
-    ``manifest_columns="derived"`` gives the revision 1.2 example (FORMAT.md 5.14)."""
+    ``manifest_columns="derived"`` gives the revision 1.2 example (FORMAT.md 5.14), ``codec="zstd"``
+    the compressed one (6.3)."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a fresh directory")
     out.mkdir(parents=True)
     options = SaveOptions(save_id=SAVE_ID, created_unix=CREATED_UNIX, chunk_target_bytes=CHUNK_TARGET_BYTES,
-                          timeout_s=60.0, manifest_columns=manifest_columns)
+                          timeout_s=60.0, manifest_columns=manifest_columns, codec=codec)
     address = f"127.0.0.1:{free_port()}"
     results: dict[int, object] = {}
 
@@ -151,24 +167,97 @@ def generate_v11(out: str | os.PathLike[str]) -> ckptfmt.Manifest:
     return m
 
 
+def posix_stamps(objects: list[tuple[str, int]]) -> list[str]:
+    """Fixed stamps in the POSIX form of FORMAT.md 10.4 (size:dev:ino:mtime_ns:ctime_ns), as if
+    every object were written at 2026-01-01T00:00:00Z on device 2049 (8:1), inodes from 1000."""
+    base = int(CREATED_UNIX) * 10**9
+    return [f"{n}:2049:{1000 + i}:{base}:{base + 123456789 + i}" for i, (_, n) in enumerate(objects)]
+
+
+def generate_verified(out: str | os.PathLike[str], repo: str | os.PathLike[str] = DEFAULT_OUT) -> bytes:
+    """Write ``VERIFIED`` (the record of step 7 of ``repo``) and ``stamps.txt`` (the stamp list it
+    digests) at ``out`` (which must not exist yet); return the record."""
+    from ckptfmt.layout import manifest_key
+    from ckptfmt.repository import _verified
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; pass a fresh directory")
+    data = (Path(repo) / manifest_key(STEP)).read_bytes()
+    m = ckptfmt.parse_manifest(data)
+    objects = _verified._objects(m)
+    stamps = posix_stamps(objects)
+    record = _verified.record_bytes(_verified._bindings(m, data, stamps), VERIFIED_UNIX, m.nbytes)
+    out.mkdir(parents=True)
+    (out / "stamps.txt").write_bytes(_verified.stamp_lines(objects, stamps))
+    (out / "VERIFIED").write_bytes(record)
+    return record
+
+
+#: The small state of the profile examples: one tensor, one object, the caller's extra.
+PROFILE_TOKEN = "0123456789abcdef-7"
+
+
+def generate_profiles(out: str | os.PathLike[str]) -> None:
+    """Write the state objects of the PyTorch profile and of a local-tier step at ``out`` (which
+    must not exist yet): ``torch-global.msgpack`` and ``torch-rank-00000.msgpack`` as
+    ``bridges.torch.save`` writes them (no RNG states), ``tier-global.msgpack`` as the local tier
+    writes host 0 of 2's step 7 holding its own box and host 1's replica."""
+    import tempfile
+
+    import torch
+
+    from bridges import torch as bt
+    from ckptfmt.manager._tiers import write_local_step
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; pass a fresh directory")
+    with tempfile.TemporaryDirectory() as tmp:
+        state = {"model": {"fc.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)},
+                 "optim": {"param_groups": [{"lr": 0.01, "params": [0]}]}}
+        m = bt.save(f"{tmp}/torch", state, step=STEP, extra={"epoch": 1}, rank_state={"cursor": 640},
+                    save_rng=False, options=SaveOptions(save_id=SAVE_ID, created_unix=CREATED_UNIX))
+        torch_global = Path(tmp, "torch", m.state["global"].key).read_bytes()
+        torch_rank = Path(tmp, "torch", m.state["rank/0"].key).read_bytes()
+        g = ckptfmt.state.decode_state(torch_global)
+        w = state["model"]["fc.weight"].numpy()
+        boxes = [(0, ("model/fc.weight", (4, 3), np.float32, Box((0, 0), (2, 3)), w)),
+                 (1, ("model/fc.weight", (4, 3), np.float32, Box((2, 0), (2, 3)), w + 6))]
+        lm = write_local_step(ckptfmt.Repository(f"{tmp}/local/host-0"), STEP, 0, 2, PROFILE_TOKEN, boxes, g, None)
+        tier_global = Path(tmp, "local", "host-0", lm.state["global"].key).read_bytes()
+    out.mkdir(parents=True)
+    (out / "torch-global.msgpack").write_bytes(torch_global)
+    (out / "torch-rank-00000.msgpack").write_bytes(torch_rank)
+    (out / "tier-global.msgpack").write_bytes(tier_global)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="a fresh directory (default: rewrite spec/examples/repo)")
     ap.add_argument("--v11", action="store_true", help="the revision 1.1 example (default out: spec/examples/repo-1.1)")
     ap.add_argument("--v12", action="store_true", help="the revision 1.2 example (default out: spec/examples/repo-1.2)")
+    ap.add_argument("--zstd", action="store_true", help="the zstd example (default out: spec/examples/repo-zstd)")
+    ap.add_argument("--verified", action="store_true", help="the verification record (default out: spec/examples/verified)")
+    ap.add_argument("--profiles", action="store_true", help="the profile state objects (default out: spec/examples/profiles)")
     args = ap.parse_args(argv)
-    default = DEFAULT_OUT_V11 if args.v11 else DEFAULT_OUT_V12 if args.v12 else DEFAULT_OUT
+    default = (DEFAULT_OUT_V11 if args.v11 else DEFAULT_OUT_V12 if args.v12 else DEFAULT_OUT_ZSTD if args.zstd
+               else DEFAULT_OUT_VERIFIED if args.verified else DEFAULT_OUT_PROFILES if args.profiles else DEFAULT_OUT)
     if args.out is None:
         if default.exists():
             shutil.rmtree(default)
         out = default
     else:
         out = Path(args.out)
-    m = generate_v11(out) if args.v11 else generate(out, "derived") if args.v12 else generate(out)
+    if args.verified or args.profiles:
+        generate_verified(out) if args.verified else generate_profiles(out)
+        m = None
+    else:
+        m = (generate_v11(out) if args.v11 else generate(out, "derived") if args.v12
+             else generate(out, codec="zstd") if args.zstd else generate(out))
     for p in sorted(out.rglob("*")):
         if p.is_file():
             print(f"{p.stat().st_size:6d}  {p.relative_to(out)}")
-    print(f"committed step {m.step}, save id {m.save_id}")
+    if m is not None:
+        print(f"committed step {m.step}, save id {m.save_id}")
     return 0
 
 
