@@ -207,7 +207,7 @@ def test_retention_control_trusting_manifests_leaves_nothing_restorable(repo_url
         save(r, s, shards(s))
     _damage(r, 3, "truncated")
     monkeypatch.setattr("ckptfmt.repository._gc._unrestorable", lambda *a: None)  # broken: every manifest is trusted
-    monkeypatch.setattr("ckptfmt.repository._gc._unverified", lambda *a: None)    # ... and nothing is read
+    monkeypatch.setattr("ckptfmt.repository._gc._unverified", lambda *a, **k: None)    # ... and nothing is read
     assert r.gc(keep_last=1, grace_s=0).removed_steps == [1, 2] and r.steps() == [3]
     with pytest.raises(InvalidManifestError):
         r.verify(3)  # ... and no step is left that restores

@@ -78,7 +78,7 @@ def test_cli_gc_keeps_the_only_good_step_when_the_newest_has_a_flipped_bit(tmp_p
             assert any("step 2 is not restorable (fails verification: ChecksumMismatchError" in p
                        for p in out["report"]["problems"])
         else:  # broken control: retention that reads nothing deletes the only good step
-            monkeypatch.setattr("ckptfmt.repository._gc._unverified", lambda *a: None)
+            monkeypatch.setattr("ckptfmt.repository._gc._unverified", lambda *a, **k: None)
             assert Repository(url).gc(keep_last=1).removed_steps == [1]
         rc, out = _cli("verify", url, "--all")
         assert rc != 0 and [s["step"] for s in out["steps"] if s["ok"]] == ([] if broken else [1])
@@ -86,25 +86,31 @@ def test_cli_gc_keeps_the_only_good_step_when_the_newest_has_a_flipped_bit(tmp_p
 
 def test_the_record_binds_the_manifest_and_every_object_and_is_paid_once(repo_url):
     r = Repository(repo_url)
-    for s in (1, 2, 3):
+    for s in (1, 2, 3, 4):
         save(r, s, shards(s))
-    assert r.gc(keep_last=2).removed_steps == [1]
-    m3 = r.manifest(3)
-    raw = r.storage.read(record_key(m3.save_id))
+    assert r.gc(keep_last=3).removed_steps == [1]
+    m4 = r.manifest(4)
+    raw = r.storage.read(record_key(m4.save_id))
     assert raw.endswith(b"}\n") and b", " not in raw and b": " not in raw  # canonical JSON (FORMAT.md 10.4, 5.1)
     doc = json.loads(raw)
     assert set(doc) == {"format", "step", "save_id", "manifest_sha256", "stamps_sha256", "verified_unix", "bytes"}
-    assert (doc["format"], doc["step"], doc["save_id"]) == ("ckptfmt.verified", 3, m3.save_id)
-    assert doc["manifest_sha256"] == hashlib.sha256(r.storage.read(manifest_key(3))).hexdigest()
-    assert doc["bytes"] == r.verify(3)
+    assert (doc["format"], doc["step"], doc["save_id"]) == ("ckptfmt.verified", 4, m4.save_id)
+    assert doc["manifest_sha256"] == hashlib.sha256(r.storage.read(manifest_key(4))).hexdigest()
+    assert doc["bytes"] == r.verify(4)
     counting = CountingReads(open_storage(repo_url))
-    assert Repository(repo_url, storage=counting).gc(keep_last=1).removed_steps == [2]
-    assert counting.reads == 0  # step 3's record licensed it: no shard was read
-    # Control: without the record the same decision reads every shard of step 3.
-    r.storage.delete(record_key(m3.save_id))
-    save(r, 4, shards(4))
+    assert Repository(repo_url, storage=counting).gc(keep_last=2).removed_steps == [2]
+    assert counting.reads == 0  # step 4's record licensed it (step 3 stays older): no shard was read
+    # A deletion that would leave no step older than step 4 reads it once more, record or not.
     counting = CountingReads(open_storage(repo_url))
     assert Repository(repo_url, storage=counting).gc(keep_last=1).removed_steps == [3] and counting.reads > 0
+    # Control: without the record the first kind of decision reads every shard of the step too.
+    r.storage.delete(record_key(m4.save_id))
+    save(r, 5, shards(5))
+    counting = CountingReads(open_storage(repo_url))
+    assert Repository(repo_url, storage=counting).gc(keep_last=2).removed_steps == [] and counting.reads == 0
+    save(r, 6, shards(6))
+    counting = CountingReads(open_storage(repo_url))
+    assert Repository(repo_url, storage=counting).gc(keep_last=2).removed_steps == [4] and counting.reads > 0
 
 
 @pytest.mark.parametrize("stamps", ["bound", "frozen (control)"])
@@ -115,13 +121,16 @@ def test_a_stale_record_never_deletes_the_only_good_step(repo_url, stamps):
     st = open_storage(repo_url) if stamps == "bound" else FrozenStamps(open_storage(repo_url))
     assert Repository(repo_url, storage=st).gc(keep_last=2).removed_steps == [1]  # verifies 3, records it
     flip(r, 3)                                                                     # after the record
+    if stamps != "bound":
+        assert unverified(Repository(repo_url, storage=st), 3) is None            # broken: still trusted
     report = Repository(repo_url, storage=st).gc(keep_last=1)
     if stamps == "bound":
         assert report.removed_steps == [] and r.steps() == [2, 3]
         assert any("step 3 is not restorable (fails verification" in p for p in report.problems)
         r.verify(2)
-    else:
-        assert report.removed_steps == [2] and r.steps() == [3]
+    else:  # the frozen stamps kept the stale record trusted; only the fresh read (10.4) saved step 2
+        assert report.removed_steps == [] and r.steps() == [2, 3]
+        assert any("record matches, but a fresh read fails" in p for p in report.problems), report.problems
         with pytest.raises(ChecksumMismatchError):
             r.verify(3)
 
@@ -162,8 +171,70 @@ def test_a_hostile_record_never_causes_a_deletion(repo_url, how):
         assert r.gc(keep_last=1).removed_steps == [] and r.steps() == [1, 2]
         r.verify(1)
         assert unverified(r, 2) is not None
-    else:  # not authenticated: whoever can write the repository can forge one (FORMAT.md 10.4)
-        assert r.gc(keep_last=1).removed_steps == [1]
+    else:  # not authenticated: whoever can write the repository can forge one (FORMAT.md 10.4) ...
+        report = r.gc(keep_last=1)  # ... but a deletion that would leave no older step reads it again
+        assert report.removed_steps == [] and r.steps() == [1, 2]
+        assert any("record matches, but a fresh read fails" in p for p in report.problems), report.problems
+        save(r, 3, shards(3))  # where an older step stays (keep_last=2 keeps step 2), the forgery licenses
+        st3 = r.manifest(3)
+        flip(r, 3)
+        want = _verified._bindings(st3, r.storage.read(manifest_key(3)), r.storage.stamps(_verified._objects(st3)))
+        r.storage.write(record_key(st3.save_id), json.dumps(dict(want, verified_unix=0.0, bytes=1)).encode())
+        assert r.gc(keep_last=2).removed_steps == [1]
+
+
+class SizeMtimeStamps(DelegatingStorage):
+    """A store whose stamp is an object's size and modification time (no change time, no
+    generation): bytes that change under the same size and mtime keep the stamp, as a medium that
+    decays does under any store's stamp."""
+
+    def stamps(self, objects: Any) -> list[str] | None:
+        import os
+
+        root = self.inner.root
+        return [f"{os.stat(root + k).st_size}:{os.stat(root + k).st_mtime_ns}" for k, _ in objects]
+
+
+def rot(r: Repository, step: int) -> None:
+    """One byte of ``step``'s first chunk changed in place: the same size, the mtime put back."""
+    import os
+
+    t = r.manifest(step).tensors["x"]
+    path = os.path.join(r.url, t.object_key(0))
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        at = int(t.chunks.offset[int(t.chunk_start[0])]) + 5
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("rotted", [True, False])
+def test_rot_under_an_unchanged_stamp_never_leaves_only_the_rotted_step(tmp_path, rotted):
+    """Issue 47 item 13. Step 3 is verified and recorded by a first gc; then one of its bytes rots
+    under an unchanged stamp. ``gc(keep_last=1)`` would delete step 2, the last older step: it
+    reads step 3 again first, ignoring the record, finds the rot, keeps step 2 and reports it.
+    The control: without the rot the same gc deletes step 2 as before."""
+    url = str(tmp_path / "r")
+    for s in (1, 2, 3):
+        save(url, s, shards(s))
+    repo = Repository(url, storage=SizeMtimeStamps(open_storage(url)))
+    assert repo.gc(keep_last=2).removed_steps == [1]            # verifies step 3, records it
+    if rotted:
+        rot(repo, 3)
+    assert unverified(repo, 3) is None                          # the record still matches (unchanged stamp)
+    report = repo.gc(keep_last=1)
+    if rotted:
+        assert report.removed_steps == [] and repo.steps() == [2, 3], report
+        assert any("step 3 is not restorable" in p and "fresh read fails: ChecksumMismatchError" in p
+                   for p in report.problems), report.problems
+        Repository(url).verify(2)
+        with pytest.raises(ChecksumMismatchError):
+            Repository(url).verify(3)
+    else:
+        assert report.removed_steps == [2] and repo.steps() == [3] and report.problems == [], report
 
 
 def test_delete_removes_the_record_even_when_the_objects_stay(repo_url):

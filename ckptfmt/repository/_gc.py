@@ -5,7 +5,8 @@ Order of work in :func:`collect` (10.3):
 0. Recognise the repository: the marker ``ckptfmt.json``, or a valid committed manifest. Otherwise
    raise NotARepositoryError before anything is deleted.
 1. Retention (``keep_last``): count restorable steps from the newest down (10.4), the newest
-   one counted verified byte for byte (:mod:`ckptfmt.repository._verified`), and un-commit the older ones,
+   one counted verified byte for byte (:mod:`ckptfmt.repository._verified`; read again, its record
+   ignored, when the deletion would leave no older step), and un-commit the older ones,
    manifest first (and their verification records). Their save ids become candidates below.
 2. List the names under ``saves/`` without following links (file driver: ``lstat``). Links,
    non-directories and names outside the writer's save-id form are foreign: reported, never
@@ -207,8 +208,10 @@ _recognise = recognise
 
 def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport) -> dict[str, int]:
     """Un-commit the steps that retention deletes, manifest first; their save ids."""
+    read: set[int] = set()  # the steps this decision read in full: a fresh read needs no second one
     plan = Retention(keep_last=keep_last, keep_every=keep_every or None).plan(
-        steps, unrestorable=lambda s: _unrestorable(repo, s), unverified=lambda s: _unverified(repo, s))
+        steps, unrestorable=lambda s: _unrestorable(repo, s), unverified=lambda s: _unverified(repo, s, read=read),
+        reread=lambda s: None if s in read else _unverified(repo, s, fresh=True, read=read))
     report.problems.extend(plan.notes)
     retired: dict[str, int] = {}
     for s in plan.steps:

@@ -7,7 +7,10 @@ protected one; when fewer steps are restorable than ``keep_last`` asks for, or n
 deletes nothing. A step is deleted only while a newer kept step has been **verified** byte for
 byte (the caller's ``unverified``; FORMAT.md 10.4): the newest restorable step the rules count
 first must verify, or it is not counted, so the newest verified step always survives. It is
-asked only when the plan deletes something.
+asked only when the plan deletes something. When the plan would leave no step older than that
+step, and its verification rests on a record rather than a read made by this decision, the
+caller's ``reread`` reads it again first: a record cannot see bytes that decayed under an
+unchanged stamp, and after this deletion there would be no older step to fall back to.
 """
 from __future__ import annotations
 
@@ -81,15 +84,20 @@ class Retention:
 
     def plan(self, steps: Iterable[int], metric_of: Callable[[int], float | None] | None = None,
              protected: Iterable[int] = (), *, unrestorable: Callable[[int], str | None] | None = None,
-             unverified: Callable[[int], str | None] | None = None) -> RetentionPlan:
+             unverified: Callable[[int], str | None] | None = None,
+             reread: Callable[[int], str | None] | None = None) -> RetentionPlan:
         """The committed steps to delete, oldest first.
 
         ``unrestorable(step)`` says why a step cannot be restored (None: it can); it is asked
         lazily, newest first, only for the steps the rules need to count, and at most once per
         step. ``unverified(step)`` says why a step is not verified byte for byte (None: it is);
         only when the plan deletes something, it is asked for the newest step the rules count,
-        and a step that fails is counted as not restorable (then the next one is asked). Every
-        deleted step is older than a kept step that passed it. ``metric_of`` is asked only when
+        and a step that fails is counted as not restorable (then the next one is asked).
+        ``reread(step)`` says why a step fails a fresh read that ignores any verification record
+        (None: it passes, or this decision already read it in full); it is asked for that same
+        step only when the plan would keep no step older than it, and a step that fails it is
+        counted as not restorable too (FORMAT.md 10.4). Every deleted step is older than a kept
+        step that passed them. ``metric_of`` is asked only when
         ``keep_best`` is set. ``protected`` steps (being read), the newest step and every step
         from the newest restorable one on are never returned.
         """
@@ -103,6 +111,11 @@ class Retention:
             if not plan.delete or unverified is None or licence is None:
                 return plan
             why = unverified(licence)
+            if why is None and reread is not None and not any(s < licence for s in steps if s not in plan.steps):
+                # The deletion would leave no older step: the record alone may not license it.
+                why = reread(licence)
+                if why is not None:
+                    why = f"its verification record matches, but a fresh read fails: {why}"
             if why is None:
                 return plan
             judged[licence] = f"fails verification: {why}"

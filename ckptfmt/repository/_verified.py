@@ -10,7 +10,8 @@ read. A later check trusts the record only when all of it matches again; anythin
 stamps on this store, a missing, oversized, malformed or foreign record, a different manifest,
 any object written or replaced since) means: verify again. A record proves that the bytes were
 checked at its time and have not been written since through the store; not that the medium has
-not decayed under an unchanged stamp.
+not decayed under an unchanged stamp. So retention reads the licensing step again, ignoring its
+record, before a deletion that would leave no step older than it (``fresh=True``; FORMAT.md 10.4).
 """
 from __future__ import annotations
 
@@ -86,9 +87,10 @@ def _trusted(st: Any, want: dict[str, Any]) -> bool:
             and when <= time.time() + _CLOCK_SLACK_S)
 
 
-def unverified(repo: Any, step: int) -> str | None:
-    """Why ``step`` is not verified byte for byte now, or None: its record matches, or it was
-    read and checked in full just now (and the record written). Never raises for bad content."""
+def unverified(repo: Any, step: int, *, fresh: bool = False, read: set[int] | None = None) -> str | None:
+    """Why ``step`` is not verified byte for byte now, or None: its record matches (unless
+    ``fresh``: then the record is not consulted), or it was read and checked in full just now (and
+    the record written). A step read in full is added to ``read``. Never raises for bad content."""
     st = repo.storage
     try:
         m, data = repo.manifest_with_bytes(int(step))
@@ -96,8 +98,10 @@ def unverified(repo: Any, step: int) -> str | None:
     except CheckpointError as e:
         return f"{type(e).__name__}: {e.message}"
     want = _bindings(m, data, stamps) if stamps is not None else None
-    if want is not None and _trusted(st, want):
+    if not fresh and want is not None and _trusted(st, want):
         return None
+    if read is not None:
+        read.add(int(step))
     window = st.options.read_window_bytes
     try:
         nbytes = Checkpoint(st, m, max_inflight_bytes=window).verify(buffers=getattr(repo, "_read_buffers", None))

@@ -5,7 +5,10 @@ the check then restores step 2 into live buffers and verifies it. Faults of kind
 break a new save (step 3) while it runs. Faults of kind ``"gc"`` make the repository hostile to
 garbage collection (:mod:`ckptfmt_tools.faults._gcfaults`). Faults of kind ``"reuse"`` change a
 source between incremental saves (:mod:`ckptfmt_tools.faults._aliased`): each saved step must
-restore the values it was saved with. Either way the prior step must stay intact.
+restore the values it was saved with. Faults of kinds ``"coop"`` and ``"tier"`` break a restore
+across processes: a cooperative restore (:mod:`ckptfmt_tools.faults._coopfaults`) and the
+manager's local tier (:mod:`ckptfmt_tools.faults._tierfaults`), judged by
+:mod:`ckptfmt_tools.faults._restorejudge`. Either way the prior step must stay intact.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from ckptfmt import errors as E
 from ckptfmt_tools.faults import _gcfaults as G
 from ckptfmt_tools.faults._aliased import aliased_mutated
 from ckptfmt_tools.faults import _gcraces as R
+from ckptfmt_tools.faults import _coopfaults as C
+from ckptfmt_tools.faults import _tierfaults as T
 from ckptfmt_tools.faults._scene import TARGET_SHARD, TARGET_TENSOR, Scene, flip
 
 __all__ = ["Fault", "CATALOGUE", "SaveAttempt", "by_name"]
@@ -44,8 +49,10 @@ class SaveAttempt:
 class Fault:
     name: str
     where: str
-    kind: str  # "disk" | "save" | "gc" | "reuse"
-    expect: tuple[type[E.CheckpointError], ...]  # "gc": what gc must raise; () for "must not raise" ("reuse": always)
+    kind: str  # "disk" | "save" | "gc" | "reuse" | "coop" | "tier"
+    # "gc": what gc must raise; () for "must not raise" ("reuse": always); "tier": what the restore
+    # must report on its way to the documented fallback (() for "must not raise")
+    expect: tuple[type[E.CheckpointError], ...]
     action: Callable[..., Any]
     names: tuple[str, ...] = ()  # the error's message must contain one of these (when given)
 
@@ -442,6 +449,17 @@ CATALOGUE: list[Fault] = [
     Fault("gc-retention-newest-flipped", _SHARD + " (step 2) chunk data", "gc", (), R.retention_newest_flipped),
     Fault("gc-delete-racing-a-save", "delete of step 2, save of step 3", "gc", (), R.delete_racing_a_save),
     Fault("aliased-array-mutated", "steps 3-5 from one aliased array", "reuse", (), aliased_mutated),
+    # issue 47: restores across processes (the receiver verifies, FORMAT.md 8.5, 9.1)
+    Fault("coop-transit-flip", "cooperative restore, rank 1 -> rank 0", "coop", (E.ChecksumMismatchError,),
+          C.transit_flip),
+    Fault("coop-sender-other-step", "cooperative restore, rank 1's chunks", "coop",
+          (E.ChecksumMismatchError, E.StepMismatchError), C.sender_other_step),
+    Fault("coop-peer-lost", "cooperative restore, rank 1", "coop", (E.CoordinatorLostError,), C.peer_lost),
+    Fault("tier-peer-other-step", "local tier, host 0's replica answer", "tier", (E.StepMismatchError,),
+          T.peer_other_step),
+    Fault("tier-peer-flipped-chunk", "local tier, host 0's replica answer", "tier", (E.ChecksumMismatchError,),
+          T.peer_flipped_chunk),
+    Fault("tier-mapped-rewrite", "local tier file, after a restore", "tier", (), T.mapped_rewrite),
 ]
 
 

@@ -53,6 +53,8 @@ class Context:
     after_save: Callable[[Scene], None] | None = None  # runs after a save fault, before the checks
     enospc_fill: bool = True         # False: the tmpfs is not filled, so the save has room
     writer_weaken: str | None = None  # passed to writer processes (see _writer.WEAKEN, _aliased.WEAKEN)
+    restore_clean: bool = False       # "coop"/"tier": the same run with nothing injected
+    restore_weaken: str | None = None  # "coop": "receiver_trusts" (see _restorejudge)
 
 
 @dataclass
@@ -392,7 +394,8 @@ def run_fault(fault: Fault | str, base: Path, workdir: Path, ctx: Context | None
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     scene = Scene(run_dir / "repo", seed, ctx.max_manifest_bytes, ctx.grown_bytes)
-    shutil.copytree(base, scene.root)
+    if fault.kind not in ("coop", "tier"):  # those build their own repositories
+        shutil.copytree(base, scene.root)
     try:
         if fault.kind == "disk":
             _disk_fault(fault, scene, ctx, out)
@@ -402,6 +405,10 @@ def run_fault(fault: Fault | str, base: Path, workdir: Path, ctx: Context | None
             judge(fault, scene, ctx, out, _within)
         elif fault.kind == "reuse":
             _reuse_fault(fault, scene, ctx, out)
+        elif fault.kind in ("coop", "tier"):
+            from ckptfmt_tools.faults._restorejudge import judge as judge_restore
+
+            judge_restore(fault, run_dir, ctx, out, _within)
         else:
             _save_fault(fault, scene, ctx, out)
     except Exception as exc:  # a fixture failure is a failed row, with the reason

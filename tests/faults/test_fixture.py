@@ -19,6 +19,7 @@ DISK = [f.name for f in faults.CATALOGUE if f.kind == "disk"]
 SAVE = [f.name for f in faults.CATALOGUE if f.kind == "save"]
 GC = [f.name for f in faults.CATALOGUE if f.kind == "gc"]
 REUSE = [f.name for f in faults.CATALOGUE if f.kind == "reuse"]
+RESTORE = [f.name for f in faults.CATALOGUE if f.kind in ("coop", "tier")]
 #: The naive reader blocks forever opening a FIFO (tests/test_reader.py shows that hang and
 #: unblocks it), and spends 10 s decoding the element flood (tests/test_state.py has its control).
 NAIVE_SKIP = {"shard-fifo", "state-element-flood"}
@@ -60,14 +61,23 @@ def test_catalogue_covers_the_issue():
                      "gc-retention-newest-truncated", "gc-retention-newest-data-missing", "gc-stray-objects",
                      "gc-shared-save-id", "gc-oversized-manifest",
                      # issue 24
-                     "aliased-array-mutated", "gc-retention-newest-flipped", "gc-delete-racing-a-save"):
+                     "aliased-array-mutated", "gc-retention-newest-flipped", "gc-delete-racing-a-save",
+                     # issue 47
+                     "coop-transit-flip", "coop-sender-other-step", "coop-peer-lost", "tier-peer-other-step",
+                     "tier-peer-flipped-chunk", "tier-mapped-rewrite"):
         assert required in names
     for f in faults.CATALOGUE:
-        assert f.expect or f.kind in ("gc", "reuse")  # without errors: gc / the saves must not raise
+        assert f.expect or f.kind in ("gc", "reuse", "tier")  # without errors: gc / the saves / the restore must not raise
         assert all(issubclass(e, E.CheckpointError) for e in f.expect)
 
 
-@pytest.mark.parametrize("name", DISK + SAVE + GC + REUSE)
+def _mapped_by_default() -> bool:
+    from ckptfmt_tools.faults._tierfaults import default_mapped
+
+    return default_mapped()
+
+
+@pytest.mark.parametrize("name", DISK + SAVE + GC + REUSE + RESTORE)
 def test_fault_outcome_is_terminal_and_correct(name, base, tmp_path):
     o = faults.run_fault(name, base, tmp_path, _ctx())
     assert o.passed, _explain(o)
@@ -131,6 +141,39 @@ def test_control_aliased_identity_without_digest(base, tmp_path):
     assert any(n.startswith("step(s) [4") and "stale" in n for n in o.notes), _explain(o)
 
 
+@pytest.mark.parametrize("name", ["coop-transit-flip", "coop-sender-other-step"])
+def test_control_cooperative_receiver_that_trusts_its_peers(name, base, tmp_path):
+    """Every rank takes the chunks its peers send without checking them (as a data plane without
+    the receiver's verification would): the flipped or other step's bytes reach the values."""
+    o = faults.run_fault(name, base, tmp_path, _ctx(restore_weaken="receiver_trusts"))
+    assert _failed_for_real(o) and o.exposed and "no error" in o.raised, _explain(o)
+    assert any(n.startswith("wrong values returned without an error: rank 0") for n in o.notes), _explain(o)
+
+
+@pytest.mark.parametrize("name", [n for n in RESTORE if n != "tier-mapped-rewrite"])
+def test_control_restore_across_processes_without_the_fault(name, base, tmp_path):
+    """The same restore with nothing injected returns the truth on every rank without an error (so
+    the row FAILS on "no error", and nothing is exposed): the faults above are what the errors and
+    fallbacks came from. Through the tiers, host 1's bytes then all come from host 0's replica."""
+    o = faults.run_fault(name, base, tmp_path, _ctx(restore_clean=True))
+    assert _failed_for_real(o) and not o.exposed and o.raised == ["no error"] and o.gc_clean, _explain(o)
+    if name.startswith("tier-"):
+        assert "rank 1: step 6, bytes by tier {'local': 0, 'peer': 88, 'persistent': 0}" in o.notes, _explain(o)
+
+
+def test_mapped_rewrite_reports_the_default_and_both_settings(base, tmp_path):
+    """The row names the default it found; mapped=False (a copy) is unaffected by the write, and
+    mapped=True (pages shared with the tier file) is changed by it: the risk the default decides."""
+    o = faults.run_fault("tier-mapped-rewrite", base, tmp_path, _ctx())
+    default = _mapped_by_default()
+    assert f"LocalTier default found: mapped={default}" in o.notes, _explain(o)
+    assert any(n.startswith("mapped=False: the restored state is unaffected") or
+               n.startswith("default (mapped=False): the restored state is unaffected") for n in o.notes), _explain(o)
+    assert any(n.startswith("mapped=True: the restored state is changed") or
+               n.startswith("default (mapped=True): the restored state is CHANGED") for n in o.notes), _explain(o)
+    assert o.passed == (not default) and o.exposed == default, _explain(o)
+
+
 def _tensorstore_delete_prefix(self, prefix):
     # What Storage.delete_prefix did before: tensorstore's delete_range, which follows links.
     import tensorstore as ts
@@ -168,12 +211,12 @@ def _delete_in_the_old_order(repo, save_id, *, but):
                            ("ckptfmt.storage._filestore.LocalFileStorage.scan_children", "links-as-saves")]),
     ("gc-not-a-repository", [("ckptfmt.repository._gc._recognise", lambda *a: None)]),
     ("gc-retention-newest-truncated", [("ckptfmt.repository._gc._unrestorable", lambda *a: None),
-                                       ("ckptfmt.repository._gc._unverified", lambda *a: None)]),
+                                       ("ckptfmt.repository._gc._unverified", lambda *a, **k: None)]),
     ("gc-retention-newest-data-missing", [("ckptfmt.repository._gc._unrestorable", lambda *a: None),
-                                          ("ckptfmt.repository._gc._unverified", lambda *a: None)]),
+                                          ("ckptfmt.repository._gc._unverified", lambda *a, **k: None)]),
     ("gc-shared-save-id", [("ckptfmt.repository._gc._mentions", lambda data, candidates: set()),
                            ("ckptfmt.repository._gc._DECLARED", _NO_ID)]),
-    ("gc-retention-newest-flipped", [("ckptfmt.repository._gc._unverified", lambda *a: None)]),
+    ("gc-retention-newest-flipped", [("ckptfmt.repository._gc._unverified", lambda *a, **k: None)]),
     ("gc-delete-racing-a-save", [("ckptfmt.repository._gc.remove_unreferenced", _delete_in_the_old_order)]),
 ])
 def test_control_gc_without_its_check(name, patches, base, tmp_path, monkeypatch):

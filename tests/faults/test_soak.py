@@ -19,6 +19,7 @@ RUNS = max(50, int(os.environ.get("CKPTFMT_SOAK_RUNS", "50")))
 
 def test_soak_every_listed_step_is_complete(tmp_path):
     rep = soak(tmp_path / "repo", RUNS, rng_seed=int(os.environ.get("CKPTFMT_SOAK_SEED", "0")))
+    print(json.dumps(rep.to_json()))
     assert rep.runs == RUNS
     # The kills really landed inside saves, and some saves still committed.
     assert rep.killed_mid_save >= RUNS // 4, rep.to_json()
@@ -37,6 +38,7 @@ def test_soak_incremental_saves_with_gc_running(tmp_path):
     """Incremental saves (a frozen tensor referenced across steps) SIGKILLed at random moments
     while retention gc runs: no listed step ever fails to restore (FORMAT.md 8.4, 10)."""
     rep = soak(tmp_path / "repo", 15, rng_seed=3, incremental=True)
+    print(json.dumps(rep.to_json()))
     assert rep.killed_mid_save >= 3 and rep.committed >= 1, rep.to_json()
     assert rep.referencing_steps >= 1, rep.to_json()
     assert rep.ok, "\n".join(["soak invariants violated:", *rep.violations, json.dumps(rep.to_json())])
