@@ -230,6 +230,15 @@ def test_faults_one_row_json(tmp_path):
     assert row["state_exposed"] is False and row["prior_intact"] is True
 
 
+def test_faults_only_takes_a_comma_list_and_names_the_closest_fault(tmp_path):
+    """``--only a,b`` runs both rows (as ``--only a --only b`` does); a misspelt name is a usage
+    error (exit 2) suggesting the closest fault, before anything runs."""
+    code, doc = _json(["faults", "--only", "data-64-bytes,coop-transit-flip", "--workdir", str(tmp_path), "--json"])
+    assert code == 0 and [r["fault"] for r in doc["outcomes"]] == ["data-64-bytes", "coop-transit-flip"]
+    r = CliRunner().invoke(app, ["faults", "--only", "coop-transit-flp"])
+    assert r.exit_code == 2 and "did you mean coop-transit-flip" in r.output
+
+
 @pytest.mark.parametrize("command,module,args,want", [
     ("demo", "ckptfmt_tools.demo", ["--k", "4", "--json"], ["--k", "4", "--json"]),
     ("bench", "ckptfmt_tools.bench.args", ["-r", "2", "--size", "1G", "--no-steady", "--json"],

@@ -21,6 +21,7 @@ controls made visible, rich markup escaped); JSON output keeps every string exac
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
@@ -307,6 +308,14 @@ def faults_cmd(as_json: bool = JsonOpt,
         else:
             _render.fault_list(_out(), names)
         return
+    # "--only a,b" and "--only a --only b" alike; an unknown name is a usage error with the closest names.
+    only = [n.strip() for item in (only or []) for n in item.split(",") if n.strip()] or None
+    known = [f.name for f in faults.CATALOGUE]
+    for name in only or []:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            raise typer.BadParameter(f"no fault named {name!r}" + (f"; did you mean {', '.join(close)}?" if close else
+                                     "") + " (ckptfmt faults --list names them all)", param_hint="--only")
     console = _err()
     total = len(only) if only else len(faults.CATALOGUE)
     with _render.fault_progress(console, quiet=as_json, total=total) as on_outcome:
