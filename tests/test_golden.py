@@ -440,4 +440,4 @@ def test_regenerated_profile_state_objects_are_byte_identical(tmp_path: Path) ->
     assert r == {"torch": {"rng": None}, "extra": {"cursor": 640}}
     tier = decode_state((GOLDEN_PROFILES / "tier-global.msgpack").read_bytes())
     assert set(tier) == {"global", "tiers"} and tier["global"] == g
-    assert set(tier["tiers"]) == {"token", "host", "hosts", "boxes"} and len(tier["tiers"]["boxes"][0]) == 7
+    assert set(tier["tiers"]) == {"token", "host", "hosts", "boxes", "run"} and len(tier["tiers"]["boxes"][0]) == 7

@@ -69,6 +69,8 @@ DEFAULT_OUT_V12 = HERE / "repo-1.2"
 DEFAULT_OUT_ZSTD = HERE / "repo-zstd"
 DEFAULT_OUT_VERIFIED = HERE / "verified"
 DEFAULT_OUT_PROFILES = HERE / "profiles"
+#: The run identity the tier-profile example records (FORMAT.md 8.5: 32 lowercase hex digits).
+PROFILE_RUN = "0123456789abcdef0123456789abcdef"
 #: The record's time, a fixed verification time (2026-01-01T00:01:00Z).
 VERIFIED_UNIX = 1767225660.0
 #: The revision 1.1 example: two steps of one writer, save ids and times fixed.
@@ -222,7 +224,8 @@ def generate_profiles(out: str | os.PathLike[str]) -> None:
         w = state["model"]["fc.weight"].numpy()
         boxes = [(0, ("model/fc.weight", (4, 3), np.float32, Box((0, 0), (2, 3)), w)),
                  (1, ("model/fc.weight", (4, 3), np.float32, Box((2, 0), (2, 3)), w + 6))]
-        lm = write_local_step(ckptfmt.Repository(f"{tmp}/local/host-0"), STEP, 0, 2, PROFILE_TOKEN, boxes, g, None)
+        lm = write_local_step(ckptfmt.Repository(f"{tmp}/local/host-0"), STEP, 0, 2, PROFILE_TOKEN, boxes, g, None,
+                              run=PROFILE_RUN)
         tier_global = Path(tmp, "local", "host-0", lm.state["global"].key).read_bytes()
     out.mkdir(parents=True)
     (out / "torch-global.msgpack").write_bytes(torch_global)
