@@ -102,7 +102,7 @@ def test_cli_state_options_parse():
 
 def _run_recipe(tmp_path, **kw) -> dict:
     opts = BenchOptions(repetitions=1, output_dir=str(tmp_path / "out"), storage=str(tmp_path / "repo"), peers=PEERS,
-                        safety=False, metadata=False, tailstep=False, plot=False, **kw)
+                        metadata=False, tailstep=False, plot=False, **{"safety": False} | kw)
     result = run_bench(opts, log=None)
     assert result.errors == {}, result.errors
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
@@ -145,6 +145,10 @@ def test_bench_llama_recipe_end_to_end(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_bench_moe_recipe_end_to_end(tmp_path):
-    doc = _run_recipe(tmp_path, state="moe", leaves=200, raw=False)
+    doc = _run_recipe(tmp_path, state="moe", leaves=200, raw=False, safety=True)
     assert doc["layout"]["leaves"] == len(moe(200).leaves)
     assert "raw" not in doc["summary"]
+    # The rotated harness removed its checkpoints, so the flip probe saved each system again first.
+    assert doc["safety"]["ckptfmt"]["outcome"] == "detected", doc["safety"]
+    for peer in set(doc["summary"]) - {"ckptfmt"}:
+        assert doc["safety"][peer]["outcome"] in ("detected", "silent", "missed"), doc["safety"]

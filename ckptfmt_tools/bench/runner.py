@@ -260,8 +260,10 @@ class _Session:
                     self.record(TWO_PROCESS, "save", lambda: self.child(
                         "ckptfmt_tools.bench.twoproc:save", p | {"devices": n, "url": self.urls["ckptfmt"].rstrip("/") + "-2proc"}))
 
-    def safety(self) -> dict[str, Any]:
-        """Flip bytes in each system's last checkpoint and restore it (see :mod:`ckptfmt_tools.bench.safety`)."""
+    def safety(self, *, resave: bool = False) -> dict[str, Any]:
+        """Flip bytes in each system's last checkpoint and restore it (see :mod:`ckptfmt_tools.bench.safety`).
+        ``resave``: the rotated harness removed every checkpoint, so each system first saves again
+        (a fresh process, untimed)."""
         out: dict[str, Any] = {}
         n = self.o.save_devices
         m = next((d for d in self.o.restore_devices if d != n), n)
@@ -270,6 +272,9 @@ class _Session:
             if where is None:
                 continue
             try:
+                if resave:
+                    self.clear(system)
+                    self.child(*self.tasks(system, steady=False)[1])
                 flip = corrupt(where, system)
             except Exception as e:  # a probe that cannot run must not sink the results
                 out[system] = {"outcome": "not run", "detail": f"{type(e).__name__}: {e}"[:300]}
@@ -346,7 +351,7 @@ def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], No
             rotate.repetition(s, rep)
         else:
             s.repetition(rep)
-    safety = s.safety() if options.safety else {}
+    safety = s.safety(resave=rotated) if options.safety else {}
     scaling_rows = None
     if options.sizes:
         from . import scaling
