@@ -9,6 +9,7 @@ import sys
 
 from ckptfmt_tools.cli._progress import phase_line
 from .runner import BenchOptions, run_bench
+from .states import STATES
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
@@ -38,7 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = BenchOptions()
     p = argparse.ArgumentParser(prog="ckptfmt bench", description="ckptfmt vs Orbax vs torch DCP vs the raw disk limit.")
     p.add_argument("--size", type=parse_size, default=d.size, help="state bytes (default 1GiB)")
-    p.add_argument("--tensors", type=int, default=d.tensors, help="number of tensors (default 16)")
+    p.add_argument("--tensors", type=int, default=d.tensors, help="number of tensors of the tensors16 state (default 16)")
+    p.add_argument("--state", choices=STATES, default=d.state,
+                   help="the state: tensors16 (float32 matrices split by rows, the default), llama (a Llama-style "
+                        "model with AdamW moments, 9L+3 bf16 parameters, 27L+10 leaves, about --size bytes), moe "
+                        "(per-expert MoE tensors of a few KiB, about --leaves leaves); a recipe runs the rotated "
+                        "harness (see ckptfmt_tools/bench/states.py)")
+    p.add_argument("--layers", type=int, default=d.layers, help="--state llama: layers (default 32: 874 leaves)")
+    p.add_argument("--leaves", type=int, default=d.leaves, help="--state moe: leaves, about (default 20000)")
     p.add_argument("--save-devices", type=int, default=d.save_devices, help="writers: JAX devices / DCP ranks (default 8)")
     p.add_argument("--restore-devices", type=_ints, default=d.restore_devices, help="restore topologies (default 8,4)")
     p.add_argument("--repetitions", "-r", type=int, default=d.repetitions, help="medians over this many runs (default 5: the disk is noisy)")

@@ -17,6 +17,7 @@ from typing import Any
 
 from .child import Meter, rss_bytes, sync_after, tree_stats
 from .layout import StateLayout, check_rows, rows_data
+from .states import Recipe, state_from_json
 
 STEP = 1
 
@@ -125,22 +126,23 @@ def save(params: dict) -> dict:
     import ckptfmt
 
     _engine_before_the_clock()
-    layout, url, devices = StateLayout.from_json(params["layout"]), params["url"], params["devices"]
+    layout, url, devices = state_from_json(params["layout"]), params["url"], params["devices"]
     api = _api(params)
+    _recipe_api(layout, api)
     if api != "core-numpy":
         import jax  # noqa: F401  -- imported before the base RSS is taken
 
-        from .jaxstate import make_state
+        from .jaxstate import state_arrays
     clear_repository(url)
     rss_base = rss_bytes()
     if api == "bridge":
-        state = make_state(layout, devices)
+        state = state_arrays(layout, devices)
         label = "bridges.jax.save"
 
         def run(to: str, timings: dict) -> None:
             _bridge().save(to, state, step=STEP, options=ckptfmt.SaveOptions(timings=timings))
     else:
-        shards = _jax_shards(make_state(layout, devices)) if api == "core-jax" else _numpy_shards(layout, devices)
+        shards = _jax_shards(state_arrays(layout, devices)) if api == "core-jax" else _numpy_shards(layout, devices)
         label = f"ckptfmt.save ({api}, LocalShard)"
 
         def run(to: str, timings: dict) -> None:
@@ -171,6 +173,12 @@ def _engine_before_the_clock() -> None:
     import tensorstore  # noqa: F401
 
 
+def _recipe_api(layout: "StateLayout | Recipe", api: str) -> None:
+    """A state recipe (its pytree of sharded arrays) is saved and restored through the bridge only."""
+    if isinstance(layout, Recipe) and api != "bridge":
+        raise ValueError(f"the {layout.name} state recipe runs through bridges.jax only, not {api!r}")
+
+
 def _phase_fields(timings: dict[str, float]) -> dict[str, float]:
     return {f"save_t_{k}_s": v for k, v in timings.items()}
 
@@ -180,18 +188,19 @@ def restore(params: dict) -> dict:
     import ckptfmt
 
     _engine_before_the_clock()
-    layout, url, devices = StateLayout.from_json(params["layout"]), params["url"], params["devices"]
+    layout, url, devices = state_from_json(params["layout"]), params["url"], params["devices"]
     api = _api(params)
+    _recipe_api(layout, api)
     if api != "core-numpy":
         import jax
 
-        from .jaxstate import abstract_state, check_state, row_sharding
+        from .jaxstate import row_sharding, state_check, state_target
     rss_base = rss_bytes()
     stats: dict[str, Any] = {}
     checked = 0
     if api == "bridge":
         bridge = _bridge()
-        target = abstract_state(layout, devices)
+        target = state_target(layout, devices)
         bstats: dict[str, Any] = {}
         kw = {"stats": bstats} if "stats" in inspect.signature(bridge.restore).parameters else {}
         with Meter("restore") as m:
@@ -229,7 +238,7 @@ def restore(params: dict) -> dict:
                 check_rows(layout, layout.keys().index(key), box.offset[0], box.stop[0], arr)
                 checked += arr.nbytes
     if api != "core-numpy" and params.get("check", True):
-        checked = check_state(layout, state, devices)
+        checked = state_check(layout, state, devices)
     read = stats.get("bytes_read") or m.result["ts_bytes_read"] or m.result["io_rchar"]
     return {
         "phase": m.result

@@ -17,7 +17,8 @@ import tempfile
 from ckptfmt.coord import free_port
 
 from .child import Meter, rss_bytes, sync_after, tree_stats
-from .layout import StateLayout, check_rows, rows_data
+from .layout import check_rows, rows_data
+from .states import Recipe, check_box, mesh_shape, rank_box, state_from_json
 
 PEERS = ("orbax", "dcp")
 _PEER_MODULES = {"orbax": "orbax.checkpoint", "dcp": "torch.distributed.checkpoint"}
@@ -42,13 +43,13 @@ def orbax_save(params: dict) -> dict:
     import jax
     import orbax.checkpoint as ocp
 
-    from .jaxstate import make_state
+    from .jaxstate import state_arrays
 
-    layout, path = StateLayout.from_json(params["layout"]), params["path"]
+    layout, path = state_from_json(params["layout"]), params["path"]
     shutil.rmtree(path, ignore_errors=True)
     ckptr = ocp.StandardCheckpointer()
     rss_base = rss_bytes()
-    state = make_state(layout, params["devices"])
+    state = state_arrays(layout, params["devices"])
     with Meter("save") as m:
         ckptr.save(path, state)
         ckptr.wait_until_finished()
@@ -75,16 +76,16 @@ def orbax_restore(params: dict) -> dict:
     import jax
     import orbax.checkpoint as ocp
 
-    from .jaxstate import abstract_state, check_state
+    from .jaxstate import state_check, state_target
 
-    layout, path, devices = StateLayout.from_json(params["layout"]), params["path"], params["devices"]
+    layout, path, devices = state_from_json(params["layout"]), params["path"], params["devices"]
     rss_base = rss_bytes()
-    target = abstract_state(layout, devices)
+    target = state_target(layout, devices)
     ckptr = ocp.StandardCheckpointer()
     with Meter("restore") as m:
         state = ckptr.restore(path, target)
         jax.block_until_ready(jax.tree.leaves(state))
-    checked = check_state(layout, state, devices) if params.get("check", True) else 0
+    checked = state_check(layout, state, devices) if params.get("check", True) else 0
     ckptr.close()
     return {
         "phase": m.result
@@ -111,16 +112,19 @@ def _dcp_rank(rank: int, world: int, port: int, params: dict, out_path: str) -> 
     from torch.distributed.tensor import DTensor, Shard
 
     torch.set_num_threads(1)
-    layout, path, mode = StateLayout.from_json(params["layout"]), params["path"], params["mode"]
+    layout, path, mode = state_from_json(params["layout"]), params["path"], params["mode"]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    r0, r1 = layout.rows_of(rank, world)
     rss_base = rss_bytes()
-    if mode == "save":
-        local = {k: torch.from_numpy(rows_data(layout, i, r0, r1)) for i, k in enumerate(layout.keys())}
+    if isinstance(layout, Recipe):
+        sd = _dcp_recipe_state(layout, rank, world, mode == "save")
     else:
-        local = {k: torch.empty((r1 - r0, layout.cols), dtype=torch.float32) for k in layout.keys()}
-    sd = {k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(layout.shape), stride=(layout.cols, 1)) for k, t in local.items()}
+        mesh = init_device_mesh("cpu", (world,))
+        r0, r1 = layout.rows_of(rank, world)
+        if mode == "save":
+            local = {k: torch.from_numpy(rows_data(layout, i, r0, r1)) for i, k in enumerate(layout.keys())}
+        else:
+            local = {k: torch.empty((r1 - r0, layout.cols), dtype=torch.float32) for k in layout.keys()}
+        sd = {k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(layout.shape), stride=(layout.cols, 1)) for k, t in local.items()}
     dist.barrier()
     with Meter(mode) as m:
         if mode == "save":
@@ -138,13 +142,70 @@ def _dcp_rank(rank: int, world: int, port: int, params: dict, out_path: str) -> 
             dist.barrier()
         steady = m2.result
     checked = 0
-    if mode == "load" and params.get("check", True):
+    if mode == "load" and params.get("check", True) and isinstance(layout, Recipe):
+        checked = _dcp_recipe_check(layout, sd, rank, world)
+    elif mode == "load" and params.get("check", True):
         for i, k in enumerate(layout.keys()):
             check_rows(layout, i, r0, r1, sd[k].to_local().numpy())
             checked += local[k].nbytes
     dist.destroy_process_group()
     with open(out_path, "w") as f:
         json.dump(m.result | {"rss_base": rss_base, "bytes_checked": checked, "steady": steady}, f)
+
+
+_TORCH_BITS = {"bfloat16": ("int16", "bfloat16"), "float32": ("float32", "float32"), "int32": ("int32", "int32")}
+
+
+def _dcp_recipe_state(recipe: Recipe, rank: int, world: int, fill: bool) -> dict:
+    """This rank's state dict of a recipe: a DTensor per leaf on the (data, model) mesh, with the
+    JAX partition's placements (a dimension split over mesh axis k is ``Shard(dim)`` at k), the
+    generator's values (``fill``) or empty tensors to load into; the scalar count a plain tensor."""
+    import numpy as np
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", mesh_shape(world), mesh_dim_names=("data", "model"))
+    sd = {}
+    for i, leaf in enumerate(recipe.leaves):
+        offset, shape, _first = rank_box(leaf, world, rank)
+        view_as, dtype = _TORCH_BITS[leaf.dtype]
+        if fill:
+            from .states import box_bits
+
+            local = torch.from_numpy(box_bits(i, leaf, offset, shape).view(np.dtype(view_as))).view(getattr(torch, dtype))
+        else:
+            local = torch.empty(shape, dtype=getattr(torch, dtype))
+        if not leaf.shape:
+            sd[leaf.key] = local
+            continue
+        placements = [Replicate(), Replicate()]
+        for dim, axis in enumerate(leaf.spec):
+            if axis:
+                placements[("data", "model").index(axis)] = Shard(dim)
+        stride = tuple(int(np.prod(leaf.shape[d + 1:])) for d in range(len(leaf.shape)))
+        sd[leaf.key] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(leaf.shape), stride=stride)
+    return sd
+
+
+def _dcp_recipe_check(recipe: Recipe, sd: dict, rank: int, world: int) -> int:
+    """Check this rank's loaded boxes bit for bit; return the bytes of the boxes it is the first
+    replica of (summed over ranks: the state's bytes)."""
+    import numpy as np
+    import torch
+
+    checked = 0
+    for i, leaf in enumerate(recipe.leaves):
+        offset, shape, first = rank_box(leaf, world, rank)
+        t = sd[leaf.key]
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if tuple(local.shape) != shape:
+            raise AssertionError(f"{leaf.key}: rank {rank} holds {tuple(local.shape)}, wanted {shape}")
+        view_as = _TORCH_BITS[leaf.dtype][0]
+        got = local.contiguous().view(getattr(torch, view_as)).numpy().view({"int16": np.uint16}.get(view_as, np.uint32))
+        n = check_box(i, leaf, offset, got)
+        checked += n if first else 0
+    return checked
 
 
 def dcp_run(params: dict) -> dict:
@@ -154,7 +215,7 @@ def dcp_run(params: dict) -> dict:
     from torch.distributed.tensor import DTensor  # noqa: F401
 
     world, mode, path = params["world"], params["mode"], params["path"]
-    layout = StateLayout.from_json(params["layout"])
+    layout = state_from_json(params["layout"])
     if mode == "save":
         shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(path.rstrip("/") + "-steady", ignore_errors=True)

@@ -206,9 +206,10 @@ def table(result: Any) -> str:
     same = f"restore_{n}to{n}"
     resharded = [m for m in o["restore_devices"] if m != n]
     L = result.layout
+    what = (f"{L['describe']} = {L['nbytes'] / 2**20:,.0f} MiB, on a (data, model) mesh of {n}" if "recipe" in L else
+            f"{L['tensors']} tensors x {L['rows']}x{L['cols']} float32 = {L['nbytes'] / 2**20:,.0f} MiB, sharded by rows over {n}")
     lines = [
-        f"State: {L['tensors']} tensors x {L['rows']}x{L['cols']} float32 = {L['nbytes'] / 2**20:,.0f} MiB, "
-        f"sharded by rows over {n}; medians of {o['repetitions']}; reads {result.cache}. Every run is a fresh process. "
+        f"State: {what}; medians of {o['repetitions']}; reads {result.cache}. Every run is a fresh process. "
         "Peak RSS is the whole process (summed over ranks for DCP); (+extra) is the rise above the phase's start. "
         "read/reader = bytes the busiest reading process pulled from storage.",
         "",
@@ -216,7 +217,7 @@ def table(result: Any) -> str:
     head = ["system", "save s", "save MB/s", "steady save s", f"restore {n}->{n} s"]
     head += [f"restore {n}->{m} s" for m in resharded]
     head += ["save peak RSS MiB (+extra)", f"restore {n}->{resharded[0] if resharded else n} peak RSS MiB (+extra)"]
-    head += ["on disk MiB", "objects", f"read/reader MiB ({n}->{resharded[0] if resharded else n})"]
+    head += ["on disk MiB", "objects per save", f"read/reader MiB ({n}->{resharded[0] if resharded else n})"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for system, ph in summary.items():
         sv = ph.get("save", {})
@@ -362,7 +363,7 @@ def plot(result: Any, path: Path) -> str | None:
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
     L = result.layout
-    fig.suptitle(f"ckptfmt bench: {L['nbytes'] / 2**20:,.0f} MiB in {L['tensors']} tensors, {n} writers, medians of {o['repetitions']}, {result.cache} reads")
+    fig.suptitle(f"ckptfmt bench: {L['nbytes'] / 2**20:,.0f} MiB in {L['tensors']} {'leaves' if 'recipe' in L else 'tensors'}, {n} writers, medians of {o['repetitions']}, {result.cache} reads")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

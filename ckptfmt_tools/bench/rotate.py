@@ -69,8 +69,7 @@ def repetition(s: Any, rep: int) -> None:
 def _raw(s: Any, rep: int) -> None:
     n = s.o.save_devices
     prepare_save(s.o.save_cache)
-    params = s.common | {"writers": n, "path": s.paths["raw"], "threads": s.o.raw_threads}
-    if s.record("raw", "save", lambda: s.child("ckptfmt_tools.bench.raw:write", params), rep=rep, place=0):
+    if s.record("raw", "save", lambda: s.child("ckptfmt_tools.bench.raw:write", s.raw_params()), rep=rep, place=0):
         s.before_read()
         s.record("raw", "restore", lambda: s.child("ckptfmt_tools.bench.raw:read", {
             "path": s.paths["raw"], "readers": n, "threads": s.o.raw_threads}), rep=rep, place=0)

@@ -59,7 +59,12 @@ def demo_cmd(workdir: Optional[str] = _opt("Work directory (default: a temporary
 
 def bench_cmd(size: Optional[str] = _opt("State bytes, e.g. 1GiB, 64MiB (default 1GiB; --compression: 64MiB "
                                          "of each kind).", "--size"),
-              tensors: Optional[int] = _opt("Number of tensors (default 16).", "--tensors"),
+              tensors: Optional[int] = _opt("Number of tensors of the tensors16 state (default 16).", "--tensors"),
+              state: Optional[str] = _opt("The state: tensors16 (default), llama (Llama-style with AdamW moments, "
+                                          "about --size bytes) or moe (per-expert tensors, about --leaves leaves); "
+                                          "a recipe runs the rotated harness.", "--state"),
+              layers: Optional[int] = _opt("--state llama: layers (default 32: 874 leaves).", "--layers"),
+              leaves: Optional[int] = _opt("--state moe: leaves, about (default 20000).", "--leaves"),
               save_devices: Optional[int] = _opt("Writers: JAX devices / DCP ranks (default 8).", "--save-devices"),
               restore_devices: Optional[str] = _opt("Restore topologies, comma list (default 8,4; --incremental: "
                                                     "one count, 4).", "--restore-devices"),
@@ -118,6 +123,7 @@ def bench_cmd(size: Optional[str] = _opt("State bytes, e.g. 1GiB, 64MiB (default
         raise typer.BadParameter("--levels needs --compression")
     _run("ckptfmt_tools.bench.args", [
         ("--incremental", incremental), ("--compression", compression), ("--size", size), ("--tensors", tensors),
+        ("--state", state), ("--layers", layers), ("--leaves", leaves),
         ("--save-devices", save_devices), ("--restore-devices", restore_devices), ("--repetitions", repetitions),
         ("--storage", storage), ("--output-dir", output_dir), ("--peers", peers), ("--no-steady", no_steady),
         ("--two-process", two_process), ("--sizes", sizes), ("--no-raw", no_raw), ("--raw-threads", raw_threads),
