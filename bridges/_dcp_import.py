@@ -106,7 +106,7 @@ def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
         except (AttributeError, TypeError, ValueError) as e:
             raise InvalidSourceError("DCP .metadata describes a tensor in a form torch does not write", key=key,
                                      object=os.path.join(path, ".metadata"), found=f"{type(e).__name__}: {e}"[:300]) from None
-    reader = _Reader(path, tensors, torch)
+    reader = _DcpBatchReader(path, tensors, torch)
     items = [ImportTensor(prefix + k, shape, dt, (lambda box, k=k: reader.read(k, box)))
              for k, (_, shape, dt, _) in sorted(tensors.items())]
     provenance = {"format": "dcp", "source": path, "trusted_pickle": True, "dcp_version": str(getattr(md, "version", "")),
@@ -130,7 +130,7 @@ def _files_needed(md: Any) -> dict[str, int]:
     return need
 
 
-class _Reader:
+class _DcpBatchReader:
     """Loads tensors through ``dcp.load`` (a partial load), a batch at a time (:class:`BatchReader`)."""
 
     def __init__(self, path: str, tensors: dict[str, tuple[str, tuple[int, ...], str, Any]], torch: Any) -> None:

@@ -78,7 +78,7 @@ class CheckpointManager(_CoreManager):
 
     # The local tier (FORMAT.md 8.5): its data plane and hooks live in bridges._jaxpeer.
     def _new_exchange(self) -> Any:
-        return _jaxpeer.JaxExchange() if self.world > 1 else None
+        return _jaxpeer.JaxPeerExchange() if self.world > 1 else None
 
     def _tier_snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
         return _jaxpeer.snapshot(state, extra, rank_state)

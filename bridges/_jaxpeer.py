@@ -30,7 +30,7 @@ from ckptfmt.manager._tiers import distinct_boxes
 
 from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding, placement
 
-__all__ = ["JaxExchange", "snapshot", "requests", "build"]
+__all__ = ["JaxPeerExchange", "snapshot", "requests", "build"]
 
 _exchanges = itertools.count()  # every process constructs its managers (and so its exchanges) in one order
 
@@ -64,7 +64,7 @@ def _reachable_host() -> str:
     return f"[{mine}]" if ":" in mine else mine
 
 
-class JaxExchange:
+class JaxPeerExchange:
     """:class:`ckptfmt.manager._tiers.PeerExchange` over ``jax.experimental.transfer``: one transfer
     server per process on its first local device, addresses shared once at construction."""
 

@@ -106,7 +106,7 @@ def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "
             leaves[key] = m
     _check_leaf_sizes(arrays, int(max_leaf_bytes), path)
     paths = {key: p for (key, _), (p, _) in zip(flat, jax.tree_util.tree_flatten_with_path(tree)[0])}
-    reader = _Reader(checkpointer, path, tree, paths, arrays)
+    reader = _OrbaxBatchReader(checkpointer, path, tree, paths, arrays)
     scalars = reader.scalars(sorted(leaves)) if leaves else {}
     tensors = [ImportTensor(prefix + k, shape, dt, (lambda box, k=k: reader.read(k, box)))
                for k, (shape, dt) in sorted(arrays.items())]
@@ -136,7 +136,7 @@ def _check_leaf_sizes(arrays: dict[str, tuple[tuple[int, ...], str]], cap: int, 
                 expected=f"<= {cap} bytes per leaf", found=f"{shape} {dt} = {n} bytes")
 
 
-class _Reader:
+class _OrbaxBatchReader:
     """Restores leaves through Orbax (``partial_restore``), a batch at a time (:class:`BatchReader`)."""
 
     def __init__(self, checkpointer: Any, path: str, tree: Any, paths: dict[str, Any],

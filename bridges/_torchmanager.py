@@ -88,7 +88,7 @@ class CheckpointManager(_CoreManager):
 
     # The local tier (FORMAT.md 8.5): its data plane and hooks live in bridges._torchpeer.
     def _new_exchange(self) -> Any:
-        return _torchpeer.TorchExchange() if self.world > 1 else None
+        return _torchpeer.TorchPeerExchange() if self.world > 1 else None
 
     def _tier_snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
         return _torchpeer.snapshot(state, extra, rank_state, self.mapping)

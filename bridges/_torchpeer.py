@@ -30,10 +30,10 @@ from ._extra import json_keys
 from ._torchconv import _flatten, _local, _rebuild, _target_boxes, _wrap_like, dtype_name, from_numpy, rng_state
 from ._torchload import Loaded, _leaf, _saved_objects
 
-__all__ = ["TorchExchange", "snapshot", "requests", "build", "MappedTier", "mapped_requests", "mapped_build"]
+__all__ = ["TorchPeerExchange", "snapshot", "requests", "build", "MappedTier", "mapped_requests", "mapped_build"]
 
 
-class TorchExchange:
+class TorchPeerExchange:
     """:class:`ckptfmt.manager._tiers.PeerExchange` over point-to-point gloo sends."""
 
     background = True  # a process group of its own

@@ -69,12 +69,12 @@ PATHS: dict[str, DeliveryPath] = {
          "another-save": StepMismatchError, "dead-peer": CoordinatorLostError}),
     "peer-replica": DeliveryPath(
         "the replica of this host's boxes its holder keeps, sent at restore (FORMAT.md 8.5)",
-        ("bridges._jaxpeer.JaxExchange", "bridges._torchpeer.TorchExchange"),
+        ("bridges._jaxpeer.JaxPeerExchange", "bridges._torchpeer.TorchPeerExchange"),
         {"stale-step": StepMismatchError, "another-host": StepMismatchError, "flip-in-transit": FALLBACK,
          "another-owner": FALLBACK}),
     "save-replica": DeliveryPath(
         "a peer's boxes received by a local save, to be kept as its replica (FORMAT.md 8.5)",
-        ("bridges._jaxpeer.JaxExchange", "bridges._torchpeer.TorchExchange"),
+        ("bridges._jaxpeer.JaxPeerExchange", "bridges._torchpeer.TorchPeerExchange"),
         {"flip-in-transit": ChecksumMismatchError, "malformed": InvalidStateError}),
     "own-tier": DeliveryPath(
         "this host's own local tier (FORMAT.md 8.5, 14.8)",
@@ -92,7 +92,7 @@ PATHS: dict[str, DeliveryPath] = {
         {"flip-at-rest": ChecksumMismatchError}),
     "import": DeliveryPath(
         "a foreign checkpoint imported into a repository (safetensors, DCP, Orbax)",
-        ("ckptfmt.interop._stimport.BatchReader", "bridges._dcp_import._Reader", "bridges._orbax_import._Reader"),
+        ("ckptfmt.interop._stimport.BatchReader", "bridges._dcp_import._DcpBatchReader", "bridges._orbax_import._OrbaxBatchReader"),
         {"flip-at-rest": ChecksumMismatchError},
         note="a checksummed safetensors source is verified block by block; DCP and Orbax files carry no "
              "checksum to check, and the import's provenance says so"),
@@ -244,10 +244,10 @@ def _peer_replica(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.nda
 
 def _save_replica(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndarray]:
     from ckptfmt.checksum import crc32c
-    from ckptfmt.manager._payload import check_payload, pack_boxes, unpack_boxes
+    from ckptfmt.manager._payload import check_payload, pack_payload, unpack_payload
 
     a = _a(1)
-    payload = pack_boxes([("a", a.shape, a.dtype, Box.full(a.shape), a)])
+    payload = pack_payload([("a", a.shape, a.dtype, Box.full(a.shape), a)])
     crc = crc32c(payload)  # the sender's, sent beside the payload
     got = np.array(payload)
     if fault == "flip-in-transit":
@@ -256,7 +256,7 @@ def _save_replica(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.nda
         got[16] ^= 0xFF  # the header's first byte
         crc = crc32c(got)  # a sender that packs a bad header: the transit check passes
     probe["effective"] = not np.array_equal(got, payload)
-    boxes = unpack_boxes(check_payload(got, crc, "tiers/save/1 from rank 1"), "the boxes of host 1 for step 1")
+    boxes = unpack_payload(check_payload(got, crc, "tiers/save/1 from rank 1"), "the boxes of host 1 for step 1")
     return {k: np.array(v) for k, _, _, _, v in boxes}
 
 

@@ -286,21 +286,21 @@ def _boxes():
 
 
 def test_peer_payload_round_trip_is_views_of_one_buffer():
-    """pack_boxes: one uint8 buffer (copies that release the GIL); unpack_boxes: views into it,
+    """pack_payload: one uint8 buffer (copies that release the GIL); unpack_payload: views into it,
     equal to the boxes, for every dtype and layout (a transposed source, a scalar, an empty box)."""
-    from ckptfmt.manager._payload import pack_boxes, unpack_boxes
+    from ckptfmt.manager._payload import pack_payload, unpack_payload
 
     boxes = _boxes()
-    payload = pack_boxes(boxes)
+    payload = pack_payload(boxes)
     assert payload.dtype == np.uint8 and payload.ndim == 1
-    assert np.array_equal(payload, pack_boxes(boxes))  # padding included: the same boxes, the same bytes
-    got = unpack_boxes(payload, "test")
+    assert np.array_equal(payload, pack_payload(boxes))  # padding included: the same boxes, the same bytes
+    got = unpack_payload(payload, "test")
     for (k, shape, dt, box, a), (k2, shape2, dt2, box2, a2) in zip(boxes, got, strict=True):
         assert (k, tuple(shape), np.dtype(dt), box) == (k2, shape2, dt2, box2)
         assert a2.shape == box.shape and np.array_equal(np.asarray(a), a2)
         if a2.size:
             assert np.shares_memory(a2, payload)
-    assert unpack_boxes(bytes(payload), "test")[0][4].tolist() == boxes[0][4].tolist()  # bytes work too
+    assert unpack_payload(bytes(payload), "test")[0][4].tolist() == boxes[0][4].tolist()  # bytes work too
 
 
 @pytest.mark.parametrize("damage", ["magic", "short", "header_len", "nbytes", "start", "dtype"])
@@ -310,10 +310,10 @@ def test_a_malformed_peer_payload_is_an_invalid_state_error(damage):
     import msgpack
 
     from ckptfmt.errors import InvalidStateError
-    from ckptfmt.manager._payload import pack_boxes, unpack_boxes
+    from ckptfmt.manager._payload import pack_payload, unpack_payload
 
-    good = pack_boxes(_boxes()[:2])
-    assert len(unpack_boxes(good, "tiers/save/3 from rank 1")) == 2
+    good = pack_payload(_boxes()[:2])
+    assert len(unpack_payload(good, "tiers/save/3 from rank 1")) == 2
     bad = good.copy()
     n = int(bad[8:16].view("<u8")[0])
     head = msgpack.unpackb(bad[16:16 + n].tobytes())
@@ -329,7 +329,7 @@ def test_a_malformed_peer_payload_is_an_invalid_state_error(damage):
         out[base:] = data
         return out
 
-    assert len(unpack_boxes(rebuild(head), "x")) == 2  # the rebuild itself keeps a payload intact
+    assert len(unpack_payload(rebuild(head), "x")) == 2  # the rebuild itself keeps a payload intact
     if damage == "magic":
         bad[0] ^= 1
     elif damage == "short":
@@ -345,7 +345,7 @@ def test_a_malformed_peer_payload_is_an_invalid_state_error(damage):
             head[0][2] = "float128"
         bad = rebuild(head)
     with pytest.raises(InvalidStateError) as e:
-        unpack_boxes(bad, "tiers/save/3 from rank 1")
+        unpack_payload(bad, "tiers/save/3 from rank 1")
     assert e.value.object == "tiers/save/3 from rank 1"
 
 
@@ -453,7 +453,7 @@ def _raw_payload(head: list, data: bytes) -> np.ndarray:
 
 
 def _good_head() -> tuple[list, bytes]:
-    """Two float32 boxes of "w" (12,) and a bool box of "m" (2,), laid out as pack_boxes lays them."""
+    """Two float32 boxes of "w" (12,) and a bool box of "m" (2,), laid out as pack_payload lays them."""
     data = bytearray(192)
     data[0:16] = np.arange(4, dtype="<f4").tobytes()
     data[64:80] = np.arange(4, 8, dtype="<f4").tobytes()
@@ -505,10 +505,10 @@ def test_unpack_boxes_checks_every_header_field(damage):
     where the record names one, the key: InvalidStateError, InvalidDataError for a bool byte other
     than 0/1. The control: the intact payload built the same way decodes to its values."""
     from ckptfmt.errors import InvalidDataError, InvalidStateError
-    from ckptfmt.manager._payload import unpack_boxes
+    from ckptfmt.manager._payload import unpack_payload
 
     head, data = _good_head()
-    got = unpack_boxes(_raw_payload(head, data), "tiers/save/3 from rank 1")
+    got = unpack_payload(_raw_payload(head, data), "tiers/save/3 from rank 1")
     assert [(k, s, b) for k, s, _, b, _ in got] == [("w", (12,), Box((0,), (4,))), ("w", (12,), Box((4,), (4,))),
                                                     ("m", (2,), Box((0,), (2,)))]
     assert got[1][4].tolist() == [4.0, 5.0, 6.0, 7.0] and got[2][4].tolist() == [True, False]
@@ -516,7 +516,7 @@ def test_unpack_boxes_checks_every_header_field(damage):
     bad = head if isinstance(head, np.ndarray) else _raw_payload(head, data)
     want = InvalidDataError if damage == "bool_byte" else InvalidStateError
     with pytest.raises(want) as e:
-        unpack_boxes(bad, "tiers/save/3 from rank 1")
+        unpack_payload(bad, "tiers/save/3 from rank 1")
     assert type(e.value) is want and e.value.object == "tiers/save/3 from rank 1"
     if damage in ("negative_shape", "box_outside_tensor", "box_rank", "duplicate_box", "overlapping_data",
                   "unaligned_data", "two_shapes_for_a_key", "bool_byte"):
@@ -550,7 +550,7 @@ del raw
 r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.perf_counter()
 try:
-    P.unpack_boxes(pay, "tiers/save/3 from rank 1")
+    P.unpack_payload(pay, "tiers/save/3 from rank 1")
     err = None
 except Exception as e:
     err = type(e).__name__

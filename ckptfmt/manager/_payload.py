@@ -5,12 +5,12 @@ Layout (little-endian; it never leaves one run of one ckptfmt version, and is no
     b"ckptbox1"  header length (u64)  header (msgpack)  padding  box data, each 64-byte aligned
 
 The header lists, per box: key path, global shape, dtype name, offset, shape, the data's start in
-the payload and its byte count. :func:`pack_boxes` copies each box into one preallocated buffer
+the payload and its byte count. :func:`pack_payload` copies each box into one preallocated buffer
 with ``numpy.copyto``, which releases the GIL, so a local save's background thread does not hold
 the interpreter for the copy while the training loop runs (the earlier msgpack payload copied
-every box twice under the GIL, ``tobytes`` and ``packb``). :func:`unpack_boxes` returns views
+every box twice under the GIL, ``tobytes`` and ``packb``). :func:`unpack_payload` returns views
 into the payload, no copy. A received payload is untrusted until its crc32c matched
-(:func:`check_payload`), and :func:`unpack_boxes` checks every header field against the buffer
+(:func:`check_payload`), and :func:`unpack_payload` checks every header field against the buffer
 before it makes a view.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ckptfmt.dtypes import DTYPES, dtype_name, numpy_dtype
 from ckptfmt.errors import CheckpointError, ChecksumMismatchError, InvalidDataError, InvalidStateError
 from ckptfmt.layout import MAX_DIM, MAX_NDIM
 
-__all__ = ["pack_boxes", "unpack_boxes", "check_payload", "as_bytes_view"]
+__all__ = ["pack_payload", "unpack_payload", "check_payload", "as_bytes_view"]
 
 _MAGIC = b"ckptbox1"
 _ALIGN = 64
@@ -56,7 +56,7 @@ def _up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def pack_boxes(boxes: Sequence[BoxTuple]) -> np.ndarray:
+def pack_payload(boxes: Sequence[BoxTuple]) -> np.ndarray:
     """A host's boxes as one exchange payload (a uint8 array; see the module docstring)."""
     metas, arrays, pos = [], [], 0
     for k, shape, dt, b, a in boxes:
@@ -89,8 +89,8 @@ def check_payload(got: Any, crc: int, what: str) -> Any:
     return got
 
 
-def unpack_boxes(payload: Any, what: str) -> list[BoxTuple]:
-    """The boxes of a payload :func:`pack_boxes` made, as views into it.
+def unpack_payload(payload: Any, what: str) -> list[BoxTuple]:
+    """The boxes of a payload :func:`pack_payload` made, as views into it.
 
     A peer's payload is untrusted input: every header field is checked before a view is made
     (a known dtype name; a box of its tensor's rank inside the tensor; the byte count the box
@@ -110,7 +110,7 @@ def unpack_boxes(payload: Any, what: str) -> list[BoxTuple]:
                                 expected="the boxes a peer packed", found=f"{buf.size} bytes") from None
 
 
-class _Reader:
+class _HeaderFile:
     """A read-only file over the header's bytes: msgpack's Unpacker pulls small pieces from it
     instead of copying the whole header first."""
 
@@ -133,7 +133,7 @@ def _unpack(buf: np.ndarray, what: str) -> list[BoxTuple]:
     room = buf.size - base  # the data region's bytes
     # Arrays and maps are only read through read_array_header (whose lengths are checked here), so
     # unpack() returns scalars: nothing in a field can build a large object.
-    u = msgpack.Unpacker(_Reader(memoryview(buf[16:16 + n])), raw=False, read_size=1 << 16, max_array_len=0,
+    u = msgpack.Unpacker(_HeaderFile(memoryview(buf[16:16 + n])), raw=False, read_size=1 << 16, max_array_len=0,
                          max_map_len=0, max_bin_len=0, max_ext_len=0, max_str_len=_MAX_KEY_BYTES)
     count = u.read_array_header()
     if count > _MAX_BOXES or count > n // _MIN_ENTRY:
@@ -175,7 +175,7 @@ def _unpack(buf: np.ndarray, what: str) -> list[BoxTuple]:
                                     expected="each box once", found=str(box))
         seen.add((k, box))
         want = math.prod(bshape) * dtype.itemsize
-        # pack_boxes lays the boxes out in order, each 64-byte aligned: no two share a byte.
+        # pack_payload lays the boxes out in order, each 64-byte aligned: no two share a byte.
         if nbytes != want or start % _ALIGN or not end <= start <= room - want:
             raise InvalidStateError("a peer payload's box data is out of place", key=k, object=what,
                                     expected=f"{want} bytes at a 64-byte aligned offset in [{end}, {room - want}]",

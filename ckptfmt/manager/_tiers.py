@@ -41,11 +41,11 @@ from ckptfmt.repository import Repository
 from ckptfmt.session import save
 from ckptfmt.session._saveopts import SaveOptions
 from ckptfmt.session.asyncsave import BackgroundWorker
-from ckptfmt.manager._payload import check_payload, pack_boxes, unpack_boxes
+from ckptfmt.manager._payload import check_payload, pack_payload, unpack_payload
 
 __all__ = ["LocalTier", "PeerExchange", "HeldBox", "TierSave", "TIERS_KEY", "RUN_KEY", "TierWriter", "distinct_boxes",
            "run_identity",
-           "check_payload", "pack_boxes", "unpack_boxes"]
+           "check_payload", "pack_payload", "unpack_payload"]
 
 _log = logging.getLogger("ckptfmt.manager")
 
@@ -131,7 +131,7 @@ class PeerExchange(Protocol):
     ``shift(name, payload, offset)`` is a collective: every rank calls it with the same ``name``
     and ``offset``; rank ``r``'s payload goes to rank ``(r + offset) mod world``, and the call
     returns what rank ``(r - offset) mod world`` sent. A payload is a bytes-like object (a uint8
-    array from :func:`~ckptfmt.manager._payload.pack_boxes`); what comes back may be any bytes-like
+    array from :func:`~ckptfmt.manager._payload.pack_payload`); what comes back may be any bytes-like
     object, a view of the exchange's own buffer included, checked with ``check_payload``. Raises
     the framework's error, or a CheckpointError, on every rank when the exchange fails.
 
@@ -198,7 +198,7 @@ class TierSave:
 
 def distinct_boxes(shards: Sequence[LocalShard]) -> list[tuple[str, tuple[int, ...], Any, Box, np.ndarray]]:
     """The host-copied boxes of a bridge's staged shards, each distinct ``(key, box)`` once (its
-    first replica) and empty boxes left out, as :func:`pack_boxes` takes them."""
+    first replica) and empty boxes left out, as :func:`pack_payload` takes them."""
     seen: set[tuple[str, Box]] = set()
     out = []
     for s in shards:
@@ -297,7 +297,7 @@ class TierWriter:
     def _exchange(self, step: int, own: list) -> tuple[bytes | BaseException, float]:
         t0 = time.perf_counter()
         try:
-            return self.exchange.shift(f"tiers/save/{step}", pack_boxes(own), -1), time.perf_counter() - t0  # type: ignore[union-attr]
+            return self.exchange.shift(f"tiers/save/{step}", pack_payload(own), -1), time.perf_counter() - t0  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - recorded by the local save, which then fails
             return e, time.perf_counter() - t0
 
@@ -313,7 +313,7 @@ class TierWriter:
                 got, exchange_s = received if received is not None else self._exchange(job.step, own)
                 if isinstance(got, BaseException):
                     raise got
-                peer = unpack_boxes(got, f"the boxes of host {(self.rank + 1) % self.world} for step {job.step}")
+                peer = unpack_payload(got, f"the boxes of host {(self.rank + 1) % self.world} for step {job.step}")
                 peer_bytes = sum(int(a.nbytes) for *_, a in peer)
                 boxes += [((self.rank + 1) % self.world, b) for b in peer]
             write_local_step(self.repository, job.step, self.rank, self.world, token, boxes, global_state, self.options,

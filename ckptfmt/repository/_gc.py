@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptfmt import layout
-from ckptfmt.repository._gcfence import Lease as _Lease
+from ckptfmt.repository._gcfence import StoredLease as _StoredLease
 from ckptfmt.repository._gcfence import SaveNames, claim, lease_pins, list_saves, pinned_by_leases, remove_save
-from ckptfmt.repository._gcfence import parse_lease as _parse_lease
+from ckptfmt.repository._gcfence import stored_lease as _stored_lease
 from ckptfmt.repository._recognise import recognise
 from ckptfmt.repository._retention import Retention
 from ckptfmt.repository._verified import forget, unverified
@@ -290,7 +290,7 @@ class _Liveness:
     """Step 3: the candidates' leases, and which saves may be in progress (``fresh``: unless a
     manifest turns out to name them) or are left to decide (``pending``)."""
 
-    leases: dict[str, _Lease]
+    leases: dict[str, _StoredLease]
     pending: set[str]
     fresh: set[str]
     unreadable: int = 0  # leases that could not be read (their refs are unknown)
@@ -301,7 +301,7 @@ class _Liveness:
 def _read_leases(st: Any, names: SaveNames, retired: dict[str, int], report: GcReport, now: float,
                  grace_s: float) -> _Liveness:
     """Leases first (FORMAT.md 10.3 step 2): drop the saves in progress."""
-    leases: dict[str, _Lease] = {}
+    leases: dict[str, _StoredLease] = {}
     read = [sid for sid, e in names.candidates.items() if e.marker == "file"]
     unreadable = 0
     for sid, e in names.candidates.items():
@@ -314,7 +314,7 @@ def _read_leases(st: Any, names: SaveNames, retired: dict[str, int], report: GcR
             report.problems.append(f"{SAVES}{sid}: lease unreadable ({got.found}); kept")
             continue
         if got[0] is not None:
-            leases[sid] = _parse_lease(got[0], got[1])
+            leases[sid] = _stored_lease(got[0], got[1])
     pending: set[str] = set()
     fresh: set[str] = set()
     for sid, e in names.candidates.items():
@@ -342,7 +342,7 @@ def _custom_pins(st: Any, names: SaveNames) -> tuple[set[str], int]:
     many of those leases could not be read."""
     read = [sid for sid, e in names.custom.items() if e.marker == "file"]
     got = st.read_each_with_generation([lease_key(sid) for sid in read], LEASE_MAX_BYTES) if read else []
-    pins = pinned_by_leases(_parse_lease(g[0], g[1]) for g in got if not isinstance(g, StorageError) and g[0] is not None)
+    pins = pinned_by_leases(_stored_lease(g[0], g[1]) for g in got if not isinstance(g, StorageError) and g[0] is not None)
     return pins, sum(isinstance(g, StorageError) for g in got)
 
 
@@ -440,7 +440,7 @@ def _settle(repo: Any, names: SaveNames, claimed: set[str], retired: dict[str, i
     report.pinned.sort()
 
 
-def _decide(repo: Any, sid: str, lease: _Lease | None, retired: dict[str, int],
+def _decide(repo: Any, sid: str, lease: _StoredLease | None, retired: dict[str, int],
             damaged: dict[int, str], blind: list[str], now: float, grace_s: float) -> str | None:
     """None to collect ``sid`` (its lease, if any, is claimed here); otherwise "in progress",
     "committed", or why it is kept."""

@@ -30,14 +30,17 @@ from ckptfmt.layout import (LEASE_NAME, SAVES, arrays_prefix, is_save_id, lease_
                             state_prefix)
 from ckptfmt.storage import NO_VALUE
 
-__all__ = ["Lease", "parse_lease", "pinned_by_leases", "collected_lease", "scan_saves", "SaveNames", "list_saves",
+__all__ = ["StoredLease", "stored_lease", "pinned_by_leases", "collected_lease", "scan_saves", "SaveNames", "list_saves",
            "lease_pins", "claim", "excluded", "remove_save"]
 
 LEASE_MAX_BYTES = layout.LEASE_MAX_BYTES
 
 
 @dataclass(frozen=True)
-class Lease:
+class StoredLease:
+    """A lease as a collector read it: what :class:`ckptfmt.layout.Lease` says, and the storage
+    generation it was read at (a claim rewrites it conditionally on that generation)."""
+
     generation: bytes
     heartbeat_unix: float  # 0.0 when unreadable: such a lease is stale
     state: str             # "writing" | "committing" | "collected"
@@ -45,12 +48,13 @@ class Lease:
     refs: frozenset[str] = frozenset()  # the saves it pins (FORMAT.md 10.1)
 
 
-def parse_lease(value: bytes, generation: bytes) -> Lease:
+def stored_lease(value: bytes, generation: bytes) -> StoredLease:
+    """The lease ``value`` read at ``generation`` (unreadable: stale, as :func:`ckptfmt.layout.parse_lease`)."""
     lease = layout.parse_lease(value)
-    return Lease(generation, lease.heartbeat_unix, lease.state, lease.step, lease.refs)
+    return StoredLease(generation, lease.heartbeat_unix, lease.state, lease.step, lease.refs)
 
 
-def pinned_by_leases(leases: Iterable[Lease]) -> set[str]:
+def pinned_by_leases(leases: Iterable[StoredLease]) -> set[str]:
     """The save ids that leases not marked ``collected`` pin (FORMAT.md 10.1, 10.3 step 2)."""
     return {r for lease in leases if lease.state != "collected" for r in lease.refs}
 
@@ -116,7 +120,7 @@ def lease_pins(st: Any, *, but: str | None = None) -> set[str] | None:
         if isinstance(g, StorageError):
             return None
         if g[0] is not None:
-            pins |= pinned_by_leases([parse_lease(g[0], g[1])])
+            pins |= pinned_by_leases([stored_lease(g[0], g[1])])
     return pins
 
 
@@ -130,7 +134,7 @@ def claim(st: Any, sid: str, generation: bytes | None = None) -> str | None:
         if isinstance(got, StorageError):
             return f"its lease could not be read ({got.found})"
         value, now = got
-        if value is not None and parse_lease(value, now).state == "collected":
+        if value is not None and stored_lease(value, now).state == "collected":
             return None
         want = (now if value is not None else NO_VALUE) if generation is None else generation
         if st.write_if(lease_key(sid), collected_lease(sid), want):
@@ -150,7 +154,7 @@ def excluded(st: Any, save_ids: Iterable[str]) -> frozenset[str]:
     except CheckpointError:
         return frozenset(ids)
     for sid, got in zip(ids, leases):
-        if isinstance(got, StorageError) or (got[0] is not None and parse_lease(got[0], got[1]).state == "collected"):
+        if isinstance(got, StorageError) or (got[0] is not None and stored_lease(got[0], got[1]).state == "collected"):
             out.add(sid)
     return frozenset(out)
 
