@@ -34,22 +34,14 @@ from ._joins import Stack
 from ._rules import Mapping, Rule, _compile, _fill, _placeholders
 from ._chain import MappingError
 from ._transforms import NotApplicable, Select
+from .presets import REGISTRY
 
 __all__ = ["mapped_tensors", "export_tensors", "Coverage", "strip_target_prefix", "PRESETS",
            "preset_mapping", "MAX_OUTPUTS"]
 
-#: Presets an export can name (``ckptfmt export --mapping NAME --config config.json``).
-PRESETS = ("hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx",
-           "hf_gemma2_from_nnx", "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx",
-           "hf_qwen3_from_maxtext", "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext")
-#: Where each preset's checkpoint keeps training state (optimizer, step counter): an export of the
-#: weights leaves these keys out on purpose (its ``ignore`` globs).
-_TRAINING_STATE = {"hf_llama_from_nnx": ("optimizer/*",), "hf_gpt2_from_nnx": ("optimizer/*",),
-                   "hf_qwen3_from_nnx": ("optimizer/*",), "hf_gemma2_from_nnx": ("optimizer/*",),
-                   "hf_gemma3_from_nnx": ("optimizer/*",),
-                   "hf_mixtral_from_nnx": ("optimizer/*",), "hf_qwen2_moe_from_nnx": ("optimizer/*",),
-                   "hf_llama_from_maxtext": ("opt_state/*", "step"), "hf_qwen3_from_maxtext": ("opt_state/*", "step"),
-                   "hf_gemma2_from_maxtext": ("opt_state/*", "step"), "hf_mixtral_from_maxtext": ("opt_state/*", "step")}
+#: Presets an export can name (``ckptfmt export --mapping NAME --config config.json``): the names
+#: of :data:`bridges.presets.REGISTRY`, where a preset is defined.
+PRESETS = tuple(REGISTRY)
 #: Output tensors one export may name (a manifest's tensor cap).
 MAX_OUTPUTS = MAX_TENSORS
 #: Regex matches spent looking for another rule's output among the names (then: fail closed).
@@ -78,15 +70,14 @@ def preset_mapping(name: str, config: Any, **kwargs: Any) -> Mapping:
     ``optimizer`` defaults to None here, and the optimizer's rules name no file tensor anyway).
     ValueError for an unknown name or name key; TypeError for an argument the preset lacks; the
     preset's own errors for a config without its sizes."""
-    from . import presets
-
-    if name not in PRESETS:
+    if name not in REGISTRY:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    preset = REGISTRY[name]
     kwargs.setdefault("optimizer", None)
     model = kwargs.get("model", "model")
     prefix = (model if isinstance(model, str) else model[1]) + "/"  # the torch state dict's prefix
-    m = strip_target_prefix(getattr(presets, name)(config, **kwargs), prefix)
-    return Mapping(m.rules, m.ignore + _TRAINING_STATE[name], m.keep, m.source_sep, m.target_sep, m.tiers)
+    m = strip_target_prefix(preset.build(config, **kwargs), prefix)
+    return Mapping(m.rules, m.ignore + preset.source.training_state, m.keep, m.source_sep, m.target_sep, m.tiers)
 
 
 def _select_sizes(rule: Rule, names: Sequence[str], key: str, shape: tuple[int, ...]) -> list[int]:

@@ -94,7 +94,7 @@ def _with_ignore(mapping: Mapping | None, ignore: Sequence[str]) -> Mapping | No
 def _preset_kwargs(spec: str, preset_args: TMapping[str, Any]) -> dict[str, Any]:
     """``preset_args`` checked against the keyword arguments of preset ``spec`` (ValueError naming
     the argument and the ones it takes; ``names`` has its own option); JSON lists become tuples."""
-    takes = [p.name for p in inspect.signature(getattr(presets, spec)).parameters.values()
+    takes = [p.name for p in inspect.signature(presets.REGISTRY[spec].build).parameters.values()
              if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "names"]
     for key in preset_args:
         if key not in takes:

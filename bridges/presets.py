@@ -56,14 +56,14 @@ MaxText facts relied on (read from AI-Hypercomputer/maxtext):
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from .mapping import Concat, Mapping, Select, Transform
 
-__all__ = ["hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx",
-           "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext",
-           "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES",
-           "MAXTEXT_LLAMA_NAMES", "MAXTEXT_QWEN3_NAMES", "MAXTEXT_GEMMA2_NAMES", "MAXTEXT_MIXTRAL_NAMES",
+#: The preset functions are added from :data:`REGISTRY`, at the end of the module.
+__all__ = ["Preset", "Source", "NNX", "MAXTEXT", "REGISTRY", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims",
+           "LLAMA_NNX_NAMES", "MAXTEXT_LLAMA_NAMES", "MAXTEXT_QWEN3_NAMES", "MAXTEXT_GEMMA2_NAMES", "MAXTEXT_MIXTRAL_NAMES",
            "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "GEMMA3_NNX_NAMES", "NAME_TABLES", "names_markdown"]
 
 from ._presets_base import (ROPE_LAYOUTS, LLAMA_NNX_NAMES, _get, _llama_entries, _mapping, _names, _rope,  # noqa: F401
@@ -259,17 +259,57 @@ from ._presets_maxtext import (MAXTEXT_GEMMA2_NAMES, MAXTEXT_LLAMA_NAMES, MAXTEX
                                MAXTEXT_QWEN3_NAMES, hf_gemma2_from_maxtext, hf_llama_from_maxtext,
                                hf_mixtral_from_maxtext, hf_qwen3_from_maxtext)
 
-NAME_TABLES: dict[str, dict[str, str]] = {"hf_llama_from_nnx": LLAMA_NNX_NAMES,
-                                          "hf_llama_from_maxtext": MAXTEXT_LLAMA_NAMES,
-                                          "hf_gpt2_from_nnx": GPT2_NNX_NAMES,
-                                          "hf_qwen3_from_nnx": QWEN3_NNX_NAMES,
-                                          "hf_gemma2_from_nnx": GEMMA2_NNX_NAMES,
-                                          "hf_gemma3_from_nnx": GEMMA3_NNX_NAMES,
-                                          "hf_mixtral_from_nnx": MIXTRAL_NNX_NAMES,
-                                          "hf_qwen2_moe_from_nnx": QWEN2_MOE_NNX_NAMES,
-                                          "hf_qwen3_from_maxtext": MAXTEXT_QWEN3_NAMES,
-                                          "hf_gemma2_from_maxtext": MAXTEXT_GEMMA2_NAMES,
-                                          "hf_mixtral_from_maxtext": MAXTEXT_MIXTRAL_NAMES}
+
+@dataclass(frozen=True)
+class Source:
+    """What every checkpoint of one JAX training library has, as the presets read it."""
+
+    name: str
+    #: Checkpoint keys of the training state (optimizer, step counter): an export of the weights
+    #: leaves them out on purpose (its ``ignore`` globs).
+    training_state: tuple[str, ...]
+    #: The preset's keyword arguments that put the weights at the checkpoint's root, so that its
+    #: rules' sources are the name table's paths as they are (:func:`names_markdown`).
+    at_root: tuple[tuple[str, Any], ...]
+
+
+#: Flax NNX: ``{"model": nnx.state(model), "optimizer": nnx.state(nnx.Optimizer(...))}``.
+NNX = Source("nnx", ("optimizer/*",), (("model", ("", "model")),))
+#: MaxText's ``TrainState``: ``params/params/...``, ``opt_state/...``, ``step``.
+MAXTEXT = Source("maxtext", ("opt_state/*", "step"), (("params", ""),))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One Hugging Face preset, defined once. Every list of presets is derived from
+    :data:`REGISTRY`: this module's exports, :data:`NAME_TABLES`, ``bridges.interop.PRESETS``
+    (what ``preset_mapping``, ``export`` and ``ckptfmt export --mapping`` accept) and the
+    training state an export leaves out."""
+
+    build: Callable[..., Mapping]  # the preset function; its name is the preset's
+    names: dict[str, str]          # its name table (``names=`` overrides its keys)
+    source: Source
+
+    @property
+    def name(self) -> str:
+        return self.build.__name__
+
+
+#: Every preset, by name.
+REGISTRY: dict[str, Preset] = {p.name: p for p in (
+    Preset(hf_llama_from_nnx, LLAMA_NNX_NAMES, NNX),
+    Preset(hf_llama_from_maxtext, MAXTEXT_LLAMA_NAMES, MAXTEXT),
+    Preset(hf_gpt2_from_nnx, GPT2_NNX_NAMES, NNX),
+    Preset(hf_qwen3_from_nnx, QWEN3_NNX_NAMES, NNX),
+    Preset(hf_gemma2_from_nnx, GEMMA2_NNX_NAMES, NNX),
+    Preset(hf_mixtral_from_nnx, MIXTRAL_NNX_NAMES, NNX),
+    Preset(hf_qwen2_moe_from_nnx, QWEN2_MOE_NNX_NAMES, NNX),
+    Preset(hf_gemma3_from_nnx, GEMMA3_NNX_NAMES, NNX),
+    Preset(hf_qwen3_from_maxtext, MAXTEXT_QWEN3_NAMES, MAXTEXT),
+    Preset(hf_gemma2_from_maxtext, MAXTEXT_GEMMA2_NAMES, MAXTEXT),
+    Preset(hf_mixtral_from_maxtext, MAXTEXT_MIXTRAL_NAMES, MAXTEXT))}
+__all__ += list(REGISTRY)
+NAME_TABLES: dict[str, dict[str, str]] = {name: p.names for name, p in REGISTRY.items()}
 #: Configs that between them turn on every option a preset reads (for naming its tensors).
 _SIZES = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
           "num_hidden_layers": 2, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16,
@@ -281,14 +321,12 @@ def names_markdown(preset: str) -> str:
     """The name table of ``preset`` as bridges/MAPPING.md prints it: each name key, its default
     path, and the Hugging Face tensors that read it (all options on: biases, untied head).
     KeyError for an unknown preset."""
-    table = NAME_TABLES[preset]
-    maxtext = preset.endswith("_from_maxtext")
-    kw = {"optimizer": None, "params": ""} if maxtext else {"optimizer": None}
-    rules = [r for cfg in _TABLE_CONFIGS for r in globals()[preset](cfg, **kw).rules]
-    under = "" if maxtext else "model/"
+    p = REGISTRY[preset]
+    kw = dict(p.source.at_root, optimizer=None)
+    rules = [r for cfg in _TABLE_CONFIGS for r in p.build(cfg, **kw).rules]
     rows = ["| name key | default path | Hugging Face tensor(s) |", "|---|---|---|"]
-    for key, path in table.items():
+    for key, path in p.names.items():
         hits = sorted({r.target.split("/", 1)[1] for r in rules for src in r.sources
-                       if src == under + path or src.startswith(under + path + "/")})
+                       if src == path or src.startswith(path + "/")})
         rows.append(f"| `{key}` | `{path}` | {', '.join(f'`{h}`' for h in hits) or '—'} |")
     return "\n".join(rows)

@@ -12,11 +12,30 @@ import contextlib
 import json
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
+import click
 import typer
+from typer.core import TyperCommand
 
 from ckptfmt_tools.cli import JsonOpt, _emit_json, _err, _fail, _out, _render, _repo, app
 
 __all__ = ["export_cmd", "import_cmd"]
+
+#: Where an option's help names the presets; filled in by :class:`_PresetsHelp`.
+PRESET_NAMES = "<presets>"
+
+
+class _PresetsHelp(TyperCommand):
+    """Names the presets (``bridges.interop.PRESETS``, from the one registry) in the help when the
+    help is shown: importing them when the command line starts would load numpy for every command."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from bridges.interop import PRESETS
+
+        for param in self.params:
+            text = getattr(param, "help", None)
+            if text and PRESET_NAMES in text:
+                param.help = text.replace(PRESET_NAMES, ", ".join(PRESETS))  # type: ignore[attr-defined]
+        super().format_help(ctx, formatter)
 
 
 @contextlib.contextmanager
@@ -59,17 +78,13 @@ def _preset_args(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-@app.command("export")
+@app.command("export", cls=_PresetsHelp)
 def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                out_dir: str = typer.Argument(..., help="Directory to write (created; must hold no safetensors files)."),
                fmt: str = typer.Option("safetensors", "--format", help="Output format (safetensors)."),
                step: Optional[int] = typer.Option(None, "--step", "-s", help="Step (default: latest)."),
-               mapping: Optional[str] = typer.Option(None, "--mapping", help="A preset (hf_llama_from_nnx, "
-                                                     "hf_llama_from_maxtext, hf_gpt2_from_nnx, hf_qwen3_from_nnx, "
-                                                     "hf_gemma2_from_nnx, hf_mixtral_from_nnx, "
-                                                     "hf_qwen2_moe_from_nnx, hf_gemma3_from_nnx, hf_qwen3_from_maxtext, "
-                                                     "hf_gemma2_from_maxtext, hf_mixtral_from_maxtext; needs --config) "
-                                                     "or a mapping JSON file. Default: every tensor as is."),
+               mapping: Optional[str] = typer.Option(None, "--mapping", help=f"A preset ({PRESET_NAMES}; needs "
+                                                     "--config) or a mapping JSON file. Default: every tensor as is."),
                dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating-point tensors "
                                                    "(bfloat16, float16, float32)."),
                max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest file (5GB, 500MiB, ...)."),
