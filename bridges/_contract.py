@@ -15,11 +15,12 @@ import numpy as np
 
 from ckptfmt import Box
 from ckptfmt.dtypes import numpy_dtype
-from ckptfmt.errors import InvalidStateError, TopologyChangedError
-from ckptfmt.reader import RANK_STATE_POLICIES, check_rank_state_policy, cooperative_reads
+from ckptfmt.errors import InvalidStateError
+from ckptfmt.rankstate import RankStatePolicy, rank_state_source
+from ckptfmt.reader import cooperative_reads
 from ckptfmt.state import decode_state, encode_state
 
-__all__ = ["RESTORE_BATCH_BYTES", "Batch", "read_batches", "check_topology", "rank_state", "renamed_keyword",
+__all__ = ["RESTORE_BATCH_BYTES", "Batch", "read_batches", "check_topology", "renamed_keyword",
            "UNSET", "effective_policy", "caller_rank_state", "state_profile", "refuse_tier_state", "stage_state",
            "restore_stats"]
 
@@ -30,15 +31,16 @@ RESTORE_BATCH_BYTES = 64 << 20
 Request = tuple[str, Box]
 
 
-def effective_policy(ckpt: Any, world: int, policy: str | None, *, caller_state: bool = True) -> str | None:
-    """The per-rank-state policy a restore applies: ``policy`` as given, except that a restore on
-    another number of processes, with no policy, of a checkpoint whose per-rank state holds nothing
-    the caller asked to save (``caller_state=False``: only what a bridge recorded itself, such as
-    the torch RNG states) drops that state (``"drop"``) instead of raising: per-rank state the
-    caller did not ask for must not stop a restore of what it did ask for (bridges/README.md)."""
-    check_rank_state_policy(policy)
+def effective_policy(ckpt: Any, world: int, policy: RankStatePolicy | None, *,
+                     caller_state: bool = True) -> RankStatePolicy | None:
+    """The per-rank-state policy a restore applies: ``policy`` (validated by the public verb,
+    :meth:`RankStatePolicy.of`) as given, except that a restore on another number of processes,
+    with no policy, of a checkpoint whose per-rank state holds nothing the caller asked to save
+    (``caller_state=False``: only what a bridge recorded itself, such as the torch RNG states)
+    drops that state (DROP) instead of raising: per-rank state the caller did not ask for must not
+    stop a restore of what it did ask for (bridges/README.md; the narrowing FORMAT.md 13.3 allows)."""
     if policy is None and not caller_state and int(ckpt.saved_world) != world:
-        return "drop"
+        return RankStatePolicy.DROP
     return policy
 
 
@@ -103,34 +105,14 @@ def restore_stats(plan: Any, *, extra: Any, rank_state: Any, batches: int, bytes
             "batches": int(batches), "bytes_read": int(bytes_read)}
 
 
-def check_topology(ckpt: Any, world: int, policy: str | None) -> None:
-    """The contract's default for per-rank state: raise when it has no owner.
-
-    ValueError for a policy not in RANK_STATE_POLICIES (a usage error). TopologyChangedError,
-    naming the policies to choose, when ``ckpt`` holds per-rank state saved by a different number
-    of processes than ``world`` and ``policy`` is None. Otherwise returns and reads nothing.
+def check_topology(ckpt: Any, world: int, policy: RankStatePolicy | None) -> None:
+    """The contract's default for per-rank state: raise when it has no owner. The core decides
+    (:func:`ckptfmt.rankstate.rank_state_source`, FORMAT.md 7.4), so a bridge raises the core's
+    TopologyChangedError, with its message, when ``ckpt`` holds per-rank state saved by a different
+    number of processes than ``world`` and ``policy`` is None. Otherwise returns and reads nothing.
     """
-    check_rank_state_policy(policy)
-    entries = getattr(ckpt.manifest, "state", {}) or {}
-    has_rank = any(str(name).startswith("rank/") for name in entries)
-    saved = int(ckpt.saved_world)
-    if has_rank and saved != world and policy is None:
-        choices = ", ".join(repr(p) for p in RANK_STATE_POLICIES)
-        raise TopologyChangedError(
-            f"step {ckpt.step} holds per-rank state of {saved} processes but {world} are restoring; "
-            f"pass rank_state_policy= one of {choices}: 'drop' (start per-rank state afresh), 'rank0' "
-            "(give every process rank 0's state) or 'same-rank' (rank r gets rank r's state where one was saved)",
-            object=f"step {ckpt.step}", expected=f"{saved} processes", found=f"{world} processes")
-
-
-def rank_state(ckpt: Any, rank: int, world: int, policy: str | None) -> Any:
-    """This process's per-rank state under the contract's policy: None when none was saved (or
-    for ``"drop"`` on another topology); :func:`check_topology`'s errors otherwise."""
-    check_topology(ckpt, world, policy)
-    entries = getattr(ckpt.manifest, "state", {}) or {}
-    if not any(str(name).startswith("rank/") for name in entries):
-        return None
-    return ckpt.rank_state(rank, world=world, policy=policy)
+    rank_state_source(getattr(ckpt.manifest, "state", {}) or {}, step=ckpt.step, saved_world=int(ckpt.saved_world),
+                      rank=0, world=world, policy=policy)
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from ckptfmt import Box, Repository, agree_step
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import CheckpointError, InvalidStateError, ShapeMismatchError
 from ckptfmt.interop import open_source
-from ckptfmt.reader import CoopStats, check_rank_state_policy
+from ckptfmt.rankstate import RankStatePolicy
+from ckptfmt.reader import CoopStats
 from ckptfmt.restoreplan import RestorePlan, RestoreSource, TargetLeaf, TensorPlan, plan_restore
 
 from ._contract import caller_rank_state, check_topology, effective_policy, read_batches, restore_stats
-from ._contract import rank_state as _rank_state
 from ._jaxcoord import JaxCoordinator
 from ._jaxshare import JaxExchange, spans_processes
 from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, nest, physical_sharding, placement
@@ -276,13 +276,13 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
     and verify --, ``build_s``), ``bytes_restored``, ``boxes`` and the reader's counters (``reader``).
     """
     t0 = time.perf_counter()
-    check_rank_state_policy(rank_state_policy)  # a usage error, raised before anything is opened
+    policy = RankStatePolicy.of(rank_state_policy)  # the one check (a usage error), before anything is opened
     ckpt = _open(url, step)
     # A torch checkpoint holding only the torch bridge's RNG states goes on at another world size
     # without a policy (FORMAT.md 13.3), as in bridges.torch.load.
     world = jax.process_count()
-    rank_state_policy = effective_policy(ckpt, world, rank_state_policy, caller_state=caller_rank_state(ckpt.state() or {}))
-    check_topology(ckpt, world, rank_state_policy)
+    policy = effective_policy(ckpt, world, policy, caller_state=caller_rank_state(ckpt.state() or {}))
+    check_topology(ckpt, world, policy)
     bridge = _bridge_state(ckpt)
     t1 = time.perf_counter()
     keys = set(ckpt.keys())
@@ -313,7 +313,7 @@ def restore(url: str, target: Any = None, *, step: int | None = None, rank_state
         warnings.warn(message, KeptValuesWarning, stacklevel=2)
     t4 = time.perf_counter()
     if stats is not None:
-        _fill_stats(stats, ckpt, plan, rank_state_policy, batches, int(ckpt.stats.bytes_read) - before)
+        _fill_stats(stats, ckpt, plan, policy, batches, int(ckpt.stats.bytes_read) - before)
         stats.update(open_s=t1 - t0, plan_s=t2 - t1, read_s=t3 - t2, build_s=t4 - t3, bytes_restored=nbytes,
                      cooperative=coop.as_dict(), boxes=sum(len(a.requests()) for a in arrays.values()))
     if treedef is None:
@@ -352,11 +352,11 @@ def _dtype(ckpt: Any, key: str) -> np.dtype:
     return numpy_dtype(ckpt.tensor(key).dtype)
 
 
-def _fill_stats(stats: dict[str, Any], ckpt: Any, plan: RestorePlan, policy: str | None, batches: int,
+def _fill_stats(stats: dict[str, Any], ckpt: Any, plan: RestorePlan, policy: RankStatePolicy | None, batches: int,
                 bytes_read: int) -> None:
     st = ckpt.state() or {}
     extra = st.get("extra") if isinstance(st, dict) else None
-    rank_state = _rank_state(ckpt, jax.process_index(), jax.process_count(), policy)
+    rank_state = ckpt.rank_state(jax.process_index(), world=jax.process_count(), policy=policy)
     stats.update(restore_stats(plan, extra=extra, rank_state=rank_state, batches=batches, bytes_read=bytes_read))
     reader = ckpt.stats
     stats["reader"] = {"bytes_read": reader.bytes_read, "requests": reader.requests,
@@ -376,5 +376,5 @@ def load_rank_state(url: str, step: int | None = None, *, rank_state_policy: str
     TopologyChangedError unless ``rank_state_policy`` is ``"drop"`` (returns None), ``"rank0"``
     (returns rank 0's state) or ``"same-rank"``. Returns None when no rank state was saved.
     """
-    check_rank_state_policy(rank_state_policy)
-    return _rank_state(_open(url, step), jax.process_index(), jax.process_count(), rank_state_policy)
+    policy = RankStatePolicy.of(rank_state_policy)  # the one check, before anything is opened
+    return _open(url, step).rank_state(jax.process_index(), world=jax.process_count(), policy=policy)

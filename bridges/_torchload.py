@@ -17,12 +17,12 @@ from ckptfmt import agree_step
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import InvalidStateError
 from ckptfmt.interop import open_source
-from ckptfmt.reader import CoopStats, check_rank_state_policy
+from ckptfmt.rankstate import RankStatePolicy
+from ckptfmt.reader import CoopStats
 from ckptfmt.restoreplan import RestorePlan, RestoreReport, RestoreSource, TargetLeaf, plan_restore
 
 from ._contract import (UNSET, caller_rank_state, check_topology, effective_policy, read_batches, renamed_keyword,
                         restore_stats)
-from ._contract import rank_state as _rank_state
 from ._torchconv import (_OBJECTS, _flatten, _local, _rank, _rebuild, _target_boxes, _world, _wrap_like, dtype_name,
                          from_numpy)
 from ._torchshare import TorchExchange, collectives_pay, replicated_over_ranks
@@ -130,12 +130,12 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_
     (:class:`ckptfmt.reader.CoopStats` as a dict, also ``Loaded.cooperative``). ``target`` is never
     modified.
     """
-    rank_state_policy = renamed_keyword("load", "rank_policy", "rank_state_policy", rank_policy, rank_state_policy)
-    check_rank_state_policy(rank_state_policy)  # a usage error, raised before anything is opened
+    given = renamed_keyword("load", "rank_policy", "rank_state_policy", rank_policy, rank_state_policy)
+    policy = RankStatePolicy.of(given)  # the one check: a usage error, raised before anything is opened
     ckpt = _open(url, step)
     gstate = ckpt.state() or {}
-    rank_state_policy = _policy(ckpt, gstate, rank_state_policy)
-    check_topology(ckpt, _world(), rank_state_policy)
+    policy = _policy(ckpt, gstate, policy)
+    check_topology(ckpt, _world(), policy)
     saved_objects = _saved_objects(gstate)
     flat = list(_flatten(target))
     plan = plan_restore(ckpt, [_leaf(k, v) for k, v in flat], mapping, strict, objects=saved_objects)
@@ -150,7 +150,7 @@ def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_
     out.missing_keys, out.unexpected_keys = list(plan.report.missing), list(plan.report.unexpected)
     out.extra = gstate.get("extra") if isinstance(gstate, dict) else None
     out.saved_world = int(ckpt.saved_world)
-    rs = _rank_state(ckpt, _rank(), _world(), rank_state_policy) or {}
+    rs = ckpt.rank_state(_rank(), world=_world(), policy=policy) or {}
     out.rank_state = rs.get("extra") if isinstance(rs, dict) else None
     out.rng = ((rs.get("torch") or {}).get("rng")) if isinstance(rs, dict) else None
     out.bytes_read = _stat(ckpt, "bytes_read") - before
@@ -236,13 +236,13 @@ def load_rank_state(url: str, step: int | None = None, *, rank_state_policy: str
     opened, and TopologyChangedError (naming the policies) at another world size without one
     when the save was given a ``rank_state`` (None otherwise: nothing was asked for).
     """
-    check_rank_state_policy(rank_state_policy)
+    policy = RankStatePolicy.of(rank_state_policy)  # the one check, before anything is opened
     ckpt = _open(url, step)
-    rs = _rank_state(ckpt, _rank(), _world(), _policy(ckpt, ckpt.state() or {}, rank_state_policy))
+    rs = ckpt.rank_state(_rank(), world=_world(), policy=_policy(ckpt, ckpt.state() or {}, policy))
     return rs.get("extra") if isinstance(rs, dict) else None
 
 
-def _policy(ckpt: Any, gstate: Any, policy: str | None) -> str | None:
+def _policy(ckpt: Any, gstate: Any, policy: RankStatePolicy | None) -> RankStatePolicy | None:
     """The per-rank-state policy of a restore (bridges._contract.effective_policy): a checkpoint
     whose ``torch.rank_state`` is false holds only the bridge's RNG states per rank, which another
     world size drops unless ``policy`` asks for them. A checkpoint without the flag (written before

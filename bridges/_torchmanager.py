@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ckptfmt import LocalCoordinator
 from ckptfmt.manager import CheckpointManager as _CoreManager
 from ckptfmt.manifest import Manifest
+from ckptfmt.rankstate import RankStatePolicy
 
 from . import _torchpeer
 
@@ -77,7 +78,7 @@ class CheckpointManager(_CoreManager):
                    metadata=metadata, options=self.options, mapping=self.mapping)
         return (lambda: out) if blocking else out.result
 
-    def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None
+    def _restore_verb(self, target: Any, step: int, rank_state_policy: RankStatePolicy | None = None
                       ) -> tuple[Any, Any, Mapping[str, Any]]:
         from .torch import load
 

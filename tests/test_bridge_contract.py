@@ -20,7 +20,8 @@ BRIDGES = {"jax": ("jax", "flax"), "torch": ("torch",)}
 SCENARIOS = ["signatures", "round_trip_extra_and_rank_state", "no_committed_step",
              "async_save_returns_the_core_handle", "topology_change_needs_a_policy", "strict_and_mapping",
              "batched_restore", "partial_restore", "cast_within_one_kind", "every_mismatch_in_one_error",
-             "async_save_snapshots_numpy_extra", "unencodable_extra_raises_at_the_call"]
+             "async_save_snapshots_numpy_extra", "unencodable_extra_raises_at_the_call",
+             "a_bad_policy_raises_before_any_read"]
 _results: dict[str, dict[str, str]] = {}
 
 

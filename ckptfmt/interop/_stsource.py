@@ -38,7 +38,8 @@ from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import (ChecksumMismatchError, InvalidDataError, InvalidSourceError, KeyMismatchError,
                             ShapeMismatchError, SizeMismatchError)
-from ckptfmt.reader import ReadStats, check_rank_state_policy
+from ckptfmt.rankstate import RankStatePolicy
+from ckptfmt.reader import ReadStats
 from ckptfmt.storage import PositionalFile, StorageOptions, open_storage
 
 __all__ = ["SafetensorsSource", "SourceTensor", "SourceManifest", "find_safetensors", "MAX_INDEX_BYTES"]
@@ -296,7 +297,7 @@ class SafetensorsSource:
 
     def rank_state(self, rank: int, *, world: int | None = None, policy: str | None = None) -> None:
         """A safetensors source holds no per-rank state (an unknown ``policy`` is still a ValueError)."""
-        check_rank_state_policy(policy)
+        RankStatePolicy.of(policy)
 
     def read(self, key: str, box: Box | None = None) -> np.ndarray:
         return self.read_boxes([(key, box if box is not None else Box.full(self.tensor(key).shape))])[0]

@@ -56,7 +56,7 @@ from ckptfmt.errors import CheckpointError, IncompleteSaveError, KeyMismatchErro
 from ckptfmt.manifest import Manifest
 from ckptfmt.session._saveopts import SaveOptions
 from ckptfmt.session.asyncsave import BackgroundWorker, save_async
-from ckptfmt.reader import check_rank_state_policy
+from ckptfmt.rankstate import RankStatePolicy
 from ckptfmt.repository import Repository
 from ckptfmt.session import save
 
@@ -156,11 +156,12 @@ class CheckpointManager(TierMixin):
         handle = save_async(self.repository, step, shards, **kw)
         return handle.result
 
-    def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None
+    def _restore_verb(self, target: Any, step: int, rank_state_policy: RankStatePolicy | None = None
                       ) -> tuple[Any, Any, Mapping[str, Any]]:
         """Restore ``step`` into ``target``; return (state, extra, stats). Raises the reader's
         CheckpointError when any byte it reads fails verification. Bridge hook; a bridge applies
-        ``rank_state_policy`` as its restore verb does (the core manager returns no per-rank state)."""
+        ``rank_state_policy`` (validated by :meth:`restore`) as its restore verb does (the core
+        manager returns no per-rank state)."""
         ckpt = self.repository.open(step)
         keys = sorted(ckpt.keys()) if target is None else list(target)
         missing = [k for k in keys if k not in set(ckpt.keys())]
@@ -405,7 +406,7 @@ class CheckpointManager(TierMixin):
         step whose manifest does not read is skipped. ValueError without a metric name or with a bad mode."""
         return best_step(self, metric or self.retention.best_metric, mode or self.retention.best_mode)
 
-    def _attempt(self, target: Any, step: int, policy: str | None = None
+    def _attempt(self, target: Any, step: int, policy: RankStatePolicy | None = None
                  ) -> tuple[Any, BaseException | None, list[tuple[int, dict[str, Any]]]]:
         """Restore ``step`` here and agree with every rank: (value, this rank's error, every rank's
         error as (rank, error JSON), the same list on every rank). A non-CheckpointError raises here
@@ -454,7 +455,7 @@ class CheckpointManager(TierMixin):
         saved by another number of processes raises TopologyChangedError (naming the policies)
         unless it is "drop", "rank0" or "same-rank"; any other value raises ValueError at once.
         """
-        check_rank_state_policy(rank_state_policy)
+        policy = RankStatePolicy.of(rank_state_policy)  # the one check, before anything is read
         self._check_open()
         if step is not None:
             step = _check_step(step)
@@ -467,7 +468,7 @@ class CheckpointManager(TierMixin):
         skipped: list[SkippedStep] = []
         errors: list[CheckpointError] = []
         for s in candidate_steps(self, step, best):
-            value, local, errs = self._attempt(target, s, rank_state_policy)
+            value, local, errs = self._attempt(target, s, policy)
             if not errs:
                 state, extra, stats = value
                 if skipped:

@@ -33,16 +33,17 @@ from ckptfmt.reader._verifylocal import LocalVerify, ReadBuffers
 from ckptfmt._types import Box
 from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import numpy_dtype
-from ckptfmt.errors import (ChecksumMismatchError, InvalidStateError, KeyMismatchError, SizeMismatchError,
-                            TopologyChangedError)
+from ckptfmt.errors import ChecksumMismatchError, InvalidStateError, KeyMismatchError, SizeMismatchError
 from ckptfmt.manifest import Manifest, TensorEntry
 from ckptfmt.plan import ReadItem, plan_reads
+from ckptfmt.rankstate import RANK_STATE_POLICIES as RANK_STATE_POLICIES
+from ckptfmt.rankstate import RankStatePolicy, rank_state_source
 from ckptfmt.state import decode_state
 from ckptfmt.storage import Pending, Storage
 from ckptfmt.storage._options import DEFAULT_READ_WINDOW as DEFAULT_READ_WINDOW
 
-__all__ = ["Checkpoint", "ReadStats", "ChunkRef", "SuppliedChunk", "check_state_bytes", "DEFAULT_READ_WINDOW", "RANK_STATE_POLICIES", "check_rank_state_policy",
-           "Exchange", "CoopPlan", "CoopStats", "RoundPlan", "plan_cooperative", "cooperative_reads"]
+__all__ = ["Checkpoint", "ReadStats", "ChunkRef", "SuppliedChunk", "check_state_bytes", "DEFAULT_READ_WINDOW",
+           "RANK_STATE_POLICIES", "Exchange", "CoopPlan", "CoopStats", "RoundPlan", "plan_cooperative", "cooperative_reads"]
 
 #: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
 MAX_STATE_BYTES = 64 << 20
@@ -52,21 +53,6 @@ Progress = Callable[[int, int], None]
 ChunkRef = tuple[str, int]
 #: A chunk another process delivered: its stored bytes (data and trailer) and who sent them.
 SuppliedChunk = tuple[Any, str]
-
-#: The per-rank state policies of FORMAT.md 7.4 (None, the default, means "same world only").
-RANK_STATE_POLICIES = ("drop", "rank0", "same-rank")
-
-
-def check_rank_state_policy(policy: str | None) -> None:
-    """Raise ValueError, naming the accepted policies, unless ``policy`` is None or one of them.
-
-    An unknown policy is a caller's mistake, not a property of the checkpoint, so it is not a
-    CheckpointError (and never a TopologyChangedError).
-    """
-    if policy is not None and policy not in RANK_STATE_POLICIES:
-        raise ValueError(f"unknown rank state policy {policy!r}; expected one of "
-                         f"{', '.join(map(repr, RANK_STATE_POLICIES))} or None")
-
 
 @dataclass
 class ReadStats:
@@ -401,26 +387,18 @@ class Checkpoint(PositionalReads, LocalVerify):
     def rank_state(self, rank: int, *, world: int | None = None, policy: str | None = None) -> Any:
         """Per-rank state saved by ``rank``, or None when that rank saved none.
 
-        A checkpoint that holds no per-rank state (no ``rank/<r>`` entry) returns None for any
-        ``world`` and policy (FORMAT.md 7.4). One that holds some, restored on a different number
-        of ranks (``world`` != saved writers), raises TopologyChangedError unless ``policy`` is
-        given: "drop" returns None, "rank0" returns rank 0's state for every rank, "same-rank"
-        returns rank ``rank``'s state when it exists. A policy not in :data:`RANK_STATE_POLICIES`
-        is a usage error: ValueError, before any read.
+        Decided by :func:`ckptfmt.rankstate.rank_state_source` (FORMAT.md 7.4), as in every bridge:
+        a checkpoint that holds no per-rank state (no ``rank/<r>`` entry) returns None for any
+        ``world`` and policy. One that holds some, restored on a different number of ranks
+        (``world`` != saved writers), raises TopologyChangedError unless ``policy`` is given:
+        "drop" returns None, "rank0" returns rank 0's state for every rank, "same-rank" returns
+        rank ``rank``'s state when it exists. A policy not in :data:`RANK_STATE_POLICIES` is a
+        usage error: ValueError, before any read.
         """
-        check_rank_state_policy(policy)
-        if not any(name.startswith("rank/") for name in self.manifest.state):
-            return None  # nothing per rank was saved: nothing to hand to the wrong rank
-        if world is not None and world != self.saved_world:
-            if policy is None:
-                raise TopologyChangedError("per-rank state saved on a different topology needs a policy",
-                                           object=f"step {self.step}", expected=f"world {self.saved_world}",
-                                           found=f"world {world}")
-            if policy == "drop":
-                return None
-            if policy == "rank0":
-                rank = 0
-        return self._state_object(f"rank/{rank}")
+        checked = RankStatePolicy.of(policy)  # the public entry: the one check, before any read
+        source = rank_state_source(self.manifest.state, step=self.step, saved_world=self.saved_world, rank=rank,
+                                   world=world, policy=checked)
+        return None if source is None else self._state_object(f"rank/{source}")
 
     # ------------------------------------------------------------------ verify
     def verify(self, progress: Progress | None = None, *, buffers: ReadBuffers | None = None) -> int:

@@ -229,9 +229,14 @@ def topology_change_needs_a_policy(B: Any, d: str) -> None:
     assert not errors, errors
     assert ckptfmt.Repository(url).open(6).saved_world == 2
     # Saved by 2 processes, restored by 1: the default raises, naming the policies, before reading.
+    # The core decides (ckptfmt.rankstate, FORMAT.md 7.4): the bridge raises the core's error, with
+    # its message, so every bridge raises the same one for the same checkpoint and world.
+    core = expect(TopologyChangedError, lambda: ckptfmt.Repository(url).open(6).rank_state(0, world=1))
     for call in (lambda: B.restore(url, B.target()), lambda: B.bridge.load_rank_state(url)):
         e = expect(TopologyChangedError, call, "rank_state_policy")
         assert all(p in str(e) for p in ("'drop'", "'rank0'", "'same-rank'")), e
+        assert (type(e), str(e), e.to_json()) == (type(core), str(core), core.to_json()), (str(e), str(core))
+    assert all(w in str(core) for w in ("step 6", "saved by 2 processes", "1 are restoring")), core
     same(B.values(B.restore(url, B.target(), rank_state_policy="drop")), 6)  # the control
     assert B.bridge.load_rank_state(url, rank_state_policy="drop") is None
     assert B.bridge.load_rank_state(url, rank_state_policy="rank0") == {"r": 0}
@@ -239,6 +244,47 @@ def topology_change_needs_a_policy(B: Any, d: str) -> None:
     for u in (url, os.path.join(d, "empty")):  # an unknown policy: ValueError before anything is opened
         expect(ValueError, lambda: B.restore(u, B.target(), rank_state_policy="bogus"), "unknown rank state policy")
         expect(ValueError, lambda: B.bridge.load_rank_state(u, rank_state_policy="bogus"), "'same-rank'")
+    # Control (FORMAT.md 7.4, revision 1.2.7): a step saved by 2 processes with no per-rank state
+    # holds nothing to hand to the wrong process: neither the core nor the bridge raises.
+    url7, address7 = os.path.join(d, "r7"), f"127.0.0.1:{free_port()}"
+    peer = threading.Thread(target=peer_save, args=(url7, 7, address7))
+    peer.start()
+    values = {"w": np.arange(32, dtype=np.float32).reshape(8, 4) + 7, "b": np.full(3, 7, np.int32)}
+    with TcpCoordinator(address7, 0, 2, timeout_s=60) as c0:
+        ckptfmt.save(url7, 7, [LocalShard(k, v.shape, v.dtype, Box.full(v.shape), v) for k, v in values.items()],
+                     coordinator=c0)
+    peer.join(60)
+    ck7 = ckptfmt.Repository(url7).open(7)
+    assert ck7.saved_world == 2 and not any(n.startswith("rank/") for n in ck7.manifest.state), ck7.manifest.state
+    assert ck7.rank_state(0, world=1) is None and B.bridge.load_rank_state(url7) is None
+    got = B.values(B.restore(url7, {k: v for k, v in B.target().items() if k != "n"}))
+    assert all(np.array_equal(got[k], v) for k, v in values.items()), got
+
+
+@scenario
+def a_bad_policy_raises_before_any_read(B: Any, d: str) -> None:
+    """Each public verb checks ``rank_state_policy`` once, before any storage read: the repository is
+    a regular file, so any read raises StorageError; a bad policy raises ValueError instead. Control:
+    each valid policy (and the core's RankStatePolicy value) gets past the check to that read."""
+    from ckptfmt.rankstate import RankStatePolicy
+
+    url = os.path.join(d, "r")
+    manager = B.bridge.CheckpointManager(url, async_save=False)
+    try:
+        with open(url, "wb") as f:
+            f.write(b"not a repository")
+        verbs = {"restore": lambda p: B.restore(url, B.target(), rank_state_policy=p),
+                 "load_rank_state": lambda p: B.bridge.load_rank_state(url, rank_state_policy=p),
+                 "CheckpointManager.restore": lambda p: manager.restore(B.target(), rank_state_policy=p)}
+        for name, verb in verbs.items():
+            for bad in ("bogus", "Drop", "same_rank", ""):
+                e = expect(ValueError, lambda: verb(bad), "unknown rank state policy")
+                assert "'drop', 'rank0', 'same-rank'" in str(e), (name, e)
+                assert not isinstance(e, ckptfmt.CheckpointError), (name, e)
+            for good in (None, "drop", "rank0", "same-rank", RankStatePolicy.RANK0):
+                expect(ckptfmt.StorageError, lambda: verb(good))
+    finally:
+        manager.close()
 
 
 @scenario
