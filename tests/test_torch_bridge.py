@@ -510,3 +510,17 @@ def test_cooperative_load_reads_each_replicated_box_once(tmp_path):
     assert r0["corrupt"]["error"] == r1["corrupt"]["error"] == "ChecksumMismatchError", (r0, r1)
     assert r0["corrupt"]["key"] == r1["corrupt"]["key"] == r1["flipped"]
     assert r0["corrupt"]["message"].startswith("rank 1: "), r0["corrupt"]
+
+
+@pytest.mark.multiprocess
+def test_a_rank_lost_in_a_cooperative_round_is_a_typed_error_on_the_others(tmp_path):
+    """Two gloo ranks read the same boxes cooperatively; rank 1 dies (os._exit) at the first data
+    round's all-gather. Rank 0 gets CoordinatorLostError naming the round, within seconds, where
+    gloo's own error was an untyped RuntimeError (issue 47 item 7). Control: the same read with no
+    death is exact on both ranks."""
+    ok = run_world("coop:dead_peer", 2, tmp_path / "ok", {"die": False})
+    assert all(r["error"] is None and r["exact"] for r in ok), ok
+    r0, r1 = run_world("coop:dead_peer", 2, tmp_path / "dead", {"die": True}, check=False)
+    assert r1 is None and r0 is not None, (r0, r1)  # rank 1 died before writing a result
+    assert r0["error"] == "CoordinatorLostError" and r0["typed"] and r0["object"] == "restore/coop/0", r0
+    assert r0["seconds"] < 60, r0

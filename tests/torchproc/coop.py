@@ -67,3 +67,36 @@ def load(args: dict) -> dict:
     except CheckpointError as e:
         res["corrupt"] = {"error": type(e).__name__, "key": e.key, "message": str(e)[:300]}
     return res
+
+
+def dead_peer(args: dict) -> dict:
+    """Rank 1 dies (``os._exit``) at the first data round's all-gather of a cooperative read, after
+    the needs were gathered; rank 0, in gloo's all-gather, must get a typed error (issue 47 item 7),
+    not gloo's RuntimeError. ``args["die"]`` False is the control: both read every box exactly."""
+    import time
+
+    from bridges._torchshare import TorchExchange
+    from ckptfmt import Box
+    from ckptfmt.reader import cooperative_reads
+
+    rank = dist.get_rank()
+    url = str(Path(args["workdir"]) / "repo")
+    bt.save(url, {f"w{t}": _value(t) for t in range(TENSORS)}, step=1, save_rng=False)
+    dist.barrier()
+
+    class Dying(TorchExchange):
+        def allgather(self, name: str, data: Any, sizes: Any) -> Any:
+            if name == "restore/coop/0":
+                os._exit(3)  # a process lost mid-restore: no goodbye to its peers
+            return super().allgather(name, data, sizes)
+
+    ex = Dying() if (rank == 1 and args.get("die")) else TorchExchange()
+    reqs = [(f"w{t}", Box.full((ROWS, COLS))) for t in range(TENSORS)]
+    t0 = time.monotonic()
+    try:
+        got = list(cooperative_reads(Repository(url).open(1), [reqs], ex))
+        exact = all(torch.equal(torch.from_numpy(a), _value(t)) for t, a in enumerate(got[0]))
+        return {"rank": rank, "error": None, "exact": exact}
+    except Exception as e:  # noqa: BLE001 - the test looks at what rank 0 raised
+        return {"rank": rank, "error": type(e).__name__, "typed": isinstance(e, CheckpointError),
+                "object": getattr(e, "object", None), "message": str(e)[:300], "seconds": time.monotonic() - t0}
