@@ -37,7 +37,11 @@ BATCH_BYTES = 64 << 20
 #: one stored chunk, which tensorstore decodes whole for any read), so host memory follows the
 #: leaf's declared size, not its bytes on disk: a 35 KB directory can declare a 1 GiB leaf of
 #: zeros. A larger leaf is refused before anything is read unless the caller raises the cap
-#: (``max_leaf_bytes=``, ``ckptfmt import --max-leaf-bytes``), accepting that cost.
+#: (``max_leaf_bytes=``, ``ckptfmt import --max-leaf-bytes``), accepting that cost. The host memory
+#: an import holds for one leaf is up to about twice its declared size (tensorstore decodes into a
+#: buffer of its own, then Orbax hands over a numpy copy: a 512 MiB leaf peaked near 870 MB), so the
+#: cap bounds an import's memory to about 2 x ``max_leaf_bytes`` plus one batch; set it from the
+#: memory the import may use.
 MAX_LEAF_BYTES = 512 << 20
 _BRIDGE_VERSION = 1  # the JAX profile's record (spec/FORMAT.md 13.2)
 
