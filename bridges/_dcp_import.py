@@ -28,7 +28,7 @@ from ckptfmt import Box
 from ckptfmt.dtypes import DTYPES
 from ckptfmt.errors import CheckpointError, InvalidSourceError, MissingShardError, SizeMismatchError
 from ckptfmt.interop import ImportReport, ImportTensor, import_tensors
-from ckptfmt.interop._stimport import BatchReader
+from ckptfmt.interop import BatchReader
 
 __all__ = ["import_dcp", "BATCH_BYTES"]
 

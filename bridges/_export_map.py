@@ -27,8 +27,8 @@ from typing import Any, Iterator, Sequence
 from ckptfmt.dtypes import dtype_name, numpy_dtype
 from ckptfmt.errors import KeyMismatchError
 from ckptfmt.interop import ExportTensor, output_dtype
-from ckptfmt.manifest._caps import MAX_TENSORS
-from ckptfmt.interop._stexport import natural_key
+from ckptfmt.manifest import MAX_TENSORS
+from ckptfmt.interop import natural_key
 
 from ._joins import Stack
 from ._rules import Mapping, Rule, _compile, _fill, _placeholders

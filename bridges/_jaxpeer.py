@@ -25,8 +25,7 @@ from jax.sharding import SingleDeviceSharding
 from ckptfmt import Box
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import CheckpointError, KeyMismatchError, ShapeMismatchError
-from ckptfmt.manager._payload import as_bytes_view, check_payload
-from ckptfmt.manager._tiers import distinct_boxes
+from ckptfmt.manager import as_bytes_view, check_payload, distinct_boxes
 
 from ._jaxtree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding, placement
 

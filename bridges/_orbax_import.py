@@ -27,7 +27,7 @@ from ckptfmt import Box
 from ckptfmt.dtypes import DTYPES, dtype_name
 from ckptfmt.errors import CheckpointError, InvalidSourceError, MissingShardError, SizeMismatchError
 from ckptfmt.interop import ImportReport, ImportTensor, import_tensors
-from ckptfmt.interop._stimport import BatchReader
+from ckptfmt.interop import BatchReader
 
 __all__ = ["import_orbax", "BATCH_BYTES", "MAX_LEAF_BYTES"]
 

@@ -34,10 +34,9 @@ from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumMismatchError, InvalidConfigError, KeyMismatchError, ShapeMismatchError
 from ckptfmt.dtypes import dtype_name, numpy_dtype
 from ckptfmt.interop import ImportTensor, check_out_dir, export_safetensors, import_tensors, output_dtype
-from ckptfmt.interop._exportfiles import create_exclusive, publish, read_config, temp_name
-from ckptfmt.interop._safetensors import encode_header
+from ckptfmt.interop import create_exclusive, encode_header, publish, read_config, temp_name
 from ckptfmt.repository import Repository
-from ckptfmt._types import Box
+from ckptfmt import Box
 
 from ._export_map import export_tensors, preset_mapping
 from .presets import LLAMA_NNX_NAMES, llama_dims

@@ -22,8 +22,7 @@ from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import CheckpointError, KeyMismatchError, ShapeMismatchError
 from ckptfmt.restoreplan import RestorePlan, plan_restore
-from ckptfmt.manager._payload import as_bytes_view, check_payload
-from ckptfmt.manager._tiers import distinct_boxes
+from ckptfmt.manager import as_bytes_view, check_payload, distinct_boxes
 
 from ._contract import stage_state
 from ._extra import json_keys

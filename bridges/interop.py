@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping as TMapping, Sequence
 
-from ckptfmt.interop._exportfiles import read_config
+from ckptfmt.interop import read_config
 from ckptfmt.errors import CheckpointError, IncompleteSaveError
 from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportReport, ImportReport, begin_export, discard_parts,
                              finish_export, import_safetensors, prepare_export, write_part)

@@ -81,6 +81,20 @@ def test_tools_use_public_bridge_apis_only():
     assert private == []
 
 
+def _private_core_imports(imports: dict[Path, set[str]]) -> list[str]:
+    return [f"{p.relative_to(ROOT)} imports {m}" for p, mods in imports.items() for m in sorted(mods)
+            if m.startswith("ckptfmt.") and any(part.startswith("_") for part in m.split(".")[1:])]
+
+
+def test_bridges_use_the_cores_named_interfaces_only():
+    """No bridge imports a private core module (issue 49: 11 such lines before); what the bridges
+    need is exported by a core subpackage's face. Control: a bridge module importing
+    ckptfmt.manager._payload is reported."""
+    assert _private_core_imports(_imports("bridges")) == []
+    fake = {ROOT / "bridges" / "_x.py": {"ckptfmt.manager._payload", "ckptfmt.manager", "ckptfmt"}}
+    assert _private_core_imports(fake) == ["bridges/_x.py imports ckptfmt.manager._payload"]
+
+
 def _python(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,

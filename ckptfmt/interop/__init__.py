@@ -32,7 +32,9 @@ from ckptfmt.interop._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from ckptfmt.interop._stexport import (BLOCK_BYTES, CRC_BLOCK, READ_WINDOW, ExportFile, ExportPlan, ExportReport,
                                        ExportTensor, Identity, begin_export, check_out_dir, discard_parts,
                                        finish_export, natural_key, output_dtype, parse_size, plan_export, write_part)
-from ckptfmt.interop._stimport import ImportReport, ImportTensor, import_tensors
+from ckptfmt.interop._stimport import BatchReader, ImportReport, ImportTensor, import_tensors
+from ckptfmt.interop._safetensors import encode_header
+from ckptfmt.interop._exportfiles import create_exclusive, publish, read_config, temp_name
 from ckptfmt.interop._stsource import SafetensorsSource, SourceTensor, find_safetensors
 from ckptfmt._types import Box
 from ckptfmt.errors import StepNotFoundError
@@ -44,7 +46,9 @@ __all__ = ["open_source", "export_safetensors", "prepare_export", "import_safete
            "identity_tensors", "safetensors_provenance", "SafetensorsSource", "SourceTensor", "find_safetensors",
            "ExportTensor", "ExportFile", "ExportPlan", "ExportReport", "ImportTensor", "ImportReport", "Identity",
            "parse_size", "check_out_dir", "begin_export", "write_part", "discard_parts", "finish_export", "output_dtype", "CRC_BLOCK", "BLOCK_BYTES",
-           "MAX_HEADER_BYTES", "DEFAULT_MAX_SHARD_SIZE"]
+           "MAX_HEADER_BYTES", "DEFAULT_MAX_SHARD_SIZE",
+           # for the bridges' importers and exporters (Orbax, DCP, PEFT): a named interface, not private modules
+           "BatchReader", "natural_key", "encode_header", "read_config", "create_exclusive", "publish", "temp_name"]
 
 #: transformers' own default for ``save_pretrained(max_shard_size=...)``.
 DEFAULT_MAX_SHARD_SIZE = "5GB"

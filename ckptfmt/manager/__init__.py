@@ -43,7 +43,8 @@ import msgpack
 import numpy as np
 
 from ckptfmt.manager._tiermixin import TierMixin
-from ckptfmt.manager._tiers import LocalTier, TierSave
+from ckptfmt.manager._tiers import LocalTier, PeerExchange, TierSave, distinct_boxes
+from ckptfmt.manager._payload import as_bytes_view, check_payload
 from ckptfmt.manager._query import METADATA_KEY, apply_retention, best_step, candidate_steps, forget_deleted, recorded_metrics
 from ckptfmt.manager._values import (RestoreResult, SaveRecord, SkippedStep, _check_step, _clean_metrics, _err_from,
                                      _err_json, _is_damage, _Job)
@@ -61,7 +62,9 @@ from ckptfmt.repository import Repository
 from ckptfmt.session import save
 
 __all__ = ["CheckpointManager", "SaveRecord", "SkippedStep", "RestoreResult", "Retention", "METADATA_KEY", "LocalTier",
-           "TierSave"]
+           "TierSave",
+           # the local tier's data plane, for the bridges' peer exchanges (FORMAT.md 8.5)
+           "PeerExchange", "as_bytes_view", "check_payload", "distinct_boxes"]
 
 _log = logging.getLogger("ckptfmt.manager")
 

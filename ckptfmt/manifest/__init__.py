@@ -60,7 +60,7 @@ from ckptfmt.layout import step_of_manifest_key as step_of_manifest_key
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS", "REFERENCES", "ZSTD", "DERIVED",
            "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
            "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key",
-           "manifest_key", "step_of_manifest_key", "MARKER_KEY", "MARKER_BYTES"]
+           "manifest_key", "step_of_manifest_key", "MARKER_KEY", "MARKER_BYTES", "MAX_TENSORS"]
 
 FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
