@@ -5,10 +5,11 @@ Call order (a bridge's batched restore, ``bridges._contract.read_batches``): eve
 the restore calls :func:`cooperative_reads` at the same point with its own batches of requests
 (its ``(key path, box)`` reads, batch by batch), and drains the iterator to its end. Inside:
 
-1. one all-gather of every process's batches (the *needs*, a small JSON document);
-2. :func:`plan_cooperative` (pure): round ``r`` is every process's ``r``-th batch; each process's
-   requests become the stored chunks they touch (``source.chunk_refs``); a chunk that several
-   processes need in one round is *shared*, assigned to one of them (balanced by bytes);
+1. each process plans its own batches into the stored chunks they touch (``source.chunk_refs``);
+   one all-gather of every process's chunks, batch by batch (the *needs*, a JSON document,
+   checked on receipt against this process's manifest);
+2. :func:`plan_cooperative` (pure): round ``r`` is every process's ``r``-th batch; a chunk that
+   several processes need in one round is *shared*, assigned to one of them (balanced by bytes);
 3. per round: each process reads the shared chunks assigned to it, as stored (data and crc32c
    trailer), checked against the manifest (``source.read_chunks``); one all-gather carries each
    process's status, the digest of the step and save it restores, and those stored chunks; then
@@ -157,17 +158,31 @@ def gather_bytes(exchange: Exchange, name: str, payload: bytes) -> list[bytes]:
     return [bytes(memoryview(np.ascontiguousarray(b[:s]))) for b, s in zip(got, sizes)]
 
 
-def _encode(batches: Sequence[Sequence[Request]]) -> bytes:
-    return json.dumps([[[k, list(b.offset), list(b.shape)] for k, b in batch] for batch in batches]).encode()
+def _encode(refs: Sequence[Sequence[ChunkRef]] | None) -> bytes:
+    """A process's needs: per batch, the stored chunks it touches (``null``: it shares nothing)."""
+    return json.dumps(None if refs is None else [[[k, int(c)] for k, c in batch] for batch in refs]).encode()
 
 
-def _decode(blob: bytes, rank: int) -> list[list[Request]]:
+def _decode(blob: bytes, rank: int, source: Any) -> list[list[ChunkRef]] | None:
+    """Another process's needs, each chunk row checked against this process's manifest (untrusted input)."""
     try:
-        return [[(str(k), Box(tuple(int(x) for x in o), tuple(int(x) for x in s))) for k, o, s in batch]
-                for batch in json.loads(blob)]
-    except (ValueError, TypeError) as e:  # another process's document: untrusted input
-        raise InvalidStateError(f"a process's needs do not decode: {type(e).__name__}", object=f"needs of rank {rank}",
-                                expected="the JSON list of its batches", found=f"{len(blob)} bytes") from None
+        doc = json.loads(blob)
+        if doc is None:
+            return None
+        out = []
+        for batch in doc:
+            refs = []
+            for k, c in batch:
+                key, row = str(k), int(c)
+                if isinstance(c, bool) or not 0 <= row < len(source.tensor(key).chunks.nbytes):
+                    raise ValueError(f"chunk row {c!r} of {key!r}")
+                refs.append((key, row))
+            out.append(refs)
+        return out
+    except (ValueError, TypeError, CheckpointError) as e:  # another process's document: untrusted input
+        raise InvalidStateError(f"a process's needs do not decode: {type(e).__name__}: {e}"[:300],
+                                object=f"needs of rank {rank}", expected="per batch, the stored chunks it reads",
+                                found=f"{len(blob)} bytes") from None
 
 
 def _error_json(e: BaseException) -> dict[str, Any]:
@@ -217,14 +232,17 @@ def cooperative_reads(source: Any, batches: Sequence[Sequence[Request]], exchang
     """
     stats = stats if stats is not None else CoopStats()
     coordinator = getattr(exchange, "coordinator", None)
-    blobs = (coordinator.allgather(name + "/needs", _encode(batches)) if coordinator is not None
-             else gather_bytes(exchange, name + "/needs", _encode(batches)))
-    needs = [_decode(b, p) for p, b in enumerate(blobs)]
-    if not _shares_chunks(source):  # nothing it could verify on receipt: every process reads alone
+    # Each process plans only its own requests into the stored chunks they touch and sends those:
+    # no process plans another's requests (that would grow with the world size).
+    shares = _shares_chunks(source)
+    mine = [source.chunk_refs(batch) for batch in batches] if shares else None
+    blobs = (coordinator.allgather(name + "/needs", _encode(mine)) if coordinator is not None
+             else gather_bytes(exchange, name + "/needs", _encode(mine)))
+    chunk_needs = [_decode(b, p, source) for p, b in enumerate(blobs)]
+    if not shares or any(n is None for n in chunk_needs):  # nothing a receiver could verify: each reads alone
         yield from source.iter_read_boxes(batches)
         return
-    chunk_needs = [[source.chunk_refs(batch) for batch in per] for per in needs]
-    plan = plan_cooperative(chunk_needs, source.chunk_nbytes, exchange.rank, order=_chunk_order)
+    plan = plan_cooperative(chunk_needs, source.chunk_nbytes, exchange.rank, order=_chunk_order)  # type: ignore[arg-type]
     stats.rounds, stats.shared_boxes = len(plan.rounds), plan.shared
     if not plan.shared:  # nothing to share: every process reads on its own
         yield from source.iter_read_boxes(batches)
@@ -233,8 +251,8 @@ def cooperative_reads(source: Any, batches: Sequence[Sequence[Request]], exchang
     bind = _binding(source)
     for r, rp in enumerate(plan.rounds):
         want = list(batches[r]) if r < len(batches) else []
-        mine = set(chunk_needs[exchange.rank][r]) if r < len(chunk_needs[exchange.rank]) else set()
-        got = _round(source, exchange, f"{name}/{r}", rp, want, mine, bind, stats)
+        needed = set(mine[r]) if r < len(mine) else set()  # type: ignore[index,arg-type]
+        got = _round(source, exchange, f"{name}/{r}", rp, want, needed, bind, stats)
         if want:
             yield got
 
