@@ -18,6 +18,7 @@ from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import InvalidStateError
 from ckptfmt.rankstate import RankStatePolicy, rank_state_source
 from ckptfmt.reader import cooperative_reads
+from ckptfmt.restoreplan import RestoreSource
 from ckptfmt.state import decode_state, encode_state
 
 __all__ = ["RESTORE_BATCH_BYTES", "Batch", "read_batches", "check_topology", "renamed_keyword",
@@ -31,7 +32,7 @@ RESTORE_BATCH_BYTES = 64 << 20
 Request = tuple[str, Box]
 
 
-def effective_policy(ckpt: Any, world: int, policy: RankStatePolicy | None, *,
+def effective_policy(ckpt: RestoreSource, world: int, policy: RankStatePolicy | None, *,
                      caller_state: bool = True) -> RankStatePolicy | None:
     """The per-rank-state policy a restore applies: ``policy`` (validated by the public verb,
     :meth:`RankStatePolicy.of`) as given, except that a restore on another number of processes,
@@ -105,7 +106,7 @@ def restore_stats(plan: Any, *, extra: Any, rank_state: Any, batches: int, bytes
             "batches": int(batches), "bytes_read": int(bytes_read)}
 
 
-def check_topology(ckpt: Any, world: int, policy: RankStatePolicy | None) -> None:
+def check_topology(ckpt: RestoreSource, world: int, policy: RankStatePolicy | None) -> None:
     """The contract's default for per-rank state: raise when it has no owner. The core decides
     (:func:`ckptfmt.rankstate.rank_state_source`, FORMAT.md 7.4), so a bridge raises the core's
     TopologyChangedError, with its message, when ``ckpt`` holds per-rank state saved by a different
@@ -129,7 +130,7 @@ class Batch:
     shared: frozenset[Request]
 
 
-def read_batches(ckpt: Any, groups: Sequence[Sequence[Request] | None], *,
+def read_batches(ckpt: RestoreSource, groups: Sequence[Sequence[Request] | None], *,
                  batch_bytes: int | None = None, exchange: Any = None, coop: Any = None) -> Iterator[Batch]:
     """Read every group's requests (one group per restored value) in batches of about
     ``batch_bytes`` host bytes (default: RESTORE_BATCH_BYTES), yielding each :class:`Batch` once

@@ -100,7 +100,7 @@ class CkptfmtStorageWriter(StorageWriter):
         self.url = None if url is None else os.fspath(url)
         self.step = step
         self.extra, self.options, self.metadata = extra, options, dict(metadata or {})
-        self.manifest: Any = None
+        self.manifest: ckptfmt.Manifest | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:

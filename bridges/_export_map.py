@@ -28,6 +28,7 @@ from ckptfmt.dtypes import dtype_name, numpy_dtype
 from ckptfmt.errors import KeyMismatchError
 from ckptfmt.interop import ExportTensor, output_dtype
 from ckptfmt.manifest import MAX_TENSORS
+from ckptfmt.reader import Checkpoint
 from ckptfmt.interop import natural_key
 
 from ._joins import Stack
@@ -153,7 +154,7 @@ class _Walk:
     dropped: tuple[str, ...]       # names a rule gave whose sources are not all in the checkpoint
 
 
-def _walk(ckpt: Any, mapping: Mapping, dtype: str | None) -> _Walk:
+def _walk(ckpt: Checkpoint, mapping: Mapping, dtype: str | None) -> _Walk:
     keys = sorted(ckpt.keys())
     keyset = set(keys)
     shapes = {k: tuple(int(n) for n in ckpt.tensor(k).shape) for k in keys}
@@ -185,7 +186,7 @@ def _walk(ckpt: Any, mapping: Mapping, dtype: str | None) -> _Walk:
                  tuple(t for t in dropped if t not in outs))
 
 
-def mapped_tensors(ckpt: Any, mapping: Mapping, dtype: str | None = None) -> tuple[list[ExportTensor], list[str], list[str]]:
+def mapped_tensors(ckpt: Checkpoint, mapping: Mapping, dtype: str | None = None) -> tuple[list[ExportTensor], list[str], list[str]]:
     """(output tensors in natural name order, checkpoint keys no output reads (``ignore`` globs
     excluded), notes on rules that named nothing). A rule that matched but does not fit the
     checkpoint's shapes raises MappingError naming it, before anything is written; so does one
@@ -291,7 +292,7 @@ def _coverage(mapping: Mapping, w: _Walk) -> Coverage:
     return Coverage(tuple(sorted(dict.fromkeys(unwritten), key=natural_key)), tuple(w.unmapped), tuple(idle))
 
 
-def export_tensors(ckpt: Any, mapping: Mapping, dtype: str | None = None, *,
+def export_tensors(ckpt: Checkpoint, mapping: Mapping, dtype: str | None = None, *,
                    allow_partial: bool = False) -> tuple[list[ExportTensor], list[str], Coverage]:
     """(output tensors in natural name order, checkpoint keys no output reads, the coverage).
 

@@ -52,7 +52,7 @@ def _step_everyone_opens(repo: Repository, step: int | None) -> int | None:
         coord.close()
 
 
-def _bridge_state(ckpt: Any) -> dict[str, Any]:
+def _bridge_state(ckpt: RestoreSource) -> dict[str, Any]:
     """The JAX profile's record (FORMAT.md 13.2), checked; empty for a checkpoint of no profile."""
     st = ckpt.state() or {}
     b = st.get("bridge") if isinstance(st, dict) else None
@@ -115,7 +115,7 @@ def _is_array_target(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
 
 
-def _leaf(ckpt: Any, keys: set[str], impls: dict[str, Any], key: str, leaf: Any,
+def _leaf(ckpt: RestoreSource, keys: set[str], impls: dict[str, Any], key: str, leaf: Any,
           errors: list[CheckpointError]) -> TargetLeaf:
     """The planner's view of one target leaf. A typed PRNG key is its uint32 key data (the trailing
     key dimensions are the checkpoint's), restored as is; a key of another implementation is a
@@ -195,7 +195,7 @@ def _unshared(blk: np.ndarray, handed: list[tuple[int, int]]) -> np.ndarray:
     return blk
 
 
-def _restore_batches(ckpt: Any, plans: list[_ArrayPlan], built: dict[str, Any], exchange: Any = None,
+def _restore_batches(ckpt: RestoreSource, plans: list[_ArrayPlan], built: dict[str, Any], exchange: Any = None,
                      coop: CoopStats | None = None) -> tuple[int, float, int]:
     """Build each batch's arrays as soon as it is read and verified (``exchange``: a cooperative
     restore, FORMAT.md 9.1). Returns (bytes, read s, batches)."""
@@ -348,11 +348,11 @@ def _cooperates(cooperative: bool | None, flat: list[tuple[str, Any]], plan: Res
     return False
 
 
-def _dtype(ckpt: Any, key: str) -> np.dtype:
+def _dtype(ckpt: RestoreSource, key: str) -> np.dtype:
     return numpy_dtype(ckpt.tensor(key).dtype)
 
 
-def _fill_stats(stats: dict[str, Any], ckpt: Any, plan: RestorePlan, policy: RankStatePolicy | None, batches: int,
+def _fill_stats(stats: dict[str, Any], ckpt: RestoreSource, plan: RestorePlan, policy: RankStatePolicy | None, batches: int,
                 bytes_read: int) -> None:
     st = ckpt.state() or {}
     extra = st.get("extra") if isinstance(st, dict) else None

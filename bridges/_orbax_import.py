@@ -19,7 +19,7 @@ committed.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from ckptfmt.dtypes import DTYPES, dtype_name
 from ckptfmt.errors import CheckpointError, InvalidSourceError, MissingShardError, SizeMismatchError
 from ckptfmt.interop import ImportReport, ImportTensor, import_tensors
 from ckptfmt.interop import BatchReader
+
+if TYPE_CHECKING:  # Orbax is imported when an import runs, never with this module
+    import orbax.checkpoint as ocp
 
 __all__ = ["import_orbax", "BATCH_BYTES", "MAX_LEAF_BYTES"]
 
@@ -143,7 +146,7 @@ def _check_leaf_sizes(arrays: dict[str, tuple[tuple[int, ...], str]], cap: int, 
 class _OrbaxBatchReader:
     """Restores leaves through Orbax (``partial_restore``), a batch at a time (:class:`BatchReader`)."""
 
-    def __init__(self, checkpointer: Any, path: str, tree: Any, paths: dict[str, Any],
+    def __init__(self, checkpointer: ocp.PyTreeCheckpointer, path: str, tree: Any, paths: dict[str, Any],
                  arrays: dict[str, tuple[tuple[int, ...], str]]) -> None:
         self.checkpointer, self.path, self.tree, self.paths, self.arrays = checkpointer, path, tree, paths, arrays
         sizes = {k: int(np.prod(shape, dtype=np.int64)) * DTYPES[dt] for k, (shape, dt) in arrays.items()}

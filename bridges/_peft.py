@@ -33,8 +33,9 @@ import numpy as np
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumMismatchError, InvalidConfigError, KeyMismatchError, ShapeMismatchError
 from ckptfmt.dtypes import dtype_name, numpy_dtype
-from ckptfmt.interop import ImportTensor, check_out_dir, export_safetensors, import_tensors, output_dtype
+from ckptfmt.interop import ExportReport, ImportTensor, check_out_dir, export_safetensors, import_tensors, output_dtype
 from ckptfmt.interop import create_exclusive, encode_header, publish, read_config, temp_name
+from ckptfmt.reader import Checkpoint
 from ckptfmt.repository import Repository
 from ckptfmt import Box
 
@@ -117,7 +118,7 @@ def _pairs(keys: set[str], config: Any, target_modules: Sequence[str] | None,
     return out
 
 
-def _check_shapes(ckpt: Any, pairs: Sequence[_Pair], layers: int, rank: int | None) -> int:
+def _check_shapes(ckpt: Checkpoint, pairs: Sequence[_Pair], layers: int, rank: int | None) -> int:
     """The one rank of every pair; ShapeMismatchError naming the tensor otherwise."""
     ranks = set()
     for p in pairs:
@@ -166,7 +167,7 @@ def _config_bytes(conf: TMapping[str, Any]) -> bytes:
                                  found=str(e)[:200]) from None
 
 
-def _peft_tensors(ckpt: Any, pairs: Sequence[_Pair], layers: int, dtype: str | None) -> dict[str, np.ndarray]:
+def _peft_tensors(ckpt: Checkpoint, pairs: Sequence[_Pair], layers: int, dtype: str | None) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for p in pairs:
         fi, fo = p.features
@@ -217,7 +218,7 @@ def adapter_config(pairs: Sequence[_Pair], rank: int, alpha: float, base: str | 
             "modules_to_save": None}
 
 
-def _merged_reader(ckpt: Any, p: _Pair, scale: float) -> Callable[[Box], np.ndarray]:
+def _merged_reader(ckpt: Checkpoint, p: _Pair, scale: float) -> Callable[[Box], np.ndarray]:
     """Blocks of the base kernel plus ``scale * a @ b`` (float32 arithmetic, the kernel's dtype)."""
     fi, fo = p.features
 
@@ -233,8 +234,8 @@ def _merged_reader(ckpt: Any, p: _Pair, scale: float) -> Callable[[Box], np.ndar
     return read
 
 
-def _merge(url: str, ckpt: Any, out_dir: str, pairs: Sequence[_Pair], scale: float, config: Any,
-           names: TMapping[str, str] | None, model: str, dtype: str | None) -> Any:
+def _merge(url: str, ckpt: Checkpoint, out_dir: str, pairs: Sequence[_Pair], scale: float, config: Any,
+           names: TMapping[str, str] | None, model: str, dtype: str | None) -> ExportReport:
     """Base + adapters as a temporary step (streamed, verified), then the preset's export of it."""
     check_out_dir(out_dir, ["config.json"])  # early: before the temporary step is written
     kw: dict[str, Any] = {"model": (model, "model")}

@@ -19,6 +19,7 @@ from ckptfmt.errors import InvalidStateError
 from ckptfmt.interop import open_source
 from ckptfmt.rankstate import RankStatePolicy
 from ckptfmt.reader import CoopStats
+from ckptfmt.repository import Repository
 from ckptfmt.restoreplan import RestorePlan, RestoreReport, RestoreSource, TargetLeaf, plan_restore
 
 from ._contract import (UNSET, caller_rank_state, check_topology, effective_policy, read_batches, renamed_keyword,
@@ -37,7 +38,7 @@ def _open(url: str, step: int | None) -> RestoreSource:
     return open_source(url, step, resolve=_step_everyone_opens)
 
 
-def _step_everyone_opens(repo: Any, step: int | None) -> int | None:
+def _step_everyone_opens(repo: Repository, step: int | None) -> int | None:
     if step is None and _world() > 1:
         from ._torchcoord import for_group
         return agree_step(repo, None, for_group())
@@ -175,7 +176,7 @@ def _cooperates(cooperative: bool | None, flat: list[tuple[str, Any]]) -> bool:
     return collectives_pay() and replicated_over_ranks(flat, _world())
 
 
-def _read(ckpt: Any, plan: RestorePlan, targets: dict[str, Any], saved: dict[str, Any], exchange: Any = None,
+def _read(ckpt: RestoreSource, plan: RestorePlan, targets: dict[str, Any], saved: dict[str, Any], exchange: Any = None,
           coop: CoopStats | None = None) -> tuple[dict[str, Any], int]:
     """Every target value: saved objects, kept values, and tensors read in verified batches
     (``exchange``: a cooperative load, FORMAT.md 9.1)."""
@@ -242,7 +243,7 @@ def load_rank_state(url: str, step: int | None = None, *, rank_state_policy: str
     return rs.get("extra") if isinstance(rs, dict) else None
 
 
-def _policy(ckpt: Any, gstate: Any, policy: RankStatePolicy | None) -> RankStatePolicy | None:
+def _policy(ckpt: RestoreSource, gstate: Any, policy: RankStatePolicy | None) -> RankStatePolicy | None:
     """The per-rank-state policy of a restore (bridges._contract.effective_policy): a checkpoint
     whose ``torch.rank_state`` is false holds only the bridge's RNG states per rank, which another
     world size drops unless ``policy`` asks for them. A checkpoint without the flag (written before
@@ -263,7 +264,7 @@ def _saved_objects(gstate: Any) -> dict[str, Any]:
     return objects
 
 
-def _stat(ckpt: Any, name: str) -> int:
+def _stat(ckpt: RestoreSource, name: str) -> int:
     stats = getattr(ckpt, "stats", None)
     if stats is None:
         return 0

@@ -269,7 +269,7 @@ def _put_object(planner: LoadPlanner, item: ReadItem, objects: dict[str, Any]) -
         planner.state_dict[dest] = value
 
 
-def _bytes(ckpt: Any) -> int:
+def _bytes(ckpt: RestoreSource) -> int:
     stats = getattr(ckpt, "stats", None)
     if stats is None:
         return 0

@@ -32,8 +32,9 @@ from typing import Any, Callable, Mapping as TMapping, Sequence
 
 from ckptfmt.interop import read_config
 from ckptfmt.errors import CheckpointError, IncompleteSaveError
-from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportReport, ImportReport, begin_export, discard_parts,
-                             finish_export, import_safetensors, prepare_export, write_part)
+from ckptfmt.reader import Checkpoint
+from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportPlan, ExportReport, ExportTensor, ImportReport, begin_export,
+                             discard_parts, finish_export, import_safetensors, prepare_export, write_part)
 
 from . import presets
 from ._export_map import PRESETS, Coverage, export_tensors, mapped_tensors, preset_mapping, strip_target_prefix
@@ -145,7 +146,7 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
         raise ValueError(f"--dtype {dtype!r}: one of {', '.join(_FLOAT_DTYPES)} (floating-point tensors are cast)")
     coverage: list[Coverage] = []
 
-    def tensors(ckpt: Any) -> Any:
+    def tensors(ckpt: Checkpoint) -> tuple[list[ExportTensor], list[str]]:
         outs, unmapped, cov = export_tensors(ckpt, mapping, dtype, allow_partial=allow_partial)
         coverage.append(cov)
         return outs, unmapped
@@ -161,7 +162,7 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
                         coverage[0].unwritten if coverage else ())
 
 
-def _write_all(ckpt: Any, plan: Any, out_dir: str, config: Any, processes: int, progress: Progress | None,
+def _write_all(ckpt: Checkpoint, plan: ExportPlan, out_dir: str, config: Any, processes: int, progress: Progress | None,
                spec: dict[str, Any]) -> int:
     """Write every file (this process and N-1 writers), then publish; bytes read by all writers.
     On failure kills the writers, removes every temporary file of the export, and raises."""

@@ -104,7 +104,7 @@ class LocalShard:
     data: ArrayLike | None = None
     replica_id: int = 0
     sharding: TensorSharding | None = None
-    source: Any = field(default=None, compare=False, repr=False)
+    source: object = field(default=None, compare=False, repr=False)  # a framework's array: the core never names its type
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "global_shape", tuple(int(x) for x in self.global_shape))

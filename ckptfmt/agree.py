@@ -8,17 +8,24 @@ for a timeout because rank 0 failed. With a step given, or on one rank, nothing 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Protocol
 
 from .coord import Coordinator
 from .errors import CheckpointError, StepNotFoundError
 
-__all__ = ["agree_step"]
+__all__ = ["agree_step", "StepListing"]
 
 _NAME = "restore/agree-step"
 
 
-def agree_step(repository: Any, step: int | None, coordinator: Coordinator, *,
+class StepListing(Protocol):
+    """What :func:`agree_step` asks of a repository (:class:`ckptfmt.Repository` is one; the floor
+    cannot name it): its newest committed step, or None when there is none."""
+
+    def latest(self) -> int | None: ...
+
+
+def agree_step(repository: StepListing, step: int | None, coordinator: Coordinator, *,
                timeout_s: float | None = None) -> int:
     """The step every rank restores: ``step`` if given, else the latest committed step as rank 0
     lists it in ``repository`` (a :class:`ckptfmt.Repository`).
@@ -54,7 +61,7 @@ def agree_step(repository: Any, step: int | None, coordinator: Coordinator, *,
     return int(got["step"])
 
 
-def _latest(repository: Any) -> int:
+def _latest(repository: StepListing) -> int:
     latest = repository.latest()
     if latest is None:
         raise StepNotFoundError("repository has no committed step", object=getattr(repository, "url", None),

@@ -26,7 +26,9 @@ The semantics (``strict`` is ``None`` by default):
   ``to_json()``.
 
 The mapping is any object with the methods of ``bridges.mapping.Mapping`` that the planner calls
-(:class:`KeyMap`): ``ckptfmt`` never imports the bridges.
+(:class:`KeyMap`); what it resolves a key to is a :class:`Resolution`, and a resolution bound to
+the source's shapes is a :class:`MappingChain` (``bridges.mapping.Chain`` is one), the
+:attr:`TensorPlan.chain` that a restore reads through: ``ckptfmt`` never imports the bridges.
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ from ._types import Box
 from .dtypes import numpy_dtype
 from .errors import CheckpointError, KeyMismatchError, RestoreMismatchError, ShapeMismatchError
 
-__all__ = ["RestoreSource", "KeyMap", "TargetLeaf", "TensorPlan", "RestorePlan", "RestoreReport", "plan_restore",
-           "dtype_kind", "closest_key"]
+__all__ = ["RestoreSource", "RestoreManifest", "KeyMap", "Resolution", "MappingChain", "TargetLeaf", "TensorPlan",
+           "RestorePlan", "RestoreReport", "plan_restore", "dtype_kind", "closest_key"]
 
 Request = tuple[str, Box]
 _SHOWN = 5           # keys of each list the message shows
@@ -50,6 +52,23 @@ _CLOSE_MAX = 4096    # checkpoints with more keys get no "closest key" hint (dif
 #: Optimizer slots (optax's and torch's): a key holding one is compared only with keys of the same slot.
 _SLOTS = frozenset({"mu", "nu", "exp_avg", "exp_avg_sq", "count", "step", "momentum_buffer", "momentum", "trace"})
 _OPTIMIZER_WORDS = _SLOTS | {"opt_state", "optimizer", "optim"}
+
+
+class RestoreManifest(Protocol):
+    """What a restore asks of a source's manifest: a committed step's :class:`ckptfmt.Manifest`,
+    or a safetensors source's ``SourceManifest`` (no non-tensor state, one writer)."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def writers(self) -> int: ...
+
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...
+
+    @property
+    def state(self) -> Mapping[str, Any]: ...
 
 
 @runtime_checkable
@@ -62,7 +81,7 @@ class RestoreSource(Protocol):
     once every byte is verified; ``stats`` counts ``bytes_read``, ``requests`` and ``objects``.
     """
 
-    manifest: Any
+    manifest: RestoreManifest
     stats: Any
 
     @property
@@ -84,10 +103,46 @@ class RestoreSource(Protocol):
     def iter_read_boxes(self, batches: Sequence[Sequence[Request]]) -> Iterator[list[np.ndarray]]: ...
 
 
+class MappingChain(Protocol):
+    """A mapping's transforms for one target key, bound to the source tensors' shapes and dtypes
+    (``bridges.mapping.Chain`` is one): what :class:`TensorPlan` and the planner call on it."""
+
+    @property
+    def target_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def target_dtype(self) -> np.dtype: ...
+
+    def reads(self, box: Box) -> list[Request]:
+        """The (source key, source box) reads that the target block at ``box`` needs."""
+        ...
+
+    def assemble(self, box: Box, blocks: Sequence[np.ndarray]) -> np.ndarray:
+        """The target block at ``box`` from the blocks of :meth:`reads`, in order."""
+        ...
+
+
+class Resolution(Protocol):
+    """Where the mapping says a target key reads from (``bridges.mapping.Resolved`` is one)."""
+
+    @property
+    def source_keys(self) -> Sequence[str]: ...
+
+    @property
+    def transforms(self) -> Sequence[Any]: ...
+
+    @property
+    def where(self) -> str: ...
+
+    def chain(self, shapes: Sequence[Sequence[int]], dtypes: Sequence[Any]) -> MappingChain:
+        """Bound to the source tensors' shapes and dtypes; raises a CheckpointError when the rule does not fit."""
+        ...
+
+
 class KeyMap(Protocol):
     """The mapping the planner asks (``bridges.mapping.Mapping`` is one)."""
 
-    def resolve(self, target_key: str, ndim: int, source_keys: Any = None) -> Any: ...
+    def resolve(self, target_key: str, ndim: int, source_keys: Collection[str] | None = None) -> Resolution: ...
 
     def is_kept(self, target_key: str) -> bool: ...
 
@@ -109,15 +164,16 @@ class TargetLeaf:
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """Where one target tensor's data comes from. ``chain`` is a mapping's bound transforms (None:
-    the checkpoint tensor ``source_keys[0]`` as is); ``dtype`` the target's numpy dtype."""
+    """Where one target tensor's data comes from. ``chain`` is a mapping's bound transforms (a
+    :class:`MappingChain`; None: the checkpoint tensor ``source_keys[0]`` as is); ``dtype`` the
+    target's numpy dtype."""
 
     key: str
     source_keys: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: np.dtype
     source_dtype: np.dtype
-    chain: Any = None
+    chain: MappingChain | None = None
 
     @property
     def cast(self) -> bool:
@@ -214,7 +270,7 @@ def closest_key(key: str, keys: Collection[str], ndim: int | None = None, shapes
 class _Planner:
     """The state of one :func:`plan_restore` call (a function of it would run past 80 lines)."""
 
-    def __init__(self, source: Any, mapping: KeyMap | None, objects: Collection[str]) -> None:
+    def __init__(self, source: RestoreSource, mapping: KeyMap | None, objects: Collection[str]) -> None:
         self.source, self.mapping = source, mapping
         self.keys = set(source.keys())
         self.objects = set(objects)
@@ -279,7 +335,7 @@ class _Planner:
         else:
             self._plan(leaf.key, sources, chain, found_shape, want, found_dtype == want, found_dtype)
 
-    def _plan(self, key: str, sources: tuple[str, ...], chain: Any, shape: tuple[int, ...], dtype: np.dtype,
+    def _plan(self, key: str, sources: tuple[str, ...], chain: MappingChain | None, shape: tuple[int, ...], dtype: np.dtype,
               same: bool, source_dtype: np.dtype | None = None) -> None:
         self.used.update(sources)
         self.loaded.append(key)
@@ -288,7 +344,7 @@ class _Planner:
             self.casts.append(f"{key}: {src.name} -> {dtype.name}")
         self.tensors.append(TensorPlan(key, sources, shape, dtype, src, chain))
 
-    def _lacking(self, key: str, res: Any, lacking: list[str]) -> None:
+    def _lacking(self, key: str, res: Resolution | None, lacking: list[str]) -> None:
         self.kept.append(key)
         if self.mapping is not None and self.mapping.is_kept(key):
             return

@@ -29,8 +29,8 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from ckptfmt.interop._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES
-from ckptfmt.interop._stexport import (BLOCK_BYTES, CRC_BLOCK, READ_WINDOW, ExportFile, ExportPlan, ExportReport,
-                                       ExportTensor, Identity, begin_export, check_out_dir, discard_parts,
+from ckptfmt.interop._stexport import (BLOCK_BYTES, CRC_BLOCK, READ_WINDOW, BlockSource, ExportFile, ExportPlan,
+                                       ExportReport, ExportTensor, Identity, begin_export, check_out_dir, discard_parts,
                                        finish_export, natural_key, output_dtype, parse_size, plan_export, write_part)
 from ckptfmt.interop._stimport import BatchReader, ImportReport, ImportTensor, import_tensors
 from ckptfmt.interop._safetensors import encode_header
@@ -38,13 +38,14 @@ from ckptfmt.interop._exportfiles import create_exclusive, publish, read_config,
 from ckptfmt.interop._stsource import SafetensorsSource, SourceTensor, find_safetensors
 from ckptfmt._types import Box
 from ckptfmt.errors import StepNotFoundError
+from ckptfmt.reader import Checkpoint
 from ckptfmt.repository import Repository
 from ckptfmt.storage import StorageOptions
 from ckptfmt.restoreplan import RestoreSource
 
 __all__ = ["open_source", "export_safetensors", "prepare_export", "import_safetensors", "import_tensors",
            "identity_tensors", "safetensors_provenance", "SafetensorsSource", "SourceTensor", "find_safetensors",
-           "ExportTensor", "ExportFile", "ExportPlan", "ExportReport", "ImportTensor", "ImportReport", "Identity",
+           "ExportTensor", "BlockSource", "ExportFile", "ExportPlan", "ExportReport", "ImportTensor", "ImportReport", "Identity",
            "parse_size", "check_out_dir", "begin_export", "write_part", "discard_parts", "finish_export", "output_dtype", "CRC_BLOCK", "BLOCK_BYTES",
            "MAX_HEADER_BYTES", "DEFAULT_MAX_SHARD_SIZE",
            # for the bridges' importers and exporters (Orbax, DCP, PEFT): a named interface, not private modules
@@ -54,7 +55,7 @@ __all__ = ["open_source", "export_safetensors", "prepare_export", "import_safete
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 Progress = Callable[[int, int], None]
-TensorsFor = Callable[[Any], tuple[Sequence[ExportTensor], Sequence[str]]]
+TensorsFor = Callable[[Checkpoint], tuple[Sequence[ExportTensor], Sequence[str]]]
 
 
 def open_source(url: str, step: int | None = None, *, resolve: Callable[[Repository, int | None], int | None] | None = None,
@@ -79,7 +80,7 @@ def open_source(url: str, step: int | None = None, *, resolve: Callable[[Reposit
     return repo.open(resolve(repo, step) if resolve is not None else step)
 
 
-def identity_tensors(ckpt: Any, dtype: str | None = None) -> tuple[list[ExportTensor], list[str]]:
+def identity_tensors(ckpt: Checkpoint, dtype: str | None = None) -> tuple[list[ExportTensor], list[str]]:
     """Every tensor of the checkpoint under its own key path (natural order), cast to ``dtype``
     when floating-point."""
     out = []
@@ -90,7 +91,7 @@ def identity_tensors(ckpt: Any, dtype: str | None = None) -> tuple[list[ExportTe
 
 
 def prepare_export(url: str, *, step: int | None = None, tensors: TensorsFor | None = None, dtype: str | None = None,
-                   max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> tuple[Any, ExportPlan, list[str]]:
+                   max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> tuple[Checkpoint, ExportPlan, list[str]]:
     """Open the step (reads held to :data:`READ_WINDOW` in flight) and plan the files. Pure but for
     reading the manifest. ``tensors(ckpt)`` -> (output tensors, checkpoint keys left out); default
     :func:`identity_tensors`. Returns (checkpoint, plan, keys left out)."""

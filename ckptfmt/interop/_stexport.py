@@ -28,7 +28,7 @@ import re
 import stat
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import crc32c as _crc32c
 import numpy as np
@@ -40,8 +40,9 @@ from ckptfmt.interop._safetensors import (FORMAT_DTYPES, META_BLOCK, META_CRC, M
 from ckptfmt._types import Box
 from ckptfmt.dtypes import DTYPES, dtype_name, numpy_dtype
 from ckptfmt.errors import StorageError
+from ckptfmt.reader import Checkpoint
 
-__all__ = ["ExportTensor", "ExportFile", "ExportPlan", "ExportReport", "Identity", "plan_export", "write_part",
+__all__ = ["ExportTensor", "BlockSource", "ExportFile", "ExportPlan", "ExportReport", "Identity", "plan_export", "write_part",
            "finish_export", "begin_export", "discard_parts", "check_out_dir", "output_dtype", "parse_size", "natural_key", "INDEX_NAME", "CRC_BLOCK",
            "BLOCK_BYTES", "READ_WINDOW"]
 
@@ -69,6 +70,19 @@ class Identity:
         return blocks[0]
 
 
+class BlockSource(Protocol):
+    """Where an output tensor's blocks come from: :class:`Identity`, or a mapping's chain (a
+    :class:`ckptfmt.restoreplan.MappingChain`)."""
+
+    def reads(self, box: Box) -> list[tuple[str, Box]]:
+        """The (checkpoint key, box) reads that the output block at ``box`` needs."""
+        ...
+
+    def assemble(self, box: Box, blocks: Sequence[np.ndarray]) -> np.ndarray:
+        """The output block at ``box`` from the verified blocks of :meth:`reads`, in order."""
+        ...
+
+
 @dataclass(frozen=True)
 class ExportTensor:
     """One output tensor: its name, shape and dtype in the file, and where its blocks come from
@@ -79,7 +93,7 @@ class ExportTensor:
     shape: tuple[int, ...]
     dtype: str
     source_dtype: str
-    source: Any
+    source: BlockSource
 
     @property
     def nbytes(self) -> int:
@@ -239,7 +253,7 @@ def begin_export(out_dir: str, plan: ExportPlan, config: Mapping[str, Any] | Non
     check_out_dir(out_dir, names)
 
 
-def write_part(ckpt: Any, plan: ExportPlan, out_dir: str, *, part: tuple[int, int] = (0, 1),
+def write_part(ckpt: Checkpoint, plan: ExportPlan, out_dir: str, *, part: tuple[int, int] = (0, 1),
                progress: Progress | None = None) -> list[str]:
     """Write the files whose number ``i`` has ``i % world == rank`` (``part = (rank, world)``).
 
@@ -276,7 +290,7 @@ def discard_parts(out_dir: str, names: Sequence[str]) -> None:
             pass
 
 
-def _write_file(ckpt: Any, plan: ExportPlan, f: ExportFile, out_dir: str, done: int, total: int,
+def _write_file(ckpt: Checkpoint, plan: ExportPlan, f: ExportFile, out_dir: str, done: int, total: int,
                 progress: Progress | None) -> int:
     dummy = {t.name: "0" * (8 * -(-t.nbytes // CRC_BLOCK)) for t in f.tensors}
     layout = [(t.name, t.dtype, t.shape) for t in f.tensors]

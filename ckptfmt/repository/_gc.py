@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfmt import layout
 from ckptfmt.repository._gcfence import StoredLease as _StoredLease
@@ -43,6 +43,9 @@ from ckptfmt.errors import CheckpointError, StorageError
 from ckptfmt.layout import (MANIFESTS, SAVES, lease_key, manifest_key, parse_writer_save_id, save_prefix,
                             step_of_manifest_key)
 from ckptfmt.storage import NO_VALUE
+
+if TYPE_CHECKING:  # the package's face imports this module
+    from ckptfmt.repository import Repository
 
 __all__ = ["GcReport", "collect", "referenced_elsewhere", "pinned_by_a_save", "pinned_by_leases", "unrestorable",
            "remove_unreferenced", "DEFAULT_LEASE_GRACE_S"]
@@ -107,7 +110,7 @@ class _Scan:
     why: str = ""
 
 
-def _scan_manifest(repo: Any, step: int, watch: set[str]) -> _Scan:
+def _scan_manifest(repo: Repository, step: int, watch: set[str]) -> _Scan:
     # Pieces of SCAN_PIECE bytes with an overlap: memory stays small whatever the manifest's size
     # (a whole read of a 256 MiB object costs tensorstore three copies).
     st, cap, key = repo.storage, repo.max_manifest_bytes, manifest_key(step)
@@ -136,7 +139,7 @@ def _scan_manifest(repo: Any, step: int, watch: set[str]) -> _Scan:
     return _Scan("ok", frozenset(declared), frozenset(mentions))
 
 
-def _listed_steps(repo: Any) -> tuple[list[int], list[str]]:
+def _listed_steps(repo: Repository) -> tuple[list[int], list[str]]:
     """(valid steps, foreign keys) under ``manifests/``."""
     steps, foreign = [], []
     for k in repo.storage.list(MANIFESTS):
@@ -145,7 +148,7 @@ def _listed_steps(repo: Any) -> tuple[list[int], list[str]]:
     return sorted(steps), foreign
 
 
-def referenced_elsewhere(repo: Any, save_id: str, *, but: int | None) -> bool:
+def referenced_elsewhere(repo: Repository, save_id: str, *, but: int | None) -> bool:
     """Whether a committed manifest other than step ``but``'s names or mentions ``save_id``.
     A manifest that cannot be read is assumed to (FORMAT.md 4.4)."""
     steps, _ = _listed_steps(repo)
@@ -158,7 +161,7 @@ def referenced_elsewhere(repo: Any, save_id: str, *, but: int | None) -> bool:
     return False
 
 
-def pinned_by_a_save(repo: Any, save_id: str) -> bool:
+def pinned_by_a_save(repo: Repository, save_id: str) -> bool:
     """Whether the lease of a save not yet collected pins ``save_id`` (FORMAT.md 4.4, 10.1): an
     incremental save in progress may reference its objects. A lease or listing that cannot be
     read is assumed to pin it."""
@@ -166,13 +169,13 @@ def pinned_by_a_save(repo: Any, save_id: str) -> bool:
     return pins is None or save_id in pins
 
 
-def _free(repo: Any, save_id: str, *, but: int | None) -> bool:
+def _free(repo: Repository, save_id: str, *, but: int | None) -> bool:
     """Leases first, then manifests (FORMAT.md 4.4): no live lease pins ``save_id`` and no
     committed manifest (other than step ``but``'s) names or mentions it."""
     return not pinned_by_a_save(repo, save_id) and not referenced_elsewhere(repo, save_id, but=but)
 
 
-def remove_unreferenced(repo: Any, save_id: str, *, but: int) -> bool:
+def remove_unreferenced(repo: Repository, save_id: str, *, but: int) -> bool:
     """After step ``but`` was un-committed: remove ``save_id``'s objects unless something may
     still reference them (FORMAT.md 4.4, 10.3): leases, then manifests; the claim; leases and
     manifests again; then the objects, the lease last. True when they were removed."""
@@ -184,7 +187,7 @@ def remove_unreferenced(repo: Any, save_id: str, *, but: int) -> bool:
     return True
 
 
-def unrestorable(repo: Any, step: int) -> str | None:
+def unrestorable(repo: Repository, step: int) -> str | None:
     """Why ``step`` cannot be restored, or None (FORMAT.md 10.4: the manifest validates, and every
     object it references exists with its recorded size). Reads no data: retention also asks
     :func:`ckptfmt.repository._verified.unverified` of the newest step it counts."""
@@ -206,7 +209,7 @@ _unverified = unverified
 _recognise = recognise
 
 
-def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport) -> dict[str, int]:
+def _retention(repo: Repository, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport) -> dict[str, int]:
     """Un-commit the steps that retention deletes, manifest first; their save ids."""
     read: set[int] = set()  # the steps this decision read in full: a fresh read needs no second one
     plan = Retention(keep_last=keep_last, keep_every=keep_every or None).plan(
@@ -233,7 +236,7 @@ def _retention(repo: Any, steps: list[int], keep_last: int, keep_every: int | No
     return retired
 
 
-def collect(repo: Any, *, grace_s: float | None, keep_last: int | None, keep_every: int | None) -> GcReport:
+def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, keep_every: int | None) -> GcReport:
     """Retention, then removal of abandoned saves (see the module docstring for the order).
 
     Raises NotARepositoryError (deleting nothing) when the URL holds no repository, and
@@ -356,7 +359,7 @@ class _Committed:
     blind: list[str]
 
 
-def _scan_committed(repo: Any, names: SaveNames, live: _Liveness, foreign: list[str]) -> _Committed:
+def _scan_committed(repo: Repository, names: SaveNames, live: _Liveness, foreign: list[str]) -> _Committed:
     """Only after the leases, the manifests: every save id they name or mention is committed."""
     steps, foreign_manifests = _listed_steps(repo)
     foreign += foreign_manifests
@@ -385,7 +388,7 @@ def _tidy_committed(st: Any, referenced: set[str], report: GcReport, now: float,
         report.objects_removed += st.remove_stale_locks(save_prefix(sid), now - grace_s)
 
 
-def _collect_pending(repo: Any, names: SaveNames, live: _Liveness, committed: _Committed, retired: dict[str, int],
+def _collect_pending(repo: Repository, names: SaveNames, live: _Liveness, committed: _Committed, retired: dict[str, int],
                      report: GcReport, now: float, grace_s: float) -> set[str]:
     """Step 5: decide each save left, and claim it. Returns the saves whose lease this run holds
     as ``collected`` (claimed here, or found so); step 6 deletes them."""
@@ -408,7 +411,7 @@ def _collect_pending(repo: Any, names: SaveNames, live: _Liveness, committed: _C
     return claimed
 
 
-def _settle(repo: Any, names: SaveNames, claimed: set[str], retired: dict[str, int], report: GcReport) -> None:
+def _settle(repo: Repository, names: SaveNames, claimed: set[str], retired: dict[str, int], report: GcReport) -> None:
     """Step 6, the last look (FORMAT.md 10.3): after every claim, every lease, then every manifest;
     a claimed save that one pins or names is kept (and stays claimed), the others are deleted."""
     if not claimed:
@@ -440,7 +443,7 @@ def _settle(repo: Any, names: SaveNames, claimed: set[str], retired: dict[str, i
     report.pinned.sort()
 
 
-def _decide(repo: Any, sid: str, lease: _StoredLease | None, retired: dict[str, int],
+def _decide(repo: Repository, sid: str, lease: _StoredLease | None, retired: dict[str, int],
             damaged: dict[int, str], blind: list[str], now: float, grace_s: float) -> str | None:
     """None to collect ``sid`` (its lease, if any, is claimed here); otherwise "in progress",
     "committed", or why it is kept."""

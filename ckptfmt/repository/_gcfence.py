@@ -21,14 +21,17 @@ interleaving with saves and other collectors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from ckptfmt import layout
 from ckptfmt.storage._localfs import Entry
 from ckptfmt.errors import CheckpointError, StorageError
 from ckptfmt.layout import (LEASE_NAME, SAVES, arrays_prefix, is_save_id, lease_key, parse_writer_save_id, save_prefix,
                             state_prefix)
-from ckptfmt.storage import NO_VALUE
+from ckptfmt.storage import NO_VALUE, Storage
+
+if TYPE_CHECKING:  # _gc imports this module
+    from ckptfmt.repository._gc import GcReport
 
 __all__ = ["StoredLease", "stored_lease", "pinned_by_leases", "collected_lease", "scan_saves", "SaveNames", "list_saves",
            "lease_pins", "claim", "excluded", "remove_save"]
@@ -63,7 +66,7 @@ def collected_lease(sid: str) -> bytes:
     return layout.lease_bytes({"save_id": sid, "state": "collected"})
 
 
-def scan_saves(st: Any, *, deep: bool = True) -> list[Entry]:
+def scan_saves(st: Storage, *, deep: bool = True) -> list[Entry]:
     """Every name under ``saves/``, judged without following links (the store's
     ``scan_children``); a directory's ``marker`` is the kind of its ``LEASE`` ("file", "link",
     ...; None when it has none). The store knows nothing of leases: the collector says what to
@@ -80,7 +83,7 @@ class SaveNames:
     custom: dict[str, Entry]
 
 
-def list_saves(st: Any, retired: Mapping[str, int], report: Any, foreign: list[str]) -> SaveNames | None:
+def list_saves(st: Storage, retired: Mapping[str, int], report: GcReport, foreign: list[str]) -> SaveNames | None:
     """The names under saves/, judged without following links; None when saves/ cannot be listed."""
     candidates: dict[str, Entry] = {}
     custom: dict[str, Entry] = {}
@@ -102,7 +105,7 @@ def list_saves(st: Any, retired: Mapping[str, int], report: Any, foreign: list[s
     return SaveNames(candidates, custom)
 
 
-def lease_pins(st: Any, *, but: str | None = None) -> set[str] | None:
+def lease_pins(st: Storage, *, but: str | None = None) -> set[str] | None:
     """Every save id that the lease of any save under ``saves/`` (listed now, without following
     links; ``but``'s own lease aside) pins; None when a lease or the listing cannot be read, so
     that the caller keeps everything."""
@@ -124,7 +127,7 @@ def lease_pins(st: Any, *, but: str | None = None) -> set[str] | None:
     return pins
 
 
-def claim(st: Any, sid: str, generation: bytes | None = None) -> str | None:
+def claim(st: Storage, sid: str, generation: bytes | None = None) -> str | None:
     """Claim a save that a collector has judged free: its lease says ``collected`` afterwards.
     ``generation``: the lease's generation as judged (NO_VALUE: judged without a lease), or None
     to take it as read now (a committed save's leftover lease). A lease that already says
@@ -144,7 +147,7 @@ def claim(st: Any, sid: str, generation: bytes | None = None) -> str | None:
     return "its lease changed since it was judged"
 
 
-def excluded(st: Any, save_ids: Iterable[str]) -> frozenset[str]:
+def excluded(st: Storage, save_ids: Iterable[str]) -> frozenset[str]:
     """A save's check, after its own lease pins ``save_ids`` (FORMAT.md 8.4): those whose lease
     says ``collected`` (or cannot be read) must not be referenced."""
     ids = sorted(set(save_ids))
@@ -159,7 +162,7 @@ def excluded(st: Any, save_ids: Iterable[str]) -> frozenset[str]:
     return frozenset(out)
 
 
-def remove_save(st: Any, sid: str) -> None:
+def remove_save(st: Storage, sid: str) -> None:
     """Delete a claimed save's objects, its lease last (its claim stays visible until then). A
     save folder that is a link is removed itself, never entered."""
     if st.plain_dir(save_prefix(sid)):

@@ -7,17 +7,20 @@ valid step name under ``manifests/`` holds a manifest that passes validation.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ckptfmt.errors import CheckpointError, NotARepositoryError
 from ckptfmt.layout import MARKER_KEY
+
+if TYPE_CHECKING:  # the package's face imports this module
+    from ckptfmt.repository import Repository
 
 __all__ = ["recognise", "MARKER_MAX_BYTES"]
 
 MARKER_MAX_BYTES = 4096  # FORMAT.md 4.5
 
 
-def recognise(repo: Any, steps: Sequence[int], consequence: str = "") -> None:
+def recognise(repo: Repository, steps: Sequence[int], consequence: str = "") -> None:
     """Return when ``repo`` (a :class:`~ckptfmt.Repository`, whose committed ``steps`` the caller
     listed) holds a repository; else raise NotARepositoryError naming the URL, with
     ``consequence`` (what the caller therefore did not do) appended to its message. Reads the

@@ -19,12 +19,15 @@ import hashlib
 import json
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfmt.errors import CheckpointError
 from ckptfmt.layout import save_prefix
 from ckptfmt.manifest import Manifest
 from ckptfmt.reader import Checkpoint
+
+if TYPE_CHECKING:  # the package's face imports this module
+    from ckptfmt.repository import Repository
 
 __all__ = ["RECORD_NAME", "RECORD_FORMAT", "record_key", "record_bytes", "stamp_lines", "unverified", "forget"]
 
@@ -87,7 +90,7 @@ def _trusted(st: Any, want: dict[str, Any]) -> bool:
             and when <= time.time() + _CLOCK_SLACK_S)
 
 
-def unverified(repo: Any, step: int, *, fresh: bool = False, read: set[int] | None = None) -> str | None:
+def unverified(repo: Repository, step: int, *, fresh: bool = False, read: set[int] | None = None) -> str | None:
     """Why ``step`` is not verified byte for byte now, or None: its record matches (unless
     ``fresh``: then the record is not consulted), or it was read and checked in full just now (and
     the record written). A step read in full is added to ``read``. Never raises for bad content."""
