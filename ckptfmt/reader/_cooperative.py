@@ -29,12 +29,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from ckptfmt._types import Box
 from ckptfmt.errors import CheckpointError, CoordinatorLostError, InvalidStateError, StepMismatchError
+from ckptfmt.restoreplan import RestoreSource
 
 __all__ = ["Exchange", "ChunkSource", "RoundPlan", "CoopPlan", "CoopStats", "plan_cooperative",
            "cooperative_reads", "gather_bytes"]
@@ -163,7 +164,7 @@ def _encode(refs: Sequence[Sequence[ChunkRef]] | None) -> bytes:
     return json.dumps(None if refs is None else [[[k, int(c)] for k, c in batch] for batch in refs]).encode()
 
 
-def _decode(blob: bytes, rank: int, source: Any) -> list[list[ChunkRef]] | None:
+def _decode(blob: bytes, rank: int, source: ChunkSource) -> list[list[ChunkRef]] | None:
     """Another process's needs, each chunk row checked against this process's manifest (untrusted input)."""
     try:
         doc = json.loads(blob)
@@ -192,9 +193,12 @@ def _error_json(e: BaseException) -> dict[str, Any]:
 
 
 class ChunkSource(Protocol):
-    """What a cooperative restore needs of its source besides ``read_boxes``: the stored chunks a
-    read touches, their stored lengths, and their stored bytes, verified
-    (:class:`ckptfmt.reader.Checkpoint`). A source without these is read by each process alone."""
+    """What a cooperative restore needs of its source besides ``iter_read_boxes``: its tensor
+    entries, the stored chunks a read touches, their stored lengths, their stored bytes (verified),
+    and a read that takes chunks another process delivered (:class:`ckptfmt.reader.Checkpoint`). A
+    source without these is read by each process alone."""
+
+    def tensor(self, key: str) -> Any: ...
 
     def chunk_refs(self, requests: Sequence[Request]) -> list[ChunkRef]: ...
 
@@ -202,12 +206,15 @@ class ChunkSource(Protocol):
 
     def read_chunks(self, refs: Sequence[ChunkRef]) -> list[np.ndarray]: ...
 
+    def read_boxes(self, requests: Sequence[Request], *,
+                   supplied: Mapping[ChunkRef, tuple[Any, str]] | None = None) -> list[np.ndarray]: ...
 
-def _shares_chunks(source: Any) -> bool:
+
+def _shares_chunks(source: object) -> bool:
     return all(callable(getattr(source, m, None)) for m in ("chunk_refs", "chunk_nbytes", "read_chunks"))
 
 
-def _binding(source: Any) -> bytes:
+def _binding(source: ChunkSource) -> bytes:
     """What every process's buffer of a round starts with after its status: the step and the save
     it restores (FORMAT.md 9.1: an answer is bound to the save asked), as 16 bytes."""
     manifest = getattr(source, "manifest", None)
@@ -215,7 +222,7 @@ def _binding(source: Any) -> bytes:
     return hashlib.blake2b(ident, digest_size=_BIND).digest()
 
 
-def cooperative_reads(source: Any, batches: Sequence[Sequence[Request]], exchange: Exchange, *,
+def cooperative_reads(source: RestoreSource, batches: Sequence[Sequence[Request]], exchange: Exchange, *,
                       stats: CoopStats | None = None, name: str = "restore/coop") -> Iterator[list[np.ndarray]]:
     """What ``source.iter_read_boxes(batches)`` yields (each batch's arrays, in order, every byte
     verified), with the stored chunks that several processes need read from storage once (module
@@ -294,7 +301,7 @@ def _raise_first(exchange: Exchange, name: str, bufs: Sequence[np.ndarray], fail
     raise CheckpointError.from_json(doc, prefix=f"rank {first}: ")
 
 
-def _round(source: Any, exchange: Exchange, name: str, rp: RoundPlan, want: list[Request], mine: set[ChunkRef],
+def _round(source: ChunkSource, exchange: Exchange, name: str, rp: RoundPlan, want: list[Request], mine: set[ChunkRef],
            bind: bytes, stats: CoopStats) -> list[np.ndarray]:
     """One round: read and verify the chunks this process serves; one all-gather of status,
     binding and chunks; then read this process's requests with the chunks its peers sent, each
