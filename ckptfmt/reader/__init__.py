@@ -38,6 +38,7 @@ from ckptfmt.manifest import Manifest, TensorEntry
 from ckptfmt.plan import ReadItem, plan_reads
 from ckptfmt.rankstate import RANK_STATE_POLICIES as RANK_STATE_POLICIES
 from ckptfmt.rankstate import RankStatePolicy, rank_state_source
+from ckptfmt.shard import shard_bytes
 from ckptfmt.state import decode_state
 from ckptfmt.storage import Pending, Storage
 from ckptfmt.storage._options import DEFAULT_READ_WINDOW as DEFAULT_READ_WINDOW
@@ -216,20 +217,19 @@ class Checkpoint(PositionalReads, LocalVerify):
         got: dict[ChunkRef, np.ndarray] = {}
         for (key, s), chunks in by_shard.items():
             t = self.manifest.tensors[key]
-            obj, nbytes, g = t.object_key(s), int(t.shards.nbytes[s]), t.geometry
+            obj, nbytes, sb = t.object_key(s), int(t.shards.nbytes[s]), shard_bytes(t, s)
             self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
             probe = self.storage.size_check(obj, nbytes, tensor=key)
             need = sorted(set(chunks))
-            require_memory(int(t.chunks.nbytes[need].sum()) + g.index_nbytes, key, obj, "the chunks to share")
-            index = self.storage.read_range(obj, nbytes - g.index_nbytes, nbytes, tensor=key)
-            reads = [(c, self.storage.read_range(obj, int(t.chunks.offset[c]),
-                                                 int(t.chunks.offset[c]) + int(t.chunks.nbytes[c]), tensor=key))
-                     for c in need]
+            ilo, ihi = sb.index
+            require_memory(int(t.chunks.nbytes[need].sum()) + (ihi - ilo), key, obj, "the chunks to share")
+            index = self.storage.read_range(obj, ilo, ihi, tensor=key)
+            reads = [(c, self.storage.read_range(obj, *sb.chunk(c), tensor=key)) for c in need]
             probe.result()
             mv = memoryview(index.result())
-            if len(mv) != g.index_nbytes:
+            if len(mv) != ihi - ilo:
                 raise SizeMismatchError("shard index read differs from its recorded length", key=key, object=obj,
-                                        expected=g.index_nbytes, found=len(mv))
+                                        expected=ihi - ilo, found=len(mv))
             self._check_index(t, s, obj, mv)
             self.stats.bytes_read += len(mv)
             self.stats.requests += 1 + len(reads) + probe.requests
@@ -299,11 +299,10 @@ class Checkpoint(PositionalReads, LocalVerify):
     def _issue(self, key: str, s: int, items: list[ReadItem]) -> "_ShardRead":
         """Start the reads one shard needs: the whole object, or its index plus the needed chunks."""
         t = self.manifest.tensors[key]
-        g = t.geometry
-        obj = t.object_key(s)
+        obj, sb = t.object_key(s), shard_bytes(t, s)
         starts = self._starts(t)
         chunks = sorted({it.chunk for it in items})
-        nbytes = int(t.shards.nbytes[s])
+        nbytes = sb.nbytes
         self.stats.objects += 1
         self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
         # Every range ends at or before nbytes; the size is checked apart (stat, or one byte at nbytes).
@@ -312,13 +311,13 @@ class Checkpoint(PositionalReads, LocalVerify):
         if len(chunks) == int(starts[s + 1] - starts[s]):
             require_memory(nbytes, key, obj, "the whole shard")
             self.stats.requests += 1
-            return _ShardRead(key, s, items, obj, True, [self.storage.read_range(obj, 0, nbytes, tensor=key)], probe, nbytes)
-        held = int(t.chunks.nbytes[chunks].sum()) + g.index_nbytes
+            return _ShardRead(key, s, items, obj, True, [self.storage.read_range(obj, *sb.whole, tensor=key)], probe, nbytes)
+        ilo, ihi = sb.index
+        held = int(t.chunks.nbytes[chunks].sum()) + (ihi - ilo)
         require_memory(held, key, obj, "the shard's needed chunks")
-        futs = [self.storage.read_range(obj, nbytes - g.index_nbytes, nbytes, tensor=key)]
+        futs = [self.storage.read_range(obj, ilo, ihi, tensor=key)]
         for c in chunks:
-            o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-            futs.append(self.storage.read_range(obj, o, o + n, tensor=key))
+            futs.append(self.storage.read_range(obj, *sb.chunk(c), tensor=key))
         self.stats.requests += len(futs)
         return _ShardRead(key, s, items, obj, False, futs, probe, held)
 
@@ -326,7 +325,6 @@ class Checkpoint(PositionalReads, LocalVerify):
         """Wait for one shard's reads, verify every byte against the manifest, copy into the outputs."""
         key, s, items, obj = issued.key, issued.shard, issued.items, issued.obj
         t = self.manifest.tensors[key]
-        g = t.geometry
         tw = time.perf_counter()
         issued.probe.result()
         raw = [f.result() for f in issued.reads]
@@ -339,9 +337,10 @@ class Checkpoint(PositionalReads, LocalVerify):
             chunk_bytes = self._check_whole(t, s, obj, raw[0], chunks)
         else:
             index = memoryview(raw[0])
-            if len(index) != g.index_nbytes:
+            ilo, ihi = shard_bytes(t, s).index
+            if len(index) != ihi - ilo:
                 raise SizeMismatchError("shard index read differs from its recorded length", key=key, object=obj,
-                                        expected=g.index_nbytes, found=len(index))
+                                        expected=ihi - ilo, found=len(index))
             self._check_index(t, s, obj, index)
             for c, r in zip(chunks, raw[1:]):
                 chunk_bytes[c] = memoryview(r)
@@ -462,25 +461,25 @@ class Checkpoint(PositionalReads, LocalVerify):
     def _verify_in_parts(self, t: TensorEntry, s: int) -> int:
         """Verify one shard larger than the read window: its index, then its chunks, a window at a
         time, so that verify never holds more than the window (or one chunk) of it."""
-        g, obj, n = t.geometry, t.object_key(s), int(t.shards.nbytes[s])
+        obj, n, sb = t.object_key(s), int(t.shards.nbytes[s]), shard_bytes(t, s)
         c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
         biggest = int(t.chunks.nbytes[c0:c1].max()) if c1 > c0 else 0
-        require_memory(max(biggest, g.index_nbytes), t.key, obj, "one chunk or index")
+        ilo, ihi = sb.index
+        require_memory(max(biggest, ihi - ilo), t.key, obj, "one chunk or index")
         self.storage.check_no_links(obj, self._plain_dirs, tensor=t.key)
         probe = self.storage.size_check(obj, n, tensor=t.key)
-        index = self.storage.read_range(obj, n - g.index_nbytes, n, tensor=t.key)
+        index = self.storage.read_range(obj, ilo, ihi, tensor=t.key)
         probe.result()
         self._check_index(t, s, obj, memoryview(index.result()))
         per = max(1, self.max_inflight_bytes // max(biggest, 1))
         for lo in range(c0, c1, per):
-            futs = [(c, int(t.chunks.offset[c]), int(t.chunks.nbytes[c])) for c in range(lo, min(c1, lo + per))]
-            reads = [(c, self.storage.read_range(obj, o, o + nb, tensor=t.key)) for c, o, nb in futs]
+            reads = [(c, self.storage.read_range(obj, *sb.chunk(c), tensor=t.key)) for c in range(lo, min(c1, lo + per))]
             for c, f in reads:
                 mv = memoryview(f.result())
                 self._check_chunk(t, c, obj, mv)
                 if t.array.codec != "raw":
                     self._decode(t, c, obj, mv)
-        self.stats.bytes_read += g.index_nbytes + int(t.chunks.nbytes[c0:c1].sum())
+        self.stats.bytes_read += (ihi - ilo) + int(t.chunks.nbytes[c0:c1].sum())
         return n
 
 

@@ -19,8 +19,7 @@ from ckptfmt.reader._alloc import require_memory
 from ckptfmt.shard._blockcheck import BlockChecks
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import SizeMismatchError
-from ckptfmt.layout import CRC_BYTES
-from ckptfmt.shard import back_to_back
+from ckptfmt.shard import TRAILER_BYTES, ShardBytes, back_to_back, shard_bytes
 from ckptfmt.manifest import TensorEntry
 from ckptfmt.plan import ReadItem
 from ckptfmt.storage import PositionalFile
@@ -115,38 +114,40 @@ class PositionalReads(BlockChecks):
                                         expected=want, found=f.size)
             starts = self._starts(t)
             c0, c1 = int(starts[s]), int(starts[s + 1])
+            sb = shard_bytes(t, s)
             if c1 - c0 == 1 and c0 in direct and self.storage.options.mapped_reads:
                 req = by_chunk[c0][0].request
                 if tuple(outs[req].shape) == tuple(g.chunk_shape):  # type: ignore[union-attr]
-                    mapped = self._read_mapped(t, s, obj, f, c0, phases, tr)
+                    mapped = self._read_mapped(t, s, obj, f, sb, c0, phases, tr)
                     if mapped is not None:
                         outs[req] = mapped
                         return _ShardStats(want, 1, phases)
             if direct and len(direct) == c1 - c0 and 2 * (c1 - c0) + 1 <= _IOV_MAX and back_to_back(t, c0, c1, want):
-                return self._read_whole_direct(t, s, obj, f, c0, c1, direct, phases, tr)
-            index = bytearray(g.index_nbytes)
-            f.read_into([index], want - g.index_nbytes)
+                return self._read_whole_direct(t, s, obj, f, sb, c0, c1, direct, phases, tr)
+            lo, hi = sb.index
+            index = bytearray(hi - lo)
+            f.read_into([index], lo)
             phases["read"] += time.perf_counter() - tr
             tv = time.perf_counter()
             self._check_index(t, s, obj, memoryview(index))
             phases["verify"] += time.perf_counter() - tv
             nbytes, requests = len(index), 1
-            trailer = bytearray(CRC_BYTES)
+            trailer = bytearray(TRAILER_BYTES)
             scratch: np.ndarray | None = None
             dt = numpy_dtype(t.dtype)
             for c, its in by_chunk.items():
-                off, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+                off, mid, end = sb.chunk_bounds(c)  # data [off, mid), then its trailer
                 data = direct.get(c)
                 if data is None:
-                    if scratch is None or scratch.size < n - CRC_BYTES:  # encoded chunks differ in size
-                        require_memory(n - CRC_BYTES, key, obj, "one chunk")
-                        scratch = np.empty(n - CRC_BYTES, np.uint8)
-                    data = scratch[:n - CRC_BYTES]
+                    if scratch is None or scratch.size < mid - off:  # encoded chunks differ in size
+                        require_memory(mid - off, key, obj, "one chunk")
+                        scratch = np.empty(mid - off, np.uint8)
+                    data = scratch[:mid - off]
                 tr = time.perf_counter()
                 f.read_into([data, trailer], off)
                 tv = time.perf_counter()
                 phases["read"] += tv - tr
-                nbytes += n
+                nbytes += end - off
                 requests += 1
                 self._check_chunk(t, c, obj, data, trailer)
                 ta = time.perf_counter()
@@ -159,44 +160,44 @@ class PositionalReads(BlockChecks):
                     phases["assemble"] += time.perf_counter() - ta
         return _ShardStats(nbytes, requests, phases)
 
-    def _read_mapped(self, t: TensorEntry, s: int, obj: str, f: PositionalFile, c: int, phases: dict[str, float],
-                     tr: float) -> np.ndarray | None:
+    def _read_mapped(self, t: TensorEntry, s: int, obj: str, f: PositionalFile, sb: ShardBytes, c: int,
+                     phases: dict[str, float], tr: float) -> np.ndarray | None:
         """The one chunk of shard ``s``, as a copy-on-write mapping of the object (repository option
         ``mapped_reads``, FORMAT.md 14.8), once its index and its crc32c are checked against the
         manifest; None where the object cannot be mapped (the caller then reads it)."""
         mm = f.map()
         if mm is None:
             return None
-        want, g = int(t.shards.nbytes[s]), t.geometry
-        off, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
+        g = t.geometry
+        (ilo, ihi), (off, mid, end) = sb.index, sb.chunk_bounds(c)
         view = memoryview(mm)
         tv = time.perf_counter()
         phases["read"] += tv - tr
-        self._check_index(t, s, obj, view[want - g.index_nbytes:want])
-        data = np.frombuffer(mm, np.uint8, count=n - CRC_BYTES, offset=off)
-        self._check_chunk(t, c, obj, data, view[off + n - CRC_BYTES:off + n])
+        self._check_index(t, s, obj, view[ilo:ihi])
+        data = np.frombuffer(mm, np.uint8, count=mid - off, offset=off)
+        self._check_chunk(t, c, obj, data, view[mid:end])
         phases["verify"] += time.perf_counter() - tv
         return data.view(numpy_dtype(t.dtype)).reshape(g.chunk_shape)
 
-    def _read_whole_direct(self, t: TensorEntry, s: int, obj: str, f: PositionalFile, c0: int, c1: int,
-                           direct: dict[int, np.ndarray], phases: dict[str, float], tr: float) -> "_ShardStats":
+    def _read_whole_direct(self, t: TensorEntry, s: int, obj: str, f: PositionalFile, sb: ShardBytes, c0: int,
+                           c1: int, direct: dict[int, np.ndarray], phases: dict[str, float], tr: float) -> "_ShardStats":
         """One positional vectored read of the whole object: every chunk's data lands in its
         output, its trailer and the index in small buffers; then the index and every chunk are
         checked against the manifest before the caller may use any output."""
         n = c1 - c0
-        k = CRC_BYTES
-        tails = memoryview(bytearray(k * n))
-        index = bytearray(t.geometry.index_nbytes)
+        tails = np.empty((n, TRAILER_BYTES), np.uint8)  # row i: chunk c0 + i's trailer
+        lo, hi = sb.index
+        index = bytearray(hi - lo)
         iov: list[Any] = []
         for i in range(n):
-            iov += (direct[c0 + i], tails[k * i:k * i + k])
+            iov += (direct[c0 + i], tails[i])
         iov.append(index)
-        f.read_into(iov, 0)
+        f.read_into(iov, sb.start)  # the caller checked back_to_back: data, trailer, ..., index
         tv = time.perf_counter()
         phases["read"] += tv - tr
         self._check_index(t, s, obj, memoryview(index))
         for i in range(n):
-            self._check_chunk(t, c0 + i, obj, direct[c0 + i], tails[k * i:k * i + k])
+            self._check_chunk(t, c0 + i, obj, direct[c0 + i], tails[i])
         phases["verify"] += time.perf_counter() - tv
         return _ShardStats(int(t.shards.nbytes[s]), 1, phases)
 

@@ -23,6 +23,7 @@ import numpy as np
 from ckptfmt.errors import SizeMismatchError
 from ckptfmt.manifest import TensorEntry
 from ckptfmt.reader._alloc import require_memory
+from ckptfmt.shard import shard_bytes
 from ckptfmt.storage._durable import kept_pool
 
 __all__ = ["LocalVerify", "ReadBuffers", "VERIFY_THREADS"]
@@ -130,7 +131,7 @@ class LocalVerify:
             have = buffers.take(n)
             try:
                 buf = have[:n]
-                f.read_into([buf], 0)
+                f.read_into([buf], shard_bytes(t, s).start)
                 starts = self._starts(t)  # type: ignore[attr-defined]
                 checked = self._check_whole(t, s, obj, memoryview(buf), range(int(starts[s]), int(starts[s + 1])))  # type: ignore[attr-defined]
                 if t.array.codec != "raw":  # an encoded chunk must also decode (FORMAT.md 6.3)

@@ -9,12 +9,15 @@ Pure: no I/O and no tensorstore. Writers call :func:`encode` (the buffers of one
 record) and :func:`verify_encoded` (the read-back of an object another library encoded); readers
 and the reuse check call :func:`check_whole`, :func:`check_index` and :func:`check_chunk`, which
 raise a CheckpointError naming the tensor and the object. :class:`ShardRecord` is the one record
-of a shard object, written or referenced, and its named wire form.
+of a shard object, written or referenced, and its named wire form. :func:`shard_bytes` answers
+where each byte of a shard lies (its index, each chunk's data and trailer) for every reader, so
+that no module outside this one computes a shard's byte positions (tests/test_shardbytes.py).
 
 Subpackage ``ckptfmt.shard``. The shard object (FORMAT.md 6.2-6.4): its index, its chunk checks and
 the decoding of encoded chunks, shared by the read path, the reuse check and the writers. Its
-modules: ``_blockcheck``, ``_codec``. May import: floor, manifest. The floor: the top-level modules
-listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and enforces them).
+modules: ``_blockcheck``, ``_bytes``, ``_codec``. May import: floor, manifest. The floor: the
+top-level modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and
+enforces them).
 Subpackages that may import it: reader, session.
 """
 from __future__ import annotations
@@ -30,8 +33,15 @@ from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumMismatchError, IncompleteSaveError, InvalidDataError, SizeMismatchError
 from ckptfmt.layout import CRC_BYTES, INDEX_ENTRY, NOT_STORED, index_entries, split_trailer
 from ckptfmt.plan import TensorGeometry, stored_chunk_counts
+from ckptfmt.shard._bytes import TRAILER_BYTES as TRAILER_BYTES
+from ckptfmt.shard._bytes import ShardBytes as ShardBytes
+from ckptfmt.shard._bytes import chunk_data as chunk_data
+from ckptfmt.shard._bytes import data_and_trailer as data_and_trailer
+from ckptfmt.shard._bytes import raw_shard_nbytes as raw_shard_nbytes
+from ckptfmt.shard._bytes import shard_bytes as shard_bytes
 
-__all__ = ["ShardRecord", "records_to_wire", "records_from_wire", "EncodedShard", "encode", "padded_chunks",
+__all__ = ["TRAILER_BYTES", "ShardBytes", "shard_bytes", "raw_shard_nbytes", "data_and_trailer",
+           "ShardRecord", "records_to_wire", "records_from_wire", "EncodedShard", "encode", "padded_chunks",
            "chunk_crcs", "index_body", "back_to_back", "chunk_data", "check_whole", "check_index", "check_index_crc", "check_entries", "check_chunk", "check_bool",
            "verify_encoded"]
 
@@ -150,7 +160,7 @@ class EncodedShard:
                  counts: tuple[int, ...], crcs: Sequence[int] | None = None) -> None:
         self.tensor, self.cell, self.block, self.geometry, self.counts = tensor, tuple(cell), block, g, counts
         self.nchunks = math.prod(counts)
-        self.nbytes = self.nchunks * g.chunk_nbytes + g.index_nbytes
+        self.nbytes = raw_shard_nbytes(g, self.nchunks)
         self._given = None if crcs is None else tuple(int(c) for c in crcs)
         self._crcs: list[int] = []
         self._index_crc: int | None = None
@@ -200,12 +210,7 @@ def back_to_back(t: Any, c0: int, c1: int, nbytes: int) -> bool:
     the index right after (the layout :func:`encode` writes): one read takes the whole object."""
     n, cn = c1 - c0, t.geometry.chunk_nbytes
     offs = t.chunks.offset[c0:c1]
-    return nbytes == n * cn + t.geometry.index_nbytes and bool(np.array_equal(offs, np.arange(n, dtype=np.int64) * cn))
-
-
-def chunk_data(mv: Any) -> Any:
-    """A stored chunk's bytes without its crc32c trailer."""
-    return mv[:-CRC_BYTES]
+    return nbytes == raw_shard_nbytes(t.geometry, n) and bool(np.array_equal(offs, np.arange(n, dtype=np.int64) * cn))
 
 
 # ---------------------------------------------------------------------- checks against a manifest (6.4, 9)
@@ -219,12 +224,11 @@ def check_whole(t: Any, s: int, obj: str, buf: Any, chunks: Sequence[int], *,
     if len(buf) != nbytes:
         raise SizeMismatchError("shard object size differs from the manifest", key=t.key, object=obj,
                                 expected=nbytes, found=len(buf))
-    mv = memoryview(buf)
-    index(t, s, obj, mv[nbytes - t.geometry.index_nbytes:])
+    mv, sb = memoryview(buf), shard_bytes(t, s)
+    index(t, s, obj, mv[sb.local(sb.index)])
     out = {}
     for c in chunks:
-        o, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-        out[c] = mv[o:o + n]
+        out[c] = mv[sb.local(sb.chunk(c))]
         chunk(t, c, obj, out[c])
     return out
 
@@ -254,14 +258,14 @@ def check_entries(t: Any, s: int, obj: str, index: memoryview) -> None:
     if c1 - c0 == math.prod(g.inner):  # every inner chunk stored: the entries are the rows, in order
         rows = np.empty((c1 - c0, 2), INDEX_ENTRY)
         rows[:, 0], rows[:, 1] = t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]
-        if index[:-CRC_BYTES] == rows.tobytes():
+        if data_and_trailer(index)[0] == rows.tobytes():
             return
     off = t.shards.offset[s]
     counts = tuple(-(-min(ss, n - int(o)) // c) for ss, n, o, c in zip(g.shard_shape, g.shape, off, g.chunk_shape))
     want = np.full(g.inner + (2,), _NOT_STORED, np.uint64)
     want[tuple(slice(0, k) for k in counts)] = np.stack(
         [t.chunks.offset[c0:c1], t.chunks.nbytes[c0:c1]], axis=-1).reshape(counts + (2,))
-    got = index_entries(index[:-CRC_BYTES]).reshape(want.shape)
+    got = index_entries(data_and_trailer(index)[0]).reshape(want.shape)
     if not np.array_equal(got, want):
         flat = int(np.flatnonzero(np.any((got != want).reshape(-1, 2), axis=1))[0])
         cell = tuple(int(i) for i in np.unravel_index(flat, g.inner)) if g.inner else ()
@@ -275,7 +279,7 @@ def check_chunk(t: Any, c: int, obj: str, mv: Any, trailer: Any = None) -> None:
     """Check one stored chunk against the manifest: its length, and the crc32c of its data both
     as recomputed and as stored in its trailer. ``trailer`` given: ``mv`` is the data alone."""
     want = int(t.chunks.crc32c[c])
-    data, tail = (mv[:-CRC_BYTES], mv[-CRC_BYTES:]) if trailer is None else (mv, trailer)
+    data, tail = data_and_trailer(mv) if trailer is None else (mv, trailer)
     if len(memoryview(data).cast("B")) + len(tail) != int(t.chunks.nbytes[c]):
         raise SizeMismatchError("chunk byte range is short", key=t.key, object=obj,
                                 expected=int(t.chunks.nbytes[c]), found=len(memoryview(data).cast("B")) + len(tail))

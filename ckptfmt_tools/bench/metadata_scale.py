@@ -28,6 +28,7 @@ def _manifest(tensors: int):
     from ckptfmt.manifest._refs import DERIVED, wants_derived
     from ckptfmt.manifest import ArraySpec, ChunkTable, Manifest, ShardTable, TensorEntry
     from ckptfmt.plan import TensorGeometry, cell_key
+    from ckptfmt.shard import raw_shard_nbytes
 
     save_id = "000000000001-20260101T000000-0badcafe"
     shape = (SHARDS * _ROWS_PER_SHARD, _COLS)
@@ -48,7 +49,7 @@ def _manifest(tensors: int):
                 offset=offset,
                 writer=np.arange(SHARDS, dtype=np.int64),
                 key=keys,
-                nbytes=np.full(SHARDS, geom.chunk_nbytes + geom.index_nbytes, np.int64),
+                nbytes=np.full(SHARDS, raw_shard_nbytes(geom, 1), np.int64),  # one chunk a shard
                 index_crc32c=rng.integers(0, 1 << 32, SHARDS, dtype=np.uint32),
             ),
             chunks=ChunkTable(

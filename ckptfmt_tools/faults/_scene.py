@@ -76,14 +76,15 @@ class Scene:
     def shard_layout(self, step: int, tensor: str = TARGET_TENSOR, shard: int = TARGET_SHARD) -> dict[str, int]:
         """Byte layout of one shard object: first chunk's data offset, index start, total size."""
         from ckptfmt.manifest import parse_manifest
+        from ckptfmt.shard import shard_bytes
 
         m = parse_manifest(self.manifest_path(step).read_bytes())
         t = m.tensors[tensor]
         first = int(t.chunk_start[shard])
-        nbytes = int(t.shards.nbytes[shard])
-        return {"chunk0_offset": int(t.chunks.offset[first]), "chunk0_nbytes": int(t.chunks.nbytes[first]),
-                "index_start": nbytes - t.geometry.index_nbytes, "index_nbytes": t.geometry.index_nbytes,
-                "nbytes": nbytes}
+        sb = shard_bytes(t, shard)
+        (c0, c1), (i0, i1) = sb.chunk(first), sb.index
+        return {"chunk0_offset": c0, "chunk0_nbytes": c1 - c0, "index_start": i0, "index_nbytes": i1 - i0,
+                "nbytes": sb.nbytes}
 
     def state_path(self, step: int, name: str = "global") -> Path:
         return self.root / self.manifest_doc(step)["state"][name]["key"]
