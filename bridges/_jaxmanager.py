@@ -17,6 +17,7 @@ import jax
 
 from ckptfmt import LocalCoordinator
 from ckptfmt.manager import CheckpointManager as _CoreManager
+from ckptfmt.manager._tiers import distinct_boxes
 from ckptfmt.manifest import Manifest
 
 from . import _jaxpeer
@@ -62,10 +63,14 @@ class CheckpointManager(_CoreManager):
     # The only two calls into the bridge's verbs (the bridge contract: bridges/README.md).
     def _save_verb(self, step: int, state: Any, *, extra: Any, metadata: Mapping[str, Any], rank_state: Any,
                    blocking: bool) -> Callable[[], Manifest]:
-        from .jax import save
+        from .jax import _save
 
-        out = save(self.repository, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
-                   options=self.options, metadata=metadata)
+        # The local tier's host copies of this very state, made in this save() call: the persistent
+        # save writes from them too (both only read them), so the state is copied once.
+        staged = self._staged[1] if self._staged is not None and self._staged[0] is state else None
+        self._staged = None
+        out = _save(self.repository, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
+                    coordinator=None, options=self.options, metadata=metadata, staged=staged)
         return (lambda: out) if blocking else out.result
 
     def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None
@@ -80,8 +85,24 @@ class CheckpointManager(_CoreManager):
     def _new_exchange(self) -> Any:
         return _jaxpeer.JaxPeerExchange() if self.world > 1 else None
 
+    _staged: tuple[Any, Any] | None = None  # (state, its staged leaves) within one save() call
+
+    def save(self, step: int, state: Any, *, extra: Any = None, metrics: Mapping[str, Any] | None = None,
+             force: bool = False, rank_state: Any = None) -> bool:
+        """:meth:`ckptfmt.manager.CheckpointManager.save`; at a step where the local tier and the
+        persistent save are both due, the state is copied to host memory once, for both."""
+        try:
+            return super().save(step, state, extra=extra, metrics=metrics, force=force, rank_state=rank_state)
+        finally:
+            self._staged = None  # the host copies never outlive the call that made them
+
     def _tier_snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
-        return _jaxpeer.snapshot(state, extra, rank_state)
+        from .jax import _shards_of, _stage_items, _stage_leaves
+
+        leaves = _stage_leaves(state, copy=True)  # as _jaxpeer.snapshot, keeping the staged leaves
+        _, global_state, _, _ = _stage_items(state, extra, rank_state, None, blocking=False, staged=leaves)
+        self._staged = (state, leaves)
+        return distinct_boxes(_shards_of(leaves[0])), global_state
 
     def _tier_requests(self, target: Any, tensors: Any = None) -> Any:
         return _jaxpeer.requests(target)

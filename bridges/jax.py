@@ -37,9 +37,9 @@ has been read and verified. Arrays are then built with
 """
 from __future__ import annotations
 
-import functools
 import sys
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -81,24 +81,88 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _array_shards(key: str, arr: jax.Array, copy: bool) -> list[LocalShard]:
-    shape, dtype = tuple(arr.shape), np.dtype(arr.dtype)
-    desc = describe_sharding(arr.sharding, arr.ndim)
-    out = []
+@dataclass(frozen=True)
+class _Layout:
+    """Where one array's addressable shards lie, for every array of the same (shape, dtype,
+    sharding): per position in ``addressable_shards`` its box and replica id, the positions whose
+    data this process offers (per box its lowest replica id: the plan spreads the writes of a
+    replicated box over the processes holding it, FORMAT.md 8.1; further copies here only prove
+    the box is held), and the sharding's description."""
+
+    boxes: tuple[Box, ...]
+    replicas: tuple[int, ...]
+    offered: tuple[int, ...]
+    sharding: Any
+
+
+# A job saves the same shapes and shardings at every step: their layouts are computed once. Keyed
+# by the sharding itself (equal shardings place the shards of equal shapes alike); bounded.
+_LAYOUTS: dict[tuple[Any, ...], _Layout] = {}
+_LAYOUTS_MAX = 1 << 16
+
+
+def _layout(arr: jax.Array) -> _Layout:
+    shape = tuple(arr.shape)
+    cache_key: tuple[Any, ...] | None = (shape, np.dtype(arr.dtype), arr.sharding)
+    try:
+        found = _LAYOUTS.get(cache_key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable sharding: computed every time
+        found, cache_key = None, None
+    if found is not None:
+        return found
     shards = arr.addressable_shards
-    # Per box, this process offers the data of its lowest replica id: the plan spreads the
-    # writes of a replicated box over the processes holding it (FORMAT.md 8.1); further copies
-    # in this process only prove the box is held. Lazy: a copy not picked is never made.
+    boxes = tuple(index_to_box(sh.index, shape) for sh in shards)
+    replicas = tuple(int(sh.replica_id) for sh in shards)
     lowest: dict[Box, int] = {}
-    boxes = [index_to_box(sh.index, shape) for sh in shards]
-    for sh, b in zip(shards, boxes):
-        lowest[b] = min(lowest.get(b, sh.replica_id), sh.replica_id)
-    for sh, box in zip(shards, boxes):
-        data: Any = None
-        if sh.replica_id == lowest[box]:
-            data = np.asarray(sh.data) if copy else (lambda d=sh.data: np.asarray(d))
-        out.append(LocalShard(key, shape, dtype, box, data, replica_id=int(sh.replica_id), sharding=desc,
-                              source=arr if sh.replica_id == 0 else None))  # identity + digest (8.4)
+    for b, r in zip(boxes, replicas):
+        lowest[b] = min(lowest.get(b, r), r)
+    offered = tuple(i for i, (b, r) in enumerate(zip(boxes, replicas)) if r == lowest[b])
+    found = _Layout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim))
+    if cache_key is not None:
+        if len(_LAYOUTS) >= _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        _LAYOUTS[cache_key] = found
+    return found
+
+
+class _HostCopies:
+    """Bytes this process copied from device to host for saves."""
+
+    bytes = 0
+
+
+_HOST_COPIES = _HostCopies  # read by tests and benchmarks, not API
+
+
+class _Staged(NamedTuple):
+    """One array leaf as the caller's thread stages it: its layout and the data of its offered
+    positions (host copies, or lazy copies for a blocking save)."""
+
+    key: str
+    arr: jax.Array
+    layout: _Layout
+    data: tuple[Any, ...]
+
+
+def _stage_array(key: str, arr: jax.Array, copy: bool) -> _Staged:
+    lay = _layout(arr)
+    if copy:  # the device-to-host copies: the only per-shard work in the caller's thread
+        data: tuple[Any, ...] = tuple(np.asarray(arr.addressable_data(i)) for i in lay.offered)
+        for d in data:  # shared by a manager's local tier and persistent save: neither may write it
+            d.flags.writeable = False
+        _HOST_COPIES.bytes += sum(int(d.nbytes) for d in data)
+    else:  # lazy: a copy not picked by the plan is never made
+        data = tuple((lambda i=i: np.asarray(arr.addressable_data(i))) for i in lay.offered)
+    return _Staged(key, arr, lay, data)
+
+
+def _array_shards(staged: _Staged) -> list[LocalShard]:
+    key, arr, lay = staged.key, staged.arr, staged.layout
+    shape, dtype = tuple(arr.shape), np.dtype(arr.dtype)
+    data = dict(zip(lay.offered, staged.data))
+    out = [LocalShard(key, shape, dtype, box, data.get(i), replica_id=rep, sharding=lay.sharding,
+                      source=arr if rep == 0 else None)  # identity + digest (8.4)
+           for i, (box, rep) in enumerate(zip(lay.boxes, lay.replicas))]
     if not out:
         # Held by other processes only. Every rank must list the same inventory, so declare
         # the tensor: an empty box holds nothing (a scalar's box cannot be empty, so it claims
@@ -108,10 +172,13 @@ def _array_shards(key: str, arr: jax.Array, copy: bool) -> list[LocalShard]:
     return out
 
 
-def _to_shards(state: Any, *, copy: bool) -> tuple[list[LocalShard], dict[str, Any]]:
+def _stage_leaves(state: Any, *, copy: bool) -> tuple[list[Any], dict[str, Any]]:
+    """The caller's share of staging: every leaf checked, the arrays' host copies made (``copy``)
+    and the scalars taken; a constant amount of Python work per leaf besides the copies. Each
+    item is a ``_Staged`` array or a ready ``LocalShard`` (a numpy leaf)."""
     flat, _ = flatten_with_keys(state)
     pid = jax.process_index()
-    shards: list[LocalShard] = []
+    items: list[Any] = []
     leaves: dict[str, Any] = {}
     prng: dict[str, str] = {}
     for key, leaf in flat:
@@ -120,16 +187,38 @@ def _to_shards(state: Any, *, copy: bool) -> tuple[list[LocalShard], dict[str, A
             if is_prng_key(leaf):
                 prng[key] = str(jax.random.key_impl(leaf))
                 arr = jax.random.key_data(leaf)
-            shards.extend(_array_shards(key, arr, copy))
+            items.append(_stage_array(key, arr, copy))
         elif isinstance(leaf, np.ndarray):
             data = np.array(leaf) if copy else leaf
-            shards.append(LocalShard(key, leaf.shape, leaf.dtype, Box.full(leaf.shape), data, replica_id=pid))
+            items.append(LocalShard(key, leaf.shape, leaf.dtype, Box.full(leaf.shape), data, replica_id=pid))
         elif isinstance(leaf, _SCALAR_TYPES):
             leaves[key] = leaf
         else:
             raise TypeError(f"leaf {key!r} has type {type(leaf).__module__}.{type(leaf).__qualname__}; "
                             "expected a jax.Array, numpy array, or Python/numpy scalar")
-    return shards, {"name": "jax", "version": _BRIDGE_VERSION, "leaves": leaves, "prng_impls": prng}
+    return items, {"name": "jax", "version": _BRIDGE_VERSION, "leaves": leaves, "prng_impls": prng}
+
+
+def _shards_of(items: list[Any]) -> list[LocalShard]:
+    """The staged leaves as the core's shards (a background save builds them in its own thread)."""
+    shards: list[LocalShard] = []
+    for it in items:
+        if isinstance(it, _Staged):
+            shards.extend(_array_shards(it))
+        else:
+            shards.append(it)
+    return shards
+
+
+def _to_shards(state: Any, *, copy: bool) -> tuple[list[LocalShard], dict[str, Any]]:
+    """Every leaf of ``state`` as the core's shards, and the bridge's global state."""
+    items, bridge_state = _stage_leaves(state, copy=copy)
+    return _shards_of(items), bridge_state
+
+
+def _staged_bytes(items: list[Any]) -> int:
+    return sum(int(d.nbytes) for it in items for d in (it.data if isinstance(it, _Staged) else (it.data,))
+               if isinstance(d, np.ndarray))
 
 
 def save(url: "str | Repository", state: Any, *, step: int, extra: Any = None, rank_state: Mapping[str, Any] | None = None,
@@ -155,6 +244,15 @@ def save(url: "str | Repository", state: Any, *, step: int, extra: Any = None, r
 
     ``metadata`` (plain JSON) goes into the manifest's ``metadata`` as rank 0 passes it.
     """
+    return _save(url, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking, coordinator=coordinator,
+                 options=options, metadata=metadata)
+
+
+def _save(url: "str | Repository", state: Any, *, step: int, extra: Any, rank_state: Any, blocking: bool,
+          coordinator: Any, options: SaveOptions | None, metadata: Mapping[str, Any] | None,
+          staged: list[Any] | None = None) -> Any:
+    """:func:`save`; ``staged``: the leaves of ``state`` already staged with host copies (the
+    manager's local tier made them at this step: the state is copied once)."""
     if blocking and save_in_flight():
         raise SaveInProgressError("an earlier save(blocking=False) is still in flight; call its result() first",
                                   expected="no save in flight", found=f"a background save; requested step {step}")
@@ -162,13 +260,16 @@ def save(url: "str | Repository", state: Any, *, step: int, extra: Any = None, r
     options = options if options is not None else SaveOptions()
     release = coordinator is None and isinstance(coord, JaxCoordinator)
     if blocking:
-        shards, global_state, per_rank, md = _stage(state, extra, rank_state, metadata, blocking=True)
-        return _commit(url, step, shards, global_state, per_rank, md, coord, options, release)
+        items, global_state, per_rank, md = _stage_items(state, extra, rank_state, metadata, blocking=True, staged=staged)
+        return _commit(url, step, _shards_of(items), global_state, per_rank, md, coord, options, release)
 
     def stage() -> tuple[Callable[[], Any], int]:
-        shards, global_state, per_rank, md = _stage(state, extra, rank_state, metadata, blocking=False)
-        staged = sum(int(s.data.nbytes) for s in shards if isinstance(s.data, np.ndarray))
-        return functools.partial(_commit, url, step, shards, global_state, per_rank, md, coord, options, release), staged
+        # The caller's thread makes the host copies only; the shards, the plan, the writes, the
+        # checksums and the manifest are the background thread's.
+        items, global_state, per_rank, md = _stage_items(state, extra, rank_state, metadata, blocking=False,
+                                                         staged=staged)
+        return (lambda: _commit(url, step, _shards_of(items), global_state, per_rank, md, coord, options, release),
+                _staged_bytes(items))
 
     handle: SaveHandle = start_async(stage, step=step, wait=False)
     return handle
@@ -176,15 +277,22 @@ def save(url: "str | Repository", state: Any, *, step: int, extra: Any = None, r
 
 def _stage(state: Any, extra: Any, rank_state: Any, metadata: Mapping[str, Any] | None, *,
            blocking: bool) -> tuple[list[LocalShard], Any, Any, Any]:
-    """The save's shards and non-tensor state, staged in the caller's thread (bridges/README.md,
+    """:func:`_stage_items` with the shards built (the local tier's snapshot)."""
+    items, global_state, per_rank, md = _stage_items(state, extra, rank_state, metadata, blocking=blocking)
+    return _shards_of(items), global_state, per_rank, md
+
+
+def _stage_items(state: Any, extra: Any, rank_state: Any, metadata: Mapping[str, Any] | None, *,
+                 blocking: bool, staged: list[Any] | None = None) -> tuple[list[Any], Any, Any, Any]:
+    """The save's staged leaves and non-tensor state, staged in the caller's thread (bridges/README.md,
     "Saving"): InvalidStateError here, at the call, before any shard is written; a background save
     keeps copies and snapshots (numpy arrays in extra / rank_state, the metadata), not references."""
-    shards, bridge_state = _to_shards(state, copy=not blocking)
+    items, bridge_state = _stage_leaves(state, copy=not blocking) if staged is None else staged
     global_state = {"bridge": bridge_state, "extra": json_keys(extra, "extra")}
     per_rank = json_keys(rank_state, "rank_state")
     global_state, per_rank, md = stage_state(global_state, per_rank,
                                              dict(metadata) if metadata is not None else None, blocking=blocking)
-    return shards, global_state, per_rank, md
+    return items, global_state, per_rank, md
 
 
 def _commit(url: "str | Repository", step: int, shards: list[LocalShard], global_state: Any, per_rank: Any, metadata: Any,

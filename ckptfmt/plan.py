@@ -87,11 +87,19 @@ class TensorWritePlan:
 
     @property
     def items(self) -> tuple[WriteItem, ...]:
-        return tuple(self._item(i) for i in range(len(self.writers)))
+        return self._memo(None, lambda: tuple(self._item(i) for i in range(len(self.writers))))
 
     def items_for(self, rank: int) -> list[WriteItem]:
         """The shards ``rank`` writes (built on demand: a plan may hold millions of cells)."""
-        return [self._item(int(i)) for i in np.flatnonzero(self.writers == rank)]
+        return list(self._memo(rank, lambda: tuple(self._item(int(i)) for i in np.flatnonzero(self.writers == rank))))
+
+    def _memo(self, rank: int | None, build: Any) -> tuple[WriteItem, ...]:
+        # A save reuses the plan of an earlier save of the same layout (ckptfmt.session): its items too.
+        memo = self.__dict__.setdefault("_items", {})
+        got = memo.get(rank)
+        if got is None:
+            got = memo[rank] = build()
+        return got
 
     def _item(self, i: int) -> WriteItem:
         cell = tuple(int(c) for c in self.cells[i])

@@ -27,7 +27,7 @@ CHECKS = [
     "host_structure", "key_paths", "linen_trainstate", "nnx_model_and_optimizer", "extra_rank_state_and_latest",
     "nonblocking_save", "restore_stats_and_partial", "profile_record_checked", "mapping_strict_and_report",
     "reference_cycles", "default_placement", "empty_arrays", "empty_arrays_targetless",
-    "empty_arrays_manager",
+    "empty_arrays_manager", "layout_cache_follows_sharding", "manager_tier_and_persistent_copy_once",
 ]
 
 

@@ -237,3 +237,23 @@ def test_frozen_leader_without_gc_commits(tmp_path):
     repo, run, why = _fence_run(tmp_path, "before_fence", None)
     assert run.results[0]["ok"] and repo.steps() == [1, 2], why
     repo.verify(2)
+
+
+def test_a_save_plans_anew_when_the_boxes_change_and_reuses_the_plan_when_they_do_not(repo_url):
+    """The save plan is cached by its inputs (inventory, every rank's boxes, chunk target): a save
+    with other boxes for the same key gets its own plan (its manifest's shard boxes), and a save
+    with the first boxes again gets the first plan's layout (the control)."""
+    x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+
+    def split(rows: int, step: int) -> list[LocalShard]:
+        return [LocalShard("w", x.shape, x.dtype, Box((r, 0), (rows, 6)), x[r:r + rows] + step)
+                for r in range(0, 8, rows)]
+
+    shards_of = {1: 4, 2: 2, 3: 4, 4: 4}
+    for step, rows in shards_of.items():
+        save(repo_url, step, split(rows, step), options=SaveOptions(reuse="off"))
+    repo = Repository(repo_url)
+    for step, rows in shards_of.items():
+        t = repo.manifest(step).tensors["w"]
+        assert t.shards.offset.tolist() == [[r, 0] for r in range(0, 8, rows)], (step, t.shards.offset.tolist())
+        np.testing.assert_array_equal(repo.open(step).read_boxes([("w", Box((0, 0), (8, 6)))])[0], x + step)

@@ -367,8 +367,36 @@ def _freeze(coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
         if g["digest"] != digest:
             raise StepMismatchError("ranks disagree on the tensor inventory (keys, shapes or dtypes)",
                                     expected=f"digest {digest[:12]}", found=f"rank {r} digest {g['digest'][:12]}")
-    inv = {k: (tuple(shape), dt, numpy_dtype(dt).itemsize) for k, (shape, dt) in inventory.items()}
-    return plan_save_packed(inv, [g["boxes"] for g in gathered], opts.chunk_target_bytes)
+    packed = [g["boxes"] for g in gathered]
+    key = _plan_key(digest, opts.chunk_target_bytes, packed)
+    with _PLANS_LOCK:
+        plans = _PLANS.get(key)
+    if plans is None:
+        inv = {k: (tuple(shape), dt, numpy_dtype(dt).itemsize) for k, (shape, dt) in inventory.items()}
+        plans = plan_save_packed(inv, packed, opts.chunk_target_bytes)
+        for p in plans:  # shared by later saves of the same layout: never written to
+            p.cells.flags.writeable = False
+            p.writers.flags.writeable = False
+        with _PLANS_LOCK:
+            _PLANS[key] = plans
+            while len(_PLANS) > _PLANS_MAX:
+                _PLANS.pop(next(iter(_PLANS)))
+    return plans
+
+
+# The plan is a pure function of the inventory, every rank's held boxes and the chunk target, which
+# a job repeats at every save (torch DCP caches its save plans likewise): the plans of the last few
+# layouts, keyed by a digest of exactly those inputs.
+_PLANS: dict[bytes, list[TensorWritePlan]] = {}
+_PLANS_MAX = 4
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan_key(inventory_digest: str, chunk_target_bytes: int, packed: list[Any]) -> bytes:
+    h = hashlib.sha256(f"{inventory_digest}/{chunk_target_bytes}/{len(packed)}".encode())
+    for p in packed:
+        h.update(_pack(p))
+    return h.digest()
 
 
 def _commit(repository: Any, storage: Storage, heartbeat: "_Heartbeat | None", save_id: str, step: int, world: int,

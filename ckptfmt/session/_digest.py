@@ -35,9 +35,9 @@ def _piece(view: memoryview) -> bytes:
 class PendingDigest:
     """A block's digest being taken: ``result()`` waits for it (and then lets go of the block)."""
 
-    def __init__(self, pieces: list[Future[bytes]], nbytes: int) -> None:
+    def __init__(self, pieces: list[Future[bytes]] | None, nbytes: int, digest: bytes = b"") -> None:
         self._pieces: list[Future[bytes]] | None = pieces
-        self._digest = b""
+        self._digest = digest
         self.nbytes = nbytes
 
     def result(self) -> bytes:
@@ -52,10 +52,8 @@ def start_digest(block: np.ndarray) -> PendingDigest:
     ``result()`` has returned (a shard being written does not: the writer views it too)."""
     data = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
     n = data.nbytes
-    if n <= _INLINE_BYTES:
-        done: Future[bytes] = Future()
-        done.set_result(_piece(data))
-        return PendingDigest([done], n)
+    if n <= _INLINE_BYTES:  # one piece, hashed here: no Future per small shard
+        return PendingDigest(None, n, hashlib.sha256(_piece(data)).digest())
     pool = _pool()
     return PendingDigest([pool.submit(_piece, data[i:i + PIECE_BYTES]) for i in range(0, n, PIECE_BYTES)], n)
 

@@ -23,7 +23,7 @@ Subpackages that may import it: reader, session.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -78,12 +78,16 @@ class ShardRecord:
     def located(self, save_id: str, path: str, chunk_nbytes: int) -> "ShardRecord":
         """This record with its object's location and every chunk's length filled in (a written
         shard's record as a later save finds it in the manifest)."""
-        return replace(self, ref=self.ref or (save_id, path),
-                       chunk_nbytes=tuple(self.chunk_nbytes) or (chunk_nbytes,) * len(self.chunk_offsets))
+        return ShardRecord(self.tensor, self.cell, self.nbytes, self.index_crc32c, self.chunk_offsets,
+                           self.chunk_crc32c, tuple(self.chunk_nbytes) or (chunk_nbytes,) * len(self.chunk_offsets),
+                           self.ref or (save_id, path))
 
     def same_object(self, other: "ShardRecord") -> bool:
         """The same object with the same size and checksums (the tensor index and cell aside)."""
-        return replace(self, tensor=0, cell=()) == replace(other, tensor=0, cell=())
+        return self._object() == other._object()
+
+    def _object(self) -> tuple[Any, ...]:  # every field but the tensor index and cell
+        return (self.nbytes, self.index_crc32c, self.chunk_offsets, self.chunk_crc32c, self.chunk_nbytes, self.ref)
 
 
 def records_to_wire(records: Sequence[ShardRecord]) -> dict[str, list[Any]]:

@@ -610,6 +610,57 @@ def empty_arrays_manager(d):
         _check_empties(r.state, state, target)
 
 
+@check
+def layout_cache_follows_sharding(d):
+    """The bridge computes each (shape, dtype, sharding)'s shard layout once: a later save of the
+    same key with another sharding takes the new layout (its boxes and description), and the
+    same sharding again takes the first (the control)."""
+    x = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    a, b = mesh((2, 4), ("data", "model")), mesh((4, 2), ("data", "model"))
+    placed = [put(x, a, P("data", "model")), put(x + 1, b, P("model", "data")), put(x + 2, a, P("data", "model"))]
+    for step, arr in enumerate(placed, 1):
+        bj.save(d, {"w": arr}, step=step)
+    repo = Repository(d)
+    for step, arr in enumerate(placed, 1):
+        t = repo.manifest(step).tensors["w"]
+        want = sorted({tuple(s.start or 0 for s in sh.index) for sh in arr.addressable_shards})
+        assert sorted(map(tuple, t.shards.offset.tolist())) == want, (step, t.shards.offset.tolist(), want)
+        mesh_shape = (2, 4) if step != 2 else (4, 2)
+        assert list(t.sharding["mesh_shape"]) == list(mesh_shape), (step, t.sharding)
+        same(bj.restore(d, step=step)["w"], arr)
+    assert repo.manifest(2).tensors["w"].sharding["partition"] != repo.manifest(1).tensors["w"].sharding["partition"]
+
+
+@check
+def manager_tier_and_persistent_copy_once(d):
+    """A manager step where the local tier and the persistent save are both due copies the state
+    to host memory once (bj._HOST_COPIES), and both saves hold it exactly; the control is one
+    asynchronous bridge save of the same state, which copies the same bytes once."""
+    from ckptfmt.manager import LocalTier
+
+    m = mesh((2, 4), ("data", "model"))
+    state = {"w": put(jnp.arange(64.0 * 32).reshape(64, 32), m, P("data", "model")),
+             "r": put(jnp.arange(8.0), m, P()), "n": 3}
+    before = bj._HOST_COPIES.bytes
+    bj.save(d + "-control", state, step=1, blocking=False).result(60)
+    once = bj._HOST_COPIES.bytes - before
+    assert once == 64 * 32 * 4 + 8 * 4, once  # every box once: the replicated one from its lowest replica
+    with bj.CheckpointManager(d, save_every_steps=2, local=LocalTier(d + "-local", every=2)) as mgr:
+        before = bj._HOST_COPIES.bytes
+        assert mgr.save(2, state)
+        mgr.wait()
+        assert bj._HOST_COPIES.bytes - before == once, (bj._HOST_COPIES.bytes - before, once)
+        assert mgr.tier_history[-1].committed and mgr.tier_history[-1].own_bytes == once
+        r = mgr.restore(bj.abstract_target(state))
+        assert r.stats["tiers"]["local"] > 0, r.stats
+        same(r.state["w"], state["w"])
+        same(r.state["r"], state["r"])
+        assert r.state["n"] == 3
+    got = bj.restore(d, bj.abstract_target(state), step=2)
+    same(got["w"], state["w"])
+    same(got["r"], state["r"])
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:] or list(CHECKS)
     results = {}
