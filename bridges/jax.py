@@ -82,7 +82,7 @@ def _versions() -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _ArrayLayout:
     """Where one array's addressable shards lie, for every array of the same (shape, dtype,
     sharding): per position in ``addressable_shards`` its box and replica id, the positions whose
     data this process offers (per box its lowest replica id: the plan spreads the writes of a
@@ -97,11 +97,11 @@ class _Layout:
 
 # A job saves the same shapes and shardings at every step: their layouts are computed once. Keyed
 # by the sharding itself (equal shardings place the shards of equal shapes alike); bounded.
-_LAYOUTS: dict[tuple[Any, ...], _Layout] = {}
+_LAYOUTS: dict[tuple[Any, ...], _ArrayLayout] = {}
 _LAYOUTS_MAX = 1 << 16
 
 
-def _layout(arr: jax.Array) -> _Layout:
+def _layout(arr: jax.Array) -> _ArrayLayout:
     shape = tuple(arr.shape)
     cache_key: tuple[Any, ...] | None = (shape, np.dtype(arr.dtype), arr.sharding)
     try:
@@ -117,7 +117,7 @@ def _layout(arr: jax.Array) -> _Layout:
     for b, r in zip(boxes, replicas):
         lowest[b] = min(lowest.get(b, r), r)
     offered = tuple(i for i, (b, r) in enumerate(zip(boxes, replicas)) if r == lowest[b])
-    found = _Layout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim))
+    found = _ArrayLayout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim))
     if cache_key is not None:
         if len(_LAYOUTS) >= _LAYOUTS_MAX:
             _LAYOUTS.clear()
@@ -140,7 +140,7 @@ class _Staged(NamedTuple):
 
     key: str
     arr: jax.Array
-    layout: _Layout
+    layout: _ArrayLayout
     data: tuple[Any, ...]
 
 
