@@ -39,7 +39,7 @@ def nnx_target(obj: Any, sharding: Callable[[str, Any], Any] | Any = None) -> di
     placement (an uncommitted leaf, such as optax's ``count``, comes back uncommitted:
     :func:`bridges.jax.abstract_target`).
     """
-    from .jax import abstract_target
+    from bridges.jax._api import abstract_target
 
     return abstract_target(nnx_state(obj), sharding)
 

@@ -48,9 +48,9 @@ def test_dcp_load_single_process(tmp_path):
 
 
 def _docs_pattern() -> str:
-    """The except pattern bridges/dcp.py's docstring shows (the API reference renders it)."""
+    """The except pattern bridges/dcp/_reader.py's docstring shows (the API reference renders it)."""
     blocks = re.findall(r"```python\n(.*?)```", bridges.dcp.__doc__, re.S)
-    assert len(blocks) == 1 and "unwrap(e)" in blocks[0], "bridges/dcp.py lost its except pattern"
+    assert len(blocks) == 1 and "unwrap(e)" in blocks[0], "bridges/dcp/_reader.py lost its except pattern"
     return blocks[0]
 
 
@@ -81,7 +81,7 @@ def test_ckptfmt_errors_arrive_wrapped_by_dcp_and_unwrap_finds_them(tmp_path):
     scope = {"dcp": dcp, "CkptfmtStorageWriter": CkptfmtStorageWriter, "state": {"w": torch.ones(64)},
              "url": url, "step": 1}
     with pytest.raises(CheckpointError) as typed:  # the documented pattern makes it catchable
-        exec(compile(_docs_pattern(), "bridges/dcp.py docstring", "exec"), scope)
+        exec(compile(_docs_pattern(), "bridges/dcp/_reader.py docstring", "exec"), scope)
     assert isinstance(typed.value, StepAlreadyCommittedError) and isinstance(typed.value.__cause__, CheckpointException)
 
     fut = dcp.async_save({"w": torch.ones(64)}, storage_writer=CkptfmtStorageWriter(url, step=1))
@@ -118,7 +118,7 @@ def test_dcp_reshards_and_fails_closed(tmp_path):
         assert all(r["ok"].values()), r["ok"]
         assert "ChecksumMismatchError" in r["corrupt"], r["corrupt"][:500]
     assert all(r["bytes_read"] > 0 for r in res)
-    # bridges._torchcoord.TorchCoordinator, exercised in the same ranks (saves use it too)
+    # bridges.torch._coord.TorchCoordinator, exercised in the same ranks (saves use it too)
     for rank, r in enumerate(res):
         c = r["coord"]
         assert c["broadcast"] == "from-2" and c["mismatch"] == "CheckpointError", c

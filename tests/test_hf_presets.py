@@ -256,7 +256,7 @@ def test_preset_rule_override_on_save_and_load(tmp_path):
         bt.load(str(tmp_path / "jax"), {"model": fresh.state_dict()}, mapping=m)
     assert bt.load(str(tmp_path / "jax"), {"model": fresh.state_dict()}, mapping=preset_m).report.missing == ()
     # inverse and JSON keep the precedence
-    from bridges._mapfile import mapping_from_json, mapping_to_json
+    from bridges.mapping._mapfile import mapping_from_json, mapping_to_json
     assert mapping_from_json(json.loads(json.dumps(mapping_to_json(m)))) == m
     assert m.inverse().tiers[0] == 0 and set(m.inverse().tiers[1:]) == {1}
 
@@ -272,7 +272,7 @@ OWN_NAMES = {"embed": "tok_embeddings/embedding",
 
 
 def test_name_tables_in_mapping_md_match_presets():
-    """Every preset's name table in bridges/MAPPING.md is the one bridges/presets.py generates
+    """Every preset's name table in bridges/MAPPING.md is the one bridges/presets/_registry.py generates
     (control: a table edited by one row is told apart)."""
     from bridges.presets import NAME_TABLES, names_markdown
 

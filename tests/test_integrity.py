@@ -64,17 +64,17 @@ PATHS: dict[str, DeliveryPath] = {
          "truncated": SizeMismatchError, "missing": MissingShardError}),
     "cooperative": DeliveryPath(
         "a stored chunk another process read and sent (FORMAT.md 9.1)",
-        ("ckptfmt.reader.Checkpoint", "bridges._jaxshare.JaxExchange", "bridges._torchshare.TorchExchange"),
+        ("ckptfmt.reader.Checkpoint", "bridges.jax._share.JaxExchange", "bridges.torch._share.TorchExchange"),
         {"flip-in-transit": ChecksumMismatchError, "stale-chunks": ChecksumMismatchError,
          "another-save": StepMismatchError, "dead-peer": CoordinatorLostError}),
     "peer-replica": DeliveryPath(
         "the replica of this host's boxes its holder keeps, sent at restore (FORMAT.md 8.5)",
-        ("bridges._jaxpeer.JaxPeerExchange", "bridges._torchpeer.TorchPeerExchange"),
+        ("bridges.jax._peer.JaxPeerExchange", "bridges.torch._peer.TorchPeerExchange"),
         {"stale-step": StepMismatchError, "another-host": StepMismatchError, "flip-in-transit": FALLBACK,
          "another-owner": FALLBACK}),
     "save-replica": DeliveryPath(
         "a peer's boxes received by a local save, to be kept as its replica (FORMAT.md 8.5)",
-        ("bridges._jaxpeer.JaxPeerExchange", "bridges._torchpeer.TorchPeerExchange"),
+        ("bridges.jax._peer.JaxPeerExchange", "bridges.torch._peer.TorchPeerExchange"),
         {"flip-in-transit": ChecksumMismatchError, "malformed": InvalidStateError}),
     "own-tier": DeliveryPath(
         "this host's own local tier (FORMAT.md 8.5, 14.8)",
@@ -87,12 +87,12 @@ PATHS: dict[str, DeliveryPath] = {
         {"flip-at-rest": ChecksumMismatchError},
         note="only files that carry ckptfmt's checksums can be verified; other writers' files carry none"),
     "dcp-reader": DeliveryPath(
-        "torch.distributed.checkpoint.load through CkptfmtStorageReader (bridges/dcp.py)",
-        ("bridges.dcp.CkptfmtStorageReader",),
+        "torch.distributed.checkpoint.load through CkptfmtStorageReader (bridges/dcp/_reader.py)",
+        ("bridges.dcp._reader.CkptfmtStorageReader",),
         {"flip-at-rest": ChecksumMismatchError}),
     "import": DeliveryPath(
         "a foreign checkpoint imported into a repository (safetensors, DCP, Orbax)",
-        ("ckptfmt.interop._stimport.BatchReader", "bridges._dcp_import._DcpBatchReader", "bridges._orbax_import._OrbaxBatchReader"),
+        ("ckptfmt.interop._stimport.BatchReader", "bridges.interop._dcp._DcpBatchReader", "bridges.interop._orbax._OrbaxBatchReader"),
         {"flip-at-rest": ChecksumMismatchError},
         note="a checksummed safetensors source is verified block by block; DCP and Orbax files carry no "
              "checksum to check, and the import's provenance says so"),

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from typer.testing import CliRunner  # noqa: E402
 
 from bridges import torch as bt  # noqa: E402
-from bridges._mapfile import (MAX_AXES, MAX_GLOBS, MAX_PATTERN_CHARS, MAX_PLACEHOLDERS, MAX_RULES,  # noqa: E402
+from bridges.mapping._mapfile import (MAX_AXES, MAX_GLOBS, MAX_PATTERN_CHARS, MAX_PLACEHOLDERS, MAX_RULES,  # noqa: E402
                               MAX_SOURCES, MAX_STACKED, MAX_TRANSFORMS, load_mapping_file)
 from bridges.interop import (InvalidMappingError, export, mapped_tensors, mapping_from_json, mapping_to_json,  # noqa: E402
                              preset_mapping, strip_target_prefix)

@@ -184,7 +184,7 @@ def last():  # registered first, so it runs after every later atexit handler (LI
 atexit.register(last)
 from ckptfmt_tools.jaxjoin import join
 join(int(sys.argv[1]), 1, 0, timeout=60)
-from bridges._jaxcoord import _client, _start_heartbeat
+from bridges.jax._coord import _client, _start_heartbeat
 _start_heartbeat(_client(), 0)  # what a coordinator of a world of 2 or more starts
 assert any(t.name == "ckptfmt-jax-heartbeat" for t in threading.enumerate())
 '''

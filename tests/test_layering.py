@@ -304,3 +304,75 @@ def test_no_import_cycle_inside_ckptfmt():
     assert _cycles(graph) == [{"ckptfmt.storage", "ckptfmt.storage._filestore", "ckptfmt.storage._kvstore"}]
     graph["ckptfmt.shard"] = graph["ckptfmt.shard"] | {"ckptfmt.session"}  # control: the record importing the protocol
     assert any({"ckptfmt.shard", "ckptfmt.session"} <= c for c in _cycles(graph))
+
+
+# ------------------------------------------------------------------ the bridges' subpackages (issue 49)
+#: What each part of ``bridges`` may import of the others (besides ckptfmt's public faces); the
+#: faces' docstrings say the same. ``mapping`` and ``presets`` import no framework.
+BRIDGES_MAY_IMPORT: dict[str, set[str]] = {
+    "_contract": set(), "_extra": set(),
+    "mapping": set(),
+    "presets": {"mapping"},
+    "jax": {"_contract", "_extra", "mapping"},
+    "torch": {"_contract", "_extra", "mapping"},
+    "flax": {"jax"},
+    "dcp": {"torch", "_contract", "_extra", "mapping"},
+    "interop": {"jax", "torch", "mapping", "presets", "_contract", "_extra"},
+}
+
+
+def _bridge_part(path: Path) -> str:
+    rel = path.relative_to(ROOT / "bridges").parts
+    return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+
+
+def _bridge_crossings(imports: dict[Path, set[str]]) -> list[str]:
+    bad = []
+    for p, mods in imports.items():
+        part = _bridge_part(p)
+        if part == "__init__":
+            continue
+        for m in sorted(mods):
+            bits = m.split(".")
+            if bits[0] != "bridges" or len(bits) < 2 or bits[1] == part:
+                continue
+            if bits[1] not in BRIDGES_MAY_IMPORT.get(part, set()):
+                bad.append(f"{p.relative_to(ROOT)} imports {m}")
+    return bad
+
+
+def _bridge_imports() -> dict[Path, set[str]]:
+    out = _imports("bridges")
+    for p in out:  # "from bridges import presets" names a part too
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "bridges":
+                out[p] |= {f"bridges.{a.name}" for a in node.names}
+    return out
+
+
+def test_bridges_parts_import_only_what_they_may():
+    """The bridges' subpackages by concern import each other one way (BRIDGES_MAY_IMPORT): the
+    mapping language at the bottom, then the presets and the frameworks' bridges, then DCP, flax
+    and interop. Control: the mapping importing the JAX bridge is reported."""
+    assert set(BRIDGES_MAY_IMPORT) == {_bridge_part(p) for p in (ROOT / "bridges").rglob("*.py")} - {"__init__"}
+    assert _bridge_crossings(_bridge_imports()) == []
+    fake = {ROOT / "bridges" / "mapping" / "_rules.py": {"bridges.jax._tree", "bridges.mapping._chain"}}
+    assert _bridge_crossings(fake) == ["bridges/mapping/_rules.py imports bridges.jax._tree"]
+
+
+def _bridge_module_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for p, mods in _bridge_imports().items():
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = {m for m in mods if m.startswith("bridges.")}
+    return {k: {m for m in v if m in graph and m != k} for k, v in graph.items()}
+
+
+def test_no_import_cycle_inside_bridges():
+    """No two bridge modules import each other, directly or through others (faces excepted:
+    a package's face imports its own modules, and those never import the face)."""
+    graph = _bridge_module_graph()
+    faces = {k for k in graph if (ROOT / k.replace(".", "/") / "__init__.py").exists()}
+    inner = {k: v - faces for k, v in graph.items() if k not in faces}
+    assert _cycles(inner) == []
+    assert _cycles({"bridges.a": {"bridges.b"}, "bridges.b": {"bridges.a"}}) != []  # control

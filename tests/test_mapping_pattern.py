@@ -1,10 +1,10 @@
-"""bridges._pattern: the one-pass matcher of key patterns, pinned to its regex twin.
+"""bridges.mapping._pattern: the one-pass matcher of key patterns, pinned to its regex twin.
 
 Random patterns (literals, plain, integer, repeated and known placeholders, adjacent ones
 included) against random keys over a small alphabet, so that literals recur and placeholders
 have many ways to split a key: the matcher and the anchored lazy regex agree on every key,
 groups included. The long failing key that made the regex backtrack for tens of seconds is
-answered (no timing is asserted; the figure is in bridges/_pattern.py).
+answered (no timing is asserted; the figure is in bridges/mapping/_pattern.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from bridges._pattern import Pattern, pattern_regex
+from bridges.mapping._pattern import Pattern, pattern_regex
 
 ALPHABET = "ab1./"
 

@@ -21,12 +21,12 @@ _FACE = "bridges.interop's public face over the importer module of the same name
 #: Names defined in several modules on purpose: the same idea each time.
 SAME_IDEA = {
     "save": _VERB,                # ckptfmt.session, bridges.jax, bridges.torch
-    "CheckpointManager": _VERB,   # ckptfmt.manager, bridges._jaxmanager, bridges._torchmanager
-    "load_rank_state": _VERB,     # bridges._jaxrestore, bridges._torchload
+    "CheckpointManager": _VERB,   # ckptfmt.manager, bridges.jax._manager, bridges.torch._manager
+    "load_rank_state": _VERB,     # bridges.jax._restore, bridges.torch._load
     "load_extra": _VERB,
     "snapshot": _PEER, "requests": _PEER, "build": _PEER,
     "import_dcp": _FACE, "import_orbax": _FACE,
-    "dtype_name": "the format's name of a framework's dtype: numpy's (ckptfmt.dtypes), torch's (bridges._torchconv)",
+    "dtype_name": "the format's name of a framework's dtype: numpy's (ckptfmt.dtypes), torch's (bridges.torch._conv)",
     "main": "a process's entry point (python -m ckptfmt; the export worker)",
     "closest_key": "the key most like a missing one, for an error message (the core's also matches its kind)",
 }

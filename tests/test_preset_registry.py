@@ -67,7 +67,7 @@ def test_every_list_of_presets_is_the_registry():
 def test_every_preset_is_a_nnx_or_maxtext_source_with_its_training_state():
     """Each preset's source says which keys an export leaves out; the exports' ignore globs are
     exactly those (plus the preset's own). Control: an export mapping made without them differs."""
-    cfg = dict(presets._SIZES, num_hidden_layers=2)
+    cfg = dict(presets._registry._SIZES, num_hidden_layers=2)
     for name, p in REGISTRY.items():
         assert p.source in (presets.NNX, presets.MAXTEXT)
         assert p.source is (presets.MAXTEXT if name.endswith("_from_maxtext") else presets.NNX)

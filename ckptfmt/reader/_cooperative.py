@@ -22,7 +22,7 @@ the restore calls :func:`cooperative_reads` at the same point with its own batch
    partial state; a peer lost in a collective is a CoordinatorLostError naming the round.
 
 The data plane is the framework's own collectives, behind the :class:`Exchange` protocol (the
-JAX bridge: ``bridges._jaxshare``; torch: ``bridges._torchshare``). Framework-free: numpy only.
+JAX bridge: ``bridges.jax._share``; torch: ``bridges.torch._share``). Framework-free: numpy only.
 """
 from __future__ import annotations
 

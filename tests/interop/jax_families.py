@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bridges import jax as bj  # noqa: E402
-from bridges._jaxtree import flatten_with_keys, index_to_box, nest  # noqa: E402
+from bridges.jax._tree import flatten_with_keys, index_to_box, nest  # noqa: E402
 from bridges.interop import preset_mapping  # noqa: E402
 from bridges.mapping import Mapping, Reorder  # noqa: E402
 from torchproc.jax_families import FORWARDS  # noqa: E402

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bridges import jax as bj  # noqa: E402
-from bridges._jaxtree import flatten_with_keys, index_to_box, nest  # noqa: E402
+from bridges.jax._tree import flatten_with_keys, index_to_box, nest  # noqa: E402
 from bridges.flax import nnx_load, nnx_state, nnx_target  # noqa: E402
 from bridges.interop import preset_mapping  # noqa: E402
 from torchproc.hf_configs import EVAL_IDS, LLAMA  # noqa: E402

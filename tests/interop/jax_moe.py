@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bridges import jax as bj  # noqa: E402
-from bridges._jaxtree import flatten_with_keys, index_to_box  # noqa: E402
+from bridges.jax._tree import flatten_with_keys, index_to_box  # noqa: E402
 from bridges.mapping import Mapping, Reorder, Rule, Select, Transpose  # noqa: E402
 from ckptfmt.interop import open_source  # noqa: E402
 

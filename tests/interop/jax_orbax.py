@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from bridges import jax as bj  # noqa: E402
-from bridges._jaxtree import flatten_with_keys  # noqa: E402
+from bridges.jax._tree import flatten_with_keys  # noqa: E402
 from bridges.interop import import_orbax  # noqa: E402
 from ckptfmt import Repository  # noqa: E402
 from ckptfmt.errors import CheckpointError  # noqa: E402

@@ -43,7 +43,7 @@ def _replica0_shards(state: dict) -> list:
     """The core API's shards with only replica 0's data offered (the old assignment)."""
     import numpy as np
 
-    from bridges._jaxtree import index_to_box  # type: ignore[import-not-found]
+    from bridges.jax._tree import index_to_box  # type: ignore[import-not-found]
     from ckptfmt import LocalShard
 
     shards = []
@@ -74,7 +74,7 @@ def main() -> None:
     import numpy as np
 
     import bridges.jax as bj
-    from bridges._jaxcoord import JaxCoordinator
+    from bridges.jax._coord import JaxCoordinator
     from ckptfmt import SaveOptions, save
 
     state = _state(mib, tensors)  # flat key paths; the bridge takes the nested tree

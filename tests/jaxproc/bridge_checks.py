@@ -98,7 +98,7 @@ def named_2d(d):
 def fully_replicated(d):
     m = mesh((4, 2), ("data", "model"))
     a = put(jnp.arange(12.0).reshape(3, 4), m, P())
-    shards, _ = bj._to_shards({"a": a}, copy=False)
+    shards, _ = bj._api._to_shards({"a": a}, copy=False)
     assert len(shards) == 8 and sum(s.data is not None for s in shards) == 1  # only replica 0 offers data
     bj.save(d, {"a": a}, step=1)
     t = tensors(d, 1)["a"]
@@ -111,7 +111,7 @@ def fully_replicated(d):
 def partially_replicated(d):
     m = mesh((4, 2), ("data", "model"))
     a = put(jnp.arange(32.0).reshape(16, 2), m, P("data"))  # replicated over "model"
-    shards, _ = bj._to_shards({"a": a}, copy=False)
+    shards, _ = bj._api._to_shards({"a": a}, copy=False)
     live = [s for s in shards if s.data is not None]
     assert len(shards) == 8 and len(live) == 4 and all(s.replica_id == 0 for s in live)
     assert len({s.box for s in live}) == 4
@@ -250,7 +250,7 @@ def host_structure(d):
 
 @check
 def key_paths(d):
-    from bridges._jaxtree import flatten_with_keys
+    from bridges.jax._tree import flatten_with_keys
 
     import optax
 
@@ -634,22 +634,22 @@ def layout_cache_follows_sharding(d):
 @check
 def manager_tier_and_persistent_copy_once(d):
     """A manager step where the local tier and the persistent save are both due copies the state
-    to host memory once (bj._HOST_COPIES), and both saves hold it exactly; the control is one
+    to host memory once (bj._api._HOST_COPIES), and both saves hold it exactly; the control is one
     asynchronous bridge save of the same state, which copies the same bytes once."""
     from ckptfmt.manager import LocalTier
 
     m = mesh((2, 4), ("data", "model"))
     state = {"w": put(jnp.arange(64.0 * 32).reshape(64, 32), m, P("data", "model")),
              "r": put(jnp.arange(8.0), m, P()), "n": 3}
-    before = bj._HOST_COPIES.bytes
+    before = bj._api._HOST_COPIES.bytes
     bj.save(d + "-control", state, step=1, blocking=False).result(60)
-    once = bj._HOST_COPIES.bytes - before
+    once = bj._api._HOST_COPIES.bytes - before
     assert once == 64 * 32 * 4 + 8 * 4, once  # every box once: the replicated one from its lowest replica
     with bj.CheckpointManager(d, save_every_steps=2, local=LocalTier(d + "-local", every=2)) as mgr:
-        before = bj._HOST_COPIES.bytes
+        before = bj._api._HOST_COPIES.bytes
         assert mgr.save(2, state)
         mgr.wait()
-        assert bj._HOST_COPIES.bytes - before == once, (bj._HOST_COPIES.bytes - before, once)
+        assert bj._api._HOST_COPIES.bytes - before == once, (bj._api._HOST_COPIES.bytes - before, once)
         assert mgr.tier_history[-1].committed and mgr.tier_history[-1].own_bytes == once
         r = mgr.restore(bj.abstract_target(state))
         assert r.stats["tiers"]["local"] > 0, r.stats

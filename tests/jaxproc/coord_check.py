@@ -1,4 +1,4 @@
-"""Two-process check of bridges._jaxcoord.JaxCoordinator (run by tests/test_jax_bridge.py).
+"""Two-process check of bridges.jax._coord.JaxCoordinator (run by tests/test_jax_bridge.py).
 
 usage: coord_check.py PORT RANK OUT_JSON
 """
@@ -74,7 +74,7 @@ def main() -> None:
     port, rank, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     from ckptfmt_tools.jaxjoin import join as join_jax
     join_jax(port, 2, rank, timeout=60)
-    from bridges._jaxcoord import JaxCoordinator, default_coordinator
+    from bridges.jax._coord import JaxCoordinator, default_coordinator
     from ckptfmt.errors import CoordinatorTimeoutError, StepMismatchError
 
     res: dict = {"default": type(default_coordinator()).__name__}

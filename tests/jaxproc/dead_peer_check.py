@@ -22,7 +22,7 @@ def main() -> None:
     port, rank, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     from ckptfmt_tools.jaxjoin import join as join_jax
     join_jax(port, 2, rank, timeout=60)
-    from bridges._jaxcoord import JaxCoordinator
+    from bridges.jax._coord import JaxCoordinator
     from ckptfmt.errors import CheckpointError
 
     res: dict = {}

@@ -75,7 +75,7 @@ def dead_peer(args: dict) -> dict:
     not gloo's RuntimeError. ``args["die"]`` False is the control: both read every box exactly."""
     import time
 
-    from bridges._torchshare import TorchExchange
+    from bridges.torch._share import TorchExchange
     from ckptfmt import Box
     from ckptfmt.reader import cooperative_reads
 

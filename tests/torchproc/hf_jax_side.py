@@ -42,7 +42,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from bridges import jax as bj  # noqa: E402
-from bridges._jaxtree import flatten_with_keys  # noqa: E402
+from bridges.jax._tree import flatten_with_keys  # noqa: E402
 from bridges.flax import nnx_load, nnx_state, nnx_target, tree_equal_bits  # noqa: E402
 from bridges.presets import hf_gpt2_from_nnx, hf_llama_from_nnx  # noqa: E402
 from torchproc.hf_configs import EVAL_IDS, GPT2, LLAMA, SEQ, TRAIN_STEPS  # noqa: E402

@@ -172,7 +172,7 @@ def mesh() -> jax.sharding.Mesh:
 
 def place(obj: Any, specs: dict[str, P], m: jax.sharding.Mesh) -> None:
     """Lay out every array of an NNX object on ``m`` by key path (in place)."""
-    from bridges._jaxtree import flatten_with_keys, nest
+    from bridges.jax._tree import flatten_with_keys, nest
     from bridges.flax import nnx_load, nnx_state
 
     flat = flatten_with_keys(nnx_state(obj))[0]

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bridges import jax as bj  # noqa: E402
-from bridges._jaxtree import flatten_with_keys  # noqa: E402
+from bridges.jax._tree import flatten_with_keys  # noqa: E402
 from bridges.flax import nnx_state, nnx_target  # noqa: E402
 from ckptfmt.errors import TopologyChangedError  # noqa: E402
 
@@ -85,7 +85,7 @@ def build() -> tuple[Net, nnx.Optimizer]:
     pure = {}
     for k, v in flat.items():
         pure[k] = jax.device_put(v, NamedSharding(m, spec(k)))
-    from bridges._jaxtree import nest
+    from bridges.jax._tree import nest
     state.replace_by_pure_dict(nest(pure))
     nnx.update(model, state)
     opt = nnx.Optimizer(model, optax.adamw(**HP), wrt=nnx.Param)
@@ -138,7 +138,7 @@ def _shards_exact(arr: jax.Array, want: np.ndarray) -> bool:
 def fsdp_tp(url: str, expect: str, out: str) -> None:
     import json
 
-    from bridges._jaxtree import nest
+    from bridges.jax._tree import nest
     want = {k.replace("|", "/"): v for k, v in np.load(expect).items()}
     m = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("a", "b"),
                           axis_types=(jax.sharding.AxisType.Auto,) * 2)

@@ -348,7 +348,7 @@ def dcp_world(args: dict[str, Any]) -> dict[str, Any]:
 
 def coordinator_checks() -> dict[str, Any]:
     """TorchCoordinator over the c10d store: collectives, a name mismatch, a missing rank."""
-    from bridges._torchcoord import TorchCoordinator
+    from bridges.torch._coord import TorchCoordinator
     from ckptfmt.errors import CheckpointError, CoordinatorLostError, CoordinatorTimeoutError
 
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -1,0 +1,178 @@
+"""The implementation behind :mod:`bridges.torch` (its face re-exports the public names)."""
+from __future__ import annotations
+
+from typing import Any, Mapping as TMapping
+
+import numpy as np
+import torch
+
+import ckptfmt
+from ckptfmt import Box, LocalShard, SaveHandle
+from ckptfmt.asyncsave import save_in_flight, start_async
+from ckptfmt.dtypes import numpy_dtype
+from ckptfmt.errors import SaveInProgressError
+
+from bridges._contract import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
+from bridges._contract import UNSET, renamed_keyword, stage_state
+from bridges._extra import json_keys
+from bridges.torch._conv import _BY_NAME as _BY_NAME, _OBJECTS as _OBJECTS, DTensor as DTensor  # noqa: F401 (bridges.dcp)
+from bridges.torch._conv import _flatten, _local_parts, _world
+from bridges.torch._conv import (dtype_name as dtype_name, from_numpy as from_numpy, layer_kinds as layer_kinds,
+                         local_box as local_box, rng_state as rng_state, set_rng_state as set_rng_state,
+                         to_numpy as to_numpy)
+from bridges.torch._load import Loaded as Loaded, load as load, load_extra as load_extra, load_rank_state as load_rank_state
+from bridges.torch._load import _open as _open, _saved_objects as _saved_objects  # noqa: F401 (bridges.dcp)
+from bridges.mapping._mapping import Mapping, Resolved
+
+__all__ = ["save", "load", "load_extra", "load_rank_state", "Loaded", "rng_state", "set_rng_state", "local_box",
+           "to_numpy", "from_numpy", "layer_kinds", "RESTORE_BATCH_BYTES", "CheckpointManager"]
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _coordinator(coordinator: Any) -> Any:
+    if coordinator is not None:
+        return coordinator
+    if _world() > 1:
+        from bridges.torch._coord import for_group
+        return for_group()
+    return ckptfmt.LocalCoordinator()
+
+
+def _select_sizes(items: list[tuple[str, Any, Resolved]]) -> dict[tuple[str, ...], int]:
+    """The stacked length of every unsized Select: all of 0..n-1 must be saved (one per layer key)."""
+    seen: dict[tuple[str, ...], set[int]] = {}
+    for _, _, res in items:
+        sel = res.unsized_select
+        if sel is not None:
+            seen.setdefault(res.source_keys, set()).add(int(sel.index))  # type: ignore[arg-type]
+    out = {}
+    for src, idx in seen.items():
+        n = max(idx) + 1
+        if idx != set(range(n)):
+            raise ValueError(f"{src[0]!r} is stacked from keys with indices {sorted(idx)}; every index "
+                             f"0..{n - 1} must be saved (or give Select(size=...))")
+        out[src] = n
+    return out
+
+
+def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None
+            ) -> tuple[list[LocalShard], dict[str, Any]]:
+    shards: list[LocalShard] = []
+    objects: dict[str, Any] = {}
+    items: list[tuple[str, Any, Resolved]] = []
+    for key, v in _flatten(state_dict):
+        if not isinstance(v, torch.Tensor):
+            objects[key] = v
+            continue
+        # resolve_writes: the tensor(s) a key is written to (a rule's `also` copies: NNX's step).
+        items += [(key, v, r) for r in (mapping.resolve_writes(key, v.ndim) if mapping is not None
+                                        else (Resolved(key, key),))]
+    sizes = _select_sizes(items)
+    written: dict[tuple[str, Box], tuple[str, Any]] = {}  # (checkpoint key, box) -> (state key, block)
+    declared: dict[str, tuple[tuple[int, ...], Any]] = {}  # checkpoint key -> (global shape, dtype)
+    for key, v, res in items:
+        parts, rid, sharding = _local_parts(v, key)
+        dtype = numpy_dtype(dtype_name(v.dtype, key))
+        if not res.transforms and res.source_keys == (key,):
+            pieces = [] if parts is None else [(key, box, data) for box, data in parts]
+            gshapes = {key: (tuple(v.shape), dtype)}
+        else:  # store in the checkpoint's layout: each piece is a box of a checkpoint-side tensor
+            chain = res.chain_for_target(tuple(v.shape), dtype, sizes.get(res.source_keys))
+            pieces = [] if parts is None else [w for box, data in parts for w in chain.writes(box, data)]
+            gshapes = {k: (s, d) for k, s, d in zip(chain.source_keys, chain.source_shapes, chain.source_dtypes)}
+            sharding = None
+        for ckey, spec in gshapes.items():
+            if declared.setdefault(ckey, spec) != spec:
+                raise ValueError(f"{key!r} maps to {ckey!r} as {spec}, another state key as {declared[ckey]}")
+        if parts is None:
+            continue
+        for ckey in gshapes:  # every rank lists every checkpoint key, even without a piece of it
+            if not any(p[0] == ckey for p in pieces):
+                shape = gshapes[ckey][0]
+                pieces.append((ckey, Box((0,) * len(shape), (0,) * len(shape)), None))
+        for ckey, cbox, block in pieces:
+            if block is not None and block.dtype != gshapes[ckey][1]:
+                block = block.astype(gshapes[ckey][1])
+            if (ckey, cbox) in written and block is not None:
+                # Several state keys map to one checkpoint box (torch's per-parameter AdamW `step`
+                # -> optax's single `count`; tied weights): written once, and only if they agree.
+                first, other = written[ckey, cbox]
+                if other is None or other.shape != block.shape or other.dtype != block.dtype \
+                        or other.tobytes() != block.tobytes():
+                    raise ValueError(f"{key!r} and {first!r} both map to {ckey!r} {cbox} but differ")
+                continue
+            if block is not None:
+                written[ckey, cbox] = (key, block)
+            if copy and block is not None:  # any holder may be picked to write (FORMAT.md 8.1)
+                block = np.array(block)
+            shape, cdtype = gshapes[ckey]
+            shards.append(LocalShard(ckey, shape, cdtype, cbox, block, replica_id=rid,
+                                     sharding=sharding if ckey == key else None))
+    return shards, objects
+
+
+def save(url: "str | ckptfmt.Repository", state: TMapping[str, Any], *, step: int, extra: Any = None, rank_state: Any = None,
+         blocking: bool = True, coordinator: Any = None, save_rng: bool = True,
+         metadata: TMapping[str, Any] | None = None, mapping: Mapping | None = None, options: Any = None,
+         rank_extra: Any = UNSET) -> Any:
+    """Save ``state`` (a state dict: nested dicts of tensors, DTensors and msgpack-able values) as ``step``
+    of the repository at ``url`` (a URL, or a :class:`ckptfmt.Repository`, whose storage and caches a
+    caller that saves often keeps: the checkpoint manager passes its own).
+
+    Every rank of the process group must call it with the same keys. ``extra`` goes to the global
+    state (rank 0's copy), ``rank_state`` (e.g. the data sampler cursor) and, with ``save_rng``,
+    this rank's torch RNG states to the per-rank state. Returns the committed manifest, or with
+    ``blocking=False`` a :class:`ckptfmt.SaveHandle` whose ``result()`` returns it (tensor data is
+    copied to host memory before this returns, so training may continue and mutate the tensors).
+    ``rank_extra`` is the deprecated name of ``rank_state`` (DeprecationWarning; removed next release).
+
+    On failure nothing is committed and every rank raises the same CheckpointError
+    (StepMismatchError, IncompleteSaveError, CoordinatorTimeoutError, ...; by ``result()`` for a
+    background save); a non-tensor leaf msgpack cannot encode raises InvalidStateError naming its
+    key path before anything is written, and so does a meta tensor (no data: materialize it first,
+    e.g. ``module.to_empty(device=...)`` and load its weights); a save while an earlier ``blocking=False`` save is in
+    flight raises SaveInProgressError.
+
+    ``extra`` / ``rank_state`` take any value ``json.dumps`` takes (a Hugging Face config dict)
+    plus bytes and numpy arrays; dict keys are stored as JSON writes them (``1`` -> ``"1"``,
+    ``True`` -> ``"true"``, ``None`` -> ``"null"``) and tuples come back as lists, so what
+    :func:`load` returns equals ``json.loads(json.dumps(extra))`` for JSON values (see
+    ``bridges/_extra.py``).
+
+    ``mapping`` (the same object :func:`load` takes, e.g. ``flax_nnx_to_torch()`` or a preset of
+    :mod:`bridges.presets`) writes tensors under the checkpoint-side names and layouts, so that
+    ``bridges.jax.restore`` can read a torch save directly: each rank writes its local block as
+    the box(es) of the checkpoint-side tensor(s) (per-layer keys into one stacked tensor, a fused
+    tensor into its parts), no gather. A transform whose inverse is not exact for the values
+    (a non-power-of-two Scale) raises MappingError before anything is written.
+    """
+    rank_state = renamed_keyword("save", "rank_extra", "rank_state", rank_extra, rank_state)
+    if blocking and save_in_flight():
+        raise SaveInProgressError("an earlier save(blocking=False) is still in flight; call its result() first",
+                                  expected="no save in flight", found=f"a background save; requested step {step}")
+
+    def stage() -> tuple[Any, int]:
+        shards, objects = _shards(state, copy=not blocking, mapping=mapping)
+        # torch.rank_state: whether the caller asked for per-rank state (FORMAT.md 13.3); without
+        # it the per-rank objects hold only the RNG states the bridge records itself.
+        global_state = {"torch": {"objects": objects, "rank_state": rank_state is not None},
+                        "extra": json_keys(extra, "extra")}
+        per_rank = {"torch": {"rng": rng_state() if save_rng else None}, "extra": json_keys(rank_state, "rank_state")}
+        # InvalidStateError here, before any collective; async saves keep a snapshot, not references.
+        global_state, per_rank, md = stage_state(global_state, per_rank, dict(metadata or {}), blocking=blocking)
+        kw = dict(state=global_state, rank_state=per_rank, metadata=md,
+                  coordinator=_coordinator(coordinator), versions={"torch": torch.__version__})
+        if options is not None:
+            kw["options"] = options
+        staged = sum(int(s.data.nbytes) for s in shards if isinstance(s.data, np.ndarray))
+        return (lambda: ckptfmt.save(url, step, shards, **kw)), staged
+
+    if blocking:
+        return stage()[0]()
+    handle: SaveHandle = start_async(stage, step=step, wait=False)
+    return handle
+
+
+
