@@ -21,7 +21,7 @@ interleaving with saves and other collectors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Iterable, Mapping, Protocol
 
 from ckptfmt import layout
 from ckptfmt.storage._localfs import Entry
@@ -30,8 +30,6 @@ from ckptfmt.layout import (LEASE_NAME, SAVES, arrays_prefix, is_save_id, lease_
                             state_prefix)
 from ckptfmt.storage import NO_VALUE, Storage
 
-if TYPE_CHECKING:  # _gc imports this module
-    from ckptfmt.repository._gc import GcReport
 
 __all__ = ["StoredLease", "stored_lease", "pinned_by_leases", "collected_lease", "scan_saves", "SaveNames", "list_saves",
            "lease_pins", "claim", "excluded", "remove_save"]
@@ -83,7 +81,15 @@ class SaveNames:
     custom: dict[str, Entry]
 
 
-def list_saves(st: Storage, retired: Mapping[str, int], report: GcReport, foreign: list[str]) -> SaveNames | None:
+class Findings(Protocol):
+    """What a listing reports into (:class:`ckptfmt.repository._gc.GcReport` is one): without
+    importing gc's module, which imports this one."""
+
+    problems: list[str]
+    foreign: list[str]
+
+
+def list_saves(st: Storage, retired: Mapping[str, int], report: Findings, foreign: list[str]) -> SaveNames | None:
     """The names under saves/, judged without following links; None when saves/ cannot be listed."""
     candidates: dict[str, Entry] = {}
     custom: dict[str, Entry] = {}
