@@ -123,8 +123,9 @@ def _entries_swapped(s: Scene) -> str:
     raw = bytearray(p.read_bytes())
     a = lay["index_start"]
     raw[a:a + 16], raw[a + 16:a + 32] = raw[a + 16:a + 32], raw[a:a + 16]
-    crc = crc32c(bytes(raw[a:-4]))
-    raw[-4:] = crc.to_bytes(4, "little")
+    t = lay["index_trailer_start"]  # the index's crc32c trailer (ckptfmt.shard knows where)
+    crc = crc32c(bytes(raw[a:t]))
+    raw[t:t + 4] = crc.to_bytes(4, "little")
     p.write_bytes(bytes(raw))
     s.edit_manifest(2, lambda doc: doc["tensors"][TARGET_TENSOR]["shards"]["index_crc32c"].__setitem__(TARGET_SHARD, crc))
     return f"{s.rel(p)} index entries 0 and 1 swapped, index crc32c recomputed in the object and the manifest"

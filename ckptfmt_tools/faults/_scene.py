@@ -82,9 +82,9 @@ class Scene:
         t = m.tensors[tensor]
         first = int(t.chunk_start[shard])
         sb = shard_bytes(t, shard)
-        (c0, c1), (i0, i1) = sb.chunk(first), sb.index
+        (c0, c1), (i0, i1), (t0, _) = sb.chunk(first), sb.index, sb.index_trailer
         return {"chunk0_offset": c0, "chunk0_nbytes": c1 - c0, "index_start": i0, "index_nbytes": i1 - i0,
-                "nbytes": sb.nbytes}
+                "index_trailer_start": t0, "nbytes": sb.nbytes}
 
     def state_path(self, step: int, name: str = "global") -> Path:
         return self.root / self.manifest_doc(step)["state"][name]["key"]
