@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Threads", "Tampering"]
+__all__ = ["Threads", "Tampering", "OtherChunks"]
 
 
 class Threads:
@@ -65,3 +65,18 @@ class Tampering(Threads):
                     group.flipped.append(not np.array_equal(before, out[group.flip[0]]))
                 return out
         return _Rank()
+
+
+class OtherChunks:
+    """A cooperative restore's source whose ``read_chunks`` hands out another step's stored chunks
+    (each with its own valid trailer, other bytes): a sender that sends other bytes than the
+    manifest's. Everything else is the wrapped checkpoint's."""
+
+    def __init__(self, ckpt: Any, other: Any) -> None:
+        self._ckpt, self._other = ckpt, other
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ckpt, name)
+
+    def read_chunks(self, refs: Any) -> Any:
+        return self._other.read_chunks(refs)

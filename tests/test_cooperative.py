@@ -14,6 +14,7 @@ from ckptfmt import Box, LocalShard, Repository
 from ckptfmt.errors import ChecksumMismatchError, CoordinatorLostError, StepMismatchError
 from ckptfmt.reader import CoopStats, cooperative_reads, plan_cooperative
 
+from _exchange import OtherChunks
 from _exchange import Tampering as _Tampering
 from _exchange import Threads as _Threads
 
@@ -171,20 +172,6 @@ def test_a_chunk_changed_in_transit_fails_on_the_receiver_and_every_rank(tmp_pat
     assert str(e1).startswith("rank 0: ") and e1.object == e0.object, e1
 
 
-class _Other:
-    """A source whose ``read_chunks`` hands out the stored chunks of another step (valid trailers,
-    other bytes): a sender that sends other bytes than the manifest's."""
-
-    def __init__(self, ckpt: Any, other: Any) -> None:
-        self._ckpt, self._other = ckpt, other
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ckpt, name)
-
-    def read_chunks(self, refs: Any) -> Any:
-        return self._other.read_chunks(refs)
-
-
 def test_a_sender_of_other_bytes_or_another_save_is_refused(tmp_path):
     """Rank 1 sends the stored chunks of step 2 (the same layout, other values, each with its own
     valid trailer) as step 1's: rank 0's check against its manifest raises ChecksumMismatchError
@@ -195,10 +182,10 @@ def test_a_sender_of_other_bytes_or_another_save_is_refused(tmp_path):
     repo = Repository(url)
 
     def lying(r: int) -> Any:
-        return repo.open(1) if r == 0 else _Other(repo.open(1), repo.open(2))
+        return repo.open(1) if r == 0 else OtherChunks(repo.open(1), repo.open(2))
 
     def honest(r: int) -> Any:
-        return _Other(repo.open(1), repo.open(1))
+        return OtherChunks(repo.open(1), repo.open(1))
     for r, (got, _) in enumerate(_run(url, batches, sources=honest)):
         assert all(np.array_equal(b, a[4 * i:4 * i + 4]) for i, b in enumerate(got[0])), r
     e0, e1 = _run(url, batches, sources=lying)

@@ -36,7 +36,7 @@ from ckptfmt import Box, LocalShard, Repository
 from ckptfmt.errors import (ChecksumMismatchError, CoordinatorLostError, InvalidStateError, MissingShardError,
                             SizeMismatchError, StepMismatchError)
 
-from _exchange import Tampering
+from _exchange import OtherChunks, Tampering
 
 ROOT = Path(__file__).resolve().parent.parent
 FALLBACK = "fallback"
@@ -142,19 +142,6 @@ def _storage(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndarray]
     return {"a": Repository(url).open(1).read("a")}
 
 
-class _OtherChunks:
-    """A sender whose read_chunks hands out another step's stored chunks (valid trailers)."""
-
-    def __init__(self, ckpt: Any, other: Any) -> None:
-        self._ckpt, self._other = ckpt, other
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ckpt, name)
-
-    def read_chunks(self, refs: Any) -> Any:
-        return self._other.read_chunks(refs)
-
-
 def _cooperative(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndarray]:
     from ckptfmt.reader import CoopStats, cooperative_reads
 
@@ -167,7 +154,7 @@ def _cooperative(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndar
 
     def source(r: int) -> Any:
         if r == 1 and fault == "stale-chunks":
-            return _OtherChunks(repo.open(1), repo.open(2))
+            return OtherChunks(repo.open(1), repo.open(2))
         return repo.open(2 if (r == 1 and fault == "another-save") else 1)
     reqs = [("a", Box((r, 0), (4, 8))) for r in range(0, 16, 4)]
     out: list[Any] = [None, None]
