@@ -17,7 +17,7 @@ import jax
 
 from ckptfmt import LocalCoordinator
 from ckptfmt.manager import CheckpointManager as _CoreManager
-from ckptfmt.manager import distinct_boxes
+from ckptfmt.manager import TierHooks, distinct_boxes
 from ckptfmt.manifest import Manifest
 
 from bridges.jax import _peer as _jaxpeer
@@ -33,6 +33,38 @@ def _sync_manager() -> Any:
     if distributed.global_state.client is None:
         return None
     return distributed.global_state.preemption_sync_manager
+
+
+class JaxTierHooks(TierHooks):
+    """The local tier's JAX part (FORMAT.md 8.5): the data plane and the boxes of a pytree live in
+    bridges.jax._peer. :meth:`snapshot` keeps its host copies in ``staged`` for the persistent save
+    of the same ``save()`` call (the manager takes and clears them)."""
+
+    def __init__(self) -> None:
+        self.staged: tuple[Any, Any] | None = None  # (state, its staged leaves) within one save() call
+
+    def new_exchange(self, world: int) -> Any:
+        return _jaxpeer.JaxPeerExchange() if world > 1 else None
+
+    def snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
+        from bridges.jax._api import _shards_of, _stage_items, _stage_leaves
+
+        leaves = _stage_leaves(state, copy=True)  # as _jaxpeer.snapshot, keeping the staged leaves
+        _, global_state, _, _ = _stage_items(state, extra, rank_state, None, blocking=False, staged=leaves)
+        self.staged = (state, leaves)
+        return distinct_boxes(_shards_of(leaves[0])), global_state
+
+    def take_staged(self, state: Any) -> Any:
+        """The staged leaves of ``state`` if the snapshot of this call made them, else None; clears them."""
+        staged = self.staged[1] if self.staged is not None and self.staged[0] is state else None
+        self.staged = None
+        return staged
+
+    def requests(self, target: Any, tensors: Any = None) -> Any:
+        return _jaxpeer.requests(target)
+
+    def build(self, target: Any, values: Mapping[Any, Any], global_state: Any, step: int) -> tuple[Any, Any]:
+        return _jaxpeer.build(target, values, global_state)
 
 
 class CheckpointManager(_CoreManager):
@@ -67,8 +99,7 @@ class CheckpointManager(_CoreManager):
 
         # The local tier's host copies of this very state, made in this save() call: the persistent
         # save writes from them too (both only read them), so the state is copied once.
-        staged = self._staged[1] if self._staged is not None and self._staged[0] is state else None
-        self._staged = None
+        staged = self._jax_hooks.take_staged(state) if self._jax_hooks is not None else None
         out = _save(self.repository, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
                     coordinator=None, options=self.options, metadata=metadata, staged=staged)
         return (lambda: out) if blocking else out.result
@@ -81,11 +112,12 @@ class CheckpointManager(_CoreManager):
         state = restore(self.url, target, step=step, rank_state_policy=rank_state_policy, stats=stats)
         return state, stats["extra"], stats
 
-    # The local tier (FORMAT.md 8.5): its data plane and hooks live in bridges.jax._peer.
-    def _new_exchange(self) -> Any:
-        return _jaxpeer.JaxPeerExchange() if self.world > 1 else None
+    # The local tier (FORMAT.md 8.5): its hooks, kept here too for the staged host copies.
+    _jax_hooks: JaxTierHooks | None = None
 
-    _staged: tuple[Any, Any] | None = None  # (state, its staged leaves) within one save() call
+    def _new_tier_hooks(self) -> JaxTierHooks:
+        self._jax_hooks = JaxTierHooks()
+        return self._jax_hooks
 
     def save(self, step: int, state: Any, *, extra: Any = None, metrics: Mapping[str, Any] | None = None,
              force: bool = False, rank_state: Any = None) -> bool:
@@ -94,21 +126,8 @@ class CheckpointManager(_CoreManager):
         try:
             return super().save(step, state, extra=extra, metrics=metrics, force=force, rank_state=rank_state)
         finally:
-            self._staged = None  # the host copies never outlive the call that made them
-
-    def _tier_snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
-        from bridges.jax._api import _shards_of, _stage_items, _stage_leaves
-
-        leaves = _stage_leaves(state, copy=True)  # as _jaxpeer.snapshot, keeping the staged leaves
-        _, global_state, _, _ = _stage_items(state, extra, rank_state, None, blocking=False, staged=leaves)
-        self._staged = (state, leaves)
-        return distinct_boxes(_shards_of(leaves[0])), global_state
-
-    def _tier_requests(self, target: Any, tensors: Any = None) -> Any:
-        return _jaxpeer.requests(target)
-
-    def _tier_build(self, target: Any, values: Mapping[Any, Any], global_state: Any, step: int) -> tuple[Any, Any]:
-        return _jaxpeer.build(target, values, global_state)
+            if self._jax_hooks is not None:
+                self._jax_hooks.staged = None  # the host copies never outlive the call that made them
 
     def _own_sigterm(self) -> bool:
         # Decided once, at construction: a Python handler would replace the notifier's own.

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ckptfmt import LocalCoordinator
 from ckptfmt.manager import CheckpointManager as _CoreManager
+from ckptfmt.manager import TierHooks
 from ckptfmt.manifest import Manifest
 from ckptfmt.rankstate import RankStatePolicy
 
@@ -30,6 +31,33 @@ _instances = itertools.count()  # every rank constructs its managers in the same
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+class TorchTierHooks(TierHooks):
+    """The local tier's torch part (FORMAT.md 8.5), through ``mapping`` when there is one: the data
+    plane and the boxes of a state dict live in bridges.torch._peer."""
+
+    def __init__(self, mapping: Any = None) -> None:
+        self.mapping = mapping
+        self.plan: Any = None  # the mapped plan of the restore in progress, from requests() to build()
+
+    def new_exchange(self, world: int) -> Any:
+        return _torchpeer.TorchPeerExchange() if world > 1 else None
+
+    def snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
+        return _torchpeer.snapshot(state, extra, rank_state, self.mapping)
+
+    def requests(self, target: Any, tensors: Any = None) -> Any:
+        if self.mapping is None:
+            return _torchpeer.requests(target)
+        # The plan of this restore, kept for build (every tiered restore calls both, in order).
+        self.plan = _torchpeer.mapped_requests(target, self.mapping, tensors)
+        return None if self.plan is None else self.plan.requests
+
+    def build(self, target: Any, values: Mapping[Any, Any], global_state: Any, step: int) -> tuple[Any, Any]:
+        if self.mapping is None:
+            return _torchpeer.build(target, values, global_state, step)
+        return _torchpeer.mapped_build(target, self.plan, self.mapping, values, global_state, step)
 
 
 class CheckpointManager(_CoreManager):
@@ -54,7 +82,6 @@ class CheckpointManager(_CoreManager):
 
     def __init__(self, url: str, *, mapping: Any = None, **kwargs: Any) -> None:
         self.mapping = mapping
-        self._tier_plan: Any = None
         super().__init__(url, **kwargs)
 
     def _process(self) -> tuple[int, int]:
@@ -88,23 +115,8 @@ class CheckpointManager(_CoreManager):
         return loaded, loaded.extra, {"bytes_read": int(loaded.bytes_read), "saved_world": int(loaded.saved_world)}
 
     # The local tier (FORMAT.md 8.5): its data plane and hooks live in bridges.torch._peer.
-    def _new_exchange(self) -> Any:
-        return _torchpeer.TorchPeerExchange() if self.world > 1 else None
-
-    def _tier_snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
-        return _torchpeer.snapshot(state, extra, rank_state, self.mapping)
-
-    def _tier_requests(self, target: Any, tensors: Any = None) -> Any:
-        if self.mapping is None:
-            return _torchpeer.requests(target)
-        # The plan of this restore, kept for _tier_build (every tiered restore calls both, in order).
-        self._tier_plan = _torchpeer.mapped_requests(target, self.mapping, tensors)
-        return None if self._tier_plan is None else self._tier_plan.requests
-
-    def _tier_build(self, target: Any, values: Mapping[Any, Any], global_state: Any, step: int) -> tuple[Any, Any]:
-        if self.mapping is None:
-            return _torchpeer.build(target, values, global_state, step)
-        return _torchpeer.mapped_build(target, self._tier_plan, self.mapping, values, global_state, step)
+    def _new_tier_hooks(self) -> TorchTierHooks:
+        return TorchTierHooks(self.mapping)
 
     def _agree_preemption(self, step: int, local: bool) -> bool:
         if self.world == 1:

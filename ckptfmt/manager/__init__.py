@@ -3,7 +3,8 @@
 Framework-free. :class:`CheckpointManager` itself saves and restores flat dicts of numpy arrays in
 one process; ``bridges.jax.CheckpointManager`` and ``bridges.torch.CheckpointManager`` subclass it
 and override only the *bridge hooks* (the save and restore verbs, the process group, the
-preemption agreement), so both frameworks get the same behaviour and the same words.
+preemption agreement, and ``_new_tier_hooks``: the :class:`TierHooks` the local tier, held as
+``tiers``, is given), so both frameworks get the same behaviour and the same words.
 
 Call order (every process of a job runs the same loop; the collectives rely on it):
 
@@ -25,7 +26,7 @@ nor a step this process is reading, and logs every deletion with its reason (log
 
 Subpackage ``ckptfmt.manager``. The checkpoint manager for training loops: cadence, one save in
 flight, retention, preemption, resume, the local tier (FORMAT.md 8.5), and the values it hands out.
-Its modules: ``_query``, ``_values``, ``_tiers``, ``_tierrestore``, ``_tiermixin``. May import: floor, manifest, reader, repository, session. The floor: the top-level
+Its modules: ``_query``, ``_values``, ``_tiers``, ``_tierrestore``, ``_tierservice``. May import: floor, manifest, reader, repository, session. The floor: the top-level
 modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and enforces
 them). No other subpackage may import it.
 """
@@ -42,7 +43,7 @@ from typing import Any, Callable, Mapping
 import msgpack
 import numpy as np
 
-from ckptfmt.manager._tiermixin import TierMixin
+from ckptfmt.manager._tierservice import LocalTiers, TierHooks
 from ckptfmt.manager._tiers import LocalTier, PeerExchange, TierSave, distinct_boxes
 from ckptfmt.manager._payload import as_bytes_view, check_payload
 from ckptfmt.manager._query import METADATA_KEY, apply_retention, best_step, candidate_steps, forget_deleted, recorded_metrics
@@ -64,7 +65,7 @@ from ckptfmt.session import save
 __all__ = ["CheckpointManager", "SaveRecord", "SkippedStep", "RestoreResult", "Retention", "METADATA_KEY", "LocalTier",
            "TierSave",
            # the local tier's data plane, for the bridges' peer exchanges (FORMAT.md 8.5)
-           "PeerExchange", "as_bytes_view", "check_payload", "distinct_boxes"]
+           "PeerExchange", "TierHooks", "as_bytes_view", "check_payload", "distinct_boxes"]
 
 _log = logging.getLogger("ckptfmt.manager")
 
@@ -73,7 +74,7 @@ _log = logging.getLogger("ckptfmt.manager")
 GC_INTERVAL_S = 600.0
 
 
-class CheckpointManager(TierMixin):
+class CheckpointManager:
     """Saves on a cadence, keeps what the retention policy says, and resumes from the newest good step.
 
     ``url``: the repository. ``save_every_steps`` / ``save_every_seconds``: the cadence
@@ -128,7 +129,11 @@ class CheckpointManager(TierMixin):
         self._prev_handler: Any = None
         self._installed = self._closed = False
         self._worker = BackgroundWorker("ckptfmt-manager")  # finishes async saves; no thread until the first
-        self._init_tiers(local)
+        self.local = local
+        #: The local tier (FORMAT.md 8.5), None without ``local``.
+        self.tiers = None if local is None else LocalTiers(
+            local, rank=self.rank, world=self.world, url=self.url, repository=self.repository, coord=self._coord,
+            options=self.options, hooks=self._new_tier_hooks(), emit=self._emit)
         if self._own_sigterm() and threading.current_thread() is threading.main_thread():
             self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
@@ -137,6 +142,11 @@ class CheckpointManager(TierMixin):
     def _process(self) -> tuple[int, int]:
         """(rank, world) of this process. Bridge hook."""
         return 0, 1
+
+    def _new_tier_hooks(self) -> TierHooks:
+        """The framework's part of the local tier (called once, with ``local``). Bridge hook; the
+        core's serve flat dicts of numpy arrays in one process."""
+        return TierHooks()
 
     def _new_coordinator(self) -> Coordinator:
         """The manager's own collectives (never shared with a save in flight). Bridge hook."""
@@ -227,7 +237,7 @@ class CheckpointManager(TierMixin):
             self._seen = (step, clean)
         elif self._seen is not None and self._seen[0] == step:
             clean = dict(self._seen[1])
-        local = self._tier_save(step, state, extra, rank_state, force)
+        local = self.tiers is not None and self.tiers.save(step, state, extra, rank_state, force)
         if not force and not self.should_save(step):
             return local
         if step == self._last_started:
@@ -240,7 +250,7 @@ class CheckpointManager(TierMixin):
             waited = time.perf_counter() - t0
         job = _Job(step, time.perf_counter(), time.time())
         finish = self._save_verb(step, state, extra=extra, metadata={METADATA_KEY: {"metrics": clean},
-                                                                     **self._tier_metadata(step)},
+                                                                     **({} if self.tiers is None else self.tiers.metadata(step))},
                                  rank_state=rank_state, blocking=not self.async_save)
         self._last_started, self._last_save_time = step, time.monotonic()
         job.blocked_s, job.waited_s = time.perf_counter() - t0, waited
@@ -294,13 +304,19 @@ class CheckpointManager(TierMixin):
         error, or IncompleteSaveError when ``timeout`` passes first (the save stays in flight). The
         local tier's save in flight is waited for too (its failure is logged, in ``tier_history``)."""
         record = self._join(timeout)
-        self._tier_wait(timeout)
+        if self.tiers is not None:
+            self.tiers.wait(timeout)
         return record
 
     @property
     def history(self) -> tuple[SaveRecord, ...]:
         """Every finished save of this manager, oldest first."""
         return tuple(self._history)
+
+    @property
+    def tier_history(self) -> tuple[TierSave, ...]:
+        """Every finished local save of this process, oldest first."""
+        return () if self.tiers is None else self.tiers.history
 
     def close(self) -> None:
         """Wait at most ``close_timeout_s`` for the save in flight, then release the SIGTERM handler
@@ -311,8 +327,9 @@ class CheckpointManager(TierMixin):
         self._closed = True
         try:
             self._join(self.close_timeout_s)
-            self._tier_wait(self.close_timeout_s)
-            self._tier_close()
+            if self.tiers is not None:
+                self.tiers.wait(self.close_timeout_s)
+                self.tiers.close()
         finally:
             self._worker.stop()
             # Put back what was there (None: a handler Python cannot name; ours then stays, harmless).
@@ -465,7 +482,7 @@ class CheckpointManager(TierMixin):
         if best and (step is not None or not self.retention.best_metric):
             raise ValueError("restore(best=True) takes no step, and needs the manager's best_metric")
         self.wait()
-        tiered = self._tier_restore(target) if step is None and not best and self._tiers is not None else None
+        tiered = self.tiers.restore(target) if step is None and not best and self.tiers is not None else None
         if tiered is not None:
             return tiered
         skipped: list[SkippedStep] = []
@@ -477,7 +494,9 @@ class CheckpointManager(TierMixin):
                 if skipped:
                     _log.warning("restored step %d after skipping %s", s, [k.step for k in skipped])
                 self._emit({"event": "restore", "step": s, "skipped": [asdict(k) for k in skipped], "unix": time.time()})
-                return RestoreResult(state, s, tuple(skipped), extra, self._tier_served(stats))
+                # With a local tier, stats["tiers"] says the persistent tier served it.
+                stats = dict(stats or {}) if self.tiers is None else self.tiers.served(stats)
+                return RestoreResult(state, s, tuple(skipped), extra, stats)
             err = local if local is not None else _err_from(errs[0][1], errs[0][0])
             # Decided on the gathered errors, which every rank holds: all ranks fall back, or none.
             if step is not None or best or not self.fallback or not all(_is_damage(e) for _, e in errs):

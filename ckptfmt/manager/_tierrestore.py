@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 import numpy as np
 
 from ckptfmt._types import Box
 from ckptfmt.errors import CheckpointError, InvalidStateError, MissingShardError, StepMismatchError
-from ckptfmt.manager._tiers import TIERS_KEY, HeldBox
+from ckptfmt.manager._tiers import TIERS_KEY, HeldBox, TierWriter
 from ckptfmt.manifest import parse_manifest
 from ckptfmt.reader import Checkpoint, check_state_bytes
 from ckptfmt.repository import Repository
@@ -318,12 +318,15 @@ def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: in
     return values, gstate
 
 
-def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], invs: Sequence[Mapping[int, Any]],
-                mix: bool, stats: dict[str, int]) -> tuple[dict[Request, np.ndarray], Any]:
-    """Read ``requests`` of ``step``: own tier, then the holder's replica, then the persistent tier
-    (when ``mix``: it recorded ``token``). Returns the values and the global state. Every rank
-    calls it (two exchanges); raises MissingShardError for a box no tier could serve."""
-    rank, world, tiers = mgr.rank, mgr.world, mgr._tiers
+def tiered_read(tiers: TierWriter, gather: Callable[[str, Any], list[Any]], url: str, n: int, step: int, token: str,
+                requests: Sequence[Request], invs: Sequence[Mapping[int, Any]], mix: bool,
+                stats: dict[str, int]) -> tuple[dict[Request, np.ndarray], Any]:
+    """Read ``requests`` of ``step``: own tier (``tiers``: this process's local tier), then the
+    holder's replica, then the persistent tier at ``url`` (when ``mix``: it recorded ``token``).
+    ``gather``: the all-gather of every rank's metadata, under names numbered by ``n`` (this
+    restore's number). Returns the values and the global state. Every rank calls it (two
+    exchanges); raises MissingShardError for a box no tier could serve."""
+    rank, world = tiers.rank, tiers.world
     values: dict[Request, np.ndarray] = {}
     peer_state: Any = None
     try:  # nothing before the exchanges may raise: every rank must reach both
@@ -336,7 +339,7 @@ def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], in
     stats["local"] = sum(int(a.nbytes) for a in values.values())
     # The exchanges only when some rank asks its holder for something (metadata through the coordinator).
     wants = world > 1 and tiers.exchange is not None and any(
-        g["left"] for g in mgr._gather(f"tiers/restore/{mgr._tier_restores}/wants", {"left": len(left)}))
+        g["left"] for g in gather(f"tiers/restore/{n}/wants", {"left": len(left)}))
     if wants:
         holder = (rank - 1) % world
         index = by_key(held(invs[holder], step, token, rank, world))
@@ -360,7 +363,7 @@ def tiered_read(mgr: Any, step: int, token: str, requests: Sequence[Request], in
             raise MissingShardError(f"no tier holds a verified copy of this box of step {step}", key=k,
                                     object=f"step {step}, token {token}", expected="own tier, peer replica or "
                                     "the persistent tier with the same token", found=f"box at {list(b.offset)}")
-        ckpt = Repository(mgr.url).open(step)
+        ckpt = Repository(url).open(step)
         for r, a in zip(left, ckpt.read_boxes(left)):
             values[r] = a
         stats["persistent"] = sum(int(values[r].nbytes) for r in left)

@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ckptfmt.manager import CheckpointManager, LocalTier
+from ckptfmt.manager import CheckpointManager, LocalTier, PeerExchange, TierHooks
 from ckptfmt_tools.faults._restorejudge import LogTap, RestoreAttempt, run_ranks
 
 __all__ = ["ThreadShift", "peer_other_step", "peer_flipped_chunk", "mapped_rewrite", "default_mapped"]
@@ -64,6 +64,16 @@ class ThreadShift:
         return _Rank()
 
 
+class _Hooks(TierHooks):
+    """The core's tier hooks, with the in-memory exchange of one rank as the data plane."""
+
+    def __init__(self, exchange: PeerExchange) -> None:
+        self.exchange = exchange
+
+    def new_exchange(self, world: int) -> PeerExchange | None:
+        return self.exchange
+
+
 class _Rank(CheckpointManager):
     """The core manager as one rank of ``world`` (the bridge hooks a bridge's manager overrides)."""
 
@@ -79,8 +89,8 @@ class _Rank(CheckpointManager):
 
         return TcpCoordinator(self._where[2], self._where[0], self._where[1], timeout_s=60)
 
-    def _new_exchange(self) -> Any:
-        return self._where[3].at(self._where[0])
+    def _new_tier_hooks(self) -> TierHooks:
+        return _Hooks(self._where[3].at(self._where[0]))
 
     def _own_sigterm(self) -> bool:
         return False
