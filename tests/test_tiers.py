@@ -664,3 +664,49 @@ def test_a_local_tier_serves_only_its_own_run(tmp_path):
     with CheckpointManager(str(tmp_path / "pB"), local=adopted) as m:  # control: adopted on purpose
         r = m.restore(_state(0))
     assert r.step == 6 and all(np.array_equal(r.state[k], v) for k, v in _state(6).items())
+
+
+def test_the_manager_s_tier_hooks_are_a_collaborator_it_is_given(tmp_path):
+    """A manager subclass hands the local tier its own TierHooks (as the bridges' managers do):
+    the tier snapshots through it at save and asks it for the boxes at restore. Hooks that refuse
+    the target (``requests`` None) leave the restore to the persistent tier, on the same step the
+    local copy would have served; control: the core's hooks serve step 6 from the local tier."""
+    from ckptfmt.manager import TierHooks
+
+    class Counting(TierHooks):
+        def __init__(self, serve: bool) -> None:
+            self.serve, self.calls = serve, []
+
+        def snapshot(self, state, extra, rank_state):
+            self.calls.append("snapshot")
+            return super().snapshot(state, extra, rank_state)
+
+        def requests(self, target, tensors=None):
+            self.calls.append("requests")
+            return super().requests(target, tensors) if self.serve else None
+
+    class Manager(CheckpointManager):
+        def __init__(self, url: str, hooks: TierHooks, **kw) -> None:
+            self._hooks = hooks
+            super().__init__(url, **kw)
+
+        def _new_tier_hooks(self) -> TierHooks:
+            return self._hooks
+
+    tier = LocalTier(str(tmp_path / "local"), every=2, keep=2)
+    saving = Counting(serve=True)
+    with Manager(str(tmp_path / "p"), saving, save_every_steps=3, local=tier) as m:
+        for s in range(1, 7):
+            m.save(s, _state(s))
+        m.wait()
+        assert [t.step for t in m.tier_history] == [2, 4, 6] and m.tiers is not None
+    assert saving.calls == ["snapshot"] * 3
+    refusing = Counting(serve=False)
+    with Manager(str(tmp_path / "p"), refusing, local=tier) as m:
+        r = m.restore(_state(0))
+    assert refusing.calls == ["requests"] and r.step == 6
+    assert "tier_token" not in r.stats and r.stats["tiers"]["local"] == r.stats["tiers"]["peer"] == 0
+    with Manager(str(tmp_path / "p"), Counting(serve=True), local=tier) as m:  # control
+        r = m.restore(_state(0))
+    assert r.step == 6 and r.stats["tier_token"] and r.stats["tiers"]["local"] > 0
+    assert all(np.array_equal(r.state[k], v) for k, v in _state(6).items())
