@@ -18,7 +18,7 @@ import pytest
 import ckptfmt
 from ckptfmt import Box, LocalShard, Repository, SaveOptions
 from ckptfmt.errors import AllocationError, ChecksumMismatchError, InvalidDataError, InvalidManifestError, SizeMismatchError, StorageError
-from ckptfmt.reader import Checkpoint
+from ckptfmt.reader import BlockChecks, Checkpoint
 
 X = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
 
@@ -229,6 +229,25 @@ def test_chunk_rows_that_share_bytes_are_rejected(tmp_path):
         repo.open(1)
 
 
+class _NoEntryCheck(BlockChecks):
+    """A broken control: the index's entries are not compared with the chunk table."""
+
+    def entries(self, *args, **kwargs) -> None:
+        return None
+
+
+class _NoChunkCheck(BlockChecks):
+    """A broken control: no chunk is checked (its length, crc32c and bool bytes)."""
+
+    def chunk(self, *args, **kwargs) -> None:
+        return None
+
+
+def _with_checks(repo: Repository, checks: BlockChecks) -> Repository:
+    """``repo``'s storage, read with ``checks`` instead of the real ones."""
+    return Repository(repo.url, storage=repo.storage, checks=checks)
+
+
 def _swap_rows(doc):  # rows 0 and 1 of shard 0 name each other's bytes: a valid manifest
     ch = doc["tensors"]["x"]["chunks"]
     for col in ("offset", "crc32c"):
@@ -236,7 +255,7 @@ def _swap_rows(doc):  # rows 0 and 1 of shard 0 name each other's bytes: a valid
 
 
 @pytest.mark.parametrize("read", sorted(READS))
-def test_a_chunk_table_that_differs_from_the_index_is_rejected(tmp_path, read, monkeypatch):
+def test_a_chunk_table_that_differs_from_the_index_is_rejected(tmp_path, read):
     where, fn = READS[read]
     repo, url = _repo(where, tmp_path)
     fn(repo)  # the control: as written, every path reads
@@ -245,7 +264,7 @@ def test_a_chunk_table_that_differs_from_the_index_is_rejected(tmp_path, read, m
         fn(repo)
     assert info.value.key == "x" and "index entry (0, 0)" in info.value.object
     # Broken control: without the entry check every crc32c passes and the rows come back swapped.
-    monkeypatch.setattr(Checkpoint, "_check_entries", staticmethod(lambda *a, **k: None))
+    repo = _with_checks(repo, _NoEntryCheck())
     if read != "verify":
         got = fn(repo)
         assert not np.array_equal(got, X[:got.shape[0], :got.shape[1]])
@@ -280,7 +299,7 @@ def _tensorstore_read(url: str, box: Box) -> np.ndarray:
 
 
 @pytest.mark.parametrize("read", sorted(READS))
-def test_index_entries_swapped_with_both_crcs_recomputed_are_rejected(tmp_path, read, monkeypatch):
+def test_index_entries_swapped_with_both_crcs_recomputed_are_rejected(tmp_path, read):
     """Issue 12: two index entries swapped and the index crc32c recomputed in the object and the
     manifest. tensorstore follows the index, ckptfmt followed the chunk table: different values, no
     error. ckptfmt now compares the entries with the chunk table."""
@@ -293,7 +312,7 @@ def test_index_entries_swapped_with_both_crcs_recomputed_are_rejected(tmp_path, 
     with pytest.raises(ChecksumMismatchError, match="chunk table"):
         fn(repo)
     # Broken control: without the entry check, ckptfmt returns other values than tensorstore.
-    monkeypatch.setattr(Checkpoint, "_check_entries", staticmethod(lambda *a, **k: None))
+    repo = _with_checks(repo, _NoEntryCheck())
     if read != "verify":
         got = fn(repo)
         assert not np.array_equal(got[:16, :4], _tensorstore_read(url, box))
@@ -330,7 +349,7 @@ def _set_byte(url: str, value: int) -> None:
 
 
 @pytest.mark.parametrize("read", ["positional-whole", "positional-chunks", "tensorstore", "verify"])
-def test_a_bool_byte_other_than_0_or_1_is_rejected(tmp_path, read, monkeypatch):
+def test_a_bool_byte_other_than_0_or_1_is_rejected(tmp_path, read):
     where = "tensorstore" if read == "tensorstore" else "positional"
     repo, url, b = _bool_repo(tmp_path, where)
     fn = {"verify": lambda: repo.verify(1), "positional-chunks": lambda: repo.open(1).read("b", Box((4, 0), (4, 4)))}.get(
@@ -343,7 +362,7 @@ def test_a_bool_byte_other_than_0_or_1_is_rejected(tmp_path, read, monkeypatch):
     assert info.value.key == "b" and info.value.found == "0x02"
     # Broken control: without the chunk checks, the byte 2 reaches the caller as a bool that
     # compares equal to True but is not the bytes the format stores.
-    monkeypatch.setattr(Checkpoint, "_check_chunk", staticmethod(lambda *a, **k: None))
+    repo = _with_checks(repo, _NoChunkCheck())  # fn reads ``repo`` when called
     if read != "verify":
         got = fn()
         assert 2 in np.frombuffer(np.ascontiguousarray(got).tobytes(), np.uint8)

@@ -38,12 +38,13 @@ from ckptfmt.manifest import Manifest, TensorEntry
 from ckptfmt.plan import ReadItem, plan_reads
 from ckptfmt.rankstate import RANK_STATE_POLICIES as RANK_STATE_POLICIES
 from ckptfmt.rankstate import RankStatePolicy, rank_state_source
+from ckptfmt.shard._blockcheck import BlockChecks as BlockChecks
 from ckptfmt.shard import shard_bytes
 from ckptfmt.state import decode_state
 from ckptfmt.storage import Pending, Storage
 from ckptfmt.storage._options import DEFAULT_READ_WINDOW as DEFAULT_READ_WINDOW
 
-__all__ = ["Checkpoint", "ReadStats", "ChunkRef", "SuppliedChunk", "check_state_bytes", "DEFAULT_READ_WINDOW",
+__all__ = ["Checkpoint", "BlockChecks", "ReadStats", "ChunkRef", "SuppliedChunk", "check_state_bytes", "DEFAULT_READ_WINDOW",
            "RANK_STATE_POLICIES", "Exchange", "CoopPlan", "CoopStats", "RoundPlan", "plan_cooperative", "cooperative_reads"]
 
 #: Largest non-tensor state object a reader accepts (the msgpack decoder's default cap).
@@ -70,12 +71,17 @@ class ReadStats:
 
 
 class Checkpoint(PositionalReads, LocalVerify):
-    """One committed step, opened for reading. Create it with :meth:`Repository.open`."""
+    """One committed step, opened for reading. Create it with :meth:`Repository.open`.
+
+    ``checks``: the checks of the bytes read against the manifest that every read path calls
+    (default: a new :class:`~ckptfmt.reader.BlockChecks`); a test passes a weakened one to build a
+    broken control."""
 
     def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = DEFAULT_READ_WINDOW,
-                 stats: ReadStats | None = None) -> None:
+                 stats: ReadStats | None = None, checks: BlockChecks | None = None) -> None:
         self.storage = storage
         self.manifest = manifest
+        self.checks = checks if checks is not None else BlockChecks()
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = stats or ReadStats()
         self._chunk_start: dict[str, np.ndarray] = {}
@@ -230,12 +236,12 @@ class Checkpoint(PositionalReads, LocalVerify):
             if len(mv) != ihi - ilo:
                 raise SizeMismatchError("shard index read differs from its recorded length", key=key, object=obj,
                                         expected=ihi - ilo, found=len(mv))
-            self._check_index(t, s, obj, mv)
+            self.checks.index(t, s, obj, mv)
             self.stats.bytes_read += len(mv)
             self.stats.requests += 1 + len(reads) + probe.requests
             for c, fut in reads:
                 data = np.frombuffer(fut.result(), dtype=np.uint8)
-                self._check_chunk(t, c, obj, memoryview(data))
+                self.checks.chunk(t, c, obj, memoryview(data))
                 self.stats.bytes_read += int(data.size)
                 got[(key, c)] = data
         return [got[(k, int(c))] for k, c in refs]
@@ -260,8 +266,8 @@ class Checkpoint(PositionalReads, LocalVerify):
             data, sender = supplied[(key, c)]
             what = f"chunk {c} of {t.object_key(int(np.searchsorted(self._starts(t), c, side='right')) - 1)}, sent by {sender}"
             mv = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-            self._check_chunk(t, c, what, mv)
-            decoded[(key, c)] = self._decode(t, c, what, mv)
+            self.checks.chunk(t, c, what, mv)
+            decoded[(key, c)] = self.checks.decode(t, c, what, mv)
         self.stats.add_time("verify", time.perf_counter() - tv)
         for ref, items in mine.items():
             for it in items:
@@ -334,20 +340,20 @@ class Checkpoint(PositionalReads, LocalVerify):
         chunks = sorted({it.chunk for it in items})
         chunk_bytes: dict[int, memoryview] = {}
         if issued.whole:
-            chunk_bytes = self._check_whole(t, s, obj, raw[0], chunks)
+            chunk_bytes = self.checks.whole(t, s, obj, raw[0], chunks)
         else:
             index = memoryview(raw[0])
             ilo, ihi = shard_bytes(t, s).index
             if len(index) != ihi - ilo:
                 raise SizeMismatchError("shard index read differs from its recorded length", key=key, object=obj,
                                         expected=ihi - ilo, found=len(index))
-            self._check_index(t, s, obj, index)
+            self.checks.index(t, s, obj, index)
             for c, r in zip(chunks, raw[1:]):
                 chunk_bytes[c] = memoryview(r)
-                self._check_chunk(t, c, obj, chunk_bytes[c])
+                self.checks.chunk(t, c, obj, chunk_bytes[c])
         self.stats.add_time("verify", time.perf_counter() - tv)
         ta = time.perf_counter()
-        decoded = {c: self._decode(t, c, obj, mv) for c, mv in chunk_bytes.items()}
+        decoded = {c: self.checks.decode(t, c, obj, mv) for c, mv in chunk_bytes.items()}
         for it in items:
             outs[it.request][it.dst or ...] = decoded[it.chunk][it.src or ...]  # type: ignore[index]
         self.stats.add_time("assemble", time.perf_counter() - ta)
@@ -451,10 +457,10 @@ class Checkpoint(PositionalReads, LocalVerify):
         for r in reads:
             r.probe.result()
             buf = r.data.result()
-            checked = self._check_whole(t, r.shard, r.obj, buf, range(int(starts[r.shard]), int(starts[r.shard + 1])))
+            checked = self.checks.whole(t, r.shard, r.obj, buf, range(int(starts[r.shard]), int(starts[r.shard + 1])))
             if t.array.codec != "raw":  # an encoded chunk must also decode (FORMAT.md 6.3)
                 for c, mv in checked.items():
-                    self._decode(t, c, r.obj, mv)
+                    self.checks.decode(t, c, r.obj, mv)
             self.stats.bytes_read += len(buf)
         return sum(r.nbytes for r in reads)
 
@@ -470,15 +476,15 @@ class Checkpoint(PositionalReads, LocalVerify):
         probe = self.storage.size_check(obj, n, tensor=t.key)
         index = self.storage.read_range(obj, ilo, ihi, tensor=t.key)
         probe.result()
-        self._check_index(t, s, obj, memoryview(index.result()))
+        self.checks.index(t, s, obj, memoryview(index.result()))
         per = max(1, self.max_inflight_bytes // max(biggest, 1))
         for lo in range(c0, c1, per):
             reads = [(c, self.storage.read_range(obj, *sb.chunk(c), tensor=t.key)) for c in range(lo, min(c1, lo + per))]
             for c, f in reads:
                 mv = memoryview(f.result())
-                self._check_chunk(t, c, obj, mv)
+                self.checks.chunk(t, c, obj, mv)
                 if t.array.codec != "raw":
-                    self._decode(t, c, obj, mv)
+                    self.checks.decode(t, c, obj, mv)
         self.stats.bytes_read += (ihi - ilo) + int(t.chunks.nbytes[c0:c1].sum())
         return n
 

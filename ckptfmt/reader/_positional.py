@@ -3,8 +3,8 @@
 Shards are read by a thread pool with ``preadv`` (through the storage's ``open_positional``)
 straight into the outputs where a chunk maps onto a contiguous region of one, else into a small
 scratch buffer; a shard whose every chunk is needed whole takes one vectored read. Every index and
-chunk is checked against the manifest (:class:`ckptfmt.shard._blockcheck.BlockChecks`) before the
-caller may use any output.
+chunk is checked against the manifest (the reader's ``checks``, a
+:class:`ckptfmt.reader.BlockChecks`) before the caller may use any output.
 """
 from __future__ import annotations
 
@@ -36,13 +36,14 @@ UNCACHED_READ_BYTES = 2 << 30
 _IOV_MAX = 1024
 
 
-class PositionalReads(BlockChecks):
+class PositionalReads:
     """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats``,
-    ``_plain_dirs`` and ``_starts``."""
+    ``checks``, ``_plain_dirs`` and ``_starts``."""
 
     storage: Any
     manifest: Any
     stats: Any
+    checks: BlockChecks
     _plain_dirs: set[str]
 
     def _starts(self, t: TensorEntry) -> np.ndarray:
@@ -129,7 +130,7 @@ class PositionalReads(BlockChecks):
             f.read_into([index], lo)
             phases["read"] += time.perf_counter() - tr
             tv = time.perf_counter()
-            self._check_index(t, s, obj, memoryview(index))
+            self.checks.index(t, s, obj, memoryview(index))
             phases["verify"] += time.perf_counter() - tv
             nbytes, requests = len(index), 1
             trailer = bytearray(TRAILER_BYTES)
@@ -149,12 +150,12 @@ class PositionalReads(BlockChecks):
                 phases["read"] += tv - tr
                 nbytes += end - off
                 requests += 1
-                self._check_chunk(t, c, obj, data, trailer)
+                self.checks.chunk(t, c, obj, data, trailer)
                 ta = time.perf_counter()
                 phases["verify"] += ta - tv
                 if c not in direct:
                     chunk = (data.view(dt).reshape(g.chunk_shape) if t.array.codec == "raw"
-                             else self._decode(t, c, obj, memoryview(bytes(data) + bytes(trailer))))
+                             else self.checks.decode(t, c, obj, memoryview(bytes(data) + bytes(trailer))))
                     for it in its:
                         outs[it.request][it.dst or ...] = chunk[it.src or ...]  # type: ignore[index]
                     phases["assemble"] += time.perf_counter() - ta
@@ -173,9 +174,9 @@ class PositionalReads(BlockChecks):
         view = memoryview(mm)
         tv = time.perf_counter()
         phases["read"] += tv - tr
-        self._check_index(t, s, obj, view[ilo:ihi])
+        self.checks.index(t, s, obj, view[ilo:ihi])
         data = np.frombuffer(mm, np.uint8, count=mid - off, offset=off)
-        self._check_chunk(t, c, obj, data, view[mid:end])
+        self.checks.chunk(t, c, obj, data, view[mid:end])
         phases["verify"] += time.perf_counter() - tv
         return data.view(numpy_dtype(t.dtype)).reshape(g.chunk_shape)
 
@@ -195,9 +196,9 @@ class PositionalReads(BlockChecks):
         f.read_into(iov, sb.start)  # the caller checked back_to_back: data, trailer, ..., index
         tv = time.perf_counter()
         phases["read"] += tv - tr
-        self._check_index(t, s, obj, memoryview(index))
+        self.checks.index(t, s, obj, memoryview(index))
         for i in range(n):
-            self._check_chunk(t, c0 + i, obj, direct[c0 + i], tails[i])
+            self.checks.chunk(t, c0 + i, obj, direct[c0 + i], tails[i])
         phases["verify"] += time.perf_counter() - tv
         return _ShardStats(int(t.shards.nbytes[s]), 1, phases)
 

@@ -24,6 +24,7 @@ from ckptfmt.errors import SizeMismatchError
 from ckptfmt.manifest import TensorEntry
 from ckptfmt.reader._alloc import require_memory
 from ckptfmt.shard import shard_bytes
+from ckptfmt.shard._blockcheck import BlockChecks
 from ckptfmt.storage._durable import kept_pool
 
 __all__ = ["LocalVerify", "ReadBuffers", "VERIFY_THREADS"]
@@ -75,12 +76,12 @@ class ReadBuffers:
 
 class LocalVerify:
     """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats``,
-    ``max_inflight_bytes``, ``_plain_dirs``, ``_starts``, ``_check_whole``, ``_decode`` and
-    ``_verify_in_parts``."""
+    ``max_inflight_bytes``, ``checks``, ``_plain_dirs``, ``_starts`` and ``_verify_in_parts``."""
 
     storage: Any
     manifest: Any
     stats: Any
+    checks: BlockChecks
     max_inflight_bytes: int
     _plain_dirs: set[str]
 
@@ -133,10 +134,10 @@ class LocalVerify:
                 buf = have[:n]
                 f.read_into([buf], shard_bytes(t, s).start)
                 starts = self._starts(t)  # type: ignore[attr-defined]
-                checked = self._check_whole(t, s, obj, memoryview(buf), range(int(starts[s]), int(starts[s + 1])))  # type: ignore[attr-defined]
+                checked = self.checks.whole(t, s, obj, memoryview(buf), range(int(starts[s]), int(starts[s + 1])))
                 if t.array.codec != "raw":  # an encoded chunk must also decode (FORMAT.md 6.3)
                     for c, mv in checked.items():
-                        self._decode(t, c, obj, mv)  # type: ignore[attr-defined]
+                        self.checks.decode(t, c, obj, mv)
             finally:  # every view of it is done with: the checks copy nothing out of it
                 buffers.give(have)
         return n

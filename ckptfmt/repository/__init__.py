@@ -20,7 +20,7 @@ from ckptfmt.repository._gc import GcReport as GcReport
 from ckptfmt.errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
 from ckptfmt.layout import MANIFESTS, manifest_key, step_of_manifest_key
 from ckptfmt.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from ckptfmt.reader import Checkpoint, Progress, ReadStats
+from ckptfmt.reader import BlockChecks, Checkpoint, Progress, ReadStats
 from ckptfmt.reader._verifylocal import ReadBuffers
 from ckptfmt.storage import Storage, StorageOptions, open_storage
 
@@ -49,18 +49,24 @@ class Repository:
 
     def __init__(self, url: str, *, options: StorageOptions | Mapping[str, Any] | None = None,
                  storage: Storage | None = None,
-                 max_manifest_bytes: int = MAX_MANIFEST_BYTES) -> None:
+                 max_manifest_bytes: int = MAX_MANIFEST_BYTES, checks: BlockChecks | None = None) -> None:
         """``storage``: any object with the :class:`~ckptfmt.storage.Storage` interface to use
         instead of the backend :func:`~ckptfmt.storage.open_storage` picks for ``url`` (such as a
         :class:`~ckptfmt.storage.DelegatingStorage` that injects faults); its own options apply,
         so ``options`` must then be None (ValueError otherwise). Raises InvalidOptionError (a
         ValueError) for an unknown option or a bad value, InvalidURLError for a URL that
-        addresses nothing and StorageError when the store cannot be opened."""
+        addresses nothing and StorageError when the store cannot be opened.
+
+        ``checks``: the checks of the bytes read against the manifest that every step this
+        repository opens or verifies is given (default: a new
+        :class:`~ckptfmt.reader.BlockChecks` per step); a test passes a weakened one to build a
+        broken control."""
         self.url = str(url)
         if storage is not None and options is not None:
             raise ValueError("pass options to the storage, not to Repository, when giving a storage")
         self.storage: Storage = storage if storage is not None else open_storage(self.url, options)
         self.max_manifest_bytes = max_manifest_bytes
+        self.checks = checks
         # Manifests parsed before, by key, with the bytes they were parsed from: a manager's save
         # and retention read the same few manifests up to six times, and parse each once. A hit
         # needs the bytes read now to equal those parsed (a manifest is immutable once committed,
@@ -154,7 +160,7 @@ class Repository:
         m = self.manifest(step)
         stats.add_time("manifest", time.perf_counter() - t0)
         window = self.storage.options.read_window_bytes
-        return Checkpoint(self.storage, m, stats=stats, max_inflight_bytes=window)
+        return Checkpoint(self.storage, m, stats=stats, max_inflight_bytes=window, checks=self.checks)
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> int:
         """Check every byte of a step against its manifest; raise on the first fault. Returns bytes checked."""

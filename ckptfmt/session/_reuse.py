@@ -270,10 +270,10 @@ class ReusePlanner:
             buf = self.storage.read_range(obj, 0, stored.nbytes, tensor=t.key).result()
             probe.result()
             c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
-            views = self._checks._check_whole(t, s, obj, buf, range(c0, c1))
+            views = self._checks.whole(t, s, obj, buf, range(c0, c1))
             for c, want in zip(range(c0, c1), padded_chunks(block, t.geometry.chunk_shape)):
                 got = (np.frombuffer(chunk_data(views[c]), np.uint8) if self.codec == "raw"
-                       else self._checks._decode(t, c, obj, views[c]).reshape(-1).view(np.uint8))
+                       else self._checks.decode(t, c, obj, views[c]).reshape(-1).view(np.uint8))
                 if not np.array_equal(got, want.reshape(-1).view(np.uint8)):
                     return False
         except CheckpointError:

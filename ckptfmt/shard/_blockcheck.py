@@ -1,9 +1,10 @@
 """Checks of the bytes read from a shard object against its manifest (FORMAT.md 6.4, 9 step 6).
 
-:class:`BlockChecks` is mixed into :class:`ckptfmt.reader.Checkpoint`; every read path (positional,
-kvstore, verify) calls these, through the instance, before it hands anything back. The checks
-themselves are :mod:`ckptfmt.shard`'s; the methods here are the points a test may replace by a
-no-op (a broken control), and the decoding of encoded chunks, which needs tensorstore.
+:class:`BlockChecks` is the collaborator a :class:`ckptfmt.reader.Checkpoint` is given (its
+``checks``); every read path (positional, kvstore, supplied chunks, verify) calls it before it
+hands anything back, and so does the reuse check. The checks themselves are :mod:`ckptfmt.shard`'s;
+a test builds a broken control by passing a subclass with a check replaced by a no-op. It also
+decodes encoded chunks, which needs tensorstore.
 """
 from __future__ import annotations
 
@@ -20,38 +21,41 @@ __all__ = ["BlockChecks"]
 
 
 class BlockChecks:
-    """Shard, index, entry and chunk checks; each raises a CheckpointError naming the tensor and object."""
+    """Shard, index, entry and chunk checks; each raises a CheckpointError naming the tensor and object.
 
-    def _check_whole(self, t: TensorEntry, s: int, obj: str, buf: bytes, chunks: Sequence[int]) -> dict[int, memoryview]:
+    One per reader (it keeps the decoders of encoded chunks). A test that needs a broken control
+    passes a subclass that overrides a method by a no-op: :meth:`whole` calls :meth:`index` and
+    :meth:`chunk`, and :meth:`index` calls :meth:`entries`, through the instance."""
+
+    def __init__(self) -> None:
+        self._decoders: dict[Any, Any] = {}
+
+    def whole(self, t: TensorEntry, s: int, obj: str, buf: bytes, chunks: Sequence[int]) -> dict[int, memoryview]:
         """Check a whole shard object (exact size, index, the given chunks) against the manifest;
         returns a view of each checked chunk's stored bytes."""
-        return shard.check_whole(t, s, obj, buf, chunks, index=self._check_index, chunk=self._check_chunk)
+        return shard.check_whole(t, s, obj, buf, chunks, index=self.index, chunk=self.chunk)
 
-    @classmethod
-    def _check_index(cls, t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
+    def index(self, t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
         """The index's crc32c, recomputed and as stored, against the manifest; then its entries."""
         shard.check_index_crc(t, s, obj, index)
-        cls._check_entries(t, s, obj, index)
+        self.entries(t, s, obj, index)
 
-    @staticmethod
-    def _check_entries(t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
+    def entries(self, t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
+        """The index's entries against the manifest's chunk table."""
         shard.check_entries(t, s, obj, index)
 
-    @staticmethod
-    def _check_chunk(t: TensorEntry, c: int, obj: str, mv: Any, trailer: Any = None) -> None:
+    def chunk(self, t: TensorEntry, c: int, obj: str, mv: Any, trailer: Any = None) -> None:
+        """Chunk row ``c``'s stored bytes (data and trailer) against the manifest."""
         shard.check_chunk(t, c, obj, mv, trailer)
 
-    def _decode(self, t: TensorEntry, c: int, obj: str, mv: Any) -> np.ndarray:
+    def decode(self, t: TensorEntry, c: int, obj: str, mv: Any) -> np.ndarray:
         """The elements of chunk row ``c`` (shape ``chunk_shape``) from its stored bytes, trailer
-        included, which :meth:`_check_chunk` has already checked. Raw chunks are viewed in place;
+        included, which :meth:`chunk` has already checked. Raw chunks are viewed in place;
         encoded ones are decoded (FORMAT.md 6.3), InvalidDataError when they do not decode."""
         g = t.geometry
         if t.array.codec == "raw":
             return np.frombuffer(shard.chunk_data(mv), dtype=numpy_dtype(t.dtype)).reshape(g.chunk_shape)
-        out = self._decoder(t).decode(shard.chunk_data(mv), key=t.key, obj=obj)
+        out = decoder_for(self._decoders, t.dtype, g.chunk_shape).decode(shard.chunk_data(mv), key=t.key, obj=obj)
         if t.dtype == "bool":
             shard.check_bool(t, c, obj, out.view(np.uint8), decoded=True)
         return out
-
-    def _decoder(self, t: TensorEntry) -> Any:
-        return decoder_for(self.__dict__.setdefault("_decoders", {}), t.dtype, t.geometry.chunk_shape)

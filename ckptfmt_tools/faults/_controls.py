@@ -10,7 +10,8 @@ is taken away. These are the ways the tests take it away:
   the unfinished step anyway (as a commit without acknowledgements would).
 * the writer weakenings ``no_conditional_create`` and ``no_commit_fence``, applied through the
   storage wrapper :class:`ckptfmt_tools.faults._storage.FaultyStorage`.
-* ``ckptfmt.reader.Checkpoint._check_chunk``/``_check_index`` monkeypatched to no-ops (tests).
+* :class:`NoChecksums` - the reader's block checks with the chunk and index checks (crc32c,
+  length, entries) replaced by no-ops, passed as ``Context.checks``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NaiveCheckpoint", "naive_reader", "publish_partial"]
+from ckptfmt.reader import BlockChecks
+
+__all__ = ["NaiveCheckpoint", "NoChecksums", "naive_reader", "publish_partial"]
 
 
 class NaiveCheckpoint:
@@ -57,6 +60,16 @@ class NaiveCheckpoint:
 
     def rank_state(self, rank: int) -> Any:
         return self._state(f"rank/{rank}")
+
+
+class NoChecksums(BlockChecks):
+    """ckptfmt's own block checks with the chunk and index checks turned off."""
+
+    def chunk(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def index(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def naive_reader(repo: Any, step: int) -> NaiveCheckpoint:

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from ckptfmt_tools.faults import _data
 from ckptfmt_tools.faults._catalogue import CATALOGUE, Fault, SaveAttempt, by_name
 from ckptfmt_tools.faults._checks import describe_leftovers, inventory, prior_intact, restore_into, same, snapshot
 from ckptfmt_tools.faults._scene import Scene
+
+if TYPE_CHECKING:
+    from ckptfmt.reader import BlockChecks
 
 __all__ = ["Outcome", "Context", "build_base", "run_fault", "run_all", "OutcomeTable"]
 
@@ -55,6 +58,7 @@ class Context:
     writer_weaken: str | None = None  # passed to writer processes (see _writer.WEAKEN, _aliased.WEAKEN)
     restore_clean: bool = False       # "coop"/"tier": the same run with nothing injected
     restore_weaken: str | None = None  # "coop": "receiver_trusts" (see _restorejudge)
+    checks: BlockChecks | None = None  # the scene's repositories read with these BlockChecks (_controls.NoChecksums)
 
 
 @dataclass
@@ -393,7 +397,7 @@ def run_fault(fault: Fault | str, base: Path, workdir: Path, ctx: Context | None
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    scene = Scene(run_dir / "repo", seed, ctx.max_manifest_bytes, ctx.grown_bytes)
+    scene = Scene(run_dir / "repo", seed, ctx.max_manifest_bytes, ctx.grown_bytes, ctx.checks)
     if fault.kind not in ("coop", "tier"):  # those build their own repositories
         shutil.copytree(base, scene.root)
     try:

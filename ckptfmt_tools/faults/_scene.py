@@ -5,7 +5,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ckptfmt.reader import BlockChecks
 
 __all__ = ["Scene", "TARGET_TENSOR", "TARGET_SHARD", "flip"]
 
@@ -38,6 +41,7 @@ class Scene:
     seed: int
     max_manifest_bytes: int | None = None  # None: the core's default cap
     grown_bytes: int = 4 << 30  # how far shard-grown grows its object (sparse)
+    checks: BlockChecks | None = None  # the BlockChecks every repository of the scene reads with; None: the real ones
 
     @property
     def url(self) -> str:
@@ -47,8 +51,8 @@ class Scene:
         from ckptfmt import Repository
 
         if self.max_manifest_bytes is None:
-            return Repository(self.url)
-        return Repository(self.url, max_manifest_bytes=self.max_manifest_bytes)
+            return Repository(self.url, checks=self.checks)
+        return Repository(self.url, max_manifest_bytes=self.max_manifest_bytes, checks=self.checks)
 
     def manifest_path(self, step: int) -> Path:
         return self.root / "manifests" / f"{step:020d}.json"
