@@ -14,9 +14,7 @@ from ckptfmt import Box, LocalShard, Repository
 from ckptfmt.errors import ChecksumMismatchError, CoordinatorLostError, StepMismatchError
 from ckptfmt.reader import CoopStats, cooperative_reads, plan_cooperative
 
-from _exchange import OtherChunks
-from _exchange import Tampering as _Tampering
-from _exchange import Threads as _Threads
+from ckptfmt_tools.faults._coopfaults import OtherStepSender, ThreadGather
 
 
 def _req(key: str, row: int) -> tuple[str, Box]:
@@ -45,7 +43,7 @@ def test_each_shared_box_goes_to_one_process_balanced_and_the_same_on_every_proc
 
 def _run(url: str, batches: list[list[list[Any]]], group: Any = None, sources: Any = None) -> list[Any]:
     world = len(batches)
-    group, out = group or _Threads(world), [None] * world
+    group, out = group or ThreadGather(world), [None] * world
 
     def rank(r: int) -> None:
         stats = CoopStats()
@@ -122,7 +120,7 @@ def test_a_process_that_never_arrives_is_a_bounded_typed_failure(tmp_path):
     ckptfmt.save(url, 1, [LocalShard("a", a.shape, a.dtype, Box((r, 0), (4, 8)), a[r:r + 4]) for r in range(0, 16, 4)])
     reqs = [_req("a", r) for r in range(0, 16, 4)]
     for arrives in (True, False):
-        address, group, out, done = f"127.0.0.1:{free_port()}", _Threads(2), [None, None], threading.Event()
+        address, group, out, done = f"127.0.0.1:{free_port()}", ThreadGather(2), [None, None], threading.Event()
 
         def rank(r: int) -> None:
             with TcpCoordinator(address, r, 2, timeout_s=3) as coord:
@@ -162,11 +160,11 @@ def test_a_chunk_changed_in_transit_fails_on_the_receiver_and_every_rank(tmp_pat
     rank 1 raises the same error ("rank 0: ..."). The control: the same exchange without the flip
     is exact on both, and the flip did reach rank 0's buffer."""
     url, a, batches = _two_ranks_one_box(tmp_path)
-    for r, (got, stats) in enumerate(_run(url, batches, _Tampering(2))):
+    for r, (got, stats) in enumerate(_run(url, batches, ThreadGather(2))):
         assert stats.cooperative and all(np.array_equal(b, a[4 * i:4 * i + 4]) for i, b in enumerate(got[0])), r
-    group = _Tampering(2, flip=(1, 0))
+    group = ThreadGather(2, flip=(1, 0))
     e0, e1 = _run(url, batches, group)
-    assert group.flipped == [True], group.flipped  # the fault reached the receiver
+    assert len(group.hits) == 1 and "flipped" in group.hits[0], group.hits  # the fault reached the receiver
     assert isinstance(e0, ChecksumMismatchError) and isinstance(e1, ChecksumMismatchError), (e0, e1)
     assert "sent by rank 1" in e0.object and e0.key == "a", e0
     assert str(e1).startswith("rank 0: ") and e1.object == e0.object, e1
@@ -182,10 +180,10 @@ def test_a_sender_of_other_bytes_or_another_save_is_refused(tmp_path):
     repo = Repository(url)
 
     def lying(r: int) -> Any:
-        return repo.open(1) if r == 0 else OtherChunks(repo.open(1), repo.open(2))
+        return repo.open(1) if r == 0 else OtherStepSender(repo.open(1), repo.open(2))
 
     def honest(r: int) -> Any:
-        return OtherChunks(repo.open(1), repo.open(1))
+        return OtherStepSender(repo.open(1), repo.open(1))
     for r, (got, _) in enumerate(_run(url, batches, sources=honest)):
         assert all(np.array_equal(b, a[4 * i:4 * i + 4]) for i, b in enumerate(got[0])), r
     e0, e1 = _run(url, batches, sources=lying)
@@ -200,9 +198,9 @@ def test_a_peer_lost_in_a_round_is_a_typed_error(tmp_path):
     raises CoordinatorLostError naming the round, and rank 0, whose collective broke, too; nothing
     is returned. The control: the same exchange with no loss is exact."""
     url, a, batches = _two_ranks_one_box(tmp_path)
-    ok = _run(url, batches, _Tampering(2))
+    ok = _run(url, batches, ThreadGather(2))
     assert all(isinstance(o, tuple) for o in ok), ok
-    e0, e1 = _run(url, batches, _Tampering(2, lose=(1, 3)))  # calls 1-2 gather the needs, 3 is round 0
+    e0, e1 = _run(url, batches, ThreadGather(2, lose=(1, 3)))  # calls 1-2 gather the needs, 3 is round 0
     assert isinstance(e0, CoordinatorLostError) and isinstance(e1, CoordinatorLostError), (e0, e1)
     assert "restore/coop/0" in e1.object and "gloo" in str(e1), e1
 

@@ -36,7 +36,7 @@ from ckptfmt import Box, LocalShard, Repository
 from ckptfmt.errors import (ChecksumMismatchError, CoordinatorLostError, InvalidStateError, MissingShardError,
                             SizeMismatchError, StepMismatchError)
 
-from _exchange import OtherChunks, Tampering
+from ckptfmt_tools.faults._coopfaults import OtherStepSender, ThreadGather
 
 ROOT = Path(__file__).resolve().parent.parent
 FALLBACK = "fallback"
@@ -149,12 +149,12 @@ def _cooperative(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndar
     _save(url, 1)
     _save(url, 2)
     repo = Repository(url)
-    group = Tampering(2, flip=(1, 0) if fault == "flip-in-transit" else None,
+    group = ThreadGather(2, flip=(1, 0) if fault == "flip-in-transit" else None,
                       lose=(1, 3) if fault == "dead-peer" else None)
 
     def source(r: int) -> Any:
         if r == 1 and fault == "stale-chunks":
-            return OtherChunks(repo.open(1), repo.open(2))
+            return OtherStepSender(repo.open(1), repo.open(2))
         return repo.open(2 if (r == 1 and fault == "another-save") else 1)
     reqs = [("a", Box((r, 0), (4, 8))) for r in range(0, 16, 4)]
     out: list[Any] = [None, None]
@@ -170,7 +170,7 @@ def _cooperative(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndar
         t.start()
     for t in threads:
         t.join(60)
-    probe["effective"] = fault in ("stale-chunks", "another-save") or bool(group.flipped) or fault == "dead-peer"
+    probe["effective"] = fault in ("stale-chunks", "another-save") or bool(group.hits)
     for r in (0, 1):
         if isinstance(out[r], BaseException):
             raise out[r]

@@ -64,10 +64,10 @@ def inventory(repo: Repository) -> dict[int, dict[str, Any]]:
         return out
     for s in steps:
         try:
-            manifest, data = repo.manifest_with_bytes(s)
-            t = repo.open(s).state()["tiers"]
+            ckpt = repo.open(s)
+            t = ckpt.state()["tiers"]
             out[s] = {"token": str(t["token"]), "hosts": int(t["hosts"]), "boxes": list(t["boxes"]),
-                      "digest": hashlib.sha256(data).hexdigest(), "run": t.get("run")}
+                      "digest": hashlib.sha256(ckpt.manifest_bytes).hexdigest(), "run": t.get("run")}
         except (CheckpointError, KeyError, TypeError, ValueError) as e:
             _log.warning("local tier %s: step %d is left out: %s: %s", repo.url, s, type(e).__name__, e)
     return out
@@ -232,29 +232,29 @@ def serve_replica(repo: Repository, asker: int, payload: Any) -> bytes:
     (:func:`accept_replica`) and asks the persistent tier for the rest."""
     empty = msgpack.packb({"manifest": None, "refs": [], "chunks": [], "state": None}, use_bin_type=True)
     try:
-        if len(memoryview(payload).cast("B")) > MAX_ASK_BYTES:  # msgpack's own limits scale with the buffer
+        size = len(memoryview(payload).cast("B"))
+        if size > MAX_ASK_BYTES:  # msgpack's own limits scale with the buffer
             raise InvalidStateError("a peer's ask is larger than the cap", object="tiers ask",
-                                    expected=f"<= {MAX_ASK_BYTES} bytes", found=len(memoryview(payload).cast("B")))
-        ask = msgpack.unpackb(payload, raw=False, **_limits(len(memoryview(payload).cast("B"))))
+                                    expected=f"<= {MAX_ASK_BYTES} bytes", found=size)
+        ask = msgpack.unpackb(payload, raw=False, **_limits(size))
         reqs = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in ask["reqs"]]
         if not reqs:
             return empty
         step = int(ask["step"])
-        ckpt = repo.open(step)
-        manifest = repo.manifest_with_bytes(step)[1]
-        refs: list[tuple[str, int]] = []
+        ckpt = repo.open(step)  # one read of the manifest: the bytes sent are the ones its chunks are checked against
+        refs: dict[tuple[str, int], None] = {}
         chunks: list[Any] = []
         for req in reqs:
             if not req[0].startswith(f"h{int(asker)}/"):
                 continue  # not the asker's box: never served
             try:
-                mine = [r for r in ckpt.chunk_refs([req]) if r not in set(refs)]
+                mine = [r for r in ckpt.chunk_refs([req]) if r not in refs]
                 chunks += [memoryview(c) for c in ckpt.read_chunks(mine)]
-                refs += mine
+                refs.update(dict.fromkeys(mine))
             except CheckpointError as e:
                 _log.warning("local tier: %s does not serve %s of step %d to its peer: %s: %s", repo.url, req[0], step,
                              type(e).__name__, e)
-        return msgpack.packb({"manifest": manifest, "refs": [[k, c] for k, c in refs], "chunks": chunks,
+        return msgpack.packb({"manifest": ckpt.manifest_bytes, "refs": [[k, c] for k, c in refs], "chunks": chunks,
                               "state": ckpt.state_bytes("global")}, use_bin_type=True)
     except Exception as e:  # noqa: BLE001 - the peer then asks the persistent tier
         _log.warning("local tier: %s cannot serve its peer: %s: %s", repo.url, type(e).__name__, e)
@@ -311,8 +311,9 @@ def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: in
     gstate = None
     if doc.get("state") is not None and "global" in manifest.state:
         try:
-            check_state_bytes(manifest, "global", bytes(doc["state"]), sender)
-            gstate = decode_state(bytes(doc["state"])).get("global")
+            state = bytes(doc["state"])
+            check_state_bytes(manifest, "global", state, sender)
+            gstate = decode_state(state).get("global")
         except (CheckpointError, AttributeError) as e:
             _log.warning("local tier: the global state of step %d from %s rejected: %s", step, sender, e)
     return values, gstate

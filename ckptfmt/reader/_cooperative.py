@@ -150,11 +150,18 @@ def plan_cooperative(needs: Sequence[Sequence[Sequence[Any]]], nbytes: Callable[
     return CoopPlan(rank, tuple(out), shared_total)
 
 
+def _head(n: int) -> np.ndarray:
+    """The 8 bytes (little-endian u64) that lead a process's buffer: a length, or 0."""
+    return np.frombuffer(int(n).to_bytes(_HEADER, "little"), dtype=np.uint8)
+
+
+def _head_of(buf: np.ndarray) -> int:
+    return int.from_bytes(np.ascontiguousarray(buf[:_HEADER]).tobytes(), "little")
+
+
 def gather_bytes(exchange: Exchange, name: str, payload: bytes) -> list[bytes]:
     """Every process's ``payload`` (any lengths): their lengths first, then the bytes."""
-    n = np.frombuffer(np.array([len(payload)], dtype="<u8").tobytes(), dtype=np.uint8)
-    sizes = [int(np.frombuffer(b[:_HEADER].tobytes(), dtype="<u8")[0])
-             for b in _allgather(exchange, name + "/len", n, [_HEADER] * exchange.world)]
+    sizes = [_head_of(b) for b in _allgather(exchange, name + "/len", _head(len(payload)), [_HEADER] * exchange.world)]
     got = _allgather(exchange, name, np.frombuffer(payload, dtype=np.uint8), sizes)
     return [bytes(memoryview(np.ascontiguousarray(b[:s]))) for b, s in zip(got, sizes)]
 
@@ -280,14 +287,13 @@ def _status(exchange: Exchange, name: str, failure: BaseException | None) -> Non
     """Every process's outcome of a step of a round; when any failed, every process raises the
     lowest failed rank's error (its own, or a copy prefixed ``rank p: ``)."""
     err = json.dumps(_error_json(failure)).encode() if failure is not None else b""
-    head = np.frombuffer(np.array([len(err)], dtype="<u8").tobytes(), dtype=np.uint8)
-    bufs = _allgather(exchange, name, head, [_HEADER] * exchange.world)
+    bufs = _allgather(exchange, name, _head(len(err)), [_HEADER] * exchange.world)
     _raise_first(exchange, name, bufs, failure, err)
 
 
 def _raise_first(exchange: Exchange, name: str, bufs: Sequence[np.ndarray], failure: BaseException | None,
                  err: bytes) -> None:
-    errs = [int(np.frombuffer(np.ascontiguousarray(b[:_HEADER]).tobytes(), dtype="<u8")[0]) for b in bufs]
+    errs = [_head_of(b) for b in bufs]
     if not any(errs):
         return
     docs = gather_bytes(exchange, name + "/error", err)
@@ -321,7 +327,7 @@ def _round(source: ChunkSource, exchange: Exchange, name: str, rp: RoundPlan, wa
     err = b""
     if failure is not None:
         err = json.dumps(_error_json(failure)).encode()
-        buf[:_HEADER] = np.frombuffer(np.array([len(err)], dtype="<u8").tobytes(), dtype=np.uint8)
+        buf[:_HEADER] = _head(len(err))
     else:
         at = _HEADER + _BIND
         for blk in served:  # verified by read_chunks; each receiver verifies again

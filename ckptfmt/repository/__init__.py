@@ -157,10 +157,11 @@ class Repository:
             if step is None:
                 raise StepNotFoundError("repository has no committed step", object=self.url, expected=">= 1 step", found=0)
         stats = ReadStats()
-        m = self.manifest(step)
+        m, data = self.manifest_with_bytes(step)
         stats.add_time("manifest", time.perf_counter() - t0)
         window = self.storage.options.read_window_bytes
-        return Checkpoint(self.storage, m, stats=stats, max_inflight_bytes=window, checks=self.checks)
+        return Checkpoint(self.storage, m, stats=stats, max_inflight_bytes=window, checks=self.checks,
+                          manifest_bytes=data)
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> int:
         """Check every byte of a step against its manifest; raise on the first fault. Returns bytes checked."""

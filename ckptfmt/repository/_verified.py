@@ -107,7 +107,8 @@ def unverified(repo: Repository, step: int, *, fresh: bool = False, read: set[in
         read.add(int(step))
     window = st.options.read_window_bytes
     try:
-        nbytes = Checkpoint(st, m, max_inflight_bytes=window, checks=getattr(repo, "checks", None)).verify(buffers=getattr(repo, "_read_buffers", None))
+        nbytes = Checkpoint(st, m, max_inflight_bytes=window, checks=repo.checks).verify(
+            buffers=getattr(repo, "_read_buffers", None))
     except CheckpointError as e:
         forget(st, m.save_id)
         return f"{type(e).__name__}: {e.message}"

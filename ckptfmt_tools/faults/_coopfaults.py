@@ -16,7 +16,7 @@ import numpy as np
 
 from ckptfmt_tools.faults._restorejudge import RestoreAttempt, run_ranks
 
-__all__ = ["ThreadGather", "TrustingSource", "transit_flip", "sender_other_step", "peer_lost"]
+__all__ = ["ThreadGather", "TrustingSource", "OtherStepSender", "transit_flip", "sender_other_step", "peer_lost"]
 
 _KEY = "a"
 
@@ -45,6 +45,9 @@ class ThreadGather:
                 self.rank, self.world = rank, group.world
 
             def allgather(self, name: str, data: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+                if data.size != sizes[rank]:  # the restore's own protocol: a buffer of the announced size
+                    raise RuntimeError(f"fixture error: rank {rank} sent {data.size} bytes in {name}, "
+                                       f"announced {sizes[rank]}")
                 group.calls[rank] += 1
                 if group.lose is not None and (rank, group.calls[rank]) == group.lose:
                     group.barrier.abort()
@@ -86,9 +89,9 @@ class TrustingSource:
         return out
 
 
-class _OtherStep:
+class OtherStepSender:
     """A sender whose stored chunks come from another step of the same layout (each with its own
-    valid trailer): what a confused or stale peer would send."""
+    valid trailer): what a confused or stale peer would send. Everything else is ``ckpt``'s."""
 
     def __init__(self, ckpt: Any, other: Any) -> None:
         self._ckpt, self._other = ckpt, other
@@ -155,7 +158,7 @@ def sender_other_step(run_dir: Path, ctx: Any) -> RestoreAttempt:
 
     def source(r: int) -> Any:
         if r == 1 and not ctx.restore_clean:
-            return _receiver(_OtherStep(Repository(url).open(1), Repository(url).open(2)), ctx)
+            return _receiver(OtherStepSender(Repository(url).open(1), Repository(url).open(2)), ctx)
         return _receiver(Repository(url).open(1), ctx)
     group = ThreadGather(2)
     ranks = _restore(url, reqs, group, source)
