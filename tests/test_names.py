@@ -24,7 +24,7 @@ SAME_IDEA = {
     "CheckpointManager": _VERB,   # ckptfmt.manager, bridges.jax._manager, bridges.torch._manager
     "load_rank_state": _VERB,     # bridges.jax._restore, bridges.torch._load
     "load_extra": _VERB,
-    "snapshot": _PEER, "requests": _PEER, "build": _PEER,
+    "requests": _PEER, "build": _PEER,
     "import_dcp": _FACE, "import_orbax": _FACE,
     "dtype_name": "the format's name of a framework's dtype: numpy's (ckptfmt.dtypes), torch's (bridges.torch._conv)",
     "main": "a process's entry point (python -m ckptfmt; the export worker)",

@@ -20,12 +20,11 @@ from bridges._extra import json_keys
 from bridges.jax._coord import JaxCoordinator, default_coordinator
 from bridges.jax._restore import BRIDGE_VERSION as _BRIDGE_VERSION
 from bridges.jax._restore import load_extra as load_extra, load_rank_state as load_rank_state, restore as restore
-from bridges.jax._restore import _bridge_state as _bridge_state, _open as _open  # noqa: F401 (tests, the manager)
 from bridges.jax._tree import describe_sharding, index_to_box, is_prng_key, placement
 from bridges.jax._tree import flatten_with_keys as flatten_with_keys  # public: the profile's key paths of a pytree
 
 __all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "flatten_with_keys",
-           "RANK_STATE_POLICIES", "RESTORE_BATCH_BYTES", "CheckpointManager"]
+           "RANK_STATE_POLICIES", "RESTORE_BATCH_BYTES"]  # and CheckpointManager, from the face
 
 #: The accepted values of ``rank_state_policy`` (the core's, FORMAT.md 7.4).
 RANK_STATE_POLICIES = _CORE_POLICIES
@@ -237,13 +236,6 @@ def _save(url: "str | Repository", state: Any, *, step: int, extra: Any, rank_st
 
     handle: SaveHandle = start_async(stage, step=step, wait=False)
     return handle
-
-
-def _stage(state: Any, extra: Any, rank_state: Any, metadata: Mapping[str, Any] | None, *,
-           blocking: bool) -> tuple[list[LocalShard], Any, Any, Any]:
-    """:func:`_stage_items` with the shards built (the local tier's snapshot)."""
-    items, global_state, per_rank, md = _stage_items(state, extra, rank_state, metadata, blocking=blocking)
-    return _shards_of(items), global_state, per_rank, md
 
 
 def _stage_items(state: Any, extra: Any, rank_state: Any, metadata: Mapping[str, Any] | None, *,

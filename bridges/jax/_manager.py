@@ -49,7 +49,7 @@ class JaxTierHooks(TierHooks):
     def snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
         from bridges.jax._api import _shards_of, _stage_items, _stage_leaves
 
-        leaves = _stage_leaves(state, copy=True)  # as _jaxpeer.snapshot, keeping the staged leaves
+        leaves = _stage_leaves(state, copy=True)  # the host copies, kept for this call's persistent save
         _, global_state, _, _ = _stage_items(state, extra, rank_state, None, blocking=False, staged=leaves)
         self.staged = (state, leaves)
         return distinct_boxes(_shards_of(leaves[0])), global_state

@@ -25,11 +25,11 @@ from jax.sharding import SingleDeviceSharding
 from ckptfmt import Box
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import CheckpointError, KeyMismatchError, ShapeMismatchError
-from ckptfmt.manager import as_bytes_view, check_payload, distinct_boxes
+from ckptfmt.manager import as_bytes_view, check_payload
 
 from bridges.jax._tree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding, placement
 
-__all__ = ["JaxPeerExchange", "snapshot", "requests", "build"]
+__all__ = ["JaxPeerExchange", "requests", "build"]
 
 _exchanges = itertools.count()  # every process constructs its managers (and so its exchanges) in one order
 
@@ -127,15 +127,6 @@ class JaxPeerExchange:
         self._connections.clear()
         self._server = None
         self._coord.close()
-
-
-def snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
-    """This process's boxes as host copies (each distinct box once: its lowest local replica), and
-    the global state as the bridge's save stages it."""
-    from bridges.jax._api import _stage
-
-    shards, global_state, _, _ = _stage(state, extra, rank_state, None, blocking=False)
-    return distinct_boxes(shards), global_state
 
 
 def _physical(leaf: Any) -> tuple[tuple[int, ...], Any, Any]:

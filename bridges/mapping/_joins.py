@@ -12,7 +12,7 @@ from ckptfmt import Box
 
 from bridges.mapping._transforms import NotApplicable, Shape, Transform, _check_ndim, _ins, _put, _sl
 
-__all__ = ["Part", "Join", "Concat", "Stack", "Stacks"]
+__all__ = ["Part", "Join", "Concat", "Stack", "Stacks", "Select"]
 
 
 

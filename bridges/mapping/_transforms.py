@@ -37,7 +37,7 @@ import numpy as np
 from ckptfmt import Box
 
 __all__ = [
-    "NotApplicable", "NotExact", "Transform", "Transpose", "Select", "Reorder", "Scale", "Shift", "Cast",
+    "NotApplicable", "NotExact", "Transform", "Transpose", "Reorder", "Scale", "Shift", "Cast",
     "interleaved_to_halves", "halves_to_interleaved",
 ]
 

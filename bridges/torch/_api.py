@@ -21,11 +21,10 @@ from bridges.torch._conv import (dtype_name as dtype_name, from_numpy as from_nu
                          local_box as local_box, rng_state as rng_state, set_rng_state as set_rng_state,
                          to_numpy as to_numpy)
 from bridges.torch._load import Loaded as Loaded, load as load, load_extra as load_extra, load_rank_state as load_rank_state
-from bridges.torch._load import _open as _open, _saved_objects as _saved_objects  # noqa: F401 (bridges.dcp)
 from bridges.mapping._mapping import Mapping, Resolved
 
 __all__ = ["save", "load", "load_extra", "load_rank_state", "Loaded", "rng_state", "set_rng_state", "local_box",
-           "to_numpy", "from_numpy", "layer_kinds", "RESTORE_BATCH_BYTES", "CheckpointManager"]
+           "to_numpy", "from_numpy", "layer_kinds", "RESTORE_BATCH_BYTES"]  # and CheckpointManager, from the face
 
 
 # ----------------------------------------------------------------------------- save
