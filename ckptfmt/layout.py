@@ -11,6 +11,7 @@ Keys (FORMAT.md 4.2)::
     saves/<save_id>/LEASE                           lease_key(save_id)
     saves/<save_id>/t/<i:06d>                       array_path(save_id, i)
     saves/<save_id>/t/<i:06d>/c/<g0>/<g1>/...       shard_key(array_path, cell)
+    saves/<save_id>/p/<r:05d>-<n:06d>               pack_key(save_id, rank, n)
     saves/<save_id>/state/global.msgpack            state_key(save_id, None)
     saves/<save_id>/state/rank-<r:05d>.msgpack      state_key(save_id, r)
 
@@ -34,7 +35,7 @@ __all__ = [
     "MARKER_KEY", "MARKER_BYTES", "MANIFESTS", "SAVES", "LEASE_NAME", "MAX_STEP", "MAX_NDIM",
     "MAX_DIM", "MAX_TENSOR_BYTES", "manifest_key",
     "step_of_manifest_key", "save_prefix", "arrays_prefix", "state_prefix", "lease_key", "array_path",
-    "cell_key", "shard_key", "fill_value", "inner_codecs", "state_name", "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WRITER_ID_TAIL",
+    "cell_key", "shard_key", "packs_prefix", "pack_key", "fill_value", "inner_codecs", "state_name", "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WRITER_ID_TAIL",
     "WriterSaveId", "new_save_id", "parse_writer_save_id", "is_save_id", "writer_save_ids_in", "CRC_BYTES",
     "INDEX_ENTRY_BYTES", "INDEX_ENTRY", "NOT_STORED", "split_trailer", "index_entries", "chunk_nbytes",
     "index_nbytes", "zarr_array_metadata", "Lease", "LEASE_STATES", "LEASE_MAX_BYTES", "lease_bytes", "parse_lease",
@@ -105,6 +106,16 @@ def cell_key(cell: Sequence[int]) -> str:
 def shard_key(path: str, cell_or_key: Sequence[int] | str) -> str:
     """The object key of one shard: the array path, then its cell key (a cell, or its key)."""
     return f"{path}/{cell_or_key if isinstance(cell_or_key, str) else cell_key(cell_or_key)}"
+
+
+def packs_prefix(save_id: str) -> str:
+    """The prefix of a save's pack objects (FORMAT.md 4.2, 5.15)."""
+    return f"saves/{save_id}/p/"
+
+
+def pack_key(save_id: str, rank: int, n: int) -> str:
+    """Pack object ``n`` of writer ``rank`` (FORMAT.md 4.2, revision 1.3)."""
+    return f"{packs_prefix(save_id)}{rank:05d}-{n:06d}"
 
 
 def state_name(rank: int | None) -> str:

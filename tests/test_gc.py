@@ -121,7 +121,7 @@ def test_delete_of_a_step_whose_save_is_a_link_removes_only_the_link(repo, tmp_p
     shutil.move(str(repo / "saves" / sid), copy)
     (repo / "saves" / sid).symlink_to(copy, target_is_directory=True)
     r.delete(1)
-    assert not os.path.lexists(repo / "saves" / sid) and (copy / "t").is_dir()
+    assert not os.path.lexists(repo / "saves" / sid) and (copy / "p").is_dir()
     assert r.steps() == [2]
 
 

@@ -129,7 +129,9 @@ def spec_read(root: Path, step: int, revision: str = "1.0") -> tuple[dict[str, n
     if m["format"] != "ckptfmt" or m["format_version"] != SPEC_READER_VERSIONS["format_version"]:
         raise SpecError(f"unsupported format {m['format']!r} version {m['format_version']!r}; this reader reads "
                         "format version 1 only")
-    known = SPEC_READER_VERSIONS["extensions"] + (("ckptfmt.derived",) if revision == "1.2" else ())
+    known = SPEC_READER_VERSIONS["extensions"] + {"1.2": ("ckptfmt.derived",),
+                                                  "1.3": ("ckptfmt.derived", "ckptfmt.packs")}.get(revision, ())
+    objects = m.get("extensions", {}).get("ckptfmt.packs", {}).get("objects", [])
     needs = [x for x in m.get("must_understand", []) if x not in known]
     if needs:
         raise SpecError(f"manifest requires extensions {needs} that this reader (format version 1, revision "
@@ -147,12 +149,22 @@ def spec_read(root: Path, step: int, revision: str = "1.0") -> tuple[dict[str, n
             sh, ch = _derive(t, dt.itemsize)
         row = 0  # next row of the chunk table
         for j, off in enumerate(sh["offset"]):
-            path = root / a["path"] / sh["key"][j]
-            if not path.exists():
-                raise SpecError(f"missing {path}")
-            obj = path.read_bytes()
-            if len(obj) != sh["nbytes"][j]:
-                raise SpecError(f"size of {path}")
+            if "object" in sh:  # revision 1.3 (5.15): the shard's bytes at start in its pack object
+                o = objects[sh["object"][j]]
+                path, start = root / o["key"], sh["start"][j]
+                if not path.exists():
+                    raise SpecError(f"missing {path}")
+                whole = path.read_bytes()
+                if len(whole) != o["nbytes"] or start + sh["nbytes"][j] > len(whole):
+                    raise SpecError(f"size of {path}")
+                obj = whole[start:start + sh["nbytes"][j]]
+            else:
+                path = root / a["path"] / sh["key"][j]
+                if not path.exists():
+                    raise SpecError(f"missing {path}")
+                obj = path.read_bytes()
+                if len(obj) != sh["nbytes"][j]:
+                    raise SpecError(f"size of {path}")
             index = obj[len(obj) - (16 * n_inner + 4):]
             table, trailer = index[:-4], int.from_bytes(index[-4:], "little")
             if not (_crc(table) == trailer == sh["index_crc32c"][j]):
@@ -441,3 +453,72 @@ def test_regenerated_profile_state_objects_are_byte_identical(tmp_path: Path) ->
     tier = decode_state((GOLDEN_PROFILES / "tier-global.msgpack").read_bytes())
     assert set(tier) == {"global", "tiers"} and tier["global"] == g
     assert set(tier["tiers"]) == {"token", "host", "hosts", "boxes", "run"} and len(tier["tiers"]["boxes"][0]) == 7
+
+
+# ------------------------------------------------------------------ revision 1.3: pack objects
+
+GOLDEN_PACKED = EXAMPLES / "repo-packed"
+
+
+def test_regenerated_packed_example_is_byte_identical_and_holds_the_same_shard_bytes(tmp_path: Path) -> None:
+    """FORMAT.md 5.15: the section 12 example saved packed regenerates byte for byte; each writer's
+    shards lie in one pack object, and every shard's bytes there equal the shard object of the
+    unpacked example (only where a shard starts changes)."""
+    out = tmp_path / "repo-packed"
+    make_example.generate(out, layout="packed")
+    assert _files(out) == _files(GOLDEN_PACKED)
+    m = json.loads((GOLDEN_PACKED / f"manifests/{STEP:020d}.json").read_bytes())
+    assert m["must_understand"] == ["ckptfmt.packs"]
+    objects = m["extensions"]["ckptfmt.packs"]["objects"]
+    assert [o["key"].rsplit("/", 1)[1] for o in objects] == ["00000-000000", "00001-000000"]
+    saved = [p for p in _files(GOLDEN_PACKED) if "/t/" in p]
+    assert saved == []  # no zarr.json and no shard object of its own (FORMAT.md 6.1)
+    for key, t in m["tensors"].items():
+        for j, k in enumerate(t["shards"]["key"]):
+            o = objects[t["shards"]["object"][j]]
+            got = (GOLDEN_PACKED / o["key"]).read_bytes()[t["shards"]["start"][j]:][:t["shards"]["nbytes"][j]]
+            assert got == (GOLDEN / t["array"]["path"] / k).read_bytes(), (key, k)
+
+
+def test_spec_readers_of_1_2_and_1_3_on_the_packed_example() -> None:
+    """A reader of revision 1.2 rejects the packed example through must_understand, naming the
+    extension (the control); the same reader extended by 5.15 alone reconstructs it."""
+    with pytest.raises(SpecError, match="ckptfmt.packs"):
+        spec_read(GOLDEN_PACKED, STEP, revision="1.2")
+    tensors, states = spec_read(GOLDEN_PACKED, STEP, revision="1.3")
+    want = make_example.tensors()
+    for k in want:
+        _assert_same(tensors[k], want[k])
+    assert decode_state(states["global"])["data_cursor"] == 640
+    repo = ckptfmt.Repository(str(GOLDEN_PACKED))
+    assert repo.verify(STEP) > 0
+    _assert_same(repo.open(STEP).read("params/w", ckptfmt.Box((2, 1), (2, 2))), want["params/w"][2:4, 1:3])
+
+
+@pytest.mark.parametrize("fault", ["data", "truncate", "grow", "missing"])
+def test_both_readers_reject_a_damaged_pack(tmp_path: Path, fault: str) -> None:
+    """A flipped byte, a truncated, a grown or a missing pack object: both readers refuse it."""
+    root = tmp_path / "repo"
+    shutil.copytree(GOLDEN_PACKED, root)
+    m = json.loads((root / f"manifests/{STEP:020d}.json").read_bytes())
+    w = m["tensors"]["params/w"]["shards"]
+    pack = root / m["extensions"]["ckptfmt.packs"]["objects"][w["object"][0]]["key"]
+    spec_read(root, STEP, revision="1.3")  # the control: the copy reads before it is damaged
+    if fault == "data":
+        _flip(pack, w["start"][0] + 20)
+        expected = ckptfmt.ChecksumMismatchError
+    elif fault == "truncate":
+        pack.write_bytes(pack.read_bytes()[:-1])
+        expected = ckptfmt.SizeMismatchError
+    elif fault == "grow":
+        pack.write_bytes(pack.read_bytes() + b"\0")
+        expected = ckptfmt.SizeMismatchError
+    else:
+        pack.unlink()
+        expected = ckptfmt.MissingShardError
+    with pytest.raises(SpecError):
+        spec_read(root, STEP, revision="1.3")
+    with pytest.raises(expected):
+        ckptfmt.Repository(str(root)).open(STEP).read("params/w")
+    with pytest.raises(ckptfmt.CheckpointError):
+        ckptfmt.Repository(str(root)).verify(STEP)

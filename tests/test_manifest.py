@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from ckptfmt import (Box, DuplicateShardError, InvalidManifestError, LocalShard, ManifestTooLargeError,
+from ckptfmt import (Box, SaveOptions, DuplicateShardError, InvalidManifestError, LocalShard, ManifestTooLargeError,
                      UnsupportedVersionError, parse_manifest, save)
 
 
@@ -15,7 +15,7 @@ def good(tmp_path_factory):
     x = np.arange(40, dtype=np.float32).reshape(10, 4)
     shards = [LocalShard("w", x.shape, x.dtype, Box((r * 3, 0), (min(3, 10 - r * 3), 4)), x[r * 3:r * 3 + 3]) for r in range(4)]
     shards.append(LocalShard("s", (), np.int32, Box((), ()), np.asarray(7, np.int32)))
-    m = save(d, 1, shards, state={"k": 1})
+    m = save(d, 1, shards, state={"k": 1}, options=SaveOptions(layout="arrays"))  # packed: tests/test_packs.py
     return json.loads(m.to_bytes())
 
 

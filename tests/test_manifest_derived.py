@@ -69,7 +69,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, ckpt
     out = {}
     for form in ("derived", "explicit"):
         url = str(tmp_path_factory.mktemp(form) / "repo")
-        opts = SaveOptions(save_id=SAVE_ID, created_unix=1767225600.0, chunk_target_bytes=256, manifest_columns=form)
+        opts = SaveOptions(layout="arrays", save_id=SAVE_ID, created_unix=1767225600.0, chunk_target_bytes=256, manifest_columns=form)
         out[form] = (url, ckptfmt.save(url, STEP, shards(values()), options=opts))
     return out
 
@@ -264,7 +264,7 @@ def test_auto_switches_at_the_row_threshold(tmp_path: Path) -> None:
     assert wants_derived("derived", 1) and not wants_derived("explicit", 10 ** 9)
     # the default save of a small checkpoint stays a revision 1.0 manifest (readable by 1.0 readers)
     url = str(tmp_path / "small")
-    m = ckptfmt.save(url, 0, shards({"s": values()["s"]}))
+    m = ckptfmt.save(url, 0, shards({"s": values()["s"]}), options=SaveOptions(layout="arrays"))
     assert m.must_understand == () and "key" in _doc_at(url, 0)["tensors"]["s"]["shards"]
     # an unknown value is a usage error raised before anything is written
     bad = str(tmp_path / "bad")
@@ -283,11 +283,11 @@ def test_the_extension_is_listed_only_when_an_entry_is_derived(tmp_path: Path, c
     zstd; no tensor with shard rows) does not list ckptfmt.derived, so a 1.1 reader reads it."""
     url = str(tmp_path / "r")
     v = values()
-    opts = SaveOptions(manifest_columns="derived", chunk_target_bytes=256)
+    opts = SaveOptions(layout="arrays", manifest_columns="derived", chunk_target_bytes=256)
     given = {"zstd": (shards(v), {}), "state only": ([], {"step": 1}), "empty tensor only": (shards({"e": v["e"]}), {})}
     parts, state = given[case]
     m = ckptfmt.save(url, 0, parts, state=state or None,
-                     options=SaveOptions(manifest_columns="derived", chunk_target_bytes=256,
+                     options=SaveOptions(layout="arrays", manifest_columns="derived", chunk_target_bytes=256,
                                          codec="zstd" if case == "zstd" else "raw"))
     doc = _doc_at(url, 0)
     assert mf.DERIVED not in m.must_understand and mf.DERIVED not in doc["must_understand"]
@@ -303,7 +303,7 @@ def test_incremental_save_references_rows_of_a_derived_table(tmp_path: Path) -> 
     """Row numbers of ckptfmt.references index the derived table (5.14); the later step reads back."""
     url = str(tmp_path / "inc")
     v = values()
-    opts = SaveOptions(manifest_columns="derived", chunk_target_bytes=256)
+    opts = SaveOptions(layout="arrays", manifest_columns="derived", chunk_target_bytes=256)
     ckptfmt.save(url, 1, shards(v), options=opts)
     v2 = v | {"b/0": v["b/0"] + 1}
     m2 = ckptfmt.save(url, 2, shards(v2), options=opts)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import numpy as np
 import pytest
 
-from ckptfmt import Box, CheckpointError, LocalShard, parse_manifest, save
+from ckptfmt import Box, CheckpointError, LocalShard, SaveOptions, parse_manifest, save
 from ckptfmt import manifest as mf
 from ckptfmt.layout import arrays_prefix
 from manifest_common import mutate, same_tables
@@ -37,7 +37,8 @@ def good(tmp_path_factory):
     # Two 0-d tensors and two empty ones of one geometry each: the later one of each by value.
     shards.append(LocalShard("s2", (), np.float32, Box((), ()), np.asarray(2.5, np.float32)))
     shards += [LocalShard(f"e/{i}", (0, 3), np.int32, Box((0, 0), (0, 3)), np.zeros((0, 3), np.int32)) for i in range(2)]
-    m = save(d, 3, shards, metadata={"note": "true or false", "lr": 0.5, "nested": {"tensors": {}}})
+    m = save(d, 3, shards, metadata={"note": "true or false", "lr": 0.5, "nested": {"tensors": {}}},
+             options=SaveOptions(layout="arrays"))  # the tensor parsers; packed entries: tests/test_packs.py
     return json.loads(m.to_bytes())
 
 
@@ -149,7 +150,7 @@ def multi(tmp_path_factory):
     for i in range(4):
         x = np.arange(64, dtype=np.float32).reshape(16, 4) + i
         shards += [LocalShard(f"m/{i}", x.shape, x.dtype, Box((8 * r, 0), (8, 4)), x[8 * r:8 * r + 8]) for r in range(2)]
-    m = save(d, 1, shards, options=SaveOptions(chunk_target_bytes=32))
+    m = save(d, 1, shards, options=SaveOptions(layout="arrays", chunk_target_bytes=32))
     assert len(m.tensors["m/0"].chunks.offset) == 8
     return json.loads(m.to_bytes())
 

@@ -3,6 +3,8 @@ form, the encoder's verify-after-write, and the checks readers run. Each rejecti
 accepted control beside it; the encoder's bytes are pinned to tensorstore's in test_vectorwrite."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -16,12 +18,16 @@ def test_records_travel_as_named_columns():
     ref = shard.ShardRecord(2, (0,), 36, 9, (0,), (5,), (32,), ("000000000001-20261130T000000-00000000", "saves/x/t/2"))
     wire = shard.records_to_wire([written, ref])
     assert sorted(wire) == sorted(["tensor", "cell", "nbytes", "index_crc32c", "chunk_offsets", "chunk_crc32c",
-                                   "chunk_nbytes", "ref"]) and wire["ref"][0] is None
+                                   "chunk_nbytes", "ref", "where"]) and wire["ref"][0] is None
     assert shard.records_from_wire(wire) == [written, ref]
     assert shard.records_from_wire(shard.records_to_wire([])) == []
     # a record and the same object found in a later manifest (tensor index and cell aside)
     assert written.located("sid", "saves/sid/t/0", 20).same_object(
-        shard.ShardRecord(5, (9, 9), 52, 7, (0, 20), (3, 4), (20, 20), ("sid", "saves/sid/t/0")))
+        shard.ShardRecord(5, (9, 9), 52, 7, (0, 20), (3, 4), (20, 20), ("sid", "saves/sid/t/0"),
+                          ("saves/sid/t/0/c/1/0", 0, 52)))
+    packed = shard.ShardRecord(0, (1, 0), 52, 7, (0, 20), (3, 4), (20, 20), None, ("saves/sid/p/00000-000000", 104, 300))
+    assert shard.records_from_wire(shard.records_to_wire([packed])) == [packed]  # FORMAT.md 5.15: where it lies
+    assert not packed.same_object(dataclasses.replace(packed, where=("saves/sid/p/00000-000000", 0, 300)))
     assert not written.located("sid", "saves/sid/t/0", 20).same_object(written.located("other", "saves/o/t/0", 20))
 
 

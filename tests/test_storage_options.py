@@ -71,6 +71,22 @@ class _Threads(DelegatingStorage):
         time.sleep(0.005)  # hold the thread, so that a pool of several really spreads the objects
         return super().write_object(key, buffers, tensor=tensor)
 
+    def open_pack(self, key: str) -> Any:
+        """A pack's shards are written by ``write_at`` on the writer threads (FORMAT.md 5.15)."""
+        inner, outer = super().open_pack(key), self
+
+        class _Recorded:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(inner, name)
+
+            def write_at(self, offset: int, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
+                with outer._lock:
+                    outer.names.add(threading.current_thread().name)
+                time.sleep(0.005)
+                return inner.write_at(offset, buffers, tensor=tensor)
+
+        return _Recorded()
+
 
 def _writer_threads(tmp_path: Path, name: str, options: dict[str, Any]) -> set[str]:
     url = str(tmp_path / name)

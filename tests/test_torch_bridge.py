@@ -180,7 +180,7 @@ def test_corrupt_byte_fails_closed(tmp_path):
     bt.save(str(url), {"w": torch.arange(64, dtype=torch.float32)}, step=1)
     target = {"w": torch.zeros(64)}
     assert torch.equal(bt.load(str(url), target)["w"], torch.arange(64, dtype=torch.float32))  # control
-    shard = next(p for p in url.rglob("*") if p.is_file() and "/t/" in str(p) and p.name != "zarr.json")
+    shard = next(p for p in url.rglob("*") if p.is_file() and "/p/" in str(p))  # the one pack
     raw = bytearray(shard.read_bytes())
     raw[10] ^= 0x40
     shard.write_bytes(bytes(raw))

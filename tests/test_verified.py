@@ -246,7 +246,7 @@ def test_delete_removes_the_record_even_when_the_objects_stay(repo_url):
     assert unverified(r, 1) is None and unverified(r, 2) is None
     r.delete(1)
     assert r.storage.read(record_key(sid1)) is None       # the record went with its step
-    assert r.storage.list(f"saves/{sid1}/t/")              # ... while step 2 keeps the objects
+    assert r.storage.list(f"saves/{sid1}/p/")              # ... while step 2 keeps the objects (its pack)
     assert r.storage.read(record_key(sid2)) is not None   # control: step 2's record stays
     r.verify(2)
 
@@ -351,7 +351,7 @@ def test_verifications_share_the_process_verify_threads_and_a_fault_still_surfac
     assert 1 <= len(threads) <= VERIFY_THREADS  # alive after the verification returned
     t = r.manifest(2).tensors["x7"]
     data = bytearray(r.storage.read(t.object_key(0)))
-    data[int(t.chunks.offset[int(t.chunk_start[0])]) + 100] ^= 0x01
+    data[t.shard_start(0) + int(t.chunks.offset[int(t.chunk_start[0])]) + 100] ^= 0x01
     r.storage.write(t.object_key(0), bytes(data))
     with pytest.raises(ChecksumMismatchError) as e:
         r.verify(2)

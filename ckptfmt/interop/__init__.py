@@ -36,6 +36,7 @@ from ckptfmt.interop._stimport import BatchReader, ImportReport, ImportTensor, i
 from ckptfmt.interop._safetensors import encode_header
 from ckptfmt.interop._exportfiles import create_exclusive, publish, read_config, temp_name
 from ckptfmt.interop._stsource import SafetensorsSource, SourceTensor, find_safetensors
+from ckptfmt.interop._zarrrefs import zarr_references as zarr_references
 from ckptfmt._types import Box
 from ckptfmt.errors import StepNotFoundError
 from ckptfmt.reader import Checkpoint
@@ -43,7 +44,7 @@ from ckptfmt.repository import Repository
 from ckptfmt.storage import StorageOptions
 from ckptfmt.restoreplan import RestoreSource
 
-__all__ = ["open_source", "export_safetensors", "prepare_export", "import_safetensors", "import_tensors",
+__all__ = ["open_source", "zarr_references", "export_safetensors", "prepare_export", "import_safetensors", "import_tensors",
            "identity_tensors", "safetensors_provenance", "SafetensorsSource", "SourceTensor", "find_safetensors",
            "ExportTensor", "BlockSource", "ExportFile", "ExportPlan", "ExportReport", "ImportTensor", "ImportReport", "Identity",
            "parse_size", "check_out_dir", "begin_export", "write_part", "discard_parts", "finish_export", "output_dtype", "CRC_BLOCK", "BLOCK_BYTES",

@@ -49,6 +49,9 @@ from ckptfmt.manifest._refs import REFERENCES as REFERENCES
 from ckptfmt.manifest._refs import ZSTD as ZSTD
 from ckptfmt.manifest._refs import DERIVED as DERIVED
 from ckptfmt.manifest._refs import apply_references, referenced_saves
+from ckptfmt.manifest._packs import PACKS as PACKS
+from ckptfmt.manifest._packs import apply_packs, packs_payload, take_pack_columns
+from ckptfmt.manifest._entries import PackedRows as PackedRows
 from ckptfmt.layout import MARKER_BYTES as MARKER_BYTES
 from ckptfmt.layout import MARKER_KEY as MARKER_KEY
 from ckptfmt.layout import MAX_STEP as MAX_STEP
@@ -57,7 +60,8 @@ from ckptfmt.layout import manifest_key as manifest_key
 from ckptfmt.layout import arrays_prefix, is_save_id, state_key, state_name, state_prefix
 from ckptfmt.layout import step_of_manifest_key as step_of_manifest_key
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS", "REFERENCES", "ZSTD", "DERIVED",
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_REVISION", "KNOWN_EXTENSIONS", "REFERENCES", "ZSTD", "DERIVED", "PACKS",
+           "PackedRows", "packs_payload",
            "MAX_MANIFEST_BYTES", "MAX_NESTING", "check_nesting", "ArraySpec",
            "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "Manifest", "parse_manifest", "check_object_key",
            "manifest_key", "step_of_manifest_key", "MARKER_KEY", "MARKER_BYTES", "MAX_TENSORS"]
@@ -66,8 +70,9 @@ FORMAT_NAME = "ckptfmt"
 FORMAT_VERSION = 1
 #: The document revision this reader implements (FORMAT.md header, "Document revision"; tests/test_schema.py
 #: checks they agree): format version 1 with the
-#: extensions of revision 1.1 (``ckptfmt.references``, ``ckptfmt.zstd``) and 1.2 (``ckptfmt.derived``).
-FORMAT_REVISION = "1.2.7"
+#: extensions of revision 1.1 (``ckptfmt.references``, ``ckptfmt.zstd``), 1.2 (``ckptfmt.derived``) and 1.3
+#: (``ckptfmt.packs``).
+FORMAT_REVISION = "1.3"
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,7 +97,7 @@ class Manifest:
     @property
     def referenced_nbytes(self) -> int:
         """Bytes of the shard objects this checkpoint references in earlier saves (ckptfmt.references)."""
-        return int(sum(t.referenced_nbytes for t in self.tensors.values() if t.objects))
+        return int(sum(t.referenced_nbytes for t in self.tensors.values() if t.objects or t.packed is not None))
 
     @property
     def written_nbytes(self) -> int:
@@ -102,7 +107,8 @@ class Manifest:
     @property
     def referenced_saves(self) -> frozenset[str]:
         """The earlier save ids whose objects this checkpoint references."""
-        return referenced_saves(self.extensions)
+        packed = {e["key"].split("/")[1] for e in self.extensions[PACKS]["objects"]} if PACKS in self.extensions else set()
+        return referenced_saves(self.extensions) | frozenset(packed - {self.save_id})
 
     def _head(self) -> dict[str, Any]:
         return {
@@ -294,6 +300,9 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
         f1, b1 = count_literals([t.get("sharding") for t in tensors_doc.values() if type(t) is dict])
         clean = literals == (f0 + f1, b0 + b1)
+    # Revision 1.3 (FORMAT.md 5.15): a packed entry's two extra shard columns are checked apart,
+    # once every entry is built; without the extension they stay and are unknown members.
+    pack_columns = take_pack_columns(tensors_doc) if PACKS in mu else {}
     codecs = ("raw", "zstd") if ZSTD in mu else ("raw",)
     derived = DERIVED in mu
     try:
@@ -304,6 +313,9 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
         tensors = _tensors_exact(tensors_doc, prefix, writers, codecs, derived)
     if REFERENCES in mu:
         tensors = apply_references(extensions[REFERENCES], tensors, save_id)
+    if PACKS in mu:
+        referenced = frozenset(k for k, t in tensors.items() if t.objects)
+        tensors = apply_packs(extensions[PACKS], pack_columns, tensors, save_id, referenced)
     state = _state_entries(_typed(doc["state"], dict, "state"), save_id, writers)
     return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
                     state=state, versions=versions, metadata=metadata, format_version=version,

@@ -21,7 +21,7 @@ from ckptfmt.plan import TensorGeometry, chunk_count_table
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]")  # C0 controls and DEL
 
-__all__ = ["ArraySpec", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key", "CODECS",
+__all__ = ["ArraySpec", "PackedRows", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key", "CODECS",
            "max_encoded_chunk_nbytes", "DerivedColumns", "derived_columns"]
 
 MAX_KEY_LEN = 4096
@@ -166,6 +166,19 @@ class ChunkTable:
 
 
 @dataclass(frozen=True, eq=False)
+class PackedRows:
+    """Where a packed tensor's shard rows lie (FORMAT.md 5.15, ``ckptfmt.packs``): row ``j``'s
+    bytes are ``[start[j], start[j] + shards.nbytes[j])`` of object ``keys[object[j]]``, which
+    has exactly ``sizes[object[j]]`` bytes. ``keys`` and ``sizes`` are the manifest's object
+    table, shared by every entry."""
+
+    keys: tuple[str, ...]
+    sizes: tuple[int, ...]
+    object: np.ndarray  # (S,) int64, a position in the object table
+    start: np.ndarray   # (S,) int64, the object offset of the shard's first byte
+
+
+@dataclass(frozen=True, eq=False)
 class TensorEntry:
     key: str
     shape: tuple[int, ...]
@@ -177,6 +190,9 @@ class TensorEntry:
     #: Shard rows whose object belongs to an earlier save (FORMAT.md 5.13, ckptfmt.references):
     #: row -> that save's array path. Every other row's object lies under ``array.path``.
     objects: Mapping[int, str] = field(default_factory=dict)
+    #: Revision 1.3 (FORMAT.md 5.15, ckptfmt.packs): where each row lies in the save's pack
+    #: objects; None for a tensor whose rows are shard objects of their own.
+    packed: PackedRows | None = None
 
     @functools.cached_property
     def geometry(self) -> TensorGeometry:
@@ -193,12 +209,35 @@ class TensorEntry:
         return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
     def object_key(self, s: int) -> str:
-        """The key of shard row ``s``'s object: under this save's array, or a referenced save's."""
+        """The key of the object that holds shard row ``s``: its pack (FORMAT.md 5.15), or its
+        own shard object under this save's array or a referenced save's."""
+        if self.packed is not None:
+            return self.packed.keys[int(self.packed.object[s])]
         return shard_key(self.objects.get(s, self.array.path) if self.objects else self.array.path, self.shards.key[s])
+
+    def object_nbytes(self, s: int) -> int:
+        """The exact length of the object that holds shard row ``s``: its pack's, or the shard's."""
+        if self.packed is not None:
+            return self.packed.sizes[int(self.packed.object[s])]
+        return int(self.shards.nbytes[s])
+
+    def shard_start(self, s: int) -> int:
+        """The object offset of shard row ``s``'s first byte (0 for a shard object of its own)."""
+        return 0 if self.packed is None else int(self.packed.start[s])
+
+    def is_referenced(self, s: int, save_id: str) -> bool:
+        """Whether row ``s``'s object belongs to an earlier save than ``save_id``."""
+        if self.packed is not None:
+            return not self.object_key(s).startswith(f"saves/{save_id}/")
+        return s in self.objects
 
     @property
     def referenced_nbytes(self) -> int:
         """Bytes of the shard objects this entry references in earlier saves."""
+        if self.packed is not None:
+            own = f"saves/{self.array.path.split('/')[1]}/"
+            return int(sum(int(self.shards.nbytes[s]) for s in range(len(self.shards))
+                           if not self.packed.keys[int(self.packed.object[s])].startswith(own)))
         return int(sum(int(self.shards.nbytes[s]) for s in self.objects))
 
     def to_json(self, derived: DerivedColumns | None = None) -> dict[str, Any]:
@@ -209,13 +248,14 @@ class TensorEntry:
             "array": {"path": self.array.path, "shard_shape": list(self.array.shard_shape),
                       "chunk_shape": list(self.array.chunk_shape), "codec": self.array.codec},
         }
+        pack = {} if self.packed is None else {"object": self.packed.object.tolist(), "start": self.packed.start.tolist()}
         if derived is not None and derived.matches(self):
-            return head | {"shards": {"writer": self.shards.writer.tolist(), "index_crc32c": self.shards.index_crc32c.tolist()},
+            return head | {"shards": {"writer": self.shards.writer.tolist(), "index_crc32c": self.shards.index_crc32c.tolist()} | pack,
                            "chunks": {"crc32c": self.chunks.crc32c.tolist()}}
         return head | {
             "shards": {"offset": self.shards.offset.reshape(len(self.shards), len(self.shape)).tolist(),
                        "writer": self.shards.writer.tolist(), "key": list(self.shards.key),
-                       "nbytes": self.shards.nbytes.tolist(), "index_crc32c": self.shards.index_crc32c.tolist()},
+                       "nbytes": self.shards.nbytes.tolist(), "index_crc32c": self.shards.index_crc32c.tolist()} | pack,
             "chunks": {"offset": self.chunks.offset.tolist(), "nbytes": self.chunks.nbytes.tolist(),
                        "crc32c": self.chunks.crc32c.tolist()},
         }

@@ -285,13 +285,17 @@ def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> str:
                 f'"path":{_jstr(ar.path)},"shard_shape":{val(ar.shard_shape)}}},')
         mid = (f'"dtype":{val(t.dtype)},"shape":{val(t.shape)},'
                f'"sharding":{"null" if t.sharding is None else dump(t.sharding)},')
+        pk = t.packed  # FORMAT.md 5.15: "object" sorts after "nbytes", "start" after "offset"
+        obj = "" if pk is None else f'"object":{_ints_text(pk.object)},'
+        start = "" if pk is None else f'"start":{_ints_text(pk.start)},'
         if derived:
             cols = derived_of.get(t.geometry)
             if cols is None:
                 cols = derived_of[t.geometry] = derived_columns(t.geometry)
             if cols.matches(t):
                 parts.append(f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)}}},{mid}'
-                             f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},"writer":{_ints_text(sh.writer)}}}}}')
+                             f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},{obj}'
+                             f'{start}"writer":{_ints_text(sh.writer)}}}}}')
                 continue
         keys = keys_memo.get(sh.key)
         if keys is None:
@@ -300,7 +304,7 @@ def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> str:
         parts.append(
             f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)},"nbytes":{col(ch.nbytes)},"offset":{col(ch.offset)}}},{mid}'
             f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},"key":{keys},"nbytes":{col(sh.nbytes)},'
-            f'"offset":{offset},"writer":{_ints_text(sh.writer)}}}}}')
+            f'{obj}"offset":{offset},{start}"writer":{_ints_text(sh.writer)}}}}}')
     return "{" + ",".join(parts) + "}"
 
 

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from ckptfmt.manifest._entries import DerivedColumns, TensorEntry, _fail, _typed, check_object_key, derived_columns
 from ckptfmt.layout import arrays_prefix, is_save_id
+from ckptfmt.manifest._packs import PACKS
 
 __all__ = ["REFERENCES", "ZSTD", "DERIVED", "KNOWN_EXTENSIONS", "MANIFEST_COLUMNS", "DERIVED_MIN_ROWS", "wants_derived", "any_in_derived_form", "apply_references", "references_payload", "referenced_saves"]
 
@@ -27,8 +28,8 @@ REFERENCES = "ckptfmt.references"
 ZSTD = "ckptfmt.zstd"
 #: Revision 1.2 (FORMAT.md 5.14): tensor entries may leave out the columns their geometry determines.
 DERIVED = "ckptfmt.derived"
-#: The extensions this reader implements (FORMAT.md 11.2): those of revisions 1.1 and 1.2.
-KNOWN_EXTENSIONS: frozenset[str] = frozenset({REFERENCES, ZSTD, DERIVED})
+#: The extensions this reader implements (FORMAT.md 11.2): those of revisions 1.1, 1.2 and 1.3.
+KNOWN_EXTENSIONS: frozenset[str] = frozenset({REFERENCES, ZSTD, DERIVED, PACKS})
 #: ``SaveOptions.manifest_columns``: "auto" writes the derived form from this many shard rows on
 #: (below it the explicit columns cost under ~0.2 s to parse, and old readers keep reading).
 MANIFEST_COLUMNS = ("auto", "explicit", "derived")

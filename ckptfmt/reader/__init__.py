@@ -225,9 +225,9 @@ class Checkpoint(PositionalReads, LocalVerify):
         got: dict[ChunkRef, np.ndarray] = {}
         for (key, s), chunks in by_shard.items():
             t = self.manifest.tensors[key]
-            obj, nbytes, sb = t.object_key(s), int(t.shards.nbytes[s]), shard_bytes(t, s)
+            obj, sb = t.object_key(s), shard_bytes(t, s)
             self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
-            probe = self.storage.size_check(obj, nbytes, tensor=key)
+            probe = self.storage.size_check(obj, t.object_nbytes(s), tensor=key)
             need = sorted(set(chunks))
             ilo, ihi = sb.index
             require_memory(int(t.chunks.nbytes[need].sum()) + (ihi - ilo), key, obj, "the chunks to share")
@@ -318,7 +318,7 @@ class Checkpoint(PositionalReads, LocalVerify):
         self.stats.objects += 1
         self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
         # Every range ends at or before nbytes; the size is checked apart (stat, or one byte at nbytes).
-        probe = self.storage.size_check(obj, nbytes, tensor=key)
+        probe = self.storage.size_check(obj, t.object_nbytes(s), tensor=key)
         self.stats.requests += probe.requests
         if len(chunks) == int(starts[s + 1] - starts[s]):
             require_memory(nbytes, key, obj, "the whole shard")
@@ -436,7 +436,7 @@ class Checkpoint(PositionalReads, LocalVerify):
             reads: list[_WholeRead] = []
             held = 0
             for s in range(len(t.shards)):
-                obj, n = t.object_key(s), int(t.shards.nbytes[s])
+                obj, n, sb = t.object_key(s), int(t.shards.nbytes[s]), shard_bytes(t, s)
                 if n > self.max_inflight_bytes:  # a shard larger than the window: its index, then its chunks
                     report(self._verify_in_parts(t, s))
                     continue
@@ -445,8 +445,8 @@ class Checkpoint(PositionalReads, LocalVerify):
                     reads, held = [], 0
                 # Each object read up to its recorded size, its length checked apart.
                 self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
-                reads.append(_WholeRead(s, obj, n, self.storage.size_check(obj, n, tensor=key),
-                                        self.storage.read_range(obj, 0, n, tensor=key)))
+                reads.append(_WholeRead(s, obj, n, self.storage.size_check(obj, t.object_nbytes(s), tensor=key),
+                                        self.storage.read_range(obj, *sb.whole, tensor=key)))
                 held += n
             report(self._verify_whole(t, reads, starts))
         for name, e in sorted(self.manifest.state.items()):
@@ -476,7 +476,7 @@ class Checkpoint(PositionalReads, LocalVerify):
         ilo, ihi = sb.index
         require_memory(max(biggest, ihi - ilo), t.key, obj, "one chunk or index")
         self.storage.check_no_links(obj, self._plain_dirs, tensor=t.key)
-        probe = self.storage.size_check(obj, n, tensor=t.key)
+        probe = self.storage.size_check(obj, t.object_nbytes(s), tensor=t.key)
         index = self.storage.read_range(obj, ilo, ihi, tensor=t.key)
         probe.result()
         self.checks.index(t, s, obj, memoryview(index.result()))

@@ -110,9 +110,9 @@ class PositionalReads:
             if uncached:
                 f.prefer_uncached()
             want = int(t.shards.nbytes[s])
-            if f.size != want:
+            if f.size != t.object_nbytes(s):
                 raise SizeMismatchError("shard object size differs from the manifest", key=key, object=obj,
-                                        expected=want, found=f.size)
+                                        expected=t.object_nbytes(s), found=f.size)
             starts = self._starts(t)
             c0, c1 = int(starts[s]), int(starts[s + 1])
             sb = shard_bytes(t, s)

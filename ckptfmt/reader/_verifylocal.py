@@ -126,9 +126,9 @@ class LocalVerify:
         self.storage.check_no_links(obj, self._plain_dirs, tensor=t.key)
         require_memory(n, t.key, obj, "one shard object")
         with self.storage.open_positional(obj, tensor=t.key) as f:
-            if f.size != n:
+            if f.size != t.object_nbytes(s):
                 raise SizeMismatchError("shard object size differs from the manifest", key=t.key, object=obj,
-                                        expected=n, found=f.size)
+                                        expected=t.object_nbytes(s), found=f.size)
             have = buffers.take(n)
             try:
                 buf = have[:n]

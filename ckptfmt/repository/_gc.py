@@ -195,7 +195,9 @@ def unrestorable(repo: Repository, step: int) -> str | None:
         m = repo.manifest(step)
     except CheckpointError as e:
         return f"{type(e).__name__}: {e.message}"
-    objects = [(t.object_key(i), int(t.shards.nbytes[i])) for t in m.tensors.values() for i in range(len(t.shards))]
+    # A pack holds many rows: each object is checked once (FORMAT.md 5.15).
+    objects = list(dict.fromkeys((t.object_key(i), t.object_nbytes(i)) for t in m.tensors.values()
+                                 for i in range(len(t.shards))))
     objects += [(se.key, int(se.nbytes)) for se in m.state.values()]
     try:
         faults = repo.storage.size_faults(objects)

@@ -47,9 +47,19 @@ def _objects(m: Manifest) -> list[tuple[str, int]]:
     paths sorted by code point, each tensor's in row order (a referenced row under the earlier
     save's key), then the state objects, names sorted. Sorted, not in the manifest's member order,
     which a reader must not depend on (5.1); for a canonical manifest the two are the same."""
-    out = [(t.object_key(i), int(t.shards.nbytes[i])) for _, t in sorted(m.tensors.items())
+    out = [(t.object_key(i), t.object_nbytes(i)) for _, t in sorted(m.tensors.items())
            for i in range(len(t.shards))]
     return out + [(se.key, int(se.nbytes)) for _, se in sorted(m.state.items())]
+
+
+def _stamps(st: Any, objects: list[tuple[str, int]]) -> list[str] | None:
+    """The stamp of each of ``objects``, each distinct object asked once (a pack holds many rows)."""
+    distinct = list(dict.fromkeys(objects))
+    got = st.stamps(distinct)
+    if got is None:
+        return None
+    by = dict(zip(distinct, got))
+    return [by[o] for o in objects]
 
 
 def stamp_lines(objects: list[tuple[str, int]], stamps: list[str]) -> bytes:
@@ -97,7 +107,7 @@ def unverified(repo: Repository, step: int, *, fresh: bool = False, read: set[in
     st = repo.storage
     try:
         m, data = repo.manifest_with_bytes(int(step))
-        stamps = st.stamps(_objects(m))  # before the read: a write after this changes them
+        stamps = _stamps(st, _objects(m))  # before the read: a write after this changes them
     except CheckpointError as e:
         return f"{type(e).__name__}: {e.message}"
     want = _bindings(m, data, stamps) if stamps is not None else None

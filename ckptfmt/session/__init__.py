@@ -30,6 +30,7 @@ enforces them). Subpackages that may import it: interop, manager.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import platform
@@ -46,6 +47,8 @@ from ckptfmt.session import _reuse
 from ckptfmt._boxcols import check_held, pack_boxes
 from ckptfmt.repository._gcfence import excluded
 from ckptfmt.manifest._refs import DERIVED, REFERENCES, ZSTD, any_in_derived_form, references_payload, wants_derived
+from ckptfmt.manifest._packs import PACKS, packs_payload
+from ckptfmt.manifest._entries import PackedRows
 from ckptfmt.session._saveopts import SaveOptions as SaveOptions
 from ckptfmt.session._shardwriter import (PhaseClock, WriteSettings, state_from_wire, state_to_wire, write_and_verify,
                                           write_state)
@@ -313,11 +316,12 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
 
     # 3. write privately and verify; 4. acknowledge (records or the error).
     reuse = _reuse.ReusePlanner(storage, _reuse.previous_manifest(repository, pinned), mode=opts.reuse,
-                                codec=opts.codec, exclude=frozenset(pinned[2]) if pinned else frozenset())
+                                codec=opts.codec, exclude=frozenset(pinned[2]) if pinned else frozenset(),
+                                packed=opts.layout == "packed" and opts.codec == "raw")
     records: list[ShardRecord] = []
     try:
         settings = WriteSettings(opts.max_inflight_bytes, opts.max_write_bytes_per_s, opts.jitter_s, opts.codec,
-                                 opts.codec_level)
+                                 opts.codec_level, opts.layout == "packed" and opts.codec == "raw", opts.pack_bytes)
         records = write_and_verify(storage, plans, local, save_id, rank, settings, clock, reuse=reuse)
         t = time.perf_counter()
         state_entries = write_state(storage, save_id, rank, state, rank_state)
@@ -445,16 +449,30 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             by_cell[(r.tensor, r.cell)] = r
     tensors: dict[str, TensorEntry] = {}
     refs: dict[str, dict[int, tuple[str, str]]] = {}
+    packed = opts.layout == "packed" and opts.codec == "raw"
+    table: dict[str, int] = {}      # FORMAT.md 5.15: the object table, in order of first use
+    table_sizes: list[int] = []
     for p in plans:
         g = p.geometry
         nd = len(g.shape)
         offsets, writers, keys, nbytes, icrcs, coff, cnb, ccrc = [], [], [], [], [], [], [], []
+        objs, starts = [], []
         for row, it in enumerate(p.items):
             rec = by_cell.get((p.index, it.cell))
             if rec is None:
                 raise IncompleteSaveError("a planned shard was not acknowledged", key=p.key,
                                           object=cell_key(it.cell), expected=f"ack from rank {it.writer}", found="none")
-            if rec.ref is not None:  # the object of an earlier save (FORMAT.md 5.13)
+            if packed:  # its pack, or the earlier save's object a reference names (FORMAT.md 5.15)
+                if rec.where is None:
+                    raise IncompleteSaveError("a packed save's shard was acknowledged without its object", key=p.key,
+                                              object=cell_key(it.cell), expected="(object, start)", found="none")
+                okey, ostart, osize = rec.where
+                if okey not in table:
+                    table[okey] = len(table)
+                    table_sizes.append(int(osize))
+                objs.append(table[okey])
+                starts.append(int(ostart))
+            elif rec.ref is not None:  # the object of an earlier save (FORMAT.md 5.13)
                 refs.setdefault(p.key, {})[row] = rec.ref
             offsets.append(list(it.box.offset))
             writers.append(it.writer)
@@ -469,13 +487,21 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             ArraySpec(array_path(save_id, p.index), g.shard_shape, g.chunk_shape, opts.codec),
             ShardTable(np.asarray(offsets, np.int64).reshape(len(offsets), nd), np.asarray(writers, np.int64), tuple(keys),
                        np.asarray(nbytes, np.int64), np.asarray(icrcs, np.uint32)),
-            ChunkTable(np.asarray(coff, np.int64), np.asarray(cnb, np.int64), np.asarray(ccrc, np.uint32)))
+            ChunkTable(np.asarray(coff, np.int64), np.asarray(cnb, np.int64), np.asarray(ccrc, np.uint32)),
+            packed=PackedRows((), (), np.asarray(objs, np.int64), np.asarray(starts, np.int64)) if packed and objs else None)
+    if table:  # every packed entry shares the one object table
+        keys_t, sizes_t = tuple(table), tuple(table_sizes)
+        tensors = {k: t if t.packed is None else dataclasses.replace(t, packed=dataclasses.replace(t.packed, keys=keys_t, sizes=sizes_t))
+                   for k, t in tensors.items()}
     state: dict[str, StateEntry] = {}
     for a in acks:
         for wire in a["state"]:
             e = state_from_wire(wire)
             state[e.name] = e
     mu, extensions = [], {}
+    if table:
+        mu.append(PACKS)
+        extensions[PACKS] = packs_payload(tuple(table), table_sizes)
     if refs:
         mu.append(REFERENCES)
         extensions[REFERENCES] = references_payload(refs)

@@ -47,7 +47,7 @@ from ckptfmt.shard._blockcheck import BlockChecks
 from ckptfmt.session._digest import DigestWindow, PendingDigest, start_digest
 from ckptfmt.errors import CheckpointError
 from ckptfmt.manifest import Manifest, TensorEntry
-from ckptfmt.shard import ShardRecord, chunk_data, padded_chunks
+from ckptfmt.shard import ShardRecord, chunk_data, padded_chunks, shard_bytes
 
 if TYPE_CHECKING:
     from ckptfmt.session._shardwriter import Materialize
@@ -175,8 +175,12 @@ class ReusePlanner:
     """The per-shard hook of one rank's save (see the module docstring). Not shared across saves."""
 
     def __init__(self, storage: Any, previous: Manifest | None, *, mode: str,
-                 memory: ReuseMemory | None = None, codec: str = "raw", exclude: frozenset[str] = frozenset()) -> None:
+                 memory: ReuseMemory | None = None, codec: str = "raw", exclude: frozenset[str] = frozenset(),
+                 packed: bool = True) -> None:
         self.storage, self.previous, self.mode, self.codec = storage, previous, mode, codec
+        # An unpacked save (layout "arrays") references through ckptfmt.references, which names
+        # whole shard objects: it never references a shard inside a pack (FORMAT.md 5.13, 5.15).
+        self.packed = packed
         self.exclude = exclude  # saves a collector has claimed: never referenced (FORMAT.md 8.4)
         self.memory = memory if memory is not None else default_memory()
         self.repo_id = str(getattr(storage, "url", id(storage)))
@@ -245,7 +249,8 @@ class ReusePlanner:
         t = self.previous.tensors.get(plan.key)
         g = plan.geometry
         if (t is None or t.shape != g.shape or t.dtype != plan.dtype or t.array.shard_shape != g.shard_shape
-                or t.array.chunk_shape != g.chunk_shape or t.array.codec != self.codec):
+                or t.array.chunk_shape != g.chunk_shape or t.array.codec != self.codec
+                or (t.packed is not None and not self.packed)):
             return None
         rows = self._rows.get(plan.key)
         if rows is None:
@@ -266,8 +271,8 @@ class ReusePlanner:
         obj = t.object_key(s)
         try:
             self.storage.check_no_links(obj, self._plain_dirs, tensor=t.key)  # a reader would refuse it
-            probe = self.storage.size_check(obj, stored.nbytes, tensor=t.key)
-            buf = self.storage.read_range(obj, 0, stored.nbytes, tensor=t.key).result()
+            probe = self.storage.size_check(obj, t.object_nbytes(s), tensor=t.key)
+            buf = self.storage.read_range(obj, *shard_bytes(t, s).whole, tensor=t.key).result()
             probe.result()
             c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
             views = self._checks.whole(t, s, obj, buf, range(c0, c1))

@@ -12,12 +12,18 @@ from dataclasses import dataclass
 from ckptfmt.manifest._refs import MANIFEST_COLUMNS
 from ckptfmt.plan import DEFAULT_CHUNK_TARGET_BYTES
 
-__all__ = ["SaveOptions", "REUSE_MODES", "MANIFEST_COLUMNS", "CODECS"]
+__all__ = ["SaveOptions", "REUSE_MODES", "MANIFEST_COLUMNS", "CODECS", "LAYOUTS", "DEFAULT_PACK_BYTES"]
 
 #: ``SaveOptions.reuse`` (FORMAT.md 8.4).
 REUSE_MODES = ("auto", "compare", "off")
 #: ``SaveOptions.codec`` (FORMAT.md 6.3).
 CODECS = ("raw", "zstd")
+#: ``SaveOptions.layout`` (FORMAT.md 5.15): "packed" (revision 1.3) or "arrays" (an object per shard).
+LAYOUTS = ("packed", "arrays")
+#: ``SaveOptions.pack_bytes``' default: the most bytes one pack object holds (a larger shard has
+#: one of its own). A local file is written in place; an object store's pack is gathered in host
+#: memory first, so this also bounds what each writer holds there.
+DEFAULT_PACK_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,13 @@ class SaveOptions:
     #: five a tensor's geometry determines when the manifest holds >= 65,536 shard rows, "derived"
     #: always, "explicit" never (readers of revisions 1.0 and 1.1 read only explicit manifests).
     manifest_columns: str = "auto"
+    #: Where shards go (FORMAT.md 5.15, revision 1.3): "packed" (default) writes each process's raw
+    #: shards back to back into a few pack objects, at most ``pack_bytes`` each (O(processes)
+    #: objects per save); "arrays" writes one object per shard plus each array's zarr.json
+    #: (revision 1.2, byte for byte: readers of 1.2 read it, zarr opens each array directly).
+    #: zstd shards always take one object each (tensorstore encodes them through the array).
+    layout: str = "packed"
+    pack_bytes: int = DEFAULT_PACK_BYTES
     #: If given, this rank adds the seconds of each save phase into it ("plan", "stage", "write",
     #: "fsync", "verify", "state", "commit"), for profiles and the bench; never changes the save.
     timings: dict[str, float] | None = None
@@ -60,6 +73,10 @@ class SaveOptions:
         if self.manifest_columns not in MANIFEST_COLUMNS:
             raise ValueError(f"SaveOptions.manifest_columns must be one of {MANIFEST_COLUMNS}, "
                              f"got {self.manifest_columns!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"SaveOptions.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if isinstance(self.pack_bytes, bool) or not isinstance(self.pack_bytes, int) or self.pack_bytes < 1:
+            raise ValueError(f"SaveOptions.pack_bytes must be a positive int, got {self.pack_bytes!r}")
         level = self.codec_level
         if self.codec not in CODECS or isinstance(level, bool) or not -7 <= int(level) <= 22:
             raise ValueError(f"SaveOptions.codec must be 'raw' or 'zstd' and codec_level in [-7, 22], got "

@@ -16,6 +16,8 @@ Nothing here decides whether the save commits: a failure raises, and the protoco
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import secrets
 import threading
 import time
@@ -36,8 +38,8 @@ from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import IncompleteSaveError, StepMismatchError
 from ckptfmt.manifest import StateEntry
-from ckptfmt.plan import TensorWritePlan, WriteItem
-from ckptfmt.shard import ShardRecord, chunk_crcs, encode, verify_encoded
+from ckptfmt.plan import TensorWritePlan, WriteItem, stored_chunk_counts
+from ckptfmt.shard import ShardRecord, chunk_crcs, encode, raw_shard_nbytes, verify_encoded
 from ckptfmt.state import encode_state
 from ckptfmt.storage import Storage
 
@@ -59,6 +61,8 @@ class WriteSettings:
     jitter_s: float = 0.0
     codec: str = "raw"
     codec_level: int = 3
+    packed: bool = False          # raw shards into pack objects (FORMAT.md 5.15)
+    pack_bytes: int = 1 << 30
 
 
 class PhaseClock:
@@ -93,6 +97,8 @@ class ShardJob:
     block: np.ndarray
     key: str
     crcs: tuple[int, ...] | None = None
+    start: int = -1               # packed: the shard's offset in the pack object ``key``
+    pack: int = -1                # packed: the pack's number
 
 
 def _holder_order(s: LocalShard) -> tuple[bool, int]:
@@ -138,6 +144,7 @@ class _RankWrites:
     def __init__(self, storage: Storage, plans: list[TensorWritePlan], local: dict[str, list[LocalShard]],
                  save_id: str, rank: int, settings: WriteSettings, reuse: ReuseHook | None) -> None:
         self.storage, self.plans, self.save_id, self.settings, self.reuse = storage, plans, save_id, settings, reuse
+        self.rank = rank
         self.mine = [(p, it) for p in plans for it in p.items_for(rank)]
         self.found = holders(self.mine, local)
         # A block made by a callable (lazy data: device-to-host copies, an import's source reads)
@@ -151,6 +158,10 @@ class _RankWrites:
         self.handles: dict[int, Any] = {}
         self.encoded: dict[int, tuple[int, ...]] = {}  # zstd: item -> its source chunks' crc32c
         self.threads = max(1, min(len(self.mine), storage.options.write_threads))
+        # Packed (FORMAT.md 5.15): shards placed in this rank's packs in item order as their jobs
+        # are made (on the scheduling thread); each pack opened when its first shard is placed.
+        self.packs: list[Any] = []      # PackWriter per pack number
+        self.pack_fill: list[int] = []  # bytes placed in each pack
         self.stopped = threading.Event()  # set once this save ends: its queued objects are not written
 
     def decide(self, n: int) -> list[Any] | None:
@@ -181,9 +192,34 @@ class _RankWrites:
         """Item ``n``'s job, and the bytes it holds while in flight."""
         (p, it), holder = self.mine[n], self.found[n]
         block = made[0] if made else shard_block(holder, p, it, self.cache, self.dt_cache)
-        key = layout.shard_key(layout.array_path(self.save_id, p.index), it.cell)
         held = block.nbytes + (self.cache.pop(id(holder)).nbytes if self.lazy_last.get(id(holder)) == n else 0)
-        return ShardJob(p, it, block, key, tuple(made[1]) if len(made) > 1 else None), held
+        crcs = tuple(made[1]) if len(made) > 1 else None
+        if self.settings.packed:
+            pack, start = self._place(raw_shard_nbytes(p.geometry, math.prod(stored_chunk_counts(p.geometry, it.box.offset))))
+            return ShardJob(p, it, block, self.packs[pack].key, crcs, start, pack), held
+        key = layout.shard_key(layout.array_path(self.save_id, p.index), it.cell)
+        return ShardJob(p, it, block, key, crcs), held
+
+    def _place(self, nbytes: int) -> tuple[int, int]:
+        """(pack number, start) of the next shard of ``nbytes``: after the last one placed, or
+        at the start of a new pack when it would take the current one past ``pack_bytes``."""
+        if not self.packs or (self.pack_fill[-1] and self.pack_fill[-1] + nbytes > self.settings.pack_bytes):
+            self.packs.append(self.storage.open_pack(layout.pack_key(self.save_id, self.rank, len(self.packs))))
+            self.pack_fill.append(0)
+        start = self.pack_fill[-1]
+        self.pack_fill[-1] += nbytes
+        return len(self.packs) - 1, start
+
+    def finish_packs(self) -> list[int]:
+        """Finish every pack (durable once the save's prefix is synced, sizes checked); their lengths."""
+        sizes = []
+        for i, pk in enumerate(self.packs):
+            sizes.append(pk.finish(self.pack_fill[i]))
+        return sizes
+
+    def abort_packs(self) -> None:
+        for pk in self.packs:
+            pk.abort()
 
     def run(self, group: list[tuple[ShardJob, int]]) -> None:
         """Write a group of shard objects one after another (in a writer thread), unless stopped."""
@@ -202,6 +238,9 @@ class _RankWrites:
                 self.handles[p.index][it.box.slices()].write(job.block, can_reference_source_data_indefinitely=True).result()
             return None
         enc = encode(p.index, it.cell, job.block, p.geometry, it.box.offset, job.crcs)
+        if job.pack >= 0:  # its bytes at its start in the pack; the pack's length is checked once, finished
+            rec = enc.verified(self.packs[job.pack].write_at(job.start, enc.buffers(), tensor=p.key), key=p.key, obj=job.key)
+            return dataclasses.replace(rec, where=(job.key, job.start, -1))
         return enc.verified(self.storage.write_object(job.key, enc.buffers(), tensor=p.key), key=p.key, obj=job.key)
 
 
@@ -219,18 +258,27 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
         p.index: storage.open_array(layout.array_path(save_id, p.index), _metadata(p, settings), create=(rank == 0))
         for p in plans if rank == 0 or p.items_for(rank)}
     w.handles = {idx: _opened(fut, plans[idx], save_id) for idx, fut in opened.items()}
-    # Rank 0 writes a raw array's zarr.json as one more object of the save (FORMAT.md 14.2, 1.2.6).
+    # Rank 0 writes a raw array's zarr.json as one more object of the save (FORMAT.md 14.2, 1.2.6);
+    # a packed save has none (FORMAT.md 6.1, 5.15).
     metadata = [writer_pool(w.threads).submit(_write_metadata, storage, plans[i:i + _METADATA_PER_TASK], save_id, settings)
-                for i in range(0, len(plans), _METADATA_PER_TASK)] if raw and rank == 0 else []
+                for i in range(0, len(plans), _METADATA_PER_TASK)] if raw and rank == 0 and not settings.packed else []
     if settings.jitter_s > 0 and w.mine:
         time.sleep(secrets.SystemRandom().uniform(0, settings.jitter_s))
     t = clock.add("plan", t)
     try:
         _schedule(w)
+        sizes = w.finish_packs()
+    except BaseException:
+        w.abort_packs()
+        raise
     finally:
         wait(metadata)
     for fut in metadata:
         fut.result()  # its StorageError names the tensor and the object
+    size_of = {pk.key: n for pk, n in zip(w.packs, sizes)}
+    for i, r in enumerate(w.records):
+        if r is not None and r.where is not None and r.where[2] < 0:
+            w.records[i] = dataclasses.replace(r, where=(r.where[0], r.where[1], size_of[r.where[0]]))
     t = clock.add("write", t)
     storage.sync(layout.save_prefix(save_id))
     t = clock.add("fsync", t)

@@ -31,7 +31,7 @@ import numpy as np
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumMismatchError, IncompleteSaveError, InvalidDataError, SizeMismatchError
-from ckptfmt.layout import CRC_BYTES, INDEX_ENTRY, NOT_STORED, index_entries, split_trailer
+from ckptfmt.layout import CRC_BYTES, INDEX_ENTRY, NOT_STORED, cell_key, index_entries, split_trailer
 from ckptfmt.plan import TensorGeometry, stored_chunk_counts
 from ckptfmt.shard._bytes import TRAILER_BYTES as TRAILER_BYTES
 from ckptfmt.shard._bytes import ShardBytes as ShardBytes
@@ -47,7 +47,7 @@ __all__ = ["TRAILER_BYTES", "ShardBytes", "shard_bytes", "raw_shard_nbytes", "da
 
 _NOT_STORED = np.uint64(NOT_STORED)
 #: The fields of a record, in the order of its wire columns.
-_FIELDS = ("tensor", "cell", "nbytes", "index_crc32c", "chunk_offsets", "chunk_crc32c", "chunk_nbytes", "ref")
+_FIELDS = ("tensor", "cell", "nbytes", "index_crc32c", "chunk_offsets", "chunk_crc32c", "chunk_nbytes", "ref", "where")
 
 
 @dataclass(frozen=True)
@@ -64,30 +64,37 @@ class ShardRecord:
     chunk_crc32c: tuple[int, ...]
     chunk_nbytes: tuple[int, ...] = ()  # each stored chunk's length (codec zstd); () means chunk_nbytes each
     ref: tuple[str, str] | None = None  # (save id, array path) of the earlier save holding the object
+    #: (object key, start, object length) of a shard in a pack (FORMAT.md 5.15), or of an earlier
+    #: save's shard a packed save references (its pack, or its shard object at 0); None otherwise.
+    where: tuple[str, int, int] | None = None
 
     @classmethod
     def of_manifest(cls, t: Any, s: int, *, tensor: int = -1, cell: tuple[int, ...] = ()) -> "ShardRecord":
         """Row ``s`` of a committed manifest's tensor ``t``: where the object lies (``ref``), its
         size and every checksum; every chunk's length listed."""
-        path = t.objects.get(s, t.array.path) if t.objects else t.array.path
+        # A packed row names its object (FORMAT.md 5.15): the save that wrote it owns the key.
+        path = t.object_key(s) if t.packed is not None else t.objects.get(s, t.array.path) if t.objects else t.array.path
         c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
         return cls(tensor, tuple(cell), int(t.shards.nbytes[s]), int(t.shards.index_crc32c[s]),
                    tuple(t.chunks.offset[c0:c1].tolist()), tuple(t.chunks.crc32c[c0:c1].tolist()),
-                   tuple(t.chunks.nbytes[c0:c1].tolist()), (path.split("/")[1], path))
+                   tuple(t.chunks.nbytes[c0:c1].tolist()), (path.split("/")[1], path),
+                   (t.object_key(s), t.shard_start(s), t.object_nbytes(s)))
 
     def located(self, save_id: str, path: str, chunk_nbytes: int) -> "ShardRecord":
         """This record with its object's location and every chunk's length filled in (a written
         shard's record as a later save finds it in the manifest)."""
         return ShardRecord(self.tensor, self.cell, self.nbytes, self.index_crc32c, self.chunk_offsets,
                            self.chunk_crc32c, tuple(self.chunk_nbytes) or (chunk_nbytes,) * len(self.chunk_offsets),
-                           self.ref or (save_id, path))
+                           self.ref or (save_id, self.where[0] if self.where else path),
+                           self.where or (f"{path}/{cell_key(self.cell)}", 0, self.nbytes))
 
     def same_object(self, other: "ShardRecord") -> bool:
         """The same object with the same size and checksums (the tensor index and cell aside)."""
         return self._object() == other._object()
 
     def _object(self) -> tuple[Any, ...]:  # every field but the tensor index and cell
-        return (self.nbytes, self.index_crc32c, self.chunk_offsets, self.chunk_crc32c, self.chunk_nbytes, self.ref)
+        return (self.nbytes, self.index_crc32c, self.chunk_offsets, self.chunk_crc32c, self.chunk_nbytes, self.ref,
+                self.where)
 
 
 def records_to_wire(records: Sequence[ShardRecord]) -> dict[str, list[Any]]:
@@ -102,6 +109,7 @@ def records_to_wire(records: Sequence[ShardRecord]) -> dict[str, list[Any]]:
         out["chunk_crc32c"].append(list(r.chunk_crc32c))
         out["chunk_nbytes"].append(list(r.chunk_nbytes))
         out["ref"].append(list(r.ref) if r.ref else None)
+        out["where"].append(list(r.where) if r.where else None)
     return out
 
 
@@ -109,8 +117,9 @@ def records_from_wire(wire: Mapping[str, Sequence[Any]]) -> list[ShardRecord]:
     """The inverse of :func:`records_to_wire`."""
     cols = [wire[f] for f in _FIELDS]
     return [ShardRecord(int(tensor), tuple(cell), int(nbytes), int(icrc), tuple(offs), tuple(crcs),
-                        tuple(int(x) for x in cnb), (str(ref[0]), str(ref[1])) if ref else None)
-            for tensor, cell, nbytes, icrc, offs, crcs, cnb, ref in zip(*cols)]
+                        tuple(int(x) for x in cnb), (str(ref[0]), str(ref[1])) if ref else None,
+                        (str(where[0]), int(where[1]), int(where[2])) if where else None)
+            for tensor, cell, nbytes, icrc, offs, crcs, cnb, ref, where in zip(*cols)]
 
 
 # ---------------------------------------------------------------------- encoding (FORMAT.md 6.2, 6.3)

@@ -1,8 +1,8 @@
 """Where each byte of a shard lies in its object (FORMAT.md 6.3-6.4): the one place outside the
 format's definitions (``ckptfmt.layout``) that computes a shard's byte positions.
 
-A shard's bytes start at :attr:`ShardBytes.start` of its object (0 in format v1, one shard per
-object) and run for the manifest's ``shards.nbytes``: its stored inner chunks, each its data then
+A shard's bytes start at :attr:`ShardBytes.start` of its object (0 for a shard object of its
+own; the manifest's ``shards.start`` in a pack object, FORMAT.md 5.15) and run for the manifest's ``shards.nbytes``: its stored inner chunks, each its data then
 its 4-byte crc32c trailer, at the offsets the chunk table gives (relative to the shard's start);
 then its index (one entry per inner chunk) and the index's own trailer, which end the shard.
 Every range here is a half-open ``(start, stop)`` of object offsets, what a storage read takes.
@@ -98,7 +98,7 @@ class ShardBytes:
 
 def shard_bytes(t: Any, s: int) -> ShardBytes:
     """The byte ranges of shard row ``s`` of tensor entry ``t`` (a :class:`ckptfmt.manifest.TensorEntry`)."""
-    return ShardBytes(0, int(t.shards.nbytes[s]), t.geometry.index_nbytes, t.chunks.offset, t.chunks.nbytes)
+    return ShardBytes(t.shard_start(s), int(t.shards.nbytes[s]), t.geometry.index_nbytes, t.chunks.offset, t.chunks.nbytes)
 
 
 def raw_shard_nbytes(g: TensorGeometry, nchunks: Any) -> Any:

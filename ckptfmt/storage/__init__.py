@@ -33,9 +33,11 @@ from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
 from ckptfmt.storage._kvurl import kvstore_spec
 from ckptfmt.storage._localfs import Entry
 from ckptfmt.storage._options import StorageOptions as StorageOptions
+from ckptfmt.storage._pack import MemoryPack
+from ckptfmt.storage._pack import PackWriter as PackWriter
 from ckptfmt.errors import StorageError
 
-__all__ = ["Storage", "StorageOptions", "Pending", "PositionalFile", "DelegatingStorage", "open_storage", "NO_VALUE"]
+__all__ = ["Storage", "StorageOptions", "PackWriter", "Pending", "PositionalFile", "DelegatingStorage", "open_storage", "NO_VALUE"]
 
 NO_VALUE = b"\x02"  # tensorstore's StorageGeneration::NoValue(): "write only if absent"
 
@@ -189,6 +191,11 @@ class Storage(ABC):
         data = b"".join(buffers)
         self.write(key, data)
         return len(data)
+
+    def open_pack(self, key: str) -> "PackWriter":
+        """A pack object at ``key`` to fill from several threads and finish once (FORMAT.md 5.15).
+        Default: gathered in memory and written whole by :meth:`write_object` when finished."""
+        return MemoryPack(self, key)
 
     def sync(self, prefix: str) -> None:
         """Make every object :meth:`write_object` wrote under ``prefix`` (ending with "/") durable,

@@ -82,9 +82,10 @@ def _corrupt(local: str, host: int, step: int) -> str:
     key = max((k for k in sorted(m.tensors) if k.startswith(f"h{host}/")),
               key=lambda k: int(m.tensors[k].chunks.nbytes.sum()))
     t = m.tensors[key]
-    with open(os.path.join(repo.url, t.array.path, t.shards.key[0]), "r+b") as f:
+    with open(os.path.join(repo.url, t.object_key(0)), "r+b") as f:  # its first byte, in a pack or not
+        f.seek(t.shard_start(0))
         b = f.read(1)
-        f.seek(0)
+        f.seek(t.shard_start(0))
         f.write(bytes([b[0] ^ 0xFF]))
     return key
 

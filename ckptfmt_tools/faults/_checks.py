@@ -127,7 +127,8 @@ def inventory(root: str | os.PathLike) -> Inventory:
         inv.referenced_ids |= m.referenced_saves
         inv.committed.add(record_key(m.save_id))  # its verification record, if any (FORMAT.md 10.4)
         for t in m.tensors.values():
-            inv.committed.add(f"{t.array.path}/zarr.json")
+            if t.packed is None:  # a packed tensor has no zarr.json (FORMAT.md 6.1, 5.15)
+                inv.committed.add(f"{t.array.path}/zarr.json")
             for s in range(len(t.shards)):
                 inv.committed.add(t.object_key(s))
         for s in m.state.values():

@@ -78,7 +78,8 @@ class Scene:
         return self.root / parse_manifest(self.manifest_path(step).read_bytes()).tensors[tensor].object_key(shard)
 
     def shard_layout(self, step: int, tensor: str = TARGET_TENSOR, shard: int = TARGET_SHARD) -> dict[str, int]:
-        """Byte layout of one shard object: first chunk's data offset, index start, total size."""
+        """Byte layout of one shard (object offsets, in a pack or not): its start, first chunk's data
+        offset, index start, total size."""
         from ckptfmt.manifest import parse_manifest
         from ckptfmt.shard import shard_bytes
 
@@ -88,7 +89,7 @@ class Scene:
         sb = shard_bytes(t, shard)
         (c0, c1), (i0, i1), (t0, _) = sb.chunk(first), sb.index, sb.index_trailer
         return {"chunk0_offset": c0, "chunk0_nbytes": c1 - c0, "index_start": i0, "index_nbytes": i1 - i0,
-                "index_trailer_start": t0, "nbytes": sb.nbytes}
+                "index_trailer_start": t0, "nbytes": sb.nbytes, "start": sb.start}
 
     def state_path(self, step: int, name: str = "global") -> Path:
         return self.root / self.manifest_doc(step)["state"][name]["key"]

@@ -217,7 +217,7 @@ def _mapped_once(run_dir: Path, mapped: bool | None) -> tuple[bool, bool, Any]:
     t = local.manifest(2).tensors[name]
     path = os.path.join(local.url, t.object_key(0))
     with open(path, "r+b") as f:  # the same file, in place: as another process writing the tier would
-        at = int(t.chunks.offset[0])
+        at = t.shard_start(0) + int(t.chunks.offset[0])
         f.seek(at)
         b = f.read(1)
         f.seek(at)

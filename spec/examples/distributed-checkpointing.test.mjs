@@ -1,7 +1,7 @@
 // The guide's specimen (shared/GUIDE.txt, "Runnable artifact"), extended to the golden
 // repositories of this directory: the guide's rule, "publish only when every expected shard was
-// written with its checksum", applied in JavaScript to ckptfmt manifests of revisions 1.0, 1.1
-// and 1.2 (FORMAT.md 5.7, 5.11, 5.14), with no Python and no ckptfmt code. It shows the format is
+// written with its checksum", applied in JavaScript to ckptfmt manifests of revisions 1.0, 1.1,
+// 1.2 and 1.3 (FORMAT.md 5.7, 5.11, 5.14, 5.15), with no Python and no ckptfmt code. It shows the format is
 // readable from its spec alone. Run: node --test spec/examples/distributed-checkpointing.test.mjs
 import assert from "node:assert/strict";
 import { readdirSync, readFileSync } from "node:fs";
@@ -15,7 +15,7 @@ test("manifest commits complete shards only",()=>{assert.equal(publish({expected
 
 // ---- the same rule over the golden manifests
 const HERE = dirname(fileURLToPath(import.meta.url));
-const REPOS = ["repo", "repo-1.1", "repo-1.2"];
+const REPOS = ["repo", "repo-1.1", "repo-1.2", "repo-packed"];
 const prod = (xs) => xs.reduce((a, b) => a * b, 1);
 const ceilDiv = (n, d) => (d === 0 ? 0 : Math.ceil(n / d));
 const isCrc = (v) => Number.isInteger(v) && v >= 0 && v < 2 ** 32;

@@ -35,6 +35,11 @@ Revision 1.2.7 adds three more (spec/examples/README.md):
 - spec/examples/profiles/: the state objects of the PyTorch profile (FORMAT.md 13.3, written by
   ``bridges.torch.save``) and of a local-tier step (8.5, 13.1, written by the local tier's own
   save) for a small fixed state: ``--profiles`` (needs torch).
+
+Revision 1.3 adds spec/examples/repo-packed/: the section 12 example saved with the default
+``SaveOptions(layout="packed")`` (FORMAT.md 5.15, extension ``ckptfmt.packs``): each writer's
+shards back to back in one pack object, the same shard bytes as repo/: ``--packed``. The other
+examples are saved with ``layout="arrays"`` (one object per shard), as before revision 1.3.
 """
 from __future__ import annotations
 
@@ -67,6 +72,7 @@ DEFAULT_OUT = HERE / "repo"
 DEFAULT_OUT_V11 = HERE / "repo-1.1"
 DEFAULT_OUT_V12 = HERE / "repo-1.2"
 DEFAULT_OUT_ZSTD = HERE / "repo-zstd"
+DEFAULT_OUT_PACKED = HERE / "repo-packed"
 DEFAULT_OUT_VERIFIED = HERE / "verified"
 DEFAULT_OUT_PROFILES = HERE / "profiles"
 #: The run identity the tier-profile example records (FORMAT.md 8.5: 32 lowercase hex digits).
@@ -113,16 +119,18 @@ def local_shards(rank: int) -> list[LocalShard]:
     ]
 
 
-def generate(out: str | os.PathLike[str], manifest_columns: str = "explicit", codec: str = "raw") -> ckptfmt.Manifest:
+def generate(out: str | os.PathLike[str], manifest_columns: str = "explicit", codec: str = "raw",
+             layout: str = "arrays") -> ckptfmt.Manifest:
     """Write the example repository at ``out`` (which must not exist yet) and return its manifest.
     ``manifest_columns="derived"`` gives the revision 1.2 example (FORMAT.md 5.14), ``codec="zstd"``
-    the compressed one (6.3)."""
+    the compressed one (6.3), ``layout="packed"`` the revision 1.3 one (5.15: each writer's shards
+    in one pack object)."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a fresh directory")
     out.mkdir(parents=True)
     options = SaveOptions(save_id=SAVE_ID, created_unix=CREATED_UNIX, chunk_target_bytes=CHUNK_TARGET_BYTES,
-                          timeout_s=60.0, manifest_columns=manifest_columns, codec=codec)
+                          timeout_s=60.0, manifest_columns=manifest_columns, codec=codec, layout=layout)
     address = f"127.0.0.1:{free_port()}"
     results: dict[int, object] = {}
 
@@ -164,7 +172,8 @@ def generate_v11(out: str | os.PathLike[str]) -> ckptfmt.Manifest:
     for step, (save_id, created) in V11_SAVES.items():
         shards = [LocalShard(k, v.shape, v.dtype, Box.full(v.shape), v) for k, v in v11_tensors(step).items()]
         m = ckptfmt.save(str(out), step, shards, metadata=V11_METADATA, versions=VERSIONS,
-                         options=SaveOptions(save_id=save_id, created_unix=created, reuse="compare", timeout_s=60.0))
+                         options=SaveOptions(save_id=save_id, created_unix=created, reuse="compare", timeout_s=60.0,
+                                             layout="arrays"))
     assert m is not None and m.must_understand == ("ckptfmt.references",), "step 2 must reference step 1"
     return m
 
@@ -239,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--v11", action="store_true", help="the revision 1.1 example (default out: spec/examples/repo-1.1)")
     ap.add_argument("--v12", action="store_true", help="the revision 1.2 example (default out: spec/examples/repo-1.2)")
     ap.add_argument("--zstd", action="store_true", help="the zstd example (default out: spec/examples/repo-zstd)")
+    ap.add_argument("--packed", action="store_true", help="the revision 1.3 example (default out: spec/examples/repo-packed)")
     ap.add_argument("--verified", action="store_true", help="the verification record (default out: spec/examples/verified)")
     ap.add_argument("--profiles", action="store_true", help="the profile state objects (default out: spec/examples/profiles)")
     args = ap.parse_args(argv)
     default = (DEFAULT_OUT_V11 if args.v11 else DEFAULT_OUT_V12 if args.v12 else DEFAULT_OUT_ZSTD if args.zstd
+               else DEFAULT_OUT_PACKED if args.packed
                else DEFAULT_OUT_VERIFIED if args.verified else DEFAULT_OUT_PROFILES if args.profiles else DEFAULT_OUT)
     if args.out is None:
         if default.exists():
@@ -255,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         m = None
     else:
         m = (generate_v11(out) if args.v11 else generate(out, "derived") if args.v12
-             else generate(out, codec="zstd") if args.zstd else generate(out))
+             else generate(out, codec="zstd") if args.zstd else generate(out, layout="packed") if args.packed
+             else generate(out))
     for p in sorted(out.rglob("*")):
         if p.is_file():
             print(f"{p.stat().st_size:6d}  {p.relative_to(out)}")
