@@ -254,3 +254,29 @@ def test_packed_entries_encode_canonically_in_both_forms(tmp_path, columns):
     assert ("ckptfmt.derived" in doc["must_understand"]) == (columns == "derived")
     assert set(doc["tensors"]["layer0/w"]["shards"]) >= {"object", "start"}
     _read_all(url, 1, arrays)
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_a_pack_that_cannot_be_created_fails_the_save_closed(tmp_path, blocked):
+    """A directory where a writer's pack lock file goes (its O_EXCL create fails): the save fails
+    with a typed error naming the pack, no step is listed and the save's objects are removed.
+    Control: the same save without the obstacle commits and reads back."""
+    from ckptfmt import layout
+
+    url = str(tmp_path / "r")
+    arrays = _arrays(3)
+    sid = "000000000002-20261130T000000-0000cafe"
+    pack = layout.pack_key(sid, 0, 0)
+    if blocked:
+        (tmp_path / "r" / (pack + ".__lock")).mkdir(parents=True)
+        with pytest.raises(CheckpointError) as e:
+            save(url, 2, [LocalShard(k, a.shape, a.dtype, Box((0,) * a.ndim, a.shape), a) for k, a in arrays.items()],
+                 options=SaveOptions(save_id=sid))
+        assert pack in str(e.value)
+        assert Repository(url).steps() == []
+        assert not [f for f in _files(str(tmp_path / "r")) if f.startswith(f"saves/{sid}/") and "/p/" not in f]
+    else:
+        save(url, 2, [LocalShard(k, a.shape, a.dtype, Box((0,) * a.ndim, a.shape), a) for k, a in arrays.items()],
+             options=SaveOptions(save_id=sid))
+        assert Repository(url).steps() == [2] and os.path.isfile(os.path.join(url, pack))
+        _read_all(url, 2, arrays)

@@ -25,7 +25,7 @@ X = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
 
 def _save(url: str) -> ckptfmt.Manifest:
     shards = [LocalShard("x", X.shape, X.dtype, Box((32 * r, 0), (32, 32)), X[32 * r:32 * r + 32]) for r in range(2)]
-    return ckptfmt.save(url, 1, shards, state={"epoch": 3}, options=SaveOptions(chunk_target_bytes=1024))
+    return ckptfmt.save(url, 1, shards, state={"epoch": 3}, options=SaveOptions(layout="arrays", chunk_target_bytes=1024))
 
 
 def _repo(where: str, tmp_path: Path) -> tuple[Repository, str]:
@@ -327,7 +327,7 @@ def _bool_repo(tmp_path: Path, where: str) -> tuple[Repository, str, np.ndarray]
     url = str(tmp_path / "bools")
     b = (np.arange(64) % 3 == 0).reshape(8, 8)
     ckptfmt.save(url, 1, [LocalShard("b", b.shape, b.dtype, Box((4 * r, 0), (4, 8)), b[4 * r:4 * r + 4]) for r in range(2)],
-                 options=SaveOptions(chunk_target_bytes=16))
+                 options=SaveOptions(layout="arrays", chunk_target_bytes=16))
     return Repository(url, options={"positional_reads": where != "tensorstore"}), url, b
 
 
@@ -399,7 +399,7 @@ def _grow_as_declared(url: str) -> None:
 
 def _one_vector(url: str) -> np.ndarray:
     v = np.arange(8, dtype=np.float64)
-    ckptfmt.save(url, 1, [LocalShard("v", v.shape, v.dtype, Box((0,), (8,)), v)])
+    ckptfmt.save(url, 1, [LocalShard("v", v.shape, v.dtype, Box((0,), (8,)), v)], options=SaveOptions(layout="arrays"))
     return v
 
 
@@ -551,12 +551,12 @@ def test_a_save_does_not_reference_objects_reached_through_a_link(tmp_path):
     url = str(tmp_path / "repo")
     m1 = _save(url)
     again = [LocalShard("x", X.shape, X.dtype, Box((32 * r, 0), (32, 32)), X[32 * r:32 * r + 32].copy()) for r in range(2)]
-    m2 = ckptfmt.save(url, 2, again, options=SaveOptions(chunk_target_bytes=1024))
+    m2 = ckptfmt.save(url, 2, again, options=SaveOptions(layout="arrays", chunk_target_bytes=1024))
     assert set(m2.tensors["x"].objects) == {0, 1}  # control: referenced
     other = str(tmp_path / "other")
     shutil.copytree(url, other)
     _link_into(other, url, f"saves/{m1.save_id}/")
-    m3 = ckptfmt.save(url, 3, again, options=SaveOptions(chunk_target_bytes=1024))
+    m3 = ckptfmt.save(url, 3, again, options=SaveOptions(layout="arrays", chunk_target_bytes=1024))
     assert not m3.referenced_saves and not m3.tensors["x"].objects
     assert Repository(url).open(3).read("x").tobytes() == X.tobytes()
     with pytest.raises(StorageError):
@@ -581,7 +581,7 @@ def _mapped_file(a: np.ndarray) -> str | None:
 def _whole_chunk_repo(tmp_path: Path) -> str:
     url = str(tmp_path / "mapped")
     shards = [LocalShard("x", X.shape, X.dtype, Box((32 * r, 0), (32, 32)), X[32 * r:32 * r + 32]) for r in range(2)]
-    ckptfmt.save(url, 1, shards, state={}, options=SaveOptions(chunk_target_bytes=1 << 62))  # one chunk per shard
+    ckptfmt.save(url, 1, shards, state={}, options=SaveOptions(layout="arrays", chunk_target_bytes=1 << 62))  # one chunk per shard
     return url
 
 

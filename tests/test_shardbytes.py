@@ -37,7 +37,11 @@ def _check_every_byte(root: Path, t) -> None:
         obj = (root / t.object_key(s)).read_bytes()
         sb = shard.shard_bytes(t, s)
         c0, c1 = int(t.chunk_start[s]), int(t.chunk_start[s + 1])
-        assert sb.whole == (0, len(obj)) == (sb.start, sb.stop) and sb.nbytes == int(t.shards.nbytes[s])
+        # Its whole object, or its range of a pack (FORMAT.md 5.15): every other range moves with it.
+        assert sb.start == t.shard_start(s) and sb.stop <= len(obj) == t.object_nbytes(s)
+        assert sb.whole == (sb.start, sb.stop) and sb.nbytes == int(t.shards.nbytes[s])
+        if t.packed is None:
+            assert sb.whole == (0, len(obj))
         lo, hi = sb.index
         assert hi == sb.stop and hi - lo == sb.index_len
         shard.check_index(t, s, "o", memoryview(obj[lo:hi]))  # the bytes there are the index
@@ -50,8 +54,8 @@ def _check_every_byte(root: Path, t) -> None:
         for i, c in enumerate(range(c0, c1)):
             a, b = sb.chunk(c)
             off, n = int(t.chunks.offset[c]), int(t.chunks.nbytes[c])
-            assert (a, b) == (off, off + n) == (int(starts[i]), int(stops[i]))
-            assert [a, b - a] in entries.tolist()  # the index says the same
+            assert (a, b) == (sb.start + off, sb.start + off + n) == (int(starts[i]), int(stops[i]))
+            assert [a - sb.start, b - a] in entries.tolist()  # the index says the same (shard-relative)
             d0, d1 = sb.data(c)
             r0, r1 = sb.trailer(c)
             assert sb.chunk_bounds(c) == (a, d1, b) and (d0, r0, r1) == (a, d1, b) and r1 - r0 == shard.TRAILER_BYTES
@@ -66,7 +70,7 @@ def _check_every_byte(root: Path, t) -> None:
         # the inner chunks that are not stored: the not-stored marker, as many as are missing
         assert int(np.sum(np.all(entries == NOT_STORED, axis=1))) == int(np.prod(t.geometry.inner)) - (c1 - c0)
         # a whole shard's buffer, cut by local(): the same bytes
-        mv = memoryview(obj)
+        mv = memoryview(obj)[slice(*sb.whole)]
         assert bytes(mv[sb.local(sb.index)]) == obj[lo:hi]
 
 

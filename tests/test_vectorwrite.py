@@ -28,7 +28,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 def _save_both(tmp: Path, shards: list[LocalShard], chunk_bytes: int) -> tuple[dict, dict]:
     """The shard objects of a save, and those tensorstore writes for the same global arrays."""
     root = tmp / "fast"
-    m = save(Repository(str(root)), 3, shards, state={"k": 1}, options=SaveOptions(
+    m = save(Repository(str(root)), 3, shards, state={"k": 1}, options=SaveOptions(layout="arrays", 
         save_id="000000000003-20261130T000000-00000000", created_unix=1.0, chunk_target_bytes=chunk_bytes))
     twin = Repository(str(tmp / "slow")).storage
     for key, t in m.tensors.items():
@@ -97,7 +97,7 @@ def test_vectored_writes_restore_and_detect_a_flip(tmp_path):
     x = np.arange(4096, dtype=np.float32).reshape(64, 64)
     url = str(tmp_path / "r")
     save(url, 1, [LocalShard("x", x.shape, x.dtype, Box((r, 0), (16, 64)), x[r:r + 16]) for r in range(0, 64, 16)],
-         options=SaveOptions(chunk_target_bytes=1024))
+         options=SaveOptions(layout="arrays", chunk_target_bytes=1024))
     ckpt = Repository(url).open(1)
     np.testing.assert_array_equal(ckpt.read_boxes([("x", Box.full(x.shape))])[0], x)  # control
     shard = next(p for p in (tmp_path / "r").rglob("c/1/0"))
@@ -202,7 +202,7 @@ def test_small_objects_written_in_groups_fail_closed(tmp_path, blocked):
     keys = [layout.shard_key(layout.array_path(sid, 0), (r, 0)) for r in range(rows)]
     if blocked:  # a directory where object 9's lock file goes: its O_EXCL create fails
         (tmp_path / "r" / (keys[9] + ".__lock")).mkdir(parents=True)
-    opts = SaveOptions(save_id=sid, chunk_target_bytes=256)
+    opts = SaveOptions(layout="arrays", save_id=sid, chunk_target_bytes=256)
     if blocked:
         with pytest.raises(CheckpointError) as e:
             save(repo, 2, shards(2.0), options=opts)
