@@ -274,7 +274,7 @@ def test_inode_churn_keys_layout_is_a_real_saves_and_flat_makes_fewer(tmp_path):
             shape = (nbytes // 4 // 1024, 1024) if ndim == 2 else (nbytes // 4,)
             a = np.zeros(shape, np.float32)
             shards.append(LocalShard(f"t{i:02d}", a.shape, a.dtype, ckptfmt.Box.full(a.shape), a))
-        ckptfmt.save(str(url), 1, shards, state={"step": 1}, options=ckptfmt.SaveOptions(reuse="off"))
+        ckptfmt.save(str(url), 1, shards, state={"step": 1}, options=ckptfmt.SaveOptions(reuse="off", layout="arrays"))
         (save,) = (url / "saves").iterdir()
         return inode_churn.inodes(str(save))
 

@@ -65,7 +65,7 @@ def flat_paths(tree: Any, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def read_profile(repo: Path, step: int) -> tuple[dict[str, np.ndarray], Any, dict[str, Any], dict[str, Any]]:
-    tensors, states = spec_read(repo, step)
+    tensors, states = spec_read(repo, step, revision="1.3")
     manifest = json.loads((repo / f"manifests/{step:020d}.json").read_bytes())
     gstate = spec_unpack(states["global"])
     ranks = {name: spec_unpack(b) for name, b in states.items() if name.startswith("rank/")}

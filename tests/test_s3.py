@@ -236,9 +236,12 @@ def test_save_then_restore_with_resharding(s3_env):
 
 @pytest.mark.parametrize("fault", ["missing", "truncated", "grown", "stale"])
 def test_damaged_object_raises_typed_error(s3_env, fault):
+    """One shard object damaged (the unpacked layout: an object per shard, FORMAT.md 6.2); a
+    damaged pack is the next test."""
     url, k = s3_env.url(), "params/dense/kernel"
-    old = _save(url, 1, _arrays(seed=1))
-    new = _save(url, 2, _arrays(seed=2))
+    arrays_layout = ckptfmt.SaveOptions(layout="arrays")
+    old = _save(url, 1, _arrays(seed=1), options=arrays_layout)
+    new = _save(url, 2, _arrays(seed=2), options=arrays_layout)
     target = _shard_objects(new, k)[1]
     c, bucket = s3_env.client, s3_env.bucket
     # Broken control: before the damage, everything reads and verifies.
@@ -300,9 +303,49 @@ def never():
     time.sleep(300)
 shards = [LocalShard("a", (64, 48), "float32", Box((r, 0), (16, 48)), a[r:r + 16]) for r in (0, 16, 32, 48)]
 shards.append(LocalShard("z", (8,), "float32", Box((0,), (8,)), never))
-ckptfmt.save(url, step, shards, options=ckptfmt.SaveOptions(heartbeat_s=3600))
+# An object per shard (FORMAT.md 6.2): shard PUTs land while the last tensor blocks (a packed
+# save on an object store puts each pack once it is whole, so a killed writer leaves less).
+ckptfmt.save(url, step, shards, options=ckptfmt.SaveOptions(heartbeat_s=3600, layout="arrays"))
 print("COMMITTED", flush=True)
 """
+
+
+@pytest.mark.parametrize("fault", ["missing", "truncated", "grown", "flip"])
+def test_a_damaged_pack_raises_typed_errors_and_other_steps_read(s3_env, fault):
+    """FORMAT.md 5.15 on S3: the pack that holds a tensor's shard is missing, truncated, grown or
+    has a flipped byte inside that shard's range: every read of the step that needs it raises a
+    typed error naming the pack, and the previous step still reads (control: before the damage,
+    the step reads and verifies)."""
+    url, k = s3_env.url(), "params/dense/kernel"
+    _save(url, 1, _arrays(seed=1))
+    new = _save(url, 2, _arrays(seed=2))
+    t = new.tensors[k]
+    target = f"repo/{t.object_key(0)}"
+    assert "/p/" in target
+    c, bucket = s3_env.client, s3_env.bucket
+    assert ckptfmt.Repository(url).verify(2) > 0
+    body = c.get_object(Bucket=bucket, Key=target)["Body"].read()
+    expected: type[CheckpointError]
+    if fault == "missing":
+        c.delete_object(Bucket=bucket, Key=target)
+        expected = MissingShardError
+    elif fault == "truncated":
+        c.put_object(Bucket=bucket, Key=target, Body=body[:-100])
+        expected = SizeMismatchError
+    elif fault == "grown":
+        c.put_object(Bucket=bucket, Key=target, Body=body + b"\x01" * 4096)
+        expected = SizeMismatchError
+    else:
+        b = bytearray(body)
+        b[t.shard_start(0) + 8] ^= 0x01
+        c.put_object(Bucket=bucket, Key=target, Body=bytes(b))
+        expected = ChecksumMismatchError
+    with pytest.raises(expected) as info:
+        ckptfmt.Repository(url).open(2).read(k)
+    assert info.value.key == k and t.object_key(0) in str(info.value.object)
+    with pytest.raises(expected):
+        ckptfmt.Repository(url).verify(2)
+    np.testing.assert_array_equal(_restore_all(url, 1)[k], _arrays(seed=1)[k])
 
 
 def test_killed_writer_leaves_no_step_and_gc_collects_after_grace(s3_env):

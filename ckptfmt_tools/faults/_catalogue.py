@@ -133,16 +133,18 @@ def _entries_swapped(s: Scene) -> str:
 
 def _dup_object(s: Scene) -> str:
     src, dst = s.shard_path(2, shard=0), s.shard_path(2, shard=TARGET_SHARD)
-    if src != dst:
+    a, b = s.shard_layout(2, shard=0), s.shard_layout(2, shard=TARGET_SHARD)
+    if a["start"] == 0 and b["start"] == 0 and src != dst:  # an object per shard (FORMAT.md 6.2)
         shutil.copyfile(src, dst)
         return f"{s.rel(dst)} <- copy of {s.rel(src)} (box already covered)"
-    # One pack holds both (FORMAT.md 5.15): shard 0's bytes over the target's, in place.
-    a, b = s.shard_layout(2, shard=0), s.shard_layout(2, shard=TARGET_SHARD)
-    raw = bytearray(src.read_bytes())
+    # Packed (FORMAT.md 5.15): shard 0's bytes over the target's range, in its pack, as long as it
+    # is (an equally long shard of another box: every crc32c of its own still matches).
     n = min(a["nbytes"], b["nbytes"])
-    raw[b["start"]:b["start"] + n] = raw[a["start"]:a["start"] + n]
+    data = src.read_bytes()[a["start"]:a["start"] + n]
+    raw = bytearray(dst.read_bytes())
+    raw[b["start"]:b["start"] + n] = data
     dst.write_bytes(bytes(raw))
-    return f"{s.rel(dst)}: shard {TARGET_SHARD}'s bytes <- shard 0's (box already covered)"
+    return f"{s.rel(dst)} bytes [{b['start']}, +{n}) <- shard 0's from {s.rel(src)} (box already covered)"
 
 
 def _flip_data(nbytes: int) -> Callable[[Scene], str]:
@@ -230,7 +232,9 @@ def _manifest_value_flood(s: Scene) -> str:
 
 def _key_dotdot(s: Scene) -> str:
     outside = s.root.parent / "outside"
-    shutil.copytree(s.root / s.manifest_doc(2)["tensors"][TARGET_TENSOR]["array"]["path"], outside)
+    array = s.root / s.manifest_doc(2)["tensors"][TARGET_TENSOR]["array"]["path"]
+    if array.is_dir():  # an unpacked save; a packed one keeps its shards in packs (FORMAT.md 5.15)
+        shutil.copytree(array, outside)
 
     def edit(doc: dict[str, Any]) -> None:
         t = doc["tensors"][TARGET_TENSOR]
