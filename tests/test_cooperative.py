@@ -67,7 +67,7 @@ def _flip(repo: Any, key: str, row: int) -> None:
     s = int(np.searchsorted(t.chunk_start, row, side="right")) - 1
     path = repo / t.object_key(s)
     data = bytearray(path.read_bytes())
-    data[int(t.chunks.offset[row]) + 8] ^= 0xFF
+    data[t.shard_start(s) + int(t.chunks.offset[row]) + 8] ^= 0xFF
     path.write_bytes(bytes(data))
 
 

@@ -428,7 +428,7 @@ def test_tensor_parallel_load_4_ranks(jax_ckpts):
     for name in ("llama", "gpt2"):
         one, _ = _load(name, str(jax_ckpts / name), weights_only(name))
         assert np.array_equal(np.load(jax_ckpts / f"tp_logits_{name}.npy"), logits(one)), name
-        total = sum(p.stat().st_size for p in (jax_ckpts / name).rglob("*") if p.is_file() and "/t/" in str(p))
+        total = sum(p.stat().st_size for p in (jax_ckpts / name).rglob("*") if p.is_file() and ("/t/" in str(p) or "/p/" in str(p)))
         for rank, r in enumerate(res):
             f = r[name]
             over = f["bytes_read"] - f["local_bytes"]

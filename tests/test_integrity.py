@@ -268,7 +268,7 @@ def _own_tier(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndarray
         before = np.array(r.state["a"])
         for root, _, files in os.walk(tier.url(0)):
             for name in files:
-                if "/t/" in os.path.join(root, name):
+                if "/t/" in os.path.join(root, name) or "/p/" in os.path.join(root, name):
                     path = os.path.join(root, name)
                     with open(path, "r+b") as f:
                         f.write(b"\x7f" * os.path.getsize(path))

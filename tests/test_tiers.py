@@ -46,10 +46,11 @@ def _save(tmp: Path, steps: range, every: int = 2, persistent_every: int = 4) ->
 
 def _flip_first_byte(repo: Repository, step: int, key: str) -> None:
     t = repo.manifest(step).tensors[key]
-    path = os.path.join(repo.url, t.array.path, t.shards.key[0])
-    with open(path, "r+b") as f:
+    path = os.path.join(repo.url, t.object_key(0))
+    with open(path, "r+b") as f:  # the shard's first byte, in its pack or its own object
+        f.seek(t.shard_start(0))
         b = f.read(1)
-        f.seek(0)
+        f.seek(t.shard_start(0))
         f.write(bytes([b[0] ^ 0xFF]))
 
 
@@ -631,7 +632,7 @@ def test_a_tier_file_written_after_a_restore_never_reaches_the_default_restore(t
     for root, _, files in os.walk(tier.url(0)):
         for name in files:
             path = os.path.join(root, name)
-            if "/t/" in path:  # a shard object of a tensor
+            if "/t/" in path or "/p/" in path:  # a shard object or a pack of a tensor
                 size = os.path.getsize(path)
                 with open(path, "r+b") as f:
                     f.write(b"\x7f" * size)

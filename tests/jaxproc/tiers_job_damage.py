@@ -12,9 +12,10 @@ def corrupt_own_box(local_dir: str, host: int, step: int) -> str:
     m = repo.manifest(step)
     key = next(k for k in sorted(m.tensors) if k.startswith(f"h{host}/"))
     t = m.tensors[key]
-    path = os.path.join(repo.url, t.array.path, t.shards.key[0])
-    with open(path, "r+b") as f:
+    path = os.path.join(repo.url, t.object_key(0))
+    with open(path, "r+b") as f:  # the shard's first byte, in its pack or its own object
+        f.seek(t.shard_start(0))
         b = f.read(1)
-        f.seek(0)
+        f.seek(t.shard_start(0))
         f.write(bytes([b[0] ^ 0xFF]))
     return key

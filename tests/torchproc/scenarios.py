@@ -331,7 +331,7 @@ def dcp_world(args: dict[str, Any]) -> dict[str, Any]:
         e = man.tensors["t/d"]
         obj = Path(bad_url) / e.object_key(0)
         raw = bytearray(obj.read_bytes())
-        raw[0] ^= 0x01
+        raw[e.shard_start(0)] ^= 0x01  # its first byte, in its pack or its own object
         obj.write_bytes(bytes(raw))
     dist.barrier()
     fresh = {"t": {"d": place(torch.zeros(TENSORS["d"][0]), DCP_LOAD_LAYOUT["d"])}}
