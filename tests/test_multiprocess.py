@@ -60,7 +60,7 @@ def test_8_writers_4_readers_then_killed_writer(tmp_path):
     deadline = time.time() + 60
     saves_dir = tmp_path / "repo" / "saves"
     while time.time() < deadline:
-        written = [f for f in saves_dir.rglob("c/*") if "000000000011" in str(f)]
+        written = [f for f in saves_dir.rglob("*") if "000000000011" in str(f) and ("/p/" in str(f) or "/c/" in str(f))]
         if len(written) >= 4:
             break
         time.sleep(0.1)
@@ -92,7 +92,7 @@ def test_coordinator_killed_between_writes_and_commit(tmp_path):
     deadline = time.time() + 60
     written = []
     while time.time() < deadline:
-        written = [f for f in saves_dir.rglob("c/*") if "000000000002" in str(f)]
+        written = [f for f in saves_dir.rglob("*") if "000000000002" in str(f) and ("/p/" in str(f) or "/c/" in str(f))]
         if len(written) >= 3:
             break
         time.sleep(0.1)
