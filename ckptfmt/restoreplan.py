@@ -19,6 +19,12 @@ The semantics (``strict`` is ``None`` by default):
 * a dtype that differs is cast to the target's when both are of one kind (float to float, int to
   int: signed and unsigned, complex to complex) and reported in ``RestoreReport.cast``; across
   kinds it is an error;
+* quantized codes are never cast without their scales: a float8 checkpoint tensor that a target
+  of another dtype would read by an implicit cast, not through a rule that reads its scale
+  companion too (``bridges.mapping.Dequantize``; companions: :data:`SCALE_COMPANIONS`, block-FP8
+  ``X.weight_scale_inv`` or a per-tensor ``X.weight_scale``), is a QuantizedWeightError naming
+  the companion (or saying that the checkpoint lacks it); a float8 target of the same dtype takes
+  the codes as they are, and an explicit ``Cast`` rule casts unscaled float8 values;
 * every mismatch of one restore (missing and unexpected keys, shapes, dtypes, rules that do not
   fit) is raised as ONE error: KeyMismatchError when only keys differ, the mismatch itself when it
   is the only one, RestoreMismatchError (a KeyMismatchError and a ShapeMismatchError) otherwise.
@@ -40,10 +46,11 @@ import numpy as np
 
 from ._types import Box
 from .dtypes import numpy_dtype
-from .errors import CheckpointError, KeyMismatchError, RestoreMismatchError, ShapeMismatchError
+from .errors import CheckpointError, KeyMismatchError, QuantizedWeightError, RestoreMismatchError, ShapeMismatchError
 
 __all__ = ["RestoreSource", "RestoreManifest", "KeyMap", "Resolution", "MappingChain", "TargetLeaf", "TensorPlan",
-           "RestorePlan", "RestoreReport", "plan_restore", "dtype_kind", "closest_key"]
+           "RestorePlan", "RestoreReport", "plan_restore", "dtype_kind", "closest_key", "SCALE_COMPANIONS",
+           "scale_companion"]
 
 Request = tuple[str, Box]
 _SHOWN = 5           # keys of each list the message shows
@@ -52,6 +59,9 @@ _CLOSE_MAX = 4096    # checkpoints with more keys get no "closest key" hint (dif
 #: Optimizer slots (optax's and torch's): a key holding one is compared only with keys of the same slot.
 _SLOTS = frozenset({"mu", "nu", "exp_avg", "exp_avg_sq", "count", "step", "momentum_buffer", "momentum", "trace"})
 _OPTIMIZER_WORDS = _SLOTS | {"opt_state", "optimizer", "optim"}
+#: Suffixes of a quantized tensor's scale companion (block-FP8 first: DeepSeek-V3, Qwen3-FP8).
+SCALE_COMPANIONS = ("_scale_inv", "_scale")
+_CODE_KINDS = ("float8_",)
 
 
 class RestoreManifest(Protocol):
@@ -328,12 +338,49 @@ class _Planner:
         if found_shape != tuple(leaf.shape):
             self.mismatches.append(ShapeMismatchError(f"target shape does not match the checkpoint{where}",
                                                       key=leaf.key, expected=tuple(leaf.shape), found=found_shape))
+        elif found_dtype != want and (quant := self._unscaled(sources, res if mapped else None)) is not None:
+            self.mismatches.append(quant(leaf.key, want))
         elif found_dtype != want and not (leaf.cast and dtype_kind(found_dtype) == dtype_kind(want)):
             how = "a cast across kinds is not done" if leaf.cast else "the dtype must match exactly"
             self.mismatches.append(ShapeMismatchError(f"target dtype does not match the checkpoint ({how}){where}",
                                                       key=leaf.key, expected=want.name, found=found_dtype.name))
         else:
             self._plan(leaf.key, sources, chain, found_shape, want, found_dtype == want, found_dtype)
+
+    def _unscaled(self, sources: tuple[str, ...], res: Resolution | None) -> Any:
+        """A maker of the QuantizedWeightError for the first float8 source that would be cast
+        without its scale companion (the resolution does not read it, or the checkpoint lacks it), or None."""
+        for src in sources:
+            code = numpy_dtype(self.source.tensor(src).dtype).name
+            if not code.startswith(_CODE_KINDS):
+                continue
+            companion = scale_companion(src, self.keys)
+            if companion is not None and companion in sources:
+                continue
+            via = f" through {res.where}" if res is not None else ""
+            rule = (f"Rule(({src!r}, {(companion or src + SCALE_COMPANIONS[0])!r}), <target>, "
+                    "transforms=(Dequantize(block=(128, 128)),))")
+            if companion is not None:
+                what = f"holds {code} codes scaled by {companion!r}{via}"
+                todo = (f"dequantize with a mapping rule {rule} (bridges.mapping.Dequantize; "
+                        "bridges.mapping.dequantized(mapping) adds it to a preset)")
+            else:
+                what = (f"holds {code} values and the checkpoint has no scale companion "
+                        f"({' or '.join(repr(src + x) for x in SCALE_COMPANIONS)}){via}")
+                todo = (f"restore the companion with the weights (a quantized checkpoint missing it is incomplete: "
+                        f"{rule}), or, for unscaled float8 values, cast explicitly with a Cast rule")
+
+            def make(key: str, want: np.dtype, companion: str | None = companion, what: str = what, todo: str = todo,
+                     code: str = code, src: str = src) -> CheckpointError:
+                if companion is not None:
+                    self.used.add(companion)
+                return QuantizedWeightError(
+                    f"checkpoint tensor {src!r} {what}: a cast to {want.name} would give the raw codes, not the "
+                    f"weights; {todo}, or restore into a {code} target to keep the codes",
+                    key=key, object=companion or src + SCALE_COMPANIONS[0],
+                    expected=f"{code} target, or a Dequantize rule", found=want.name)
+            return make
+        return None
 
     def _plan(self, key: str, sources: tuple[str, ...], chain: MappingChain | None, shape: tuple[int, ...], dtype: np.dtype,
               same: bool, source_dtype: np.dtype | None = None) -> None:
@@ -369,6 +416,14 @@ class _Planner:
             if hint is not None:
                 out[key] = hint
         return out
+
+
+def scale_companion(key: str, keys: Collection[str]) -> str | None:
+    """The checkpoint key holding ``key``'s quantization scales (:data:`SCALE_COMPANIONS`), or None."""
+    for suffix in SCALE_COMPANIONS:
+        if key + suffix in keys:
+            return key + suffix
+    return None
 
 
 def plan_restore(source: RestoreSource, leaves: Sequence[TargetLeaf], mapping: KeyMap | None = None,
