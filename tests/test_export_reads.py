@@ -53,3 +53,31 @@ def test_stacked_export_reads_each_chunk_once(tmp_path):
     alone = int(fresh.stats.bytes_read)
     print(f"control: each tensor read on its own: {alone:,} B ({alone / rep.nbytes:.3f}x)")
     assert alone > 3 * rep.nbytes
+
+
+def test_a_flipped_byte_in_a_shared_chunk_fails_the_export(tmp_path):
+    """The shared chunks are checked (read_chunks, then read_boxes again): a flipped byte in the
+    stacked query kernel's stored data raises ChecksumMismatchError naming it, and no index or
+    file of the export is left. Control: the same export of an intact copy succeeds."""
+    import shutil
+
+    from ckptfmt.errors import ChecksumMismatchError
+
+    cfg = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    url = str(tmp_path / "maxtext")
+    bt.save(url, nest_tensors(_maxtext_params(cfg, np.random.default_rng(1))), step=1)
+    shutil.copytree(url, tmp_path / "intact")
+    m = strip_target_prefix(hf_llama_from_maxtext(cfg, optimizer=None), "model/")
+    key = "params/params/decoder/layers/self_attention/query/kernel"
+    t = Repository(url).open(1).tensor(key)
+    obj = Path(url) / t.object_key(0)
+    raw = bytearray(obj.read_bytes())
+    raw[100] ^= 0x01
+    obj.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError) as e:
+        export(url, str(tmp_path / "bad"), mapping=m)
+    assert e.value.key == key, e.value
+    assert not [p for p in (tmp_path / "bad").iterdir() if p.is_file()], list((tmp_path / "bad").iterdir())
+    rep = export(str(tmp_path / "intact"), str(tmp_path / "good"), mapping=m)
+    assert rep.bytes_read <= rep.nbytes * 1.001 + (64 << 10)
