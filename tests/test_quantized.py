@@ -231,3 +231,39 @@ def test_export_fp8_loads_in_transformers(tmp_path):
     (out / name).write_bytes(bytes(raw))
     with pytest.raises(ChecksumMismatchError):
         bt.load(str(out), {k: torch.zeros(v.shape) for k, v in sd.items()}, mapping=dequantized(IDENTITY))
+
+
+def test_a_stacked_preset_refuses_fp8_codes_and_a_per_layer_rule_dequantizes(tmp_path):
+    """HF FP8 files into a scanned NNX target through hf_llama_from_nnx(...).inverse() (Stack
+    rules): dequantized() leaves joined rules alone, so the codes are refused with
+    QuantizedWeightError naming each companion, never stacked as raw codes. Control: a per-layer
+    rule (no join) with dequantized() restores the dequantized weight transposed, bit for bit."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bridges.interop import strip_target_prefix
+    from bridges.mapping import Transpose
+    from bridges.presets import hf_llama_from_nnx
+    from test_hf_presets import _nnx_llama_params
+    from _torchtree import nest_tensors
+
+    cfg = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    url, out = str(tmp_path / "repo"), tmp_path / "fp8"
+    bt.save(url, {k: v.detach().clone() for k, v in hf.state_dict().items()}, step=1)
+    export(url, str(out), quantize="fp8", config=hf.config.to_dict())
+    m = strip_target_prefix(hf_llama_from_nnx(cfg, optimizer=None), "model/").inverse()
+    target = nest_tensors({"model/" + k: np.zeros_like(v) for k, v in _nnx_llama_params(cfg, np.random.default_rng(0),
+                                                                                        bias=False).items()})
+    for mapping in (m, dequantized(m)):
+        with pytest.raises(ckptfmt.CheckpointError) as e:
+            bt.load(str(out), target, mapping=mapping)
+        kinds = {d["error"] for d in getattr(e.value, "mismatches", [e.value.to_json()])}
+        assert kinds == {"QuantizedWeightError"}, e.value
+        assert "weight_scale_inv" in str(e.value)
+
+    one = Mapping((Rule("model.layers.1.mlp.up_proj.weight", "up", transforms=(Transpose((1, 0)),)),))
+    got = bt.load(str(out), {"up": torch.zeros(128, 256)}, mapping=dequantized(one), strict=False)["up"]
+    f = safetensors_torch.load_file(str(out / "model-00001-of-00001.safetensors"))
+    want = ref_dequantize(f["model.layers.1.mlp.up_proj.weight"], f["model.layers.1.mlp.up_proj.weight_scale_inv"])
+    assert np.array_equal(got.numpy(), want.T)
