@@ -24,7 +24,9 @@ The semantics (``strict`` is ``None`` by default):
   companion too (``bridges.mapping.Dequantize``; companions: :data:`SCALE_COMPANIONS`, block-FP8
   ``X.weight_scale_inv`` or a per-tensor ``X.weight_scale``), is a QuantizedWeightError naming
   the companion (or saying that the checkpoint lacks it); a float8 target of the same dtype takes
-  the codes as they are, and an explicit ``Cast`` rule casts unscaled float8 values;
+  the codes as they are, and an explicit ``Cast`` rule casts unscaled float8 values; a target
+  key whose tensor the checkpoint holds as MXFP4 (``X_blocks`` and ``X_scales``, gpt-oss) is a
+  QuantizedWeightError too, not a missing key (no rule dequantizes MXFP4 yet);
 * every mismatch of one restore (missing and unexpected keys, shapes, dtypes, rules that do not
   fit) is raised as ONE error: KeyMismatchError when only keys differ, the mismatch itself when it
   is the only one, RestoreMismatchError (a KeyMismatchError and a ShapeMismatchError) otherwise.
@@ -50,7 +52,7 @@ from .errors import CheckpointError, KeyMismatchError, QuantizedWeightError, Res
 
 __all__ = ["RestoreSource", "RestoreManifest", "KeyMap", "Resolution", "MappingChain", "TargetLeaf", "TensorPlan",
            "RestorePlan", "RestoreReport", "plan_restore", "dtype_kind", "closest_key", "SCALE_COMPANIONS",
-           "scale_companion"]
+           "MXFP4_PARTS", "scale_companion"]
 
 Request = tuple[str, Box]
 _SHOWN = 5           # keys of each list the message shows
@@ -61,6 +63,9 @@ _SLOTS = frozenset({"mu", "nu", "exp_avg", "exp_avg_sq", "count", "step", "momen
 _OPTIMIZER_WORDS = _SLOTS | {"opt_state", "optimizer", "optim"}
 #: Suffixes of a quantized tensor's scale companion (block-FP8 first: DeepSeek-V3, Qwen3-FP8).
 SCALE_COMPANIONS = ("_scale_inv", "_scale")
+#: gpt-oss's MXFP4 layout: ``X_blocks`` (two FP4 e2m1 codes a byte) and ``X_scales`` (e8m0, one per
+#: 32 values) stand for ``X`` (transformers' integrations/mxfp4.py); recognised and refused.
+MXFP4_PARTS = ("_blocks", "_scales")
 _CODE_KINDS = ("float8_",)
 
 
@@ -317,6 +322,15 @@ class _Planner:
         mapped = res is not None and (bool(res.transforms) or tuple(res.source_keys) != (leaf.key,))
         sources = tuple(res.source_keys) if mapped else (leaf.key,)
         lacking = [k for k in sources if k not in self.keys]
+        packed = [k for k in lacking if all(k + x in self.keys for x in MXFP4_PARTS)]
+        if packed:  # gpt-oss: X_blocks (packed FP4) and X_scales (e8m0) instead of X
+            self.used.update(k + x for k in packed for x in MXFP4_PARTS)
+            self.mismatches.append(QuantizedWeightError(
+                f"the checkpoint holds {packed[0]!r} as MXFP4 ({packed[0] + MXFP4_PARTS[0]!r} packed FP4 codes, "
+                f"{packed[0] + MXFP4_PARTS[1]!r} per-32-value e8m0 scales): no ckptfmt rule dequantizes MXFP4 yet; "
+                "dequantize it with transformers (from_pretrained dequantizes gpt-oss on CPU) and save that",
+                key=leaf.key, object=packed[0] + MXFP4_PARTS[1], expected="a dequantized tensor", found="MXFP4"))
+            return
         if lacking:
             return self._lacking(leaf.key, res, lacking)
         chain = None

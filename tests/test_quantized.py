@@ -267,3 +267,23 @@ def test_a_stacked_preset_refuses_fp8_codes_and_a_per_layer_rule_dequantizes(tmp
     f = safetensors_torch.load_file(str(out / "model-00001-of-00001.safetensors"))
     want = ref_dequantize(f["model.layers.1.mlp.up_proj.weight"], f["model.layers.1.mlp.up_proj.weight_scale_inv"])
     assert np.array_equal(got.numpy(), want.T)
+
+
+def test_mxfp4_blocks_and_scales_are_refused_as_quantized(tmp_path):
+    """gpt-oss's MXFP4 layout (X_blocks uint8, X_scales uint8 e8m0) stands for X: a target X is
+    refused with QuantizedWeightError naming X_scales, not reported as a missing key. Control: a
+    checkpoint with only X_blocks is a plain missing key."""
+    (tmp_path / "mx").mkdir()
+    (tmp_path / "half").mkdir()
+    blocks = torch.randint(0, 255, (4, 8, 16), dtype=torch.uint8)
+    scales = torch.full((4, 8), 127, dtype=torch.uint8)
+    safetensors_torch.save_file({"e.gate_up_proj_blocks": blocks, "e.gate_up_proj_scales": scales},
+                                str(tmp_path / "mx" / "model.safetensors"))
+    safetensors_torch.save_file({"e.gate_up_proj_blocks": blocks}, str(tmp_path / "half" / "model.safetensors"))
+    target = {"e.gate_up_proj": torch.zeros(4, 8, 32)}
+    with pytest.raises(QuantizedWeightError) as e:
+        bt.load(str(tmp_path / "mx"), target)
+    assert e.value.key == "e.gate_up_proj" and e.value.object == "e.gate_up_proj_scales", e.value
+    with pytest.raises(ckptfmt.errors.KeyMismatchError) as e:
+        bt.load(str(tmp_path / "half"), target)
+    assert not isinstance(e.value, QuantizedWeightError) and e.value.missing == ["e.gate_up_proj"]
