@@ -16,16 +16,16 @@ from typing import Sequence
 import numpy as np
 
 from ckptfmt import Box
+from ckptfmt.interop import FP8_BLOCK
+from ckptfmt.restoreplan import SCALE_COMPANIONS
 
 from bridges.mapping._joins import Join
 from bridges.mapping._transforms import NotApplicable, Shape, Transform, _np_dtype
 
 __all__ = ["Dequantize", "SCALE_SUFFIX", "FP8_BLOCK"]
 
-#: The block-FP8 scale companion's suffix (``X.weight`` -> ``X.weight_scale_inv``).
-SCALE_SUFFIX = "_scale_inv"
-#: DeepSeek-V3's and Qwen3-FP8's block (``weight_block_size``).
-FP8_BLOCK = (128, 128)
+#: The block-FP8 scale companion's suffix (``X.weight`` -> ``X.weight_scale_inv``): the core's.
+SCALE_SUFFIX = SCALE_COMPANIONS[0]
 _CODE_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
 
 

@@ -23,16 +23,18 @@ import numpy as np
 from ckptfmt._types import Box
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.interop._stexport import BlockSource, ExportTensor
+from ckptfmt.restoreplan import SCALE_COMPANIONS
 
 __all__ = ["QuantCodes", "QuantScales", "quantize_fp8", "quantization_config", "FP8_MAX", "FP8_BLOCK",
            "FP8_SKIP"]
 
 FP8_MAX = 448.0
+#: DeepSeek-V3's and Qwen3-FP8's block (``weight_block_size``).
 FP8_BLOCK = (128, 128)
 #: Output names never quantized (embeddings, norms, the head, MoE routers, biases): serving
 #: engines keep them in high precision; ``modules_to_not_convert`` lists the Linear ones.
 FP8_SKIP = ("*embed*", "*norm*", "lm_head.*", "*.bias", "*.gate.weight", "*router*")
-_SUFFIX = "_scale_inv"
+_SUFFIX = SCALE_COMPANIONS[0]
 
 
 def _aligned(box: Box, shape: Sequence[int], block: Sequence[int]) -> Box:
