@@ -352,8 +352,8 @@ class _Planner:
         if found_shape != tuple(leaf.shape):
             self.mismatches.append(ShapeMismatchError(f"target shape does not match the checkpoint{where}",
                                                       key=leaf.key, expected=tuple(leaf.shape), found=found_shape))
-        elif found_dtype != want and (quant := self._unscaled(sources, res if mapped else None)) is not None:
-            self.mismatches.append(quant(leaf.key, want))
+        elif found_dtype != want and (quant := self._unscaled(leaf.key, want, sources, res if mapped else None)):
+            self.mismatches.append(quant)
         elif found_dtype != want and not (leaf.cast and dtype_kind(found_dtype) == dtype_kind(want)):
             how = "a cast across kinds is not done" if leaf.cast else "the dtype must match exactly"
             self.mismatches.append(ShapeMismatchError(f"target dtype does not match the checkpoint ({how}){where}",
@@ -361,39 +361,32 @@ class _Planner:
         else:
             self._plan(leaf.key, sources, chain, found_shape, want, found_dtype == want, found_dtype)
 
-    def _unscaled(self, sources: tuple[str, ...], res: Resolution | None) -> Any:
-        """A maker of the QuantizedWeightError for the first float8 source that would be cast
-        without its scale companion (the resolution does not read it, or the checkpoint lacks it), or None."""
+    def _unscaled(self, key: str, want: np.dtype, sources: tuple[str, ...],
+                  res: Resolution | None) -> QuantizedWeightError | None:
+        """The refusal of a cast of float8 codes to ``want`` without their scale companion (the
+        resolution does not read it, or the checkpoint lacks it), or None when no source is such."""
         for src in sources:
             code = numpy_dtype(self.source.tensor(src).dtype).name
-            if not code.startswith(_CODE_KINDS):
-                continue
             companion = scale_companion(src, self.keys)
-            if companion is not None and companion in sources:
+            if not code.startswith(_CODE_KINDS) or (companion is not None and companion in sources):
                 continue
             via = f" through {res.where}" if res is not None else ""
-            rule = (f"Rule(({src!r}, {(companion or src + SCALE_COMPANIONS[0])!r}), <target>, "
-                    "transforms=(Dequantize(block=(128, 128)),))")
+            named = companion or src + SCALE_COMPANIONS[0]
+            rule = f"Rule(({src!r}, {named!r}), <target>, transforms=(Dequantize(block=(128, 128)),))"
             if companion is not None:
+                self.used.add(companion)  # reported here, not again as unexpected
                 what = f"holds {code} codes scaled by {companion!r}{via}"
                 todo = (f"dequantize with a mapping rule {rule} (bridges.mapping.Dequantize; "
                         "bridges.mapping.dequantized(mapping) adds it to a preset)")
             else:
                 what = (f"holds {code} values and the checkpoint has no scale companion "
                         f"({' or '.join(repr(src + x) for x in SCALE_COMPANIONS)}){via}")
-                todo = (f"restore the companion with the weights (a quantized checkpoint missing it is incomplete: "
-                        f"{rule}), or, for unscaled float8 values, cast explicitly with a Cast rule")
-
-            def make(key: str, want: np.dtype, companion: str | None = companion, what: str = what, todo: str = todo,
-                     code: str = code, src: str = src) -> CheckpointError:
-                if companion is not None:
-                    self.used.add(companion)
-                return QuantizedWeightError(
-                    f"checkpoint tensor {src!r} {what}: a cast to {want.name} would give the raw codes, not the "
-                    f"weights; {todo}, or restore into a {code} target to keep the codes",
-                    key=key, object=companion or src + SCALE_COMPANIONS[0],
-                    expected=f"{code} target, or a Dequantize rule", found=want.name)
-            return make
+                todo = (f"restore from a checkpoint that has the companion (a quantized checkpoint without it is "
+                        f"incomplete; then {rule}), or, for unscaled float8 values, cast with an explicit Cast rule")
+            return QuantizedWeightError(
+                f"checkpoint tensor {src!r} {what}: a cast to {want.name} would give the raw codes, not the "
+                f"weights; {todo}, or restore into a {code} target to keep the codes",
+                key=key, object=named, expected=f"{code} target, or a Dequantize rule", found=want.name)
         return None
 
     def _plan(self, key: str, sources: tuple[str, ...], chain: MappingChain | None, shape: tuple[int, ...], dtype: np.dtype,
