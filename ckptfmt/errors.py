@@ -13,7 +13,7 @@ __all__ = [
     "DuplicateShardError", "StepAlreadyCommittedError", "StepMismatchError", "IncompleteSaveError",
     "CoordinatorTimeoutError", "CoordinatorLostError", "StorageError", "InvalidStateError",
     "ShapeMismatchError", "TopologyChangedError", "SaveInProgressError", "KeyMismatchError", "RestoreMismatchError",
-    "InvalidURLError",
+    "InvalidURLError", "QuantizedWeightError",
     "NotARepositoryError",
     "InvalidDataError", "AllocationError",
     "InvalidSourceError", "ReferenceCycleError",
@@ -237,3 +237,11 @@ class InvalidOptionError(CheckpointError, ValueError):
     name an option that does not exist (the message suggests the closest one) or give one a value
     of the wrong type or out of range; refused before any store is opened. A ValueError too, as
     :class:`ckptfmt.SaveOptions` raises for its own bad values."""
+
+
+class QuantizedWeightError(ShapeMismatchError):
+    """A restore would cast quantized codes without their scales: the checkpoint tensor is float8
+    with a recognised scale companion (block-FP8 ``X.weight`` with ``X.weight_scale_inv``) and the
+    target asks for another dtype. ``key`` is the target key, ``object`` the companion's key; the
+    message says how to dequantize (a ``bridges.mapping.Dequantize`` rule, or
+    ``bridges.mapping.dequantized(mapping)``). Nothing is read or cast."""

@@ -19,6 +19,14 @@ The semantics (``strict`` is ``None`` by default):
 * a dtype that differs is cast to the target's when both are of one kind (float to float, int to
   int: signed and unsigned, complex to complex) and reported in ``RestoreReport.cast``; across
   kinds it is an error;
+* quantized codes are never cast without their scales: a float8 checkpoint tensor that a target
+  of another dtype would read by an implicit cast, not through a rule that reads its scale
+  companion too (``bridges.mapping.Dequantize``; companions: :data:`SCALE_COMPANIONS`, block-FP8
+  ``X.weight_scale_inv`` or a per-tensor ``X.weight_scale``), is a QuantizedWeightError naming
+  the companion (or saying that the checkpoint lacks it); a float8 target of the same dtype takes
+  the codes as they are, and an explicit ``Cast`` rule casts unscaled float8 values; a target
+  key whose tensor the checkpoint holds as MXFP4 (``X_blocks`` and ``X_scales``, gpt-oss) is a
+  QuantizedWeightError too, not a missing key (no rule dequantizes MXFP4 yet);
 * every mismatch of one restore (missing and unexpected keys, shapes, dtypes, rules that do not
   fit) is raised as ONE error: KeyMismatchError when only keys differ, the mismatch itself when it
   is the only one, RestoreMismatchError (a KeyMismatchError and a ShapeMismatchError) otherwise.
@@ -40,10 +48,11 @@ import numpy as np
 
 from ._types import Box
 from .dtypes import numpy_dtype
-from .errors import CheckpointError, KeyMismatchError, RestoreMismatchError, ShapeMismatchError
+from .errors import CheckpointError, KeyMismatchError, QuantizedWeightError, RestoreMismatchError, ShapeMismatchError
 
 __all__ = ["RestoreSource", "RestoreManifest", "KeyMap", "Resolution", "MappingChain", "TargetLeaf", "TensorPlan",
-           "RestorePlan", "RestoreReport", "plan_restore", "dtype_kind", "closest_key"]
+           "RestorePlan", "RestoreReport", "plan_restore", "dtype_kind", "closest_key", "SCALE_COMPANIONS",
+           "MXFP4_PARTS", "scale_companion"]
 
 Request = tuple[str, Box]
 _SHOWN = 5           # keys of each list the message shows
@@ -52,6 +61,12 @@ _CLOSE_MAX = 4096    # checkpoints with more keys get no "closest key" hint (dif
 #: Optimizer slots (optax's and torch's): a key holding one is compared only with keys of the same slot.
 _SLOTS = frozenset({"mu", "nu", "exp_avg", "exp_avg_sq", "count", "step", "momentum_buffer", "momentum", "trace"})
 _OPTIMIZER_WORDS = _SLOTS | {"opt_state", "optimizer", "optim"}
+#: Suffixes of a quantized tensor's scale companion (block-FP8 first: DeepSeek-V3, Qwen3-FP8).
+SCALE_COMPANIONS = ("_scale_inv", "_scale")
+#: gpt-oss's MXFP4 layout: ``X_blocks`` (two FP4 e2m1 codes a byte) and ``X_scales`` (e8m0, one per
+#: 32 values) stand for ``X`` (transformers' integrations/mxfp4.py); recognised and refused.
+MXFP4_PARTS = ("_blocks", "_scales")
+_CODE_KINDS = ("float8_",)
 
 
 class RestoreManifest(Protocol):
@@ -307,6 +322,15 @@ class _Planner:
         mapped = res is not None and (bool(res.transforms) or tuple(res.source_keys) != (leaf.key,))
         sources = tuple(res.source_keys) if mapped else (leaf.key,)
         lacking = [k for k in sources if k not in self.keys]
+        packed = [k for k in lacking if all(k + x in self.keys for x in MXFP4_PARTS)]
+        if packed:  # gpt-oss: X_blocks (packed FP4) and X_scales (e8m0) instead of X
+            self.used.update(k + x for k in packed for x in MXFP4_PARTS)
+            self.mismatches.append(QuantizedWeightError(
+                f"the checkpoint holds {packed[0]!r} as MXFP4 ({packed[0] + MXFP4_PARTS[0]!r} packed FP4 codes, "
+                f"{packed[0] + MXFP4_PARTS[1]!r} per-32-value e8m0 scales): no ckptfmt rule dequantizes MXFP4 yet; "
+                "dequantize it with transformers (from_pretrained dequantizes gpt-oss on CPU) and save that",
+                key=leaf.key, object=packed[0] + MXFP4_PARTS[1], expected="a dequantized tensor", found="MXFP4"))
+            return
         if lacking:
             return self._lacking(leaf.key, res, lacking)
         chain = None
@@ -328,12 +352,42 @@ class _Planner:
         if found_shape != tuple(leaf.shape):
             self.mismatches.append(ShapeMismatchError(f"target shape does not match the checkpoint{where}",
                                                       key=leaf.key, expected=tuple(leaf.shape), found=found_shape))
+        elif found_dtype != want and (quant := self._unscaled(leaf.key, want, sources, res if mapped else None)):
+            self.mismatches.append(quant)
         elif found_dtype != want and not (leaf.cast and dtype_kind(found_dtype) == dtype_kind(want)):
             how = "a cast across kinds is not done" if leaf.cast else "the dtype must match exactly"
             self.mismatches.append(ShapeMismatchError(f"target dtype does not match the checkpoint ({how}){where}",
                                                       key=leaf.key, expected=want.name, found=found_dtype.name))
         else:
             self._plan(leaf.key, sources, chain, found_shape, want, found_dtype == want, found_dtype)
+
+    def _unscaled(self, key: str, want: np.dtype, sources: tuple[str, ...],
+                  res: Resolution | None) -> QuantizedWeightError | None:
+        """The refusal of a cast of float8 codes to ``want`` without their scale companion (the
+        resolution does not read it, or the checkpoint lacks it), or None when no source is such."""
+        for src in sources:
+            code = numpy_dtype(self.source.tensor(src).dtype).name
+            companion = scale_companion(src, self.keys)
+            if not code.startswith(_CODE_KINDS) or (companion is not None and companion in sources):
+                continue
+            via = f" through {res.where}" if res is not None else ""
+            named = companion or src + SCALE_COMPANIONS[0]
+            rule = f"Rule(({src!r}, {named!r}), <target>, transforms=(Dequantize(block=(128, 128)),))"
+            if companion is not None:
+                self.used.add(companion)  # reported here, not again as unexpected
+                what = f"holds {code} codes scaled by {companion!r}{via}"
+                todo = (f"dequantize with a mapping rule {rule} (bridges.mapping.Dequantize; "
+                        "bridges.mapping.dequantized(mapping) adds it to a preset)")
+            else:
+                what = (f"holds {code} values and the checkpoint has no scale companion "
+                        f"({' or '.join(repr(src + x) for x in SCALE_COMPANIONS)}){via}")
+                todo = (f"restore from a checkpoint that has the companion (a quantized checkpoint without it is "
+                        f"incomplete; then {rule}), or, for unscaled float8 values, cast with an explicit Cast rule")
+            return QuantizedWeightError(
+                f"checkpoint tensor {src!r} {what}: a cast to {want.name} would give the raw codes, not the "
+                f"weights; {todo}, or restore into a {code} target to keep the codes",
+                key=key, object=named, expected=f"{code} target, or a Dequantize rule", found=want.name)
+        return None
 
     def _plan(self, key: str, sources: tuple[str, ...], chain: MappingChain | None, shape: tuple[int, ...], dtype: np.dtype,
               same: bool, source_dtype: np.dtype | None = None) -> None:
@@ -369,6 +423,14 @@ class _Planner:
             if hint is not None:
                 out[key] = hint
         return out
+
+
+def scale_companion(key: str, keys: Collection[str]) -> str | None:
+    """The checkpoint key holding ``key``'s quantization scales (:data:`SCALE_COMPANIONS`), or None."""
+    for suffix in SCALE_COMPANIONS:
+        if key + suffix in keys:
+            return key + suffix
+    return None
 
 
 def plan_restore(source: RestoreSource, leaves: Sequence[TargetLeaf], mapping: KeyMap | None = None,

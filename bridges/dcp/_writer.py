@@ -22,9 +22,20 @@ Call order (DCP drives it, every rank unless noted): ``reset`` -> ``set_up_stora
 ``dcp.load(state_dict, storage_reader=CkptfmtStorageReader(url))`` then restores all of it at
 any world size, non-tensor values included; so do :func:`bridges.torch.load` and
 ``bridges.jax.restore`` (the keys are the torch profile's).
+
+**Process-based async save.** ``dcp.async_save(state, storage_writer=writer,
+async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` (with or without an ``async_stager=
+DefaultStager(StagingOptions(...))``) pickles the writer into DCP's checkpoint process, which
+joins its own gloo process group and runs ``dcp.save`` there; the commit above then happens in
+that process, so a training process killed once staging has returned leaves either the committed
+step or no step at all (never a listed partial one). What travels is the writer's destination and
+options only (``url``, ``step``, ``extra``, ``metadata``, ``options``): no manifest, handle or
+storage object. Pickling refuses (InvalidOptionError) an ``extra`` or ``metadata`` that is not
+plain JSON, and ``SaveOptions.timings`` (the checkpoint process's timings would never come back).
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Mapping
 
@@ -35,9 +46,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 import ckptfmt
-from ckptfmt.errors import CheckpointError, IncompleteSaveError
+from ckptfmt.errors import CheckpointError, IncompleteSaveError, InvalidOptionError
 
 __all__ = ["CkptfmtStorageWriter"]
+
+#: What a pickled writer carries to DCP's checkpoint process: its destination and options.
+_PICKLED = ("url", "step", "extra", "options", "metadata")
 
 
 def _nested(planner: SavePlanner) -> dict[str, Any]:
@@ -101,6 +115,35 @@ class CkptfmtStorageWriter(StorageWriter):
         self.step = step
         self.extra, self.options, self.metadata = extra, options, dict(metadata or {})
         self.manifest: ckptfmt.Manifest | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The writer's destination and options, for DCP's checkpoint process (``PROCESS`` async
+        save). Raises InvalidOptionError for a value that is not plain data (nothing is pickled)."""
+        for name in ("extra", "metadata"):
+            try:
+                json.dumps(getattr(self, name), allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise InvalidOptionError("a CkptfmtStorageWriter crossing to DCP's checkpoint process carries plain "
+                                         "JSON only; pass JSON-able values", key=name, object=self.url,
+                                         expected="JSON-able", found=str(exc)) from None
+        if self.options is not None:
+            if not isinstance(self.options, ckptfmt.SaveOptions):
+                raise InvalidOptionError("CkptfmtStorageWriter options must be a ckptfmt.SaveOptions", key="options",
+                                         object=self.url, expected="SaveOptions", found=type(self.options).__name__)
+            if self.options.timings is not None:
+                raise InvalidOptionError("SaveOptions.timings cannot cross to DCP's checkpoint process: the timings "
+                                         "that process adds would never come back; drop timings for a PROCESS "
+                                         "async_save", key="options.timings", object=self.url,
+                                         expected=None, found="a dict")
+        return {name: getattr(self, name) for name in _PICKLED}
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or set(state) != set(_PICKLED):
+            raise InvalidOptionError("not a pickled CkptfmtStorageWriter", object="CkptfmtStorageWriter",
+                                     expected=sorted(_PICKLED), found=sorted(state) if isinstance(state, Mapping)
+                                     else type(state).__name__)
+        self.__init__(state["url"], state["step"], extra=state["extra"],  # type: ignore[misc]
+                      options=state["options"], metadata=state["metadata"])
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:

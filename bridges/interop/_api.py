@@ -15,7 +15,8 @@ from ckptfmt.interop import read_config
 from ckptfmt.errors import CheckpointError, IncompleteSaveError
 from ckptfmt.reader import Checkpoint
 from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportPlan, ExportReport, ExportTensor, ImportReport, begin_export,
-                             discard_parts, finish_export, import_safetensors, prepare_export, write_part)
+                             discard_parts, finish_export, import_safetensors, prepare_export, quantization_config,
+                             quantized, write_part)
 
 from bridges import presets
 from bridges.interop._export_map import PRESETS, Coverage, export_tensors, mapped_tensors, preset_mapping, strip_target_prefix
@@ -90,7 +91,7 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
            config: TMapping[str, Any] | str | os.PathLike | None = None, processes: int = 1,
            allow_partial: bool = False, ignore: Sequence[str] = (),
            progress: Progress | None = None, names: TMapping[str, str] | str | os.PathLike | None = None,
-           preset_args: TMapping[str, Any] | None = None) -> ExportReport:
+           preset_args: TMapping[str, Any] | None = None, quantize: str | None = None) -> ExportReport:
     """Export step ``step`` (None: latest) of ``url`` as a Hugging Face safetensors directory.
 
     ``mapping`` (checkpoint keys -> file names and layouts; None: every tensor as is): a Mapping
@@ -106,6 +107,9 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
     -> path) fits a preset's name table to the model (bridges/MAPPING.md, "Fitting your own
     model"); ``preset_args`` passes the preset's other keyword arguments (``{"experts":
     "per_expert"}``: the hub's one-tensor-per-expert names). ``progress(done, total)``: tensor bytes written by all writers.
+    ``quantize="fp8"``: the Linear weights as block-FP8 codes with their ``*.weight_scale_inv``
+    scales and ``quantization_config`` in ``config.json``, the layout serving engines load
+    (:func:`ckptfmt.interop.export_safetensors`; bridges/MAPPING.md, "Quantized weights").
 
     Streaming and verified as :func:`ckptfmt.interop.export_safetensors` (host memory: the reader's
     window and one block per process); files are created and published as it does, never over
@@ -132,12 +136,16 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
         coverage.append(cov)
         return outs, unmapped
 
-    ckpt, plan, unmapped = prepare_export(url, step=step, tensors=tensors if mapping is not None else None,
-                                          dtype=dtype, max_shard_size=max_shard_size)
+    kept: list[str] = []
+    ckpt, plan, unmapped = prepare_export(url, step=step, dtype=dtype, max_shard_size=max_shard_size,
+                                          tensors=quantized(tensors if mapping is not None else None, quantize, dtype, kept))
+    if quantize is not None:
+        config = dict(config or {}, quantization_config=quantization_config(kept))
     begin_export(out_dir, plan, config)
     read = _write_all(ckpt, plan, out_dir, config, processes, progress, {
         "url": str(url), "step": plan.step, "mapping": mapping_to_json(mapping) if mapping is not None else None,
-        "dtype": dtype, "max_shard_size": max_shard_size, "out_dir": str(out_dir), "digest": plan.digest})
+        "dtype": dtype, "max_shard_size": max_shard_size, "out_dir": str(out_dir), "digest": plan.digest,
+        "quantize": quantize})
     return ExportReport(str(out_dir), tuple(f.name for f in plan.files), sum(len(f.tensors) for f in plan.files),
                         plan.nbytes, read, time.perf_counter() - t0, plan.step, plan.save_id, tuple(unmapped),
                         coverage[0].unwritten if coverage else ())

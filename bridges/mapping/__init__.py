@@ -13,7 +13,8 @@ from the source layout to the target layout: :class:`Select` one index of a stac
 target-only placeholder such as ``layers.{i}`` names it), :class:`Merge` / :class:`Unmerge`
 contiguous axes, :class:`Transpose`, :class:`Reorder` along an axis, :class:`Concat` several
 sources or take a :class:`Part` of one, :class:`Stack` a key family, :class:`Scale`,
-:class:`Cast`. Each maps a target box to the source box(es) it needs, so a sharded restore reads
+:class:`Cast`, and :class:`Dequantize` (block-FP8 codes with their per-block scales;
+:func:`dequantized` adds it to a preset). Each maps a target box to the source box(es) it needs, so a sharded restore reads
 only its own bytes, and has an exact inverse for saving the other way. The older
 ``permute={ndim: axes}`` table remains: a Transpose chosen by the tensor's ndim.
 
@@ -55,9 +56,11 @@ from bridges.mapping._mapping import Stack as Stack
 from bridges.mapping._mapping import Scale as Scale
 from bridges.mapping._mapping import Shift as Shift
 from bridges.mapping._mapping import Cast as Cast
+from bridges.mapping._mapping import Dequantize as Dequantize
+from bridges.mapping._mapping import dequantized as dequantized
 from bridges.mapping._mapping import interleaved_to_halves as interleaved_to_halves
 from bridges.mapping._mapping import halves_to_interleaved as halves_to_interleaved
 from bridges.mapping._mapping import optimizer_step_rules as optimizer_step_rules
 from bridges.mapping._mapping import InvalidRuleError as InvalidRuleError
 
-__all__ = ["Rule", "Mapping", "Resolved", "IDENTITY", "LoadReport", "MappingError", "KeptValuesWarning", "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES", "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge", "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "interleaved_to_halves", "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError"]
+__all__ = ["Rule", "Mapping", "Resolved", "IDENTITY", "LoadReport", "MappingError", "KeptValuesWarning", "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES", "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge", "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "Dequantize", "dequantized", "interleaved_to_halves", "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError"]

@@ -110,7 +110,8 @@ class Chain:
             for op in pre:
                 d = op.out_dtype(d)
             outs.append(d)
-        if len(set(outs)) > 1:
+        mixed = getattr(join, "mixed_dtypes", False)  # Dequantize: float8 codes and float32 scales
+        if len(set(outs)) > 1 and not mixed:
             raise MappingError(f"{where}: the joined sources differ in dtype", key=target_key,
                                expected=str(outs[0]), found=[str(d) for d in outs])
         if join is not None:
@@ -122,6 +123,11 @@ class Chain:
             level = pre_shapes[0][-1]
         post_shapes = [level]
         dtype = outs[0]
+        if mixed:
+            try:
+                dtype = join.join_dtype(outs)  # type: ignore[union-attr]
+            except NotApplicable as e:
+                raise _fail(where, target_key, len(pre), join, e) from None  # type: ignore[arg-type]
         for i, op in enumerate(post):
             try:
                 post_shapes.append(op.out_shape(post_shapes[-1]))

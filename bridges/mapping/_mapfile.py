@@ -37,6 +37,7 @@ from typing import Any
 from ckptfmt.errors import CheckpointError
 
 from bridges.mapping._joins import Concat, Part, Stack
+from bridges.mapping._quant import Dequantize
 from bridges.mapping._reshape import Merge, Unmerge
 from bridges.mapping._rules import Mapping, Rule
 from bridges.mapping._transforms import Cast, Reorder, Scale, Shift, Transform, Transpose
@@ -49,7 +50,7 @@ __all__ = ["mapping_to_json", "mapping_from_json", "load_mapping_file", "load_na
 
 MAPPING_VERSION = 1
 _OPS: dict[str, type] = {c.__name__: c for c in (Select, Merge, Unmerge, Transpose, Reorder, Concat, Part,
-                                                   Stack, Scale, Shift, Cast)}
+                                                   Stack, Scale, Shift, Cast, Dequantize)}
 #: Caps of a mapping document (bridges/MAPPING.md, "Mapping files: caps").
 MAX_FILE_BYTES = 16 << 20
 MAX_NESTING = 8             # levels of arrays and objects; the document is level 1 (a field's list is level 6)
@@ -147,6 +148,7 @@ _KINDS: dict[str, tuple[Any, str]] = {
                "a finite number"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "dtype": (lambda v: isinstance(v, str) and 0 < len(v) <= 64, "a dtype name"),
+    "block": (_ints(1, MAX_DIM, 1, MAX_AXES), f"1..{MAX_AXES} block sizes of 1..{MAX_DIM}"),
 }
 _FIELDS: dict[str, dict[str, str]] = {
     "Select": {"axis": "axis", "index": "index", "size": "stacked?"},
@@ -157,6 +159,7 @@ _FIELDS: dict[str, dict[str, str]] = {
     "Scale": {"factor": "number", "divide": "bool", "allow_inexact_inverse": "bool"},
     "Shift": {"offset": "number", "allow_inexact_inverse": "bool"},
     "Cast": {"dtype": "dtype", "source_dtype": "dtype?"},
+    "Dequantize": {"block": "block", "dtype": "dtype"},
 }
 
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping as TMapping, Sequence
 
-from bridges.mapping._chain import Chain, InvalidRuleError, MappingError
+from bridges.mapping._chain import Chain, InvalidRuleError, MappingError, split_chain
 from bridges.mapping._rules import KeptValuesWarning, LoadReport, Mapping, Resolved, Rule
 from bridges.mapping._joins import Concat, Part, Stack
+from bridges.mapping._quant import FP8_BLOCK, SCALE_SUFFIX, Dequantize
 from bridges.mapping._reshape import Merge, Unmerge
 from bridges.mapping._transforms import (Cast, Reorder, Scale, Shift, Transform, Transpose, halves_to_interleaved, interleaved_to_halves)
 from bridges.mapping._joins import Select
@@ -14,7 +15,7 @@ __all__ = [
     "Rule", "Mapping", "Resolved", "IDENTITY", "LoadReport", "MappingError", "KeptValuesWarning",
     "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES",
     "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge",
-    "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "interleaved_to_halves",
+    "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "Dequantize", "dequantized", "interleaved_to_halves",
     "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError",
 ]
 
@@ -129,3 +130,30 @@ def torch_adamw_kwargs(*, learning_rate: float, b1: float = 0.9, b2: float = 0.9
         raise ValueError("an optax schedule has no AdamW kwarg; set lr per step from the schedule")
     return {"lr": float(learning_rate), "betas": (float(b1), float(b2)), "eps": float(eps),
             "weight_decay": float(weight_decay)}
+
+
+def dequantized(mapping: Mapping, *, block: Sequence[int] = FP8_BLOCK, dtype: str = "float32",
+                suffix: str = SCALE_SUFFIX) -> Mapping:
+    """``mapping`` (a :class:`bridges.mapping.Mapping`, e.g. a preset's) reading block-FP8
+    weights: every rule of one source and no join gets a twin that reads ``(source,
+    source + suffix)`` through :class:`Dequantize` first (then the rule's own transforms), tried
+    before it; where the checkpoint has no scale companion the original rule applies. A mapping
+    without rules (the identity) gets one generic pair for ``{name}weight``. Returns a new Mapping;
+    ``mapping`` is unchanged.
+    """
+    if not isinstance(mapping, Mapping):
+        raise ValueError(f"dequantized() takes a bridges.mapping.Mapping, got {type(mapping).__name__}")
+    op = Dequantize(tuple(block), dtype)
+    rules: list = []
+    tiers: list[int] = []
+    base = mapping.rules or (Rule("{name}weight", "{name}weight"),)
+    base_tiers = mapping.tiers or (0,)
+    for rule, tier in zip(base, base_tiers):
+        if len(rule.sources) == 1 and rule.permute is None and split_chain(rule.transforms)[1] is None:
+            src = rule.sources[0]
+            rules.append(Rule((src, src + suffix), rule.target, transforms=(op, *rule.transforms), also=rule.also))
+            tiers.append(tier)
+        rules.append(rule)
+        tiers.append(tier)
+    return Mapping(tuple(rules), mapping.ignore, mapping.keep, mapping.source_sep, mapping.target_sep, tuple(tiers))
+

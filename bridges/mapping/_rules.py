@@ -15,6 +15,7 @@ from ckptfmt.restoreplan import RestoreReport
 from bridges.mapping._chain import Chain, InvalidRuleError, split_chain, with_select_size
 from bridges.mapping._joins import Concat, Stack
 from bridges.mapping._pattern import PLACEHOLDER, Pattern
+from bridges.mapping._quant import Dequantize
 from bridges.mapping._transforms import Cast, NotApplicable, Transform, Transpose
 from bridges.mapping._joins import Select
 
@@ -122,7 +123,9 @@ class Rule:
         srcs = self.sources
         if isinstance(join, Concat) and len(srcs) < 2:
             raise ValueError(f"{where}: Concat needs two or more sources")
-        if not isinstance(join, Concat) and len(srcs) != 1:
+        if isinstance(join, Dequantize) and len(srcs) != 2:
+            raise ValueError(f"{where}: Dequantize needs two sources, the codes and their scales")
+        if not isinstance(join, (Concat, Dequantize)) and len(srcs) != 1:
             raise ValueError(f"{where}: {len(srcs)} sources need a Concat to join them")
         tnames = set(_placeholders(self.target))
         for op in self.transforms:

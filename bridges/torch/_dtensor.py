@@ -59,9 +59,11 @@ def _runs(idx: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _indices(t: Any, key: str) -> list[list[int]]:
-    """The global indices this rank holds along each dimension, in local order."""
-    mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
+def _indices(t: Any, key: str, coord: Any = None) -> list[list[int]]:
+    """The global indices this rank (or the mesh coordinate ``coord``) holds along each dimension,
+    in local order."""
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate() if coord is None else coord
     ndim = t.ndim
     idx = [torch.arange(int(n)) for n in t.shape]
     for m, p in enumerate(t.placements):
@@ -79,12 +81,48 @@ def _indices(t: Any, key: str) -> list[list[int]]:
     return [v.tolist() for v in idx]
 
 
+def _strided_sharding(t: Any, key: str, names: tuple[str, ...], replicated: list[int]) -> TensorSharding | None:
+    """The description of a strided layout that is a plain split of each dimension by several mesh
+    axes in another order than the mesh's (FSDP2 over TP: ``_StridedShard`` on dp and ``Shard`` on
+    tp of one dimension hold the rows of ``P(("tp", "dp"))``, tp major), or None: checked for every
+    mesh coordinate, for evenly divided dimensions only."""
+    mesh, placements = t.device_mesh, t.placements
+    splits: dict[int, list[int]] = {}
+    for m, p in enumerate(placements):
+        if not isinstance(p, Replicate):
+            splits.setdefault(p.dim % max(t.ndim, 1), []).append(m)
+    coords = list(itertools.product(*(range(mesh.size(m)) for m in range(mesh.ndim))))
+    held = [_indices(t, key, list(c)) for c in coords]
+    partition: list[tuple[str, ...] | None] = [None] * t.ndim
+    for d, axes in splits.items():
+        n, parts = int(t.shape[d]), 1
+        for m in axes:
+            parts *= mesh.size(m)
+        if n % parts:
+            return None
+        size = n // parts
+        for order in itertools.permutations(axes):
+            def start(c: tuple[int, ...]) -> int:
+                k = 0
+                for m in order:
+                    k = k * mesh.size(m) + c[m]
+                return k * size
+            if all(h[d] == list(range(start(c), start(c) + size)) for c, h in zip(coords, held)):
+                partition[d] = tuple(names[m] for m in order)
+                break
+        else:
+            return None
+    return TensorSharding("torch", tuple(mesh.shape), names, tuple(partition), tuple(names[i] for i in replicated))
+
+
 def dtensor_pieces(t: Any, key: str) -> tuple[list[Piece] | None, int, TensorSharding | None]:
     """This rank's pieces of DTensor ``t``, its replica id, and the sharding description.
 
     None pieces: this rank is not on the DTensor's mesh. The replica id is the rank's coordinate
     on the ``Replicate()`` mesh dimensions, read row-major (FORMAT.md 13.3). The description is
-    given for plain layouts only (a strided one is not a partition per mesh dimension).
+    given for plain layouts, and for strided ones that split each dimension evenly by its mesh axes
+    in another order (FSDP2 over TP: ``partition`` ``[["tp", "dp"], ...]``, major to minor); None
+    for other strided layouts.
     Raises InvalidStateError, naming the key, for a placement that cannot be saved.
     """
     mesh, placements = t.device_mesh, t.placements
@@ -113,4 +151,4 @@ def dtensor_pieces(t: Any, key: str) -> tuple[list[Piece] | None, int, TensorSha
     pieces = [Piece(Box(tuple(r[0] for r in combo), tuple(r[2] for r in combo)),
                     tuple(slice(r[1], r[1] + r[2]) for r in combo))
               for combo in itertools.product(*runs)]
-    return pieces, rid, None
+    return pieces, rid, _strided_sharding(t, key, names, replicated)

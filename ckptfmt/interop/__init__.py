@@ -37,18 +37,20 @@ from ckptfmt.interop._safetensors import encode_header
 from ckptfmt.interop._exportfiles import create_exclusive, publish, read_config, temp_name
 from ckptfmt.interop._stsource import SafetensorsSource, SourceTensor, find_safetensors
 from ckptfmt.interop._zarrrefs import zarr_references as zarr_references
+from ckptfmt.interop._fp8 import FP8_BLOCK, FP8_SKIP, quantization_config, quantize_fp8
 from ckptfmt._types import Box
 from ckptfmt.errors import StepNotFoundError
 from ckptfmt.reader import Checkpoint
 from ckptfmt.repository import Repository
 from ckptfmt.storage import StorageOptions
-from ckptfmt.restoreplan import RestoreSource
+from ckptfmt.restoreplan import SCALE_COMPANIONS, RestoreSource, scale_companion
 
 __all__ = ["open_source", "zarr_references", "export_safetensors", "prepare_export", "import_safetensors", "import_tensors",
            "identity_tensors", "safetensors_provenance", "SafetensorsSource", "SourceTensor", "find_safetensors",
            "ExportTensor", "BlockSource", "ExportFile", "ExportPlan", "ExportReport", "ImportTensor", "ImportReport", "Identity",
            "parse_size", "check_out_dir", "begin_export", "write_part", "discard_parts", "finish_export", "output_dtype", "CRC_BLOCK", "BLOCK_BYTES",
-           "MAX_HEADER_BYTES", "DEFAULT_MAX_SHARD_SIZE",
+           "MAX_HEADER_BYTES", "DEFAULT_MAX_SHARD_SIZE", "QUANTIZE_MODES", "FP8_BLOCK", "FP8_SKIP", "quantize_fp8",
+           "quantization_config", "quantized",
            # for the bridges' importers and exporters (Orbax, DCP, PEFT): a named interface, not private modules
            "BatchReader", "natural_key", "encode_header", "read_config", "create_exclusive", "publish", "temp_name"]
 
@@ -57,6 +59,26 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 Progress = Callable[[int, int], None]
 TensorsFor = Callable[[Checkpoint], tuple[Sequence[ExportTensor], Sequence[str]]]
+#: ``quantize=`` values of an export: None (as the checkpoint holds it) or block-FP8.
+QUANTIZE_MODES = (None, "fp8")
+
+
+def quantized(tensors: TensorsFor | None, quantize: str | None, dtype: str | None,
+              kept: list[str]) -> TensorsFor | None:
+    """``tensors`` (None: :func:`identity_tensors`) with ``quantize="fp8"`` applied
+    (:func:`quantize_fp8`); the module names left in high precision are appended to ``kept``.
+    ValueError for another mode."""
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize={quantize!r}: one of {QUANTIZE_MODES}")
+    if quantize is None:
+        return tensors
+
+    def fp8(ckpt: Checkpoint) -> tuple[Sequence[ExportTensor], Sequence[str]]:
+        outs, unmapped = tensors(ckpt) if tensors is not None else identity_tensors(ckpt, dtype)
+        outs, left = quantize_fp8(outs)
+        kept.extend(left)
+        return outs, unmapped
+    return fp8
 
 
 def open_source(url: str, step: int | None = None, *, resolve: Callable[[Repository, int | None], int | None] | None = None,
@@ -83,12 +105,23 @@ def open_source(url: str, step: int | None = None, *, resolve: Callable[[Reposit
 
 def identity_tensors(ckpt: Checkpoint, dtype: str | None = None) -> tuple[list[ExportTensor], list[str]]:
     """Every tensor of the checkpoint under its own key path (natural order), cast to ``dtype``
-    when floating-point."""
+    when floating-point, but quantized weights (float8 codes with a scale companion, and the
+    companion): a cast would lose their scaling."""
     out = []
-    for key in sorted(ckpt.keys(), key=natural_key):
+    keys = set(ckpt.keys())
+    for key in sorted(keys, key=natural_key):
         t = ckpt.tensor(key)
-        out.append(ExportTensor(key, tuple(int(n) for n in t.shape), output_dtype(t.dtype, dtype), t.dtype, Identity(key)))
+        want = t.dtype if _quantized(ckpt, key, keys) else output_dtype(t.dtype, dtype)
+        out.append(ExportTensor(key, tuple(int(n) for n in t.shape), want, t.dtype, Identity(key)))
     return out, []
+
+
+def _quantized(ckpt: Checkpoint, key: str, keys: set[str]) -> bool:
+    """``key`` holds float8 codes with a scale companion, or is such a companion: its dtype stays."""
+    if str(ckpt.tensor(key).dtype).startswith("float8") and scale_companion(key, keys) is not None:
+        return True
+    return any(key.endswith(x) and key[:-len(x)] in keys and str(ckpt.tensor(key[:-len(x)]).dtype).startswith("float8")
+               for x in SCALE_COMPANIONS)
 
 
 def prepare_export(url: str, *, step: int | None = None, tensors: TensorsFor | None = None, dtype: str | None = None,
@@ -104,14 +137,18 @@ def prepare_export(url: str, *, step: int | None = None, tensors: TensorsFor | N
 
 def export_safetensors(url: str, out_dir: str, *, step: int | None = None, tensors: TensorsFor | None = None,
                        dtype: str | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                       config: Mapping[str, Any] | None = None, progress: Progress | None = None) -> ExportReport:
+                       config: Mapping[str, Any] | None = None, progress: Progress | None = None,
+                       quantize: str | None = None) -> ExportReport:
     """Export step ``step`` (None: the latest) of ``url`` to ``out_dir`` in one process (for several
     writer processes and mappings: ``bridges.interop.export``).
 
     Writes ``model-XXXXX-of-YYYYY.safetensors`` files of at most ``max_shard_size`` each (a larger
     tensor alone in its file), then ``config.json`` (when ``config`` is given) and last
     ``model.safetensors.index.json``. ``dtype`` casts floating-point tensors (e.g. ``"bfloat16"``).
-    ``progress(done, total)`` is called with tensor bytes written.
+    ``progress(done, total)`` is called with tensor bytes written. ``quantize="fp8"`` writes every
+    floating-point ``*.weight`` of 2+ dims but embeddings, norms, the head and routers
+    (:data:`FP8_SKIP`) as block-FP8 codes with their ``*.weight_scale_inv`` and adds
+    ``quantization_config`` to ``config.json`` (:mod:`ckptfmt.interop._fp8`); ValueError for another mode.
 
     Every file is created under its temporary name with ``O_EXCL | O_NOFOLLOW`` and published
     without replacing anything (docs/INTEROP.md, section 3): nothing is written outside ``out_dir``.
@@ -122,7 +159,11 @@ def export_safetensors(url: str, out_dir: str, *, step: int | None = None, tenso
     StorageError, after which no file of this export is left and no index exists.
     """
     t0 = time.perf_counter()
+    kept: list[str] = []
+    tensors = quantized(tensors, quantize, dtype, kept)
     ckpt, plan, unmapped = prepare_export(url, step=step, tensors=tensors, dtype=dtype, max_shard_size=max_shard_size)
+    if quantize is not None:
+        config = dict(config or {}, quantization_config=quantization_config(kept))
     begin_export(out_dir, plan, config)
     files = write_part(ckpt, plan, out_dir, progress=progress)
     try:

@@ -14,12 +14,15 @@ source boxes are read with :meth:`Checkpoint.iter_read_boxes` (every byte verifi
 manifest before it is handed over; the next blocks are read while this one is written), then
 assembled (the mapping's transforms), cast (``dtype``) and written at its offset. Host memory
 held at once: the reader's window (:data:`READ_WINDOW`) plus one block and its cast, whatever the
-tensor and checkpoint sizes. The header is written last, at offset 0, with the crc32c of every
+tensor and checkpoint sizes, plus the stored chunks several blocks share (a stacked tensor's
+chunks span its layers), read once and held for the blocks that need them, up to
+:data:`SHARED_CHUNK_BYTES`. The header is written last, at offset 0, with the crc32c of every
 :data:`CRC_BLOCK` bytes of each tensor (their hex digits have a fixed width, so the header's size
 is known before the data): docs/INTEROP.md, "Checksummed safetensors".
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -53,6 +56,8 @@ CRC_BLOCK = 1 << 20
 BLOCK_BYTES = 16 << 20
 #: Bytes of source reads in flight (the reader's window during an export).
 READ_WINDOW = 64 << 20
+#: Stored chunks an export holds for the later blocks that read them again (stacked layers).
+SHARED_CHUNK_BYTES = 256 << 20
 
 Progress = Callable[[int, int], None]
 
@@ -297,12 +302,15 @@ def _write_file(ckpt: Checkpoint, plan: ExportPlan, f: ExportFile, out_dir: str,
     header, entries = encode_header(layout, _metadata(plan, dummy, "0" * 8))
     table = table_crc(entries, len(header))
     tmp = os.path.join(out_dir, temp_name(f.name))
-    blocks = [(t, b) for t in f.tensors for b in _blocks(t.shape, DTYPES[t.dtype], BLOCK_BYTES)]
+    # Tensors reading the same checkpoint tensor go one after another (a stacked tensor's layers),
+    # so that the stored chunks they share are read once and held only while they are needed.
+    order = sorted(f.tensors, key=lambda t: _first_source(t))
+    blocks = [(t, b) for t in order for b in _blocks(t.shape, DTYPES[t.dtype], BLOCK_BYTES)]
     fd = create_exclusive(tmp)
     try:
         crcs = {t.name: _BlockCrc(CRC_BLOCK) for t in f.tensors}
         pos = {e.name: e.begin for e in entries}
-        reader = ckpt.iter_read_boxes([t.source.reads(b) for t, b in blocks])
+        reader = _SharedChunkReads(ckpt, [t.source.reads(b) for t, b in blocks], SHARED_CHUNK_BYTES).blocks()
         try:
             for (t, box), got in zip(blocks, reader):
                 arr = t.source.assemble(box, got)
@@ -342,6 +350,64 @@ def _write_file(ckpt: Checkpoint, plan: ExportPlan, f: ExportFile, out_dir: str,
         raise
     os.close(fd)
     return done
+
+
+def _first_source(t: ExportTensor) -> str:
+    """The checkpoint key the first block of ``t`` reads first ("" when it reads nothing)."""
+    if 0 in t.shape:
+        return ""
+    first = t.source.reads(Box((0,) * len(t.shape), (1,) * len(t.shape)))
+    return first[0][0] if first else ""
+
+
+class _SharedChunkReads:
+    """The verified arrays of each block's reads, in order, reading each stored chunk that
+    several blocks share once (a stacked tensor whose chunks span every layer is otherwise read
+    once per layer). A block that shares no chunk is read through the reader's window as before;
+    a shared chunk is read with :meth:`Checkpoint.read_chunks` (checked), held until the last
+    block that needs it (at most ``budget`` bytes: past it, the chunk needed furthest ahead is
+    dropped and read again when needed), and handed to :meth:`Checkpoint.read_boxes` as a
+    supplied chunk, which checks it again before assembling."""
+
+    def __init__(self, ckpt: Checkpoint, requests: Sequence[Sequence[tuple[str, Box]]], budget: int) -> None:
+        self.ckpt, self.requests, self.budget = ckpt, requests, budget
+        self.refs = [ckpt.chunk_refs(r) if r else [] for r in requests]
+        self.uses: dict[Any, list[int]] = {}
+        for i, refs in enumerate(self.refs):
+            for ref in refs:
+                self.uses.setdefault(ref, []).append(i)
+        self.shared = [any(len(self.uses[ref]) > 1 for ref in refs) for refs in self.refs]
+
+    def blocks(self) -> Iterator[list[np.ndarray]]:
+        plain = self.ckpt.iter_read_boxes([r for r, sh in zip(self.requests, self.shared) if not sh])
+        held: dict[Any, np.ndarray] = {}
+        try:
+            for i, reqs in enumerate(self.requests):
+                if not self.shared[i]:
+                    yield next(plain)
+                    continue
+                missing = [ref for ref in self.refs[i] if ref not in held]
+                held.update(zip(missing, self.ckpt.read_chunks(missing)) if missing else ())
+                yield self.ckpt.read_boxes(reqs, supplied={ref: (held[ref], "this export") for ref in self.refs[i]})
+                self._release(held, i)
+        finally:
+            plain.close()
+
+    def _release(self, held: dict[Any, np.ndarray], i: int) -> None:
+        """Drop the chunks no later block needs, then the ones needed furthest ahead past the budget."""
+        def next_use(ref: Any) -> int:
+            uses = self.uses[ref]  # ascending block numbers
+            k = bisect.bisect_right(uses, i)
+            return uses[k] if k < len(uses) else -1
+        ahead = {ref: next_use(ref) for ref in held}
+        for ref, j in ahead.items():
+            if j < 0:
+                del held[ref]
+        size = sum(int(a.nbytes) for a in held.values())
+        for ref in sorted(held, key=lambda r: -ahead[r]):
+            if size <= self.budget:
+                break
+            size -= int(held.pop(ref).nbytes)
 
 
 def _write_new(out_dir: str, name: str, data: bytes) -> str:

@@ -103,6 +103,9 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                                                               "argument of the preset (repeatable; VALUE is JSON, "
                                                               "else a string), e.g. experts=per_expert, "
                                                               "rope=interleaved, scan_axis=0."),
+               quantize: Optional[str] = typer.Option(None, "--quantize", help="fp8: the Linear weights as "
+                                                      "block-FP8 codes with their weight_scale_inv and "
+                                                      "quantization_config in config.json (bridges/MAPPING.md 3.7)."),
                as_json: bool = JsonOpt) -> None:
     """Export a step as Hugging Face safetensors files (+ index), loadable by from_pretrained.
     Through a mapping it is complete or refused (--allow-partial to write what fits)."""
@@ -118,7 +121,7 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
             report = export(url, out_dir, mapping=mapping, step=step, dtype=dtype, max_shard_size=max_shard_size,
                             config=config, processes=processes, allow_partial=allow_partial,
                             ignore=tuple(ignore or ()), progress=progress, names=names,
-                            preset_args=_preset_args(preset_arg or ()))
+                            preset_args=_preset_args(preset_arg or ()), quantize=quantize)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     except (ValueError, OSError) as exc:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import re
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 from rich.console import Console
@@ -117,10 +118,14 @@ def _sharding_text(sh: dict[str, Any] | None) -> str:
         parts.append(sh["framework"])
     if sh.get("mesh_shape"):
         names = sh.get("axis_names") or []
-        parts.append("mesh " + "x".join(f"{n}{'=' + str(a) if a else ''}"
+        parts.append("mesh " + "x".join(f"{a}={n}" if a else str(n)
                                         for n, a in zip(sh["mesh_shape"], names or [""] * len(sh["mesh_shape"]))))
     if sh.get("partition"):
         parts.append("P(" + ", ".join("None" if p is None else "+".join(p) for p in sh["partition"]) + ")")
+        order = list(sh.get("axis_names") or [])
+        strided = [p for p in sh["partition"] if p and [a for a in order if a in p] != list(p)]
+        if strided:  # axes major to minor against the mesh's order: FSDP2 over TP (_StridedShard)
+            parts.append("strided (" + "; ".join(f"{p[0]} major" for p in strided) + ")")
     if sh.get("replicated_axes"):
         parts.append("replicated over " + ",".join(sh["replicated_axes"]))
     return " ".join(parts) or "-"
@@ -133,8 +138,12 @@ def describe_step(repo: Any, step: int | None) -> dict[str, Any]:
     tensors = []
     for key in ckpt.keys():
         t = ckpt.tensor(key)
+        text = _sharding_text(t.sharding)
+        per_writer = Counter(int(w) for w in t.shards.writer)
+        if t.sharding is None and max(per_writer.values(), default=0) > 1:  # a layout no partition describes
+            text = f"{len(t.shards)} boxes over {len(per_writer)} writers, no partition recorded"
         tensors.append({"key": key, "shape": list(t.shape), "dtype": t.dtype, "sharding": t.sharding,
-                        "sharding_text": _sharding_text(t.sharding), "shards": len(t.shards),
+                        "sharding_text": text, "shards": len(t.shards),
                         "writers": sorted({int(w) for w in t.shards.writer}),
                         "shard_shape": list(t.array.shard_shape), "chunk_shape": list(t.array.chunk_shape),
                         "bytes": t.nbytes, "stored_bytes": int(t.shards.nbytes.sum()),
