@@ -1,0 +1,121 @@
+"""torchtitan through ckptfmt (issue 51, item 1): a training loop of torchtitan's components on 4
+gloo ranks (FSDP2 over tensor parallelism, (dp, tp) = (2, 2)) saves through
+``bridges.torchtitan.CkptfmtCheckpointManager``; a fresh job resumes from it bit for bit; the
+checkpoint loads into Hugging Face ``LlamaForCausalLM`` (built from a config) through the preset
+``hf_llama_from_torchtitan`` with no hand-written names, logits and AdamW moments compared; and a
+wrong preset (no q/k rotary permutation) loads and fails on the logits (the broken control).
+
+Why not torchtitan's ``Trainer``: see tests/torchproc/titan_job.py (its models import ``triton``).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+pytest.importorskip("torchtitan")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ckptfmt  # noqa: E402
+from bridges import torch as bt  # noqa: E402
+from bridges.mapping import interleaved_to_halves  # noqa: E402
+from bridges.presets import hf_llama_from_torchtitan, hf_qwen3_from_torchtitan  # noqa: E402
+from bridges.torchtitan import CkptfmtCheckpointManager, step_of  # noqa: E402
+from torchproc import titan_job  # noqa: E402
+from torchproc.launch import run_world  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+ARGS = dict(dp=2, tp=2, steps=4, interval=2)
+LOGIT_ATOL = 1e-4
+BROKEN = 1e-2
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    wd = tmp_path_factory.mktemp("titan")
+    run_world("titan_job:train", 4, wd, ARGS, timeout=300)
+    return wd
+
+
+def _hf_load(url: str, mapping):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(7)
+    hf = tf.LlamaForCausalLM(titan_job.hf_config()).eval()
+    adamw = torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(hf, adamw)
+    out = bt.load(url, {"model": msd, "optim": osd}, mapping=mapping)
+    set_state_dict(hf, adamw, model_state_dict=out["model"], optim_state_dict=out["optim"])
+    with torch.no_grad():
+        logits = hf(torch.tensor(titan_job.EVAL_IDS)).logits.float().numpy()
+    return out, logits
+
+
+def test_the_manager_saves_ckptfmt_steps_and_resumes_them(trained: Path):
+    """Every interval's step folder is a committed ckptfmt step holding torchtitan's states
+    (model FQNs at the root, the flattened optimizer, the LR schedulers, ``train_state``); a job
+    started from other values resumes the latest one bit for bit, train state and logits too."""
+    folder = trained / "ckpt"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4"]
+    for s in (2, 4):
+        assert ckptfmt.Repository(str(folder / f"step-{s}")).steps() == [s]
+    keys = set(ckptfmt.Repository(str(folder / "step-4")).manifest(4).tensors)
+    assert "layers.0.attention.qkv_linear.wq.weight" in keys
+    assert "optimizer/state.layers.0.attention.qkv_linear.wq.weight.exp_avg_sq" in keys
+    assert not any(p.name == ".metadata" for p in (folder / "step-4").rglob("*"))  # no DCP pickle
+    res = run_world("titan_job:resume", 4, trained, ARGS, timeout=300)
+    assert all(r == {"step": 4, "ntokens_seen": 128, "differ": [], "lr": res[0]["lr"]} for r in res)
+    assert np.array_equal(np.load(trained / "resumed.npy"), np.load(trained / "logits.npy"))
+
+
+def test_a_torchtitan_checkpoint_loads_into_transformers_with_the_preset(trained: Path):
+    """The preset maps torchtitan's names and its flattened AdamW state onto LlamaForCausalLM and
+    torch's AdamW: logits within 1e-4 of the torchtitan model's, each moment the torchtitan moment
+    (q/k rows permuted per head), every step 4. Control: the Qwen3 preset (no q/k permutation,
+    right for Qwen3, wrong for Llama 3) loads every tensor and misses the logits."""
+    url = str(trained / "ckpt" / "step-4")
+    want = np.load(trained / "logits.npy")
+    cfg = titan_job.hf_config()
+    out, got = _hf_load(url, hf_llama_from_torchtitan(cfg))
+    assert out.report.missing == () and out.report.unexpected == ()
+    err = float(np.abs(got - want).max())
+    assert err < LOGIT_ATOL, err
+
+    raw = bt.load(url, {"optimizer": {
+        f"state.layers.1.attention.qkv_linear.{w}.weight.exp_avg": torch.zeros(n * 8, 32) for w, n in (("wq", 4), ("wk", 2))}})
+    for w, proj, n in (("wq", "q_proj", 4), ("wk", "k_proj", 2)):
+        tt = raw["optimizer"][f"state.layers.1.attention.qkv_linear.{w}.weight.exp_avg"].numpy()
+        halves = tt.reshape(n, 8, 32)[:, list(interleaved_to_halves(8))].reshape(n * 8, 32)
+        hf_m = out["optim"]["state"][f"model.layers.1.self_attn.{proj}.weight"]["exp_avg"].numpy()
+        assert np.array_equal(hf_m, halves) and np.abs(hf_m).max() > 0
+    assert {float(s["step"]) for s in out["optim"]["state"].values()} == {4.0}
+
+    _, broken = _hf_load(url, hf_qwen3_from_torchtitan(cfg))
+    assert float(np.abs(broken - want).max()) > BROKEN
+
+
+def test_export_with_the_preset_writes_a_directory_transformers_loads(trained: Path, tmp_path: Path):
+    """``ckptfmt export --mapping hf_llama_from_torchtitan`` (the registry's preset) writes
+    safetensors that ``from_pretrained`` reads with the same logits; the training state is left out."""
+    from bridges.interop import export
+
+    cfg = titan_job.hf_config()
+    export(str(trained / "ckpt" / "step-4"), str(tmp_path / "hf"), mapping="hf_llama_from_torchtitan",
+           config=cfg.to_dict())
+    hf = tf.LlamaForCausalLM.from_pretrained(tmp_path / "hf", config=cfg).eval()
+    with torch.no_grad():
+        got = hf(torch.tensor(titan_job.EVAL_IDS)).logits.float().numpy()
+    assert float(np.abs(got - np.load(trained / "logits.npy")).max()) < LOGIT_ATOL
+
+
+def test_step_of_names_torchtitan_folders_only():
+    assert step_of("/x/checkpoint/step-12") == 12 and step_of("step-0/") == 0
+    with pytest.raises(ValueError, match="step-N"):
+        step_of("/x/checkpoint/latest")
+    assert issubclass(CkptfmtCheckpointManager.Config, CkptfmtCheckpointManager.__mro__[1].Config)
+    assert CkptfmtCheckpointManager.Config._owner is CkptfmtCheckpointManager  # build() constructs ours
