@@ -9,6 +9,7 @@ from bridges.mapping._joins import Concat, Part, Stack
 from bridges.mapping._reshape import Merge, Unmerge
 from bridges.mapping._transforms import (Cast, Reorder, Scale, Shift, Transform, Transpose, halves_to_interleaved, interleaved_to_halves)
 from bridges.mapping._joins import Select
+from bridges.mapping._compose import compose
 from bridges.mapping._moments import OPTAX_ADAM, TORCH_ADAM, TORCHTITAN_ADAM, MomentLayout, with_moments
 
 __all__ = [
@@ -17,7 +18,7 @@ __all__ = [
     "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge",
     "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "interleaved_to_halves",
     "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError", "MomentLayout", "OPTAX_ADAM",
-    "TORCH_ADAM", "TORCHTITAN_ADAM", "with_moments",
+    "TORCH_ADAM", "TORCHTITAN_ADAM", "with_moments", "compose",
 ]
 
 #: Flax Dense kernel (in, out) -> torch Linear weight (out, in).
