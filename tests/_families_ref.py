@@ -92,9 +92,9 @@ def _silu_mlp(y: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray)
 
 
 def moe_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta: float, top_k: int,
-                renormalize: bool, shared: bool = False) -> np.ndarray:
+                renormalize: bool, shared: bool = False, qk_norm: bool = False) -> np.ndarray:
     """Logits of the MIXTRAL_NNX_NAMES layout (``shared``: QWEN2_MOE_NNX_NAMES, with q/k/v biases
-    and a sigmoid-gated shared expert). Each token takes the softmax of its router logits, keeps
+    and a sigmoid-gated shared expert; ``qk_norm``: Qwen3-MoE's per-head q/k norms). Each token takes the softmax of its router logits, keeps
     the ``top_k`` largest (renormalized to sum 1 for Mixtral) and sums those experts' SiLU-GLU
     outputs so weighted; experts are stacked (L, E, ...)."""
     f = {k: np.asarray(v, np.float64) for k, v in p.items()}
@@ -104,8 +104,9 @@ def moe_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta:
         g = lambda n: f[f"layers/{n}"][i]  # noqa: E731
         bias = tuple(g(f"attn/{n}/bias") for n in "qkv") if shared else None
         y = _rms(x, g("attn_norm/scale"), eps)
+        norms = (g("attn/q_norm/scale"), g("attn/k_norm/scale")) if qk_norm else None
         x = x + _attention(y, g("attn/q/kernel"), g("attn/k/kernel"), g("attn/v/kernel"), g("attn/o/kernel"),
-                           theta=theta, rope="halves", scale=hd ** -0.5, bias=bias)
+                           theta=theta, rope="halves", scale=hd ** -0.5, bias=bias, qk_norm=norms, eps=eps)
         y = _rms(x, g("mlp_norm/scale"), eps)
         logit = y @ g("moe/router/kernel")                                       # (b, s, E)
         prob = np.exp(logit - logit.max(-1, keepdims=True))

@@ -22,6 +22,8 @@ model definitions: the presets name the layout a JAX model must have (tables bel
 * :func:`hf_mixtral_from_nnx`, :func:`hf_qwen2_moe_from_nnx`: ``MixtralForCausalLM`` and
   ``Qwen2MoeForCausalLM`` (shared expert) from experts stacked ``(L, E, ...)``, into the models'
   fused expert tensors or the one-tensor-per-expert files of the hub and ``save_pretrained``.
+* :func:`hf_qwen3_moe_from_nnx`: ``Qwen3MoeForCausalLM`` (Qwen3's attention with per-head q/k
+  norms, Qwen2-MoE's routed experts, no shared expert).
 * :func:`hf_gpt2_from_nnx`: ``GPT2LMHeadModel`` (Conv1D weights stored (in, out), fused
   ``c_attn``) from a Flax NNX GPT-2 with separate q/k/v.
 
@@ -83,6 +85,7 @@ from bridges.presets._registry import GEMMA2_NNX_NAMES as GEMMA2_NNX_NAMES
 from bridges.presets._registry import GEMMA3_NNX_NAMES as GEMMA3_NNX_NAMES
 from bridges.presets._registry import NAME_TABLES as NAME_TABLES
 from bridges.presets._registry import TORCHTITAN as TORCHTITAN
+from bridges.presets._registry import QWEN3_MOE_NNX_NAMES as QWEN3_MOE_NNX_NAMES
 from bridges.presets._registry import TORCHTITAN_LLAMA3_NAMES as TORCHTITAN_LLAMA3_NAMES
 from bridges.presets._registry import TORCHTITAN_QWEN3_NAMES as TORCHTITAN_QWEN3_NAMES
 from bridges.presets._registry import names_markdown as names_markdown
@@ -97,7 +100,8 @@ from bridges.presets._registry import hf_gemma3_from_nnx as hf_gemma3_from_nnx
 from bridges.presets._registry import hf_qwen3_from_maxtext as hf_qwen3_from_maxtext
 from bridges.presets._registry import hf_gemma2_from_maxtext as hf_gemma2_from_maxtext
 from bridges.presets._registry import hf_mixtral_from_maxtext as hf_mixtral_from_maxtext
+from bridges.presets._registry import hf_qwen3_moe_from_nnx as hf_qwen3_moe_from_nnx
 from bridges.presets._registry import hf_llama_from_torchtitan as hf_llama_from_torchtitan
 from bridges.presets._registry import hf_qwen3_from_torchtitan as hf_qwen3_from_torchtitan
 
-__all__ = ["Preset", "Source", "NNX", "MAXTEXT", "REGISTRY", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES", "MAXTEXT_LLAMA_NAMES", "MAXTEXT_QWEN3_NAMES", "MAXTEXT_GEMMA2_NAMES", "MAXTEXT_MIXTRAL_NAMES", "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "GEMMA3_NNX_NAMES", "NAME_TABLES", "names_markdown", "hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx", "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext", "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "TORCHTITAN", "TORCHTITAN_LLAMA3_NAMES", "TORCHTITAN_QWEN3_NAMES", "hf_llama_from_torchtitan", "hf_qwen3_from_torchtitan"]
+__all__ = ["Preset", "Source", "NNX", "MAXTEXT", "REGISTRY", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES", "MAXTEXT_LLAMA_NAMES", "MAXTEXT_QWEN3_NAMES", "MAXTEXT_GEMMA2_NAMES", "MAXTEXT_MIXTRAL_NAMES", "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "GEMMA3_NNX_NAMES", "NAME_TABLES", "names_markdown", "hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx", "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext", "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "TORCHTITAN", "TORCHTITAN_LLAMA3_NAMES", "TORCHTITAN_QWEN3_NAMES", "QWEN3_MOE_NNX_NAMES", "hf_qwen3_moe_from_nnx", "hf_llama_from_torchtitan", "hf_qwen3_from_torchtitan"]

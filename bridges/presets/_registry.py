@@ -15,7 +15,8 @@ __all__ = ["Preset", "Source", "NNX", "MAXTEXT", "REGISTRY", "MIXTRAL_NNX_NAMES"
            "hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx",
            "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext",
            "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "TORCHTITAN", "TORCHTITAN_LLAMA3_NAMES",
-           "TORCHTITAN_QWEN3_NAMES", "hf_llama_from_torchtitan", "hf_qwen3_from_torchtitan"]
+           "TORCHTITAN_QWEN3_NAMES", "hf_llama_from_torchtitan", "hf_qwen3_from_torchtitan",
+           "QWEN3_MOE_NNX_NAMES", "hf_qwen3_moe_from_nnx"]
 
 from bridges.presets._base import (ROPE_LAYOUTS, LLAMA_NNX_NAMES, _get, _llama_entries, _mapping, _names, _rope,  # noqa: F401
                             llama_dims)
@@ -204,8 +205,8 @@ def hf_gemma3_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
 
-from bridges.presets._moe import (EXPERT_LAYOUTS, MIXTRAL_NNX_NAMES, QWEN2_MOE_NNX_NAMES, hf_mixtral_from_nnx,  # noqa: E402
-                           hf_qwen2_moe_from_nnx)
+from bridges.presets._moe import (EXPERT_LAYOUTS, MIXTRAL_NNX_NAMES, QWEN2_MOE_NNX_NAMES, QWEN3_MOE_NNX_NAMES,  # noqa: E402
+                           hf_mixtral_from_nnx, hf_qwen2_moe_from_nnx, hf_qwen3_moe_from_nnx)
 from bridges.presets._maxtext import (MAXTEXT_GEMMA2_NAMES, MAXTEXT_LLAMA_NAMES, MAXTEXT_MIXTRAL_NAMES,  # noqa: E402
                                MAXTEXT_QWEN3_NAMES, hf_gemma2_from_maxtext, hf_llama_from_maxtext,
                                hf_mixtral_from_maxtext, hf_qwen3_from_maxtext)
@@ -265,6 +266,7 @@ REGISTRY: dict[str, Preset] = {p.name: p for p in (
     Preset(hf_qwen3_from_maxtext, MAXTEXT_QWEN3_NAMES, MAXTEXT),
     Preset(hf_gemma2_from_maxtext, MAXTEXT_GEMMA2_NAMES, MAXTEXT),
     Preset(hf_mixtral_from_maxtext, MAXTEXT_MIXTRAL_NAMES, MAXTEXT),
+    Preset(hf_qwen3_moe_from_nnx, QWEN3_MOE_NNX_NAMES, NNX),
     Preset(hf_llama_from_torchtitan, TORCHTITAN_LLAMA3_NAMES, TORCHTITAN),
     Preset(hf_qwen3_from_torchtitan, TORCHTITAN_QWEN3_NAMES, TORCHTITAN))}
 NAME_TABLES: dict[str, dict[str, str]] = {name: p.names for name, p in REGISTRY.items()}

@@ -1,0 +1,141 @@
+"""The presets added for issue 51 (Qwen3-MoE, gpt-oss, DeepSeek-V3) against Hugging Face
+``transformers`` 5.24 from tiny configs (random init, nothing downloaded).
+
+Each family is checked two ways:
+
+* **logits**: random arrays in the preset's NNX layout, saved with ``bridges.torch.save``, load
+  into transformers' own class through the preset, and its logits match a numpy forward of the
+  JAX-layout arrays written from the family's math (tests/_families_ref.py) where one exists;
+* **a training step in both directions, optimizer included**: the HF model takes an AdamW step,
+  is saved through the preset into the JAX layout (parameters, optax ``mu``/``nu``/``count``,
+  NNX's step), is loaded back through the preset into a fresh model and optimizer, and both take
+  the next step: every parameter and moment equal bit for bit; the saved arrays have the shapes
+  of the preset's name table.
+
+Broken controls: a wrong rule (the gate and up kernels swapped by ``names=``) loads every tensor
+and misses the logits.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ckptfmt  # noqa: E402
+from _families import ROPE, SIZES, moe_params  # noqa: E402
+from _families_ref import moe_forward  # noqa: E402
+from _torchtree import nest_tensors  # noqa: E402
+from bridges import presets  # noqa: E402
+from bridges import torch as bt  # noqa: E402
+from torchproc.hf_configs import EVAL_IDS  # noqa: E402
+from torchproc.hf_side import logits  # noqa: E402
+
+LOGIT_ATOL = 1e-4
+BROKEN = 1e-2
+IDS = EVAL_IDS % SIZES["vocab_size"]
+FF = 16
+QWEN3_MOE = dict(SIZES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=FF, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+
+
+def _load(model, url: str, mapping) -> np.ndarray:
+    out = bt.load(url, {"model": model.state_dict()}, mapping=mapping)
+    assert out.report.missing == () and out.report.unexpected == ()
+    model.load_state_dict(out["model"])
+    return logits(model.eval(), IDS)
+
+
+def step_both_ways(tmp_path: Path, make, mapping, ids: np.ndarray = IDS) -> dict[str, tuple[int, ...]]:
+    """HF model -> AdamW step -> save through ``mapping`` (JAX layout) -> load into a fresh model and
+    optimizer -> both take the next step: the parameters and moments must agree bit for bit.
+    Returns the saved JAX-layout shapes (key -> shape)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def step(model, opt, batch) -> None:
+        t = torch.as_tensor(np.asarray(batch, np.int64))
+        out = model(input_ids=t, labels=t)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    torch.manual_seed(0)
+    a = make().train()
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.01)
+    step(a, opt_a, ids)
+    msd, osd = get_state_dict(a, opt_a)
+    url = str(tmp_path / "jax")
+    bt.save(url, {"model": msd, "optim": osd}, step=1, mapping=mapping)
+    ckpt = ckptfmt.Repository(url).open(1)
+    shapes = {k: tuple(ckpt.read(k).shape) for k in ckpt.keys()}
+    assert any(k.startswith("optimizer/opt_state/0/mu/") for k in shapes) and "optimizer/opt_state/0/count" in shapes
+
+    torch.manual_seed(1)
+    b = make().train()
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.01)
+    msd_b, osd_b = get_state_dict(b, opt_b)
+    loaded = bt.load(url, {"model": msd_b, "optim": osd_b}, mapping=mapping)
+    assert loaded.report.missing == ()
+    set_state_dict(b, opt_b, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    nxt = (ids + 1) % SIZES["vocab_size"]
+    step(a, opt_a, nxt)
+    step(b, opt_b, nxt)
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert [k for k in pa if not torch.equal(pa[k], pb[k])] == []
+    for k, p in pa.items():
+        sa, sb = opt_a.state[p], opt_b.state[pb[k]]
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]), k
+        assert float(sa["step"]) == float(sb["step"]) == 2.0
+    return shapes
+
+
+# ---------------------------------------------------------------------------------- Qwen3-MoE
+
+
+def _qwen3_moe_params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    p = moe_params(rng, FF, shared=False)
+    L, hd = SIZES["num_hidden_layers"], SIZES["head_dim"]
+    p.update({f"layers/attn/{n}_norm/scale": (1 + rng.standard_normal((L, hd)) * 0.2).astype(np.float32)
+              for n in ("q", "k")})
+    return p
+
+
+def test_qwen3_moe_logits_match_transformers(tmp_path):
+    """Qwen3-MoE: per-head q/k norms, softmax top-2 routing renormalized, fused experts. Broken
+    control: gate and up kernels swapped (names=)."""
+    config = tf.Qwen3MoeConfig(**QWEN3_MOE)
+    params = _qwen3_moe_params(5)
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
+    want = moe_forward(IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], top_k=2, renormalize=True,
+                       qk_norm=True)
+    m = presets.hf_qwen3_moe_from_nnx(config, optimizer=None)
+    err = float(np.abs(_load(tf.Qwen3MoeForCausalLM(config), url, m) - want).max())
+    swapped = {"gate_kernel": "layers/moe/up/kernel", "up_kernel": "layers/moe/gate/kernel"}
+    wrong = float(np.abs(_load(tf.Qwen3MoeForCausalLM(config), url, presets.hf_qwen3_moe_from_nnx(
+        config, optimizer=None, names=swapped)) - want).max())
+    print(f"qwen3-moe: max |transformers - numpy NNX forward| = {err:.2e}; gate/up swapped: {wrong:.2e}")
+    assert err < LOGIT_ATOL and wrong > BROKEN
+
+
+def test_qwen3_moe_training_step_both_ways(tmp_path):
+    config = tf.Qwen3MoeConfig(**QWEN3_MOE)
+    shapes = step_both_ways(tmp_path, lambda: tf.Qwen3MoeForCausalLM(config), presets.hf_qwen3_moe_from_nnx(config))
+    L, E, d, hd = SIZES["num_hidden_layers"], 4, SIZES["hidden_size"], SIZES["head_dim"]
+    assert shapes["model/layers/moe/gate/kernel"] == (L, E, d, FF)
+    assert shapes["model/layers/moe/router/kernel"] == (L, d, E)
+    assert shapes["model/layers/attn/q_norm/scale"] == (L, hd)
+    assert shapes["optimizer/opt_state/0/nu/layers/moe/down/kernel"] == (L, E, FF, d)
+
+
+def test_qwen3_moe_refuses_dense_layers():
+    with pytest.raises(ValueError, match="every layer must be sparse"):
+        presets.hf_qwen3_moe_from_nnx(dict(QWEN3_MOE, mlp_only_layers=[0]))
+    presets.hf_qwen3_moe_from_nnx(QWEN3_MOE)  # control
