@@ -125,3 +125,50 @@ def moe_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta:
                                     g("moe/shared/down/kernel"))
         x = x + out
     return _rms(x, f["norm/scale"], eps) @ f["lm_head/kernel"]
+
+
+def gpt_oss_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta: float, top_k: int,
+                    limit: float, alpha: float, window: int) -> np.ndarray:
+    """Logits of the GPT_OSS_NNX_NAMES layout (transformers' ``modeling_gpt_oss``): q/k/v/o biases,
+    halves rotary, each head's sink logit joining the softmax and then dropped, even layers
+    attending a sliding ``window``; the router's top-k logits softmaxed; each expert
+    ``(clip(up) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, biases on both
+    projections."""
+    f = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    x = f["embed/embedding"][ids]
+    hd = f["layers/attn/q/kernel"].shape[-1]
+    s = ids.shape[1]
+    for i in range(f["layers/attn/q/kernel"].shape[0]):
+        g = lambda n: f[f"layers/{n}"][i]  # noqa: E731
+        y = _rms(x, g("attn_norm/scale"), eps)
+        q, k, v = (np.einsum("bsd,dhk->bshk", y, g(f"attn/{n}/kernel")) + g(f"attn/{n}/bias") for n in "qkv")
+        q, k = _rope(q, theta, "halves"), _rope(k, theta, "halves")
+        rep = q.shape[2] // k.shape[2]
+        k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+        scores = np.einsum("bqhk,bshk->bhqs", q, k) * hd ** -0.5
+        pos = np.arange(s)
+        visible = pos[None, :] <= pos[:, None]
+        if i % 2 == 0:  # layer_types: sliding, full, sliding, ...
+            visible &= pos[:, None] - pos[None, :] < window
+        scores = np.where(visible, scores, -np.inf)
+        sink = np.broadcast_to(g("attn/sinks")[None, :, None, None], scores.shape[:3] + (1,))
+        joint = np.concatenate([scores, sink], -1)
+        prob = np.exp(joint - joint.max(-1, keepdims=True))
+        prob = (prob / prob.sum(-1, keepdims=True))[..., :-1]
+        attn = np.einsum("bhqs,bshk->bqhk", prob, v)
+        x = x + np.einsum("bqhk,hkd->bqd", attn, g("attn/o/kernel")) + g("attn/o/bias")
+        y = _rms(x, g("mlp_norm/scale"), eps)
+        logit = y @ g("moe/router/kernel") + g("moe/router/bias")
+        top = np.argsort(-logit, axis=-1, kind="stable")[..., :top_k]
+        tv = np.take_along_axis(logit, top, -1)
+        w = np.exp(tv - tv.max(-1, keepdims=True))
+        w = w / w.sum(-1, keepdims=True)
+        out = np.zeros_like(x)
+        for e in range(logit.shape[-1]):
+            weight = (w * (top == e)).sum(-1, keepdims=True)
+            gate = np.minimum(y @ g("moe/gate/kernel")[e] + g("moe/gate/bias")[e], limit)
+            up = np.clip(y @ g("moe/up/kernel")[e] + g("moe/up/bias")[e], -limit, limit)
+            h = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+            out += weight * (h @ g("moe/down/kernel")[e] + g("moe/down/bias")[e])
+        x = x + out
+    return _rms(x, f["norm/scale"], eps) @ f["lm_head/kernel"]

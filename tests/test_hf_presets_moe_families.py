@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ckptfmt  # noqa: E402
 from _families import ROPE, SIZES, moe_params  # noqa: E402
-from _families_ref import moe_forward  # noqa: E402
+from _families_ref import gpt_oss_forward, moe_forward  # noqa: E402
 from _torchtree import nest_tensors  # noqa: E402
 from bridges import presets  # noqa: E402
 from bridges import torch as bt  # noqa: E402
@@ -139,3 +139,52 @@ def test_qwen3_moe_refuses_dense_layers():
     with pytest.raises(ValueError, match="every layer must be sparse"):
         presets.hf_qwen3_moe_from_nnx(dict(QWEN3_MOE, mlp_only_layers=[0]))
     presets.hf_qwen3_moe_from_nnx(QWEN3_MOE)  # control
+
+
+# ------------------------------------------------------------------------------------ gpt-oss
+
+GPT_OSS = dict(SIZES, num_local_experts=4, num_experts_per_tok=2, intermediate_size=FF, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention"], attention_bias=True, tie_word_embeddings=False,
+               swiglu_limit=7.0, rope_parameters=dict(ROPE))
+
+
+def _gpt_oss_params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    L, d, h, kv, hd = (SIZES[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                          "num_key_value_heads", "head_dim"))
+    E = 4
+    p = moe_params(rng, FF, shared=False)
+    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    p.update({"layers/attn/q/bias": r(L, h, hd), "layers/attn/k/bias": r(L, kv, hd), "layers/attn/v/bias": r(L, kv, hd),
+              "layers/attn/o/bias": r(L, d), "layers/attn/sinks": r(L, h) * 5, "layers/moe/router/bias": r(L, E),
+              "layers/moe/gate/bias": r(L, E, FF), "layers/moe/up/bias": r(L, E, FF), "layers/moe/down/bias": r(L, E, d)})
+    p["layers/moe/gate/kernel"] *= 8  # some gate values past the clamp limit
+    return p
+
+
+def test_gpt_oss_logits_match_transformers(tmp_path):
+    """gpt-oss: biases, sinks, a sliding layer (window 8 < the 16 tokens), the biased router,
+    experts with gate and up interleaved in one tensor and the clamped SwiGLU. Broken control: the
+    gate and up kernels swapped (names=): the interleave then puts up where gate belongs."""
+    config = tf.GptOssConfig(**GPT_OSS)
+    params = _gpt_oss_params(7)
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
+    want = gpt_oss_forward(IDS, params, eps=SIZES["rms_norm_eps"], theta=ROPE["rope_theta"], top_k=2,
+                           limit=config.swiglu_limit, alpha=config.swiglu_alpha, window=GPT_OSS["sliding_window"])
+    m = presets.hf_gpt_oss_from_nnx(config, optimizer=None)
+    err = float(np.abs(_load(tf.GptOssForCausalLM(config), url, m) - want).max())
+    swapped = {"gate_kernel": "layers/moe/up/kernel", "up_kernel": "layers/moe/gate/kernel"}
+    wrong = float(np.abs(_load(tf.GptOssForCausalLM(config), url, presets.hf_gpt_oss_from_nnx(
+        config, optimizer=None, names=swapped)) - want).max())
+    print(f"gpt-oss: max |transformers - numpy NNX forward| = {err:.2e}; gate/up swapped: {wrong:.2e}")
+    assert err < LOGIT_ATOL and wrong > BROKEN
+
+
+def test_gpt_oss_training_step_both_ways(tmp_path):
+    config = tf.GptOssConfig(**GPT_OSS)
+    shapes = step_both_ways(tmp_path, lambda: tf.GptOssForCausalLM(config), presets.hf_gpt_oss_from_nnx(config))
+    L, E, d, h = SIZES["num_hidden_layers"], 4, SIZES["hidden_size"], SIZES["num_attention_heads"]
+    assert shapes["model/layers/moe/gate/kernel"] == shapes["model/layers/moe/up/kernel"] == (L, E, d, FF)
+    assert shapes["model/layers/moe/up/bias"] == (L, E, FF) and shapes["model/layers/attn/sinks"] == (L, h)
+    assert shapes["optimizer/opt_state/0/mu/layers/moe/down/bias"] == (L, E, d)

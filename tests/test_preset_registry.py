@@ -39,7 +39,7 @@ def test_every_list_of_presets_is_the_registry():
     export, load_mapping), the name tables, the module's exports, ``ckptfmt export --help`` and
     docs/INTEROP.md. Control: a preset function defined beside the registry is reported."""
     names = list(REGISTRY)
-    assert len(names) == 14 and all(p.name == n for n, p in REGISTRY.items())
+    assert len(names) == 15 and all(p.name == n for n, p in REGISTRY.items())
     assert interop.PRESETS == tuple(names)
     assert list(presets.NAME_TABLES) == names and all(presets.NAME_TABLES[n] is REGISTRY[n].names for n in names)
     # __all__ spells the presets out for static readers (the API reference); it must be the registry's.
@@ -107,7 +107,9 @@ def _models() -> dict[str, tuple]:
             "hf_qwen2_moe_from_nnx": (lambda: tf.Qwen2MoeConfig(**CONFIGS["qwen2_moe"]), tf.Qwen2MoeForCausalLM),
             "hf_llama_from_torchtitan": llama, "hf_qwen3_from_torchtitan": qwen3,
             "hf_qwen3_moe_from_nnx": (lambda: tf.Qwen3MoeConfig(**dict(CONFIGS["qwen2_moe"], decoder_sparse_step=1,
-                                                                      mlp_only_layers=[])), tf.Qwen3MoeForCausalLM)}
+                                                                      mlp_only_layers=[])), tf.Qwen3MoeForCausalLM),
+            "hf_gpt_oss_from_nnx": (lambda: tf.GptOssConfig(**dict(CONFIGS["mixtral"], intermediate_size=16,
+                                                                   attention_bias=True)), tf.GptOssForCausalLM)}
 
 
 def _training_state(globs: tuple[str, ...]) -> dict[str, np.ndarray]:

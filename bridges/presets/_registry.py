@@ -16,7 +16,7 @@ __all__ = ["Preset", "Source", "NNX", "MAXTEXT", "REGISTRY", "MIXTRAL_NNX_NAMES"
            "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext",
            "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "TORCHTITAN", "TORCHTITAN_LLAMA3_NAMES",
            "TORCHTITAN_QWEN3_NAMES", "hf_llama_from_torchtitan", "hf_qwen3_from_torchtitan",
-           "QWEN3_MOE_NNX_NAMES", "hf_qwen3_moe_from_nnx"]
+           "QWEN3_MOE_NNX_NAMES", "hf_qwen3_moe_from_nnx", "GPT_OSS_NNX_NAMES", "hf_gpt_oss_from_nnx"]
 
 from bridges.presets._base import (ROPE_LAYOUTS, LLAMA_NNX_NAMES, _get, _llama_entries, _mapping, _names, _rope,  # noqa: F401
                             llama_dims)
@@ -210,6 +210,7 @@ from bridges.presets._moe import (EXPERT_LAYOUTS, MIXTRAL_NNX_NAMES, QWEN2_MOE_N
 from bridges.presets._maxtext import (MAXTEXT_GEMMA2_NAMES, MAXTEXT_LLAMA_NAMES, MAXTEXT_MIXTRAL_NAMES,  # noqa: E402
                                MAXTEXT_QWEN3_NAMES, hf_gemma2_from_maxtext, hf_llama_from_maxtext,
                                hf_mixtral_from_maxtext, hf_qwen3_from_maxtext)
+from bridges.presets._gpt_oss import GPT_OSS_NNX_NAMES, hf_gpt_oss_from_nnx  # noqa: E402
 from bridges.presets._torchtitan import (TORCHTITAN_LLAMA3_NAMES, TORCHTITAN_QWEN3_NAMES,  # noqa: E402
                                   TORCHTITAN_TRAINING_STATE, hf_llama_from_torchtitan, hf_qwen3_from_torchtitan)
 
@@ -267,6 +268,7 @@ REGISTRY: dict[str, Preset] = {p.name: p for p in (
     Preset(hf_gemma2_from_maxtext, MAXTEXT_GEMMA2_NAMES, MAXTEXT),
     Preset(hf_mixtral_from_maxtext, MAXTEXT_MIXTRAL_NAMES, MAXTEXT),
     Preset(hf_qwen3_moe_from_nnx, QWEN3_MOE_NNX_NAMES, NNX),
+    Preset(hf_gpt_oss_from_nnx, GPT_OSS_NNX_NAMES, NNX),
     Preset(hf_llama_from_torchtitan, TORCHTITAN_LLAMA3_NAMES, TORCHTITAN),
     Preset(hf_qwen3_from_torchtitan, TORCHTITAN_QWEN3_NAMES, TORCHTITAN))}
 NAME_TABLES: dict[str, dict[str, str]] = {name: p.names for name, p in REGISTRY.items()}
