@@ -172,3 +172,46 @@ def gpt_oss_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, th
             out += weight * (h @ g("moe/down/kernel")[e] + g("moe/down/bias")[e])
         x = x + out
     return _rms(x, f["norm/scale"], eps) @ f["lm_head/kernel"]
+
+
+def deepseek_v3_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta: float, nope: int,
+                        rope: int, kv_lora: int, dense: int, top_k: int, scaling_factor: float) -> np.ndarray:
+    """Logits of the DEEPSEEK_V3_NNX_NAMES layout (transformers' ``modeling_deepseek_v3``): MLA with
+    low-rank q and kv, RMSNorms on both latents, one rotary key shared by the heads, the rotary part
+    in interleaved pairs; ``dense`` SwiGLU layers first, then MoE layers: sigmoid scores, the top-k
+    chosen by score + correction bias (one group), weighted by the scores renormalized and scaled,
+    plus the shared expert."""
+    f = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    x = f["embed/embedding"][ids]
+    b, s = ids.shape
+    for i in range(f["layers/attn/wq_a/kernel"].shape[0]):
+        g = lambda n: f[f"layers/{n}"][i]  # noqa: E731
+        y = _rms(x, g("attn_norm/scale"), eps)
+        q = np.einsum("bsr,rhk->bshk", _rms(y @ g("attn/wq_a/kernel"), g("attn/q_norm/scale"), eps), g("attn/wq_b/kernel"))
+        ckv = y @ g("attn/wkv_a/kernel")
+        kv = np.einsum("bsr,rhk->bshk", _rms(ckv[..., :kv_lora], g("attn/kv_norm/scale"), eps), g("attn/wkv_b/kernel"))
+        k_rot = _rope(ckv[..., None, kv_lora:], theta, "interleaved")             # (b, s, 1, rope)
+        q = np.concatenate([q[..., :nope], _rope(q[..., nope:], theta, "interleaved")], -1)
+        k = np.concatenate([kv[..., :nope], np.broadcast_to(k_rot, kv.shape[:3] + (rope,))], -1)
+        v = kv[..., nope:]
+        scores = np.einsum("bqhk,bshk->bhqs", q, k) * (nope + rope) ** -0.5
+        scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+        prob = np.exp(scores - scores.max(-1, keepdims=True))
+        prob = prob / prob.sum(-1, keepdims=True)
+        x = x + np.einsum("bqhk,hkd->bqd", np.einsum("bhqs,bshk->bqhk", prob, v), g("attn/out/kernel"))
+        y = _rms(x, g("mlp_norm/scale"), eps)
+        if i < dense:
+            m = lambda n: f[f"dense_layers/mlp/{n}/kernel"][i]  # noqa: E731
+            x = x + _silu_mlp(y, m("gate"), m("up"), m("down"))
+            continue
+        m = lambda n: f[f"moe_layers/moe/{n}"][i - dense]  # noqa: E731
+        score = 1 / (1 + np.exp(-(y @ m("router/kernel"))))                       # (b, s, E)
+        top = np.argsort(-(score + m("router/bias")), axis=-1, kind="stable")[..., :top_k]
+        w = np.take_along_axis(score, top, -1)
+        w = w / (w.sum(-1, keepdims=True) + 1e-20) * scaling_factor
+        out = _silu_mlp(y, m("shared/gate/kernel"), m("shared/up/kernel"), m("shared/down/kernel"))
+        for e in range(score.shape[-1]):
+            weight = (w * (top == e)).sum(-1, keepdims=True)
+            out = out + weight * _silu_mlp(y, m("gate/kernel")[e], m("up/kernel")[e], m("down/kernel")[e])
+        x = x + out
+    return _rms(x, f["norm/scale"], eps) @ f["lm_head/kernel"]

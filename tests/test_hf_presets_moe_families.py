@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ckptfmt  # noqa: E402
 from _families import ROPE, SIZES, moe_params  # noqa: E402
-from _families_ref import gpt_oss_forward, moe_forward  # noqa: E402
+from _families_ref import deepseek_v3_forward, gpt_oss_forward, moe_forward  # noqa: E402
 from _torchtree import nest_tensors  # noqa: E402
 from bridges import presets  # noqa: E402
 from bridges import torch as bt  # noqa: E402
@@ -188,3 +188,68 @@ def test_gpt_oss_training_step_both_ways(tmp_path):
     assert shapes["model/layers/moe/gate/kernel"] == shapes["model/layers/moe/up/kernel"] == (L, E, d, FF)
     assert shapes["model/layers/moe/up/bias"] == (L, E, FF) and shapes["model/layers/attn/sinks"] == (L, h)
     assert shapes["optimizer/opt_state/0/mu/layers/moe/down/bias"] == (L, E, d)
+
+
+# -------------------------------------------------------------------------------- DeepSeek-V3
+
+DSV3 = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=FF, num_hidden_layers=3,
+            first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, rope_parameters=dict(ROPE), rms_norm_eps=1e-6,
+            tie_word_embeddings=False, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=64)
+
+
+def _dsv3_params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    c = DSV3
+    L, Ld, d, H, E = c["num_hidden_layers"], c["first_k_dense_replace"], c["hidden_size"], c["num_attention_heads"], 4
+    Lm, qk, kvl, rope = L - Ld, c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    one = lambda *s: 1 + r(*s)  # noqa: E731
+    return {"embed/embedding": r(64, d), "norm/scale": one(d), "lm_head/kernel": r(d, 64),
+            "layers/attn/wq_a/kernel": r(L, d, 24), "layers/attn/q_norm/scale": one(L, 24),
+            "layers/attn/wq_b/kernel": r(L, 24, H, qk), "layers/attn/wkv_a/kernel": r(L, d, kvl + rope),
+            "layers/attn/kv_norm/scale": one(L, kvl), "layers/attn/wkv_b/kernel": r(L, kvl, H, 16),
+            "layers/attn/out/kernel": r(L, H, 8, d), "layers/attn_norm/scale": one(L, d), "layers/mlp_norm/scale": one(L, d),
+            "dense_layers/mlp/gate/kernel": r(Ld, d, 48), "dense_layers/mlp/up/kernel": r(Ld, d, 48),
+            "dense_layers/mlp/down/kernel": r(Ld, 48, d), "moe_layers/moe/router/kernel": r(Lm, d, E),
+            "moe_layers/moe/router/bias": r(Lm, E), "moe_layers/moe/gate/kernel": r(Lm, E, d, FF),
+            "moe_layers/moe/up/kernel": r(Lm, E, d, FF), "moe_layers/moe/down/kernel": r(Lm, E, FF, d),
+            "moe_layers/moe/shared/gate/kernel": r(Lm, d, FF), "moe_layers/moe/shared/up/kernel": r(Lm, d, FF),
+            "moe_layers/moe/shared/down/kernel": r(Lm, FF, d)}
+
+
+def test_deepseek_v3_logits_match_transformers(tmp_path):
+    """DeepSeek-V3: MLA (low-rank q and kv, the shared rotary key, interleaved rotary pairs), a
+    dense first layer, then MoE layers with the correction bias and a shared expert. Broken
+    control: the dense and shared experts' gate and up swapped (names=)."""
+    config = tf.DeepseekV3Config(**DSV3)
+    params = _dsv3_params(11)
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
+    want = deepseek_v3_forward(IDS, params, eps=DSV3["rms_norm_eps"], theta=ROPE["rope_theta"], nope=8, rope=8,
+                               kv_lora=16, dense=1, top_k=2, scaling_factor=DSV3["routed_scaling_factor"])
+    m = presets.hf_deepseek_v3_from_nnx(config, optimizer=None)
+    err = float(np.abs(_load(tf.DeepseekV3ForCausalLM(config), url, m) - want).max())
+    swapped = {"shared_gate": "moe_layers/moe/shared/up/kernel", "shared_up": "moe_layers/moe/shared/gate/kernel"}
+    wrong = float(np.abs(_load(tf.DeepseekV3ForCausalLM(config), url, presets.hf_deepseek_v3_from_nnx(
+        config, optimizer=None, names=swapped)) - want).max())
+    print(f"deepseek-v3: max |transformers - numpy NNX forward| = {err:.2e}; shared gate/up swapped: {wrong:.2e}")
+    assert err < LOGIT_ATOL and wrong > BROKEN
+
+
+def test_deepseek_v3_training_step_both_ways(tmp_path):
+    config = tf.DeepseekV3Config(**DSV3)
+    shapes = step_both_ways(tmp_path, lambda: tf.DeepseekV3ForCausalLM(config),
+                            presets.hf_deepseek_v3_from_nnx(config))
+    want = {k: v.shape for k, v in _dsv3_params(0).items()}
+    assert {k[len("model/"):]: v for k, v in shapes.items() if k.startswith("model/")} == want
+    assert shapes["optimizer/opt_state/0/mu/layers/attn/wkv_b/kernel"] == want["layers/attn/wkv_b/kernel"]
+
+
+def test_deepseek_v3_refuses_what_it_does_not_map():
+    with pytest.raises(ValueError, match="q_lora_rank"):
+        presets.hf_deepseek_v3_from_nnx(dict(DSV3, q_lora_rank=None))
+    with pytest.raises(ValueError, match="first_k_dense_replace"):
+        presets.hf_deepseek_v3_from_nnx(dict(DSV3, first_k_dense_replace=5))
+    presets.hf_deepseek_v3_from_nnx(DSV3)  # control
