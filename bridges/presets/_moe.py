@@ -29,11 +29,11 @@ QWEN2_MOE_NNX_NAMES: dict[str, str] = dict(MIXTRAL_NNX_NAMES, **{
     "shared_expert_gate": "layers/moe/shared_gate/kernel",  # (L, d, 1)
 })
 #: The Flax NNX Qwen3-MoE layout :func:`hf_qwen3_moe_from_nnx` expects: :data:`MIXTRAL_NNX_NAMES`
-#: plus Qwen3's per-head q/k RMSNorms (no shared expert, no q/k/v biases).
+#: plus Qwen3's per-head q/k RMSNorms and, with ``attention_bias``, the q/k/v/o biases (no shared expert).
 QWEN3_MOE_NNX_NAMES: dict[str, str] = dict(MIXTRAL_NNX_NAMES, **{
     "q_norm": "layers/attn/q_norm/scale",       # (L, head_dim)
     "k_norm": "layers/attn/k_norm/scale",       # (L, head_dim)
-})
+}, **{k: LLAMA_NNX_NAMES[k] for k in ("q_bias", "k_bias", "v_bias", "o_bias")})  # attention_bias=True only
 EXPERT_LAYOUTS = ("fused", "per_expert")
 
 
@@ -116,14 +116,12 @@ def hf_qwen3_moe_from_nnx(config: Any, *, experts: str = "fused", model: tuple[s
     """Mapping from a Flax NNX Qwen3-MoE to HF ``Qwen3MoeForCausalLM``: the routed experts of
     :func:`hf_qwen2_moe_from_nnx` (``moe_intermediate_size`` wide, fused ``mlp.experts.gate_up_proj``
     / ``down_proj`` or the files' ``mlp.experts.{j}.{gate,up,down}_proj.weight``, router
-    ``mlp.gate.weight``) with Qwen3's attention: no biases, per-head ``q_norm`` / ``k_norm``
+    ``mlp.gate.weight``) with Qwen3's attention: q/k/v/o biases when ``attention_bias``, per-head ``q_norm`` / ``k_norm``
     (L, head_dim) reordered with the q/k rows for ``rope="interleaved"``, no shared expert.
-    ValueError for a config with dense layers (``mlp_only_layers``, ``decoder_sparse_step``) or
-    ``attention_bias``. Name table: :data:`QWEN3_MOE_NNX_NAMES`."""
+    ValueError for a config with dense layers (``mlp_only_layers``, ``decoder_sparse_step``).
+    Name table: :data:`QWEN3_MOE_NNX_NAMES`."""
     _all_sparse(config, "hf_qwen3_moe_from_nnx")
-    if bool(_get(config, "attention_bias", False)):
-        raise ValueError("hf_qwen3_moe_from_nnx: attention_bias=True is not supported (no bias names)")
-    dims = dict(llama_dims(config), qkv_bias=False, o_bias=False, mlp_bias=False)
+    dims = dict(llama_dims(config), mlp_bias=False)  # attention_bias: q/k/v/o biases, as Qwen3
     table = _names(QWEN3_MOE_NNX_NAMES, names, "hf_qwen3_moe_from_nnx")
     # Qwen3MoeConfig keeps num_experts as num_local_experts (its attribute_map; its JSON has only that)
     n_experts = int(_get(config, "num_local_experts", _get(config, "num_experts")))
