@@ -6,11 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test venv clean bench drill faults docs
 
+# torchtitan (tests/test_torchtitan.py) goes in without its requirements: its checkpointer and
+# optimizer need only the pure-Python packages named; the rest (datasets, wandb, tensorboard) is
+# heavy and would move fsspec back. `pip install ckptfmt[titan]` installs it whole.
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[jax,torch,cli,dev,docs]"
-	# torchtitan for tests/test_torchtitan.py: its checkpointer and optimizer need only these pure-Python
-	# packages; its full requirements (datasets, wandb, tensorboard) are heavy and would move fsspec back.
 	$(BIN)/python -m pip install -q -c constraints.txt --no-deps torchtitan torch_checkpointing spmd_types \
 		tyro docstring_parser typeguard einops torchdata
 	@touch $(STAMP)
