@@ -96,6 +96,8 @@ def test_a_torchtitan_checkpoint_loads_into_transformers_with_the_preset(trained
     assert {float(s["step"]) for s in out["optim"]["state"].values()} == {4.0}
 
     _, broken = _hf_load(url, hf_qwen3_from_torchtitan(cfg))
+    print(f"torchtitan -> transformers: max |logits diff| = {err:.2e}; without the q/k permutation: "
+          f"{float(np.abs(broken - want).max()):.2e}")
     assert float(np.abs(broken - want).max()) > BROKEN
 
 
@@ -147,7 +149,40 @@ def test_a_torchtitan_checkpoint_restores_into_jax_by_two_presets_composed(train
     raw = bt.load(url, {"optimizer": {"state.lm_head.weight.exp_avg": torch.zeros(96, 32)}})
     assert np.array_equal(got["mu_head"], raw["optimizer"]["state.lm_head.weight.exp_avg"].numpy().T)
     broken = _jax_side(url, tmp_path, "broken")
+    print(f"torchtitan -> JAX (4 devices): max |logits diff| = {err:.2e}; without the q/k permutation: "
+          f"{float(np.abs(broken['logits'] - want).max()):.2e}")
     assert float(np.abs(broken["logits"] - want).max()) > BROKEN
+
+
+def test_a_torchtitan_qwen3_loads_into_transformers_with_the_preset(tmp_path: Path):
+    """torchtitan's Qwen3 names (the Llama 3 names plus ``attention.{q,k}_norm.weight``, halves
+    rotary): its state dict, saved as torchtitan's checkpoint holds it (FQNs at the root), loads
+    into ``Qwen3ForCausalLM`` through ``hf_qwen3_from_torchtitan`` with the same logits. Broken
+    control: the q and k norms swapped (names=)."""
+    torch.manual_seed(3)
+    model = titan_job.Llama3(dict(titan_job.CFG, qwen3=True))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.3)
+    want = titan_job._logits(model)
+    bt.save(str(tmp_path / "tt"), {k: v.detach() for k, v in model.state_dict().items()}, step=1)
+    cfg = titan_job.hf_config(qwen3=True)
+
+    def logits_with(mapping) -> np.ndarray:
+        hf = tf.Qwen3ForCausalLM(cfg).eval()
+        out = bt.load(str(tmp_path / "tt"), {"model": hf.state_dict()}, mapping=mapping)
+        assert out.report.missing == () and out.report.unexpected == ()
+        hf.load_state_dict(out["model"])
+        with torch.no_grad():
+            return hf(torch.tensor(titan_job.EVAL_IDS)).logits.float().numpy()
+
+    err = float(np.abs(logits_with(hf_qwen3_from_torchtitan(cfg, optimizer=None)) - want).max())
+    assert err < LOGIT_ATOL, err
+    swapped = {"q_norm": "layers.{i}.attention.k_norm.weight", "k_norm": "layers.{i}.attention.q_norm.weight"}
+    wrong = float(np.abs(logits_with(hf_qwen3_from_torchtitan(cfg, optimizer=None, names=swapped)) - want).max())
+    print(f"torchtitan Qwen3 -> transformers: max |logits diff| = {err:.2e}; q/k norms swapped: {wrong:.2e}")
+    assert wrong > BROKEN, wrong
 
 
 def test_step_of_names_torchtitan_folders_only():

@@ -40,22 +40,39 @@ class _QKV(nn.Module):
             d, kv * hd, bias=False)
 
 
+def _weight(n: int) -> nn.Module:
+    m = nn.Module()
+    m.weight = nn.Parameter(torch.ones(n))
+    return m
+
+
 class Attention(nn.Module):
+    """Llama 3's attention (interleaved complex rotary), or with ``c["qwen3"]`` Qwen3's: per-head
+    q/k RMSNorms (``attention.q_norm`` / ``k_norm``) and split-halves rotary (``CosSinRoPE``)."""
+
     def __init__(self, c: dict[str, Any]) -> None:
         super().__init__()
         d, h, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-        self.hd, self.rep = d // h, h // kv
+        self.hd, self.rep, self.eps, self.qwen3 = d // h, h // kv, c["rms_norm_eps"], bool(c.get("qwen3"))
         self.qkv_linear = _QKV(d, h, kv, self.hd)
         self.wo = nn.Linear(h * self.hd, d, bias=False)
+        if self.qwen3:
+            self.q_norm, self.k_norm = _weight(self.hd), _weight(self.hd)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape  # heads are -1: under tensor parallelism each rank holds its own heads
         q = self.qkv_linear.wq(x).view(b, t, -1, self.hd)
         k = self.qkv_linear.wk(x).view(b, t, -1, self.hd)
         v = self.qkv_linear.wv(x).view(b, t, -1, self.hd)
+        if self.qwen3:
+            q, k = _rms(q, self.q_norm.weight, self.eps), _rms(k, self.k_norm.weight, self.eps)
 
-        def rot(u: torch.Tensor) -> torch.Tensor:  # torchtitan's ComplexRoPE: interleaved pairs
-            uc = torch.view_as_complex(u.float().reshape(*u.shape[:-1], -1, 2))
+        def rot(u: torch.Tensor) -> torch.Tensor:
+            if self.qwen3:  # split halves
+                cos, sin = freqs.real[None, :, None, :], freqs.imag[None, :, None, :]
+                a, c2 = u[..., :self.hd // 2], u[..., self.hd // 2:]
+                return torch.cat([a * cos - c2 * sin, c2 * cos + a * sin], -1)
+            uc = torch.view_as_complex(u.float().reshape(*u.shape[:-1], -1, 2))  # torchtitan's ComplexRoPE
             return torch.view_as_real(uc * freqs[None, :, None, :]).flatten(3).to(u.dtype)
 
         q, k = rot(q), rot(k)
@@ -79,10 +96,7 @@ class Block(nn.Module):
         self.eps = c["rms_norm_eps"]
         self.attention = Attention(c)
         self.feed_forward = FeedForward(c["hidden_size"], c["intermediate_size"])
-        self.attention_norm = nn.Module()
-        self.attention_norm.weight = nn.Parameter(torch.ones(c["hidden_size"]))
-        self.ffn_norm = nn.Module()
-        self.ffn_norm.weight = nn.Parameter(torch.ones(c["hidden_size"]))
+        self.attention_norm, self.ffn_norm = _weight(c["hidden_size"]), _weight(c["hidden_size"])
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(_rms(x, self.attention_norm.weight, self.eps), freqs)
@@ -90,15 +104,15 @@ class Block(nn.Module):
 
 
 class Llama3(nn.Module):
-    """torchtitan's Llama 3 parameter names (``Llama3StateDictAdapter.from_hf_map``) and math."""
+    """torchtitan's Llama 3 parameter names (``Llama3StateDictAdapter.from_hf_map``) and math; with
+    ``c["qwen3"]``, its Qwen3 (``Qwen3StateDictAdapter``: the same names plus the q/k norms)."""
 
     def __init__(self, c: dict[str, Any]) -> None:
         super().__init__()
         self.c = c
         self.tok_embeddings = nn.Embedding(c["vocab_size"], c["hidden_size"])
         self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c["num_hidden_layers"])})
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(c["hidden_size"]))
+        self.norm = _weight(c["hidden_size"])
         self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -216,13 +230,13 @@ def resume(args: dict[str, Any]) -> dict[str, Any]:
             "lr": [g["lr"] for o in opt.optimizers for g in o.param_groups][:1]}
 
 
-def hf_config() -> Any:
-    """The HF ``LlamaConfig`` of :data:`CFG` (torchtitan's rotary base and norm epsilon)."""
+def hf_config(qwen3: bool = False) -> Any:
+    """The HF ``LlamaConfig`` (``Qwen3Config``) of :data:`CFG` (torchtitan's rotary base and norm epsilon)."""
     import transformers
 
     c = dict(CFG)
     theta = c.pop("rope_theta")
-    return transformers.LlamaConfig(**c, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+    return (transformers.Qwen3Config if qwen3 else transformers.LlamaConfig)(**c, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
                                     rope_parameters={"rope_type": "default", "rope_theta": theta},
                                     max_position_embeddings=64, head_dim=c["hidden_size"] // c["num_attention_heads"],
                                     attn_implementation="eager")
