@@ -215,3 +215,44 @@ def deepseek_v3_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float
             out = out + weight * _silu_mlp(y, m("gate/kernel")[e], m("up/kernel")[e], m("down/kernel")[e])
         x = x + out
     return _rms(x, f["norm/scale"], eps) @ f["lm_head/kernel"]
+
+
+def llama4_forward(ids: np.ndarray, p: dict[str, np.ndarray], *, eps: float, theta: float, moe_layers: list[int],
+                   top_k: int) -> np.ndarray:
+    """Logits of the LLAMA4_NNX_NAMES layout (transformers' ``modeling_llama4``, every layer with
+    rope and a chunk longer than the sequence): interleaved rotary, q and k L2-normed without
+    weights after it, dense SwiGLU layers, and MoE layers where each chosen expert's input is
+    scaled by the sigmoid of its router logit (top-k), plus the shared expert."""
+    f = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    x = f["embed/embedding"][ids]
+    hd = f["layers/attn/q/kernel"].shape[-1]
+    s = ids.shape[1]
+    dense = [i for i in range(f["layers/attn/q/kernel"].shape[0]) if i not in moe_layers]
+    l2 = lambda t: t / np.sqrt((t * t).mean(-1, keepdims=True) + eps)  # noqa: E731
+    for i in range(f["layers/attn/q/kernel"].shape[0]):
+        g = lambda n: f[f"layers/{n}"][i]  # noqa: E731
+        y = _rms(x, g("attn_norm/scale"), eps)
+        q, k, v = (np.einsum("bsd,dhk->bshk", y, g(f"attn/{n}/kernel")) for n in "qkv")
+        q, k = l2(_rope(q, theta, "interleaved")), l2(_rope(k, theta, "interleaved"))
+        rep = q.shape[2] // k.shape[2]
+        k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+        scores = np.einsum("bqhk,bshk->bhqs", q, k) * hd ** -0.5
+        scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
+        prob = np.exp(scores - scores.max(-1, keepdims=True))
+        prob = prob / prob.sum(-1, keepdims=True)
+        x = x + np.einsum("bqhk,hkd->bqd", np.einsum("bhqs,bshk->bqhk", prob, v), g("attn/o/kernel"))
+        y = _rms(x, g("mlp_norm/scale"), eps)
+        if i in dense:
+            m = lambda n: f[f"dense_layers/mlp/{n}/kernel"][dense.index(i)]  # noqa: E731
+            x = x + _silu_mlp(y, m("gate"), m("up"), m("down"))
+            continue
+        m = lambda n: f[f"moe_layers/moe/{n}"][moe_layers.index(i)]  # noqa: E731
+        logit = y @ m("router/kernel")
+        top = np.argsort(-logit, axis=-1, kind="stable")[..., :top_k]
+        out = _silu_mlp(y, m("shared/gate/kernel"), m("shared/up/kernel"), m("shared/down/kernel"))
+        for e in range(logit.shape[-1]):
+            chosen = (top == e).any(-1, keepdims=True)
+            score = np.where(chosen, 1 / (1 + np.exp(-logit[..., e:e + 1])), 0.0)
+            out = out + _silu_mlp(y * score, m("gate/kernel")[e], m("up/kernel")[e], m("down/kernel")[e])
+        x = x + out
+    return _rms(x, f["norm/scale"], eps) @ f["lm_head/kernel"]

@@ -13,7 +13,7 @@ Each family is checked two ways:
   of the preset's name table.
 
 Broken controls: a wrong rule (the gate and up kernels swapped by ``names=``) loads every tensor
-and misses the logits.
+and misses the logits. Llama 4 (text) too, its layout being stable in transformers 5.24.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ckptfmt  # noqa: E402
 from _families import ROPE, SIZES, moe_params  # noqa: E402
-from _families_ref import deepseek_v3_forward, gpt_oss_forward, moe_forward  # noqa: E402
+from _families_ref import deepseek_v3_forward, gpt_oss_forward, llama4_forward, moe_forward  # noqa: E402
 from _torchtree import nest_tensors  # noqa: E402
 from bridges import presets  # noqa: E402
 from bridges import torch as bt  # noqa: E402
@@ -253,3 +253,54 @@ def test_deepseek_v3_refuses_what_it_does_not_map():
     with pytest.raises(ValueError, match="first_k_dense_replace"):
         presets.hf_deepseek_v3_from_nnx(dict(DSV3, first_k_dense_replace=5))
     presets.hf_deepseek_v3_from_nnx(DSV3)  # control
+
+
+# ---------------------------------------------------------------------------------- Llama 4
+
+LLAMA4 = dict(vocab_size=64, hidden_size=32, intermediate_size=FF, intermediate_size_mlp=48, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+              interleave_moe_layer_step=2, attention_chunk_size=64, no_rope_layers=[1, 1, 1], use_qk_norm=True,
+              rms_norm_eps=1e-5, rope_parameters=dict(ROPE), tie_word_embeddings=False, max_position_embeddings=64)
+
+
+def _llama4_params(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    c = LLAMA4
+    L, d, H, KV, hd, E = 3, c["hidden_size"], 4, 2, 8, 4
+    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    one = lambda *s: 1 + r(*s)  # noqa: E731
+    return {"embed/embedding": r(64, d), "norm/scale": one(d), "lm_head/kernel": r(d, 64),
+            "layers/attn/q/kernel": r(L, d, H, hd), "layers/attn/k/kernel": r(L, d, KV, hd),
+            "layers/attn/v/kernel": r(L, d, KV, hd), "layers/attn/o/kernel": r(L, H, hd, d),
+            "layers/attn_norm/scale": one(L, d), "layers/mlp_norm/scale": one(L, d),
+            "dense_layers/mlp/gate/kernel": r(2, d, 48), "dense_layers/mlp/up/kernel": r(2, d, 48),
+            "dense_layers/mlp/down/kernel": r(2, 48, d), "moe_layers/moe/router/kernel": r(1, d, E) * 5,
+            "moe_layers/moe/gate/kernel": r(1, E, d, FF), "moe_layers/moe/up/kernel": r(1, E, d, FF),
+            "moe_layers/moe/down/kernel": r(1, E, FF, d), "moe_layers/moe/shared/gate/kernel": r(1, d, FF),
+            "moe_layers/moe/shared/up/kernel": r(1, d, FF), "moe_layers/moe/shared/down/kernel": r(1, FF, d)}
+
+
+def test_llama4_logits_match_transformers(tmp_path):
+    """Llama 4 text: layers 0 and 2 dense, layer 1 MoE (config.moe_layers), interleaved rotary,
+    weightless q/k L2 norms, the router's sigmoid scaling each chosen expert's input, the shared
+    expert. Broken control: the experts' gate and up swapped (names=)."""
+    config = tf.Llama4TextConfig(**LLAMA4)
+    assert list(config.moe_layers) == [1]
+    params = _llama4_params(13)
+    url = str(tmp_path / "repo")
+    bt.save(url, {"model": nest_tensors(params)}, step=1)
+    want = llama4_forward(IDS, params, eps=LLAMA4["rms_norm_eps"], theta=ROPE["rope_theta"], moe_layers=[1], top_k=1)
+    m = presets.hf_llama4_from_nnx(config, optimizer=None)
+    err = float(np.abs(_load(tf.Llama4ForCausalLM(config), url, m) - want).max())
+    swapped = {"gate": "moe_layers/moe/up/kernel", "up": "moe_layers/moe/gate/kernel"}
+    wrong = float(np.abs(_load(tf.Llama4ForCausalLM(config), url, presets.hf_llama4_from_nnx(
+        config, optimizer=None, names=swapped)) - want).max())
+    print(f"llama4: max |transformers - numpy NNX forward| = {err:.2e}; expert gate/up swapped: {wrong:.2e}")
+    assert err < LOGIT_ATOL and wrong > BROKEN
+
+
+def test_llama4_training_step_both_ways(tmp_path):
+    config = tf.Llama4TextConfig(**LLAMA4)
+    shapes = step_both_ways(tmp_path, lambda: tf.Llama4ForCausalLM(config), presets.hf_llama4_from_nnx(config))
+    want = {k: v.shape for k, v in _llama4_params(0).items()}
+    assert {k[len("model/"):]: v for k, v in shapes.items() if k.startswith("model/")} == want

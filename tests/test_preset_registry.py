@@ -39,7 +39,7 @@ def test_every_list_of_presets_is_the_registry():
     export, load_mapping), the name tables, the module's exports, ``ckptfmt export --help`` and
     docs/INTEROP.md. Control: a preset function defined beside the registry is reported."""
     names = list(REGISTRY)
-    assert len(names) == 16 and all(p.name == n for n, p in REGISTRY.items())
+    assert len(names) == 17 and all(p.name == n for n, p in REGISTRY.items())
     assert interop.PRESETS == tuple(names)
     assert list(presets.NAME_TABLES) == names and all(presets.NAME_TABLES[n] is REGISTRY[n].names for n in names)
     # __all__ spells the presets out for static readers (the API reference); it must be the registry's.
@@ -85,7 +85,7 @@ def _models() -> dict[str, tuple]:
     tf = pytest.importorskip("transformers")
     from _families import CONFIGS, SIZES, WIDE, configs
     from torchproc.hf_configs import GPT2, LLAMA
-    from test_hf_presets_moe_families import DSV3
+    from test_hf_presets_moe_families import DSV3, LLAMA4
 
     gemma3 = dict(SIZES, query_pre_attn_scalar=24, sliding_window=32, hidden_activation="gelu_pytorch_tanh",
                   tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
@@ -111,7 +111,8 @@ def _models() -> dict[str, tuple]:
                                                                       mlp_only_layers=[])), tf.Qwen3MoeForCausalLM),
             "hf_gpt_oss_from_nnx": (lambda: tf.GptOssConfig(**dict(CONFIGS["mixtral"], intermediate_size=16,
                                                                    attention_bias=True)), tf.GptOssForCausalLM),
-            "hf_deepseek_v3_from_nnx": (lambda: tf.DeepseekV3Config(**DSV3), tf.DeepseekV3ForCausalLM)}
+            "hf_deepseek_v3_from_nnx": (lambda: tf.DeepseekV3Config(**DSV3), tf.DeepseekV3ForCausalLM),
+            "hf_llama4_from_nnx": (lambda: tf.Llama4TextConfig(**LLAMA4), tf.Llama4ForCausalLM)}
 
 
 def _training_state(globs: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ __all__ = ["Preset", "Source", "NNX", "MAXTEXT", "REGISTRY", "MIXTRAL_NNX_NAMES"
            "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "TORCHTITAN", "TORCHTITAN_LLAMA3_NAMES",
            "TORCHTITAN_QWEN3_NAMES", "hf_llama_from_torchtitan", "hf_qwen3_from_torchtitan",
            "QWEN3_MOE_NNX_NAMES", "hf_qwen3_moe_from_nnx", "GPT_OSS_NNX_NAMES", "hf_gpt_oss_from_nnx",
-           "DEEPSEEK_V3_NNX_NAMES", "hf_deepseek_v3_from_nnx"]
+           "DEEPSEEK_V3_NNX_NAMES", "hf_deepseek_v3_from_nnx", "LLAMA4_NNX_NAMES", "hf_llama4_from_nnx"]
 
 from bridges.presets._base import (ROPE_LAYOUTS, LLAMA_NNX_NAMES, _get, _llama_entries, _mapping, _names, _rope,  # noqa: F401
                             llama_dims)
@@ -213,6 +213,7 @@ from bridges.presets._maxtext import (MAXTEXT_GEMMA2_NAMES, MAXTEXT_LLAMA_NAMES,
                                hf_mixtral_from_maxtext, hf_qwen3_from_maxtext)
 from bridges.presets._gpt_oss import GPT_OSS_NNX_NAMES, hf_gpt_oss_from_nnx  # noqa: E402
 from bridges.presets._deepseek import DEEPSEEK_V3_NNX_NAMES, hf_deepseek_v3_from_nnx  # noqa: E402
+from bridges.presets._llama4 import LLAMA4_NNX_NAMES, hf_llama4_from_nnx  # noqa: E402
 from bridges.presets._torchtitan import (TORCHTITAN_LLAMA3_NAMES, TORCHTITAN_QWEN3_NAMES,  # noqa: E402
                                   TORCHTITAN_TRAINING_STATE, hf_llama_from_torchtitan, hf_qwen3_from_torchtitan)
 
@@ -272,6 +273,7 @@ REGISTRY: dict[str, Preset] = {p.name: p for p in (
     Preset(hf_qwen3_moe_from_nnx, QWEN3_MOE_NNX_NAMES, NNX),
     Preset(hf_gpt_oss_from_nnx, GPT_OSS_NNX_NAMES, NNX),
     Preset(hf_deepseek_v3_from_nnx, DEEPSEEK_V3_NNX_NAMES, NNX),
+    Preset(hf_llama4_from_nnx, LLAMA4_NNX_NAMES, NNX),
     Preset(hf_llama_from_torchtitan, TORCHTITAN_LLAMA3_NAMES, TORCHTITAN),
     Preset(hf_qwen3_from_torchtitan, TORCHTITAN_QWEN3_NAMES, TORCHTITAN))}
 NAME_TABLES: dict[str, dict[str, str]] = {name: p.names for name, p in REGISTRY.items()}
@@ -280,7 +282,7 @@ _SIZES = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
           "num_hidden_layers": 2, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16,
           "num_local_experts": 2, "num_experts": 2, "moe_intermediate_size": 8,
           "q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4,
-          "first_k_dense_replace": 1}
+          "first_k_dense_replace": 1, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 48}
 _TABLE_CONFIGS = (dict(_SIZES, model_type="qwen2", mlp_bias=True), dict(_SIZES, attention_bias=True))
 
 
