@@ -73,6 +73,20 @@ def test_the_manager_saves_ckptfmt_steps_and_resumes_them(trained: Path):
     assert np.array_equal(np.load(trained / "resumed.npy"), np.load(trained / "logits.npy"))
 
 
+def test_the_threaded_async_mode_commits_every_step(tmp_path: Path):
+    """torchtitan's ``async_mode="async"`` (DCP's thread-based ``async_save``, a gloo group of its
+    own) through the ckptfmt writer at 2 FSDP ranks, saving every step while training goes on:
+    every step is committed and the last one resumes bit for bit."""
+    args = dict(dp=2, tp=1, steps=3, interval=1, async_mode="async")
+    run_world("titan_job:train", 2, tmp_path, args, timeout=300)
+    folder = tmp_path / "ckpt"
+    assert {p.name: ckptfmt.Repository(str(p)).steps() for p in sorted(folder.iterdir())} == {
+        f"step-{s}": [s] for s in range(1, 4)}
+    res = run_world("titan_job:resume", 2, tmp_path, args, timeout=300)
+    assert all(r["step"] == 3 and r["differ"] == [] for r in res)
+    assert np.array_equal(np.load(tmp_path / "resumed.npy"), np.load(tmp_path / "logits.npy"))
+
+
 def test_a_torchtitan_checkpoint_loads_into_transformers_with_the_preset(trained: Path):
     """The preset maps torchtitan's names and its flattened AdamW state onto LlamaForCausalLM and
     torch's AdamW: logits within 1e-4 of the torchtitan model's, each moment the torchtitan moment

@@ -172,7 +172,8 @@ def _components(args: dict[str, Any], seed: int) -> tuple[Llama3, Any, Any, Any,
     sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=args["steps"])
     ts = TrainState()
     mgr = CkptfmtCheckpointManager.Config(enable=True, folder="ckpt", interval=args["interval"], keep_latest_k=0,
-                                          last_save_model_only=False).build(
+                                          last_save_model_only=False,
+                                          async_mode=args.get("async_mode", "disabled")).build(
         dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
         sd_adapter=None, base_folder=args["workdir"])
     return model, opt, sched, mgr, ts
