@@ -6,9 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test venv clean bench drill faults docs
 
+# torchtitan (tests/test_torchtitan.py) goes in without its requirements: its checkpointer and
+# optimizer need only the pure-Python packages named; the rest (datasets, wandb, tensorboard) is
+# heavy and would move fsspec back. `pip install ckptfmt[titan]` installs it whole.
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[jax,torch,cli,dev,docs]"
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps torchtitan torch_checkpointing spmd_types \
+		tyro docstring_parser typeguard einops torchdata
 	@touch $(STAMP)
 
 venv: $(STAMP)

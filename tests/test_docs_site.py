@@ -24,8 +24,8 @@ pytest.importorskip("material")
 pytest.importorskip("mkdocstrings_handlers.python")
 
 ROOT = Path(__file__).resolve().parent.parent
-API_MODULES = ("ckptfmt", "bridges.jax", "bridges.flax", "bridges.torch", "bridges.dcp", "bridges.presets",
-               "bridges.mapping", "bridges.interop")
+API_MODULES = ("ckptfmt", "bridges.jax", "bridges.flax", "bridges.torch", "bridges.dcp", "bridges.torchtitan",
+               "bridges.presets", "bridges.mapping", "bridges.interop")
 
 
 def _build(config: Path, site: Path) -> subprocess.CompletedProcess:

@@ -317,6 +317,7 @@ BRIDGES_MAY_IMPORT: dict[str, set[str]] = {
     "torch": {"_contract", "_extra", "mapping"},
     "flax": {"jax"},
     "dcp": {"torch", "_contract", "_extra", "mapping"},
+    "torchtitan": {"dcp"},
     "interop": {"jax", "torch", "mapping", "presets", "_contract", "_extra"},
 }
 

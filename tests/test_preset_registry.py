@@ -39,7 +39,7 @@ def test_every_list_of_presets_is_the_registry():
     export, load_mapping), the name tables, the module's exports, ``ckptfmt export --help`` and
     docs/INTEROP.md. Control: a preset function defined beside the registry is reported."""
     names = list(REGISTRY)
-    assert len(names) == 11 and all(p.name == n for n, p in REGISTRY.items())
+    assert len(names) == 17 and all(p.name == n for n, p in REGISTRY.items())
     assert interop.PRESETS == tuple(names)
     assert list(presets.NAME_TABLES) == names and all(presets.NAME_TABLES[n] is REGISTRY[n].names for n in names)
     # __all__ spells the presets out for static readers (the API reference); it must be the registry's.
@@ -64,13 +64,14 @@ def test_every_list_of_presets_is_the_registry():
     assert listed.replace("`", "").split(", ") == names
 
 
-def test_every_preset_is_a_nnx_or_maxtext_source_with_its_training_state():
+def test_every_preset_is_a_nnx_maxtext_or_torchtitan_source_with_its_training_state():
     """Each preset's source says which keys an export leaves out; the exports' ignore globs are
     exactly those (plus the preset's own). Control: an export mapping made without them differs."""
     cfg = dict(presets._registry._SIZES, num_hidden_layers=2)
     for name, p in REGISTRY.items():
-        assert p.source in (presets.NNX, presets.MAXTEXT)
-        assert p.source is (presets.MAXTEXT if name.endswith("_from_maxtext") else presets.NNX)
+        assert p.source in (presets.NNX, presets.MAXTEXT, presets.TORCHTITAN)
+        assert p.source is (presets.MAXTEXT if name.endswith("_from_maxtext") else
+                            presets.TORCHTITAN if name.endswith("_from_torchtitan") else presets.NNX)
         m = interop.preset_mapping(name, cfg)
         assert m.ignore[-len(p.source.training_state):] == p.source.training_state
         assert interop.load_mapping(name, cfg) == m
@@ -84,6 +85,7 @@ def _models() -> dict[str, tuple]:
     tf = pytest.importorskip("transformers")
     from _families import CONFIGS, SIZES, WIDE, configs
     from torchproc.hf_configs import GPT2, LLAMA
+    from test_hf_presets_moe_families import DSV3, LLAMA4
 
     gemma3 = dict(SIZES, query_pre_attn_scalar=24, sliding_window=32, hidden_activation="gelu_pytorch_tanh",
                   tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
@@ -103,12 +105,20 @@ def _models() -> dict[str, tuple]:
             "hf_gemma2_from_maxtext": (lambda: tf.Gemma2Config(**configs(WIDE)["gemma2"]), tf.Gemma2ForCausalLM),
             "hf_gemma3_from_nnx": (lambda: tf.Gemma3TextConfig(**gemma3), tf.Gemma3ForCausalLM),
             "hf_mixtral_from_nnx": mixtral, "hf_mixtral_from_maxtext": mixtral,
-            "hf_qwen2_moe_from_nnx": (lambda: tf.Qwen2MoeConfig(**CONFIGS["qwen2_moe"]), tf.Qwen2MoeForCausalLM)}
+            "hf_qwen2_moe_from_nnx": (lambda: tf.Qwen2MoeConfig(**CONFIGS["qwen2_moe"]), tf.Qwen2MoeForCausalLM),
+            "hf_llama_from_torchtitan": llama, "hf_qwen3_from_torchtitan": qwen3,
+            "hf_qwen3_moe_from_nnx": (lambda: tf.Qwen3MoeConfig(**dict(CONFIGS["qwen2_moe"], decoder_sparse_step=1,
+                                                                      mlp_only_layers=[])), tf.Qwen3MoeForCausalLM),
+            "hf_gpt_oss_from_nnx": (lambda: tf.GptOssConfig(**dict(CONFIGS["mixtral"], intermediate_size=16,
+                                                                   attention_bias=True)), tf.GptOssForCausalLM),
+            "hf_deepseek_v3_from_nnx": (lambda: tf.DeepseekV3Config(**DSV3), tf.DeepseekV3ForCausalLM),
+            "hf_llama4_from_nnx": (lambda: tf.Llama4TextConfig(**LLAMA4), tf.Llama4ForCausalLM)}
 
 
 def _training_state(globs: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """One key under each glob of a source's training state (an optimizer counter)."""
-    return {g.replace("*", "0/count"): np.array(3, dtype=np.int32) for g in globs}
+    """One key under each glob of a source's training state (an optimizer counter); a bare name
+    (torchtitan's ``dataloader``, a state that was None) has its glob with ``/*`` beside it."""
+    return {g.replace("*", "0/count"): np.array(3, dtype=np.int32) for g in globs if "*" in g}
 
 
 def _write(url: str, step: int, arrays: dict[str, np.ndarray]) -> None:

@@ -20,11 +20,17 @@ only its own bytes, and has an exact inverse for saving the other way. The older
 
 Keys that no rule matches map to themselves unchanged: equal keys need no rule.
 
+:func:`with_moments` turns a parameter's rule into that rule plus its two Adam-moment rules (the
+same transforms, the keys moved by a :class:`MomentLayout`: optax's ``mu``/``nu``, torch's
+``exp_avg``/``exp_avg_sq``, torchtitan's flattened ``optimizer/state.<fqn>.<slot>``).
+:func:`compose` runs two mappings in a row as one (A -> B then B -> C: A -> C), so two presets
+that meet on the Hugging Face layout restore a torchtitan checkpoint into JAX directly.
+
 This module is framework-free (numpy only). See ``bridges/MAPPING.md``; ready mappings for
 real models are in :mod:`bridges.presets`.
 
 Subpackage ``bridges.mapping`` owns the mapping language: rules and key patterns (``_rules``,
-``_pattern``), transforms (``_transforms``, ``_joins``, ``_reshape``), chains (``_chain``) and
+``_pattern``, ``_moments``, ``_compose``), transforms (``_transforms``, ``_joins``, ``_reshape``), chains (``_chain``) and
 mapping files (``_mapfile``); the face is ``_mapping``'s. May import: ckptfmt's public faces only,
 and no framework (tests/test_layering.py).
 """
@@ -62,5 +68,11 @@ from bridges.mapping._mapping import interleaved_to_halves as interleaved_to_hal
 from bridges.mapping._mapping import halves_to_interleaved as halves_to_interleaved
 from bridges.mapping._mapping import optimizer_step_rules as optimizer_step_rules
 from bridges.mapping._mapping import InvalidRuleError as InvalidRuleError
+from bridges.mapping._mapping import MomentLayout as MomentLayout
+from bridges.mapping._mapping import OPTAX_ADAM as OPTAX_ADAM
+from bridges.mapping._mapping import TORCH_ADAM as TORCH_ADAM
+from bridges.mapping._mapping import TORCHTITAN_ADAM as TORCHTITAN_ADAM
+from bridges.mapping._mapping import with_moments as with_moments
+from bridges.mapping._mapping import compose as compose
 
-__all__ = ["Rule", "Mapping", "Resolved", "IDENTITY", "LoadReport", "MappingError", "KeptValuesWarning", "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES", "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge", "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "Dequantize", "dequantized", "interleaved_to_halves", "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError"]
+__all__ = ["Rule", "Mapping", "Resolved", "IDENTITY", "LoadReport", "MappingError", "KeptValuesWarning", "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES", "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge", "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "Dequantize", "dequantized", "interleaved_to_halves", "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError", "MomentLayout", "OPTAX_ADAM", "TORCH_ADAM", "TORCHTITAN_ADAM", "with_moments", "compose"]

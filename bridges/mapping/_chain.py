@@ -15,7 +15,7 @@ import numpy as np
 from ckptfmt import Box
 from ckptfmt.errors import CheckpointError, ShapeMismatchError
 
-from bridges.mapping._joins import Join, Stack, Stacks
+from bridges.mapping._joins import Concat, ConcatStacks, Join, Stack, Stacks
 from bridges.mapping._transforms import Cast, NotApplicable, NotExact, Transform
 from bridges.mapping._joins import Select
 
@@ -35,12 +35,24 @@ class InvalidRuleError(CheckpointError, ValueError):
 
 def split_chain(ops: Sequence[Transform]) -> tuple[tuple[Transform, ...], Join | None, tuple[Transform, ...]]:
     """(per-source transforms, the join or None, transforms after the join). One Concat, or one
-    or more adjacent Stacks (several become one :class:`Stacks` join: layer and expert families);
-    InvalidRuleError (a ValueError) for anything else, naming the joins found."""
+    or more adjacent Stacks (several become one :class:`Stacks` join: layer and expert families),
+    or a Concat directly followed by Stacks (one :class:`ConcatStacks` join: fused parts of each
+    layer, stacked; the Concat must give its ``sizes``); InvalidRuleError (a ValueError) for anything else, naming the joins found."""
     joins = [i for i, op in enumerate(ops) if op.join]
     if not joins:
         return tuple(ops), None, ()
     j = joins[0]
+    if len(joins) > 1 and isinstance(ops[j], Concat):  # Concat then Stacks: fused parts of a key family
+        pre, stacks, post = split_chain(list(ops[:j]) + list(ops[j + 1:]))
+        if not (isinstance(stacks, (Stack, Stacks)) and joins == list(range(j, j + len(joins)))):
+            raise InvalidRuleError("a Concat may be followed only by the Stacks of its key family, next to it",
+                                   expected="Concat(...), Stack(...)[, Stack(...)]",
+                                   found=[f"{i}: {ops[i]}" for i in joins])
+        if ops[j].sizes is None:  # type: ignore[attr-defined]
+            raise InvalidRuleError("a Concat followed by Stacks needs its sizes (one per source pattern): the "
+                                   "stacked keys alone do not say how many parts each layer has",
+                                   expected="Concat(axis, sizes=(...))", found=str(ops[j]))
+        return pre, ConcatStacks(ops[j], stacks, len(ops[j].sizes)), post  # type: ignore[arg-type, attr-defined]
     if len(joins) > 1:
         stacks = [ops[i] for i in joins]
         adjacent = joins == list(range(j, j + len(joins)))

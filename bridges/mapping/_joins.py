@@ -12,7 +12,7 @@ from ckptfmt import Box
 
 from bridges.mapping._transforms import NotApplicable, Shape, Transform, _check_ndim, _ins, _put, _sl
 
-__all__ = ["Part", "Join", "Concat", "Stack", "Stacks", "Select"]
+__all__ = ["Part", "Join", "Concat", "Stack", "Stacks", "ConcatStacks", "Select"]
 
 
 
@@ -370,3 +370,79 @@ class Stacks(Join):
 
     def inverse_ops(self) -> list[Transform]:
         return [st.inverse() for st in reversed(self.stacks)]
+
+
+@dataclass(frozen=True)
+class ConcatStacks(Join):
+    """A :class:`Concat` of ``parts`` sources followed by :class:`Stack` s of each one's key family,
+    as one join: per-layer ``q_proj``, ``k_proj``, ``v_proj`` (or ``gate_proj``, ``up_proj``) fused
+    along ``concat.axis`` and stacked over the layers, the inverse of a stacked, fused JAX kernel
+    read as ``Select`` + ``Part``. Sources are ordered part-major (every layer of the first part,
+    then of the second, ...), as the rule's patterns expand.
+
+    Box mapping: the stacked indices the target box touches, and within each, the parts its
+    range along the concat axis overlaps, each read for its overlap only (a rank reads its own
+    layers' slices of its own parts).
+    """
+
+    concat: Concat
+    stacks: Join  # a Stack, or Stacks over several placeholders
+    parts: int
+
+    def _n(self, count: int) -> int:
+        if count % self.parts:
+            raise NotApplicable(f"{count} keys do not divide into {self.parts} parts of one key family",
+                                expected=f"a multiple of {self.parts}", found=count)
+        return count // self.parts
+
+    def _by_member(self, items: Sequence) -> list[list]:
+        """Regroup part-major items as [member][part]."""
+        n = self._n(len(items))
+        return [[items[p * n + m] for p in range(self.parts)] for m in range(n)]
+
+    def join_shape(self, shapes: Sequence[Shape]) -> Shape:
+        joined = [self.concat.join_shape(group) for group in self._by_member(shapes)]
+        return self.stacks.join_shape(joined)
+
+    def part_shapes(self, shape: Shape, n: int | None) -> list[Shape]:
+        members = self.stacks.part_shapes(shape, None if n is None else self._n(n))
+        per = [self.concat.part_shapes(m, self.parts) for m in members]
+        return [per[m][p] for p in range(self.parts) for m in range(len(members))]
+
+    def part_boxes(self, box: Box, shapes: Sequence[Shape]) -> list[tuple[int, Box]]:
+        n = self._n(len(shapes))
+        groups = self._by_member(shapes)
+        member_shapes = [self.concat.join_shape(g) for g in groups]
+        out = []
+        for m, inner in self.stacks.part_boxes(box, member_shapes):
+            out += [(p * n + m, b) for p, b in self.concat.part_boxes(inner, groups[m])]
+        return out
+
+    def join_blocks(self, blocks: Sequence[np.ndarray], box: Box) -> np.ndarray:
+        members = math.prod(box.shape[st.axis] for st in self._stack_list())
+        per = len(blocks) // members  # the same parts overlap every member's inner box
+        joined = [self.concat.join_blocks(blocks[k:k + per], box) for k in range(0, len(blocks), per)]
+        return self.stacks.join_blocks(joined, box)
+
+    def split(self, box: Box, block: np.ndarray, shapes: Sequence[Shape]) -> list[tuple[int, Box, np.ndarray]]:
+        n = self._n(len(shapes))
+        groups = self._by_member(shapes)
+        member_shapes = [self.concat.join_shape(g) for g in groups]
+        out = []
+        for m, inner, x in self.stacks.split(box, block, member_shapes):
+            out += [(p * n + m, b, y) for p, b, y in self.concat.split(inner, x, groups[m])]
+        return out
+
+    def _stack_list(self) -> tuple[Stack, ...]:
+        return self.stacks.stacks if isinstance(self.stacks, Stacks) else (self.stacks,)  # type: ignore[return-value]
+
+    def out_shape(self, shape: Shape) -> Shape:
+        raise NotApplicable("a Concat with Stacks joins several sources")
+
+    def inverse(self) -> Transform:
+        raise ValueError("a Concat with Stacks inverts to one rule per part: use Rule.inverses()")
+
+    def inverse_part(self, index: int) -> list[Transform]:
+        """The transforms that take part ``index`` back out of the joined tensor: the Stacks'
+        Selects, then the Concat's Part."""
+        return list(self.stacks.inverse_ops()) + [self.concat.inverse_part(index, self.parts)]

@@ -10,13 +10,16 @@ from bridges.mapping._quant import FP8_BLOCK, SCALE_SUFFIX, Dequantize
 from bridges.mapping._reshape import Merge, Unmerge
 from bridges.mapping._transforms import (Cast, Reorder, Scale, Shift, Transform, Transpose, halves_to_interleaved, interleaved_to_halves)
 from bridges.mapping._joins import Select
+from bridges.mapping._compose import compose
+from bridges.mapping._moments import OPTAX_ADAM, TORCH_ADAM, TORCHTITAN_ADAM, MomentLayout, with_moments
 
 __all__ = [
     "Rule", "Mapping", "Resolved", "IDENTITY", "LoadReport", "MappingError", "KeptValuesWarning",
     "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES",
     "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge",
     "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "Dequantize", "dequantized", "interleaved_to_halves",
-    "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError",
+    "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError", "MomentLayout", "OPTAX_ADAM",
+    "TORCH_ADAM", "TORCHTITAN_ADAM", "with_moments", "compose",
 ]
 
 #: Flax Dense kernel (in, out) -> torch Linear weight (out, in).

@@ -13,7 +13,7 @@ import numpy as np
 from ckptfmt.restoreplan import RestoreReport
 
 from bridges.mapping._chain import Chain, InvalidRuleError, split_chain, with_select_size
-from bridges.mapping._joins import Concat, Stack
+from bridges.mapping._joins import Concat, ConcatStacks, Part, Stack
 from bridges.mapping._pattern import PLACEHOLDER, Pattern
 from bridges.mapping._quant import Dequantize
 from bridges.mapping._transforms import Cast, NotApplicable, Transform, Transpose
@@ -121,12 +121,16 @@ class Rule:
                 raise ValueError(f"{where}: {op!r} is not a transform")
         _, join, _ = split_chain(self.transforms)  # InvalidRuleError for joins that do not compose
         srcs = self.sources
-        if isinstance(join, Concat) and len(srcs) < 2:
+        concat = join.concat if isinstance(join, ConcatStacks) else join
+        if isinstance(concat, Concat) and len(srcs) < 2:
             raise ValueError(f"{where}: Concat needs two or more sources")
         if isinstance(join, Dequantize) and len(srcs) != 2:
             raise ValueError(f"{where}: Dequantize needs two sources, the codes and their scales")
-        if not isinstance(join, (Concat, Dequantize)) and len(srcs) != 1:
+        if not isinstance(concat, (Concat, Dequantize)) and len(srcs) != 1:
             raise ValueError(f"{where}: {len(srcs)} sources need a Concat to join them")
+        if isinstance(join, ConcatStacks) and join.parts != len(srcs):
+            raise InvalidRuleError(f"{where}: the Concat's sizes name {join.parts} parts for {len(srcs)} sources",
+                                   key=self.target, expected=len(srcs), found=join.parts)
         tnames = set(_placeholders(self.target))
         for op in self.transforms:
             if isinstance(op, Select) and isinstance(op.index, str) and op.index not in tnames:
@@ -176,6 +180,9 @@ class Rule:
         if isinstance(join, Concat):
             n = len(self.sources)
             return tuple(Rule(self.target, src, transforms=tuple(tail + [join.inverse_part(k, n)] + head))
+                         for k, src in enumerate(self.sources))
+        if isinstance(join, ConcatStacks):  # each part: the Stacks' Selects, then its Part
+            return tuple(Rule(self.target, src, transforms=tuple(tail + join.inverse_part(k) + head))
                          for k, src in enumerate(self.sources))
         mid = join.inverse_ops() if join is not None else []
         return (Rule(self.target, self.sources[0], transforms=tuple(tail + mid + head)),)
@@ -337,10 +344,16 @@ class Mapping:
 
     def inverse(self) -> "Mapping":
         """The mapping for the opposite direction (target becomes source; ``ignore`` <-> ``keep``;
-        the precedence of :meth:`override` kept). Raises ValueError when a rule has a transform
-        without an inverse.
+        the precedence of :meth:`override` kept). Rules that each read one :class:`Part` of the
+        same source (a fused qkv or gate|up kernel, stacked or not) invert together, to one rule
+        that concatenates their targets (and stacks them, where the parts were selected from a
+        stacked axis). Raises ValueError when a rule has a transform without an inverse (a fixed
+        Select; Parts of one source that do not cover it, or equal parts under a Select, which
+        need their sizes).
         """
-        pairs = [(r, t) for rule, t in zip(self.rules, self.tiers) for r in rule.inverses()]
+        fused = _fused_parts(self.rules)
+        pairs = [(r, t) for k, (rule, t) in enumerate(zip(self.rules, self.tiers)) if fused.get(k, ()) is not None
+                 for r in (fused[k] if k in fused else rule.inverses())]
         return Mapping(tuple(r for r, _ in pairs), ignore=self.keep, keep=self.ignore, source_sep=self.target_sep,
                        target_sep=self.source_sep, tiers=tuple(t for _, t in pairs))
 
@@ -463,3 +476,35 @@ class Mapping:
             return (Resolved(target_key, (target_key,)),)
         copies = [r for r in found if r not in main and r.source_keys != main[0].source_keys]
         return (main[0], *copies)
+
+
+def _fused_parts(rules: Sequence[Rule]) -> dict[int, tuple[Rule, ...] | None]:
+    """Rules reading parts of one fused source, grouped: rule index -> its group's one inverse rule
+    (on the group's first rule) or None (the others). Parts are grouped by source, the transforms
+    around the Part and the Part's axis and sizes; every part must be there."""
+    groups: dict[tuple, list[tuple[int, int, Rule]]] = {}
+    for k, r in enumerate(rules):
+        parts = [i for i, op in enumerate(r.transforms) if isinstance(op, Part)]
+        if r.permute is not None or len(r.sources) != 1 or len(parts) != 1:
+            continue
+        i = parts[0]
+        part = r.transforms[i]
+        key = (r.source, r.transforms[:i], r.transforms[i + 1:], part.axis, part.parts, r.also)  # type: ignore[attr-defined]
+        groups.setdefault(key, []).append((part.index, k, r))  # type: ignore[attr-defined]
+    out: dict[int, tuple[Rule, ...] | None] = {}
+    for (source, head, tail, axis, sizes, also), members in groups.items():
+        members.sort()
+        n = sizes if isinstance(sizes, int) else len(sizes)
+        if [m[0] for m in members] != list(range(n)):
+            raise ValueError(f"the Parts of {source!r} cannot invert: parts {[m[0] for m in members]} of {n} are "
+                             f"mapped (a fused tensor restores from all of its parts)")
+        selects = [op for op in head if isinstance(op, Select)]
+        if selects and isinstance(sizes, int):
+            raise ValueError(f"the Parts of {source!r} are equal parts under a Select: give Part(..., parts=sizes) "
+                             f"so that the stacked inverse knows each layer's sizes")
+        ops = ([op.inverse() for op in reversed(tail)] + [Concat(axis, None if isinstance(sizes, int) else sizes)]
+               + [op.inverse() for op in reversed(head)])
+        joined = Rule(tuple(m[2].target for m in members), source, transforms=tuple(ops), also=also)
+        out[members[0][1]] = (joined,)
+        out.update({m[1]: None for m in members[1:]})
+    return out

@@ -22,8 +22,20 @@ model definitions: the presets name the layout a JAX model must have (tables bel
 * :func:`hf_mixtral_from_nnx`, :func:`hf_qwen2_moe_from_nnx`: ``MixtralForCausalLM`` and
   ``Qwen2MoeForCausalLM`` (shared expert) from experts stacked ``(L, E, ...)``, into the models'
   fused expert tensors or the one-tensor-per-expert files of the hub and ``save_pretrained``.
+* :func:`hf_qwen3_moe_from_nnx`: ``Qwen3MoeForCausalLM`` (Qwen3's attention with per-head q/k
+  norms, Qwen2-MoE's routed experts, no shared expert).
+* :func:`hf_gpt_oss_from_nnx`: ``GptOssForCausalLM`` (q/k/v/o biases, attention sinks, a biased
+  router, fused experts with gate and up interleaved, stored (in, out)).
+* :func:`hf_deepseek_v3_from_nnx`: ``DeepseekV3ForCausalLM`` (multi-head latent attention, dense
+  first layers, then routed experts with a correction bias and shared experts).
+* :func:`hf_llama4_from_nnx`: ``Llama4ForCausalLM`` (text: dense and MoE layers alternating,
+  experts stored (in, out), a shared expert, interleaved rotary).
 * :func:`hf_gpt2_from_nnx`: ``GPT2LMHeadModel`` (Conv1D weights stored (in, out), fused
   ``c_attn``) from a Flax NNX GPT-2 with separate q/k/v.
+
+* :func:`hf_llama_from_torchtitan`, :func:`hf_qwen3_from_torchtitan`: ``LlamaForCausalLM`` and
+  ``Qwen3ForCausalLM`` from a torchtitan checkpoint (its own names, its flattened AdamW state;
+  ``bridges.torchtitan`` saves one through ckptfmt; facts relied on: ``bridges/presets/_torchtitan.py``).
 
 Adam moments (optax ``mu``/``nu`` -> torch AdamW ``exp_avg``/``exp_avg_sq``) follow their
 parameters through the same transforms; optax's one ``count`` (int32) feeds every torch ``step``
@@ -55,7 +67,7 @@ MaxText facts relied on (read from AI-Hypercomputer/maxtext):
   transposes and reshapes. MaxText's tests of its HF loader use ``param_scan_axis=1``.
 
 Subpackage ``bridges.presets`` owns the presets for Hugging Face models: one registry
-(``_registry``) and the name tables (``_base``, ``_maxtext``, ``_moe``). May import:
+(``_registry``) and the name tables (``_base``, ``_maxtext``, ``_moe``, ``_gpt_oss``, ``_deepseek``, ``_llama4``, ``_torchtitan``). May import:
 ``bridges.mapping``, and no framework (tests/test_layering.py).
 """
 from __future__ import annotations
@@ -78,6 +90,13 @@ from bridges.presets._registry import QWEN3_NNX_NAMES as QWEN3_NNX_NAMES
 from bridges.presets._registry import GEMMA2_NNX_NAMES as GEMMA2_NNX_NAMES
 from bridges.presets._registry import GEMMA3_NNX_NAMES as GEMMA3_NNX_NAMES
 from bridges.presets._registry import NAME_TABLES as NAME_TABLES
+from bridges.presets._registry import TORCHTITAN as TORCHTITAN
+from bridges.presets._registry import QWEN3_MOE_NNX_NAMES as QWEN3_MOE_NNX_NAMES
+from bridges.presets._registry import GPT_OSS_NNX_NAMES as GPT_OSS_NNX_NAMES
+from bridges.presets._registry import DEEPSEEK_V3_NNX_NAMES as DEEPSEEK_V3_NNX_NAMES
+from bridges.presets._registry import LLAMA4_NNX_NAMES as LLAMA4_NNX_NAMES
+from bridges.presets._registry import TORCHTITAN_LLAMA3_NAMES as TORCHTITAN_LLAMA3_NAMES
+from bridges.presets._registry import TORCHTITAN_QWEN3_NAMES as TORCHTITAN_QWEN3_NAMES
 from bridges.presets._registry import names_markdown as names_markdown
 from bridges.presets._registry import hf_llama_from_nnx as hf_llama_from_nnx
 from bridges.presets._registry import hf_llama_from_maxtext as hf_llama_from_maxtext
@@ -90,5 +109,11 @@ from bridges.presets._registry import hf_gemma3_from_nnx as hf_gemma3_from_nnx
 from bridges.presets._registry import hf_qwen3_from_maxtext as hf_qwen3_from_maxtext
 from bridges.presets._registry import hf_gemma2_from_maxtext as hf_gemma2_from_maxtext
 from bridges.presets._registry import hf_mixtral_from_maxtext as hf_mixtral_from_maxtext
+from bridges.presets._registry import hf_qwen3_moe_from_nnx as hf_qwen3_moe_from_nnx
+from bridges.presets._registry import hf_gpt_oss_from_nnx as hf_gpt_oss_from_nnx
+from bridges.presets._registry import hf_deepseek_v3_from_nnx as hf_deepseek_v3_from_nnx
+from bridges.presets._registry import hf_llama4_from_nnx as hf_llama4_from_nnx
+from bridges.presets._registry import hf_llama_from_torchtitan as hf_llama_from_torchtitan
+from bridges.presets._registry import hf_qwen3_from_torchtitan as hf_qwen3_from_torchtitan
 
-__all__ = ["Preset", "Source", "NNX", "MAXTEXT", "REGISTRY", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES", "MAXTEXT_LLAMA_NAMES", "MAXTEXT_QWEN3_NAMES", "MAXTEXT_GEMMA2_NAMES", "MAXTEXT_MIXTRAL_NAMES", "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "GEMMA3_NNX_NAMES", "NAME_TABLES", "names_markdown", "hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx", "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext", "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext"]
+__all__ = ["Preset", "Source", "NNX", "MAXTEXT", "REGISTRY", "MIXTRAL_NNX_NAMES", "QWEN2_MOE_NNX_NAMES", "llama_dims", "LLAMA_NNX_NAMES", "MAXTEXT_LLAMA_NAMES", "MAXTEXT_QWEN3_NAMES", "MAXTEXT_GEMMA2_NAMES", "MAXTEXT_MIXTRAL_NAMES", "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "GEMMA3_NNX_NAMES", "NAME_TABLES", "names_markdown", "hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx", "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext", "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "TORCHTITAN", "TORCHTITAN_LLAMA3_NAMES", "TORCHTITAN_QWEN3_NAMES", "QWEN3_MOE_NNX_NAMES", "GPT_OSS_NNX_NAMES", "DEEPSEEK_V3_NNX_NAMES", "LLAMA4_NNX_NAMES", "hf_qwen3_moe_from_nnx", "hf_gpt_oss_from_nnx", "hf_deepseek_v3_from_nnx", "hf_llama4_from_nnx", "hf_llama_from_torchtitan", "hf_qwen3_from_torchtitan"]

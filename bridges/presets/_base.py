@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from bridges.mapping._chain import InvalidRuleError
-from bridges.mapping._mapping import Mapping, Merge, Reorder, Rule, Select, Transform, Transpose, interleaved_to_halves, optimizer_step_rules
+from bridges.mapping._mapping import Mapping, Merge, MomentLayout, with_moments, Reorder, Rule, Select, Transform, Transpose, interleaved_to_halves, optimizer_step_rules
 
 
 ROPE_LAYOUTS = ("halves", "interleaved")
@@ -73,9 +73,10 @@ def _mapping(entries: Sequence[tuple[Any, str, tuple[Transform, ...]]], model: t
     rules = [Rule(under(src_m, s), f"{dst_m}/{t}", transforms=ops) for s, t, ops in entries]
     if optimizer is not None:
         src_o, dst_o = optimizer
-        for moment, slot in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
-            base = "/".join(p for p in (src_o, moment, moments) if p)
-            rules += [Rule(under(base, s), f"{dst_o}/{t}/{slot}", transforms=ops) for s, t, ops in entries]
+        source = MomentLayout(src_m, "/".join(p for p in (src_o, "{slot}", moments, "{path}") if p), ("mu", "nu"))
+        target = MomentLayout(dst_m, f"{dst_o}/{{path}}/{{slot}}", ("exp_avg", "exp_avg_sq"))
+        triples = [with_moments(r, source, target) for r in rules]
+        rules += [t[1] for t in triples] + [t[2] for t in triples]
         rules += optimizer_step_rules(src_o, dst_o, step)
     return Mapping(tuple(rules), ignore=tuple(ignore), keep=tuple(keep), source_sep="/", target_sep=".")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from bridges.mapping._mapping import Concat, Mapping, Select, Transform, Transpose
-from bridges.presets._base import _get, llama_dims, _names, _mapping, _llama_entries, LLAMA_NNX_NAMES
+from bridges.presets._base import _get, llama_dims, _names, _mapping, _llama_entries, _rope, LLAMA_NNX_NAMES
 
 
 _ATTN_ONLY = ("attn_norm", "mlp_norm", "norm", "embed", "lm_head")
@@ -28,6 +28,12 @@ QWEN2_MOE_NNX_NAMES: dict[str, str] = dict(MIXTRAL_NNX_NAMES, **{
     "shared_down_kernel": "layers/moe/shared/down/kernel",  # (L, shared_ffn, d)
     "shared_expert_gate": "layers/moe/shared_gate/kernel",  # (L, d, 1)
 })
+#: The Flax NNX Qwen3-MoE layout :func:`hf_qwen3_moe_from_nnx` expects: :data:`MIXTRAL_NNX_NAMES`
+#: plus Qwen3's per-head q/k RMSNorms and, with ``attention_bias``, the q/k/v/o biases (no shared expert).
+QWEN3_MOE_NNX_NAMES: dict[str, str] = dict(MIXTRAL_NNX_NAMES, **{
+    "q_norm": "layers/attn/q_norm/scale",       # (L, head_dim)
+    "k_norm": "layers/attn/k_norm/scale",       # (L, head_dim)
+}, **{k: LLAMA_NNX_NAMES[k] for k in ("q_bias", "k_bias", "v_bias", "o_bias")})  # attention_bias=True only
 EXPERT_LAYOUTS = ("fused", "per_expert")
 
 
@@ -85,8 +91,7 @@ def hf_qwen2_moe_from_nnx(config: Any, *, experts: str = "fused", model: tuple[s
     ``mlp.shared_expert_gate.weight`` (1, d). Every layer must be sparse: ValueError for a config
     with ``mlp_only_layers`` or ``decoder_sparse_step`` other than 1. Name table:
     :data:`QWEN2_MOE_NNX_NAMES`."""
-    if list(_get(config, "mlp_only_layers", [])) or int(_get(config, "decoder_sparse_step", 1)) != 1:
-        raise ValueError("hf_qwen2_moe_from_nnx: every layer must be sparse (mlp_only_layers=[], decoder_sparse_step=1)")
+    _all_sparse(config, "hf_qwen2_moe_from_nnx")
     dims = dict(llama_dims(config), qkv_bias=bool(_get(config, "qkv_bias", True)), o_bias=False, mlp_bias=False)
     table = _names(QWEN2_MOE_NNX_NAMES, names, "hf_qwen2_moe_from_nnx")
     entries = _moe_entries(dims, table, rope, experts, int(_get(config, "num_experts")),
@@ -98,4 +103,31 @@ def hf_qwen2_moe_from_nnx(config: Any, *, experts: str = "fused", model: tuple[s
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
 
-#: Each preset's name table (name key -> default path under the parameter tree): ``names=`` overrides.
+def _all_sparse(config: Any, preset: str) -> None:
+    if list(_get(config, "mlp_only_layers", [])) or int(_get(config, "decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"{preset}: every layer must be sparse (mlp_only_layers=[], decoder_sparse_step=1)")
+
+
+def hf_qwen3_moe_from_nnx(config: Any, *, experts: str = "fused", model: tuple[str, str] = ("model", "model"),
+                          optimizer: tuple[str, str] | None = ("optimizer/opt_state/0", "optim/state"),
+                          rope: str = "halves", names: dict[str, str] | None = None,
+                          ignore: Sequence[str] = ("optimizer/step",), keep: Sequence[str] = ("optim/param_groups",),
+                          step: tuple[str, str] | None = ("optimizer/step", "uint32")) -> Mapping:
+    """Mapping from a Flax NNX Qwen3-MoE to HF ``Qwen3MoeForCausalLM``: the routed experts of
+    :func:`hf_qwen2_moe_from_nnx` (``moe_intermediate_size`` wide, fused ``mlp.experts.gate_up_proj``
+    / ``down_proj`` or the files' ``mlp.experts.{j}.{gate,up,down}_proj.weight``, router
+    ``mlp.gate.weight``) with Qwen3's attention: q/k/v/o biases when ``attention_bias``, per-head ``q_norm`` / ``k_norm``
+    (L, head_dim) reordered with the q/k rows for ``rope="interleaved"``, no shared expert.
+    ValueError for a config with dense layers (``mlp_only_layers``, ``decoder_sparse_step``).
+    Name table: :data:`QWEN3_MOE_NNX_NAMES`."""
+    _all_sparse(config, "hf_qwen3_moe_from_nnx")
+    dims = dict(llama_dims(config), mlp_bias=False)  # attention_bias: q/k/v/o biases, as Qwen3
+    table = _names(QWEN3_MOE_NNX_NAMES, names, "hf_qwen3_moe_from_nnx")
+    # Qwen3MoeConfig keeps num_experts as num_local_experts (its attribute_map; its JSON has only that)
+    n_experts = int(_get(config, "num_local_experts", _get(config, "num_experts")))
+    entries = _moe_entries(dims, table, rope, experts, n_experts, int(_get(config, "moe_intermediate_size")), "mlp",
+                           ("gate_proj", "up_proj", "down_proj"))
+    sel = Select(0, "i", dims["layers"])
+    entries += [(table[f"{n}_norm"], f"model.layers.{{i}}.self_attn.{n}_norm.weight", (sel,) + _rope(rope, 0, dims["head_dim"]))
+                for n in ("q", "k")]
+    return _mapping(entries, model, optimizer, "", ignore, keep, step)

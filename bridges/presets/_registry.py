@@ -14,7 +14,10 @@ __all__ = ["Preset", "Source", "NNX", "MAXTEXT", "REGISTRY", "MIXTRAL_NNX_NAMES"
            "GPT2_NNX_NAMES", "QWEN3_NNX_NAMES", "GEMMA2_NNX_NAMES", "GEMMA3_NNX_NAMES", "NAME_TABLES", "names_markdown",
            "hf_llama_from_nnx", "hf_llama_from_maxtext", "hf_gpt2_from_nnx", "hf_qwen3_from_nnx", "hf_gemma2_from_nnx",
            "hf_mixtral_from_nnx", "hf_qwen2_moe_from_nnx", "hf_gemma3_from_nnx", "hf_qwen3_from_maxtext",
-           "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext"]
+           "hf_gemma2_from_maxtext", "hf_mixtral_from_maxtext", "TORCHTITAN", "TORCHTITAN_LLAMA3_NAMES",
+           "TORCHTITAN_QWEN3_NAMES", "hf_llama_from_torchtitan", "hf_qwen3_from_torchtitan",
+           "QWEN3_MOE_NNX_NAMES", "hf_qwen3_moe_from_nnx", "GPT_OSS_NNX_NAMES", "hf_gpt_oss_from_nnx",
+           "DEEPSEEK_V3_NNX_NAMES", "hf_deepseek_v3_from_nnx", "LLAMA4_NNX_NAMES", "hf_llama4_from_nnx"]
 
 from bridges.presets._base import (ROPE_LAYOUTS, LLAMA_NNX_NAMES, _get, _llama_entries, _mapping, _names, _rope,  # noqa: F401
                             llama_dims)
@@ -203,16 +206,22 @@ def hf_gemma3_from_nnx(config: Any, *, model: tuple[str, str] = ("model", "model
     return _mapping(entries, model, optimizer, "", ignore, keep, step)
 
 
-from bridges.presets._moe import (EXPERT_LAYOUTS, MIXTRAL_NNX_NAMES, QWEN2_MOE_NNX_NAMES, hf_mixtral_from_nnx,  # noqa: E402
-                           hf_qwen2_moe_from_nnx)
+from bridges.presets._moe import (EXPERT_LAYOUTS, MIXTRAL_NNX_NAMES, QWEN2_MOE_NNX_NAMES, QWEN3_MOE_NNX_NAMES,  # noqa: E402
+                           hf_mixtral_from_nnx, hf_qwen2_moe_from_nnx, hf_qwen3_moe_from_nnx)
 from bridges.presets._maxtext import (MAXTEXT_GEMMA2_NAMES, MAXTEXT_LLAMA_NAMES, MAXTEXT_MIXTRAL_NAMES,  # noqa: E402
                                MAXTEXT_QWEN3_NAMES, hf_gemma2_from_maxtext, hf_llama_from_maxtext,
                                hf_mixtral_from_maxtext, hf_qwen3_from_maxtext)
+from bridges.presets._gpt_oss import GPT_OSS_NNX_NAMES, hf_gpt_oss_from_nnx  # noqa: E402
+from bridges.presets._deepseek import DEEPSEEK_V3_NNX_NAMES, hf_deepseek_v3_from_nnx  # noqa: E402
+from bridges.presets._llama4 import LLAMA4_NNX_NAMES, hf_llama4_from_nnx  # noqa: E402
+from bridges.presets._torchtitan import (TORCHTITAN_LLAMA3_NAMES, TORCHTITAN_QWEN3_NAMES,  # noqa: E402
+                                  TORCHTITAN_TRAINING_STATE, hf_llama_from_torchtitan, hf_qwen3_from_torchtitan)
 
 
 @dataclass(frozen=True)
 class Source:
-    """What every checkpoint of one JAX training library has, as the presets read it."""
+    """What every checkpoint of one training library (JAX's NNX and MaxText, torch's torchtitan) has,
+    as the presets read it."""
 
     name: str
     #: Checkpoint keys of the training state (optimizer, step counter): an export of the weights
@@ -227,6 +236,9 @@ class Source:
 NNX = Source("nnx", ("optimizer/*",), (("model", ("", "model")),))
 #: MaxText's ``TrainState``: ``params/params/...``, ``opt_state/...``, ``step``.
 MAXTEXT = Source("maxtext", ("opt_state/*", "step"), (("params", ""),))
+#: torchtitan's ``CheckpointManager`` (torch): the model's FQNs at the root, beside ``optimizer``,
+#: ``lr_scheduler``, ``dataloader`` and ``train_state``.
+TORCHTITAN = Source("torchtitan", TORCHTITAN_TRAINING_STATE, ())
 
 
 @dataclass(frozen=True)
@@ -257,12 +269,20 @@ REGISTRY: dict[str, Preset] = {p.name: p for p in (
     Preset(hf_gemma3_from_nnx, GEMMA3_NNX_NAMES, NNX),
     Preset(hf_qwen3_from_maxtext, MAXTEXT_QWEN3_NAMES, MAXTEXT),
     Preset(hf_gemma2_from_maxtext, MAXTEXT_GEMMA2_NAMES, MAXTEXT),
-    Preset(hf_mixtral_from_maxtext, MAXTEXT_MIXTRAL_NAMES, MAXTEXT))}
+    Preset(hf_mixtral_from_maxtext, MAXTEXT_MIXTRAL_NAMES, MAXTEXT),
+    Preset(hf_qwen3_moe_from_nnx, QWEN3_MOE_NNX_NAMES, NNX),
+    Preset(hf_gpt_oss_from_nnx, GPT_OSS_NNX_NAMES, NNX),
+    Preset(hf_deepseek_v3_from_nnx, DEEPSEEK_V3_NNX_NAMES, NNX),
+    Preset(hf_llama4_from_nnx, LLAMA4_NNX_NAMES, NNX),
+    Preset(hf_llama_from_torchtitan, TORCHTITAN_LLAMA3_NAMES, TORCHTITAN),
+    Preset(hf_qwen3_from_torchtitan, TORCHTITAN_QWEN3_NAMES, TORCHTITAN))}
 NAME_TABLES: dict[str, dict[str, str]] = {name: p.names for name, p in REGISTRY.items()}
 #: Configs that between them turn on every option a preset reads (for naming its tensors).
 _SIZES = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8,
           "num_hidden_layers": 2, "intermediate_size": 32, "vocab_size": 64, "n_layer": 1, "n_embd": 16,
-          "num_local_experts": 2, "num_experts": 2, "moe_intermediate_size": 8}
+          "num_local_experts": 2, "num_experts": 2, "moe_intermediate_size": 8,
+          "q_lora_rank": 8, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4,
+          "first_k_dense_replace": 1, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 48}
 _TABLE_CONFIGS = (dict(_SIZES, model_type="qwen2", mlp_bias=True), dict(_SIZES, attention_bias=True))
 
 
