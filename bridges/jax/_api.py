@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from ckptfmt import Box, LocalShard, Repository, SaveHandle, SaveOptions
-from ckptfmt.asyncsave import save_in_flight, start_async
+from ckptfmt.asyncsave import RetrySchedule, run_attempts, save_in_flight, start_async
 from ckptfmt import session as _session
 from ckptfmt.reader import RANK_STATE_POLICIES as _CORE_POLICIES
 from ckptfmt.errors import CheckpointError, SaveInProgressError
@@ -213,9 +213,11 @@ def save(url: "str | Repository", state: Any, *, step: int, extra: Any = None, r
 
 def _save(url: "str | Repository", state: Any, *, step: int, extra: Any, rank_state: Any, blocking: bool,
           coordinator: Any, options: SaveOptions | None, metadata: Mapping[str, Any] | None,
-          staged: list[Any] | None = None) -> Any:
+          staged: list[Any] | None = None, retry: RetrySchedule | None = None) -> Any:
     """:func:`save`; ``staged``: the leaves of ``state`` already staged with host copies (the
-    manager's local tier made them at this step: the state is copied once)."""
+    manager's local tier made them at this step: the state is copied once); ``retry``: the
+    manager's retry schedule (``ckptfmt.asyncsave.run_attempts``), run in the background for
+    ``blocking=False``."""
     if blocking and save_in_flight():
         raise SaveInProgressError("an earlier save(blocking=False) is still in flight; call its result() first",
                                   expected="no save in flight", found=f"a background save; requested step {step}")
@@ -224,7 +226,9 @@ def _save(url: "str | Repository", state: Any, *, step: int, extra: Any, rank_st
     release = coordinator is None and isinstance(coord, JaxCoordinator)
     if blocking:
         items, global_state, per_rank, md = _stage_items(state, extra, rank_state, metadata, blocking=True, staged=staged)
-        return _commit(url, step, _shards_of(items), global_state, per_rank, md, coord, options, release)
+        shards = _shards_of(items)
+        return run_attempts(lambda: _commit(url, step, shards, global_state, per_rank, md, coord, options, release),
+                            retry)
 
     def stage() -> tuple[Callable[[], Any], int]:
         # The caller's thread makes the host copies only; the shards, the plan, the writes, the
@@ -234,7 +238,7 @@ def _save(url: "str | Repository", state: Any, *, step: int, extra: Any, rank_st
         return (lambda: _commit(url, step, _shards_of(items), global_state, per_rank, md, coord, options, release),
                 _staged_bytes(items))
 
-    handle: SaveHandle = start_async(stage, step=step, wait=False)
+    handle: SaveHandle = start_async(stage, step=step, wait=False, retry=retry)
     return handle
 
 

@@ -8,7 +8,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import Box, LocalShard, SaveHandle
-from ckptfmt.asyncsave import save_in_flight, start_async
+from ckptfmt.asyncsave import RetrySchedule, run_attempts, save_in_flight, start_async
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import SaveInProgressError
 
@@ -148,6 +148,16 @@ def save(url: "str | ckptfmt.Repository", state: TMapping[str, Any], *, step: in
     (a non-power-of-two Scale) raises MappingError before anything is written.
     """
     rank_state = renamed_keyword("save", "rank_extra", "rank_state", rank_extra, rank_state)
+    return _save(url, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking, coordinator=coordinator,
+                 save_rng=save_rng, metadata=metadata, mapping=mapping, options=options)
+
+
+def _save(url: "str | ckptfmt.Repository", state: TMapping[str, Any], *, step: int, extra: Any = None,
+          rank_state: Any = None, blocking: bool = True, coordinator: Any = None, save_rng: bool = True,
+          metadata: TMapping[str, Any] | None = None, mapping: Mapping | None = None, options: Any = None,
+          retry: RetrySchedule | None = None) -> Any:
+    """:func:`save`; ``retry``: the manager's retry schedule (``ckptfmt.asyncsave.run_attempts``),
+    run in the background for ``blocking=False``."""
     if blocking and save_in_flight():
         raise SaveInProgressError("an earlier save(blocking=False) is still in flight; call its result() first",
                                   expected="no save in flight", found=f"a background save; requested step {step}")
@@ -169,8 +179,8 @@ def save(url: "str | ckptfmt.Repository", state: TMapping[str, Any], *, step: in
         return (lambda: ckptfmt.save(url, step, shards, **kw)), staged
 
     if blocking:
-        return stage()[0]()
-    handle: SaveHandle = start_async(stage, step=step, wait=False)
+        return run_attempts(stage()[0], retry)
+    handle: SaveHandle = start_async(stage, step=step, wait=False, retry=retry)
     return handle
 
 

@@ -11,6 +11,10 @@ share the one-save-at-a-time rule. The background work runs on a :class:`Backgro
 thread started on first use and kept while saves keep coming: the caller never waits for a thread
 to start (``Thread.start`` returns only once the new thread runs, a scheduler round trip that
 took up to 5 ms of the caller's time per save on a loaded 2-core machine).
+
+A save may be given a :data:`RetrySchedule` (the checkpoint manager's failure policy): a failed
+attempt is run again from the same staged copies, after the delay the schedule names, until it
+commits or the schedule says stop (:func:`run_attempts`). The staged copies are held until then.
 """
 from __future__ import annotations
 
@@ -27,7 +31,12 @@ from ckptfmt.errors import SaveInProgressError
 from ckptfmt.manifest import Manifest
 from ckptfmt.session import save
 
-__all__ = ["SaveHandle", "save_async", "start_async", "save_in_flight", "BackgroundWorker"]
+__all__ = ["SaveHandle", "save_async", "start_async", "save_in_flight", "BackgroundWorker", "RetrySchedule",
+           "run_attempts"]
+
+#: Given a failed attempt's error and its number (1 for the first), the seconds to wait before the
+#: next attempt, or None to give up (the error is then raised). It may log; it must not raise.
+RetrySchedule = Callable[[BaseException, int], "float | None"]
 
 #: Seconds a :class:`BackgroundWorker` waits for its next job before its thread ends.
 WORKER_IDLE_S = 30.0
@@ -149,12 +158,31 @@ def _snapshot(shards: Iterable[LocalShard], copy: bool) -> tuple[list[LocalShard
     return out, nbytes
 
 
+def run_attempts(run: Callable[[], Manifest], retry: RetrySchedule | None) -> Manifest:
+    """``run()``, run again after each failure for as long as ``retry`` gives a delay; returns the
+    committed manifest or raises the last attempt's error. Only ``Exception``s are retried.
+    ``run`` must be safe to call again: each call is a whole save of the same staged data (a
+    failed save leaves nothing listed, so the next attempt starts clean)."""
+    attempt = 1
+    while True:
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 - the schedule decides; the last error is raised
+            delay = None if retry is None else retry(e, attempt)
+            if delay is None:
+                raise
+        if delay > 0:
+            time.sleep(delay)
+        attempt += 1
+
+
 def save_in_flight() -> bool:
     """True while an asynchronous save of this process has not finished."""
     return _process_lock().locked()
 
 
-def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step: int, wait: bool = True) -> SaveHandle:
+def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step: int, wait: bool = True,
+                retry: RetrySchedule | None = None) -> SaveHandle:
     """Run a save in a background thread and return its :class:`SaveHandle`.
 
     Takes this process's save slot (one asynchronous save at a time: with ``wait`` it waits for
@@ -162,7 +190,8 @@ def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step
     thread: it copies what the save needs to host memory and returns the save to run (a callable
     returning the committed Manifest) and the bytes it staged (``handle.snapshot_bytes``). The
     caller is blocked for ``handle.blocked_s``. An error of ``stage`` releases the slot and is
-    raised here; the save's own error is raised by ``handle.result()``.
+    raised here; the save's own error is raised by ``handle.result()``. With ``retry``, a failed
+    save is run again in the background (:func:`run_attempts`), holding the slot and its staged data.
     """
     t0 = time.perf_counter()
     lock = _process_lock()
@@ -178,7 +207,7 @@ def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step
 
     def background() -> None:
         try:
-            handle._manifest = run()
+            handle._manifest = run_attempts(run, retry)
         except BaseException as e:  # delivered through handle.result()
             handle._error = e
         finally:
@@ -191,19 +220,20 @@ def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step
 
 
 def save_async(repo: Any, step: int, shards: Iterable[LocalShard], *, wait: bool = True, copy: bool = True,
-               **kwargs: Any) -> SaveHandle:
+               retry: RetrySchedule | None = None, **kwargs: Any) -> SaveHandle:
     """Snapshot ``shards`` to host memory and return; write, verify and commit in a background thread.
 
     ``copy=False`` keeps references instead of copies: only for data that nothing will mutate
     (e.g. immutable framework buffers). Other keyword arguments are those of :func:`ckptfmt.save`.
     Staging memory is the bytes of this rank's main-replica shards (``handle.snapshot_bytes``).
+    ``retry``: see :func:`start_async`.
     """
     def stage() -> tuple[Callable[[], Manifest], int]:
         staged, nbytes = _snapshot(shards, copy)
 
         def run() -> Manifest:
             try:
-                return save(repo, step, staged, **kwargs)
+                return run_attempts(lambda: save(repo, step, staged, **kwargs), retry)
             finally:
                 staged.clear()
 
