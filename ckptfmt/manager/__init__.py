@@ -308,7 +308,7 @@ class CheckpointManager:
             delay = policy.delay_s(attempt) if policy.retryable(error) else None
             job.attempts = attempt if delay is None else attempt + 1
             if delay is not None:
-                _log.warning("step %d: save attempt %d failed (%s: %s); retrying in %.1f s from the same staged state",
+                _log.warning("step %d: save attempt %d failed (%s: %s); retrying in %.3g s from the same staged state",
                              job.step, attempt, type(error).__name__, error, delay)
                 self._emit({"event": "save_retry", "step": job.step, "attempt": attempt,
                             "error": f"{type(error).__name__}: {error}", "retry_in_s": delay, "unix": time.time()})
