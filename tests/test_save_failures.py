@@ -241,3 +241,80 @@ def test_policy_values():
             SaveFailurePolicy(**bad)
     with pytest.raises(ValueError):
         CheckpointManager("memory://x", failure_policy={"retries": 1})  # a misspelt dict is refused
+
+
+# ----------------------------------------------------------------- two ranks: every rank retries alike
+
+
+class _Rank(CheckpointManager):
+    """Rank ``rank`` of 2 in this process (threads), over TcpCoordinators; each saves rows
+    [4r, 4r+4) of "w" through the retry schedule it is given."""
+
+    def __init__(self, repo, rank, addrs, **kw):
+        from ckptfmt import TcpCoordinator
+
+        self._r, self._addrs = rank, addrs
+        super().__init__(repo, **kw)
+        self._save_coord = TcpCoordinator(addrs[1], rank, 2, timeout_s=30)
+
+    def _process(self):
+        return self._r, 2
+
+    def _new_coordinator(self):
+        from ckptfmt import TcpCoordinator
+
+        return TcpCoordinator(self._addrs[0], self._r, 2, timeout_s=30)
+
+    def _save_verb(self, step, state, *, extra, metadata, rank_state, blocking, retry=None):
+        from ckptfmt import LocalShard, save
+        from ckptfmt.asyncsave import run_attempts
+
+        w = state["w"][4 * self._r:4 * self._r + 4].copy()
+        shard = LocalShard("w", (8, 4), w.dtype, Box((4 * self._r, 0), (4, 4)), w)
+        manifest = run_attempts(lambda: save(self.repository, step, [shard], metadata=metadata,
+                                             coordinator=self._save_coord), retry)
+        return lambda: manifest
+
+
+def test_two_ranks_retry_record_and_recover_alike(tmp_path):
+    """Rank 1's shard writes fail for the saves of steps 2 and 3 (a storage of its own that
+    refuses them): both ranks retry, record the same failures, and commit every later step."""
+    from ckptfmt.coord import free_port
+    from ckptfmt.storage import DelegatingStorage, open_storage
+
+    url = str(tmp_path / "r")
+    refused: list[str] = []
+
+    class Refusing(DelegatingStorage):
+        def write_object(self, key, buffers, *, tensor=None):
+            if "/t/" in key and key.split("/")[1].startswith(("000000000002-", "000000000003-")):
+                refused.append(key)
+                raise StorageError("write refused (injected)", object=key)
+            return super().write_object(key, buffers, tensor=tensor)
+
+    addrs = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    out, errors = [None, None], [None, None]
+
+    def run(rank):
+        repo = Repository(url, storage=Refusing(open_storage(url)) if rank == 1 else None)
+        try:
+            with _Rank(repo, rank, addrs, async_save=False, save_every_steps=1,
+                       failure_policy=SaveFailurePolicy(retries=1, backoff_s=0.01)) as m:
+                for step in range(1, 6):
+                    m.save(step, {"w": np.full((8, 4), step, np.float32)})
+                out[rank] = [(h.step, h.committed, h.attempts) for h in m.history]
+        except BaseException as e:  # noqa: BLE001
+            errors[rank] = e
+
+    import threading
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert errors == [None, None], errors
+    want = [(1, True, 1), (2, False, 2), (3, False, 2), (4, True, 1), (5, True, 1)]
+    assert out == [want, want]
+    assert len(refused) == 4  # 2 steps x 2 attempts, on rank 1 only
+    assert Repository(url).steps() == [1, 4, 5]

@@ -98,7 +98,8 @@ class CheckpointManager:
     :meth:`should_save` follows (either, both, or neither: then only ``force=True`` saves).
     ``keep_last`` / ``keep_every`` / ``keep_best`` (with ``best_metric``, ``best_mode`` "min" or
     "max"): retention (see :class:`Retention`; all None keeps every step). ``async_save``: the
-    caller is blocked only while the state is copied to host memory. ``fallback``: ``restore()``
+    caller is blocked only while the state is copied to host memory (within ``options``'
+    ``max_staging_bytes``, if set: docs/failures.md). ``fallback``: ``restore()``
     without a step falls back to the newest step that restores when newer ones are damaged.
     ``metrics_file``: a JSON-lines file that rank 0 appends one record per save, deletion and
     restore to. ``close_timeout_s``: the longest ``close()`` waits for the save in flight.
