@@ -19,6 +19,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import numpy as np
 import pytest
 
 from ckptfmt import Box, Repository
-from ckptfmt.errors import StorageError
+from ckptfmt.errors import IncompleteSaveError, StorageError
 from ckptfmt.manager import CheckpointManager, SaveFailurePolicy
 
 HERE = Path(__file__).resolve().parent
@@ -189,9 +190,14 @@ def test_s3_endpoint_down_control_fail_fast_raises(s3):
 def test_s3_outage_cured_by_a_retry_in_the_background(s3):
     """The endpoint comes back while the save waits for its retry: the same save commits, from the
     state staged at its call (the caller's arrays changed since)."""
+    returned, seen = threading.Event(), []
+
     class Restart(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if "save attempt 1 failed" in record.getMessage() and s3.server is None:
+                # The retry waits here until save() has returned: a save() that waited for its own
+                # retry would never return, and this would see the timeout instead.
+                seen.append(returned.wait(30))
                 s3.start()
 
     handler = Restart()
@@ -201,12 +207,14 @@ def test_s3_outage_cured_by_a_retry_in_the_background(s3):
         s3.stop()
         state = {"w": np.full((8, 8), 1, np.float32)}
         assert m.save(1, state, force=True)
+        returned.set()
         state["w"][...] = 99  # training goes on and changes its arrays
         rec = m.wait()
         m.close()
     finally:
         logging.getLogger("ckptfmt.manager").removeHandler(handler)
     assert rec.committed and rec.attempts == 2
+    assert seen == [True]  # the retry ran in the background, after save() returned
     r = Repository(s3.url)
     assert r.steps() == [1] and float(r.open(1).read("w", Box.full((8, 8)))[0, 0]) == 1.0
 
@@ -276,9 +284,9 @@ class _Rank(CheckpointManager):
         return lambda: manifest
 
 
-def test_two_ranks_retry_record_and_recover_alike(tmp_path):
-    """Rank 1's shard writes fail for the saves of steps 2 and 3 (a storage of its own that
-    refuses them): both ranks retry, record the same failures, and commit every later step."""
+def _two_ranks(tmp_path, policy):
+    """Rank 1's shard writes fail for the saves of steps 2 and 3 (a storage of its own that refuses
+    them); each rank saves steps 1..5. (history per rank, error per rank, refused writes)."""
     from ckptfmt.coord import free_port
     from ckptfmt.storage import DelegatingStorage, open_storage
 
@@ -297,24 +305,40 @@ def test_two_ranks_retry_record_and_recover_alike(tmp_path):
 
     def run(rank):
         repo = Repository(url, storage=Refusing(open_storage(url)) if rank == 1 else None)
+        m = _Rank(repo, rank, addrs, async_save=False, save_every_steps=1, failure_policy=policy)
         try:
-            with _Rank(repo, rank, addrs, async_save=False, save_every_steps=1,
-                       failure_policy=SaveFailurePolicy(retries=1, backoff_s=0.01)) as m:
-                for step in range(1, 6):
-                    m.save(step, {"w": np.full((8, 4), step, np.float32)})
-                out[rank] = [(h.step, h.committed, h.attempts) for h in m.history]
+            for step in range(1, 6):
+                m.save(step, {"w": np.full((8, 4), step, np.float32)})
         except BaseException as e:  # noqa: BLE001
             errors[rank] = e
+        finally:
+            out[rank] = [(h.step, h.committed, h.attempts) for h in m.history]
+            try:
+                m.close()
+            except BaseException:  # noqa: BLE001
+                pass
 
-    import threading
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out, errors, refused, url
+
+
+def test_two_ranks_retry_record_and_recover_alike(tmp_path):
+    """Both ranks retry, record the same failures, and commit every later step."""
+    out, errors, refused, url = _two_ranks(tmp_path, SaveFailurePolicy(retries=1, backoff_s=0.01))
     assert errors == [None, None], errors
     want = [(1, True, 1), (2, False, 2), (3, False, 2), (4, True, 1), (5, True, 1)]
     assert out == [want, want]
     assert len(refused) == 4  # 2 steps x 2 attempts, on rank 1 only
     assert Repository(url).steps() == [1, 4, 5]
+
+
+def test_two_ranks_control_fail_fast_raises_on_every_rank(tmp_path):
+    out, errors, refused, url = _two_ranks(tmp_path, SaveFailurePolicy.fail_fast())
+    assert all(isinstance(e, IncompleteSaveError) and "write refused" in str(e) for e in errors), errors
+    assert out == [[(1, True, 1), (2, False, 1)]] * 2 and len(refused) == 1
+    assert Repository(url).steps() == [1]
