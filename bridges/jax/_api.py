@@ -122,6 +122,18 @@ def _start_copies(arr: jax.Array, lay: _ArrayLayout) -> list[jax.Array] | None:
     return shards
 
 
+def _uncached_host_copy(arr: jax.Array, i: int, on_host: bool) -> np.ndarray:
+    """Shard ``i`` of ``arr`` in host memory, held by the returned array only. ``np.asarray`` of a
+    device array keeps its host copy in the array (jax's host-value cache) for as long as the
+    caller's array lives, which would hold every copy a budgeted or blocking save makes: a device
+    shard is moved to a fresh CPU array instead, which dies with the copy. On CPU the host copy is
+    a view of the buffer, as before."""
+    shard = arr.addressable_data(i)
+    if on_host:
+        return np.asarray(shard)
+    return np.asarray(jax.device_put(shard, jax.local_devices(backend="cpu")[0]))
+
+
 def _stage_array(key: str, arr: jax.Array, copy: bool, started: list[jax.Array] | None = None,
                  hand_back: HandBack | None = None, lay: _ArrayLayout | None = None) -> _Staged:
     """One array's staged data: host copies (``copy``; from the copies ``started`` when given),
@@ -135,9 +147,9 @@ def _stage_array(key: str, arr: jax.Array, copy: bool, started: list[jax.Array] 
             d.flags.writeable = False
         _HOST_COPIES.bytes += sum(int(d.nbytes) for d in data)
     elif copy:  # beyond the budget: copied by the writer, while the caller waits (ckptfmt.asyncsave.HandBack)
-        data = tuple(hand_back.source(lambda i=i: np.asarray(arr.addressable_data(i))) for i in lay.offered)
+        data = tuple(hand_back.source(lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
     else:  # lazy: a copy not picked by the plan is never made
-        data = tuple((lambda i=i: np.asarray(arr.addressable_data(i))) for i in lay.offered)
+        data = tuple((lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
     return _Staged(key, arr, lay, data)
 
 
