@@ -110,3 +110,52 @@ def test_blocking_save_within_the_budget_commits(tmp_path):
     save(str(tmp_path / "r"), 1, lazy, options=SaveOptions(max_staging_bytes=64 << 10))
     ckpt = Repository(str(tmp_path / "r")).open(1)
     assert [float(ckpt.read(k, Box.full((64, 256)))[0, 0]) for k in sorted(arrays)] == [0.0, 1.0, 2.0, 3.0]
+
+
+def _failing_once(url: str, what: str) -> Repository:
+    """A repository whose storage fails once: the first shard write (``"write"``) or the manifest's
+    creation (``"commit"``, after every source was read), with a StorageError."""
+    from ckptfmt.errors import StorageError
+    from ckptfmt.storage import DelegatingStorage, open_storage
+
+    failed: list[str] = []
+
+    class Once(DelegatingStorage):
+        def write_object(self, key, buffers, *, tensor=None):
+            if what == "write" and "/t/" in key and not failed:
+                failed.append(key)
+                raise StorageError("write failed (injected, once)", object=key)
+            return super().write_object(key, buffers, tensor=tensor)
+
+        def create_if_absent(self, key, data):
+            if what == "commit" and key.startswith("manifests/") and not failed:
+                failed.append(key)
+                raise StorageError("manifest create failed (injected, once)", object=key)
+            return super().create_if_absent(key, data)
+
+    return Repository(url, storage=Once(open_storage(url)))
+
+
+@pytest.mark.parametrize("what", ["write", "commit"])
+def test_a_budgeted_save_retries_while_the_caller_waits_and_never_after(tmp_path, what):
+    """A failure before every source was read: the retry reads them again (the caller still waits)
+    and commits the state of the call. A failure after (the caller had its arrays back): the retry
+    does not read them, and the save is recorded as failed."""
+    from ckptfmt.manager import CheckpointManager, SaveFailurePolicy
+
+    url = str(tmp_path / "r")
+    arrays, _ = _shards(8)
+    m = CheckpointManager(_failing_once(url, what), options=SaveOptions(max_staging_bytes=3 * (64 << 10)),
+                          failure_policy=SaveFailurePolicy(retries=1, backoff_s=0.01, raise_at_close_if_uncommitted=False))
+    m.save(1, arrays, force=True)
+    for a in arrays.values():
+        a += 100  # the caller's arrays change once save() returned
+    rec = m.wait()
+    m.close()
+    assert rec.attempts == 2
+    if what == "write":
+        assert rec.committed
+        ckpt = Repository(url).open(1)
+        assert [float(ckpt.read(k, Box.full((64, 256)))[0, 0]) for k in sorted(arrays)] == [float(i) for i in range(8)]
+    else:
+        assert not rec.committed and "handed back" in rec.error and Repository(url).steps() == []
