@@ -16,7 +16,7 @@ from bridges._contract import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
 from bridges._contract import UNSET, renamed_keyword, stage_state
 from bridges._extra import json_keys
 from bridges.torch._conv import _BY_NAME as _BY_NAME, _OBJECTS as _OBJECTS, DTensor as DTensor  # noqa: F401 (bridges.dcp)
-from bridges.torch._conv import _flatten, _local_parts, _world
+from bridges.torch._conv import _flatten, _local_parts, _materialized, _rank, _world
 from bridges.torch._conv import (dtype_name as dtype_name, from_numpy as from_numpy, layer_kinds as layer_kinds,
                          local_box as local_box, rng_state as rng_state, set_rng_state as set_rng_state,
                          to_numpy as to_numpy)
@@ -56,6 +56,20 @@ def _select_sizes(items: list[tuple[str, Any, Resolved]]) -> dict[tuple[str, ...
     return out
 
 
+class _Unread:
+    """A plain tensor of a save over its staging budget, not read yet: :meth:`copy` makes its host
+    copy (the device-to-host copy of a tensor on an accelerator, then nothing more; a copy of a CPU
+    tensor's memory), at the call or by the writer while the caller waits."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.nbytes = int(tensor.numel()) * int(tensor.element_size())
+
+    def copy(self) -> np.ndarray:
+        a = to_numpy(self.tensor)
+        return a if self.tensor.device.type != "cpu" else np.array(a)
+
+
 def _start_host_copies(flat: list[tuple[str, Any]]) -> dict[int, torch.Tensor]:
     """The device-to-host copy of every plain tensor on a CUDA device, each started (non-blocking,
     into pinned host memory) before any is waited on, then one wait per device: the caller waits
@@ -78,8 +92,9 @@ def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None, budg
     """This rank's blocks of ``state_dict`` as the core's shards, and its non-tensor objects. With
     ``copy`` (an asynchronous save), host copies of the blocks; beyond ``budget``, with
     ``hand_back``, the blocks the writer copies while the caller waits
-    (``ckptfmt.asyncsave.copied_at_call`` picks them). CPU tensors are staged as views first,
-    which costs no memory; a tensor on an accelerator is copied to the host whole at the call."""
+    (``ckptfmt.asyncsave.copied_at_call`` picks them). Over a budget, a plain tensor (no
+    ``mapping``) is read only when copied; otherwise CPU tensors are staged as views first, which
+    costs no memory, and a tensor on an accelerator is copied to the host whole at the call."""
     shards: list[LocalShard] = []
     objects: dict[str, Any] = {}
     items: list[tuple[str, Any, Resolved]] = []
@@ -97,6 +112,13 @@ def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None, budg
     written: dict[tuple[str, Box], tuple[str, Any]] = {}  # (checkpoint key, box) -> (state key, block)
     declared: dict[str, tuple[tuple[int, ...], Any]] = {}  # checkpoint key -> (global shape, dtype)
     for key, v, res in items:
+        if hand_back is not None and mapping is None and not (DTensor is not None and isinstance(v, DTensor)):
+            # Over a budget, a plain tensor is not read yet: copied below, or by the writer.
+            _materialized(v, key)  # a meta tensor raises here, at the call
+            shape = tuple(v.shape)
+            shards.append(LocalShard(key, shape, numpy_dtype(dtype_name(v.dtype, key)), Box.full(shape), _Unread(v),
+                                     replica_id=_rank()))
+            continue
         host = hosts.get(id(v))
         parts, rid, sharding = _local_parts(host if host is not None else v, key)
         if host is not None and parts is not None:
@@ -139,13 +161,15 @@ def _shards(state_dict: Any, *, copy: bool, mapping: Mapping | None = None, budg
         return shards, objects
     # Host copies (any holder may be picked to write, FORMAT.md 8.1), made once every block is
     # known: within the budget at the call, the rest by the writer while the caller waits.
-    held = [i for i, sh in enumerate(shards) if isinstance(sh.data, np.ndarray)]
+    held = [i for i, sh in enumerate(shards) if isinstance(sh.data, (np.ndarray, _Unread))]
     at_call = copied_at_call([(shards[i].key, int(shards[i].data.nbytes)) for i in held],  # type: ignore[union-attr]
                              budget if hand_back is not None else None)
     for i, now in zip(held, at_call):
         sh, block = shards[i], shards[i].data
-        if now:
-            data: Any = block if id(block) in private else np.array(block)
+        if isinstance(block, _Unread):
+            data: Any = block.copy() if now else hand_back.source(block.copy)  # type: ignore[union-attr]
+        elif now:
+            data = block if id(block) in private else np.array(block)
         else:
             data = hand_back.source(lambda block=block: np.array(block))  # type: ignore[union-attr]
         shards[i] = LocalShard(sh.key, sh.global_shape, sh.dtype, sh.box, data, replica_id=sh.replica_id,
