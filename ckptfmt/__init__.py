@@ -36,10 +36,11 @@ from .asyncsave import SaveHandle as SaveHandle
 from .asyncsave import save_async as save_async
 from .manager import CheckpointManager as CheckpointManager
 from .manager import RestoreResult as RestoreResult
+from .manager import SaveFailurePolicy as SaveFailurePolicy
 from .manager import SaveRecord as SaveRecord
 from .manager import SkippedStep as SkippedStep
 
 __all__ = ["__version__", "agree_step", "Box", "LocalShard", "TensorSharding", "Coordinator", "LocalCoordinator",
            "TcpCoordinator", "Manifest", "TensorEntry", "parse_manifest", "Checkpoint", "ReadStats",
            "GcReport", "Repository", "StorageOptions", "SaveOptions", "save", "save_async", "SaveHandle", "CheckpointManager",
-           "RestoreResult", "SaveRecord", "SkippedStep", *_error_names]
+           "RestoreResult", "SaveRecord", "SaveFailurePolicy", "SkippedStep", *_error_names]

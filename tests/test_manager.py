@@ -16,7 +16,7 @@ import pytest
 from ckptfmt import Box, Repository, SaveOptions, TcpCoordinator
 from ckptfmt.errors import (ChecksumMismatchError, IncompleteSaveError, KeyMismatchError, StepAlreadyCommittedError,
                             StepNotFoundError)
-from ckptfmt.manager import METADATA_KEY, CheckpointManager, Retention
+from ckptfmt.manager import METADATA_KEY, CheckpointManager, Retention, SaveFailurePolicy
 
 from manager_common import eval_loss, flip_one_shard
 
@@ -66,12 +66,20 @@ def test_async_error_surfaces_at_the_next_call(tmp_path):
     url = str(tmp_path / "r")
     with CheckpointManager(url, async_save=False) as m:
         m.save(3, _state(3), force=True)
-    m = CheckpointManager(url)
+    m = CheckpointManager(url, failure_policy=SaveFailurePolicy.fail_fast())
     assert m.save(3, _state(3), force=True)  # started; it fails in the background
     with pytest.raises(StepAlreadyCommittedError):
         m.wait()
     assert not m.history[-1].committed and "StepAlreadyCommitted" in m.history[-1].error
     m.close()
+    # The default policy records it (never retried: another save committed the step) and goes on;
+    # close() raises, since the last save did not commit.
+    m = CheckpointManager(url)
+    assert m.save(3, _state(3), force=True)
+    rec = m.wait()
+    assert rec is not None and not rec.committed and rec.attempts == 1 and "StepAlreadyCommitted" in rec.error
+    with pytest.raises(StepAlreadyCommittedError):
+        m.close()
 
 
 def test_keep_best_and_newest(tmp_path, caplog):
@@ -244,7 +252,7 @@ class _TwoRanks(CheckpointManager):
     def _new_coordinator(self):
         return TcpCoordinator(self._addrs[0], self._r, 2, timeout_s=30)
 
-    def _save_verb(self, step, state, *, extra, metadata, rank_state, blocking):
+    def _save_verb(self, step, state, *, extra, metadata, rank_state, blocking, retry=None):
         from ckptfmt import Box, LocalShard, save
 
         w = state["w"][4 * self._r:4 * self._r + 4]

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from ckptfmt import Box, LocalShard, Repository, SaveHandle, SaveOptions
-from ckptfmt.asyncsave import save_in_flight, start_async
+from ckptfmt.asyncsave import HandBack, RetrySchedule, copied_at_call, run_attempts, save_in_flight, start_async
 from ckptfmt import session as _session
 from ckptfmt.reader import RANK_STATE_POLICIES as _CORE_POLICIES
 from ckptfmt.errors import CheckpointError, SaveInProgressError
@@ -50,12 +50,14 @@ class _ArrayLayout:
     sharding): per position in ``addressable_shards`` its box and replica id, the positions whose
     data this process offers (per box its lowest replica id: the plan spreads the writes of a
     replicated box over the processes holding it, FORMAT.md 8.1; further copies here only prove
-    the box is held), and the sharding's description."""
+    the box is held), the sharding's description, and whether its devices are the host's (CPU:
+    no device-to-host copy to start)."""
 
     boxes: tuple[Box, ...]
     replicas: tuple[int, ...]
     offered: tuple[int, ...]
     sharding: Any
+    on_host: bool = True
 
 
 # A job saves the same shapes and shardings at every step: their layouts are computed once. Keyed
@@ -80,7 +82,8 @@ def _layout(arr: jax.Array) -> _ArrayLayout:
     for b, r in zip(boxes, replicas):
         lowest[b] = min(lowest.get(b, r), r)
     offered = tuple(i for i, (b, r) in enumerate(zip(boxes, replicas)) if r == lowest[b])
-    found = _ArrayLayout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim))
+    on_host = all(d.platform == "cpu" for d in arr.sharding.device_set)
+    found = _ArrayLayout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim), on_host)
     if cache_key is not None:
         if len(_LAYOUTS) >= _LAYOUTS_MAX:
             _LAYOUTS.clear()
@@ -107,15 +110,46 @@ class _Staged(NamedTuple):
     data: tuple[Any, ...]
 
 
-def _stage_array(key: str, arr: jax.Array, copy: bool) -> _Staged:
-    lay = _layout(arr)
-    if copy:  # the device-to-host copies: the only per-shard work in the caller's thread
-        data: tuple[Any, ...] = tuple(np.asarray(arr.addressable_data(i)) for i in lay.offered)
+def _start_copies(arr: jax.Array, lay: _ArrayLayout) -> list[jax.Array] | None:
+    """Start the device-to-host copies of ``arr``'s offered shards (not waited for): every array of
+    a save is started before any is waited on, so the copies overlap. None on the host (CPU), where
+    there is nothing to start and nothing is done."""
+    if lay.on_host:
+        return None
+    shards = [arr.addressable_data(i) for i in lay.offered]
+    for sh in shards:
+        sh.copy_to_host_async()
+    return shards
+
+
+def _uncached_host_copy(arr: jax.Array, i: int, on_host: bool) -> np.ndarray:
+    """Shard ``i`` of ``arr`` in host memory, held by the returned array only. ``np.asarray`` of a
+    device array keeps its host copy in the array (jax's host-value cache) for as long as the
+    caller's array lives, which would hold every copy a budgeted or blocking save makes: a device
+    shard is moved to a fresh CPU array instead, which dies with the copy. On CPU the host copy is
+    a view of the buffer, as before."""
+    shard = arr.addressable_data(i)
+    if on_host:
+        return np.asarray(shard)
+    return np.asarray(jax.device_put(shard, jax.local_devices(backend="cpu")[0]))
+
+
+def _stage_array(key: str, arr: jax.Array, copy: bool, started: list[jax.Array] | None = None,
+                 hand_back: HandBack | None = None, lay: _ArrayLayout | None = None) -> _Staged:
+    """One array's staged data: host copies (``copy``; from the copies ``started`` when given),
+    sources ``hand_back`` reads while the caller waits (beyond the staging budget), or lazy
+    copies (a blocking save)."""
+    lay = lay if lay is not None else _layout(arr)
+    if copy and hand_back is None:  # the device-to-host copies: the only per-shard work in the caller's thread
+        data: tuple[Any, ...] = tuple(np.asarray(sh) for sh in started) if started is not None else \
+            tuple(np.asarray(arr.addressable_data(i)) for i in lay.offered)
         for d in data:  # shared by a manager's local tier and persistent save: neither may write it
             d.flags.writeable = False
         _HOST_COPIES.bytes += sum(int(d.nbytes) for d in data)
+    elif copy:  # beyond the budget: copied by the writer, while the caller waits (ckptfmt.asyncsave.HandBack)
+        data = tuple(hand_back.source(lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
     else:  # lazy: a copy not picked by the plan is never made
-        data = tuple((lambda i=i: np.asarray(arr.addressable_data(i))) for i in lay.offered)
+        data = tuple((lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
     return _Staged(key, arr, lay, data)
 
 
@@ -135,13 +169,17 @@ def _array_shards(staged: _Staged) -> list[LocalShard]:
     return out
 
 
-def _stage_leaves(state: Any, *, copy: bool) -> tuple[list[Any], dict[str, Any]]:
+def _stage_leaves(state: Any, *, copy: bool, budget: int | None = None,
+                  hand_back: HandBack | None = None) -> tuple[list[Any], dict[str, Any]]:
     """The caller's share of staging: every leaf checked, the arrays' host copies made (``copy``)
     and the scalars taken; a constant amount of Python work per leaf besides the copies. Each
-    item is a ``_Staged`` array or a ready ``LocalShard`` (a numpy leaf)."""
+    item is a ``_Staged`` array or a ready ``LocalShard`` (a numpy leaf). Every device-to-host
+    copy is started before any is waited on. With ``budget`` and ``hand_back`` (an asynchronous
+    save's ``max_staging_bytes``), the leaves beyond the budget are ``hand_back``'s sources
+    (``ckptfmt.asyncsave.copied_at_call`` picks them)."""
     flat, _ = flatten_with_keys(state)
     pid = jax.process_index()
-    items: list[Any] = []
+    found: list[tuple[str, Any, Any]] = []  # (key, array or numpy leaf, layout or None)
     leaves: dict[str, Any] = {}
     prng: dict[str, str] = {}
     for key, leaf in flat:
@@ -150,16 +188,36 @@ def _stage_leaves(state: Any, *, copy: bool) -> tuple[list[Any], dict[str, Any]]
             if is_prng_key(leaf):
                 prng[key] = str(jax.random.key_impl(leaf))
                 arr = jax.random.key_data(leaf)
-            items.append(_stage_array(key, arr, copy))
+            found.append((key, arr, _layout(arr)))
         elif isinstance(leaf, np.ndarray):
-            data = np.array(leaf) if copy else leaf
-            items.append(LocalShard(key, leaf.shape, leaf.dtype, Box.full(leaf.shape), data, replica_id=pid))
+            found.append((key, leaf, None))
         elif isinstance(leaf, _SCALAR_TYPES):
             leaves[key] = leaf
         else:
             raise TypeError(f"leaf {key!r} has type {type(leaf).__module__}.{type(leaf).__qualname__}; "
                             "expected a jax.Array, numpy array, or Python/numpy scalar")
+    at_call = [True] * len(found)
+    if copy and hand_back is not None:
+        at_call = copied_at_call([(k, _offered_bytes(a, lay)) for k, a, lay in found], budget)
+    # Every device-to-host copy made at the call is started first, then each is waited for.
+    started = [_start_copies(a, lay) if copy and lay is not None and now else None
+               for (_, a, lay), now in zip(found, at_call)]
+    items: list[Any] = []
+    for (key, a, lay), now, st in zip(found, at_call, started):
+        if lay is not None:
+            items.append(_stage_array(key, a, copy, st, None if now else hand_back, lay))
+            continue
+        data = (np.array(a) if now else hand_back.source(lambda a=a: np.array(a))) if copy else a  # type: ignore[union-attr]
+        items.append(LocalShard(key, a.shape, a.dtype, Box.full(a.shape), data, replica_id=pid))
     return items, {"name": "jax", "version": _BRIDGE_VERSION, "leaves": leaves, "prng_impls": prng}
+
+
+def _offered_bytes(a: Any, lay: _ArrayLayout | None) -> int:
+    """The host bytes this process stages of a leaf (its offered shards; a numpy leaf whole)."""
+    if lay is None:
+        return int(a.nbytes)
+    itemsize = np.dtype(a.dtype).itemsize
+    return sum(lay.boxes[i].size for i in lay.offered) * itemsize
 
 
 def _shards_of(items: list[Any]) -> list[LocalShard]:
@@ -213,9 +271,11 @@ def save(url: "str | Repository", state: Any, *, step: int, extra: Any = None, r
 
 def _save(url: "str | Repository", state: Any, *, step: int, extra: Any, rank_state: Any, blocking: bool,
           coordinator: Any, options: SaveOptions | None, metadata: Mapping[str, Any] | None,
-          staged: list[Any] | None = None) -> Any:
+          staged: list[Any] | None = None, retry: RetrySchedule | None = None) -> Any:
     """:func:`save`; ``staged``: the leaves of ``state`` already staged with host copies (the
-    manager's local tier made them at this step: the state is copied once)."""
+    manager's local tier made them at this step: the state is copied once); ``retry``: the
+    manager's retry schedule (``ckptfmt.asyncsave.run_attempts``), run in the background for
+    ``blocking=False``."""
     if blocking and save_in_flight():
         raise SaveInProgressError("an earlier save(blocking=False) is still in flight; call its result() first",
                                   expected="no save in flight", found=f"a background save; requested step {step}")
@@ -224,26 +284,34 @@ def _save(url: "str | Repository", state: Any, *, step: int, extra: Any, rank_st
     release = coordinator is None and isinstance(coord, JaxCoordinator)
     if blocking:
         items, global_state, per_rank, md = _stage_items(state, extra, rank_state, metadata, blocking=True, staged=staged)
-        return _commit(url, step, _shards_of(items), global_state, per_rank, md, coord, options, release)
+        shards = _shards_of(items)
+        return run_attempts(lambda: _commit(url, step, shards, global_state, per_rank, md, coord, options, release),
+                            retry)
+
+    # Beyond options.max_staging_bytes the writer copies the leaves while the caller waits.
+    hand_back = HandBack() if options.max_staging_bytes is not None and staged is None else None
 
     def stage() -> tuple[Callable[[], Any], int]:
         # The caller's thread makes the host copies only; the shards, the plan, the writes, the
         # checksums and the manifest are the background thread's.
         items, global_state, per_rank, md = _stage_items(state, extra, rank_state, metadata, blocking=False,
-                                                         staged=staged)
+                                                         staged=staged, budget=options.max_staging_bytes,
+                                                         hand_back=hand_back)
         return (lambda: _commit(url, step, _shards_of(items), global_state, per_rank, md, coord, options, release),
                 _staged_bytes(items))
 
-    handle: SaveHandle = start_async(stage, step=step, wait=False)
+    handle: SaveHandle = start_async(stage, step=step, wait=False, retry=retry, hand_back=hand_back)
     return handle
 
 
 def _stage_items(state: Any, extra: Any, rank_state: Any, metadata: Mapping[str, Any] | None, *,
-                 blocking: bool, staged: list[Any] | None = None) -> tuple[list[Any], Any, Any, Any]:
+                 blocking: bool, staged: list[Any] | None = None, budget: int | None = None,
+                 hand_back: HandBack | None = None) -> tuple[list[Any], Any, Any, Any]:
     """The save's staged leaves and non-tensor state, staged in the caller's thread (bridges/README.md,
     "Saving"): InvalidStateError here, at the call, before any shard is written; a background save
     keeps copies and snapshots (numpy arrays in extra / rank_state, the metadata), not references."""
-    items, bridge_state = _stage_leaves(state, copy=not blocking) if staged is None else staged
+    items, bridge_state = (_stage_leaves(state, copy=not blocking, budget=budget, hand_back=hand_back)
+                           if staged is None else staged)
     global_state = {"bridge": bridge_state, "extra": json_keys(extra, "extra")}
     per_rank = json_keys(rank_state, "rank_state")
     global_state, per_rank, md = stage_state(global_state, per_rank,

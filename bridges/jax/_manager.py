@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import jax
 
 from ckptfmt import LocalCoordinator
+from ckptfmt.asyncsave import RetrySchedule
 from ckptfmt.manager import CheckpointManager as _CoreManager
 from ckptfmt.manager import TierHooks, distinct_boxes
 from ckptfmt.manifest import Manifest
@@ -94,14 +95,14 @@ class CheckpointManager(_CoreManager):
 
     # The only two calls into the bridge's verbs (the bridge contract: bridges/README.md).
     def _save_verb(self, step: int, state: Any, *, extra: Any, metadata: Mapping[str, Any], rank_state: Any,
-                   blocking: bool) -> Callable[[], Manifest]:
+                   blocking: bool, retry: RetrySchedule | None = None) -> Callable[[], Manifest]:
         from bridges.jax._api import _save
 
         # The local tier's host copies of this very state, made in this save() call: the persistent
         # save writes from them too (both only read them), so the state is copied once.
         staged = self._jax_hooks.take_staged(state) if self._jax_hooks is not None else None
         out = _save(self.repository, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
-                    coordinator=None, options=self.options, metadata=metadata, staged=staged)
+                    coordinator=None, options=self.options, metadata=metadata, staged=staged, retry=retry)
         return (lambda: out) if blocking else out.result
 
     def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None

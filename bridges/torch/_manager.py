@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ckptfmt import LocalCoordinator
+from ckptfmt.asyncsave import RetrySchedule
 from ckptfmt.manager import CheckpointManager as _CoreManager
 from ckptfmt.manager import TierHooks
 from ckptfmt.manifest import Manifest
@@ -98,11 +99,11 @@ class CheckpointManager(_CoreManager):
 
     # The only two calls into the bridge's verbs (the bridge contract: bridges/README.md).
     def _save_verb(self, step: int, state: Any, *, extra: Any, metadata: Mapping[str, Any], rank_state: Any,
-                   blocking: bool) -> Callable[[], Manifest]:
-        from bridges.torch._api import save
+                   blocking: bool, retry: RetrySchedule | None = None) -> Callable[[], Manifest]:
+        from bridges.torch._api import _save
 
-        out = save(self.repository, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
-                   metadata=metadata, options=self.options, mapping=self.mapping)
+        out = _save(self.repository, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
+                    metadata=metadata, options=self.options, mapping=self.mapping, retry=retry)
         return (lambda: out) if blocking else out.result
 
     def _restore_verb(self, target: Any, step: int, rank_state_policy: RankStatePolicy | None = None

@@ -16,7 +16,9 @@ Call order (every process of a job runs the same loop; the collectives rely on i
 4. ``close()`` (or leave the ``with`` block): waits, bounded, for the save in flight.
 
 Guarantees: at most one save is in flight per manager; the next save first waits for the previous
-commit (back-pressure, reported as ``waited_s``). A save becomes visible only by its atomic commit,
+commit (back-pressure, reported as ``waited_s``). A save that fails is retried, recorded and
+survived as its :class:`SaveFailurePolicy` says (module ``_failures``; docs/failures.md): it never
+deletes or hides the newest committed step. A save becomes visible only by its atomic commit,
 so a process that dies, is killed, or gives up waiting never leaves a half-written step listed.
 Retention runs on rank 0 after a commit, through :meth:`Repository.delete` and
 :meth:`Repository.gc`, with the same planner as ``Repository.gc`` (:mod:`ckptfmt.repository._retention`): it
@@ -26,7 +28,7 @@ nor a step this process is reading, and logs every deletion with its reason (log
 
 Subpackage ``ckptfmt.manager``. The checkpoint manager for training loops: cadence, one save in
 flight, retention, preemption, resume, the local tier (FORMAT.md 8.5), and the values it hands out.
-Its modules: ``_query``, ``_values``, ``_tiers``, ``_tierrestore``, ``_tierservice``. May import: floor, manifest, reader, repository, session. The floor: the top-level
+Its modules: ``_failures``, ``_query``, ``_values``, ``_tiers``, ``_tierrestore``, ``_tierservice``. May import: floor, manifest, reader, repository, session. The floor: the top-level
 modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and enforces
 them). No other subpackage may import it.
 """
@@ -43,6 +45,7 @@ from typing import Any, Callable, Mapping
 import msgpack
 import numpy as np
 
+from ckptfmt.manager._failures import SaveFailurePolicy
 from ckptfmt.manager._tierservice import LocalTiers, TierHooks
 from ckptfmt.manager._tiers import LocalTier, PeerExchange, TierSave, distinct_boxes
 from ckptfmt.manager._payload import as_bytes_view, check_payload
@@ -54,16 +57,17 @@ from ckptfmt.repository._verified import unverified
 from ckptfmt.repository._retention import Retention, metric_value
 from ckptfmt._types import Box, LocalShard
 from ckptfmt.coord import Coordinator, LocalCoordinator
-from ckptfmt.errors import CheckpointError, IncompleteSaveError, KeyMismatchError
+from ckptfmt.errors import (CheckpointError, IncompleteSaveError, InvalidStateError, KeyMismatchError,
+                            SaveInProgressError)
 from ckptfmt.manifest import Manifest
 from ckptfmt.session._saveopts import SaveOptions
-from ckptfmt.session.asyncsave import BackgroundWorker, save_async
+from ckptfmt.session.asyncsave import BackgroundWorker, RetrySchedule, run_attempts, save_async
 from ckptfmt.rankstate import RankStatePolicy
 from ckptfmt.repository import Repository
 from ckptfmt.session import save
 
 __all__ = ["CheckpointManager", "SaveRecord", "SkippedStep", "RestoreResult", "Retention", "METADATA_KEY", "LocalTier",
-           "TierSave",
+           "TierSave", "SaveFailurePolicy",
            # the local tier's data plane, for the bridges' peer exchanges (FORMAT.md 8.5)
            "PeerExchange", "TierHooks", "as_bytes_view", "check_payload", "distinct_boxes"]
 
@@ -74,34 +78,55 @@ _log = logging.getLogger("ckptfmt.manager")
 GC_INTERVAL_S = 600.0
 
 
+def _is_save_failure(e: BaseException) -> bool:
+    """A failure of the storage or the save protocol (the policy's), not of the caller's state."""
+    return isinstance(e, (CheckpointError, OSError)) and not isinstance(e, (InvalidStateError, SaveInProgressError))
+
+
+def _raiser(e: BaseException) -> Callable[[], Manifest]:
+    def finish() -> Manifest:
+        raise e
+
+    return finish
+
+
 class CheckpointManager:
     """Saves on a cadence, keeps what the retention policy says, and resumes from the newest good step.
 
-    ``url``: the repository. ``save_every_steps`` / ``save_every_seconds``: the cadence
+    ``url``: the repository (a URL, or a :class:`Repository` opened with its storage options).
+    ``save_every_steps`` / ``save_every_seconds``: the cadence
     :meth:`should_save` follows (either, both, or neither: then only ``force=True`` saves).
     ``keep_last`` / ``keep_every`` / ``keep_best`` (with ``best_metric``, ``best_mode`` "min" or
     "max"): retention (see :class:`Retention`; all None keeps every step). ``async_save``: the
-    caller is blocked only while the state is copied to host memory. ``fallback``: ``restore()``
+    caller is blocked only while the state is copied to host memory (within ``options``'
+    ``max_staging_bytes``, if set: docs/failures.md). ``fallback``: ``restore()``
     without a step falls back to the newest step that restores when newer ones are damaged.
     ``metrics_file``: a JSON-lines file that rank 0 appends one record per save, deletion and
     restore to. ``close_timeout_s``: the longest ``close()`` waits for the save in flight.
     ``options``: the :class:`SaveOptions` every save passes to the core (timeouts, pacing).
     ``local``: a :class:`LocalTier` with its own cadence, restored from first (FORMAT.md 8.5).
+    ``failure_policy``: what a failed persistent save does (:class:`SaveFailurePolicy`; None: its
+    default, which retries, records the failure and keeps training, and raises after 5 failed
+    saves in a row or at ``close()`` when the last save did not commit).
 
     Usable as a context manager (``close()`` on exit). Bad arguments raise ValueError.
     """
 
-    def __init__(self, url: str, *, save_every_steps: int | None = None, save_every_seconds: float | None = None,
+    def __init__(self, url: str | Repository, *, save_every_steps: int | None = None, save_every_seconds: float | None = None,
                  keep_last: int | None = None, keep_every: int | None = None, keep_best: int | None = None,
                  best_metric: str | None = None, best_mode: str = "min", async_save: bool = True,
                  fallback: bool = True, metrics_file: str | None = None, close_timeout_s: float = 300.0,
-                 options: SaveOptions | None = None, local: LocalTier | None = None) -> None:
+                 options: SaveOptions | None = None, local: LocalTier | None = None,
+                 failure_policy: SaveFailurePolicy | None = None) -> None:
         if save_every_steps is not None and (isinstance(save_every_steps, bool) or not isinstance(save_every_steps, int)
                                              or save_every_steps < 1):
             raise ValueError(f"save_every_steps must be a positive int or None, got {save_every_steps!r}")
         if save_every_seconds is not None and not (float(save_every_seconds) > 0):
             raise ValueError(f"save_every_seconds must be > 0 or None, got {save_every_seconds!r}")
-        self.url = str(url)
+        if failure_policy is not None and not isinstance(failure_policy, SaveFailurePolicy):
+            raise ValueError(f"failure_policy must be a SaveFailurePolicy or None, got {type(failure_policy).__name__}")
+        self.failure_policy = failure_policy if failure_policy is not None else SaveFailurePolicy()
+        self.url = url.url if isinstance(url, Repository) else str(url)
         self.save_every_steps = save_every_steps
         self.save_every_seconds = None if save_every_seconds is None else float(save_every_seconds)
         self.retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
@@ -110,7 +135,7 @@ class CheckpointManager:
         self.metrics_file = metrics_file
         self.close_timeout_s = float(close_timeout_s)
         self.options = options
-        self.repository = Repository(self.url)
+        self.repository = url if isinstance(url, Repository) else Repository(self.url)
         self.rank, self.world = self._process()
         self._coord: Coordinator = self._new_coordinator()
         self._job: _Job | None = None
@@ -118,6 +143,8 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._due_calls = 0
         self._history: list[SaveRecord] = []
+        self._consecutive_failures = 0  # failed saves since the last commit
+        self._uncommitted: tuple[int, BaseException] | None = None  # the last save, when it failed
         self._reading: dict[int, int] = {}
         self._lock = threading.Lock()
         self._metrics_cache: dict[int, dict[str, Any]] = {}
@@ -153,20 +180,22 @@ class CheckpointManager:
         return LocalCoordinator()
 
     def _save_verb(self, step: int, state: Any, *, extra: Any, metadata: Mapping[str, Any], rank_state: Any,
-                   blocking: bool) -> Callable[[], Manifest]:
+                   blocking: bool, retry: RetrySchedule | None = None) -> Callable[[], Manifest]:
         """Start saving ``state`` as ``step``; return a function that waits for the committed manifest.
 
-        Returns once the state is snapshotted (``blocking=False``) or committed. Bridge hook; this
-        one saves a flat dict of numpy arrays."""
+        Returns once the state is snapshotted (``blocking=False``) or committed. A failed save is
+        run again from its staged data as ``retry`` says (``ckptfmt.asyncsave.run_attempts``; in
+        the background for ``blocking=False``). Bridge hook; this one saves a flat dict of numpy
+        arrays."""
         if not isinstance(state, Mapping):
             raise TypeError("the core manager saves a flat dict of numpy arrays; use a bridge's manager for others")
         shards = [LocalShard(str(k), np.shape(a), np.asarray(a).dtype, Box.full(np.shape(a)), np.asarray(a))
                   for k, a in state.items()]
         kw = dict(state={"extra": extra}, rank_state=rank_state, metadata=metadata, options=self.options)
         if blocking:
-            manifest = save(self.repository, step, shards, **kw)
+            manifest = run_attempts(lambda: save(self.repository, step, shards, **kw), retry)
             return lambda: manifest
-        handle = save_async(self.repository, step, shards, **kw)
+        handle = save_async(self.repository, step, shards, retry=retry, **kw)
         return handle.result
 
     def _restore_verb(self, target: Any, step: int, rank_state_policy: RankStatePolicy | None = None
@@ -226,9 +255,12 @@ class CheckpointManager:
         ``metrics`` (name -> number) go into the manifest's metadata; ``best_metric`` is read from
         there. A save without ``metrics`` at the step whose earlier ``save`` call (skipped by the
         cadence) was given some records those (the preemption save ``save(step, state, force=True)``). ``rank_state``: this process's per-rank state, passed to the bridge's save verb.
-        First waits for the save in flight (back-pressure) and raises its error if it failed. A step
-        already started by this manager is not saved twice (False). With ``async_save`` the save's
-        own errors surface at the next ``save``/``wait``/``close``; nothing is ever half-visible.
+        First waits for the save in flight (back-pressure, its retries included) and raises its
+        error if it failed and ``failure_policy`` says to raise. A step already started by this
+        manager is not saved twice (False). A failed save is retried and recorded as
+        ``failure_policy`` says (with ``async_save`` in the background); a state the bridge cannot
+        save (a bad leaf, state that does not encode) raises here at once. Nothing is ever
+        half-visible.
         """
         self._check_open()
         step = _check_step(step)
@@ -249,9 +281,15 @@ class CheckpointManager:
             self._join(None)
             waited = time.perf_counter() - t0
         job = _Job(step, time.perf_counter(), time.time())
-        finish = self._save_verb(step, state, extra=extra, metadata={METADATA_KEY: {"metrics": clean},
-                                                                     **({} if self.tiers is None else self.tiers.metadata(step))},
-                                 rank_state=rank_state, blocking=not self.async_save)
+        try:
+            finish = self._save_verb(step, state, extra=extra,
+                                     metadata={METADATA_KEY: {"metrics": clean},
+                                               **({} if self.tiers is None else self.tiers.metadata(step))},
+                                     rank_state=rank_state, blocking=not self.async_save, retry=self._retry(job))
+        except Exception as e:  # noqa: BLE001 - a blocking save's storage failure goes to the policy
+            if self.async_save or not _is_save_failure(e):
+                raise  # the caller's state or arguments: raised at once, as an async save's staging does
+            finish = _raiser(e)
         self._last_started, self._last_save_time = step, time.monotonic()
         job.blocked_s, job.waited_s = time.perf_counter() - t0, waited
         self._job = job
@@ -262,11 +300,29 @@ class CheckpointManager:
             self._join(None)
         return True
 
+    def _retry(self, job: _Job) -> RetrySchedule:
+        """The retry schedule of ``job``'s save: the policy's backoff for an error a retry may
+        cure; each failed attempt is logged and recorded in the metrics file."""
+        policy = self.failure_policy
+
+        def schedule(error: BaseException, attempt: int) -> float | None:
+            delay = policy.delay_s(attempt) if policy.retryable(error) else None
+            job.attempts = attempt if delay is None else attempt + 1
+            if delay is not None:
+                _log.warning("step %d: save attempt %d failed (%s: %s); retrying in %.3g s from the same staged state",
+                             job.step, attempt, type(error).__name__, error, delay)
+                self._emit({"event": "save_retry", "step": job.step, "attempt": attempt,
+                            "error": f"{type(error).__name__}: {error}", "retry_in_s": delay, "unix": time.time()})
+            return delay
+
+        return schedule
+
     def _finish(self, job: _Job, finish: Callable[[], Manifest]) -> None:
         try:
             manifest = finish()
             job.record = SaveRecord(job.step, True, job.started_unix, job.blocked_s, job.waited_s,
-                                    time.perf_counter() - job.t0, int(manifest.nbytes))
+                                    time.perf_counter() - job.t0, int(manifest.nbytes), attempts=job.attempts)
+            self._consecutive_failures, self._uncommitted = 0, None
             _log.info("step %d committed: caller blocked %.1f ms (waited %.1f ms for the previous save), "
                       "write %.1f ms, %d bytes", job.step, job.blocked_s * 1e3, job.waited_s * 1e3,
                       job.record.write_s * 1e3, job.record.bytes)
@@ -274,14 +330,23 @@ class CheckpointManager:
             self._emit(job.record.to_json())
             if self.rank == 0:
                 self._retain()
-        except BaseException as e:  # delivered by the next save/wait/close
-            job.error = e
-            if job.record is None:
-                job.record = SaveRecord(job.step, False, job.started_unix, job.blocked_s, job.waited_s,
-                                        time.perf_counter() - job.t0, 0, f"{type(e).__name__}: {e}")
-                _log.error("step %d was not committed: %s: %s", job.step, type(e).__name__, e)
-                self._history.append(job.record)
-                self._emit(job.record.to_json())
+        except BaseException as e:  # delivered by the next save/wait/close when the policy says so
+            if job.record is not None:  # after the commit (the metrics file): not a failed save
+                job.error = e
+                return
+            self._consecutive_failures += 1
+            self._uncommitted = (job.step, e)
+            job.record = SaveRecord(job.step, False, job.started_unix, job.blocked_s, job.waited_s,
+                                    time.perf_counter() - job.t0, 0, f"{type(e).__name__}: {e}", attempts=job.attempts)
+            raising = not isinstance(e, Exception) or self.failure_policy.raises_after(self._consecutive_failures)
+            _log.warning("step %d was not committed after %d attempt(s): %s: %s; %d save(s) in a row failed; "
+                         "the newest committed step is unchanged; %s", job.step, job.attempts, type(e).__name__, e,
+                         self._consecutive_failures,
+                         "raising, as the failure policy says" if raising else "training goes on")
+            self._history.append(job.record)
+            self._emit(job.record.to_json())
+            if raising:
+                job.error = e
         finally:
             job.done.set()
 
@@ -296,12 +361,15 @@ class CheckpointManager:
                 expected=f"commit within {timeout:g} s", found="still running")
         self._job = None
         if job.error is not None:
+            self._uncommitted = None  # delivered now: close() does not raise it again
             raise job.error
         return job.record
 
     def wait(self, timeout: float | None = None) -> SaveRecord | None:
-        """Wait for the save in flight; return its record (None if there was none). Raises the save's
-        error, or IncompleteSaveError when ``timeout`` passes first (the save stays in flight). The
+        """Wait for the save in flight (its retries included); return its record (None if there was
+        none; ``committed=False`` for a failed save the policy survives). Raises the save's error
+        when ``failure_policy`` says to, or IncompleteSaveError when ``timeout`` passes first (the
+        save stays in flight). The
         local tier's save in flight is waited for too (its failure is logged, in ``tier_history``)."""
         record = self._join(timeout)
         if self.tiers is not None:
@@ -320,8 +388,10 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Wait at most ``close_timeout_s`` for the save in flight, then release the SIGTERM handler
-        and the metrics file. Raises the save's error, or IncompleteSaveError on the timeout (the
-        step is then not visible: a commit is atomic). Idempotent."""
+        and the metrics file. Raises the save's error when ``failure_policy`` says to (at the latest
+        here, with ``raise_at_close_if_uncommitted``, when the last save did not commit), or
+        IncompleteSaveError on the timeout (the step is then not visible: a commit is atomic).
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -347,6 +417,11 @@ class CheckpointManager:
             close = getattr(self._coord, "close", None)
             if close is not None:
                 close()
+        if self._uncommitted is not None and self.failure_policy.raise_at_close_if_uncommitted:
+            step, error = self._uncommitted
+            _log.error("close: the last save (step %d) did not commit (%s: %s); the newest committed step is the "
+                       "last one restorable", step, type(error).__name__, error)
+            raise error
 
     def __enter__(self) -> "CheckpointManager":
         return self

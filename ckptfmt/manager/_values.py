@@ -19,7 +19,9 @@ __all__ = ["SaveRecord", "SkippedStep", "RestoreResult"]
 class SaveRecord:
     """One save as this process saw it. ``blocked_s``: the caller's time inside ``save()``,
     ``waited_s`` of it spent waiting for the previous save (back-pressure); ``write_s``: from the
-    start of the save to its commit; ``bytes``: stored bytes of the committed step (all ranks)."""
+    start of the save to its commit (or its last failure); ``bytes``: stored bytes of the
+    committed step (all ranks); ``error``: the last attempt's error of a save that did not commit;
+    ``attempts``: how many times it was tried (the failure policy's retries)."""
 
     step: int
     committed: bool
@@ -29,6 +31,7 @@ class SaveRecord:
     write_s: float
     bytes: int
     error: str | None = None
+    attempts: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {"event": "save", **asdict(self)}
@@ -65,6 +68,7 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     record: SaveRecord | None = None
     error: BaseException | None = None
+    attempts: int = 1
 
 
 def _check_step(step: Any) -> int:

@@ -320,7 +320,7 @@ def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOption
                                 packed=opts.layout == "packed" and opts.codec == "raw")
     records: list[ShardRecord] = []
     try:
-        settings = WriteSettings(opts.max_inflight_bytes, opts.max_write_bytes_per_s, opts.jitter_s, opts.codec,
+        settings = WriteSettings(opts.write_window_bytes, opts.max_write_bytes_per_s, opts.jitter_s, opts.codec,
                                  opts.codec_level, opts.layout == "packed" and opts.codec == "raw", opts.pack_bytes)
         records = write_and_verify(storage, plans, local, save_id, rank, settings, clock, reuse=reuse)
         t = time.perf_counter()

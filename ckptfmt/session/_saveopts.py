@@ -63,11 +63,29 @@ class SaveOptions:
     #: zstd shards always take one object each (tensorstore encodes them through the array).
     layout: str = "packed"
     pack_bytes: int = DEFAULT_PACK_BYTES
+    #: The host-memory budget of a save on this process (None: none), in bytes: at most this many
+    #: bytes of host copies made for the save are held at once (docs/failures.md). A blocking save
+    #: reads its sources as it writes them, within a window of a quarter of the budget; an
+    #: asynchronous save whose sources exceed the budget copies at the call only what fits in half of
+    #: it, and the writer copies the rest from the caller's live arrays while the caller waits. A
+    #: single source block larger than a quarter of the budget is still copied whole.
+    max_staging_bytes: int | None = None
     #: If given, this rank adds the seconds of each save phase into it ("plan", "stage", "write",
     #: "fsync", "verify", "state", "commit"), for profiles and the bench; never changes the save.
     timings: dict[str, float] | None = None
 
+    @property
+    def write_window_bytes(self) -> int:
+        """The writer's window of bytes in flight: ``max_inflight_bytes``, within a quarter of
+        ``max_staging_bytes`` when there is one."""
+        if self.max_staging_bytes is None:
+            return self.max_inflight_bytes
+        return max(1, min(self.max_inflight_bytes, self.max_staging_bytes // 4))
+
     def __post_init__(self) -> None:
+        b = self.max_staging_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"SaveOptions.max_staging_bytes must be an int >= 1 or None, got {b!r}")
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"SaveOptions.reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
         if self.manifest_columns not in MANIFEST_COLUMNS:
