@@ -53,6 +53,10 @@ and writer (``_writer``). May import: ckptfmt's public faces, ``bridges.torch``,
 """
 from __future__ import annotations
 
+from bridges._requires import require
+
+require("bridges.dcp", "torch", "torch")  # before the framework imports: names the extra
+
 from bridges.dcp._reader import CkptfmtStorageReader as CkptfmtStorageReader
 from bridges.dcp._writer import CkptfmtStorageWriter as CkptfmtStorageWriter
 from bridges.dcp._reader import unwrap as unwrap

@@ -43,6 +43,10 @@ local tier's peer exchange (``_peer``). May import: ckptfmt's public faces, ``br
 """
 from __future__ import annotations
 
+from bridges._requires import require
+
+require("bridges.jax", "jax", "jax")  # before the framework imports: names the extra
+
 from bridges.jax._api import save as save
 from bridges.jax._api import restore as restore
 from bridges.jax._api import load_extra as load_extra

@@ -41,6 +41,10 @@ process group (``_coord``), the cooperative restore's all-gather (``_share``), t
 """
 from __future__ import annotations
 
+from bridges._requires import require
+
+require("bridges.torch", "torch", "torch")  # before the framework imports: names the extra
+
 from bridges.torch._api import save as save
 from bridges.torch._api import load as load
 from bridges.torch._api import load_extra as load_extra

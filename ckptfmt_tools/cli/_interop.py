@@ -12,7 +12,6 @@ import contextlib
 import json
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
-import click
 import typer
 from typer.core import TyperCommand
 
@@ -28,7 +27,7 @@ class _PresetsHelp(TyperCommand):
     """Names the presets (``bridges.interop.PRESETS``, from the one registry) in the help when the
     help is shown: importing them when the command line starts would load numpy for every command."""
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:  # typer vendors click (0.29 declares no click)
         from bridges.interop import PRESETS
 
         for param in self.params:
