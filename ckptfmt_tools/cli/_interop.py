@@ -158,7 +158,7 @@ def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file o
                                                          "(default 131,072; each costs the save memory and time)."),
                as_json: bool = JsonOpt) -> None:
     """Import a safetensors, Orbax or DCP checkpoint as one committed step, with its provenance."""
-    from ckptfmt.errors import CheckpointError
+    from ckptfmt.errors import CheckpointError, StepAlreadyCommittedError
 
     from bridges.interop import IMPORT_FORMATS, import_checkpoint
 
@@ -172,6 +172,11 @@ def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file o
             report = import_checkpoint(src, url, source_format=source_format, step=step, prefix=prefix,
                                        trust_pickle=trust_pickle, progress=progress, max_leaf_bytes=max_leaf_bytes,
                                        max_tensors=max_tensors)
+    except StepAlreadyCommittedError as exc:
+        newest = _repo(url, recognise=False).latest()
+        raise _fail(StepAlreadyCommittedError(
+            f"{exc.message}; pass --step with a step not committed yet (the newest is {newest}: --step "
+            f"{(newest or 0) + 1})", object=exc.object, expected=exc.expected, found=exc.found), as_json)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     except (ValueError, OSError) as exc:
