@@ -7,9 +7,13 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test venv clean bench drill faults docs
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "Setting up $(VENV): ckptfmt with every extra (jax, torch, transformers, the test and docs tools) at"
+	@echo "the versions in constraints.txt. About 2.3 GB; a few minutes the first time, skipped later."
+	@echo "(To use ckptfmt in your own environment instead: pip install '.[jax]', see README.md.)"
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[jax,torch,cli,dev,docs]"
 	@touch $(STAMP)
+	@echo "$(VENV) is ready."
 
 venv: $(STAMP)
 
@@ -19,8 +23,10 @@ venv: $(STAMP)
 # scratch output (ignored by git): each run replaces the previous one's, since the drill refuses
 # a storage URL that already holds steps.
 demo: $(STAMP)
+	@echo; echo "== 1/2: a JAX job saves on 8 devices; a new job on 4 devices restores it and takes the next step"
 	$(BIN)/python -m ckptfmt demo
-	rm -rf drill-out
+	@rm -rf drill-out
+	@echo; echo "== 2/2: the recovery drill: kill one process of a 2-process training job, restore on a new shape"
 	$(BIN)/python -m ckptfmt drill --out drill-out
 
 drill: $(STAMP)
