@@ -42,7 +42,7 @@ from ._types import Box
 from .dtypes import numpy_dtype
 from .errors import CheckpointError, KeyMismatchError, RestoreMismatchError, ShapeMismatchError
 
-__all__ = ["RestoreSource", "RestoreManifest", "KeyMap", "Resolution", "MappingChain", "TargetLeaf", "TensorPlan",
+__all__ = ["is_optimizer_state", "RestoreSource", "RestoreManifest", "KeyMap", "Resolution", "MappingChain", "TargetLeaf", "TensorPlan",
            "RestorePlan", "RestoreReport", "plan_restore", "dtype_kind", "closest_key"]
 
 Request = tuple[str, Box]
@@ -252,6 +252,13 @@ def _category(key: str) -> tuple[str, str]:
     parts = key.replace(".", "/").split("/")
     slot = next((p for p in parts if p in _SLOTS), "")
     return ("optimizer" if slot or any(p in _OPTIMIZER_WORDS for p in parts) else "tensor"), slot
+
+
+def is_optimizer_state(key: str) -> bool:
+    """Whether key path ``key`` names optimizer state (an optimizer slot such as ``mu``, ``nu``,
+    ``exp_avg``, ``count``, or a path through ``opt_state``/``optimizer``/``optim``), by the same
+    test the restore's "closest key" uses; a model parameter otherwise."""
+    return _category(key)[0] == "optimizer"
 
 
 def closest_key(key: str, keys: Collection[str], ndim: int | None = None, shapes: Any = None) -> str | None:
