@@ -426,14 +426,16 @@ def _one_error(p: _Planner, missing: list[str], unexpected: list[str], strict: b
         todo.append(f"ignore=({_ignore_glob(extra)},) in the mapping, or drop strict=True for a partial restore")
     if p.mismatches:
         todo.append("a target of the checkpoint's shapes and dtypes (a cast is done within one kind only)")
-    parts = [f"the restore target does not fit the checkpoint ({len(missing)} missing keys, {len(extra)} unexpected, "
-             f"{len(p.mismatches)} mismatched values); to fix, pass " + "; or ".join(todo)]
+    counts = [f"{n} {what}" for n, what in ((len(missing), "missing keys"), (len(extra), "unexpected keys"),
+                                              (len(p.mismatches), "mismatched values")) if n]
+    parts = [f"the restore target does not fit the checkpoint ({', '.join(counts)}); to fix, pass " + "; or ".join(todo)]
     if missing:
         parts.append(f"missing (target keys the checkpoint lacks): {_shown(missing)}")
     if extra:
         parts.append(f"unexpected (checkpoint keys the target does not name): {_shown(extra)}")
-    elif missing and unexpected:
-        parts.append(f"the checkpoint also holds keys the target does not name: {_shown(unexpected)}")
+    elif missing and unexpected:  # not an error without strict=True, but where the missing ones may be
+        parts.append(f"the checkpoint also holds {len(unexpected)} keys the target does not name (the missing "
+                     f"ones under other names?): {_shown(unexpected)}")
     hints = p.hints(unexpected)
     notes = [f"{k}: {p.notes[k]}" for k in missing if k in p.notes]
     notes += [f"{k}: closest checkpoint key {v!r}" for k, v in hints.items()]

@@ -78,3 +78,16 @@ def test_closest_key_compares_like_with_like():
     assert closest_key("model/v", keys) == "model/w"  # a tensor for a tensor, not an optimizer slot
     assert closest_key("optim/state/w/exp_avg", {"optim/state/w/exp_avg_sq", "optim/state/v/exp_avg"}) \
         == "optim/state/v/exp_avg"
+
+
+def test_the_message_counts_only_what_is_an_error(sources):
+    """Issue 52: a restore missing a key, whose checkpoint holds keys the target does not name,
+    said "0 unexpected" beside the list of them. Now the header counts only the errors and the
+    list says how many there are; control: under strict=True they are counted as unexpected."""
+    ckpt = sources[0]
+    leaves = [TargetLeaf("gone", "array", (2,), np.dtype("float32"))]
+    e = pytest.raises(KeyMismatchError, plan_restore, ckpt, leaves).value
+    assert "(1 missing keys)" in str(e) and "0 unexpected" not in str(e), str(e)
+    assert "also holds 2 keys the target does not name" in str(e) and e.unexpected == ["b", "w"]
+    e = pytest.raises(KeyMismatchError, plan_restore, ckpt, leaves, strict=True).value
+    assert "(1 missing keys, 2 unexpected keys)" in str(e), str(e)
