@@ -419,7 +419,10 @@ def _one_error(p: _Planner, missing: list[str], unexpected: list[str], strict: b
     if not missing and not extra and len(p.mismatches) == 1:
         return p.mismatches[0]
     todo: list[str] = []
-    if missing:
+    level = [p.notes[k] for k in missing if p.notes.get(k, "").startswith("TARGET LEVEL")]
+    if level:  # the mapping's keys are there one level down: the target, not the mapping, is off
+        todo.append(f"a target with the level the mapping expects ({level[0].split(': ', 1)[1]})")
+    elif missing:
         todo.append("a mapping that names where they come from (a preset's names= with your model's names), "
                     "or strict=False to keep the target's values for them")
     if extra:

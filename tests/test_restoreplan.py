@@ -91,3 +91,20 @@ def test_the_message_counts_only_what_is_an_error(sources):
     assert "also holds 2 keys the target does not name" in str(e) and e.unexpected == ["b", "w"]
     e = pytest.raises(KeyMismatchError, plan_restore, ckpt, leaves, strict=True).value
     assert "(1 missing keys, 2 unexpected keys)" in str(e), str(e)
+
+
+def test_a_target_without_the_mappings_top_level_is_told_so(sources):
+    """Issue 52: a torch state dict passed where the preset expects ``{"model": state_dict}`` was
+    told to use ``names=``. Now the error says the target lacks the mapping's 'model' level;
+    control: the same mapping with the level restores."""
+    from bridges.mapping import Mapping, Rule
+
+    mapping = Mapping(rules=(Rule("w", "model/weight"),))
+    flat = [TargetLeaf("weight", "array", (3, 4), np.dtype("float32"))]
+    e = pytest.raises(KeyMismatchError, plan_restore, sources[0], flat, mapping=mapping).value
+    assert "lacks the 'model' level" in str(e) and "names=" not in str(e), str(e)
+    nested = [TargetLeaf("model/weight", "array", (3, 4), np.dtype("float32"))]
+    assert plan_restore(sources[0], nested, mapping=mapping).report.loaded == ("model/weight",)
+    other = [TargetLeaf("bias", "array", (3, 4), np.dtype("float32"))]  # control: a key no rule names one level down
+    e = pytest.raises(KeyMismatchError, plan_restore, sources[0], other, mapping=mapping).value
+    assert "level" not in str(e) and "names=" in str(e)
