@@ -57,4 +57,4 @@ from bridges.jax._api import RANK_STATE_POLICIES as RANK_STATE_POLICIES
 from bridges.jax._api import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
 from bridges.jax._manager import CheckpointManager as CheckpointManager
 
-__all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "flatten_with_keys", "RANK_STATE_POLICIES", "RESTORE_BATCH_BYTES", "CheckpointManager"]
+__all__ = ["save", "restore", "abstract_target", "CheckpointManager", "load_extra", "load_rank_state", "flatten_with_keys", "RANK_STATE_POLICIES", "RESTORE_BATCH_BYTES"]

@@ -60,4 +60,4 @@ from bridges.mapping._mapping import halves_to_interleaved as halves_to_interlea
 from bridges.mapping._mapping import optimizer_step_rules as optimizer_step_rules
 from bridges.mapping._mapping import InvalidRuleError as InvalidRuleError
 
-__all__ = ["Rule", "Mapping", "Resolved", "IDENTITY", "LoadReport", "MappingError", "KeptValuesWarning", "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES", "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge", "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "interleaved_to_halves", "halves_to_interleaved", "optimizer_step_rules", "InvalidRuleError"]
+__all__ = ["Rule", "Mapping", "Resolved", "IDENTITY", "LoadReport", "flax_nnx_to_torch", "torch_to_flax_nnx", "torch_adamw_kwargs", "CONV_KERNEL_AXES", "DENSE_KERNEL_AXES", "LAYER_LEAVES", "Chain", "Transform", "Transpose", "Select", "Merge", "Unmerge", "Reorder", "Concat", "Part", "Stack", "Scale", "Shift", "Cast", "interleaved_to_halves", "halves_to_interleaved", "optimizer_step_rules", "MappingError", "KeptValuesWarning", "InvalidRuleError"]

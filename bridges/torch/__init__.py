@@ -59,4 +59,4 @@ from bridges.torch._api import layer_kinds as layer_kinds
 from bridges.torch._api import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
 from bridges.torch._manager import CheckpointManager as CheckpointManager
 
-__all__ = ["save", "load", "load_extra", "load_rank_state", "Loaded", "rng_state", "set_rng_state", "local_box", "to_numpy", "from_numpy", "layer_kinds", "RESTORE_BATCH_BYTES", "CheckpointManager"]
+__all__ = ["save", "load", "Loaded", "CheckpointManager", "load_extra", "load_rank_state", "rng_state", "set_rng_state", "local_box", "to_numpy", "from_numpy", "layer_kinds", "RESTORE_BATCH_BYTES"]
