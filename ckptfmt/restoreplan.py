@@ -33,6 +33,7 @@ the source's shapes is a :class:`MappingChain` (``bridges.mapping.Chain`` is one
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -414,12 +415,22 @@ def _ignore_glob(keys: Sequence[str]) -> str:
     return ", ".join(f"'{t}/*'" if any("/" in k for k in keys if k.startswith(t)) else repr(t) for t in tops[:3])
 
 
+#: A key of one tensor per expert (``...experts.0.w1.weight``), and a rule's note naming the experts
+#: fused in one tensor (``...experts.gate_up_proj``): a MoE preset built for the other layout.
+_PER_EXPERT = re.compile(r"[./]experts[./]\d+[./]")
+_FUSED_EXPERTS = re.compile(r"[./]experts[./][A-Za-z_]")
+
+
 def _one_error(p: _Planner, missing: list[str], unexpected: list[str], strict: bool | None) -> CheckpointError:
     extra = unexpected if strict is True else []
     if not missing and not extra and len(p.mismatches) == 1:
         return p.mismatches[0]
     todo: list[str] = []
     level = [p.notes[k] for k in missing if p.notes.get(k, "").startswith("TARGET LEVEL")]
+    per_expert = next((k for k in unexpected if _PER_EXPERT.search(k)), None)
+    if per_expert and any(_FUSED_EXPERTS.search(p.notes.get(k, "")) for k in missing):
+        todo.append(f"a mapping for one tensor per expert, as the checkpoint holds ({per_expert!r}): the MoE "
+                    "presets take experts=\"per_expert\" (ckptfmt export/import: --preset-arg experts=per_expert)")
     if level:  # the mapping's keys are there one level down: the target, not the mapping, is off
         todo.append(f"a target with the level the mapping expects ({level[0].split(': ', 1)[1]})")
     elif missing:

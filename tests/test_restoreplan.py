@@ -108,3 +108,22 @@ def test_a_target_without_the_mappings_top_level_is_told_so(sources):
     other = [TargetLeaf("bias", "array", (3, 4), np.dtype("float32"))]  # control: a key no rule names one level down
     e = pytest.raises(KeyMismatchError, plan_restore, sources[0], other, mapping=mapping).value
     assert "level" not in str(e) and "names=" in str(e)
+
+
+def test_per_expert_tensors_against_a_fused_preset_suggest_per_expert(tmp_path):
+    """Issue 52: a checkpoint of one tensor per expert read through a mapping for fused experts now
+    points to experts="per_expert"; control: the fused checkpoint loads through the same mapping,
+    and a plain missing key gets no such hint."""
+    from bridges.mapping import Mapping, Rule
+
+    mapping = Mapping(rules=(Rule("m.experts.gate_up", "moe/gate"),))
+    leaves = [TargetLeaf("moe/gate", "array", (3, 4), np.dtype("float32"))]
+    per, fused = str(tmp_path / "per"), str(tmp_path / "fused")
+    ckptfmt.save(per, 1, [LocalShard(f"m.experts.{e}.w1", W.shape, W.dtype, Box.full(W.shape), W) for e in (0, 1)])
+    ckptfmt.save(fused, 1, [LocalShard("m.experts.gate_up", W.shape, W.dtype, Box.full(W.shape), W)])
+    e = pytest.raises(KeyMismatchError, plan_restore, open_source(per), leaves, mapping=mapping).value
+    assert 'experts="per_expert"' in str(e) and "m.experts.0.w1" in str(e), str(e)
+    assert plan_restore(open_source(fused), leaves, mapping=mapping).report.loaded == ("moe/gate",)
+    e = pytest.raises(KeyMismatchError, plan_restore, open_source(fused),
+                      leaves + [TargetLeaf("x", "array", (2,), np.dtype("float32"))], mapping=mapping).value
+    assert "per_expert" not in str(e)
