@@ -438,7 +438,12 @@ def _one_error(p: _Planner, missing: list[str], unexpected: list[str], strict: b
                     "or strict=False to keep the target's values for them")
     if extra:
         todo.append(f"ignore=({_ignore_glob(extra)},) in the mapping, or drop strict=True for a partial restore")
-    if p.mismatches:
+    ruled = [m for m in p.mismatches  # a rule's transforms did not fit, or gave another shape
+             if type(m).__name__ == "MappingError" or "rule " in (m.message or "")]
+    if ruled:
+        todo.append("a mapping whose rules fit this checkpoint (the preset's config and arguments: rope=, "
+                    "scan_axis=, experts=, names=; bridges/MAPPING.md explains each rule error)")
+    if len(ruled) < len(p.mismatches):
         todo.append("a target of the checkpoint's shapes and dtypes (a cast is done within one kind only)")
     counts = [f"{n} {what}" for n, what in ((len(missing), "missing keys"), (len(extra), "unexpected keys"),
                                               (len(p.mismatches), "mismatched values")) if n]

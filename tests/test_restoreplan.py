@@ -127,3 +127,18 @@ def test_per_expert_tensors_against_a_fused_preset_suggest_per_expert(tmp_path):
     e = pytest.raises(KeyMismatchError, plan_restore, open_source(fused),
                       leaves + [TargetLeaf("x", "array", (2,), np.dtype("float32"))], mapping=mapping).value
     assert "per_expert" not in str(e)
+
+
+def test_a_rule_that_does_not_fit_points_to_the_mapping(sources):
+    """Issue 52: values that a mapping's rules shaped wrongly were answered with "pass a target of the
+    checkpoint's shapes". Now the advice is a mapping whose rules fit; control: without a mapping,
+    wrong target shapes still get the target advice."""
+    from bridges.mapping import Mapping, Rule, Transpose
+
+    mapping = Mapping(rules=(Rule("w", "wt", transforms=(Transpose((1, 0)),)), Rule("b", "bt")))
+    leaves = [TargetLeaf("wt", "array", (3, 4), np.dtype("float32")), TargetLeaf("bt", "array", (6,), np.dtype("int32"))]
+    e = pytest.raises(RestoreMismatchError, plan_restore, sources[0], leaves, mapping=mapping).value
+    assert "a mapping whose rules fit" in str(e) and "checkpoint's shapes" not in str(e), str(e)
+    plain = [TargetLeaf("w", "array", (4, 3), np.dtype("float32")), TargetLeaf("b", "array", (6,), np.dtype("int32"))]
+    e = pytest.raises(RestoreMismatchError, plan_restore, sources[0], plain).value
+    assert "checkpoint's shapes" in str(e) and "rules fit" not in str(e), str(e)
