@@ -29,9 +29,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from pip._vendor.packaging.markers import Marker  # pip's own copy: the venv's pip resolves the same way
-from pip._vendor.packaging.requirements import Requirement
-from pip._vendor.packaging.utils import canonicalize_name
+from packaging.requirements import Requirement  # packaging: a requirement of pytest itself
+from packaging.utils import canonicalize_name
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,7 +42,8 @@ MUST_HOLD = ("ckptfmt/__init__.py", "ckptfmt/py.typed", "bridges/jax/__init__.py
              "ckptfmt_tools/bench/runner.py", "ckptfmt_tools/bench/states.py")
 MUST_NOT_HOLD = ("devtools/", "tests/", "ckptfmt_tools/archmetrics.py", "ckptfmt_tools/bench/profile_save.py",
                  "ckptfmt_tools/bench/inode_churn.py", "ckptfmt_tools/bench/save_cpu.py",
-                 "ckptfmt_tools/bench/dcp_writer.py", "ckptfmt_tools/bench/lora_adapters.py")
+                 "ckptfmt_tools/bench/dcp_writer.py", "ckptfmt_tools/bench/lora_adapters.py",
+                 "ckptfmt_tools/bench/coop_restore.py")
 SKIP = shutil.ignore_patterns(".git", ".venv", "site", "build", "dist", "*.egg-info", "__pycache__", "drill-out",
                               "bench-out", ".pytest_cache", ".hypothesis", "tests", "notebooks", "docs")
 
