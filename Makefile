@@ -43,7 +43,7 @@ faults: $(STAMP)
 	$(BIN)/python -m ckptfmt faults --peers
 
 # The documentation site (mkdocs.yml) into site/; --strict fails on a broken link or a missing reference.
-# The notebooks are executed while it builds (about 90 s on a 2-core machine; CKPTFMT_DOCS_EXECUTE=false skips that).
+# The notebooks are executed while it builds (a minute or two; CKPTFMT_DOCS_EXECUTE=false skips that).
 # `$(BIN)/mkdocs serve` serves it at http://127.0.0.1:8000 and rebuilds on every edit.
 docs: $(STAMP)
 	$(BIN)/python -m mkdocs build --strict
