@@ -181,3 +181,19 @@ def test_bench_is_marked_for_developers():
     out = runner.invoke(app, ["--help"]).stdout
     assert "bench is for ckptfmt's developers" in out
     assert out.index("drill") < out.index("  bench")  # listed after every user command
+
+
+def test_the_command_line_keeps_the_aws_log_out_of_an_s3_error(tmp_path):
+    """End to end: ``ckptfmt ls s3://...`` with no credentials file and a closed endpoint. The AWS
+    SDK logs its failed credentials lookup; the user sees the StorageError with what to check next,
+    and none of the SDK's lines. Control: CKPTFMT_AWS_LOG=1 shows them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(tmp_path), AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_REGION="us-east-1",
+               PYTHONPATH=str(ROOT))
+    env.pop("CKPTFMT_AWS_LOG", None)
+    run = [sys.executable, "-m", "ckptfmt", "ls", "s3://nobucket/x"]
+    quiet = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert quiet.returncode == 1 and "StorageError" in quiet.stderr and "endpoint" in quiet.stderr, quiet.stderr
+    assert "AuthCredentialsProvider" not in quiet.stderr and "common-io" not in quiet.stderr, quiet.stderr
+    loud = subprocess.run(run, capture_output=True, text=True, env=dict(env, CKPTFMT_AWS_LOG="1"), timeout=120)
+    assert loud.returncode == 1 and "AuthCredentialsProvider" in loud.stderr and "StorageError" in loud.stderr

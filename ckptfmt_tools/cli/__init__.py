@@ -348,9 +348,15 @@ _runs.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``ckptfmt`` console script and of ``python -m ckptfmt``. The AWS SDK's
-    log is left out of stderr unless asked (:mod:`ckptfmt_tools.cli._quiet`)."""
+    """Entry point of the ``ckptfmt`` console script and of ``python -m ckptfmt``. With an ``s3://``
+    URL among the arguments, the AWS SDK's log is left out of stderr unless asked
+    (:mod:`ckptfmt_tools.cli._quiet`); other runs keep stderr as it is (their child processes
+    included)."""
     from ckptfmt_tools.cli._quiet import quiet_aws_log
 
+    args = sys.argv[1:] if argv is None else argv
+    if not any("s3://" in a for a in args):
+        app(args=argv, prog_name="ckptfmt")
+        return
     with quiet_aws_log():
         app(args=argv, prog_name="ckptfmt")
