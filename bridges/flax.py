@@ -18,6 +18,10 @@ The JAX bridge saves any pytree; this module turns Flax objects into plain pytre
 """
 from __future__ import annotations
 
+from bridges._requires import require
+
+require("bridges.flax", "jax", "jax", "flax")  # before the framework imports: names the extra
+
 from typing import Any, Callable
 
 import jax

@@ -41,6 +41,7 @@ the source's shapes is a :class:`MappingChain` (``bridges.mapping.Chain`` is one
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -50,7 +51,7 @@ from ._types import Box
 from .dtypes import numpy_dtype
 from .errors import CheckpointError, KeyMismatchError, QuantizedWeightError, RestoreMismatchError, ShapeMismatchError
 
-__all__ = ["RestoreSource", "RestoreManifest", "KeyMap", "Resolution", "MappingChain", "TargetLeaf", "TensorPlan",
+__all__ = ["is_optimizer_state", "RestoreSource", "RestoreManifest", "KeyMap", "Resolution", "MappingChain", "TargetLeaf", "TensorPlan",
            "RestorePlan", "RestoreReport", "plan_restore", "dtype_kind", "closest_key", "SCALE_COMPANIONS",
            "MXFP4_PARTS", "scale_companion"]
 
@@ -269,6 +270,13 @@ def _category(key: str) -> tuple[str, str]:
     return ("optimizer" if slot or any(p in _OPTIMIZER_WORDS for p in parts) else "tensor"), slot
 
 
+def is_optimizer_state(key: str) -> bool:
+    """Whether key path ``key`` names optimizer state (an optimizer slot such as ``mu``, ``nu``,
+    ``exp_avg``, ``count``, or a path through ``opt_state``/``optimizer``/``optim``), by the same
+    test the restore's "closest key" uses; a model parameter otherwise."""
+    return _category(key)[0] == "optimizer"
+
+
 def closest_key(key: str, keys: Collection[str], ndim: int | None = None, shapes: Any = None) -> str | None:
     """The key of ``keys`` most like ``key`` AND of its kind (a model tensor for a model tensor, an
     optimizer slot for the same slot: never optax's ``count`` for an NNX ``optimizer/step``; of
@@ -469,26 +477,46 @@ def _ignore_glob(keys: Sequence[str]) -> str:
     return ", ".join(f"'{t}/*'" if any("/" in k for k in keys if k.startswith(t)) else repr(t) for t in tops[:3])
 
 
+#: A key of one tensor per expert (``...experts.0.w1.weight``), and a rule's note naming the experts
+#: fused in one tensor (``...experts.gate_up_proj``): a MoE preset built for the other layout.
+_PER_EXPERT = re.compile(r"[./]experts[./]\d+[./]")
+_FUSED_EXPERTS = re.compile(r"[./]experts[./][A-Za-z_]")
+
+
 def _one_error(p: _Planner, missing: list[str], unexpected: list[str], strict: bool | None) -> CheckpointError:
     extra = unexpected if strict is True else []
     if not missing and not extra and len(p.mismatches) == 1:
         return p.mismatches[0]
     todo: list[str] = []
-    if missing:
+    level = [p.notes[k] for k in missing if p.notes.get(k, "").startswith("TARGET LEVEL")]
+    per_expert = next((k for k in unexpected if _PER_EXPERT.search(k)), None)
+    if per_expert and any(_FUSED_EXPERTS.search(p.notes.get(k, "")) for k in missing):
+        todo.append(f"a mapping for one tensor per expert, as the checkpoint holds ({per_expert!r}): the MoE "
+                    "presets take experts=\"per_expert\" (ckptfmt export/import: --preset-arg experts=per_expert)")
+    if level:  # the mapping's keys are there one level down: the target, not the mapping, is off
+        todo.append(f"a target with the level the mapping expects ({level[0].split(': ', 1)[1]})")
+    elif missing:
         todo.append("a mapping that names where they come from (a preset's names= with your model's names), "
                     "or strict=False to keep the target's values for them")
     if extra:
         todo.append(f"ignore=({_ignore_glob(extra)},) in the mapping, or drop strict=True for a partial restore")
-    if p.mismatches:
+    ruled = [m for m in p.mismatches  # a rule's transforms did not fit, or gave another shape
+             if type(m).__name__ == "MappingError" or "rule " in (m.message or "")]
+    if ruled:
+        todo.append("a mapping whose rules fit this checkpoint (the preset's config and arguments: rope=, "
+                    "scan_axis=, experts=, names=; bridges/MAPPING.md explains each rule error)")
+    if len(ruled) < len(p.mismatches):
         todo.append("a target of the checkpoint's shapes and dtypes (a cast is done within one kind only)")
-    parts = [f"the restore target does not fit the checkpoint ({len(missing)} missing keys, {len(extra)} unexpected, "
-             f"{len(p.mismatches)} mismatched values); to fix, pass " + "; or ".join(todo)]
+    counts = [f"{n} {what}" for n, what in ((len(missing), "missing keys"), (len(extra), "unexpected keys"),
+                                              (len(p.mismatches), "mismatched values")) if n]
+    parts = [f"the restore target does not fit the checkpoint ({', '.join(counts)}); to fix, pass " + "; or ".join(todo)]
     if missing:
         parts.append(f"missing (target keys the checkpoint lacks): {_shown(missing)}")
     if extra:
         parts.append(f"unexpected (checkpoint keys the target does not name): {_shown(extra)}")
-    elif missing and unexpected:
-        parts.append(f"the checkpoint also holds keys the target does not name: {_shown(unexpected)}")
+    elif missing and unexpected:  # not an error without strict=True, but where the missing ones may be
+        parts.append(f"the checkpoint also holds {len(unexpected)} keys the target does not name (the missing "
+                     f"ones under other names?): {_shown(unexpected)}")
     hints = p.hints(unexpected)
     notes = [f"{k}: {p.notes[k]}" for k in missing if k in p.notes]
     notes += [f"{k}: closest checkpoint key {v!r}" for k, v in hints.items()]

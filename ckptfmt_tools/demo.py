@@ -57,7 +57,8 @@ def _print_receipt(res: dict[str, Any]) -> None:
     v = res["verdicts"]["none"]
     ids = good.get("batch_ids_k1", [])
     w = print
-    w(f"ckptfmt demo: save on {s['topology'].split(',')[0]}, resume on {r['topology'].split(',')[0]}")
+    w(f"ckptfmt demo: a training job saves on {s['topology'].split(',')[0]}; a new job on "
+      f"{r['topology'].split(',')[0]} restores it and takes the next step")
     w(f"  saving topology     {s['topology']}")
     w(f"  restoring topology  {r['topology']}")
     w(f"  checkpoint          step {s['step']}: {len(s['writer_lists'])} tensors, {_fmt_bytes(s['saved_bytes'])} "
@@ -83,9 +84,11 @@ def _print_receipt(res: dict[str, Any]) -> None:
         if name == "none":
             continue
         failed = [c for c, (ok, _) in verdict["checks"].items() if not ok]
-        w(f"  broken control      {name}: receipt {'FAILS as it must' if not verdict['ok'] else 'PASSES (BUG)'}"
-          f" ({', '.join(failed)})")
-    w(f"RECEIPT: {'PASS' if res['ok'] else 'FAIL'}")
+        w(f"  sanity check        the same comparison with a wrong data position ({name}) "
+          f"{'fails, as it must' if not verdict['ok'] else 'PASSES: a bug'} ({', '.join(failed)})")
+    new, old = r["topology"].split(",")[0], s["topology"].split(",")[0]
+    w(f"RESULT: PASS: the job on {new} took the step the job on {old} would have taken, bit for bit"
+      if res["ok"] else "RESULT: FAIL (see the lines above)")
 
 
 def parser() -> argparse.ArgumentParser:

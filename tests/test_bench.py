@@ -265,7 +265,7 @@ def test_inode_churn_keys_layout_is_a_real_saves_and_flat_makes_fewer(tmp_path):
 
     import ckptfmt
     from ckptfmt import LocalShard
-    from ckptfmt_tools.bench import inode_churn
+    from devtools import inode_churn
 
     def saved(arrays):
         url = tmp_path / f"repo{len(arrays)}"
@@ -291,7 +291,7 @@ def test_save_cpu_measures_each_system_with_and_without_retention(tmp_path):
     row keeps two steps (retention on), its ``-nokeep`` row keeps them all (retention off), DCP's
     keeps two. Control: a system the tool does not know is refused, and the figures of the two
     ckptfmt rows come from different runs (the counts left differ as the modes say)."""
-    from ckptfmt_tools.bench import save_cpu
+    from devtools import save_cpu
 
     saves = 3
     rows = save_cpu.compare(save_cpu.SYSTEMS, saves=saves, pause_s=0.0, storage=str(tmp_path / "s"),

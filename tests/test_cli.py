@@ -202,12 +202,16 @@ def test_stray_manifest_names_are_reported_not_listed(repo):
 
 def test_gc_reports_foreign_objects_and_problems(repo):
     (repo / "saves" / ".DS_Store").write_bytes(b"Bud1")
+    code, doc = _json(["gc", str(repo), "--grace-s", "0", "--json"])  # control: no damaged step, exit 0
+    assert code == 0 and doc["ok"] and doc["report"]["damaged_steps"] == []
     Scene(repo, SEED).manifest_path(10).write_text("{not json")
     code, doc = _json(["gc", str(repo), "--grace-s", "0", "--json"])
-    assert code == 0 and doc["report"]["foreign"] == ["saves/.DS_Store"]
+    # A damaged manifest is reported, kept, and makes gc exit 1 (issue 52: it said "ok" before).
+    assert code == 1 and not doc["ok"] and doc["report"]["foreign"] == ["saves/.DS_Store"]
+    assert doc["report"]["damaged_steps"] == [10] and Scene(repo, SEED).manifest_path(10).exists()
     assert (repo / "saves" / ".DS_Store").exists()
     r = runner.invoke(app, ["gc", str(repo), "--grace-s", "0"])
-    assert r.exit_code == 0 and ".DS_Store" in r.stdout
+    assert r.exit_code == 1 and ".DS_Store" in r.stdout and "verify" in r.stderr and "--step 10" in r.stderr
     # Not a repository: nothing deleted, exit 1 with the typed error.
     home = repo.parent / "home"
     (home / "saves" / "photos").mkdir(parents=True)

@@ -28,8 +28,18 @@ API_MODULES = ("ckptfmt", "bridges.jax", "bridges.flax", "bridges.torch", "bridg
                "bridges.presets", "bridges.mapping", "bridges.interop")
 
 
-def _build(config: Path, site: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+class _Loader(yaml.SafeLoader):
+    """mkdocs.yml as data: its ``!ENV [NAME, default]`` tags read as the default."""
+
+
+_Loader.add_constructor("!ENV", lambda loader, node: loader.construct_sequence(node)[-1])
+
+
+def _build(config: Path, site: Path, *, execute: bool = False) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict``; the notebooks rendered without running them unless ``execute``
+    (tests/test_notebooks.py runs every one; test_a_notebook_renders_with_its_outputs one here)."""
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "CKPTFMT_DOCS_EXECUTE": "true" if execute else "false",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=config.parent)
 
@@ -76,7 +86,7 @@ def _small_site(root: Path, page: str) -> Path:
     (root / "ckptfmt").mkdir()
     shutil.copy(ROOT / "ckptfmt" / "errors.py", root / "ckptfmt" / "errors.py")
     (root / "docs" / "page.md").write_text(page)
-    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_Loader)
     config["nav"] = list(module.REPO_PAGES) + ["docs/page.md"]
     config["watch"] = []
     (root / "mkdocs.yml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -106,6 +116,36 @@ def test_strict_build_rejects_broken_links_and_missing_references(tmp_path: Path
     assert out.returncode != 0 and "ckptfmt.NoSuchClass" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
+def _notebook_outputs(html: str) -> list[str]:
+    return re.findall(r'class="[^"]*jp-OutputArea-output[^"]*"', html)
+
+
+def test_a_notebook_renders_with_its_outputs(tmp_path: Path) -> None:
+    """The site's notebooks are pages (mkdocs-jupyter), executed while the site builds: notebook 01
+    (the fastest) is rendered with the outputs it printed; the control, the same build without
+    executing, renders its code and no output."""
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_Loader)
+    plugin = next(p for p in config["plugins"] if isinstance(p, dict) and "mkdocs-jupyter" in p)["mkdocs-jupyter"]
+    plugin["execute_ignore"] = ["*/0[2-9]_*.ipynb"]  # notebook 01 only: the others cost minutes
+    runs = {}
+    one = ROOT / f".mkdocs-test-{os.getpid()}.yml"  # beside mkdocs.yml: its paths are the repository's
+    try:
+        for execute in (True, False):
+            plugin["execute"] = execute  # as CKPTFMT_DOCS_EXECUTE sets it in mkdocs.yml
+            one.write_text(yaml.safe_dump(config, sort_keys=False))
+            runs[execute] = _build(one, tmp_path / f"site-{execute}", execute=execute)
+    finally:
+        one.unlink(missing_ok=True)
+    for execute, out in runs.items():
+        assert out.returncode == 0, out.stdout + out.stderr
+    page = "notebooks/01_format_tour/index.html"
+    ran, plain = ((tmp_path / f"site-{e}" / page).read_text() for e in (True, False))
+    assert len(_notebook_outputs(ran)) >= 5 and "crc32c" in ran, len(_notebook_outputs(ran))
+    assert _notebook_outputs(plain) == [] and "crc32c" in plain  # control: the code, no outputs
+    nav = (tmp_path / "site-True" / "index.html").read_text()
+    assert all(f"notebooks/{p.stem}/" in nav for p in (ROOT / "notebooks").glob("*.ipynb"))
+
+
 def _readme_name_problems(readme: str) -> list[str]:
     """Every python block of ``readme`` parses, and every name it takes from a bridges module is in that
     module's ``__all__`` (the blocks themselves run outside the suite: they train and load a Llama)."""
@@ -129,7 +169,7 @@ def _readme_name_problems(readme: str) -> list[str]:
 
 def test_readme_code_uses_public_names() -> None:
     readme = (ROOT / "README.md").read_text()
-    assert readme.count("```python") == 3 and not _readme_name_problems(readme), _readme_name_problems(readme)
+    assert readme.count("```python") == 5 and not _readme_name_problems(readme), _readme_name_problems(readme)
     # Controls: a renamed class in an import, a renamed function through a module alias.
     broken = readme.replace("CkptfmtStorageWriter", "CkptfmtWriter").replace("bjax.abstract_target", "bjax.target")
     assert sorted(_readme_name_problems(broken)) == ["bridges.dcp.CkptfmtWriter", "bridges.jax.target"]

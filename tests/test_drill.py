@@ -60,8 +60,9 @@ def test_drill_jax_cli(tmp_path, capsys):
     code = main(SMALL + ["--out", str(out), "--seed", "5", "--capacity-delay", "0.5"])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    assert "Recovery phases" in printed and "end-to-end recovery" in printed
-    assert "Restore gate" in printed and "rejected, no state exposed" in printed and "PASS" in printed
+    assert "Where the recovery time went" in printed and "end-to-end recovery" in printed
+    assert "ckptfmt ls " in printed and "ckptfmt verify " in printed  # what to try next
+    assert "Three restores" in printed and "rejected, no state exposed" in printed and "PASS" in printed
     r = _load(out)
     _assert_receipt(r, framework="jax", control=True)
     assert r["outputs"]["control"]["ok"]

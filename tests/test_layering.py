@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ckptfmt_tools.archmetrics import imports_of  # the AST import reader the figures use too
+from devtools.archmetrics import imports_of  # the AST import reader the figures use too
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = ROOT / "ckptfmt" / "__main__.py"
@@ -40,8 +40,10 @@ def _offenders(package: str, forbidden: tuple[str, ...], allow: tuple[Path, ...]
 
 
 def test_the_import_graph_runs_one_way():
-    assert _offenders("ckptfmt", ("bridges", "ckptfmt_tools"), allow=(ENTRY,)) == []
-    assert _offenders("bridges", ("ckptfmt_tools",)) == []
+    assert _offenders("ckptfmt", ("bridges", "ckptfmt_tools", "devtools"), allow=(ENTRY,)) == []
+    assert _offenders("bridges", ("ckptfmt_tools", "devtools")) == []
+    # The developer harnesses (devtools/, not packaged) use the packages; nothing packaged uses them.
+    assert _offenders("ckptfmt_tools", ("devtools",)) == []
     # Broken control: the entry point is the one place ckptfmt names the tools, and it is seen.
     assert _offenders("ckptfmt", ("ckptfmt_tools",)) == ["ckptfmt/__main__.py imports ckptfmt_tools.cli"]
 
@@ -105,6 +107,25 @@ def test_import_ckptfmt_loads_no_tool_and_no_cli_dependency():
     p = _python("import sys, ckptfmt, bridges; bad = [m for m in sys.modules if m.split('.')[0] in "
                 "('ckptfmt_tools', 'typer', 'rich')]; assert not bad, bad")
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+FRAMEWORK_FACES = (("bridges.jax", "jax", "jax"), ("bridges.flax", "flax", "jax"),
+                   ("bridges.torch", "torch", "torch"), ("bridges.dcp", "torch", "torch"))
+
+
+def test_missing_framework_names_the_extra():
+    """A bridge face imported without its framework (blocked in sys.modules, as if not installed)
+    raises a ModuleNotFoundError that names the extra to install; control: with the framework
+    installed, the same import works. (tests/test_wheel.py sees the same in a venv without jax.)"""
+    for face, framework, extra in FRAMEWORK_FACES:
+        code = (f"import sys; sys.modules[{framework!r}] = None\ntry:\n    import {face}\n"
+                f"except ModuleNotFoundError as e:\n    print(e); sys.exit(3)")
+        p = _python(code)
+        assert p.returncode == 3, (face, p.returncode, p.stderr[-2000:])
+        assert f"pip install 'ckptfmt[{extra}]'" in p.stdout and face in p.stdout, p.stdout
+    for face in ("bridges.jax", "bridges.torch"):
+        p = _python(f"import {face}")
+        assert p.returncode == 0, p.stderr[-2000:]
 
 
 def test_missing_cli_extra_names_the_extra():
@@ -310,13 +331,13 @@ def test_no_import_cycle_inside_ckptfmt():
 #: What each part of ``bridges`` may import of the others (besides ckptfmt's public faces); the
 #: faces' docstrings say the same. ``mapping`` and ``presets`` import no framework.
 BRIDGES_MAY_IMPORT: dict[str, set[str]] = {
-    "_contract": set(), "_extra": set(),
+    "_contract": set(), "_extra": set(), "_requires": set(),
     "mapping": set(),
     "presets": {"mapping"},
-    "jax": {"_contract", "_extra", "mapping"},
-    "torch": {"_contract", "_extra", "mapping"},
-    "flax": {"jax"},
-    "dcp": {"torch", "_contract", "_extra", "mapping"},
+    "jax": {"_contract", "_extra", "_requires", "mapping"},
+    "torch": {"_contract", "_extra", "_requires", "mapping"},
+    "flax": {"jax", "_requires"},
+    "dcp": {"torch", "_contract", "_extra", "_requires", "mapping"},
     "torchtitan": {"dcp"},
     "interop": {"jax", "torch", "mapping", "presets", "_contract", "_extra"},
 }

@@ -78,3 +78,67 @@ def test_closest_key_compares_like_with_like():
     assert closest_key("model/v", keys) == "model/w"  # a tensor for a tensor, not an optimizer slot
     assert closest_key("optim/state/w/exp_avg", {"optim/state/w/exp_avg_sq", "optim/state/v/exp_avg"}) \
         == "optim/state/v/exp_avg"
+
+
+def test_the_message_counts_only_what_is_an_error(sources):
+    """Issue 52: a restore missing a key, whose checkpoint holds keys the target does not name,
+    said "0 unexpected" beside the list of them. Now the header counts only the errors and the
+    list says how many there are; control: under strict=True they are counted as unexpected."""
+    ckpt = sources[0]
+    leaves = [TargetLeaf("gone", "array", (2,), np.dtype("float32"))]
+    e = pytest.raises(KeyMismatchError, plan_restore, ckpt, leaves).value
+    assert "(1 missing keys)" in str(e) and "0 unexpected" not in str(e), str(e)
+    assert "also holds 2 keys the target does not name" in str(e) and e.unexpected == ["b", "w"]
+    e = pytest.raises(KeyMismatchError, plan_restore, ckpt, leaves, strict=True).value
+    assert "(1 missing keys, 2 unexpected keys)" in str(e), str(e)
+
+
+def test_a_target_without_the_mappings_top_level_is_told_so(sources):
+    """Issue 52: a torch state dict passed where the preset expects ``{"model": state_dict}`` was
+    told to use ``names=``. Now the error says the target lacks the mapping's 'model' level;
+    control: the same mapping with the level restores."""
+    from bridges.mapping import Mapping, Rule
+
+    mapping = Mapping(rules=(Rule("w", "model/weight"),))
+    flat = [TargetLeaf("weight", "array", (3, 4), np.dtype("float32"))]
+    e = pytest.raises(KeyMismatchError, plan_restore, sources[0], flat, mapping=mapping).value
+    assert "lacks the 'model' level" in str(e) and "names=" not in str(e), str(e)
+    nested = [TargetLeaf("model/weight", "array", (3, 4), np.dtype("float32"))]
+    assert plan_restore(sources[0], nested, mapping=mapping).report.loaded == ("model/weight",)
+    other = [TargetLeaf("bias", "array", (3, 4), np.dtype("float32"))]  # control: a key no rule names one level down
+    e = pytest.raises(KeyMismatchError, plan_restore, sources[0], other, mapping=mapping).value
+    assert "level" not in str(e) and "names=" in str(e)
+
+
+def test_per_expert_tensors_against_a_fused_preset_suggest_per_expert(tmp_path):
+    """Issue 52: a checkpoint of one tensor per expert read through a mapping for fused experts now
+    points to experts="per_expert"; control: the fused checkpoint loads through the same mapping,
+    and a plain missing key gets no such hint."""
+    from bridges.mapping import Mapping, Rule
+
+    mapping = Mapping(rules=(Rule("m.experts.gate_up", "moe/gate"),))
+    leaves = [TargetLeaf("moe/gate", "array", (3, 4), np.dtype("float32"))]
+    per, fused = str(tmp_path / "per"), str(tmp_path / "fused")
+    ckptfmt.save(per, 1, [LocalShard(f"m.experts.{e}.w1", W.shape, W.dtype, Box.full(W.shape), W) for e in (0, 1)])
+    ckptfmt.save(fused, 1, [LocalShard("m.experts.gate_up", W.shape, W.dtype, Box.full(W.shape), W)])
+    e = pytest.raises(KeyMismatchError, plan_restore, open_source(per), leaves, mapping=mapping).value
+    assert 'experts="per_expert"' in str(e) and "m.experts.0.w1" in str(e), str(e)
+    assert plan_restore(open_source(fused), leaves, mapping=mapping).report.loaded == ("moe/gate",)
+    e = pytest.raises(KeyMismatchError, plan_restore, open_source(fused),
+                      leaves + [TargetLeaf("x", "array", (2,), np.dtype("float32"))], mapping=mapping).value
+    assert "per_expert" not in str(e)
+
+
+def test_a_rule_that_does_not_fit_points_to_the_mapping(sources):
+    """Issue 52: values that a mapping's rules shaped wrongly were answered with "pass a target of the
+    checkpoint's shapes". Now the advice is a mapping whose rules fit; control: without a mapping,
+    wrong target shapes still get the target advice."""
+    from bridges.mapping import Mapping, Rule, Transpose
+
+    mapping = Mapping(rules=(Rule("w", "wt", transforms=(Transpose((1, 0)),)), Rule("b", "bt")))
+    leaves = [TargetLeaf("wt", "array", (3, 4), np.dtype("float32")), TargetLeaf("bt", "array", (6,), np.dtype("int32"))]
+    e = pytest.raises(RestoreMismatchError, plan_restore, sources[0], leaves, mapping=mapping).value
+    assert "a mapping whose rules fit" in str(e) and "checkpoint's shapes" not in str(e), str(e)
+    plain = [TargetLeaf("w", "array", (4, 3), np.dtype("float32")), TargetLeaf("b", "array", (6,), np.dtype("int32"))]
+    e = pytest.raises(RestoreMismatchError, plan_restore, sources[0], plain).value
+    assert "checkpoint's shapes" in str(e) and "rules fit" not in str(e), str(e)

@@ -285,10 +285,17 @@ def test_repository_takes_any_storage(tmp_path):
     ("UNKNOWN: Error writing local file: No space left on device [os_error_code='28']", "no_space"),
     ("PERMISSION_DENIED: Error opening file: Permission denied", "permission"),
     ("NOT_FOUND: Error opening file", "not_found"),
-    ("UNAVAILABLE: connection refused", "other"),
+    ("UNAVAILABLE: connection refused", "unreachable"),
+    ("ABORTED: All 6 retry attempts failed: CURL error Could not resolve hostname", "unreachable"),
+    ("DATA_LOSS: Digest mismatch", "other"),
 ])
 def test_tensorstore_errors_are_classified_in_one_place(text, kind):
     assert classify(ValueError(text)) == kind
+    # Issue 52: the message says what to do next for the kinds a user can act on; control: "other" adds nothing.
+    from ckptfmt.storage._kverrors import storage_error
+
+    message = storage_error("list failed", ValueError(text), object="manifests/").message
+    assert (": " in message) == (kind in ("no_space", "too_large", "permission", "unreachable")), message
 
 
 _READ_PEAK = r"""

@@ -1,9 +1,14 @@
-"""A ``torch.distributed.checkpoint`` StorageReader over a ckptfmt checkpoint.
+"""ckptfmt as ``torch.distributed.checkpoint`` (DCP) storage: a StorageWriter and a StorageReader.
 
+``dcp.save(state_dict, storage_writer=CkptfmtStorageWriter(url, step=step))`` (or
+``dcp.async_save``) writes one committed ckptfmt step from every rank: tensors and DTensors as
+boxes of the whole tensor, non-tensor state (optimizer ``param_groups``, schedulers, ``Stateful``
+objects) as msgpack, never a pickle (the writer: ``bridges/dcp/_writer.py``).
 ``dcp.load(state_dict, storage_reader=CkptfmtStorageReader(url))`` loads a ckptfmt checkpoint
-through DCP's own planner, which computes the resharding (DTensor, ShardedTensor, plain tensors).
+(written by DCP, ``bridges.torch`` or ``bridges.jax``) through DCP's own planner, which computes
+the resharding (DTensor, ShardedTensor, plain tensors), at any world size.
 
-Call order (DCP drives it, every rank): ``reset`` -> ``read_metadata`` -> ``set_up_storage_reader``
+The reader's call order (DCP drives it, every rank): ``reset`` -> ``read_metadata`` -> ``set_up_storage_reader``
 -> ``prepare_local_plan`` -> (coordinator) ``prepare_global_plan`` -> ``read_data``.
 
 * ``read_metadata`` translates our manifest into DCP's :class:`Metadata`: one
@@ -52,6 +57,10 @@ and writer (``_writer``). May import: ckptfmt's public faces, ``bridges.torch``,
 ``bridges._contract``, ``bridges._extra``, ``bridges.mapping`` (tests/test_layering.py).
 """
 from __future__ import annotations
+
+from bridges._requires import require
+
+require("bridges.dcp", "torch", "torch")  # before the framework imports: names the extra
 
 from bridges.dcp._reader import CkptfmtStorageReader as CkptfmtStorageReader
 from bridges.dcp._writer import CkptfmtStorageWriter as CkptfmtStorageWriter

@@ -44,4 +44,4 @@ from bridges.interop._api import mapping_from_json as mapping_from_json
 from bridges.interop._api import mapped_tensors as mapped_tensors
 from bridges.interop._api import PRESETS as PRESETS
 
-__all__ = ["export", "export_peft", "PeftReport", "import_checkpoint", "import_orbax", "import_dcp", "import_safetensors", "load_mapping", "preset_mapping", "IMPORT_FORMATS", "InvalidMappingError", "Coverage", "export_tensors", "strip_target_prefix", "mapping_to_json", "mapping_from_json", "mapped_tensors", "PRESETS"]
+__all__ = ["export", "export_peft", "PeftReport", "import_checkpoint", "import_orbax", "import_dcp", "import_safetensors", "load_mapping", "preset_mapping", "IMPORT_FORMATS", "Coverage", "export_tensors", "strip_target_prefix", "mapping_to_json", "mapping_from_json", "mapped_tensors", "PRESETS", "InvalidMappingError"]

@@ -19,7 +19,8 @@ from ckptfmt.interop import (DEFAULT_MAX_SHARD_SIZE, ExportPlan, ExportReport, E
                              quantized, write_part)
 
 from bridges import presets
-from bridges.interop._export_map import PRESETS, Coverage, export_tensors, mapped_tensors, preset_mapping, strip_target_prefix
+from bridges.interop._export_map import (PRESETS, Coverage, export_tensors, mapped_tensors, model_tensors, preset_mapping,
+                                         strip_target_prefix)
 from bridges.interop._peft import PeftReport, export_peft
 from bridges.mapping._mapfile import InvalidMappingError, load_mapping_file, load_names_file, mapping_from_json, mapping_to_json
 from bridges.mapping._rules import Mapping
@@ -64,12 +65,10 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 
 
 def _with_ignore(mapping: Mapping | None, ignore: Sequence[str]) -> Mapping | None:
-    if not ignore:
-        return mapping
-    if mapping is None:
-        raise ValueError("--ignore needs --mapping: without a mapping every tensor is exported")
     if isinstance(ignore, str) or not all(isinstance(g, str) for g in ignore):
         raise ValueError(f"ignore is a list of glob strings, got {ignore!r}")
+    if not ignore or mapping is None:  # without a mapping the export leaves the ignored keys out itself
+        return mapping
     return Mapping(mapping.rules, mapping.ignore + tuple(ignore), mapping.keep, mapping.source_sep, mapping.target_sep,
                    mapping.tiers)
 
@@ -91,7 +90,8 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
            config: TMapping[str, Any] | str | os.PathLike | None = None, processes: int = 1,
            allow_partial: bool = False, ignore: Sequence[str] = (),
            progress: Progress | None = None, names: TMapping[str, str] | str | os.PathLike | None = None,
-           preset_args: TMapping[str, Any] | None = None, quantize: str | None = None) -> ExportReport:
+           preset_args: TMapping[str, Any] | None = None, optimizer: bool = False,
+           quantize: str | None = None) -> ExportReport:
     """Export step ``step`` (None: latest) of ``url`` as a Hugging Face safetensors directory.
 
     ``mapping`` (checkpoint keys -> file names and layouts; None: every tensor as is): a Mapping
@@ -107,6 +107,9 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
     -> path) fits a preset's name table to the model (bridges/MAPPING.md, "Fitting your own
     model"); ``preset_args`` passes the preset's other keyword arguments (``{"experts":
     "per_expert"}``: the hub's one-tensor-per-expert names). ``progress(done, total)``: tensor bytes written by all writers.
+    Without a mapping every tensor is written under its own key path but optimizer state (Adam
+    moments and counts: no model weights; ``optimizer=True`` keeps them) and the keys ``ignore``
+    names; the keys left out are the report's ``unmapped``.
     ``quantize="fp8"``: the Linear weights as block-FP8 codes with their ``*.weight_scale_inv``
     scales and ``quantization_config`` in ``config.json``, the layout serving engines load
     (:func:`ckptfmt.interop.export_safetensors`; bridges/MAPPING.md, "Quantized weights").
@@ -132,20 +135,22 @@ def export(url: str, out_dir: str, *, mapping: Mapping | str | None = None, step
     coverage: list[Coverage] = []
 
     def tensors(ckpt: Checkpoint) -> tuple[list[ExportTensor], list[str]]:
+        if mapping is None:
+            return model_tensors(ckpt, dtype, ignore=tuple(ignore), optimizer=optimizer)
         outs, unmapped, cov = export_tensors(ckpt, mapping, dtype, allow_partial=allow_partial)
         coverage.append(cov)
         return outs, unmapped
 
     kept: list[str] = []
     ckpt, plan, unmapped = prepare_export(url, step=step, dtype=dtype, max_shard_size=max_shard_size,
-                                          tensors=quantized(tensors if mapping is not None else None, quantize, dtype, kept))
+                                          tensors=quantized(tensors, quantize, dtype, kept))
     if quantize is not None:
         config = dict(config or {}, quantization_config=quantization_config(kept))
     begin_export(out_dir, plan, config)
     read = _write_all(ckpt, plan, out_dir, config, processes, progress, {
         "url": str(url), "step": plan.step, "mapping": mapping_to_json(mapping) if mapping is not None else None,
         "dtype": dtype, "max_shard_size": max_shard_size, "out_dir": str(out_dir), "digest": plan.digest,
-        "quantize": quantize})
+        "ignore": list(ignore), "optimizer": optimizer, "quantize": quantize})
     return ExportReport(str(out_dir), tuple(f.name for f in plan.files), sum(len(f.tensors) for f in plan.files),
                         plan.nbytes, read, time.perf_counter() - t0, plan.step, plan.save_id, tuple(unmapped),
                         coverage[0].unwritten if coverage else ())

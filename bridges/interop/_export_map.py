@@ -19,6 +19,7 @@ arithmetic (:data:`MAX_OUTPUTS`) before a name is enumerated.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 from itertools import product
@@ -29,7 +30,8 @@ from ckptfmt.errors import KeyMismatchError
 from ckptfmt.interop import ExportTensor, output_dtype
 from ckptfmt.manifest import MAX_TENSORS
 from ckptfmt.reader import Checkpoint
-from ckptfmt.interop import natural_key
+from ckptfmt.interop import identity_tensors, natural_key
+from ckptfmt.restoreplan import is_optimizer_state
 
 from bridges.mapping._joins import Stack
 from bridges.mapping._rules import Mapping, Rule, _compile, _fill, _placeholders
@@ -291,6 +293,21 @@ def _coverage(mapping: Mapping, w: _Walk) -> Coverage:
         if not filled:
             idle.append(f"rule {i} ({src!r} -> {rule.target!r})")
     return Coverage(tuple(sorted(dict.fromkeys(unwritten), key=natural_key)), tuple(w.unmapped), tuple(idle))
+
+
+def model_tensors(ckpt: Checkpoint, dtype: str | None = None, *, ignore: Sequence[str] = (),
+                  optimizer: bool = False) -> tuple[list[ExportTensor], list[str]]:
+    """The export without a mapping: every tensor under its own key path, but those ``ignore``
+    globs name (``fnmatch``, ``*`` crosses ``/``) and, unless ``optimizer``, optimizer state
+    (:func:`ckptfmt.restoreplan.is_optimizer_state`: Adam moments and counts are no model weights).
+    Returns (output tensors, the checkpoint keys left out)."""
+    outs, _ = identity_tensors(ckpt, dtype)
+    kept: list[ExportTensor] = []
+    left: list[str] = []
+    for t in outs:
+        out = any(fnmatch.fnmatchcase(t.name, g) for g in ignore) or (not optimizer and is_optimizer_state(t.name))
+        (left.append(t.name) if out else kept.append(t))
+    return kept, left
 
 
 def export_tensors(ckpt: Checkpoint, mapping: Mapping, dtype: str | None = None, *,

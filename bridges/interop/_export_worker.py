@@ -15,7 +15,7 @@ import time
 from ckptfmt.errors import CheckpointError, StepMismatchError
 from ckptfmt.interop import prepare_export, quantized, write_part
 
-from bridges.interop._export_map import mapped_tensors
+from bridges.interop._export_map import mapped_tensors, model_tensors
 from bridges.mapping._mapfile import mapping_from_json
 
 
@@ -32,7 +32,8 @@ def main(argv: list[str]) -> int:
 
     try:
         mapping = mapping_from_json(spec["mapping"]) if spec["mapping"] is not None else None
-        tensors = (lambda ckpt: mapped_tensors(ckpt, mapping, spec["dtype"])[:2]) if mapping is not None else None
+        tensors = ((lambda ckpt: mapped_tensors(ckpt, mapping, spec["dtype"])[:2]) if mapping is not None else
+                   lambda ckpt: model_tensors(ckpt, spec["dtype"], ignore=spec["ignore"], optimizer=spec["optimizer"]))
         tensors = quantized(tensors, spec.get("quantize"), spec["dtype"], [])
         ckpt, plan, _ = prepare_export(spec["url"], step=spec["step"], tensors=tensors, dtype=spec["dtype"],
                                        max_shard_size=spec["max_shard_size"])

@@ -43,6 +43,10 @@ local tier's peer exchange (``_peer``). May import: ckptfmt's public faces, ``br
 """
 from __future__ import annotations
 
+from bridges._requires import require
+
+require("bridges.jax", "jax", "jax")  # before the framework imports: names the extra
+
 from bridges.jax._api import save as save
 from bridges.jax._api import restore as restore
 from bridges.jax._api import load_extra as load_extra
@@ -53,4 +57,4 @@ from bridges.jax._api import RANK_STATE_POLICIES as RANK_STATE_POLICIES
 from bridges.jax._api import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
 from bridges.jax._manager import CheckpointManager as CheckpointManager
 
-__all__ = ["save", "restore", "load_extra", "load_rank_state", "abstract_target", "flatten_with_keys", "RANK_STATE_POLICIES", "RESTORE_BATCH_BYTES", "CheckpointManager"]
+__all__ = ["save", "restore", "abstract_target", "CheckpointManager", "load_extra", "load_rank_state", "flatten_with_keys", "RANK_STATE_POLICIES", "RESTORE_BATCH_BYTES"]

@@ -33,8 +33,8 @@ __all__ = ["JaxPeerExchange", "requests", "build"]
 
 _exchanges = itertools.count()  # every process constructs its managers (and so its exchanges) in one order
 
-#: Parallel TCP streams per connection and the bytes each request moves (measured on 2 CPU
-#: processes: 512 MiB in 3.9 s with one stream and 256 MiB requests, 0.73 s with 4 streams and 8 MiB).
+#: Parallel TCP streams per connection and the bytes each request moves: several streams of
+#: small requests beat one stream of large ones (the figures: docs/performance.md).
 STREAMS = 4
 TRANSFER_BYTES = 8 << 20
 #: The device of a leaf whose placement is JAX's default (``_jaxtree.placement``): built uncommitted.

@@ -444,7 +444,21 @@ class Mapping:
             first = first or Resolved(target_key, srcs, ops, rule)
         if first is not None:
             return Resolved(first.target_key, first.source_keys, first.transforms, first.rule, tuple(notes))
+        if not notes and keys is not None and target_key not in keys:
+            notes += self._level_hint(target_key)
         return Resolved(target_key, (target_key,), (), None, tuple(notes))
+
+    def _level_hint(self, target_key: str) -> list[str]:
+        """A key no rule names, that a rule names one level down (``model/`` + key): the target
+        lacks the top level the mapping's targets have (a state dict passed where ``{"model": ...}``
+        was meant). One note saying so, or none."""
+        seps = dict.fromkeys(("/", self.target_sep))  # a state dict's level is "/" whatever the leaves use
+        tops = {(r.target.split(sep, 1)[0], sep) for r in self.rules for sep in seps if sep in r.target}
+        for top, sep in sorted(t for t in tops if "{" not in t[0]):
+            if next(iter(self._matching(f"{top}{sep}{target_key}")), None) is not None:
+                return [f"TARGET LEVEL: the mapping names {top}{sep}{target_key}, not {target_key}: the target "
+                        f"lacks the {top!r} level the mapping's rules have; pass {{{top!r}: ...}} around it"]
+        return []
 
     def resolve_unique(self, target_key: str, ndim: int) -> Resolved:
         """Like :meth:`resolve` without checkpoint keys (for writing), but every matching rule

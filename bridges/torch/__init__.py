@@ -41,6 +41,10 @@ process group (``_coord``), the cooperative restore's all-gather (``_share``), t
 """
 from __future__ import annotations
 
+from bridges._requires import require
+
+require("bridges.torch", "torch", "torch")  # before the framework imports: names the extra
+
 from bridges.torch._api import save as save
 from bridges.torch._api import load as load
 from bridges.torch._api import load_extra as load_extra
@@ -55,4 +59,4 @@ from bridges.torch._api import layer_kinds as layer_kinds
 from bridges.torch._api import RESTORE_BATCH_BYTES as RESTORE_BATCH_BYTES
 from bridges.torch._manager import CheckpointManager as CheckpointManager
 
-__all__ = ["save", "load", "load_extra", "load_rank_state", "Loaded", "rng_state", "set_rng_state", "local_box", "to_numpy", "from_numpy", "layer_kinds", "RESTORE_BATCH_BYTES", "CheckpointManager"]
+__all__ = ["save", "load", "Loaded", "CheckpointManager", "load_extra", "load_rank_state", "rng_state", "set_rng_state", "local_box", "to_numpy", "from_numpy", "layer_kinds", "RESTORE_BATCH_BYTES"]

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from ckptfmt.restoreplan import closest_key
 from ckptfmt.reader._alloc import allocate, check_outputs_fit, require_memory
 from ckptfmt.reader._cooperative import CoopPlan as CoopPlan
 from ckptfmt.reader._cooperative import CoopStats as CoopStats
@@ -106,8 +107,10 @@ class Checkpoint(PositionalReads, LocalVerify):
         try:
             return self.manifest.tensors[key]
         except KeyError:
-            raise KeyMismatchError("tensor is not in the checkpoint", key=key, object=f"step {self.step}",
-                                   expected="a saved key", found="missing") from None
+            close = closest_key(key, self.manifest.tensors)
+            hint = f"did you mean {close!r}?" if close else "the step's keys: ckptfmt inspect, or Checkpoint.keys()"
+            raise KeyMismatchError(f"tensor is not in the checkpoint; {hint}", key=key, object=f"step {self.step}",
+                                   expected=close or "a saved key", found="missing") from None
 
     # ------------------------------------------------------------------ tensors
     def read(self, key: str, box: Box | None = None) -> np.ndarray:

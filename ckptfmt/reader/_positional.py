@@ -29,8 +29,7 @@ __all__ = ["PositionalReads", "DEFAULT_READ_THREADS", "UNCACHED_READ_BYTES"]
 
 #: A read whose outputs hold at least this many bytes asks the store to keep what it reads
 #: through the page cache out of it (:meth:`ckptfmt.storage.PositionalFile.prefer_uncached`):
-#: on this project's 2-core virtual machine 8 GiB restored 2-3x faster that way, and 1 GiB about
-#: 15 % slower (``docs/scaling.md``).
+#: large restores gain, small ones lose a little (the figures: docs/performance.md).
 UNCACHED_READ_BYTES = 2 << 30
 #: Most buffers one preadv call takes (Linux IOV_MAX).
 _IOV_MAX = 1024

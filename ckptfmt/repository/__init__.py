@@ -110,7 +110,12 @@ class Repository:
         key = manifest_key(int(step))
         data = self._read_manifest_bytes(key)
         if data is None:
-            raise StepNotFoundError("step is not committed", object=key, expected="a committed manifest", found="none")
+            steps = self.steps()
+            there = f"the committed steps are {_steps_text(steps)}" if steps else "the repository has no committed step"
+            raise StepNotFoundError(f"step {int(step)} is not committed: {there}; ask for one of them, or for the "
+                                    "newest (no step)", object=key,
+                                    expected=f"one of {_steps_text(steps)}" if steps else "a committed manifest",
+                                    found="none")
         with self._parsed_lock:
             hit = self._parsed.get(key)
             if hit is not None and hit[0] == data:
@@ -192,7 +197,7 @@ class Repository:
             _gc.remove_unreferenced(self, save_id, but=step)
 
     def gc(self, *, grace_s: float | None = None, keep_last: int | None = None,
-           keep_every: int | None = None) -> GcReport:
+           keep_every: int | None = None, dry_run: bool = False) -> GcReport:
         """Apply retention, then remove the objects of abandoned saves (FORMAT.md 10).
 
         Retention keeps the newest ``keep_last`` restorable steps (and every step divisible by
@@ -206,6 +211,16 @@ class Repository:
 
         Raises NotARepositoryError, deleting nothing, when the URL holds no repository (FORMAT.md
         4.5), and StorageError when ``manifests/`` cannot be listed. Anything else that gc cannot
-        decide is kept and reported in the GcReport (``uncertain``, ``problems``).
+        decide is kept and reported in the GcReport (``uncertain``, ``problems``); committed steps
+        with a damaged manifest are listed in ``damaged_steps``. ``dry_run=True`` deletes and
+        claims nothing and reports what a run would remove (``GcReport.dry_run``).
         """
-        return _gc.collect(self, grace_s=grace_s, keep_last=keep_last, keep_every=keep_every)
+        return _gc.collect(self, grace_s=grace_s, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run)
+
+
+def _steps_text(steps: list[int], most: int = 8) -> str:
+    """Committed steps for a message: all of them, or the first and the newest few around "...".
+    """
+    if len(steps) <= most:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:2]))}, ... ({len(steps) - most + 2} more), {', '.join(map(str, steps[-(most - 2):]))}"

@@ -72,7 +72,11 @@ class GcReport:
     (links, stray files, names outside the save-id form, manifest names that are not steps):
     reported, never followed or deleted. ``problems``: one line per thing gc skipped, and why.
     ``pinned``: uncommitted (or retired) saves kept because a save in progress may reference
-    them (FORMAT.md 8.4, 10.3).
+    them (FORMAT.md 8.4, 10.3). ``damaged_steps``: committed steps whose manifest gc found damaged
+    (kept: ``ckptfmt verify --step N`` says what, ``ckptfmt delete N`` removes one). ``dry_run``:
+    nothing was deleted or claimed; the removed lists say what a run would remove (without the
+    claim and the last look, which a real run does, so a run may keep some of them). Retention's
+    check of the step it keeps may still leave that step's verification record (FORMAT.md 10.4).
     """
 
     removed_steps: list[int] = field(default_factory=list)
@@ -83,12 +87,14 @@ class GcReport:
     foreign: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     pinned: list[str] = field(default_factory=list)
+    damaged_steps: list[int] = field(default_factory=list)
+    dry_run: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"removed_steps": self.removed_steps, "removed_saves": self.removed_saves,
                 "in_progress": self.in_progress, "objects_removed": self.objects_removed,
                 "uncertain": self.uncertain, "foreign": self.foreign, "problems": self.problems,
-                "pinned": self.pinned}
+                "pinned": self.pinned, "damaged_steps": self.damaged_steps, "dry_run": self.dry_run}
 
 
 def _mentions(data: bytes, candidates: set[str]) -> set[str]:
@@ -211,8 +217,10 @@ _unverified = unverified
 _recognise = recognise
 
 
-def _retention(repo: Repository, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport) -> dict[str, int]:
-    """Un-commit the steps that retention deletes, manifest first; their save ids."""
+def _retention(repo: Repository, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport,
+               dry_run: bool = False) -> dict[str, int]:
+    """Un-commit the steps that retention deletes, manifest first; their save ids. ``dry_run``:
+    report them, delete nothing."""
     read: set[int] = set()  # the steps this decision read in full: a fresh read needs no second one
     plan = Retention(keep_last=keep_last, keep_every=keep_every or None).plan(
         steps, unrestorable=lambda s: _unrestorable(repo, s), unverified=lambda s: _unverified(repo, s, read=read),
@@ -224,6 +232,11 @@ def _retention(repo: Repository, steps: list[int], keep_last: int, keep_every: i
             sid = repo.manifest(s).save_id  # only a valid manifest names its objects reliably
         except CheckpointError:
             sid = None
+        if dry_run:
+            report.removed_steps.append(s)
+            if sid is not None:
+                retired[sid] = s
+            continue
         try:
             repo.storage.delete(manifest_key(s))
         except CheckpointError as e:
@@ -238,7 +251,8 @@ def _retention(repo: Repository, steps: list[int], keep_last: int, keep_every: i
     return retired
 
 
-def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, keep_every: int | None) -> GcReport:
+def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, keep_every: int | None,
+            dry_run: bool = False) -> GcReport:
     """Retention, then removal of abandoned saves (see the module docstring for the order).
 
     Raises NotARepositoryError (deleting nothing) when the URL holds no repository, and
@@ -247,14 +261,14 @@ def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, k
     """
     grace_s = DEFAULT_LEASE_GRACE_S if grace_s is None else float(grace_s)
     st = repo.storage
-    report = GcReport()
+    report = GcReport(dry_run=dry_run)
     foreign: list[str] = []
     steps, _ = _listed_steps(repo)
     _recognise(repo, steps, "gc deleted nothing")
     retired: dict[str, int] = {}
     if keep_last is not None and keep_last >= 1:
         if st.plain_dir(MANIFESTS):
-            retired = _retention(repo, steps, keep_last, keep_every, report)
+            retired = _retention(repo, steps, keep_last, keep_every, report, dry_run)
         else:
             report.problems.append("manifests/ is a symbolic link or not a folder: retention skipped")
     names = list_saves(st, retired, report, foreign)
@@ -263,6 +277,7 @@ def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, k
     now = time.time()
     live = _read_leases(st, names, retired, report, now, grace_s)
     committed = _scan_committed(repo, names, live, foreign)
+    report.damaged_steps = sorted(s for s in committed.damaged if s not in report.removed_steps)
     report.in_progress += sorted(live.fresh - committed.referenced)
     pinned = set(live.pins)
     if live.unreadable:  # an unreadable lease may pin any save: collect none of them this run
@@ -270,6 +285,13 @@ def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, k
         report.problems.append(f"{live.unreadable} lease(s) could not be read and may pin any save; "
                                "no save was collected")
     held = (live.pending - committed.referenced) & pinned
+    if dry_run:  # what step 5 would claim, without the claim (a write) and without step 6's last look
+        would = _collect_pending(repo, names, replace(live, pending=live.pending - pinned), committed, retired,
+                                 report, now, grace_s, dry_run=True)
+        report.removed_saves = sorted(sid for sid in would if sid not in retired)
+        report.objects_removed = sum(names.candidates[sid].objects for sid in would)
+        report.pinned = sorted(held)
+        return _finish(report, foreign)
     _tidy_committed(st, committed.referenced, report, now, grace_s)
     claimed = _collect_pending(repo, names, replace(live, pending=live.pending - pinned), committed, retired,
                                report, now, grace_s)
@@ -281,6 +303,10 @@ def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, k
         claimed |= _collect_pending(repo, names, replace(live, pending=freed), committed, retired, report, now, grace_s)
     report.pinned = sorted(held - freed)
     _settle(repo, names, claimed, retired, report)
+    return _finish(report, foreign)
+
+
+def _finish(report: GcReport, foreign: list[str]) -> GcReport:
     foreign.sort()
     if len(foreign) > MAX_LISTED_FOREIGN:
         report.problems.append(f"{len(foreign) - MAX_LISTED_FOREIGN} more foreign object(s) not listed")
@@ -391,7 +417,7 @@ def _tidy_committed(st: Any, referenced: set[str], report: GcReport, now: float,
 
 
 def _collect_pending(repo: Repository, names: SaveNames, live: _Liveness, committed: _Committed, retired: dict[str, int],
-                     report: GcReport, now: float, grace_s: float) -> set[str]:
+                     report: GcReport, now: float, grace_s: float, dry_run: bool = False) -> set[str]:
     """Step 5: decide each save left, and claim it. Returns the saves whose lease this run holds
     as ``collected`` (claimed here, or found so); step 6 deletes them."""
     claimed: set[str] = set()
@@ -400,7 +426,8 @@ def _collect_pending(repo: Repository, names: SaveNames, live: _Liveness, commit
             report.uncertain.append(sid)
             report.problems.append(f"{SAVES}{sid}: its LEASE is not a file and cannot be claimed; kept")
             continue
-        why = _decide(repo, sid, live.leases.get(sid), retired, committed.damaged, committed.blind, now, grace_s)
+        why = _decide(repo, sid, live.leases.get(sid), retired, committed.damaged, committed.blind, now, grace_s,
+                      dry_run)
         if why == "in progress":
             report.in_progress.append(sid)
         elif why == "committed":
@@ -446,9 +473,9 @@ def _settle(repo: Repository, names: SaveNames, claimed: set[str], retired: dict
 
 
 def _decide(repo: Repository, sid: str, lease: _StoredLease | None, retired: dict[str, int],
-            damaged: dict[int, str], blind: list[str], now: float, grace_s: float) -> str | None:
-    """None to collect ``sid`` (its lease, if any, is claimed here); otherwise "in progress",
-    "committed", or why it is kept."""
+            damaged: dict[int, str], blind: list[str], now: float, grace_s: float, dry_run: bool = False) -> str | None:
+    """None to collect ``sid`` (its lease, if any, is claimed here unless ``dry_run``); otherwise
+    "in progress", "committed", or why it is kept."""
     st = repo.storage
     if blind:
         return f"a committed manifest could not be read ({blind[0]}), so any save may be referenced"
@@ -475,6 +502,8 @@ def _decide(repo: Repository, sid: str, lease: _StoredLease | None, retired: dic
             return f"the manifest of step {step} names no save id and may be this save's"
     if lease is not None and lease.state == "writing" and now - lease.heartbeat_unix < grace_s:
         return "in progress"
+    if dry_run:
+        return None
     # The claim (FORMAT.md 8.3, 10.3): a conditional rewrite, never a conditional delete; a save
     # without a lease gets a "collected" one, created only if absent.
     why = claim(st, sid, lease.generation if lease is not None else NO_VALUE)

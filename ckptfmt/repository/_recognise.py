@@ -15,9 +15,26 @@ from ckptfmt.layout import MARKER_KEY
 if TYPE_CHECKING:  # the package's face imports this module
     from ckptfmt.repository import Repository
 
-__all__ = ["recognise", "MARKER_MAX_BYTES"]
+__all__ = ["recognise", "foreign_format", "FOREIGN_MARKERS", "MARKER_MAX_BYTES"]
 
 MARKER_MAX_BYTES = 4096  # FORMAT.md 4.5
+#: Objects that mark another system's checkpoint at a URL's top, and the ``--from`` of
+#: ``ckptfmt import`` that reads it: a URL that is not a repository but holds one is told so.
+FOREIGN_MARKERS = ((".metadata", "dcp"), ("_CHECKPOINT_METADATA", "orbax"), ("_METADATA", "orbax"),
+                   ("manifest.ocdbt", "orbax"), ("model.safetensors.index.json", "safetensors"),
+                   ("model.safetensors", "safetensors"))
+
+
+def foreign_format(repo: Repository) -> str | None:
+    """The ``ckptfmt import --from`` format of another system's checkpoint at ``repo``'s URL
+    (FOREIGN_MARKERS, one one-byte probe each), or None."""
+    for key, fmt in FOREIGN_MARKERS:
+        try:
+            if repo.storage.larger_than(key, 0) is not None:
+                return fmt
+        except CheckpointError:
+            continue
+    return None
 
 
 def recognise(repo: Repository, steps: Sequence[int], consequence: str = "") -> None:
@@ -40,7 +57,10 @@ def recognise(repo: Repository, steps: Sequence[int], consequence: str = "") -> 
             return
         except CheckpointError:
             continue
-    raise NotARepositoryError("no ckptfmt repository here" + (f"; {consequence}" if consequence else ""),
+    fmt = foreign_format(repo)
+    hint = (f"; this is a {fmt} checkpoint: bring it in with ckptfmt import --from {fmt} {repo.url} REPOSITORY "
+            f"(or bridges.interop.import_checkpoint)" if fmt else "")
+    raise NotARepositoryError("no ckptfmt repository here" + hint + (f"; {consequence}" if consequence else ""),
                               object=repo.url, expected=f"{MARKER_KEY}, or a valid committed manifest",
                               found="marker invalid" if marker is not None else
                               f"no marker, {len(steps)} manifest name(s), none valid")

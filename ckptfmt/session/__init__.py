@@ -224,7 +224,8 @@ def _begin(repository: Any, opts: SaveOptions, step: int, world: int,
         if local_error is not None:
             raise local_error
         if storage.read(manifest_key(step)) is not None:
-            raise StepAlreadyCommittedError("step is already committed", object=manifest_key(step),
+            raise StepAlreadyCommittedError(f"step {step} is already committed (a step is written once): save it "
+                                            "as another step, or delete this one first", object=manifest_key(step),
                                             expected="no manifest", found="committed manifest")
         storage.create_if_absent(MARKER_KEY, MARKER_BYTES)  # FORMAT.md 4.5; False: already there
         save_id = opts.save_id or new_save_id(step)

@@ -23,12 +23,25 @@ _KINDS = (
     ("permission", ("permission_denied", "permission denied", "eacces", "access denied"), "permission denied"),
     ("out_of_range", ("out_of_range",), "byte range past the end of the object"),
     ("not_found", ("not_found",), "not found"),
+    ("unreachable", ("could not resolve", "could not connect", "failed to connect", "connection refused",
+                     "unavailable"), "the store could not be reached"),
+    ("credentials", ("unauthenticated", "invalidaccesskeyid", "signaturedoesnotmatch", "expiredtoken",
+                     "no credentials", "credentials"), "the store refused the credentials"),
 )
+#: What to do next, by kind (the message's last part).
+_NEXT = {
+    "no_space": "free space on the store, or save somewhere else",
+    "too_large": "raise the process's file size limit (ulimit -f), or save with smaller shards",
+    "permission": "check the folder's or bucket's permissions for this user",
+    "unreachable": "check the URL's bucket and the endpoint (AWS_ENDPOINT_URL, ?endpoint=) and the network "
+                   "(docs/OBJECT_STORAGE.md)",
+    "credentials": "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile (docs/OBJECT_STORAGE.md)",
+}
 
 
 def classify(e: BaseException) -> str:
     """The kind of a tensorstore failure: "no_space", "too_large", "permission", "out_of_range",
-    "not_found" or "other"."""
+    "not_found", "unreachable", "credentials" or "other"."""
     text = str(e).lower()
     for kind, marks, _ in _KINDS:
         if any(m in text for m in marks):
@@ -45,7 +58,10 @@ def storage_error(what: str, e: BaseException, *, object: str, key: str | None =
     if kind == "out_of_range" and ranged:
         return OutOfRange(what, key=key, object=object, found=str(e)[:300])
     note = next((n for k, _, n in _KINDS if k == kind), None)
-    return StorageError(f"{what} ({note})" if note else what, key=key, object=object, found=str(e)[:300])
+    message = f"{what} ({note})" if note else what
+    if kind in _NEXT:
+        message += f": {_NEXT[kind]}"
+    return StorageError(message, key=key, object=object, found=str(e)[:300])
 
 
 @contextmanager

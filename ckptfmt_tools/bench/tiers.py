@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 from .child import drop_page_cache
@@ -174,8 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     moto, env = None, dict(os.environ)
     if args.store == "s3":
-        from .coop_restore import _Moto
-
         moto = _Moto()
         env.update(moto.env)
         persistent = args.persistent or f"s3://coop/tiers-{int(time.time())}"
@@ -240,3 +240,37 @@ def _table(f: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class _Moto:
+    """A local ``moto_server`` and a bucket ``coop`` for a run against S3 (``--store s3``; the
+    cooperative-restore harness in devtools/ uses it too)."""
+
+    def __init__(self) -> None:
+        from ckptfmt.coord import free_port
+
+        binary = Path(sys.executable).parent / "moto_server"
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([str(binary if binary.exists() else shutil.which("moto_server")), "-H",
+                                      "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1"}
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                     aws_secret_access_key="testing").create_bucket(Bucket="coop")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)

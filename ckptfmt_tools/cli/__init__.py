@@ -37,7 +37,7 @@ __all__ = ["app", "main"]
 app = typer.Typer(
     name="ckptfmt",
     help="Inspect, show, diff, verify, garbage-collect, delete, import and export ckptfmt checkpoints; "
-         "run the demo, the fault table, the recovery drill and the bench.",
+         "run the demo, the fault table and the recovery drill. (bench is for ckptfmt's developers.)",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -202,7 +202,7 @@ def verify_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
             results.append({"step": s, "ok": True, "bytes": nbytes})
         except CheckpointError as exc:
             results.append({"step": s, "ok": False, **exc.to_json()})
-            if not as_json:
+            if not as_json and not sys.stdout.isatty():  # on a terminal the table below says it: once
                 _render.error(console, exc.to_json(), step=s)
     ok = all(r["ok"] for r in results)
     if as_json:
@@ -225,19 +225,30 @@ def gc_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
            grace_s: Optional[float] = typer.Option(None, "--grace-s", min=0.0,
                                                    help="Only remove uncommitted saves whose lease is older "
                                                         "than this (default: the repository's lease grace)."),
+           dry_run: bool = typer.Option(False, "--dry-run", help="Delete nothing: report what a run would "
+                                        "remove."),
            as_json: bool = JsonOpt) -> None:
-    """Apply retention and remove leftovers of saves that never committed."""
+    """Apply retention and remove leftovers of saves that never committed. Exits 1 when it finds
+    committed steps whose manifest is damaged (listed; kept)."""
     from ckptfmt.errors import CheckpointError
 
     try:
-        report = _repo(url, recognise=False).gc(grace_s=grace_s, keep_last=keep_last, keep_every=keep_every)  # gc recognises it
+        report = _repo(url, recognise=False).gc(grace_s=grace_s, keep_last=keep_last, keep_every=keep_every,
+                                                dry_run=dry_run)  # gc recognises it
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     doc = _render.plain(report)
+    ok = not report.damaged_steps
     if as_json:
-        _emit_json({"ok": True, "url": url, "report": doc})
+        _emit_json({"ok": ok, "url": url, "report": doc})
     else:
         _render.gc_view(_out(), url, doc)
+        if dry_run:
+            _out().print("dry run: nothing was deleted; run again without --dry-run to remove what is listed")
+        for s in report.damaged_steps:
+            _err().print(f"[bold red]step {s} has a damaged manifest[/] (kept): ckptfmt verify {_render.safe(url)} "
+                         f"--step {s} says what is wrong; ckptfmt delete {_render.safe(url)} {s} removes it")
+    _exit_unless(ok)
 
 
 # ------------------------------------------------------------------------------- delete
@@ -337,5 +348,15 @@ _runs.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``ckptfmt`` console script and of ``python -m ckptfmt``."""
-    app(args=argv, prog_name="ckptfmt")
+    """Entry point of the ``ckptfmt`` console script and of ``python -m ckptfmt``. With an ``s3://``
+    URL among the arguments, the AWS SDK's log is left out of stderr unless asked
+    (:mod:`ckptfmt_tools.cli._quiet`); other runs keep stderr as it is (their child processes
+    included)."""
+    from ckptfmt_tools.cli._quiet import quiet_aws_log
+
+    args = sys.argv[1:] if argv is None else argv
+    if not any("s3://" in a for a in args):
+        app(args=argv, prog_name="ckptfmt")
+        return
+    with quiet_aws_log():
+        app(args=argv, prog_name="ckptfmt")

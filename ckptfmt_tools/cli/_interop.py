@@ -12,7 +12,6 @@ import contextlib
 import json
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
-import click
 import typer
 from typer.core import TyperCommand
 
@@ -28,7 +27,7 @@ class _PresetsHelp(TyperCommand):
     """Names the presets (``bridges.interop.PRESETS``, from the one registry) in the help when the
     help is shown: importing them when the command line starts would load numpy for every command."""
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:  # typer vendors click (0.29 declares no click)
         from bridges.interop import PRESETS
 
         for param in self.params:
@@ -84,7 +83,8 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                fmt: str = typer.Option("safetensors", "--format", help="Output format (safetensors)."),
                step: Optional[int] = typer.Option(None, "--step", "-s", help="Step (default: latest)."),
                mapping: Optional[str] = typer.Option(None, "--mapping", help=f"A preset ({PRESET_NAMES}; needs "
-                                                     "--config) or a mapping JSON file. Default: every tensor as is."),
+                                                     "--config) or a mapping JSON file. Default: every model tensor as "
+                                                     "it is (optimizer state only with --optimizer)."),
                dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating-point tensors "
                                                    "(bfloat16, float16, float32)."),
                max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest file (5GB, 500MiB, ...)."),
@@ -95,7 +95,9 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
                                                   "if target tensors are left unwritten or checkpoint keys unread "
                                                   "(default: refuse, writing nothing)."),
                ignore: Optional[List[str]] = typer.Option(None, "--ignore", help="Checkpoint keys to leave out on "
-                                                          "purpose (a glob; repeatable; needs --mapping)."),
+                                                          "purpose (a glob, * crosses /; repeatable)."),
+               optimizer: bool = typer.Option(False, "--optimizer", help="Without --mapping: also write optimizer "
+                                              "state (Adam moments, counts), which is left out by default."),
                names: Optional[str] = typer.Option(None, "--names", help="A JSON object of name key -> path that "
                                                    "fits a preset's name table to your model (needs a preset "
                                                    "--mapping; bridges/MAPPING.md, 'Fitting your own model')."),
@@ -121,7 +123,7 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
             report = export(url, out_dir, mapping=mapping, step=step, dtype=dtype, max_shard_size=max_shard_size,
                             config=config, processes=processes, allow_partial=allow_partial,
                             ignore=tuple(ignore or ()), progress=progress, names=names,
-                            preset_args=_preset_args(preset_arg or ()), quantize=quantize)
+                            preset_args=_preset_args(preset_arg or ()), optimizer=optimizer, quantize=quantize)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     except (ValueError, OSError) as exc:
@@ -137,7 +139,9 @@ def export_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
     if report.unmapped:
         shown = ", ".join(_render.safe(k) for k in report.unmapped[:8])
         more = f" and {len(report.unmapped) - 8} more" if len(report.unmapped) > 8 else ""
-        out.print(f"[yellow]not exported (no mapping rule reads them):[/] {shown}{more}")
+        why = ("no mapping rule reads them" if mapping is not None else
+               "optimizer state or --ignore; --optimizer writes the optimizer state too")
+        out.print(f"[yellow]not exported ({why}):[/] {shown}{more}")
     if report.unwritten:
         shown = ", ".join(_render.safe(k) for k in report.unwritten[:8])
         more = f" and {len(report.unwritten) - 8} more" if len(report.unwritten) > 8 else ""
@@ -162,7 +166,7 @@ def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file o
                                                          "(default 131,072; each costs the save memory and time)."),
                as_json: bool = JsonOpt) -> None:
     """Import a safetensors, Orbax or DCP checkpoint as one committed step, with its provenance."""
-    from ckptfmt.errors import CheckpointError
+    from ckptfmt.errors import CheckpointError, StepAlreadyCommittedError
 
     from bridges.interop import IMPORT_FORMATS, import_checkpoint
 
@@ -176,6 +180,11 @@ def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file o
             report = import_checkpoint(src, url, source_format=source_format, step=step, prefix=prefix,
                                        trust_pickle=trust_pickle, progress=progress, max_leaf_bytes=max_leaf_bytes,
                                        max_tensors=max_tensors)
+    except StepAlreadyCommittedError as exc:
+        newest = _repo(url, recognise=False).latest()
+        raise _fail(StepAlreadyCommittedError(
+            f"{exc.message}; pass --step with a step not committed yet (the newest is {newest}: --step "
+            f"{(newest or 0) + 1})", object=exc.object, expected=exc.expected, found=exc.found), as_json)
     except CheckpointError as exc:
         raise _fail(exc, as_json)
     except (ValueError, OSError) as exc:

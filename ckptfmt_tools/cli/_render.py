@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn,
                            TimeRemainingColumn, TransferSpeedColumn)
 from rich.table import Table
@@ -193,28 +194,81 @@ def _metrics_text(metrics: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()) or "-"
 
 
+def middle_ellipsis(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters by an ellipsis in its middle, or unchanged when it fits.
+    Both ends stay, the tail longer (a save id ends with its random part, which tells two saves of
+    one step apart; its zero-padded step is in the step column)."""
+    if len(text) <= width:
+        return text
+    if width < 2:
+        return "…"
+    head = (width - 1) // 3
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+#: ``ls``'s columns; the last four go first when the terminal is narrow (the step never does).
+_LS_COLUMNS = ("step", "committed", "size", "written", "referenced", "tensors", "writers")
+_LS_OPTIONAL = ("referenced", "written", "writers", "tensors")
+_SAVE_ID_MIN = 15  # below this a save id says too little: drop a column instead
+
+
+def _ls_cells(r: dict[str, Any]) -> dict[str, str]:
+    if r.get("error"):
+        return {"step": str(r["step"]), "committed": f"[red]{safe(r['error'])}[/]", "size": "-", "written": "-",
+                "referenced": "-", "tensors": "-", "writers": "-", "save id": safe(r["message"])}
+    return {"step": str(r["step"]), "committed": safe(r["created"]), "size": _size(r["bytes"]),
+            "written": _size(r["written_bytes"]), "referenced": _size(r["referenced_bytes"]),
+            "tensors": str(r["tensors"]), "writers": str(r["writers"]), "save id": safe(r["save_id"])}
+
+
+def _ls_layout(width: int, cells: list[dict[str, str]], with_metrics: bool) -> tuple[list[str], int | None]:
+    """The columns that fit ``width`` and the save id's width (None: shown whole). Every column but
+    the save id (and the metrics, which fold) keeps its cells on one line."""
+    def natural(col: str) -> int:
+        return max([len(col)] + [len(Text.from_markup(c[col]).plain) for c in cells])
+
+    cols = list(_LS_COLUMNS)
+    metrics = 14 if with_metrics else 0
+    while True:
+        used = sum(natural(c) + 3 for c in cols) + 1 + 3 + (metrics + 3 if with_metrics else 0)
+        room = width - used
+        if room >= natural("save id"):
+            return cols, None
+        dropped = [c for c in _LS_OPTIONAL if c in cols]
+        if room >= _SAVE_ID_MIN or not dropped:
+            return cols, max(room, 1) if room >= _SAVE_ID_MIN else 0
+        cols.remove(dropped[0])
+
+
 def steps_table(console: Console, url: str, rows: list[dict[str, Any]]) -> None:
-    """The ``ls`` table; the metrics column appears when any step recorded metrics (FORMAT.md 14.7)."""
-    with_metrics = any(r.get("metrics") for r in rows)
-    t = Table(title=f"committed steps in {safe(url)}")
-    for col, kw in (("step", {"justify": "right"}), ("committed", {"no_wrap": True}),
-                    ("size", {"justify": "right", "no_wrap": True}), ("written", {"justify": "right", "no_wrap": True}),
-                    ("referenced", {"justify": "right", "no_wrap": True}), ("tensors", {"justify": "right"}),
-                    ("writers", {"justify": "right"}), ("save id", {"overflow": "fold"})):
-        t.add_column(col, **kw)
-    if with_metrics:
-        t.add_column("metrics", overflow="fold")
-    for r in rows:
-        if r.get("error"):
-            cells = [str(r["step"]), f"[red]{safe(r['error'])}[/]", "-", "-", "-", "-", "-", safe(r["message"])]
-        else:
-            cells = [str(r["step"]), safe(r["created"]), _size(r["bytes"]), _size(r["written_bytes"]),
-                     _size(r["referenced_bytes"]), str(r["tensors"]), str(r["writers"]), safe(r["save_id"])]
-        t.add_row(*cells, *([safe(_metrics_text(r.get("metrics") or {}))] if with_metrics else []))
+    """The ``ls`` table; the metrics column appears when any step recorded metrics (FORMAT.md 14.7).
+    It fits the console's width: the save id loses its middle to an ellipsis, then the written,
+    referenced, writers and tensors columns go (``--json`` has them all); the step and the commit
+    time are never cut."""
     if not rows:
         console.print(f"no committed steps in {safe(url)}")
         return
+    with_metrics = any(r.get("metrics") for r in rows)
+    cells = [_ls_cells(r) for r in rows]
+    cols, id_width = _ls_layout(console.width, cells, with_metrics)
+    t = Table(title=f"committed steps in {safe(url)}")
+    for col in cols:
+        t.add_column(col, justify="left" if col == "committed" else "right", no_wrap=True)
+    if id_width != 0:  # an unreadable step's message wraps in this column; ids are cut to fit
+        t.add_column("save id", no_wrap=not any(r.get("error") for r in rows), overflow="fold")
+    if with_metrics:
+        t.add_column("metrics", overflow="fold")
+    for r, c in zip(rows, cells):
+        row = [c[col] for col in cols]
+        if id_width != 0:
+            row.append(c["save id"] if id_width is None or r.get("error") else
+                       middle_ellipsis(c["save id"], id_width))
+        t.add_row(*row, *([safe(_metrics_text(r.get("metrics") or {}))] if with_metrics else []))
     console.print(t)
+    if len(cols) < len(_LS_COLUMNS) or id_width is not None:
+        gone = [c for c in _LS_COLUMNS if c not in cols] + (["save id"] if id_width == 0 else [])
+        note = f"{', '.join(gone)} hidden" if gone else "save ids shortened"
+        console.print(f"[dim]{note} at {console.width} columns (ckptfmt ls --json shows all)[/]")
 
 
 def inspect_view(console: Console, url: str, doc: dict[str, Any], *, wide: bool = False) -> None:
@@ -225,14 +279,27 @@ def inspect_view(console: Console, url: str, doc: dict[str, Any], *, wide: bool 
                     f"{plural(len(doc['references']), 'earlier save')}), {plural(doc['writers'], 'writer')}, "
                     f"committed {safe(doc['created'])}")
     key_kw: dict[str, Any] = {"no_wrap": True} if wide else {"overflow": "fold", "min_width": 12}
-    for col, kw in (("key path", key_kw), ("shape", {}), ("dtype", {}), ("sharding", {"overflow": "fold"}),
-                    ("shards", {"justify": "right"}), ("bytes", {"justify": "right"}),
-                    ("referenced", {"justify": "right"})):
-        t.add_column(col, **kw)
-    for r in doc["tensors"]:
-        t.add_row(safe(r["key"]), str(tuple(r["shape"])), safe(r["dtype"]),
-                  safe(r["sharding_text"]), str(r["shards"]), _size(r["bytes"]), _size(r["referenced_bytes"]))
+    cells = [{"key path": safe(r["key"]), "shape": str(tuple(r["shape"])), "dtype": safe(r["dtype"]),
+              "sharding": safe(r["sharding_text"]), "shards": str(r["shards"]), "bytes": _size(r["bytes"]),
+              "referenced": _size(r["referenced_bytes"])} for r in doc["tensors"]]
+    cols = ["key path", "shape", "dtype", "sharding", "shards", "bytes", "referenced"]
+    if not wide:  # the columns that do not wrap, plus 12 for the key path and 10 for the sharding
+        def least(cols: list[str]) -> int:
+            fixed = [c for c in cols if c not in ("key path", "sharding")]
+            return sum(max([len(c)] + [len(x[c]) for x in cells]) for c in fixed) + 22 + 3 * len(cols) + 1
+        for optional in ("referenced", "shards"):
+            if least(cols) > console.width:
+                cols.remove(optional)
+    for col in cols:
+        t.add_column(col, **(key_kw if col == "key path" else {"overflow": "fold"} if col == "sharding" else
+                              {"justify": "right", "no_wrap": True} if col in ("shards", "bytes", "referenced") else
+                              {"no_wrap": True}))
+    for c in cells:
+        t.add_row(*(c[col] for col in cols))
     console.print(t)
+    if len(cols) < 7:
+        gone = ", ".join(c for c in ("shards", "referenced") if c not in cols)
+        console.print(f"[dim]{gone} hidden at {console.width} columns (--wide or --json shows all)[/]")
     tree = Tree("non-tensor state")
     g = tree.add("global")
     for k in doc["state_keys"]:
@@ -266,11 +333,17 @@ def verify_summary(console: Console, results: list[dict[str, Any]]) -> None:
 
 
 def gc_view(console: Console, url: str, doc: dict[str, Any]) -> None:
-    t = Table(title=f"gc of {safe(url)}")
+    dry = bool(doc.get("dry_run"))
+    t = Table(title=f"gc of {safe(url)}" + (" (dry run: nothing deleted)" if dry else ""))
     t.add_column("what")
     t.add_column("value", overflow="fold")
     for k, v in doc.items():
-        t.add_row(safe(k.replace("_", " ")), safe(", ".join(map(str, v)) if isinstance(v, list) else str(v)) or "-")
+        if k == "dry_run":
+            continue
+        name = {"removed_steps": "steps to remove", "removed_saves": "saves to remove",
+                "objects_removed": "objects to remove"}.get(k, k) if dry else k
+        name = name.replace("_", " ")
+        t.add_row(safe(name), safe(", ".join(map(str, v)) if isinstance(v, list) else str(v)) or "-")
     console.print(t)
 
 

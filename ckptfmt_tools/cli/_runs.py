@@ -111,7 +111,8 @@ def bench_cmd(size: Optional[str] = _opt("State bytes, e.g. 1GiB, 64MiB (default
               levels: Optional[str] = _opt("--compression: zstd levels (default 1,3).", "--levels"),
               as_json: bool = _flag("Print the results as one JSON document on stdout (bench.json is still "
                                     "written); no progress on stderr.", "--json")) -> None:
-    """ckptfmt against Orbax, torch DCP and the raw disk limit (writes bench.json, bench.md, bench.png)."""
+    """(For ckptfmt's developers.) Measure ckptfmt against Orbax, torch DCP and the raw disk limit
+    (writes bench.json, bench.md, bench.png; docs/bench.md says what each option measures)."""
     if incremental and compression:
         raise typer.BadParameter("give --incremental or --compression, not both")
     only = {"--base-size": base_size, "--base-tensors": base_tensors, "--adapter-size": adapter_size,
@@ -188,5 +189,5 @@ def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (de
 def register(app: typer.Typer) -> None:
     """Add ``demo``, ``bench`` and ``drill`` to ``app``."""
     app.command("demo")(demo_cmd)
-    app.command("bench")(bench_cmd)
     app.command("drill")(drill_cmd)
+    app.command("bench")(bench_cmd)  # last: the developers' command after the users' ones

@@ -12,7 +12,8 @@ __all__ = ["print_report", "phase_table", "guide_table"]
 def phase_table(receipt: dict[str, Any]) -> Table:
     out = receipt["outputs"]
     r = receipt["replacement"]
-    t = Table(title=f"Recovery phases, from the SIGKILL of rank {out['kill']['rank']} at step {out['kill']['step']}",
+    t = Table(title=f"Where the recovery time went, from killing process {out['kill']['rank']} at step "
+                    f"{out['kill']['step']} to the replacement job's first training step",
               caption=f"replacement: {r['topology']}; restored step {r['restored_step']}, ran step {r['step']}",
               title_justify="left", caption_justify="left")
     t.add_column("phase")
@@ -31,7 +32,9 @@ def phase_table(receipt: dict[str, Any]) -> Table:
 
 
 def guide_table(receipt: dict[str, Any]) -> Table:
-    t = Table(title="Restore gate (the guide's table, figures from this run)", title_justify="left")
+    t = Table(title="Three restores: on the old shape (the control), on the new shape (what recovery needs), "
+                    "and from a checkpoint with one file deleted (which must be refused, exposing nothing)",
+              title_justify="left")
     t.add_column("Signal")
     t.add_column("Choice")
     t.add_column("Evidence")
@@ -42,7 +45,8 @@ def guide_table(receipt: dict[str, Any]) -> Table:
 
 
 def checks_table(receipt: dict[str, Any]) -> Table:
-    t = Table(title="Continuation receipt", title_justify="left")
+    t = Table(title="Did the replacement continue exactly where the killed job stopped? (same batches, same "
+                    "loss, bit-identical state)", title_justify="left")
     t.add_column("job")
     t.add_column("check")
     t.add_column("ok")
@@ -134,4 +138,11 @@ def print_report(receipt: dict[str, Any], console: Console | None = None) -> Non
         if receipt["tiers_verdict"].get("pairs"):
             c.print(pairs_table(receipt))
     verdict = "[bold green]PASS[/]" if receipt["pass"] else "[bold red]FAIL[/]"
-    c.print(f"receipt: {receipt['receipt_path']}  {verdict}")
+    c.print(f"result: {verdict} (every figure of this run: {receipt['receipt_path']})")
+    url = receipt.get("inputs", {}).get("storage")
+    if url:
+        c.print("Next, look at the checkpoints the job left (after make demo the command is .venv/bin/ckptfmt):")
+        for cmd in (f"ckptfmt ls {url}", f"ckptfmt inspect {url}", f"ckptfmt verify {url} --all",
+                    f"ckptfmt gc {url} --keep-last 1 --dry-run"):
+            c.print(f"  {cmd}")
+        c.print("and read docs/getting-started.md for the same in your own training loop.")

@@ -19,6 +19,7 @@ import os
 import re
 
 from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 
 # Markdown outside docs_dir that the site publishes, by repository path.
@@ -29,6 +30,9 @@ REPO_PAGES = (
     "bridges/README.md",
     "bridges/MAPPING.md",
 )
+
+# The notebooks' folder: each notebook is a page of the site, rendered by mkdocs-jupyter.
+NOTEBOOKS = "notebooks"
 
 # The target of an inline markdown link or image: ](target) or ](target "title").
 _LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -63,6 +67,7 @@ def _linked_files(page: File, root: str) -> list[str]:
     return found
 
 
+@event_priority(100)  # before mkdocs-jupyter's on_files, which turns the notebooks added here into pages
 def on_files(files: Files, config: MkDocsConfig) -> Files:
     """Re-root docs_dir's files at the repository root, add REPO_PAGES and the files pages link to."""
     root = _root(config)
@@ -76,6 +81,10 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
             out.append(f)  # the theme's and plugins' own files
     for rel in REPO_PAGES:
         out.append(_repo_file(rel, config, root))
+    notebooks = os.path.join(root, NOTEBOOKS)
+    for rel in sorted(os.listdir(notebooks)) if os.path.isdir(notebooks) else ():  # pages, by mkdocs-jupyter
+        if rel.endswith(".ipynb"):
+            out.append(_repo_file(f"{NOTEBOOKS}/{rel}", config, root))
     for page in list(out.documentation_pages()):
         for rel in _linked_files(page, root):
             if out.get_file_from_path(rel) is None:

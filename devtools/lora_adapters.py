@@ -1,6 +1,6 @@
 """Adapter-only saves of a LoRA fine-tune, then the PEFT export (docs/INTEROP.md, "LoRA adapters").
 
-``python -m ckptfmt_tools.bench.lora_adapters [DIR]`` saves a random Llama-shaped base in the
+``python -m devtools.lora_adapters [DIR]`` saves a random Llama-shaped base in the
 ``hf_llama_from_nnx`` layout with ``nnx.LoRALinear``-style pairs on q/v (rank 8) through
 ``bridges.torch.save``, then a second step in which only the adapters changed, and prints the
 bytes each step wrote and referenced (the manifest's own figures, as ``ckptfmt ls`` shows

@@ -14,7 +14,7 @@ with a pause between rounds as a cadence has:
 Each save's objects are written with ``O_DIRECT`` (no page cache, as ckptfmt's writer does) and
 made durable with one ``syncfs``. It prints, per block of rounds, the median CPU time of the
 thread per save and per delete (``time.thread_time``) and the save's wall time, and the inodes
-of one save in each layout. ``python -m ckptfmt_tools.bench.inode_churn DIR [--rounds N]``.
+of one save in each layout. ``python -m devtools.inode_churn DIR [--rounds N]``.
 
 On ext4 without a journal the inode allocator skips recently freed inodes one at a time
 (``recently_deleted`` in ``fs/ext4/ialloc.c``), so a cadence that deletes as it saves pays for
@@ -126,7 +126,7 @@ def _ms(xs: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ckptfmt_tools.bench.inode_churn", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m devtools.inode_churn", description=__doc__.splitlines()[0])
     p.add_argument("dir", help="a scratch folder on the file system to measure (removed first and after)")
     p.add_argument("--rounds", type=int, default=100, help="rounds, each one save of each layout (default 100)")
     p.add_argument("--block", type=int, default=20, help="rounds per printed line (default 20)")

@@ -1,7 +1,7 @@
 """Profile ckptfmt saves in one fresh process: wall, user and system CPU, page faults, per-phase
 times, what the block device did on the save's clock, and (``--cprofile``) a cProfile top list.
 
-usage: python -m ckptfmt_tools.bench.profile_save [--size 1GiB] [--devices 8] [--saves 2]
+usage: python -m devtools.profile_save [--size 1GiB] [--devices 8] [--saves 2]
            [--after-other SIZE] [--delete-other] [--cache {sync,drop}] [--sync-mode {syncfs,fsync}]
            [--write-threads N] [--cprofile N] [DIR]
 
@@ -95,7 +95,7 @@ def _before_save(a: argparse.Namespace, root: str, nbytes: int) -> None:
         other_save(os.path.join(root, "other"), nbytes)
         if a.delete_other:
             shutil.rmtree(os.path.join(root, "other"))
-    from .child import drop_page_cache
+    from ckptfmt_tools.bench.child import drop_page_cache
 
     if a.cache == "drop" and not drop_page_cache():
         print("(page cache could not be dropped: synced only)")
@@ -117,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", choices=("sync", "drop"), default="sync", help="before each save: sync, or sync and drop")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the top N functions by cumulative time")
     a = p.parse_args(argv)
-    from .args import parse_size
-    from .jaxstate import xla_env
+    from ckptfmt_tools.bench.args import parse_size
+    from ckptfmt_tools.bench.jaxstate import xla_env
 
     os.environ.update(xla_env(a.devices))
     import bridges.jax as bj  # noqa: F401  -- imported before the state is built
 
-    from .jaxstate import make_state
-    from .layout import StateLayout
+    from ckptfmt_tools.bench.jaxstate import make_state
+    from ckptfmt_tools.bench.layout import StateLayout
 
     layout = StateLayout.for_size(parse_size(a.size), a.tensors, (a.devices,))
     state = make_state(layout, a.devices)

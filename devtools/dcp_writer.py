@@ -12,7 +12,7 @@ the restore time, of the peak RSS summed over ranks, bytes read per rank (``/pro
 rchar; ours also by the reader's own count) against the rank's 1/N share; and, once at the end,
 what a 64-byte flip in the middle of the largest data file does to each restore.
 
-usage: python -m ckptfmt_tools.bench.dcp_writer [--mib 1024] [--reps 5] [--dir DIR]
+usage: python -m devtools.dcp_writer [--mib 1024] [--reps 5] [--dir DIR]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from ckptfmt.coord import free_port
 
-from .child import drop_page_cache
+from ckptfmt_tools.bench.child import drop_page_cache
 
 TENSORS, COLS = 16, 4096
 SYSTEMS = ("ours", "dcp")
@@ -250,7 +250,7 @@ def report(runs: list[dict[str, dict[str, Any]]], flip: dict[str, Any], mib: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ckptfmt_tools.bench.dcp_writer")
+    ap = argparse.ArgumentParser(prog="python -m devtools.dcp_writer")
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=None)

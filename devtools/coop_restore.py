@@ -1,6 +1,6 @@
 """Cooperative restore (FORMAT.md 9.1) against independent reads: figures, not a test.
 
-usage: python -m ckptfmt_tools.bench.coop_restore [--mib 1024] [--k 2,4] [--devices 8] [--repeats 2]
+usage: python -m devtools.coop_restore [--mib 1024] [--k 2,4] [--devices 8] [--repeats 2]
        [--stores file,s3] [--dir /tmp]
 
 For each ``k`` (processes) and store, ``k`` JAX processes (``jax.distributed``, devices/k CPU
@@ -22,11 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from ckptfmt_tools.bench.child import drop_page_cache
+from ckptfmt_tools.bench.tiers import _Moto
 
 TENSORS = 16
 
@@ -76,39 +76,6 @@ def worker(rank: int, port: int, params: dict, out: str) -> None:
         json.dump(res, f)
 
 
-class _Moto:
-    """A local ``moto_server`` and a bucket for the run (the recipe of /work/shared/REFERENCE.md)."""
-
-    def __init__(self) -> None:
-        from ckptfmt.coord import free_port
-
-        binary = Path(sys.executable).parent / "moto_server"
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([str(binary if binary.exists() else shutil.which("moto_server")), "-H",
-                                      "127.0.0.1", "-p", str(self.port)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                    "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1"}
-        import boto3
-
-        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                     aws_secret_access_key="testing").create_bucket(Bucket="coop")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-
-
 def run(k: int, devices: int, store: str, mib: int, repeats: int, workdir: Path, env: dict) -> list[dict]:
     """One save and ``2 * repeats`` restores on ``k`` processes; each process's result."""
     from ckptfmt.coord import free_port
@@ -120,7 +87,7 @@ def run(k: int, devices: int, store: str, mib: int, repeats: int, workdir: Path,
     outs = [workdir / f"k{k}-{store}-{r}.json" for r in range(k)]
     env = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // k}", JAX_PLATFORMS="cpu")
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "ckptfmt_tools.bench.coop_restore", "--worker", str(r), str(port),
+    procs = [subprocess.Popen([sys.executable, "-m", "devtools.coop_restore", "--worker", str(r), str(port),
                                str(workdir / "params.json"), str(outs[r])], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(k)]
     logs = [p.communicate(timeout=1800)[0] for p in procs]

@@ -16,7 +16,7 @@ the caller thread's CPU during the call, and the call's wall time. Systems:
   ``sync_files=True``) of a torch view of the same host buffers, and the directory two saves old
   removed after it (``shutil.rmtree``): DCP's save with the same retention, unverified.
 
-``python -m ckptfmt_tools.bench.save_cpu [--saves N] [-r R]`` (docs/profile-save.md section 12).
+``python -m devtools.save_cpu [--saves N] [-r R]`` (docs/profile-save.md section 12).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import time
 import warnings
 from typing import Any
 
-from .child import ChildFailed, run_child
-from .jaxstate import xla_env
-from .tailstep_peers import torch_view
+from ckptfmt_tools.bench.child import ChildFailed, run_child
+from ckptfmt_tools.bench.jaxstate import xla_env
+from ckptfmt_tools.bench.tailstep_peers import torch_view
 
 SYSTEMS = ("ckptfmt", "ckptfmt-nokeep", "dcp")
 
@@ -87,7 +87,7 @@ def measure(params: dict) -> dict:
     """Child task: ``params`` ``system``, ``saves``, ``path``, ``pause_s``; optional model sizes
     (``tailstep.MODEL``). Per-save lists in seconds (``user`` and ``sys``: the process's CPU;
     ``caller``: the calling thread's CPU; ``wall``: the call), and the saves ``left`` at the end."""
-    from .tailstep import Trainer
+    from ckptfmt_tools.bench.tailstep import Trainer
 
     system, root = params["system"], params["path"]
     shutil.rmtree(root, ignore_errors=True)
@@ -131,7 +131,7 @@ def compare(systems: tuple[str, ...] = SYSTEMS, *, saves: int = 20, repetitions:
                 params = {"system": system, "saves": saves, "pause_s": pause_s,
                           "path": os.path.join(root, system)} | (model or {})
                 try:
-                    row = run_child("ckptfmt_tools.bench.save_cpu:measure", params, env=xla_env(1))
+                    row = run_child("devtools.save_cpu:measure", params, env=xla_env(1))
                 except ChildFailed as e:
                     row = {"system": system, "error": str(e).splitlines()[0]}
                 rows.append(row | {"rep": rep})
@@ -161,7 +161,7 @@ def line(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ckptfmt_tools.bench.save_cpu", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m devtools.save_cpu", description=__doc__.splitlines()[0])
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, among {','.join(SYSTEMS)}")
     p.add_argument("--saves", type=int, default=20, help="measured saves per run (default 20)")
     p.add_argument("-r", "--repetitions", type=int, default=1, help="runs of each system (order rotated)")

@@ -1,4 +1,4 @@
-"""Architecture figures of a checkout, printed as markdown: ``python -m ckptfmt_tools.archmetrics [ROOT]``.
+"""Architecture figures of a checkout, printed as markdown: ``python -m devtools.archmetrics [ROOT]``.
 
 Reads the source with the standard library's ``ast`` only (nothing of the project is imported or
 run), so it measures any tree, before or after a reorganisation, with one command:
@@ -305,7 +305,7 @@ def report(root: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ckptfmt_tools.archmetrics", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m devtools.archmetrics", description=__doc__.split("\n")[0])
     ap.add_argument("root", nargs="?", default=str(Path(__file__).resolve().parent.parent),
                     help="the checkout to measure (default: the one this file lies in)")
     args = ap.parse_args(argv)
