@@ -295,7 +295,7 @@ def _two_ranks(tmp_path, policy):
 
     class Refusing(DelegatingStorage):
         def write_object(self, key, buffers, *, tensor=None):
-            if "/t/" in key and key.split("/")[1].startswith(("000000000002-", "000000000003-")):
+            if ("/t/" in key or "/p/" in key) and key.split("/")[1].startswith(("000000000002-", "000000000003-")):
                 refused.append(key)
                 raise StorageError("write refused (injected)", object=key)
             return super().write_object(key, buffers, tensor=tensor)

@@ -122,7 +122,7 @@ def _failing_once(url: str, what: str) -> Repository:
 
     class Once(DelegatingStorage):
         def write_object(self, key, buffers, *, tensor=None):
-            if what == "write" and "/c/" in key and not failed:  # a shard object, not a zarr.json
+            if what == "write" and ("/c/" in key or "/p/" in key) and not failed:  # shard bytes, not a zarr.json
                 failed.append(key)
                 raise StorageError("write failed (injected, once)", object=key)
             return super().write_object(key, buffers, tensor=tensor)

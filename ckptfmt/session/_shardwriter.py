@@ -162,6 +162,13 @@ class _RankWrites:
         # are made (on the scheduling thread); each pack opened when its first shard is placed.
         self.packs: list[Any] = []      # PackWriter per pack number
         self.pack_fill: list[int] = []  # bytes placed in each pack
+        # A pack is finished as soon as no shard will be placed in it and its writes are done, so
+        # that a pack gathered in memory (an object store's, :class:`ckptfmt.storage.PackWriter`)
+        # is let go at once; such packs are at most the write window long.
+        self.pack_pending: list[int] = []   # placed shards not yet written, per pack
+        self.pack_size: dict[int, int] = {}  # finished packs' lengths
+        self.pack_lock = threading.Lock()
+        self.pack_limit = settings.pack_bytes if storage.packs_in_place else min(settings.pack_bytes, settings.max_inflight_bytes)
         self.stopped = threading.Event()  # set once this save ends: its queued objects are not written
 
     def decide(self, n: int) -> list[Any] | None:
@@ -203,23 +210,44 @@ class _RankWrites:
     def _place(self, nbytes: int) -> tuple[int, int]:
         """(pack number, start) of the next shard of ``nbytes``: after the last one placed, or
         at the start of a new pack when it would take the current one past ``pack_bytes``."""
-        if not self.packs or (self.pack_fill[-1] and self.pack_fill[-1] + nbytes > self.settings.pack_bytes):
+        if not self.packs or (self.pack_fill[-1] and self.pack_fill[-1] + nbytes > self.pack_limit):
+            if self.packs:
+                self._close_pack(len(self.packs) - 1)
             self.packs.append(self.storage.open_pack(layout.pack_key(self.save_id, self.rank, len(self.packs))))
             self.pack_fill.append(0)
+            self.pack_pending.append(1)  # the placement itself: released by _close_pack
         start = self.pack_fill[-1]
         self.pack_fill[-1] += nbytes
+        with self.pack_lock:
+            self.pack_pending[-1] += 1
         return len(self.packs) - 1, start
 
-    def finish_packs(self) -> list[int]:
-        """Finish every pack (durable once the save's prefix is synced, sizes checked); their lengths."""
-        sizes = []
-        for i, pk in enumerate(self.packs):
-            sizes.append(pk.finish(self.pack_fill[i]))
-        return sizes
+    def _close_pack(self, i: int) -> None:
+        """No more shards go into pack ``i``: finish it now if its writes are done."""
+        self._written(i)
+
+    def _written(self, i: int) -> None:
+        """One write into pack ``i`` is done (or its placement closed); the last one finishes it."""
+        with self.pack_lock:
+            self.pack_pending[i] -= 1
+            last = self.pack_pending[i] == 0
+        if last:  # (after a failure the save's prefix is removed: a finished pack goes with it)
+            self.pack_size[i] = self.packs[i].finish(self.pack_fill[i])
+
+    def finish_packs(self) -> dict[str, int]:
+        """Close the last pack (every write is done by now); each pack's key -> its length."""
+        if self.packs and len(self.pack_size) < len(self.packs):
+            self._close_pack(len(self.packs) - 1)
+        missing = [self.packs[i].key for i in range(len(self.packs)) if i not in self.pack_size]
+        if missing:
+            raise IncompleteSaveError("a pack object was not finished", object=missing[0], expected="finished",
+                                      found="unfinished")
+        return {pk.key: self.pack_size[i] for i, pk in enumerate(self.packs)}
 
     def abort_packs(self) -> None:
-        for pk in self.packs:
-            pk.abort()
+        for i, pk in enumerate(self.packs):
+            if i not in self.pack_size:
+                pk.abort()
 
     def run(self, group: list[tuple[ShardJob, int]]) -> None:
         """Write a group of shard objects one after another (in a writer thread), unless stopped."""
@@ -240,6 +268,7 @@ class _RankWrites:
         enc = encode(p.index, it.cell, job.block, p.geometry, it.box.offset, job.crcs)
         if job.pack >= 0:  # its bytes at its start in the pack; the pack's length is checked once, finished
             rec = enc.verified(self.packs[job.pack].write_at(job.start, enc.buffers(), tensor=p.key), key=p.key, obj=job.key)
+            self._written(job.pack)
             return dataclasses.replace(rec, where=(job.key, job.start, -1))
         return enc.verified(self.storage.write_object(job.key, enc.buffers(), tensor=p.key), key=p.key, obj=job.key)
 
@@ -267,7 +296,7 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
     t = clock.add("plan", t)
     try:
         _schedule(w)
-        sizes = w.finish_packs()
+        size_of = w.finish_packs()
     except BaseException:
         w.abort_packs()
         raise
@@ -275,7 +304,6 @@ def write_and_verify(storage: Storage, plans: list[TensorWritePlan], local: dict
         wait(metadata)
     for fut in metadata:
         fut.result()  # its StorageError names the tensor and the object
-    size_of = {pk.key: n for pk, n in zip(w.packs, sizes)}
     for i, r in enumerate(w.records):
         if r is not None and r.where is not None and r.where[2] < 0:
             w.records[i] = dataclasses.replace(r, where=(r.where[0], r.where[1], size_of[r.where[0]]))

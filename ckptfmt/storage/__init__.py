@@ -192,6 +192,10 @@ class Storage(ABC):
         self.write(key, data)
         return len(data)
 
+    #: Whether :meth:`open_pack` writes in place (local files: a pack costs no more memory than its
+    #: writes in flight); False: a pack is gathered in memory, so a writer keeps it within its window.
+    packs_in_place: bool = False
+
     def open_pack(self, key: str) -> "PackWriter":
         """A pack object at ``key`` to fill from several threads and finish once (FORMAT.md 5.15).
         Default: gathered in memory and written whole by :meth:`write_object` when finished."""

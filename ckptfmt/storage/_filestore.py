@@ -250,6 +250,8 @@ class LocalFileStorage(KvStoreStorage):
                     self._writing -= 1
         return n
 
+    packs_in_place = True
+
     def open_pack(self, key: str) -> "_FilePack":
         """A pack written in place: ``<key>.__lock`` created exclusively, filled with ``pwritev`` at
         the offsets given (from several threads), then written back or ``fsync``'d as
