@@ -29,7 +29,7 @@ from ckptfmt.storage._kverrors import storage_error
 from ckptfmt.storage._localfs import LOCK_SUFFIX, advance
 from ckptfmt.errors import StorageError
 
-__all__ = ["SYNC_MODES", "DIRECT_ALIGN", "set_direct", "kept_pool", "writer_pool", "pwritev_all", "write_file", "fill",
+__all__ = ["SYNC_MODES", "DIRECT_ALIGN", "set_direct", "kept_pool", "writer_pool", "pwritev_all", "put_direct_at", "write_file", "fill",
            "fsync_dir", "fsync_dirs", "fsync_path", "filesystem_sync_available", "sync_range", "syncfs"]
 
 #: Bytes one ``write_file`` gathers before it hands them to ``pwritev`` (chunk copies are made as
@@ -246,6 +246,30 @@ def _put_direct(fd: int, buffers: Iterable[Any], name: str, tensor: str | None) 
         offset += pos
         os.ftruncate(fd, offset)
     return offset
+
+
+def put_direct_at(fd: int, buffers: Iterable[Any], base: int, *, name: str, tensor: str | None = None) -> int:
+    """``buffers`` through ``O_DIRECT`` (set on ``fd``) from ``base`` (a multiple of
+    :data:`DIRECT_ALIGN`), copied into this thread's aligned staging buffer and written in whole
+    blocks; the last block is padded with zeros to :data:`DIRECT_ALIGN` (the caller owns those
+    bytes: a pack places nothing there). The bytes of ``buffers`` written."""
+    stage = _STAGING.get()
+    offset, pos = base, 0
+    for b in buffers:
+        src = np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
+        while src.size:
+            k = min(src.size, stage.size - pos)
+            np.copyto(stage[pos:pos + k], src[:k])
+            pos, src = pos + k, src[k:]
+            if pos == stage.size:
+                offset += pwritev_all(fd, [stage], offset, obj=name, tensor=tensor)
+                pos = 0
+    if pos:
+        padded = -(-pos // DIRECT_ALIGN) * DIRECT_ALIGN
+        stage[pos:padded] = 0
+        pwritev_all(fd, [stage[:padded]], offset, obj=name, tensor=tensor)
+        offset += pos
+    return offset - base
 
 
 def _discard(fd: int, tmp: str) -> None:

@@ -25,9 +25,13 @@ class PackWriter:
     then :meth:`finish` once, or :meth:`abort`."""
 
     key: str
+    #: Nonzero: runs that start at a multiple of it and own the bytes up to the next multiple after
+    #: their end may be written with ``direct=True`` (local files: ``O_DIRECT``, no page cache).
+    align: int = 0
 
-    def write_at(self, offset: int, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
-        """Write ``buffers`` (bytes-like, in order) from ``offset``; the bytes written."""
+    def write_at(self, offset: int, buffers: Iterable[Any], *, tensor: str | None = None, direct: bool = False) -> int:
+        """Write ``buffers`` (bytes-like, in order) from ``offset``; the bytes written. ``direct``:
+        the run is aligned as :attr:`align` says (a hint: ignored where it does not apply)."""
         raise NotImplementedError
 
     def finish(self, nbytes: int) -> int:
@@ -48,7 +52,7 @@ class MemoryPack(PackWriter):
         self._buf = bytearray()
         self._lock = threading.Lock()
 
-    def write_at(self, offset: int, buffers: Iterable[Any], *, tensor: str | None = None) -> int:
+    def write_at(self, offset: int, buffers: Iterable[Any], *, tensor: str | None = None, direct: bool = False) -> int:
         data = b"".join(memoryview(b).cast("B") for b in buffers)
         with self._lock:
             if len(self._buf) < offset + len(data):

@@ -137,7 +137,11 @@ def generate(out: str | os.PathLike[str], manifest_columns: str = "explicit", co
     def writer(rank: int, coord: TcpCoordinator) -> None:
         try:
             with coord:
-                results[rank] = ckptfmt.save(str(out), STEP, local_shards(rank), state=global_state(),
+                # direct_writes off: a packed writer may leave gaps to align O_DIRECT runs where
+                # the file system takes them (FORMAT.md 5.15); the example's bytes must not
+                # depend on the file system it is generated on.
+                repo = ckptfmt.Repository(str(out), options={"direct_writes": False})
+                results[rank] = ckptfmt.save(repo, STEP, local_shards(rank), state=global_state(),
                                              metadata=METADATA, coordinator=coord, versions=VERSIONS,
                                              options=options)
         except BaseException as e:  # reported below, on the main thread
