@@ -29,7 +29,7 @@ from ckptfmt.reader._cooperative import RoundPlan as RoundPlan
 from ckptfmt.reader._cooperative import cooperative_reads as cooperative_reads
 from ckptfmt.reader._cooperative import plan_cooperative as plan_cooperative
 from ckptfmt.reader._positional import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
-from ckptfmt.reader._positional import PositionalReads, _Batch
+from ckptfmt.reader._positional import PositionalReads, ThreadFiles, _Batch
 from ckptfmt.reader._verifylocal import LocalVerify, ReadBuffers
 from ckptfmt._types import Box
 from ckptfmt.checksum import crc32c
@@ -173,6 +173,7 @@ class Checkpoint(PositionalReads, LocalVerify):
                 yield self.read_boxes(batch)
             return
         pool = ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="ckptfmt-read")
+        files = ThreadFiles(self.storage)
         try:
             pending: deque[_Batch] = deque()
             inflight = 0
@@ -185,13 +186,15 @@ class Checkpoint(PositionalReads, LocalVerify):
                     inflight -= done.nbytes
                     yield self._collect(done)
                 started = time.perf_counter()
-                futures = [pool.submit(self._read_local_shard, k, s, items, outs) for (k, s), items in work.items()]
+                futures = [pool.submit(self._read_local_shard, k, s, items, outs, False, files)
+                           for (k, s), items in work.items()]
                 pending.append(_Batch(outs, futures, started, nbytes))
                 inflight += nbytes
             while pending:
                 yield self._collect(pending.popleft())
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            files.close()
 
     # ------------------------------------------------------------------ stored chunks (cooperative restore)
     def chunk_refs(self, requests: Sequence[tuple[str, Box]]) -> list[ChunkRef]:

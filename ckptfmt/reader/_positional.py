@@ -8,10 +8,12 @@ chunk is checked against the manifest (the reader's ``checks``, a
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -22,10 +24,10 @@ from ckptfmt.errors import SizeMismatchError
 from ckptfmt.shard import TRAILER_BYTES, ShardBytes, back_to_back, shard_bytes
 from ckptfmt.manifest import TensorEntry
 from ckptfmt.plan import ReadItem
-from ckptfmt.storage import PositionalFile
+from ckptfmt.storage import PositionalFile, Storage
 from ckptfmt.storage._options import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
 
-__all__ = ["PositionalReads", "DEFAULT_READ_THREADS", "UNCACHED_READ_BYTES"]
+__all__ = ["PositionalReads", "ThreadFiles", "DEFAULT_READ_THREADS", "UNCACHED_READ_BYTES"]
 
 #: A read whose outputs hold at least this many bytes asks the store to keep what it reads
 #: through the page cache out of it (:meth:`ckptfmt.storage.PositionalFile.prefer_uncached`):
@@ -77,15 +79,17 @@ class PositionalReads:
         threads = min(len(jobs), self._threads())
         uncached = sum(o.nbytes for o in outs if o is not None) >= UNCACHED_READ_BYTES
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
+        files = ThreadFiles(self.storage)
         try:
             started = time.perf_counter()
-            self._collect(_Batch(outs, [pool.submit(self._read_local_shard, key, s, items, outs, uncached)
+            self._collect(_Batch(outs, [pool.submit(self._read_local_shard, key, s, items, outs, uncached, files)
                                         for (key, s), items in jobs], started, 0))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            files.close()
 
     def _read_local_shard(self, key: str, s: int, items: list[ReadItem], outs: list[np.ndarray | None],
-                          uncached: bool = False) -> "_ShardStats":
+                          uncached: bool = False, files: "ThreadFiles | None" = None) -> "_ShardStats":
         t = self.manifest.tensors[key]
         g = t.geometry
         obj = t.object_key(s)
@@ -105,7 +109,7 @@ class PositionalReads:
             direct = {}
         tr = time.perf_counter()
         self.storage.check_no_links(obj, self._plain_dirs, tensor=key)
-        with self.storage.open_positional(obj, tensor=key) as f:
+        with (files.open(obj, key) if files is not None else self.storage.open_positional(obj, tensor=key)) as f:
             if uncached:
                 f.prefer_uncached()
             want = int(t.shards.nbytes[s])
@@ -219,3 +223,30 @@ class _Batch:
     futures: list[Any]
     started: float
     nbytes: int
+
+
+class ThreadFiles:
+    """Each reader thread's open objects, kept open for one read: a pack object (FORMAT.md 5.15)
+    holds many shards, and opening it once per shard cost a system call pair each. Per thread,
+    because a descriptor's O_DIRECT flag is switched around its aligned reads."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.files: dict[tuple[int, str], PositionalFile] = {}
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def open(self, obj: str, key: str) -> Iterator[PositionalFile]:
+        k = (threading.get_ident(), obj)
+        f = self.files.get(k)
+        if f is None:
+            f = self.storage.open_positional(obj, tensor=key)
+            with self.lock:
+                self.files[k] = f
+        yield f
+
+    def close(self) -> None:
+        with self.lock:
+            files, self.files = list(self.files.values()), {}
+        for f in files:
+            f.close()
