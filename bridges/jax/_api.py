@@ -148,6 +148,9 @@ def _stage_array(key: str, arr: jax.Array, copy: bool, started: list[jax.Array] 
         _HOST_COPIES.bytes += sum(int(d.nbytes) for d in data)
     elif copy:  # beyond the budget: copied by the writer, while the caller waits (ckptfmt.asyncsave.HandBack)
         data = tuple(hand_back.source(lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
+    elif lay.on_host:  # a view of each buffer (no copy), taken here: in the writer's scheduling
+        # thread, 8 per leaf, these waited for the GIL behind busy writer threads (docs/profile-save.md)
+        data = tuple(np.asarray(arr.addressable_data(i)) for i in lay.offered)
     else:  # lazy: a copy not picked by the plan is never made
         data = tuple((lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
     return _Staged(key, arr, lay, data)
