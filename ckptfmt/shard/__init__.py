@@ -22,6 +22,7 @@ Subpackages that may import it: reader, session.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from itertools import product
@@ -154,14 +155,35 @@ def index_body(g: TensorGeometry, counts: tuple[int, ...]) -> bytes:
     """The entry table of a shard whose stored chunks (``counts`` per dimension, as
     :func:`ckptfmt.plan.stored_chunk_counts`) lie back to back from offset 0 in C order, each
     ``chunk_nbytes`` long; every other inner chunk the not-stored marker."""
-    nchunks, cn = math.prod(counts), g.chunk_nbytes
-    index = np.full((math.prod(g.inner), 2), NOT_STORED, INDEX_ENTRY)
+    return _index(g.inner, g.chunk_nbytes, tuple(counts))[0]
+
+
+#: Index tables up to this size are kept (:func:`_index`): every shard of a geometry with the
+#: same stored counts has the same table, and building one per shard was most of a small
+#: shard's encoding (thousands of leaves: numpy calls that queue for the GIL behind the writers).
+_KEEP_INDEX_BYTES = 64 << 10
+
+
+def _index(inner: tuple[int, ...], cn: int, counts: tuple[int, ...]) -> tuple[bytes, int]:
+    """(entry table, its crc32c) of :func:`index_body`."""
+    if 16 * math.prod(inner) <= _KEEP_INDEX_BYTES:
+        return _kept_index(inner, cn, counts)
+    return _build_index(inner, cn, counts)
+
+
+def _build_index(inner: tuple[int, ...], cn: int, counts: tuple[int, ...]) -> tuple[bytes, int]:
+    nchunks = math.prod(counts)
+    index = np.full((math.prod(inner), 2), NOT_STORED, INDEX_ENTRY)
     if nchunks:
         cells = np.indices(counts).reshape(len(counts), -1) if counts else np.zeros((0, 1), np.int64)
-        flat = np.ravel_multi_index(tuple(cells), g.inner) if counts else np.zeros(1, np.int64)
+        flat = np.ravel_multi_index(tuple(cells), inner) if counts else np.zeros(1, np.int64)
         index[flat, 0] = np.arange(nchunks, dtype=np.uint64) * np.uint64(cn)
         index[flat, 1] = cn
-    return index.tobytes()
+    body = index.tobytes()
+    return body, crc32c(body)
+
+
+_kept_index = functools.lru_cache(maxsize=4096)(_build_index)
 
 
 class EncodedShard:
@@ -188,8 +210,7 @@ class EncodedShard:
             self._crcs.append(c)
             yield data
             yield c.to_bytes(CRC_BYTES, "little")
-        body = index_body(self.geometry, self.counts)
-        self._index_crc = crc32c(body)
+        body, self._index_crc = _index(self.geometry.inner, self.geometry.chunk_nbytes, self.counts)
         yield body
         yield self._index_crc.to_bytes(CRC_BYTES, "little")
 
