@@ -301,3 +301,19 @@ def test_direct_runs_leave_aligned_gaps_that_nothing_reads(tmp_path):
         if not direct:
             assert all(a + n == b for (a, n), (b, _) in zip(rows, rows[1:]))  # back to back
     assert sizes[True] >= sizes[False]
+
+
+def test_the_cli_writes_the_reference_map(tmp_path):
+    """``ckptfmt zarr-refs`` prints the map zarr_references builds; a wrong path exits 1 (the control)."""
+    import subprocess
+    import sys
+
+    arrays = _arrays(2)
+    url = str(tmp_path / "r")
+    save(url, 1, [LocalShard(k, a.shape, a.dtype, Box((0,) * a.ndim, a.shape), a) for k, a in arrays.items()])
+    out = subprocess.run([sys.executable, "-m", "ckptfmt", "zarr-refs", url], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout) == json.loads(json.dumps(zarr_references(Repository(url).manifest(1), url)))
+    bad = subprocess.run([sys.executable, "-m", "ckptfmt", "zarr-refs", str(tmp_path / "nope")], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 1

@@ -17,7 +17,7 @@ from typer.core import TyperCommand
 
 from ckptfmt_tools.cli import JsonOpt, _emit_json, _err, _fail, _out, _render, _repo, app
 
-__all__ = ["export_cmd", "import_cmd"]
+__all__ = ["export_cmd", "import_cmd", "zarr_refs_cmd"]
 
 #: Where an option's help names the presets; filled in by :class:`_PresetsHelp`.
 PRESET_NAMES = "<presets>"
@@ -200,3 +200,27 @@ def import_cmd(src: str = typer.Argument(..., help="Source: a safetensors file o
     skipped = report.provenance.get("skipped_non_tensors") or []
     if skipped:
         out.print(f"[yellow]not imported (non-tensor DCP entries):[/] {', '.join(_render.safe(k) for k in skipped[:8])}")
+
+
+@app.command("zarr-refs")
+def zarr_refs_cmd(url: str = typer.Argument(..., help="Repository URL or path."),
+                  step: Optional[int] = typer.Option(None, "--step", "-s", help="Step (default: latest)."),
+                  output: Optional[str] = typer.Option(None, "--output", "-o",
+                                                       help="Write the map to this file (default: stdout).")) -> None:
+    """Print a step's reference map (FORMAT.md 14.4): every array of the step as a zarr v3 array
+    for fsspec's ReferenceFileSystem, packed or not. Verify the step first (``ckptfmt verify``):
+    zarr, not the manifest, then decides what is present."""
+    from ckptfmt.interop import zarr_references
+
+    try:
+        repo = _repo(url)
+        m = repo.manifest(step if step is not None else repo.latest())
+        text = json.dumps(zarr_references(m, url), sort_keys=True)
+    except Exception as e:  # noqa: BLE001 (a CheckpointError, reported as every command does)
+        raise _fail(e, False) from None
+    if output:
+        with open(output, "x", encoding="utf-8") as f:
+            f.write(text + "\n")
+        _err().print(f"wrote {output}: {len(m.tensors)} arrays of step {m.step}")
+    else:
+        typer.echo(text)
