@@ -7,9 +7,27 @@ import sys
 import time
 from typing import Callable
 
-from ckptfmt import Repository
+from ckptfmt import Repository, TcpCoordinator
+from ckptfmt.manager import CheckpointManager
 
-__all__ = ["eval_loss", "flip_one_shard", "fork_children"]
+__all__ = ["eval_loss", "flip_one_shard", "fork_children", "TwoRankManager"]
+
+
+class TwoRankManager(CheckpointManager):
+    """Rank ``rank`` of 2 in this process (threads), over TcpCoordinators: ``addrs[0]`` the
+    manager's, ``addrs[1]`` its saves'. Subclasses give ``_save_verb``, saving through
+    ``self._save_coord`` as rank ``self._r``."""
+
+    def __init__(self, repo, rank: int, addrs: list[str], **kw) -> None:
+        self._r, self._addrs = rank, addrs
+        super().__init__(repo, **kw)
+        self._save_coord = TcpCoordinator(addrs[1], rank, 2, timeout_s=30)
+
+    def _process(self) -> tuple[int, int]:
+        return self._r, 2
+
+    def _new_coordinator(self) -> TcpCoordinator:
+        return TcpCoordinator(self._addrs[0], self._r, 2, timeout_s=30)
 
 
 def eval_loss(step: int) -> float:

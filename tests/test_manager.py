@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from ckptfmt import Box, Repository, SaveOptions, TcpCoordinator
+from ckptfmt import Box, Repository, SaveOptions
 from ckptfmt.errors import (ChecksumMismatchError, IncompleteSaveError, KeyMismatchError, StepAlreadyCommittedError,
                             StepNotFoundError)
 from ckptfmt.manager import METADATA_KEY, CheckpointManager, Retention, SaveFailurePolicy
 
-from manager_common import eval_loss, flip_one_shard
+from manager_common import TwoRankManager, eval_loss, flip_one_shard
 
 
 def _state(step: int) -> dict[str, np.ndarray]:
@@ -237,20 +237,12 @@ def test_sigterm_sets_preemption_only(tmp_path):
 # ------------------------------------------------------------ two ranks in one process (threads)
 
 
-class _TwoRanks(CheckpointManager):
-    """Rank ``rank`` of 2, over TcpCoordinators (one for the manager, one for saves). Each rank holds
-    and reads rows [4r, 4r+4) of the 8 x 4 tensor "w", so damage can be seen by one rank only."""
+class _TwoRanks(TwoRankManager):
+    """Rank ``rank`` of 2, blocking saves. Each rank holds and reads rows [4r, 4r+4) of the 8 x 4
+    tensor "w", so damage can be seen by one rank only."""
 
     def __init__(self, url, rank, addrs, **kw):
-        self._r, self._addrs = rank, addrs
-        super().__init__(url, async_save=False, **kw)
-        self._save_coord = TcpCoordinator(addrs[1], rank, 2, timeout_s=30)
-
-    def _process(self):
-        return self._r, 2
-
-    def _new_coordinator(self):
-        return TcpCoordinator(self._addrs[0], self._r, 2, timeout_s=30)
+        super().__init__(url, rank, addrs, async_save=False, **kw)
 
     def _save_verb(self, step, state, *, extra, metadata, rank_state, blocking, retry=None):
         from ckptfmt import Box, LocalShard, save

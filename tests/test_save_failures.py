@@ -29,6 +29,7 @@ import pytest
 from ckptfmt import Box, Repository
 from ckptfmt.errors import IncompleteSaveError, StorageError
 from ckptfmt.manager import CheckpointManager, SaveFailurePolicy
+from manager_common import TwoRankManager
 
 HERE = Path(__file__).resolve().parent
 BROKEN = [2, 3, 4]
@@ -254,24 +255,8 @@ def test_policy_values():
 # ----------------------------------------------------------------- two ranks: every rank retries alike
 
 
-class _Rank(CheckpointManager):
-    """Rank ``rank`` of 2 in this process (threads), over TcpCoordinators; each saves rows
-    [4r, 4r+4) of "w" through the retry schedule it is given."""
-
-    def __init__(self, repo, rank, addrs, **kw):
-        from ckptfmt import TcpCoordinator
-
-        self._r, self._addrs = rank, addrs
-        super().__init__(repo, **kw)
-        self._save_coord = TcpCoordinator(addrs[1], rank, 2, timeout_s=30)
-
-    def _process(self):
-        return self._r, 2
-
-    def _new_coordinator(self):
-        from ckptfmt import TcpCoordinator
-
-        return TcpCoordinator(self._addrs[0], self._r, 2, timeout_s=30)
+class _Rank(TwoRankManager):
+    """Rank ``rank`` of 2: each saves rows [4r, 4r+4) of "w" through the retry schedule it is given."""
 
     def _save_verb(self, step, state, *, extra, metadata, rank_state, blocking, retry=None):
         from ckptfmt import LocalShard, save

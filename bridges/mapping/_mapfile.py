@@ -304,36 +304,32 @@ def _digits(n: str) -> int | None:
     return int(n) if isinstance(n, str) and n.isdigit() and len(n) <= 3 else None
 
 
-def load_mapping_file(path: str | os.PathLike) -> Mapping:
-    """Read a mapping document from a JSON file of at most MAX_FILE_BYTES. InvalidMappingError (a
-    ValueError) when malformed or over a cap; OSError when it cannot be read."""
+def _json_file(path: str | os.PathLike, cap: int, what: str) -> Any:
+    """The JSON document of ``path``, a file of at most ``cap`` bytes (a mapping or names file);
+    InvalidMappingError when it is larger or not JSON, OSError when it cannot be read."""
     with open(path, "rb") as fh:
-        data = fh.read(MAX_FILE_BYTES + 1)
-    if len(data) > MAX_FILE_BYTES:
-        raise _bad(str(path), "a mapping file is too large", expected=f"<= {MAX_FILE_BYTES} B",
-                   found=f"more than {MAX_FILE_BYTES} B")
+        data = fh.read(cap + 1)
+    if len(data) > cap:
+        raise _bad(str(path), f"a {what} file is too large", expected=f"<= {cap} B", found=f"more than {cap} B")
     try:
-        doc = json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"))
     except RecursionError:
         raise _bad(str(path), "not JSON: nested too deeply to parse", expected=f"<= {MAX_NESTING} levels") from None
     except ValueError as e:
         raise _bad(str(path), f"not JSON: {str(e)[:200]}") from None
-    return mapping_from_json(doc)
+
+
+def load_mapping_file(path: str | os.PathLike) -> Mapping:
+    """Read a mapping document from a JSON file of at most MAX_FILE_BYTES. InvalidMappingError (a
+    ValueError) when malformed or over a cap; OSError when it cannot be read."""
+    return mapping_from_json(_json_file(path, MAX_FILE_BYTES, "mapping"))
 
 
 def load_names_file(path: str | os.PathLike) -> dict[str, str]:
     """A preset's ``names=`` from a JSON file (``ckptfmt export --names``): one object of name key ->
     path, at most MAX_NAMES_BYTES. InvalidMappingError (a ValueError) when it is not that, naming
     the member; the preset itself rejects a name key it lacks (ValueError)."""
-    with open(path, "rb") as fh:
-        data = fh.read(MAX_NAMES_BYTES + 1)
-    if len(data) > MAX_NAMES_BYTES:
-        raise _bad(str(path), "a names file is too large", expected=f"<= {MAX_NAMES_BYTES} B",
-                   found=f"more than {MAX_NAMES_BYTES} B")
-    try:
-        doc = json.loads(data.decode("utf-8"))
-    except (RecursionError, ValueError) as e:
-        raise _bad(str(path), f"not JSON: {str(e)[:200]}") from None
+    doc = _json_file(path, MAX_NAMES_BYTES, "names")
     if not isinstance(doc, dict):
         raise _bad(str(path), "a names file is one JSON object of name key -> path", found=type(doc).__name__)
     for k, v in doc.items():

@@ -169,7 +169,6 @@ class _RankWrites:
         self.pack_size: dict[int, int] = {}  # finished packs' lengths
         self.pack_lock = threading.Lock()
         self.pack_limit = settings.pack_bytes if storage.packs_in_place else min(settings.pack_bytes, settings.max_inflight_bytes)
-        self._align = False  # the next shard placed starts a run: at a multiple of its pack's ``align``
         self.stopped = threading.Event()  # set once this save ends: its queued objects are not written
 
     def decide(self, n: int) -> list[Any] | None:
@@ -212,15 +211,11 @@ class _RankWrites:
         """(pack number, start) of the next shard of ``nbytes``: after the last one placed, or
         at the start of a new pack when it would take the current one past ``pack_bytes``."""
         if not self.packs or (self.pack_fill[-1] and self.pack_fill[-1] + nbytes > self.pack_limit):
-            if self.packs:
-                self._close_pack(len(self.packs) - 1)
+            if self.packs:  # no more shards go into it: its placement's hold is released
+                self._written(len(self.packs) - 1)
             self.packs.append(self.storage.open_pack(layout.pack_key(self.save_id, self.rank, len(self.packs))))
             self.pack_fill.append(0)
-            self.pack_pending.append(1)  # the placement itself: released by _close_pack
-        align = self.packs[-1].align
-        if self._align and align:
-            self.pack_fill[-1] = -(-self.pack_fill[-1] // align) * align
-        self._align = False
+            self.pack_pending.append(1)  # the placement itself: released once the pack is left
         start = self.pack_fill[-1]
         self.pack_fill[-1] += nbytes
         with self.pack_lock:
@@ -229,16 +224,12 @@ class _RankWrites:
 
     def align_next(self) -> None:
         """The next shard placed starts a run of its own (a writer task's group): at a multiple of
-        its pack's ``align``, so that the run, padded to whole blocks, can go through O_DIRECT
-        without touching another run's block (FORMAT.md 5.15 lets a writer leave such gaps)."""
-        if self.packs and self.packs[-1].align and not self._align:
+        its pack's ``align`` (a new pack starts at 0), so that the run, padded to whole blocks, can
+        go through O_DIRECT without touching another run's block (FORMAT.md 5.15 lets a writer
+        leave such gaps); the last run's padding is then part of the pack's length."""
+        if self.packs and self.packs[-1].align:
             align = self.packs[-1].align
             self.pack_fill[-1] = -(-self.pack_fill[-1] // align) * align
-        self._align = True
-
-    def _close_pack(self, i: int) -> None:
-        """No more shards go into pack ``i``: finish it now if its writes are done."""
-        self._written(i)
 
     def _written(self, i: int) -> None:
         """One write into pack ``i`` is done (or its placement closed); the last one finishes it."""
@@ -251,7 +242,7 @@ class _RankWrites:
     def finish_packs(self) -> dict[str, int]:
         """Close the last pack (every write is done by now); each pack's key -> its length."""
         if self.packs and len(self.pack_size) < len(self.packs):
-            self._close_pack(len(self.packs) - 1)
+            self._written(len(self.packs) - 1)  # release the last pack's placement hold
         missing = [self.packs[i].key for i in range(len(self.packs)) if i not in self.pack_size]
         if missing:
             raise IncompleteSaveError("a pack object was not finished", object=missing[0], expected="finished",

@@ -228,24 +228,10 @@ def _put_direct(fd: int, buffers: Iterable[Any], name: str, tensor: str | None) 
     allocate; the last block is padded to :data:`DIRECT_ALIGN` and the file truncated to its size.
     The bytes written. (``O_DIRECT`` data may sit in the device's cache: the fsync or syncfs that
     follows flushes it, and writes the file's metadata.)"""
-    stage = _STAGING.get()
-    offset, pos = 0, 0
-    for b in buffers:
-        src = np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
-        while src.size:
-            k = min(src.size, stage.size - pos)
-            np.copyto(stage[pos:pos + k], src[:k])
-            pos, src = pos + k, src[k:]
-            if pos == stage.size:
-                offset += pwritev_all(fd, [stage], offset, obj=name, tensor=tensor)
-                pos = 0
-    if pos:
-        padded = -(-pos // DIRECT_ALIGN) * DIRECT_ALIGN
-        stage[pos:padded] = 0
-        pwritev_all(fd, [stage[:padded]], offset, obj=name, tensor=tensor)
-        offset += pos
-        os.ftruncate(fd, offset)
-    return offset
+    n = put_direct_at(fd, buffers, 0, name=name, tensor=tensor)
+    if n % DIRECT_ALIGN:
+        os.ftruncate(fd, n)
+    return n
 
 
 def put_direct_at(fd: int, buffers: Iterable[Any], base: int, *, name: str, tensor: str | None = None) -> int:

@@ -53,12 +53,16 @@ class MemoryPack(PackWriter):
         self._lock = threading.Lock()
 
     def write_at(self, offset: int, buffers: Iterable[Any], *, tensor: str | None = None, direct: bool = False) -> int:
-        data = b"".join(memoryview(b).cast("B") for b in buffers)
+        views = [memoryview(b).cast("B") for b in buffers]
+        end = offset + sum(v.nbytes for v in views)
         with self._lock:
-            if len(self._buf) < offset + len(data):
-                self._buf.extend(bytes(offset + len(data) - len(self._buf)))
-            self._buf[offset:offset + len(data)] = data
-        return len(data)
+            if len(self._buf) < end:
+                self._buf.extend(bytes(end - len(self._buf)))
+            at = offset
+            for v in views:
+                self._buf[at:at + v.nbytes] = v
+                at += v.nbytes
+        return end - offset
 
     def finish(self, nbytes: int) -> int:
         if len(self._buf) != nbytes:
