@@ -95,16 +95,19 @@ class _ArrayPlan:
     """One target array: the core's TensorPlan, and the boxes of this process's shards (``_HOST``
     or ``_DEFAULT``: one whole box); ``reads`` lists each box's checkpoint reads."""
 
-    __slots__ = ("tp", "key", "shape", "sharding", "prng", "boxes", "host", "reads")
+    __slots__ = ("tp", "key", "shape", "sharding", "prng", "boxes", "host", "reads", "devices")
 
     def __init__(self, tp: TensorPlan, sharding: Any, prng: str | None) -> None:
         self.tp, self.key, self.shape, self.sharding, self.prng = tp, tp.key, tp.shape, sharding, prng
         self.host = sharding is _HOST
+        #: Each addressable device and the box of the array it holds (sharded targets only).
+        self.devices: list[tuple[Any, Box]] = []
         if sharding is _HOST or sharding is _DEFAULT:
             self.boxes = [Box.full(tp.shape)]
         else:
-            indices = sharding.addressable_devices_indices_map(tp.shape).values()
-            self.boxes = sorted({index_to_box(i, tp.shape) for i in indices}, key=lambda b: b.offset)
+            self.devices = [(d, index_to_box(i, tp.shape))
+                            for d, i in sharding.addressable_devices_indices_map(tp.shape).items()]
+            self.boxes = sorted({b for _, b in self.devices}, key=lambda b: b.offset)
         self.reads = {b: tp.reads(b) for b in self.boxes}
 
     def requests(self) -> list[tuple[str, Box]]:
@@ -161,23 +164,44 @@ def _arrays(plan: RestorePlan, flat: list[tuple[str, Any]], impls: dict[str, Any
     return out
 
 
-def _build(plan: _ArrayPlan, blocks: dict[Box, np.ndarray]) -> Any:
-    if plan.host:
-        arr: Any = blocks[plan.boxes[0]]
-    elif plan.sharding is _DEFAULT:
-        arr = jax.device_put(blocks[plan.boxes[0]], may_alias=True)  # uncommitted: jit may move it
-    else:
-        # The blocks are fresh arrays this restore owns, so a device may take the host memory as is
-        # (may_alias: no second copy on CPU). A block placed on several devices (replication) is
-        # aliased once and copied for the others, so no two device buffers ever share memory.
+def _build_many(items: list[tuple[_ArrayPlan, dict[Box, np.ndarray]]]) -> list[Any]:
+    """Each plan's array from its verified blocks: host numpy as is, an uncommitted array on the
+    default device, or a sharded array whose device shards are all placed by one
+    ``jax.device_put`` call (one call per shard cost most of a restore of many small leaves).
+    The blocks are fresh arrays this restore owns, so a device may take the host memory as is
+    (may_alias: no second copy on CPU); a block placed on several devices (replication) is
+    aliased once and copied for the others, so no two device buffers ever share memory."""
+    sharded = [(i, plan) for i, (plan, _) in enumerate(items) if not plan.host and plan.sharding is not _DEFAULT]
+    xs: list[np.ndarray] = []
+    devices: list[Any] = []
+    alias: list[bool] = []
+    spans: dict[int, tuple[int, int]] = {}
+    for i, plan in sharded:
+        blocks = items[i][1]
         used: set[Box] = set()
-        per_device = []
-        for device, index in plan.sharding.addressable_devices_indices_map(plan.shape).items():
-            box = index_to_box(index, plan.shape)
-            per_device.append(jax.device_put(blocks[box], device, may_alias=box not in used))
+        first = len(xs)
+        for device, box in plan.devices:
+            xs.append(blocks[box])
+            devices.append(device)
+            alias.append(box not in used)
             used.add(box)
-        arr = jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, per_device)
-    return jax.random.wrap_key_data(arr, impl=plan.prng) if plan.prng else arr
+        spans[i] = (first, len(xs))
+    placed = jax.device_put(xs, devices, may_alias=alias) if xs else []
+    out = []
+    for i, (plan, blocks) in enumerate(items):
+        if plan.host:
+            arr: Any = blocks[plan.boxes[0]]
+        elif i not in spans:
+            arr = jax.device_put(blocks[plan.boxes[0]], may_alias=True)  # uncommitted: jit may move it
+        else:
+            lo, hi = spans[i]
+            arr = jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, placed[lo:hi])
+        out.append(jax.random.wrap_key_data(arr, impl=plan.prng) if plan.prng else arr)
+    return out
+
+
+def _build(plan: _ArrayPlan, blocks: dict[Box, np.ndarray]) -> Any:
+    return _build_many([(plan, blocks)])[0]
 
 
 def _unshared(blk: np.ndarray, handed: list[tuple[int, int]]) -> np.ndarray:
@@ -219,8 +243,9 @@ def _restore_batches(ckpt: RestoreSource, plans: list[_ArrayPlan], built: dict[s
                 for b in plans[i].boxes:
                     blocks[b] = _unshared(plans[i].tp.assemble(b, [got[r] for r in plans[i].reads[b]]), handed)
                 assembled[i] = blocks
-            for i in indices:
-                built[plans[i].key] = _build(plans[i], assembled.pop(i))
+            order = list(indices)
+            for i, arr in zip(order, _build_many([(plans[i], assembled.pop(i)) for i in order])):
+                built[plans[i].key] = arr
             del got
     finally:
         batches.close()  # stops the reader's threads on every path

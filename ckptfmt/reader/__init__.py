@@ -186,8 +186,8 @@ class Checkpoint(PositionalReads, LocalVerify):
                     inflight -= done.nbytes
                     yield self._collect(done)
                 started = time.perf_counter()
-                futures = [pool.submit(self._read_local_shard, k, s, items, outs, False, files)
-                           for (k, s), items in work.items()]
+                futures = [pool.submit(self._read_local_group, group, outs, False, files)
+                           for group in self._groups(list(work.items()), self._threads())]
                 pending.append(_Batch(outs, futures, started, nbytes))
                 inflight += nbytes
             while pending:

@@ -35,6 +35,9 @@ __all__ = ["PositionalReads", "ThreadFiles", "DEFAULT_READ_THREADS", "UNCACHED_R
 UNCACHED_READ_BYTES = 2 << 30
 #: Most buffers one preadv call takes (Linux IOV_MAX).
 _IOV_MAX = 1024
+#: Pool tasks per reader thread: enough that threads finish together, few enough that handing
+#: them out costs nothing beside the reads.
+_GROUPS_PER_THREAD = 8
 
 
 class PositionalReads:
@@ -59,7 +62,7 @@ class PositionalReads:
             done: _ShardStats = f.result()  # raises the first fault
             self.stats.bytes_read += done.nbytes
             self.stats.requests += done.requests
-            self.stats.objects += 1
+            self.stats.objects += done.shards
             for phase, seconds in done.phases.items():
                 sums[phase] = sums.get(phase, 0.0) + seconds
         # Threads overlap: share this batch's wall time out in proportion to the per-thread sums.
@@ -82,11 +85,57 @@ class PositionalReads:
         files = ThreadFiles(self.storage)
         try:
             started = time.perf_counter()
-            self._collect(_Batch(outs, [pool.submit(self._read_local_shard, key, s, items, outs, uncached, files)
-                                        for (key, s), items in jobs], started, 0))
+            self._collect(_Batch(outs, [pool.submit(self._read_local_group, group, outs, uncached, files)
+                                        for group in self._groups(jobs, threads)], started, 0))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             files.close()
+
+    def _groups(self, jobs: list[tuple[tuple[str, int], list[ReadItem]]], threads: int
+                ) -> list[list[tuple[tuple[str, int], list[ReadItem]]]]:
+        """The shards in file order (object, then offset), cut into about ``_GROUPS_PER_THREAD``
+        groups per thread of similar size: one pool task per group, not per shard, because a
+        state of tens of thousands of small shards spent more time handing tasks to the pool
+        than reading them."""
+        tensors = self.manifest.tensors
+
+        def where(job: tuple[tuple[str, int], list[ReadItem]]) -> tuple[str, int]:
+            (key, s), _ = job
+            t = tensors[key]
+            return t.object_key(s), t.shard_start(s)
+
+        def size(job: tuple[tuple[str, int], list[ReadItem]]) -> int:
+            (key, s), _ = job
+            return int(tensors[key].shards.nbytes[s])
+
+        if len(jobs) <= threads:
+            return [[job] for job in jobs]
+        ordered = sorted(jobs, key=where)
+        sizes = [size(job) for job in ordered]
+        target = max(1, sum(sizes) // (threads * _GROUPS_PER_THREAD))
+        most = max(1, len(ordered) // (threads * _GROUPS_PER_THREAD))
+        groups: list[list[tuple[tuple[str, int], list[ReadItem]]]] = [[]]
+        fill = 0
+        for job, n in zip(ordered, sizes):
+            if groups[-1] and (fill + n > target or len(groups[-1]) >= most):
+                groups.append([])
+                fill = 0
+            groups[-1].append(job)
+            fill += n
+        return groups
+
+    def _read_local_group(self, group: list[tuple[tuple[str, int], list[ReadItem]]], outs: list[np.ndarray | None],
+                          uncached: bool, files: "ThreadFiles") -> "_ShardStats":
+        """The shards of one group, in order; their counts summed. The first fault raises."""
+        nbytes = requests = 0
+        phases: dict[str, float] = {}
+        for (key, s), items in group:
+            done = self._read_local_shard(key, s, items, outs, uncached, files)
+            nbytes += done.nbytes
+            requests += done.requests
+            for phase, seconds in done.phases.items():
+                phases[phase] = phases.get(phase, 0.0) + seconds
+        return _ShardStats(nbytes, requests, phases, len(group))
 
     def _read_local_shard(self, key: str, s: int, items: list[ReadItem], outs: list[np.ndarray | None],
                           uncached: bool = False, files: "ThreadFiles | None" = None) -> "_ShardStats":
@@ -213,6 +262,7 @@ class _ShardStats:
     nbytes: int
     requests: int
     phases: dict[str, float]
+    shards: int = 1
 
 
 @dataclass(frozen=True)
