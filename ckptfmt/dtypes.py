@@ -4,9 +4,11 @@ ml_dtypes): the one table. Tensors (FORMAT.md 5.6) take :data:`DTYPES`; non-tens
 onto these names and keep no table of their own."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ml_dtypes
+
 import numpy as np
 
 from .errors import InvalidManifestError
@@ -44,12 +46,22 @@ DTYPES: dict[str, int] = {n: STATE_DTYPES[n].itemsize for n in _NUMPY_NAMES + _T
 
 def dtype_name(dtype: Any, *, key: str | None = None) -> str:
     """The format's name for a numpy-compatible dtype; InvalidManifestError if unsupported."""
-    name = np.dtype(dtype).name
+    try:
+        name = _name_of(dtype)
+    except TypeError:  # not hashable: asked directly
+        name = np.dtype(dtype).name
     if name not in DTYPES:
         raise InvalidManifestError("dtype is not supported by format v1", key=key, expected=sorted(DTYPES), found=name)
     return name
 
 
+@functools.lru_cache(maxsize=256)
+def _name_of(dtype: Any) -> str:
+    """numpy's name of a dtype (asked once per shard of a save: numpy builds it each time)."""
+    return np.dtype(dtype).name
+
+
+@functools.lru_cache(maxsize=256)
 def numpy_dtype(name: str) -> np.dtype:
     """Little-endian numpy dtype for a format dtype name."""
     if name in ML_DTYPES:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import cached_property, lru_cache, partial
 from itertools import chain
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -40,22 +40,22 @@ class TensorGeometry:
     chunk_shape: tuple[int, ...]
     itemsize: int
 
-    @property
+    @cached_property
     def grid(self) -> tuple[int, ...]:
         """Number of shards along each dimension (0 along a zero-length dimension)."""
         return tuple(-(-n // s) for n, s in zip(self.shape, self.shard_shape))
 
-    @property
+    @cached_property
     def inner(self) -> tuple[int, ...]:
         """Inner chunks per shard along each dimension (the shard index covers all of them)."""
         return tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
 
-    @property
+    @cached_property
     def chunk_nbytes(self) -> int:
         """Stored bytes of one inner chunk with the raw codec: data plus the 4-byte crc32c."""
         return layout.chunk_nbytes(self.chunk_shape, self.itemsize)
 
-    @property
+    @cached_property
     def index_nbytes(self) -> int:
         """Bytes of a shard index: 16 per inner chunk plus the 4-byte crc32c."""
         return layout.index_nbytes(self.inner)
@@ -90,8 +90,16 @@ class TensorWritePlan:
         return self._memo(None, lambda: tuple(self._item(i) for i in range(len(self.writers))))
 
     def items_for(self, rank: int) -> list[WriteItem]:
-        """The shards ``rank`` writes (built on demand: a plan may hold millions of cells)."""
-        return list(self._memo(rank, lambda: tuple(self._item(int(i)) for i in np.flatnonzero(self.writers == rank))))
+        """The shards ``rank`` writes (built on demand: a plan may hold millions of cells; the
+        items of :attr:`items` where those are built already)."""
+        def build() -> tuple[WriteItem, ...]:
+            rows = np.flatnonzero(self.writers == rank)
+            if len(rows) == len(self.writers):  # the only writer (one process): the items themselves
+                return self.items
+            built = self.__dict__.get("_items", {}).get(None)
+            return tuple(built[int(i)] if built is not None else self._item(int(i)) for i in rows)
+
+        return list(self._memo(rank, build))
 
     def _memo(self, rank: int | None, build: Any) -> tuple[WriteItem, ...]:
         # A save reuses the plan of an earlier save of the same layout (ckptfmt.session): its items too.
@@ -402,8 +410,10 @@ def _grid_from_arrays(shape: tuple[int, ...], offs: np.ndarray, shps: np.ndarray
 
 
 def stored_chunk_counts(geom: TensorGeometry, shard_offset: tuple[int, ...]) -> tuple[int, ...]:
-    """Per dimension, how many inner chunks of the shard at ``shard_offset`` intersect the array."""
-    return tuple(int(x) for x in chunk_count_table(geom, np.asarray([shard_offset], np.int64))[0])
+    """Per dimension, how many inner chunks of the shard at ``shard_offset`` intersect the array
+    (one row of :func:`chunk_count_table`, in plain integers: a save asks once per shard)."""
+    return tuple(-(-min(s, n - int(o)) // c) for s, n, o, c in zip(geom.shard_shape, geom.shape, shard_offset,
+                                                                     geom.chunk_shape))
 
 
 def chunk_count_table(geom: TensorGeometry, shard_offsets: np.ndarray) -> np.ndarray:
