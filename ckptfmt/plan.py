@@ -15,7 +15,6 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from . import layout
 from ._boxcols import Held, _padded, gather, unpack_held
 from ._types import Box
 from .errors import ShapeMismatchError, StepMismatchError
@@ -49,16 +48,6 @@ class TensorGeometry:
     def inner(self) -> tuple[int, ...]:
         """Inner chunks per shard along each dimension (the shard index covers all of them)."""
         return tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
-
-    @property
-    def chunk_nbytes(self) -> int:
-        """Stored bytes of one inner chunk with the raw codec: data plus the 4-byte crc32c."""
-        return layout.chunk_nbytes(self.chunk_shape, self.itemsize)
-
-    @property
-    def index_nbytes(self) -> int:
-        """Bytes of a shard index: 16 per inner chunk plus the 4-byte crc32c."""
-        return layout.index_nbytes(self.inner)
 
     def shard_box(self, cell: tuple[int, ...]) -> Box:
         off = tuple(c * s for c, s in zip(cell, self.shard_shape))

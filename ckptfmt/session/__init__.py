@@ -10,7 +10,7 @@ Call order on every rank (all collectives are named and bounded by ``timeout_s``
 3. each rank writes the shards it owns (rank 0 also every ``zarr.json`` and the global state;
    each rank its own per-rank state) and verifies them: object size, index checksum, and every
    inner chunk's stored crc32c against the crc32c computed from the source bytes
-   (:mod:`ckptfmt.session._shardwriter`; keys and byte layout from :mod:`ckptfmt.layout`).
+   (:mod:`ckptfmt.session._shardwriter`; keys from :mod:`ckptfmt.layout`, bytes from :mod:`ckptfmt.shard`).
 4. ``allgather("save/ack")`` of the shard records (:class:`~ckptfmt.shard.ShardRecord`, named columns)
    and state entries, or of the writer's error.
 5. rank 0 builds and validates the manifest, switches its lease to ``committing`` (a write
@@ -65,7 +65,7 @@ from ckptfmt.manifest import (MAX_NESTING, ArraySpec, ChunkTable, Manifest, Shar
                               parse_manifest)
 from ckptfmt.plan import TensorWritePlan, plan_save_packed
 from ckptfmt.repository import Repository
-from ckptfmt.shard import ShardRecord, records_from_wire, records_to_wire
+from ckptfmt.shard import ShardRecord, records_from_wire, records_to_wire, shard_sizes
 from ckptfmt.storage import NO_VALUE, Storage
 
 __all__ = ["SaveOptions", "save", "lease_key", "new_save_id"]
@@ -481,7 +481,7 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             nbytes.append(rec.nbytes)
             icrcs.append(rec.index_crc32c)
             coff.extend(rec.chunk_offsets)
-            cnb.extend(rec.chunk_nbytes or [g.chunk_nbytes] * len(rec.chunk_offsets))
+            cnb.extend(rec.chunk_nbytes or [shard_sizes(g).chunk] * len(rec.chunk_offsets))
             ccrc.extend(rec.chunk_crc32c)
         tensors[p.key] = TensorEntry(
             p.key, g.shape, p.dtype, shardings.get(p.key),

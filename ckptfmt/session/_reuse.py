@@ -47,7 +47,7 @@ from ckptfmt.shard._blockcheck import BlockChecks
 from ckptfmt.session._digest import DigestWindow, PendingDigest, start_digest
 from ckptfmt.errors import CheckpointError
 from ckptfmt.manifest import Manifest, TensorEntry
-from ckptfmt.shard import ShardRecord, chunk_data, padded_chunks, shard_bytes
+from ckptfmt.shard import ShardRecord, chunk_data, padded_chunks, shard_bytes, shard_sizes
 
 if TYPE_CHECKING:
     from ckptfmt.session._shardwriter import Materialize
@@ -203,7 +203,7 @@ class ReusePlanner:
         source = getattr(holder, "source", None)
         seen = None
         if source is not None and self.mode == "auto":
-            seen = self._seen[(plan.index, item.cell)] = _Seen(source, where, g.chunk_nbytes)
+            seen = self._seen[(plan.index, item.cell)] = _Seen(source, where, shard_sizes(g).chunk)
         found = self._stored(plan, item)
         if found is None or not self._proven(found, seen, materialize):
             if seen is not None and self._may_recur(found, materialize):  # its digest, for the next save's identity proof
