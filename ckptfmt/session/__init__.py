@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import platform
 import threading
 import time
@@ -162,7 +163,7 @@ class _Heartbeat:
             self._thread.join(timeout=5)
 
 
-def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = None, rank_state: Any = None,
+def save(repo: Repository | str | os.PathLike[str], step: int, shards: Iterable[LocalShard], *, state: Any = None, rank_state: Any = None,
          metadata: Mapping[str, Any] | None = None, coordinator: Coordinator | None = None,
          versions: Mapping[str, str] | None = None, options: SaveOptions | None = None) -> Manifest:
     """Save one logical step from every rank, and return the committed manifest.
@@ -215,7 +216,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             _end(storage, heartbeat, step, save_id, committed)
 
 
-def _begin(repository: Any, opts: SaveOptions, step: int, world: int,
+def _begin(repository: Repository, opts: SaveOptions, step: int, world: int,
            local_error: CheckpointError | None) -> tuple["_Heartbeat | None", dict[str, Any]]:
     """Step 1 on rank 0: the marker, a fresh save id and its lease, which pins the saves this one
     may reference (FORMAT.md 8.4); (heartbeat, the begin message)."""
@@ -301,7 +302,7 @@ def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:
     return out
 
 
-def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
+def _run(repository: Repository, storage: Storage, coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
          local: dict[str, list[LocalShard]] | CheckpointError, state: Any, rank_state: Any,
          metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None,
          heartbeat: "_Heartbeat | None", pinned: Any = None) -> Manifest:
@@ -404,7 +405,7 @@ def _plan_key(inventory_digest: str, chunk_target_bytes: int, packed: list[Any])
     return h.digest()
 
 
-def _commit(repository: Any, storage: Storage, heartbeat: "_Heartbeat | None", save_id: str, step: int, world: int,
+def _commit(repository: Repository, storage: Storage, heartbeat: "_Heartbeat | None", save_id: str, step: int, world: int,
             plans: list[TensorWritePlan], acks: list[dict[str, Any]], local: dict[str, list[LocalShard]],
             metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None, opts: SaveOptions) -> dict[str, Any]:
     """Step 5 on rank 0: build and check the manifest, pass the fence, create it; the outcome message."""
