@@ -456,7 +456,7 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
     table_sizes: list[int] = []
     for p in plans:
         g = p.geometry
-        nd = len(g.shape)
+        nd, raw_chunk = len(g.shape), shard_sizes(g).chunk
         offsets, writers, keys, nbytes, icrcs, coff, cnb, ccrc = [], [], [], [], [], [], [], []
         objs, starts = [], []
         for row, it in enumerate(p.items):
@@ -482,7 +482,7 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             nbytes.append(rec.nbytes)
             icrcs.append(rec.index_crc32c)
             coff.extend(rec.chunk_offsets)
-            cnb.extend(rec.chunk_nbytes or [shard_sizes(g).chunk] * len(rec.chunk_offsets))
+            cnb.extend(rec.chunk_nbytes or [raw_chunk] * len(rec.chunk_offsets))
             ccrc.extend(rec.chunk_crc32c)
         tensors[p.key] = TensorEntry(
             p.key, g.shape, p.dtype, shardings.get(p.key),

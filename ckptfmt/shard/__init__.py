@@ -207,7 +207,8 @@ class EncodedShard:
                  counts: tuple[int, ...], crcs: Sequence[int] | None = None) -> None:
         self.tensor, self.cell, self.block, self.geometry, self.counts = tensor, tuple(cell), block, g, counts
         self.nchunks = math.prod(counts)
-        self.nbytes = raw_shard_nbytes(g, self.nchunks)
+        self.sizes = shard_sizes(g)
+        self.nbytes = self.sizes.shard(self.nchunks)
         self._given = None if crcs is None else tuple(int(c) for c in crcs)
         self._crcs: list[int] = []
         self._index_crc: int | None = None
@@ -222,7 +223,7 @@ class EncodedShard:
             self._crcs.append(c)
             yield data
             yield c.to_bytes(TRAILER_BYTES, "little")
-        body, self._index_crc = _index(self.geometry.inner, shard_sizes(self.geometry).chunk, self.counts)
+        body, self._index_crc = _index(self.geometry.inner, self.sizes.chunk, self.counts)
         yield body
         yield self._index_crc.to_bytes(TRAILER_BYTES, "little")
 
@@ -240,7 +241,7 @@ class EncodedShard:
         """The record of the object :meth:`buffers` yielded (raises if it was not consumed)."""
         if self._index_crc is None or len(self._crcs) != self.nchunks:
             raise RuntimeError("EncodedShard.record() before its buffers were written")
-        cn = shard_sizes(self.geometry).chunk
+        cn = self.sizes.chunk
         return ShardRecord(self.tensor, self.cell, self.nbytes, self._index_crc,
                            tuple(range(0, self.nchunks * cn, cn)), tuple(self._crcs))
 

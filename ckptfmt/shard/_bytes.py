@@ -17,6 +17,7 @@ made per chunk.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -94,6 +95,7 @@ class ShardSizes:
         return nbytes - self.index
 
 
+@functools.lru_cache(maxsize=4096)  # asked per shard on the save path; tensors alike share a geometry
 def shard_sizes(g: TensorGeometry) -> ShardSizes:
     """The :class:`ShardSizes` of geometry ``g``, in exact integer arithmetic (a hostile geometry
     gives large numbers, never an overflow)."""
