@@ -1,4 +1,4 @@
-"""The repository layout: every key, the save-id grammar and the shard byte layout (FORMAT.md 4, 6).
+"""The repository layout: every key, the save-id grammar and the zarr metadata (FORMAT.md 4, 6.1).
 
 This module is the one owner of these facts; every other module asks it instead of rebuilding a
 key string or an offset. Pure: no I/O, no imports from the rest of ckptfmt.
@@ -15,30 +15,25 @@ Keys (FORMAT.md 4.2)::
     saves/<save_id>/state/global.msgpack            state_key(save_id, None)
     saves/<save_id>/state/rank-<r:05d>.msgpack      state_key(save_id, r)
 
-Shard objects (FORMAT.md 6.3, 6.4): encoded inner chunks (data, then a 4-byte crc32c trailer),
-then the index: 16 bytes per inner chunk (offset, nbytes as little-endian uint64) and its own
-4-byte crc32c trailer.
+The bytes inside a shard object (FORMAT.md 6.3, 6.4) are :mod:`ckptfmt.shard`'s: their sizes and
+positions are computed there and nowhere else.
 """
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
 __all__ = [
     "MARKER_KEY", "MARKER_BYTES", "MANIFESTS", "SAVES", "LEASE_NAME", "MAX_STEP", "MAX_NDIM",
     "MAX_DIM", "MAX_TENSOR_BYTES", "manifest_key",
     "step_of_manifest_key", "save_prefix", "arrays_prefix", "state_prefix", "lease_key", "array_path",
     "cell_key", "shard_key", "packs_prefix", "pack_key", "fill_value", "inner_codecs", "state_name", "state_key", "SAVE_ID_RE", "WRITER_SAVE_ID_RE", "WRITER_ID_TAIL",
-    "WriterSaveId", "new_save_id", "parse_writer_save_id", "is_save_id", "writer_save_ids_in", "CRC_BYTES",
-    "INDEX_ENTRY_BYTES", "INDEX_ENTRY", "NOT_STORED", "split_trailer", "index_entries", "chunk_nbytes",
-    "index_nbytes", "zarr_array_metadata", "Lease", "LEASE_STATES", "LEASE_MAX_BYTES", "lease_bytes", "parse_lease",
+    "WriterSaveId", "new_save_id", "parse_writer_save_id", "is_save_id", "writer_save_ids_in",
+    "zarr_array_metadata", "Lease", "LEASE_STATES", "LEASE_MAX_BYTES", "lease_bytes", "parse_lease",
 ]
 
 MAX_STEP = (1 << 63) - 1
@@ -183,38 +178,7 @@ def writer_save_ids_in(data: bytes, wanted: set[str]) -> set[str]:
     return found
 
 
-# ----------------------------------------------------------------------------- shard byte layout
-CRC_BYTES = 4            # the crc32c trailer of every inner chunk and of the index
-INDEX_ENTRY_BYTES = 16   # offset and nbytes, two little-endian uint64
-#: An index entry of an inner chunk that is not stored: offset and nbytes both 2^64-1.
-NOT_STORED = 2**64 - 1
-
-
-#: The entry table of a shard index: (offset, nbytes) rows of little-endian uint64.
-INDEX_ENTRY = np.dtype("<u8")
-
-
-def split_trailer(buf: Any) -> tuple[Any, int]:
-    """(the bytes before the trailer, the crc32c stored in it) of an encoded chunk or index."""
-    return buf[:-CRC_BYTES], int.from_bytes(bytes(buf[-CRC_BYTES:]), "little")
-
-
-def index_entries(body: Any) -> np.ndarray:
-    """The (offset, nbytes) rows of an index's entry table (``body``: the index without its trailer),
-    in C order of the inner grid."""
-    return np.frombuffer(body, INDEX_ENTRY).reshape(-1, 2)
-
-
-def chunk_nbytes(chunk_shape: Sequence[int], itemsize: int) -> int:
-    """Stored bytes of one inner chunk with the raw codec: data plus the crc32c trailer."""
-    return math.prod(chunk_shape) * itemsize + CRC_BYTES
-
-
-def index_nbytes(inner: Sequence[int]) -> int:
-    """Bytes of a shard index over ``inner`` chunks per dimension, trailer included."""
-    return math.prod(inner) * INDEX_ENTRY_BYTES + CRC_BYTES
-
-
+# ----------------------------------------------------------------------------- zarr array metadata
 _ONE_BYTE = ("bool", "uint8", "int8", "float8_e4m3fn", "float8_e5m2")
 
 

@@ -11,11 +11,10 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache, partial
 from itertools import chain
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from . import layout
 from ._boxcols import Held, _padded, gather, unpack_held
 from ._types import Box
 from .errors import ShapeMismatchError, StepMismatchError
@@ -24,6 +23,7 @@ from .layout import cell_key as cell_key
 __all__ = [
     "TensorGeometry", "WriteItem", "TensorWritePlan", "ReadItem", "shard_grid", "chunk_shape_for",
     "plan_save", "plan_save_packed", "plan_reads", "cell_key", "stored_chunk_counts", "chunk_count_table",
+    "Owners", "regular_owners",
 ]
 
 DEFAULT_CHUNK_TARGET_BYTES = 4 << 20
@@ -49,16 +49,6 @@ class TensorGeometry:
     def inner(self) -> tuple[int, ...]:
         """Inner chunks per shard along each dimension (the shard index covers all of them)."""
         return tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
-
-    @cached_property
-    def chunk_nbytes(self) -> int:
-        """Stored bytes of one inner chunk with the raw codec: data plus the 4-byte crc32c."""
-        return layout.chunk_nbytes(self.chunk_shape, self.itemsize)
-
-    @cached_property
-    def index_nbytes(self) -> int:
-        """Bytes of a shard index: 16 per inner chunk plus the 4-byte crc32c."""
-        return layout.index_nbytes(self.inner)
 
     def shard_box(self, cell: tuple[int, ...]) -> Box:
         off = tuple(c * s for c, s in zip(cell, self.shard_shape))
@@ -193,7 +183,8 @@ def _smallest_factor(n: int) -> int:
 
 def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
               rank_boxes: Sequence[Mapping[str, Sequence[tuple[Box, int]]]],
-              chunk_target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES) -> list[TensorWritePlan]:
+              chunk_target_bytes: int = DEFAULT_CHUNK_TARGET_BYTES, *,
+              owners: Callable[[Sequence[tuple[int, ...]], Held, int], Owners] | None = None) -> list[TensorWritePlan]:
     """Plan a save from every rank's held boxes.
 
     ``inventory`` maps key -> (global shape, dtype name, itemsize); ``rank_boxes[r]`` maps
@@ -205,13 +196,16 @@ def plan_save(inventory: Mapping[str, tuple[tuple[int, ...], str, int]],
     ``(i + c) mod k``, so replicated shards are spread over their replicas. Every rank computes
     the same plan from the same inputs.
 
+    ``owners`` plans the tensors held as whole grid cells at once (default :func:`regular_owners`);
+    every other tensor takes the per-tensor path. A test passes a broken one as a control.
+
     Raises StepMismatchError when a box falls outside its tensor, a rank names an unknown
     tensor, or part of a tensor is held by no rank.
     """
     keys = sorted(inventory)
     width = max((len(inventory[k][0]) for k in keys), default=0)
     held = gather({k: i for i, k in enumerate(keys)}, rank_boxes, width)
-    return _plan(inventory, keys, held, max(1, len(rank_boxes)), chunk_target_bytes)
+    return _plan(inventory, keys, held, max(1, len(rank_boxes)), chunk_target_bytes, owners or regular_owners)
 
 
 def plan_save_packed(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], packed: Sequence[Mapping[str, Any]],
@@ -222,16 +216,16 @@ def plan_save_packed(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], 
     keys = sorted(inventory)
     width = max((len(inventory[k][0]) for k in keys), default=0)
     held = unpack_held({k: i for i, k in enumerate(keys)}, packed, width)
-    return _plan(inventory, keys, held, max(1, len(packed)), chunk_target_bytes)
+    return _plan(inventory, keys, held, max(1, len(packed)), chunk_target_bytes, regular_owners)
 
 
 def _plan(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], keys: list[str], held: Held, world: int,
-          chunk_target_bytes: int) -> list[TensorWritePlan]:
+          chunk_target_bytes: int, owners: Callable[[Sequence[tuple[int, ...]], Held, int], Owners]) -> list[TensorWritePlan]:
     specs = [inventory[k] for k in keys]
     shapes = [tuple(s[0]) for s in specs]
     # Every tensor whose boxes are each exactly one grid cell is planned at once, vectorized;
     # any other tensor (including every one that fails) takes the per-tensor path, in key order.
-    fast = _regular_owners(shapes, held, world)
+    fast = owners(shapes, held, world)
     slow, gcds, base, writers = fast.slow, fast.gcds, fast.base, fast.writers
     shared: dict[tuple, tuple[TensorGeometry, np.ndarray]] = {}  # tensors alike share geometry and cells
     order: np.ndarray | None = None  # held boxes sorted by tensor, for the per-tensor path
@@ -258,8 +252,9 @@ def _plan(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], keys: list[
 
 
 @dataclass(frozen=True, eq=False)
-class _Owners:
-    """The vectorized plan. For each tensor ``t`` that is not ``slow[t]`` (those need the per-tensor path):"""
+class Owners:
+    """The vectorized plan (:func:`regular_owners`). For each tensor ``t`` that is not ``slow[t]``
+    (those need the per-tensor path):"""
 
     slow: np.ndarray
     gcds: list[tuple[int, ...]]  # per dimension, the gcd of interior box boundaries (0: none)
@@ -267,9 +262,10 @@ class _Owners:
     writers: np.ndarray
 
 
-def _regular_owners(shapes: Sequence[tuple[int, ...]], held: Held, world: int) -> _Owners:
+def regular_owners(shapes: Sequence[tuple[int, ...]], held: Held, world: int) -> Owners:
     """Vectorized plan of every tensor whose boxes all lie inside it, are non-empty, have its
-    rank and cover exactly one grid cell each, and whose every cell is held."""
+    rank and cover exactly one grid cell each, and whose every cell is held: the writers
+    :func:`plan_save`'s per-tensor path would choose, for all of them at once. Pure."""
     t, offs, shps = held.tensor, held.offs, held.shps
     T, D = len(shapes), offs.shape[1]
     tndim = np.fromiter(map(len, shapes), np.int64, count=T)
@@ -304,7 +300,7 @@ def _regular_owners(shapes: Sequence[tuple[int, ...]], held: Held, world: int) -
     owner = _deal((cell + base[t])[good], held.rank[good], held.reps[good],
                   held.writable[good], total, turn)
     slow[of_cell[owner < 0]] = True  # gaps: the slow path raises
-    return _Owners(slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner)
+    return Owners(slow, list(map(tuple, gcds.T.tolist())), base.tolist(), owner)
 
 
 def _deal(cell: np.ndarray, rank: np.ndarray, rep: np.ndarray, writable: np.ndarray, ncells: int,

@@ -19,6 +19,7 @@ import pytest
 from ckptfmt import (Box, InvalidManifestError, LocalShard, NotARepositoryError, Repository, StepNotFoundError,
                      save)
 from ckptfmt.manifest import MARKER_BYTES, MARKER_KEY, manifest_key
+from ckptfmt.repository import _gc
 
 OLD = time.time() - 86400
 STALE_ID = "000000000009-20200101T000000-0000dead"
@@ -201,14 +202,23 @@ def test_retention_counts_only_restorable_steps(repo_url, how, monkeypatch):
     r.verify(2)
 
 
-def test_retention_control_trusting_manifests_leaves_nothing_restorable(repo_url, monkeypatch):
+class _Trusting(_gc.GcChecks):
+    """Broken: every manifest is trusted, and nothing is read."""
+
+    def unrestorable(self, repo, step):
+        return None
+
+    def unverified(self, repo, step, **kw):
+        return None
+
+
+def test_retention_control_trusting_manifests_leaves_nothing_restorable(repo_url):
     r = Repository(repo_url)
     for s in (1, 2, 3):
         save(r, s, shards(s))
     _damage(r, 3, "truncated")
-    monkeypatch.setattr("ckptfmt.repository._gc._unrestorable", lambda *a: None)  # broken: every manifest is trusted
-    monkeypatch.setattr("ckptfmt.repository._gc._unverified", lambda *a, **k: None)    # ... and nothing is read
-    assert r.gc(keep_last=1, grace_s=0).removed_steps == [1, 2] and r.steps() == [3]
+    report = _gc.collect(r, keep_last=1, grace_s=0, keep_every=None, checks=_Trusting())
+    assert report.removed_steps == [1, 2] and r.steps() == [3]
     with pytest.raises(InvalidManifestError):
         r.verify(3)  # ... and no step is left that restores
 
@@ -361,8 +371,6 @@ def test_gc_never_reads_an_oversized_manifest(repo):
 
 
 def test_manifests_are_scanned_in_pieces_without_missing_a_save_id(repo_url, monkeypatch):
-    from ckptfmt.repository import _gc
-
     r = Repository(repo_url)
     for s in (1, 2):
         save(r, s, shards(s))

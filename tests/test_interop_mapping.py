@@ -295,6 +295,30 @@ def test_mapping_caps_are_typed_errors_naming_the_rule_and_the_value(doc, what):
                                    target="".join(f"{{p{i}}}." for i in range(MAX_PLACEHOLDERS))))
 
 
+def test_a_select_after_a_concat_names_every_joined_layer(tmp_path):
+    """The shape of MaxText Gemma 2's rules: local and global layers concatenated, then one
+    selected. The export names l.0 (the local layer) and l.1 (the global one) from the joined
+    length. Control: with the global key absent the joined length is unknown, and the export is
+    refused before anything is written."""
+    from ckptfmt import Box, LocalShard, save
+
+    loc, glo = np.arange(6, dtype=np.float32).reshape(1, 2, 3), np.arange(6, 12, dtype=np.float32).reshape(1, 2, 3)
+    doc = _rule(source=["a/local", "a/global"], target="l.{i}.w",
+                transforms=[{"op": "Concat", "axis": 0, "sizes": [1, 1]}, {"op": "Select", "axis": 0, "index": "i", "size": 2}])
+    for name, arrays in (("both", {"a/local": loc, "a/global": glo}), ("control", {"a/local": loc})):
+        url = str(tmp_path / name)
+        save(url, 1, [LocalShard(k, a.shape, a.dtype, Box.full(a.shape), a) for k, a in arrays.items()])
+        if name == "both":
+            rep = export(url, str(tmp_path / f"{name}-out"), mapping=mapping_from_json(doc))
+            got = load_file(str(tmp_path / f"{name}-out" / rep.files[0]))
+            assert sorted(got) == ["l.0.w", "l.1.w"]
+            assert np.array_equal(got["l.0.w"], loc[0]) and np.array_equal(got["l.1.w"], glo[0])
+        else:
+            with pytest.raises(MappingError, match="no Select before its join"):
+                export(url, str(tmp_path / f"{name}-out"), mapping=mapping_from_json(doc))
+            assert not list((tmp_path / f"{name}-out").glob("*.safetensors"))
+
+
 def test_export_passes_preset_arguments(tmp_path):
     """``ckptfmt export --mapping hf_mixtral_from_nnx --preset-arg experts=per_expert``: the
     files carry the hub's one-tensor-per-expert names, from_pretrained loads them, and the logits

@@ -151,9 +151,9 @@ FLOOR: tuple[str, ...] = ("_boxcols", "_types", "_version", "agree", "checksum",
                           "rankstate", "restoreplan", "state")
 SHIMS: dict[str, str] = {"asyncsave": "ckptfmt.session.asyncsave"}
 SUBPACKAGES: dict[str, tuple[str, ...]] = {
-    "manifest": (),
+    "shard": (),
+    "manifest": ("shard",),
     "storage": (),
-    "shard": ("manifest",),
     "reader": ("manifest", "storage", "shard"),
     "repository": ("manifest", "storage", "reader"),
     "session": ("manifest", "storage", "shard", "repository"),

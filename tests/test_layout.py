@@ -55,13 +55,7 @@ def test_keys():
     assert (L.state_key(sid, 3), L.state_name(3)) == (f"saves/{sid}/state/rank-00003.msgpack", "rank/3")
 
 
-def test_shard_byte_layout():
-    assert L.chunk_nbytes((2, 3), 4) == 2 * 3 * 4 + 4
-    assert L.index_nbytes((2, 2)) == 4 * 16 + 4 and L.index_nbytes(()) == 20  # a 0-d tensor: one entry
-    body = (5).to_bytes(8, "little") + (28).to_bytes(8, "little")
-    data, crc = L.split_trailer(body + (123).to_bytes(4, "little"))
-    assert data == body and crc == 123
-    assert L.index_entries(body).tolist() == [[5, 28]]
+def test_zarr_array_metadata_of_a_bool_array():
     meta = L.zarr_array_metadata((4,), "bool", (2,), (1,))
     assert meta["fill_value"] is False and meta["codecs"][0]["configuration"]["codecs"][0] == {"name": "bytes"}
 

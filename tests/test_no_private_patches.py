@@ -1,11 +1,13 @@
-"""No test replaces a private method of a ckptfmt class (STYLE.md: "tests that monkeypatch private
-methods: pass the collaborator in"). A broken control passes a weakened collaborator instead, such as
-a :class:`ckptfmt.reader.BlockChecks` subclass given to ``Repository(..., checks=...)``.
+"""No test replaces a private method of a ckptfmt class, or a private function of a ckptfmt
+module (STYLE.md: "tests that monkeypatch private methods: pass the collaborator in"). A broken
+control passes a weakened collaborator instead, such as a :class:`ckptfmt.reader.BlockChecks`
+subclass given to ``Repository(..., checks=...)``, a weaker last look given to gc's
+``collect(..., look=...)`` or other owners given to ``plan_save(..., owners=...)``.
 
 The scan reads every test file's AST and finds ``setattr(X, "_name", ...)``,
 ``monkeypatch.setattr(X, "_name", ...)``, ``monkeypatch.setattr("pkg.X._name", ...)`` and
 ``patch.object(X, "_name", ...)`` where ``X`` resolves, through the file's imports, to a class
-defined under ``ckptfmt``. Patching a module's private function is out of its scope.
+defined under ``ckptfmt`` or to a ckptfmt module.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 TESTS = Path(__file__).resolve().parent
-#: (file, line, what) that may patch a private method of a ckptfmt class: none.
+#: (file, line, what) that may patch a private method of a ckptfmt class or a private function of a
+#: ckptfmt module: none.
 ALLOWED: set[tuple[str, int, str]] = set()
 
 
@@ -62,7 +65,10 @@ def _resolve(path: str) -> Any:
 
 
 def _is_ckptfmt_class(path: str | None) -> bool:
+    """A class defined under ckptfmt, or a ckptfmt module (whose private functions count too)."""
     obj = _resolve(path) if path else None
+    if inspect.ismodule(obj):
+        return obj.__name__.split(".")[0] == "ckptfmt"
     return inspect.isclass(obj) and obj.__module__.split(".")[0] == "ckptfmt"
 
 
@@ -107,7 +113,8 @@ def test_no_test_patches_a_private_method_of_a_ckptfmt_class():
 
 
 def test_control_the_scan_finds_the_old_broken_controls():
-    """The monkeypatches this replaced, in each spelling, are found; a module's private function is not."""
+    """The monkeypatches this replaced, in each spelling, are found, a module's private function
+    too; a public method or function is not."""
     src = '''
 from ckptfmt.reader import Checkpoint
 from ckptfmt import reader as rd
@@ -123,8 +130,12 @@ def test_x(monkeypatch):
     mock.patch.object(Checkpoint, "_threads")
     monkeypatch.setattr(_gc, "_settle", None)
     monkeypatch.setattr(Checkpoint, "read", None)
+    monkeypatch.setattr("ckptfmt.plan._regular_owners", None)
+    monkeypatch.setattr("ckptfmt.session.excluded", None)
+    monkeypatch.setattr(_gc, "collect", None)
 '''
     got = [(line, what) for _, line, what in private_patches(src)]
     assert got == [(9, "ckptfmt.reader.Checkpoint._check_chunk"), (10, "ckptfmt.reader.Checkpoint._starts"),
                    (11, "ckptfmt.repository.Repository._read_manifest_bytes"),
-                   (12, "ckptfmt.reader.Checkpoint._plain_dirs"), (13, "ckptfmt.reader.Checkpoint._threads")]
+                   (12, "ckptfmt.reader.Checkpoint._plain_dirs"), (13, "ckptfmt.reader.Checkpoint._threads"),
+                   (14, "ckptfmt.repository._gc._settle"), (16, "ckptfmt.plan._regular_owners")]

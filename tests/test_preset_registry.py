@@ -126,13 +126,7 @@ def _write(url: str, step: int, arrays: dict[str, np.ndarray]) -> None:
                              for k, a in arrays.items()])
 
 
-# Found by this test: an export cannot name the targets of a rule whose Select comes after its join
-# (MaxText Gemma 2's local/global pairs are concatenated first), so it refuses; loads work.
-_EXPORT_BUG = pytest.mark.xfail(strict=True, raises=Exception, reason="export: no Select before its join")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_EXPORT_BUG) if n == "hf_gemma2_from_maxtext" else n
-                                  for n in REGISTRY])
+@pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_preset_saves_loads_and_exports(tmp_path, name):
     """A tiny HF model's weights saved through the preset into its JAX layout, with its source's
     training state beside them; loaded back bit for bit; exported by name (``--mapping NAME``) as

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ckptfmt
-from ckptfmt import Box, LocalShard, Repository, SaveOptions
+from ckptfmt import Box, LocalShard, Repository, SaveOptions, shard
 from ckptfmt.errors import AllocationError, ChecksumMismatchError, InvalidDataError, InvalidManifestError, SizeMismatchError, StorageError
 from ckptfmt.reader import BlockChecks, Checkpoint
 
@@ -281,7 +281,7 @@ def _swap_index_entries(url: str) -> None:
     t = m.tensors["x"]
     path = Path(url, t.object_key(0))
     raw = bytearray(path.read_bytes())
-    start = len(raw) - t.geometry.index_nbytes
+    start = len(raw) - shard.shard_sizes(t.geometry).index
     raw[start:start + 16], raw[start + 16:start + 32] = raw[start + 16:start + 32], raw[start:start + 16]
     crc = crc32c(bytes(raw[start:-4]))
     raw[-4:] = crc.to_bytes(4, "little")

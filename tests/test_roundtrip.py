@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptfmt import Box, LocalShard, Repository, save
+from ckptfmt import Box, LocalShard, Repository, save, shard
 from _layouts import grid_boxes, save_threads
 
 
@@ -126,9 +126,9 @@ def test_every_file_read_path_verifies_every_byte(tmp_path, where, path):
     assert chunks >= 4
     obj = tmp_path / "r" / t.object_key(0)
     raw = bytearray(obj.read_bytes())
-    cn, s0 = t.geometry.chunk_nbytes, t.shard_start(0)  # shard 0's bytes start at s0 of its pack
+    cn, s0 = shard.shard_sizes(t.geometry).chunk, t.shard_start(0)  # shard 0's bytes start at s0 of its pack
     at = {"none": None, "middle-chunk-data": s0 + (chunks // 2) * cn + 5, "chunk-trailer": s0 + 2 * cn - 2,
-          "index": s0 + int(t.shards.nbytes[0]) - t.geometry.index_nbytes + 3}[where]
+          "index": shard.shard_bytes(t, 0).index[0] + 3}[where]
     if at is not None:
         raw[at] ^= 0x10
         obj.write_bytes(bytes(raw))

@@ -67,7 +67,7 @@ def test_index_entries_must_equal_the_chunk_table(tmp_path):
     obj = (tmp_path / "r" / t.object_key(0)).read_bytes()[slice(*shard.shard_bytes(t, 0).whole)]  # its range of the pack
     c0, c1 = int(t.chunk_start[0]), int(t.chunk_start[1])
     assert len(shard.check_whole(t, 0, "o", obj, range(c0, c1))) == c1 - c0  # control
-    index = bytearray(obj[-t.geometry.index_nbytes:])
+    index = bytearray(obj[-shard.shard_sizes(t.geometry).index:])
     index[0] ^= 1  # an entry's offset, with the index crc32c made to match
     index[-4:] = crc32c(bytes(index[:-4])).to_bytes(4, "little")
     with pytest.raises(ChecksumMismatchError, match="index entry differs"):

@@ -13,7 +13,9 @@ import pytest
 
 from ckptfmt import Box, LocalShard, Repository, SaveOptions, save, shard
 from ckptfmt.checksum import crc32c
-from ckptfmt.layout import NOT_STORED, index_entries
+from ckptfmt.manifest import TensorEntry
+from ckptfmt.plan import TensorGeometry
+from ckptfmt.shard import NOT_STORED, index_entries
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,19 +125,10 @@ def test_a_shard_at_an_offset_shifts_every_range():
 _SIZES = frozenset({"index_nbytes", "CRC_BYTES"})
 #: The trailer size as shard/ exports it: fine to size a buffer with, not to compute a position.
 _TRAILER = "TRAILER_BYTES"
-#: Modules outside ckptfmt/shard/ that still compute with them: path -> why. Temporary: issue 48
-#: (several shards packed into one object) moves each behind the shard API or removes it. Each must
-#: still offend, so that the list shrinks when the code improves.
-ALLOWED: dict[str, str] = {
-    "ckptfmt/layout.py": "the floor's definitions of the trailer and index sizes (FORMAT.md 6.3-6.4) that "
-                         "shard/ builds on; issue 48",
-    "ckptfmt/plan.py": "TensorGeometry.index_nbytes, the floor's size of a geometry's index; edited by another "
-                       "change at the time; issue 48",
-    "ckptfmt/manifest/_entries.py": "the parser's range checks and the derived columns (FORMAT.md 5.11, 5.14): "
-                                    "manifest sits below shard (tests/test_layering.py) and cannot ask it; issue 48",
-    "ckptfmt/session/_shardwriter.py": "the zstd read-back's chunk bound; edited by another change at the time; "
-                                       "issue 48",
-}
+#: Modules outside ckptfmt/shard/ that still compute with them: path -> why. None: the sizes are
+#: defined in shard/ (shard_sizes), the manifest's parser sits above it and asks it, and so do the
+#: writers. An entry must still offend, so that the list shrinks when the code improves.
+ALLOWED: dict[str, str] = {}
 
 
 def _uses(tree: ast.AST) -> list[tuple[int, str]]:
@@ -200,3 +193,33 @@ def test_a_module_computing_positions_is_named(tmp_path):
         "ckptfmt_tools/bad.py:1 uses CRC_BYTES: ask ckptfmt.shard (shard_bytes, TRAILER_BYTES) instead"]
     assert position_offenders(tmp_path, {"ckptfmt/reader/ok.py": "why"})[-1] == (
         "ckptfmt/reader/ok.py (why) no longer computes shard byte positions: remove it from ALLOWED")
+
+
+def test_sizes_of_a_geometry():
+    """shard_sizes against FORMAT.md 5.7 and 6.4's arithmetic, written out here: a raw chunk is its
+    data and a 4-byte trailer, an index 16 bytes an inner chunk and a trailer (a 0-d tensor: one
+    entry); a zstd chunk lies between one byte and zstd's bound, each with the trailer."""
+    g = TensorGeometry((10, 6), (4, 6), (2, 3), 4)  # inner (2, 2)
+    sz = shard.shard_sizes(g)
+    assert (sz.chunk_data, sz.chunk, sz.index) == (24, 2 * 3 * 4 + 4, 4 * 16 + 4)
+    assert sz.full == 4 * sz.chunk + sz.index == sz.shard(4) and sz.shard(0) == sz.index
+    assert np.array_equal(sz.shard(np.array([1, 4])), [sz.chunk + sz.index, sz.full])
+    assert sz.data_stop(sz.full) == 4 * sz.chunk
+    assert sz.stored_chunk("raw") == (28, 28)
+    assert sz.stored_chunk("zstd") == (5, shard.max_encoded_chunk_nbytes(24)) and shard.max_encoded_chunk_nbytes(24) > 28
+    assert shard.shard_sizes(TensorGeometry((), (), (), 8)).index == 20
+    body = (5).to_bytes(8, "little") + (28).to_bytes(8, "little")
+    data, crc = shard.split_trailer(body + (123).to_bytes(4, "little"))
+    assert data == body and crc == 123
+    assert index_entries(body).tolist() == [[5, 28]]
+
+
+def test_a_manifest_entry_is_what_shard_reads():
+    """The manifest sits above the shard (tests/test_layering.py): the shard reads a tensor entry
+    through the ShardedTensor Protocol, which TensorEntry satisfies. Control: a member it lacks."""
+    members = [n for n in vars(shard.ShardedTensor) if not n.startswith("_")] + \
+        list(shard.ShardedTensor.__annotations__)
+    assert {"geometry", "shards", "chunks", "chunk_start", "shard_start"} <= set(members)
+    assert [n for n in members if not hasattr(TensorEntry, n) and n not in TensorEntry.__dataclass_fields__] == []
+    assert [n for n in [*members, "trailer_bytes"] if not hasattr(TensorEntry, n)
+            and n not in TensorEntry.__dataclass_fields__] == ["trailer_bytes"]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ckptfmt import Box, LocalShard, Repository, save
-from ckptfmt.repository import _verified
+from ckptfmt.repository import _gc, _verified
 from ckptfmt.repository._verified import record_key, unverified
 from ckptfmt.errors import ChecksumMismatchError
 from ckptfmt.layout import manifest_key
@@ -66,7 +66,7 @@ def _cli(*args: str) -> tuple[int, dict[str, Any]]:
     return p.returncode, json.loads(p.stdout)
 
 
-def test_cli_gc_keeps_the_only_good_step_when_the_newest_has_a_flipped_bit(tmp_path, monkeypatch):
+def test_cli_gc_keeps_the_only_good_step_when_the_newest_has_a_flipped_bit(tmp_path):
     for broken in (False, True):
         url = str(tmp_path / f"r{int(broken)}")
         for s in (1, 2):
@@ -78,8 +78,12 @@ def test_cli_gc_keeps_the_only_good_step_when_the_newest_has_a_flipped_bit(tmp_p
             assert any("step 2 is not restorable (fails verification: ChecksumMismatchError" in p
                        for p in out["report"]["problems"])
         else:  # broken control: retention that reads nothing deletes the only good step
-            monkeypatch.setattr("ckptfmt.repository._gc._unverified", lambda *a, **k: None)
-            assert Repository(url).gc(keep_last=1).removed_steps == [1]
+            class ReadsNothing(_gc.GcChecks):
+                def unverified(self, repo, step, **kw):
+                    return None
+
+            assert _gc.collect(Repository(url), keep_last=1, grace_s=None, keep_every=None,
+                               checks=ReadsNothing()).removed_steps == [1]
         rc, out = _cli("verify", url, "--all")
         assert rc != 0 and [s["step"] for s in out["steps"] if s["ok"]] == ([] if broken else [1])
 

@@ -33,7 +33,7 @@ from ckptfmt.reader import Checkpoint
 from ckptfmt.interop import identity_tensors, natural_key
 from ckptfmt.restoreplan import is_optimizer_state
 
-from bridges.mapping._joins import Stack
+from bridges.mapping._joins import Concat, Stack
 from bridges.mapping._rules import Mapping, Rule, _compile, _fill, _placeholders
 from bridges.mapping._chain import MappingError
 from bridges.mapping._transforms import NotApplicable
@@ -84,11 +84,16 @@ def preset_mapping(name: str, config: Any, **kwargs: Any) -> Mapping:
     return Mapping(m.rules, m.ignore + preset.source.training_state, m.keep, m.source_sep, m.target_sep, m.tiers)
 
 
-def _select_sizes(rule: Rule, names: Sequence[str], key: str, shape: tuple[int, ...]) -> list[int]:
+def _select_sizes(rule: Rule, names: Sequence[str], key: str, shape: tuple[int, ...],
+                  joined: Sequence[tuple[int, ...]] | None = None) -> list[int]:
     """The stacked length behind each Select placeholder in ``names``, from the source's shape.
-    MappingError when the rule's transforms before a Select do not apply to that shape."""
+    ``joined``: the shapes of every source of the rule for this key (the first is ``shape``), when
+    they are known; a Select after the rule's Concat is then sized from the joined shape (MaxText
+    Gemma 2 concatenates its local and global layers, then selects one). MappingError when the
+    rule's transforms before a Select do not apply to those shapes."""
     out: dict[str, int] = {}
     level = tuple(shape)
+    levels = None if joined is None else [tuple(s) for s in joined]  # every source's, up to the join
     for i, raw in enumerate(rule.transforms):
         if isinstance(raw, Select) and isinstance(raw.index, str) and raw.index in names:
             if raw.axis >= len(level):
@@ -99,10 +104,15 @@ def _select_sizes(rule: Rule, names: Sequence[str], key: str, shape: tuple[int, 
                 raise MappingError(f"{rule.describe()} does not apply: Select(axis={raw.axis}) declares a stacked "
                                    f"length of {raw.size}, the tensor has {n}", key=key, expected=raw.size, found=shape)
             out[raw.index] = n
-        if len(out) == len(names) or raw.join:
+        if len(out) == len(names) or (raw.join and (levels is None or not isinstance(raw, Concat))):
             break
         try:
-            level = raw.bind({n: 0 for n in rule.index_names}).out_shape(level)
+            op = raw.bind({n: 0 for n in rule.index_names})
+            if raw.join:  # a Concat of a fixed list of sources (a key family's Stack is not sized here)
+                level, levels = op.join_shape(levels), None  # type: ignore[attr-defined, arg-type]
+            else:
+                level = op.out_shape(level)
+                levels = None if levels is None else [op.out_shape(s) for s in levels]
         except NotApplicable as e:
             raise MappingError(f"{rule.describe()} does not apply: transform {i} {raw} -- {e.reason}", key=key,
                                expected=e.expected, found=e.found) from None
@@ -138,7 +148,7 @@ def _targets(mapping: Mapping, rule: Rule, keys: Sequence[str], shapes: dict[str
             notes.append(f"{rule.describe()}: target placeholder(s) {[n for n in free if n not in selects]} "
                          "cannot be named from the checkpoint; not exported")
             return []
-        sizes = _select_sizes(rule, free, key, shapes[key]) if free else []
+        sizes = _select_sizes(rule, free, key, shapes[key], _source_shapes(rule, got, overs, shapes)) if free else []
         count = math.prod(sizes)
         if count > budget[0]:
             raise _too_many(rule, count, key)
@@ -146,6 +156,16 @@ def _targets(mapping: Mapping, rule: Rule, keys: Sequence[str], shapes: dict[str
         for combo in product(*(range(n) for n in sizes)):
             out.append((_fill(rule.target, {**bound, **dict(zip(free, combo))}), len(shapes[key])))
     return out
+
+
+def _source_shapes(rule: Rule, got: dict[str, str], overs: set[str],
+                   shapes: dict[str, tuple[int, ...]]) -> list[tuple[int, ...]] | None:
+    """The shapes of the rule's sources named by one match (``got``), or None when a source is a
+    key family (a Stack's placeholder), names a placeholder the match lacks, or is not stored."""
+    if any(n in overs or n not in got for p in rule.sources for n in _placeholders(p)):
+        return None
+    keys = [_fill(p, got) for p in rule.sources]
+    return [shapes[k] for k in keys] if all(k in shapes for k in keys) else None
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ The tensor and state entries, and the exact checks of one entry, are in
 Subpackage ``ckptfmt.manifest``. The manifest: its frozen dataclasses <-> JSON, every validation
 rule of the format, its caps, the fast validation path and the references and derived-column
 extensions (FORMAT.md 5). Pure: no storage, no I/O. Its modules: ``_caps``, ``_entries``, ``_fast``,
-``_refs``. May import: floor. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
-(tests/test_layering.py holds the rules and enforces them). Subpackages that may import it: shard,
-reader, repository, session, interop, manager.
+``_refs``. May import: floor, shard. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
+(tests/test_layering.py holds the rules and enforces them). The lengths a shard's parts may take,
+which the checks and the derived columns compare with, are :func:`ckptfmt.shard.shard_sizes`'s.
+Subpackages that may import it: reader, repository, session, interop, manager.
 """
 from __future__ import annotations
 

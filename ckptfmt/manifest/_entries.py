@@ -16,26 +16,20 @@ import numpy as np
 
 from ckptfmt.dtypes import DTYPES, itemsize_of
 from ckptfmt.errors import DuplicateShardError, InvalidManifestError, UnsupportedVersionError
-from ckptfmt.layout import CRC_BYTES, MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, shard_key
+from ckptfmt.layout import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, shard_key
 from ckptfmt.plan import TensorGeometry, chunk_count_table
+from ckptfmt.shard import shard_sizes
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]")  # C0 controls and DEL
 
 __all__ = ["ArraySpec", "PackedRows", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key", "CODECS",
-           "max_encoded_chunk_nbytes", "DerivedColumns", "derived_columns"]
+           "DerivedColumns", "derived_columns"]
 
 MAX_KEY_LEN = 4096
 MAX_OBJECT_KEY_LEN = 1024
 _U32 = 1 << 32
 #: The inner-chunk codecs (FORMAT.md 5.7, 6.3): "raw", and "zstd" (extension ckptfmt.zstd, revision 1.1).
 CODECS = ("raw", "zstd")
-
-
-def max_encoded_chunk_nbytes(raw_nbytes: int) -> int:
-    """The largest encoded chunk (zstd frame plus the 4-byte crc32c) a reader accepts for a chunk of
-    ``raw_nbytes`` decoded bytes: zstd's own worst case, ZSTD_COMPRESSBOUND (FORMAT.md 6.3)."""
-    small = ((128 << 10) - raw_nbytes) >> 11 if raw_nbytes < (128 << 10) else 0
-    return raw_nbytes + (raw_nbytes >> 8) + small + 4
 
 
 def check_object_key(k: Any, *, prefix: str = "", key: str | None = None) -> str:
@@ -130,9 +124,10 @@ def derived_columns(geom: TensorGeometry, max_chunks: int | None = None) -> Deri
     total = int(start[-1])
     if max_chunks is not None and total > max_chunks:
         raise TooManyChunks(total, max_chunks)
-    cn = geom.chunk_nbytes
+    sizes = shard_sizes(geom)
+    cn = sizes.chunk
     coff = (np.arange(total, dtype=np.int64) - np.repeat(start[:-1], counts)) * cn
-    arrays = (offsets, counts * cn + geom.index_nbytes, coff, np.full(total, cn, np.int64), start)
+    arrays = (offsets, sizes.shard(counts), coff, np.full(total, cn, np.int64), start)
     for a in arrays:
         a.flags.writeable = False
     return DerivedColumns(arrays[0], keys, *arrays[1:])
@@ -368,9 +363,10 @@ def _geometry(k: str, a: Mapping[str, Any], shape_t: tuple[int, ...], item: int)
     if math.prod(chunk_shape) * item > MAX_TENSOR_BYTES or math.prod(shard_shape) > (1 << 40) * max(1, math.prod(chunk_shape)):
         _fail("chunk too large", key=k, found=chunk_shape)
     geom = TensorGeometry(shape_t, shard_shape, chunk_shape, item)
-    if geom.chunk_nbytes > MAX_TENSOR_BYTES or geom.index_nbytes > MAX_TENSOR_BYTES:
+    sizes = shard_sizes(geom)
+    if sizes.chunk > MAX_TENSOR_BYTES or sizes.index > MAX_TENSOR_BYTES:
         _fail("encoded chunk or shard index too large", key=k, expected=f"<= {MAX_TENSOR_BYTES} bytes",
-              found=max(geom.chunk_nbytes, geom.index_nbytes))
+              found=max(sizes.chunk, sizes.index))
     return geom
 
 
@@ -423,18 +419,16 @@ def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] =
         _fail("shards do not tile the tensor (gap)", key=k, expected=f"{expected_n} shards", found=n)
     offset = _int_array(sh.get("offset"), n, 0, MAX_DIM, "shards.offset", k, width=nd)
     writer = _int_array(sh.get("writer"), n, 0, writers - 1, "shards.writer", k)
-    nbytes = _int_array(sh.get("nbytes"), n, geom.index_nbytes, MAX_TENSOR_BYTES, "shards.nbytes", k)
+    sizes = shard_sizes(geom)
+    nbytes = _int_array(sh.get("nbytes"), n, sizes.index, MAX_TENSOR_BYTES, "shards.nbytes", k)
     icrc = _int_array(sh.get("index_crc32c"), n, 0, _U32 - 1, "shards.index_crc32c", k)
     if n:
         _check_shard_boxes(k, geom, offset, keys)
     counts = np.prod(chunk_count_table(geom, offset), axis=1, dtype=np.int64) if n else np.zeros(0, np.int64)
     total = int(counts.sum())
     coff = _int_array(ch.get("offset"), total, 0, MAX_TENSOR_BYTES, "chunks.offset", k)
-    if codec == "raw":
-        cnb = _int_array(ch.get("nbytes"), total, geom.chunk_nbytes, geom.chunk_nbytes, "chunks.nbytes", k)
-    else:  # an encoded chunk: at least one byte before its trailer, at most zstd's bound
-        cnb = _int_array(ch.get("nbytes"), total, CRC_BYTES + 1,
-                         max_encoded_chunk_nbytes(geom.chunk_nbytes - CRC_BYTES), "chunks.nbytes", k)
+    # raw: exactly a raw chunk; encoded: at least one byte before its trailer, at most zstd's bound
+    cnb = _int_array(ch.get("nbytes"), total, *sizes.stored_chunk(codec), "chunks.nbytes", k)
     ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)
     if total:
         _check_chunk_ranges(k, geom, path, keys, nbytes, counts, coff, cnb)
@@ -452,9 +446,10 @@ def _derived_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[st
     n, total = len(cols.key), len(cols.chunk_offset)
     writer = _int_array(sh.get("writer"), n, 0, writers - 1, "shards.writer", k)
     # The largest shard is shard 0 (whole along every dimension): its size, in exact arithmetic.
-    top = math.prod(geom.inner) * geom.chunk_nbytes + geom.index_nbytes if n else 0
+    sizes = shard_sizes(geom)
+    top = sizes.full if n else 0
     if top > MAX_TENSOR_BYTES:
-        _fail("shards.nbytes out of range", key=k, expected=f"[{geom.index_nbytes}, {MAX_TENSOR_BYTES}]",
+        _fail("shards.nbytes out of range", key=k, expected=f"[{sizes.index}, {MAX_TENSOR_BYTES}]",
               found=f"{top} (derived)")
     icrc = _int_array(sh.get("index_crc32c"), n, 0, _U32 - 1, "shards.index_crc32c", k)
     ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)
@@ -523,7 +518,7 @@ def _check_chunk_ranges(k: str, geom: TensorGeometry, path: str, keys: list[Any]
                         counts: np.ndarray, coff: np.ndarray, cnb: np.ndarray) -> None:
     """Every chunk lies inside its shard's data section, and no two chunks of a shard share a byte."""
     owner = np.repeat(np.arange(len(keys)), counts)
-    if np.any(coff > (nbytes[owner] - geom.index_nbytes) - cnb):  # written so that nothing can overflow int64
+    if np.any(coff > shard_sizes(geom).data_stop(nbytes[owner]) - cnb):  # written so that nothing can overflow int64
         _fail("a chunk byte range runs past its shard's data section", key=k)
     # Sorted by (shard, offset), each chunk must end before the next one of its shard begins.
     order = np.lexsort((coff, owner))

@@ -22,7 +22,7 @@ from ckptfmt.shard._blockcheck import BlockChecks
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import SizeMismatchError
 from ckptfmt.shard import TRAILER_BYTES, ShardBytes, back_to_back, shard_bytes
-from ckptfmt.manifest import TensorEntry
+from ckptfmt.manifest import Manifest, TensorEntry
 from ckptfmt.plan import ReadItem
 from ckptfmt.storage import PositionalFile, Storage
 from ckptfmt.storage._options import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
@@ -44,8 +44,8 @@ class PositionalReads:
     """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats``,
     ``checks``, ``_plain_dirs`` and ``_starts``."""
 
-    storage: Any
-    manifest: Any
+    storage: Storage
+    manifest: Manifest
     stats: Any
     checks: BlockChecks
     _plain_dirs: set[str]

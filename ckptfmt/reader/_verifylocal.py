@@ -21,10 +21,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ckptfmt.errors import SizeMismatchError
-from ckptfmt.manifest import TensorEntry
+from ckptfmt.manifest import Manifest, TensorEntry
 from ckptfmt.reader._alloc import require_memory
 from ckptfmt.shard import shard_bytes
 from ckptfmt.shard._blockcheck import BlockChecks
+from ckptfmt.storage import Storage
 from ckptfmt.storage._durable import kept_pool
 
 __all__ = ["LocalVerify", "ReadBuffers", "VERIFY_THREADS"]
@@ -78,8 +79,8 @@ class LocalVerify:
     """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats``,
     ``max_inflight_bytes``, ``checks``, ``_plain_dirs``, ``_starts`` and ``_verify_in_parts``."""
 
-    storage: Any
-    manifest: Any
+    storage: Storage
+    manifest: Manifest
     stats: Any
     checks: BlockChecks
     max_inflight_bytes: int

@@ -47,8 +47,8 @@ from ckptfmt.storage import NO_VALUE
 if TYPE_CHECKING:  # the package's face imports this module
     from ckptfmt.repository import Repository
 
-__all__ = ["GcReport", "collect", "referenced_elsewhere", "pinned_by_a_save", "pinned_by_leases", "unrestorable",
-           "remove_unreferenced", "DEFAULT_LEASE_GRACE_S"]
+__all__ = ["GcReport", "GcChecks", "collect", "last_look", "referenced_elsewhere", "pinned_by_a_save", "pinned_by_leases",
+           "unrestorable", "remove_unreferenced", "DEFAULT_LEASE_GRACE_S"]
 
 DEFAULT_LEASE_GRACE_S = 600.0  # FORMAT.md 10.2
 LEASE_MAX_BYTES = layout.LEASE_MAX_BYTES
@@ -212,19 +212,39 @@ def unrestorable(repo: Repository, step: int) -> str | None:
     return "; ".join(faults[:3]) if faults else None
 
 
-_unrestorable = unrestorable  # gc asks through these names (the fault tests take the checks out by them)
-_unverified = unverified
-_recognise = recognise
+_recognise = recognise  # gc asks through this name (the fault fixture takes the check out by it)
+
+
+class GcChecks:
+    """The checks gc decides with, each the module's own function: retention's
+    :meth:`unrestorable` and :meth:`unverified` (FORMAT.md 10.4), and step 6's :meth:`last_look`
+    (10.3). :func:`collect` takes one (``checks``; this one by default). A fault test's broken
+    control passes a subclass with one check replaced by a weaker one, and shows what it loses."""
+
+    def unrestorable(self, repo: Repository, step: int) -> str | None:
+        """:func:`unrestorable`: why ``step`` cannot be restored, or None."""
+        return unrestorable(repo, step)
+
+    def unverified(self, repo: Repository, step: int, *, fresh: bool = False, read: set[int] | None = None) -> str | None:
+        """:func:`ckptfmt.repository._verified.unverified`: why ``step`` is not verified byte for byte, or None."""
+        return unverified(repo, step, fresh=fresh, read=read)
+
+    def last_look(self, repo: Repository, names: SaveNames, claimed: set[str], retired: dict[str, int],
+                  report: GcReport) -> None:
+        """:func:`last_look`: delete the claimed saves that nothing pins or names, keep the others."""
+        last_look(repo, names, claimed, retired, report)
 
 
 def _retention(repo: Repository, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport,
-               dry_run: bool = False) -> dict[str, int]:
+               dry_run: bool = False, checks: GcChecks | None = None) -> dict[str, int]:
     """Un-commit the steps that retention deletes, manifest first; their save ids. ``dry_run``:
     report them, delete nothing."""
+    checks = checks or GcChecks()
     read: set[int] = set()  # the steps this decision read in full: a fresh read needs no second one
     plan = Retention(keep_last=keep_last, keep_every=keep_every or None).plan(
-        steps, unrestorable=lambda s: _unrestorable(repo, s), unverified=lambda s: _unverified(repo, s, read=read),
-        reread=lambda s: None if s in read else _unverified(repo, s, fresh=True, read=read))
+        steps, unrestorable=lambda s: checks.unrestorable(repo, s),
+        unverified=lambda s: checks.unverified(repo, s, read=read),
+        reread=lambda s: None if s in read else checks.unverified(repo, s, fresh=True, read=read))
     report.problems.extend(plan.notes)
     retired: dict[str, int] = {}
     for s in plan.steps:
@@ -252,8 +272,9 @@ def _retention(repo: Repository, steps: list[int], keep_last: int, keep_every: i
 
 
 def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, keep_every: int | None,
-            dry_run: bool = False) -> GcReport:
-    """Retention, then removal of abandoned saves (see the module docstring for the order).
+            dry_run: bool = False, checks: GcChecks | None = None) -> GcReport:
+    """Retention, then removal of abandoned saves (see the module docstring for the order), deciding
+    with ``checks`` (default :class:`GcChecks`: this module's own checks).
 
     Raises NotARepositoryError (deleting nothing) when the URL holds no repository, and
     StorageError when ``manifests/`` or ``saves/`` cannot be listed at all. Everything else that
@@ -262,13 +283,14 @@ def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, k
     grace_s = DEFAULT_LEASE_GRACE_S if grace_s is None else float(grace_s)
     st = repo.storage
     report = GcReport(dry_run=dry_run)
+    checks = checks or GcChecks()
     foreign: list[str] = []
     steps, _ = _listed_steps(repo)
     _recognise(repo, steps, "gc deleted nothing")
     retired: dict[str, int] = {}
     if keep_last is not None and keep_last >= 1:
         if st.plain_dir(MANIFESTS):
-            retired = _retention(repo, steps, keep_last, keep_every, report, dry_run)
+            retired = _retention(repo, steps, keep_last, keep_every, report, dry_run, checks)
         else:
             report.problems.append("manifests/ is a symbolic link or not a folder: retention skipped")
     names = list_saves(st, retired, report, foreign)
@@ -302,7 +324,7 @@ def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, k
     if freed:
         claimed |= _collect_pending(repo, names, replace(live, pending=freed), committed, retired, report, now, grace_s)
     report.pinned = sorted(held - freed)
-    _settle(repo, names, claimed, retired, report)
+    checks.last_look(repo, names, claimed, retired, report)
     return _finish(report, foreign)
 
 
@@ -440,9 +462,10 @@ def _collect_pending(repo: Repository, names: SaveNames, live: _Liveness, commit
     return claimed
 
 
-def _settle(repo: Repository, names: SaveNames, claimed: set[str], retired: dict[str, int], report: GcReport) -> None:
+def last_look(repo: Repository, names: SaveNames, claimed: set[str], retired: dict[str, int], report: GcReport) -> None:
     """Step 6, the last look (FORMAT.md 10.3): after every claim, every lease, then every manifest;
-    a claimed save that one pins or names is kept (and stays claimed), the others are deleted."""
+    a claimed save that one pins or names is kept (and stays claimed), the others are deleted
+    (``report`` says which). ``retired``: the save ids retention un-committed, by step."""
     if not claimed:
         return
     pins = lease_pins(repo.storage)

@@ -10,7 +10,7 @@ Call order on every rank (all collectives are named and bounded by ``timeout_s``
 3. each rank writes the shards it owns (rank 0 also every ``zarr.json`` and the global state;
    each rank its own per-rank state) and verifies them: object size, index checksum, and every
    inner chunk's stored crc32c against the crc32c computed from the source bytes
-   (:mod:`ckptfmt.session._shardwriter`; keys and byte layout from :mod:`ckptfmt.layout`).
+   (:mod:`ckptfmt.session._shardwriter`; keys from :mod:`ckptfmt.layout`, bytes from :mod:`ckptfmt.shard`).
 4. ``allgather("save/ack")`` of the shard records (:class:`~ckptfmt.shard.ShardRecord`, named columns)
    and state entries, or of the writer's error.
 5. rank 0 builds and validates the manifest, switches its lease to ``committing`` (a write
@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import platform
 import threading
 import time
@@ -65,7 +66,7 @@ from ckptfmt.manifest import (MAX_NESTING, ArraySpec, ChunkTable, Manifest, Shar
                               parse_manifest)
 from ckptfmt.plan import TensorWritePlan, plan_save_packed
 from ckptfmt.repository import Repository
-from ckptfmt.shard import ShardRecord, records_from_wire, records_to_wire
+from ckptfmt.shard import ShardRecord, records_from_wire, records_to_wire, shard_sizes
 from ckptfmt.storage import NO_VALUE, Storage
 
 __all__ = ["SaveOptions", "save", "lease_key", "new_save_id"]
@@ -162,7 +163,7 @@ class _Heartbeat:
             self._thread.join(timeout=5)
 
 
-def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = None, rank_state: Any = None,
+def save(repo: Repository | str | os.PathLike[str], step: int, shards: Iterable[LocalShard], *, state: Any = None, rank_state: Any = None,
          metadata: Mapping[str, Any] | None = None, coordinator: Coordinator | None = None,
          versions: Mapping[str, str] | None = None, options: SaveOptions | None = None) -> Manifest:
     """Save one logical step from every rank, and return the committed manifest.
@@ -215,7 +216,7 @@ def save(repo: Any, step: int, shards: Iterable[LocalShard], *, state: Any = Non
             _end(storage, heartbeat, step, save_id, committed)
 
 
-def _begin(repository: Any, opts: SaveOptions, step: int, world: int,
+def _begin(repository: Repository, opts: SaveOptions, step: int, world: int,
            local_error: CheckpointError | None) -> tuple["_Heartbeat | None", dict[str, Any]]:
     """Step 1 on rank 0: the marker, a fresh save id and its lease, which pins the saves this one
     may reference (FORMAT.md 8.4); (heartbeat, the begin message)."""
@@ -301,7 +302,7 @@ def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:
     return out
 
 
-def _run(repository: Any, storage: Storage, coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
+def _run(repository: Repository, storage: Storage, coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
          local: dict[str, list[LocalShard]] | CheckpointError, state: Any, rank_state: Any,
          metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None,
          heartbeat: "_Heartbeat | None", pinned: Any = None) -> Manifest:
@@ -411,7 +412,7 @@ def _plan_key(inventory_digest: str, chunk_target_bytes: int, packed: list[Any])
     return h.digest()
 
 
-def _commit(repository: Any, storage: Storage, heartbeat: "_Heartbeat | None", save_id: str, step: int, world: int,
+def _commit(repository: Repository, storage: Storage, heartbeat: "_Heartbeat | None", save_id: str, step: int, world: int,
             plans: list[TensorWritePlan], acks: list[dict[str, Any]], local: dict[str, list[LocalShard]],
             metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None, opts: SaveOptions) -> dict[str, Any]:
     """Step 5 on rank 0: build and check the manifest, pass the fence, create it; the outcome message."""
@@ -463,7 +464,7 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
     table_sizes: list[int] = []
     for p in plans:
         g = p.geometry
-        nd = len(g.shape)
+        nd, raw_chunk = len(g.shape), shard_sizes(g).chunk
         offsets, writers, keys, nbytes, icrcs, coff, cnb, ccrc = [], [], [], [], [], [], [], []
         objs, starts = [], []
         for row, it in enumerate(p.items):
@@ -489,7 +490,7 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             nbytes.append(rec.nbytes)
             icrcs.append(rec.index_crc32c)
             coff.extend(rec.chunk_offsets)
-            cnb.extend(rec.chunk_nbytes or [g.chunk_nbytes] * len(rec.chunk_offsets))
+            cnb.extend(rec.chunk_nbytes or [raw_chunk] * len(rec.chunk_offsets))
             ccrc.extend(rec.chunk_crc32c)
         tensors[p.key] = TensorEntry(
             p.key, g.shape, p.dtype, shardings.get(p.key),

@@ -47,12 +47,14 @@ from ckptfmt.shard._blockcheck import BlockChecks
 from ckptfmt.session._digest import DigestWindow, PendingDigest, start_digest
 from ckptfmt.errors import CheckpointError
 from ckptfmt.manifest import Manifest, TensorEntry
-from ckptfmt.shard import ShardRecord, chunk_data, padded_chunks, shard_bytes
+from ckptfmt.shard import ShardRecord, chunk_data, padded_chunks, shard_bytes, shard_sizes
 
 if TYPE_CHECKING:
     from ckptfmt.session._shardwriter import Materialize
     from ckptfmt._types import LocalShard
     from ckptfmt.plan import TensorWritePlan, WriteItem
+    from ckptfmt.repository import Repository
+    from ckptfmt.storage import Storage
 
 __all__ = ["ReuseMemory", "ReusePlanner", "default_memory", "pin_previous", "previous_manifest"]
 
@@ -77,7 +79,7 @@ class ReuseMemory:
         self._by_id: dict[int, tuple[weakref.ref, dict[tuple, Remembered]]] = {}
         self._lock = threading.Lock()
 
-    def remember(self, source: Any, where: tuple, shard: Remembered) -> None:
+    def remember(self, source: object, where: tuple, shard: Remembered) -> None:
         with self._lock:
             entry = self._by_id.get(id(source))
             if entry is None or entry[0]() is not source:
@@ -88,7 +90,7 @@ class ReuseMemory:
                 entry = self._by_id[id(source)] = (ref, {})
             entry[1][where] = shard
 
-    def recall(self, source: Any, where: tuple) -> Remembered | None:
+    def recall(self, source: object, where: tuple) -> Remembered | None:
         with self._lock:
             entry = self._by_id.get(id(source))
             if entry is None or entry[0]() is not source:
@@ -118,7 +120,7 @@ def default_memory() -> ReuseMemory:
         return _DEFAULT[0]
 
 
-def _alive(source: Any) -> bool:
+def _alive(source: object) -> bool:
     """A donated or deleted jax.Array's buffer may hold anything: it proves nothing."""
     deleted = getattr(source, "is_deleted", None)
     try:
@@ -127,7 +129,7 @@ def _alive(source: Any) -> bool:
         return False
 
 
-def pin_previous(repo: Any, step: int, check_mode: str) -> Manifest | None:
+def pin_previous(repo: Repository, step: int, check_mode: str) -> Manifest | None:
     """Rank 0, before the lease: the previous committed step's manifest (the newest step below
     ``step`` whose manifest validates), or None (no reuse) when there is none or reuse is off."""
     if check_mode == "off":
@@ -144,7 +146,7 @@ def lease_refs(previous: Manifest | None) -> list[str]:
     return [] if previous is None else sorted({previous.save_id} | set(previous.referenced_saves))
 
 
-def previous_manifest(repo: Any, pinned: Any) -> Manifest | None:
+def previous_manifest(repo: Repository, pinned: Any) -> Manifest | None:
     """After the lease names the pinned saves: ``P``'s manifest if it is still committed (the
     slot still names the same save id), else None. Every rank calls it; a rank that cannot read
     it writes everything (the objects stay pinned, so a slower rank never reads a deleted one)."""
@@ -165,7 +167,7 @@ def _same_crcs(crcs: Any, stored: ShardRecord) -> bool:
 
 @dataclass
 class _Seen:
-    source: Any
+    source: object  # the framework's array that held the block (compared by identity)
     where: tuple
     chunk_nbytes: int  # of a raw chunk, for records that do not list their chunks' lengths
     digest: PendingDigest | None = None  # of the block written or proved; None: nothing to remember
@@ -174,7 +176,7 @@ class _Seen:
 class ReusePlanner:
     """The per-shard hook of one rank's save (see the module docstring). Not shared across saves."""
 
-    def __init__(self, storage: Any, previous: Manifest | None, *, mode: str,
+    def __init__(self, storage: Storage, previous: Manifest | None, *, mode: str,
                  memory: ReuseMemory | None = None, codec: str = "raw", exclude: frozenset[str] = frozenset(),
                  packed: bool = True) -> None:
         self.storage, self.previous, self.mode, self.codec = storage, previous, mode, codec
@@ -203,7 +205,7 @@ class ReusePlanner:
         source = getattr(holder, "source", None)
         seen = None
         if source is not None and self.mode == "auto":
-            seen = self._seen[(plan.index, item.cell)] = _Seen(source, where, g.chunk_nbytes)
+            seen = self._seen[(plan.index, item.cell)] = _Seen(source, where, shard_sizes(g).chunk)
         found = self._stored(plan, item)
         if found is None or not self._proven(found, seen, materialize):
             if seen is not None and self._may_recur(found, materialize):  # its digest, for the next save's identity proof

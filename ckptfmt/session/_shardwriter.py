@@ -32,14 +32,13 @@ from ckptfmt import layout
 from ckptfmt.shard._codec import decoder_for
 from ckptfmt.storage._durable import writer_pool
 from ckptfmt.storage._kverrors import kv_errors
-from ckptfmt.manifest._entries import max_encoded_chunk_nbytes
 from ckptfmt._types import Box, LocalShard
 from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import IncompleteSaveError, StepMismatchError
 from ckptfmt.manifest import StateEntry
 from ckptfmt.plan import TensorWritePlan, WriteItem, stored_chunk_counts
-from ckptfmt.shard import ShardRecord, chunk_crcs, encode, raw_shard_nbytes, verify_encoded
+from ckptfmt.shard import ShardRecord, chunk_crcs, encode, raw_shard_nbytes, shard_sizes, verify_encoded
 from ckptfmt.state import encode_state
 from ckptfmt.storage import Storage
 
@@ -448,7 +447,7 @@ def _verify_encoded(storage: Storage, w: _RankWrites) -> list[ShardRecord]:
         key = layout.shard_key(layout.array_path(w.save_id, p.index), it.cell)
         dec = decoder_for(decoders, p.dtype, g.chunk_shape)
         out.append(verify_encoded(p.index, it.cell, p.key, key, g, it.box.offset, storage.read(key), crcs,
-                                  max_encoded_chunk_nbytes(g.chunk_nbytes - layout.CRC_BYTES),
+                                  shard_sizes(g).stored_chunk("zstd")[1],
                                   lambda data, key=key, p=p, dec=dec: dec.decode(data, key=p.key, obj=key)))
     return out
 

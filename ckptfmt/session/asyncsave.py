@@ -39,6 +39,7 @@ import numpy as np
 from ckptfmt._types import LocalShard
 from ckptfmt.errors import InvalidStateError, SaveInProgressError
 from ckptfmt.manifest import Manifest
+from ckptfmt.repository import Repository
 from ckptfmt.session import save
 
 __all__ = ["SaveHandle", "save_async", "start_async", "save_in_flight", "BackgroundWorker", "RetrySchedule",
@@ -312,7 +313,7 @@ def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step
     return handle
 
 
-def save_async(repo: Any, step: int, shards: Iterable[LocalShard], *, wait: bool = True, copy: bool = True,
+def save_async(repo: Repository | str | os.PathLike[str], step: int, shards: Iterable[LocalShard], *, wait: bool = True, copy: bool = True,
                retry: RetrySchedule | None = None, **kwargs: Any) -> SaveHandle:
     """Snapshot ``shards`` to host memory and return; write, verify and commit in a background thread.
 

@@ -15,10 +15,11 @@ that no module outside this one computes a shard's byte positions (tests/test_sh
 
 Subpackage ``ckptfmt.shard``. The shard object (FORMAT.md 6.2-6.4): its index, its chunk checks and
 the decoding of encoded chunks, shared by the read path, the reuse check and the writers. Its
-modules: ``_blockcheck``, ``_bytes``, ``_codec``. May import: floor, manifest. The floor: the
+modules: ``_blockcheck``, ``_bytes``, ``_codec``. May import: floor. The floor: the
 top-level modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and
-enforces them).
-Subpackages that may import it: reader, session.
+enforces them). It reads a manifest's tensor entry through :class:`ShardedTensor`, so that the
+manifest, whose parser checks its lengths against :func:`shard_sizes`, can sit above it.
+Subpackages that may import it: manifest, reader, session.
 """
 from __future__ import annotations
 
@@ -32,16 +33,27 @@ import numpy as np
 
 from ckptfmt.checksum import crc32c
 from ckptfmt.errors import ChecksumMismatchError, IncompleteSaveError, InvalidDataError, SizeMismatchError
-from ckptfmt.layout import CRC_BYTES, INDEX_ENTRY, NOT_STORED, cell_key, index_entries, split_trailer
+from ckptfmt.layout import cell_key
 from ckptfmt.plan import TensorGeometry, stored_chunk_counts
+from ckptfmt.shard._bytes import INDEX_ENTRY as INDEX_ENTRY
+from ckptfmt.shard._bytes import INDEX_ENTRY_BYTES as INDEX_ENTRY_BYTES
+from ckptfmt.shard._bytes import NOT_STORED as NOT_STORED
 from ckptfmt.shard._bytes import TRAILER_BYTES as TRAILER_BYTES
 from ckptfmt.shard._bytes import ShardBytes as ShardBytes
+from ckptfmt.shard._bytes import ShardedTensor as ShardedTensor
+from ckptfmt.shard._bytes import ShardSizes as ShardSizes
 from ckptfmt.shard._bytes import chunk_data as chunk_data
 from ckptfmt.shard._bytes import data_and_trailer as data_and_trailer
+from ckptfmt.shard._bytes import index_entries as index_entries
+from ckptfmt.shard._bytes import max_encoded_chunk_nbytes as max_encoded_chunk_nbytes
 from ckptfmt.shard._bytes import raw_shard_nbytes as raw_shard_nbytes
 from ckptfmt.shard._bytes import shard_bytes as shard_bytes
+from ckptfmt.shard._bytes import shard_sizes as shard_sizes
+from ckptfmt.shard._bytes import split_trailer as split_trailer
 
-__all__ = ["TRAILER_BYTES", "ShardBytes", "shard_bytes", "raw_shard_nbytes", "data_and_trailer",
+__all__ = ["TRAILER_BYTES", "INDEX_ENTRY_BYTES", "INDEX_ENTRY", "NOT_STORED", "ShardedTensor", "ShardSizes", "shard_sizes",
+           "max_encoded_chunk_nbytes", "ShardBytes", "shard_bytes", "raw_shard_nbytes", "split_trailer", "index_entries",
+           "data_and_trailer",
            "ShardRecord", "records_to_wire", "records_from_wire", "EncodedShard", "encode", "padded_chunks",
            "chunk_crcs", "index_body", "back_to_back", "chunk_data", "check_whole", "check_index", "check_index_crc", "check_entries", "check_chunk", "check_bool",
            "verify_encoded"]
@@ -155,7 +167,7 @@ def index_body(g: TensorGeometry, counts: tuple[int, ...]) -> bytes:
     """The entry table of a shard whose stored chunks (``counts`` per dimension, as
     :func:`ckptfmt.plan.stored_chunk_counts`) lie back to back from offset 0 in C order, each
     ``chunk_nbytes`` long; every other inner chunk the not-stored marker."""
-    return _index(g.inner, g.chunk_nbytes, tuple(counts))[0]
+    return _index(g.inner, shard_sizes(g).chunk, tuple(counts))[0]
 
 
 #: Index tables up to this size are kept (:func:`_index`): every shard of a geometry with the
@@ -195,7 +207,8 @@ class EncodedShard:
                  counts: tuple[int, ...], crcs: Sequence[int] | None = None) -> None:
         self.tensor, self.cell, self.block, self.geometry, self.counts = tensor, tuple(cell), block, g, counts
         self.nchunks = math.prod(counts)
-        self.nbytes = raw_shard_nbytes(g, self.nchunks)
+        self.sizes = shard_sizes(g)
+        self.nbytes = self.sizes.shard(self.nchunks)
         self._given = None if crcs is None else tuple(int(c) for c in crcs)
         self._crcs: list[int] = []
         self._index_crc: int | None = None
@@ -209,10 +222,10 @@ class EncodedShard:
             c = self._given[i] if self._given is not None else crc32c(data)
             self._crcs.append(c)
             yield data
-            yield c.to_bytes(CRC_BYTES, "little")
-        body, self._index_crc = _index(self.geometry.inner, self.geometry.chunk_nbytes, self.counts)
+            yield c.to_bytes(TRAILER_BYTES, "little")
+        body, self._index_crc = _index(self.geometry.inner, self.sizes.chunk, self.counts)
         yield body
-        yield self._index_crc.to_bytes(CRC_BYTES, "little")
+        yield self._index_crc.to_bytes(TRAILER_BYTES, "little")
 
     def verified(self, stored: int, *, key: str, obj: str) -> ShardRecord:
         """Verify after write (FORMAT.md 8.1 phase 4): the trailers and the index hold by
@@ -228,7 +241,7 @@ class EncodedShard:
         """The record of the object :meth:`buffers` yielded (raises if it was not consumed)."""
         if self._index_crc is None or len(self._crcs) != self.nchunks:
             raise RuntimeError("EncodedShard.record() before its buffers were written")
-        cn = self.geometry.chunk_nbytes
+        cn = self.sizes.chunk
         return ShardRecord(self.tensor, self.cell, self.nbytes, self._index_crc,
                            tuple(range(0, self.nchunks * cn, cn)), tuple(self._crcs))
 
@@ -242,7 +255,7 @@ def encode(tensor: int, cell: tuple[int, ...], block: np.ndarray, g: TensorGeome
 def back_to_back(t: Any, c0: int, c1: int, nbytes: int) -> bool:
     """True when chunk rows c0..c1 of a shard of ``nbytes`` lie back to back from offset 0 with
     the index right after (the layout :func:`encode` writes): one read takes the whole object."""
-    n, cn = c1 - c0, t.geometry.chunk_nbytes
+    n, cn = c1 - c0, shard_sizes(t.geometry).chunk
     offs = t.chunks.offset[c0:c1]
     return nbytes == raw_shard_nbytes(t.geometry, n) and bool(np.array_equal(offs, np.arange(n, dtype=np.int64) * cn))
 
@@ -345,11 +358,12 @@ def verify_encoded(tensor: int, cell: tuple[int, ...], key: str, obj_key: str, g
     its index and every trailer checked against its bytes, every entry inside the data section
     and at most ``limit`` bytes long, every chunk decoded (``decode``) to the crc32c of its source
     chunk. IncompleteSaveError, naming ``key`` and ``obj_key``, when anything differs."""
-    if obj is None or len(obj) < g.index_nbytes:
+    index_len = shard_sizes(g).index
+    if obj is None or len(obj) < index_len:
         raise IncompleteSaveError("written shard is missing or shorter than its index", key=key, object=obj_key,
-                                  expected=f">= {g.index_nbytes} bytes", found=None if obj is None else len(obj))
+                                  expected=f">= {index_len} bytes", found=None if obj is None else len(obj))
     total, view = len(obj), memoryview(obj)
-    body, stored = split_trailer(view[total - g.index_nbytes:])
+    body, stored = split_trailer(view[total - index_len:])
     if crc32c(body) != stored:
         raise IncompleteSaveError("written shard index fails its checksum", key=key, object=obj_key)
     entries = index_entries(body)
@@ -357,7 +371,7 @@ def verify_encoded(tensor: int, cell: tuple[int, ...], key: str, obj_key: str, g
     for c, want in zip(product(*(range(k) for k in stored_chunk_counts(g, offset))), source_crcs):
         flat = int(np.ravel_multi_index(c, g.inner)) if g.inner else 0
         off, nb = (int(x) for x in entries[flat])
-        if not CRC_BYTES < nb <= limit or off + nb > total - g.index_nbytes:
+        if not TRAILER_BYTES < nb <= limit or off + nb > total - index_len:
             raise IncompleteSaveError("written shard index points at an unexpected byte range", key=key,
                                       object=obj_key, expected=f"1..{limit} bytes inside the data section",
                                       found=f"[{off}, {off + nb})")

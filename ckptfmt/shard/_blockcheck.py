@@ -15,7 +15,7 @@ import numpy as np
 from ckptfmt import shard
 from ckptfmt.shard._codec import decoder_for
 from ckptfmt.dtypes import numpy_dtype
-from ckptfmt.manifest import TensorEntry
+from ckptfmt.shard._bytes import ShardedTensor
 
 __all__ = ["BlockChecks"]
 
@@ -30,25 +30,25 @@ class BlockChecks:
     def __init__(self) -> None:
         self._decoders: dict[Any, Any] = {}
 
-    def whole(self, t: TensorEntry, s: int, obj: str, buf: bytes, chunks: Sequence[int]) -> dict[int, memoryview]:
+    def whole(self, t: ShardedTensor, s: int, obj: str, buf: bytes, chunks: Sequence[int]) -> dict[int, memoryview]:
         """Check a whole shard object (exact size, index, the given chunks) against the manifest;
         returns a view of each checked chunk's stored bytes."""
         return shard.check_whole(t, s, obj, buf, chunks, index=self.index, chunk=self.chunk)
 
-    def index(self, t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
+    def index(self, t: ShardedTensor, s: int, obj: str, index: memoryview) -> None:
         """The index's crc32c, recomputed and as stored, against the manifest; then its entries."""
         shard.check_index_crc(t, s, obj, index)
         self.entries(t, s, obj, index)
 
-    def entries(self, t: TensorEntry, s: int, obj: str, index: memoryview) -> None:
+    def entries(self, t: ShardedTensor, s: int, obj: str, index: memoryview) -> None:
         """The index's entries against the manifest's chunk table."""
         shard.check_entries(t, s, obj, index)
 
-    def chunk(self, t: TensorEntry, c: int, obj: str, mv: Any, trailer: Any = None) -> None:
+    def chunk(self, t: ShardedTensor, c: int, obj: str, mv: Any, trailer: Any = None) -> None:
         """Chunk row ``c``'s stored bytes (data and trailer) against the manifest."""
         shard.check_chunk(t, c, obj, mv, trailer)
 
-    def decode(self, t: TensorEntry, c: int, obj: str, mv: Any) -> np.ndarray:
+    def decode(self, t: ShardedTensor, c: int, obj: str, mv: Any) -> np.ndarray:
         """The elements of chunk row ``c`` (shape ``chunk_shape``) from its stored bytes, trailer
         included, which :meth:`chunk` has already checked. Raw chunks are viewed in place;
         encoded ones are decoded (FORMAT.md 6.3), InvalidDataError when they do not decode."""

@@ -23,6 +23,7 @@ from ckptfmt import layout
 from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import InvalidDataError
+from ckptfmt.shard._bytes import TRAILER_BYTES
 
 __all__ = ["ChunkDecoder", "decoder_for"]
 
@@ -63,7 +64,7 @@ class ChunkDecoder:
             slot = next(self._slots) % _SLOTS
         ck = f"c/{slot}{self._zeros}"
         try:
-            self._kv.write(ck, b"".join((data, crc32c(data).to_bytes(layout.CRC_BYTES, "little")))).result()
+            self._kv.write(ck, b"".join((data, crc32c(data).to_bytes(TRAILER_BYTES, "little")))).result()
             out = self._array[slot].read().result()
         except Exception as e:  # tensorstore raises ValueError for a frame it cannot decode
             raise InvalidDataError("encoded chunk is not exactly one zstd frame of its chunk size", key=key, object=obj,

@@ -28,7 +28,7 @@ def _manifest(tensors: int):
     from ckptfmt.manifest._refs import DERIVED, wants_derived
     from ckptfmt.manifest import ArraySpec, ChunkTable, Manifest, ShardTable, TensorEntry
     from ckptfmt.plan import TensorGeometry, cell_key
-    from ckptfmt.shard import raw_shard_nbytes
+    from ckptfmt.shard import raw_shard_nbytes, shard_sizes
 
     save_id = "000000000001-20260101T000000-0badcafe"
     shape = (SHARDS * _ROWS_PER_SHARD, _COLS)
@@ -54,7 +54,7 @@ def _manifest(tensors: int):
             ),
             chunks=ChunkTable(
                 offset=np.zeros(SHARDS, np.int64),
-                nbytes=np.full(SHARDS, geom.chunk_nbytes, np.int64),
+                nbytes=np.full(SHARDS, shard_sizes(geom).chunk, np.int64),
                 crc32c=rng.integers(0, 1 << 32, SHARDS, dtype=np.uint32),
             ),
         )

@@ -206,13 +206,13 @@ def _delete_in_the_old_order(repo, save_id, *, but):
     ("gc-symlink-escape", [("ckptfmt.storage._filestore.LocalFileStorage.delete_prefix", _tensorstore_delete_prefix),
                            ("ckptfmt.storage._filestore.LocalFileStorage.scan_children", "links-as-saves")]),
     ("gc-not-a-repository", [("ckptfmt.repository._gc._recognise", lambda *a: None)]),
-    ("gc-retention-newest-truncated", [("ckptfmt.repository._gc._unrestorable", lambda *a: None),
-                                       ("ckptfmt.repository._gc._unverified", lambda *a, **k: None)]),
-    ("gc-retention-newest-data-missing", [("ckptfmt.repository._gc._unrestorable", lambda *a: None),
-                                          ("ckptfmt.repository._gc._unverified", lambda *a, **k: None)]),
+    ("gc-retention-newest-truncated", [("ckptfmt.repository._gc.GcChecks.unrestorable", lambda *a: None),
+                                       ("ckptfmt.repository._gc.GcChecks.unverified", lambda *a, **k: None)]),
+    ("gc-retention-newest-data-missing", [("ckptfmt.repository._gc.GcChecks.unrestorable", lambda *a: None),
+                                          ("ckptfmt.repository._gc.GcChecks.unverified", lambda *a, **k: None)]),
     ("gc-shared-save-id", [("ckptfmt.repository._gc._mentions", lambda data, candidates: set()),
                            ("ckptfmt.repository._gc._DECLARED", _NO_ID)]),
-    ("gc-retention-newest-flipped", [("ckptfmt.repository._gc._unverified", lambda *a, **k: None)]),
+    ("gc-retention-newest-flipped", [("ckptfmt.repository._gc.GcChecks.unverified", lambda *a, **k: None)]),
     ("gc-delete-racing-a-save", [("ckptfmt.repository._gc.remove_unreferenced", _delete_in_the_old_order)]),
 ])
 def test_control_gc_without_its_check(name, patches, base, tmp_path, monkeypatch):
