@@ -222,8 +222,15 @@ def _unshared(blk: np.ndarray, handed: list[tuple[int, int]]) -> np.ndarray:
 def _restore_batches(ckpt: RestoreSource, plans: list[_ArrayPlan], built: dict[str, Any], exchange: Any = None,
                      coop: CoopStats | None = None) -> tuple[int, float, int]:
     """Build each batch's arrays as soon as it is read and verified (``exchange``: a cooperative
-    restore, FORMAT.md 9.1). Returns (bytes, read s, batches)."""
+    restore, FORMAT.md 9.1). Returns (bytes, read s, batches).
+
+    Where every array lives in host memory (CPU devices, or host numpy), the arrays are built once
+    every batch is read instead: a CPU device takes the verified block as is (no copy), so
+    building early frees no memory, and its thousands of small calls, made while the reader's
+    threads work, queued for the interpreter lock behind them (1 GiB Llama state: the build took
+    1.0-1.6 s against 0.2-0.5 s after the reads)."""
     nbytes, t_read, count = 0, 0.0, 0
+    later: list[tuple[int, dict[Box, np.ndarray]]] | None = [] if _in_host_memory(plans) else None
     batches = read_batches(ckpt, [p.requests() for p in plans], exchange=exchange, coop=coop)
     try:
         while True:
@@ -243,16 +250,37 @@ def _restore_batches(ckpt: RestoreSource, plans: list[_ArrayPlan], built: dict[s
                 for b in plans[i].boxes:
                     blocks[b] = _unshared(plans[i].tp.assemble(b, [got[r] for r in plans[i].reads[b]]), handed)
                 assembled[i] = blocks
-            order = list(indices)
-            for i, arr in zip(order, _build_many([(plans[i], assembled.pop(i)) for i in order])):
-                built[plans[i].key] = arr
+            if later is not None:
+                later.extend((i, assembled.pop(i)) for i in indices)
+            else:
+                order = list(indices)
+                for i, arr in zip(order, _build_many([(plans[i], assembled.pop(i)) for i in order])):
+                    built[plans[i].key] = arr
             del got
     finally:
         batches.close()  # stops the reader's threads on every path
+    if later:
+        for (i, _), arr in zip(later, _build_many([(plans[i], blocks) for i, blocks in later])):
+            built[plans[i].key] = arr
     for p in plans:
         if not p.requests():  # an empty tensor has no shards to read (FORMAT.md 5.7): build it as it is
             built[p.key] = _build(p, {b: _empty(p, b) for b in p.boxes})
     return nbytes, t_read, count
+
+
+def _in_host_memory(plans: list[_ArrayPlan]) -> bool:
+    """Every array of ``plans`` is host numpy or lives on CPU devices."""
+    default = None
+    for p in plans:
+        if p.host:
+            continue
+        if p.sharding is _DEFAULT:
+            default = default or jax.devices()[0].platform
+            if default != "cpu":
+                return False
+        elif any(d.platform != "cpu" for d, _ in p.devices):
+            return False
+    return True
 
 
 def _empty(plan: _ArrayPlan, box: Box) -> np.ndarray:
