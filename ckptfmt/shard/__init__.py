@@ -151,6 +151,9 @@ def _chunk_views(block: np.ndarray, chunk_shape: tuple[int, ...]) -> Iterator[tu
     """Each stored inner chunk of ``block`` in C order: (a uint8 view of the source, the chunk)
     where the chunk is one whole contiguous region of it, else (None, a zero-padded copy)."""
     full = tuple(chunk_shape)
+    if block.shape == full and block.flags.c_contiguous:  # one chunk, the whole block (small shards)
+        yield block.reshape(-1).view(np.uint8), block
+        return
     counts = tuple(-(-n // c) for n, c in zip(block.shape, chunk_shape))
     for idx in product(*(range(k) for k in counts)):
         sl = tuple(slice(i * c, (i + 1) * c) for i, c in zip(idx, chunk_shape))

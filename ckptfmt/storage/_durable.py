@@ -234,20 +234,32 @@ def _put_direct(fd: int, buffers: Iterable[Any], name: str, tensor: str | None) 
     return n
 
 
+#: Buffers up to this size are copied into the staging buffer by a memoryview slice assignment
+#: (a plain memcpy, without numpy's per-call cost); larger ones by numpy, which releases the GIL.
+_SMALL_COPY = 64 << 10
+
+
 def put_direct_at(fd: int, buffers: Iterable[Any], base: int, *, name: str, tensor: str | None = None) -> int:
     """``buffers`` through ``O_DIRECT`` (set on ``fd``) from ``base`` (a multiple of
     :data:`DIRECT_ALIGN`), copied into this thread's aligned staging buffer and written in whole
     blocks; the last block is padded with zeros to :data:`DIRECT_ALIGN` (the caller owns those
     bytes: a pack places nothing there). The bytes of ``buffers`` written."""
     stage = _STAGING.get()
+    view, size = memoryview(stage), stage.size
     offset, pos = base, 0
     for b in buffers:
-        src = np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
-        while src.size:
-            k = min(src.size, stage.size - pos)
-            np.copyto(stage[pos:pos + k], src[:k])
-            pos, src = pos + k, src[k:]
-            if pos == stage.size:
+        src = memoryview(b).cast("B")
+        n = src.nbytes
+        if n <= _SMALL_COPY and pos + n < size:  # most buffers of small shards: one slice copy each
+            view[pos:pos + n] = src
+            pos += n
+            continue
+        arr = np.frombuffer(src, dtype=np.uint8)  # numpy lets go of the GIL while it copies
+        while arr.size:
+            k = min(arr.size, size - pos)
+            np.copyto(stage[pos:pos + k], arr[:k])
+            pos, arr = pos + k, arr[k:]
+            if pos == size:
                 offset += pwritev_all(fd, [stage], offset, obj=name, tensor=tensor)
                 pos = 0
     if pos:
