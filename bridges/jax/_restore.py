@@ -27,6 +27,7 @@ from ckptfmt.restoreplan import RestorePlan, RestoreSource, TargetLeaf, TensorPl
 
 from bridges._contract import caller_rank_state, check_topology, effective_policy, read_batches, restore_stats
 from bridges.jax._coord import JaxCoordinator
+from bridges.jax._place import place_many
 from bridges.jax._share import JaxExchange, spans_processes
 from bridges.jax._tree import flatten_with_keys, index_to_box, is_prng_key, nest, physical_sharding, placement
 from bridges.mapping._mapping import KeptValuesWarning, Mapping as KeyMapping
@@ -166,36 +167,32 @@ def _arrays(plan: RestorePlan, flat: list[tuple[str, Any]], impls: dict[str, Any
 
 def _build_many(items: list[tuple[_ArrayPlan, dict[Box, np.ndarray]]]) -> list[Any]:
     """Each plan's array from its verified blocks: host numpy as is, an uncommitted array on the
-    default device, or a sharded array whose device shards are all placed by one
-    ``jax.device_put`` call (one call per shard cost most of a restore of many small leaves).
-    The blocks are fresh arrays this restore owns, so a device may take the host memory as is
-    (may_alias: no second copy on CPU); a block placed on several devices (replication) is
-    aliased once and copied for the others, so no two device buffers ever share memory."""
-    sharded = [(i, plan) for i, (plan, _) in enumerate(items) if not plan.host and plan.sharding is not _DEFAULT]
-    xs: list[np.ndarray] = []
-    devices: list[Any] = []
-    alias: list[bool] = []
-    spans: dict[int, tuple[int, int]] = {}
-    for i, plan in sharded:
-        blocks = items[i][1]
+    default device, or a sharded array whose device shards are placed together
+    (:func:`bridges.jax._place.place_many`). The blocks are fresh arrays this restore owns, so a
+    device may take the host memory as is (no second copy on CPU); a block placed on several
+    devices (replication) is given once and copied for the others, so no two device buffers
+    ever share memory."""
+    sharded = [i for i, (plan, _) in enumerate(items) if not plan.host and plan.sharding is not _DEFAULT]
+    leaves = []
+    for i in sharded:
+        plan, blocks = items[i]
         used: set[Box] = set()
-        first = len(xs)
+        pairs = []
         for device, box in plan.devices:
-            xs.append(blocks[box])
-            devices.append(device)
-            alias.append(box not in used)
+            block = blocks[box]
+            fresh = box not in used and block.flags.c_contiguous  # (a 0-d block stays 0-d: no ascontiguousarray)
+            pairs.append((device, block if fresh else np.array(block, order="C")))
             used.add(box)
-        spans[i] = (first, len(xs))
-    placed = jax.device_put(xs, devices, may_alias=alias) if xs else []
+        leaves.append((plan.shape, plan.sharding, pairs))
+    placed = dict(zip(sharded, place_many(leaves)))
     out = []
     for i, (plan, blocks) in enumerate(items):
         if plan.host:
             arr: Any = blocks[plan.boxes[0]]
-        elif i not in spans:
+        elif i not in placed:
             arr = jax.device_put(blocks[plan.boxes[0]], may_alias=True)  # uncommitted: jit may move it
         else:
-            lo, hi = spans[i]
-            arr = jax.make_array_from_single_device_arrays(plan.shape, plan.sharding, placed[lo:hi])
+            arr = placed[i]
         out.append(jax.random.wrap_key_data(arr, impl=plan.prng) if plan.prng else arr)
     return out
 
