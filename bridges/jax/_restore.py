@@ -98,7 +98,8 @@ class _ArrayPlan:
 
     __slots__ = ("tp", "key", "shape", "sharding", "prng", "boxes", "host", "reads", "devices")
 
-    def __init__(self, tp: TensorPlan, sharding: Any, prng: str | None) -> None:
+    def __init__(self, tp: TensorPlan, sharding: Any, prng: str | None,
+                 placements: dict[tuple[Any, tuple[int, ...]], list[tuple[Any, Box]]] | None = None) -> None:
         self.tp, self.key, self.shape, self.sharding, self.prng = tp, tp.key, tp.shape, sharding, prng
         self.host = sharding is _HOST
         #: Each addressable device and the box of the array it holds (sharded targets only).
@@ -106,8 +107,16 @@ class _ArrayPlan:
         if sharding is _HOST or sharding is _DEFAULT:
             self.boxes = [Box.full(tp.shape)]
         else:
-            self.devices = [(d, index_to_box(i, tp.shape))
-                            for d, i in sharding.addressable_devices_indices_map(tp.shape).items()]
+            # Leaves of one shape and sharding (thousands of experts) share their placement.
+            try:
+                known = placements.get((sharding, tp.shape)) if placements is not None else None
+            except TypeError:  # a sharding that cannot be a key: placed on its own
+                known, placements = None, None
+            if known is None:
+                known = [(d, index_to_box(i, tp.shape)) for d, i in sharding.addressable_devices_indices_map(tp.shape).items()]
+                if placements is not None:
+                    placements[(sharding, tp.shape)] = known
+            self.devices = known
             self.boxes = sorted({b for _, b in self.devices}, key=lambda b: b.offset)
         self.reads = {b: tp.reads(b) for b in self.boxes}
 
@@ -146,6 +155,7 @@ def _leaf(ckpt: RestoreSource, keys: set[str], impls: dict[str, Any], key: str, 
 def _arrays(plan: RestorePlan, flat: list[tuple[str, Any]], impls: dict[str, Any]) -> dict[str, _ArrayPlan]:
     leaves = dict(flat)
     out: dict[str, _ArrayPlan] = {}
+    placements: dict[tuple[Any, tuple[int, ...]], list[tuple[Any, Box]]] = {}
     for tp in plan.tensors:
         leaf = leaves.get(tp.key)
         prng = impls.get(tp.key) if leaf is None or is_prng_key(leaf) else None
@@ -161,7 +171,7 @@ def _arrays(plan: RestorePlan, flat: list[tuple[str, Any]], impls: dict[str, Any
         else:
             placed = placement(leaf)
             sharding = _DEFAULT if placed is None else placed
-        out[tp.key] = _ArrayPlan(tp, sharding, prng)
+        out[tp.key] = _ArrayPlan(tp, sharding, prng, placements)
     return out
 
 

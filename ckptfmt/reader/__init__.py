@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ckptfmt.restoreplan import closest_key
-from ckptfmt.reader._alloc import allocate, check_outputs_fit, require_memory
+from ckptfmt.reader._alloc import allocate_many, check_outputs_fit, require_memory
 from ckptfmt.reader._cooperative import CoopPlan as CoopPlan
 from ckptfmt.reader._cooperative import CoopStats as CoopStats
 from ckptfmt.reader._cooperative import Exchange as Exchange
@@ -292,16 +292,13 @@ class Checkpoint(PositionalReads, LocalVerify):
         by_key: dict[str, list[int]] = {}
         for i, (key, box) in enumerate(requests):
             by_key.setdefault(key, []).append(i)
-        outs: list[np.ndarray | None] = [None] * len(requests)
         work: dict[tuple[str, int], list[ReadItem]] = {}
         check_outputs_fit([(k, math.prod(b.shape) * numpy_dtype(self.tensor(k).dtype).itemsize) for k, b in requests],
                           f"step {self.step}")
+        outs: list[np.ndarray | None] = list(allocate_many([(k, b, numpy_dtype(self.tensor(k).dtype)) for k, b in requests]))
         for key, idxs in by_key.items():
             t = self.tensor(key)
-            dt = numpy_dtype(t.dtype)
             boxes = [requests[i][1] for i in idxs]
-            for i, b in zip(idxs, boxes):
-                outs[i] = allocate(key, b, dt)
             for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
                 work.setdefault((key, item.shard), []).append(
                     ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))

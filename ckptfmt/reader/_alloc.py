@@ -2,6 +2,7 @@
 step 3) where a read would need more than the host has, instead of an untyped MemoryError."""
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from typing import Sequence
@@ -11,7 +12,7 @@ import numpy as np
 from ckptfmt._types import Box
 from ckptfmt.errors import AllocationError
 
-__all__ = ["physical_memory", "check_outputs_fit", "require_memory", "allocate", "aligned_empty"]
+__all__ = ["physical_memory", "check_outputs_fit", "require_memory", "allocate", "allocate_many", "aligned_empty"]
 
 #: Outputs at least this large get their own anonymous mapping (see aligned_empty). numpy
 #: advises huge pages from 4 MiB up; smaller arrays stay with its allocator (and no process
@@ -54,6 +55,38 @@ def allocate(key: str, box: Box, dtype: np.dtype) -> np.ndarray:
     except (MemoryError, ValueError, OverflowError) as e:  # ValueError: a shape numpy cannot hold
         raise AllocationError("cannot allocate the read's output", key=key, expected=f"{box.shape} {dtype}",
                               found=f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
+#: Outputs smaller than this are cut from one shared allocation per read (:func:`allocate_many`):
+#: a restore of tens of thousands of small leaves made an allocation per box.
+SLAB_PIECE_BYTES = 64 << 10
+_SLAB_ALIGN = 64
+
+
+def allocate_many(wants: list[tuple[str, Box, np.dtype]]) -> list[np.ndarray]:
+    """A fresh output for each ``(key, box, dtype)``, as :func:`allocate` gives; the small ones are
+    disjoint, ``_SLAB_ALIGN``-aligned parts of one allocation (which lives as long as any of them)."""
+    sizes = [math.prod(b.shape) * dt.itemsize for _, b, dt in wants]
+    small = [i for i, n in enumerate(sizes) if n < SLAB_PIECE_BYTES]
+    out: list[np.ndarray | None] = [None] * len(wants)
+    if len(small) > 1:
+        starts, total = [], 0
+        for i in small:
+            starts.append(total)
+            total += -(-sizes[i] // _SLAB_ALIGN) * _SLAB_ALIGN
+        try:
+            slab = aligned_empty((total,), np.dtype(np.uint8), _SLAB_ALIGN)
+        except (MemoryError, ValueError, OverflowError) as e:
+            raise AllocationError("cannot allocate the read's outputs", key=wants[small[0]][0],
+                                  expected=f"{total} bytes for {len(small)} small outputs",
+                                  found=f"{type(e).__name__}: {str(e)[:200]}") from None
+        for i, at in zip(small, starts):
+            _, box, dt = wants[i]
+            out[i] = slab[at:at + sizes[i]].view(dt).reshape(box.shape)
+    for i, (key, box, dt) in enumerate(wants):
+        if out[i] is None:
+            out[i] = allocate(key, box, dt)
+    return out  # type: ignore[return-value]
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
