@@ -48,7 +48,7 @@ from torch.futures import Future
 import ckptfmt
 from ckptfmt.errors import CheckpointError, IncompleteSaveError, InvalidOptionError
 
-from bridges.torch._api import save as torch_save
+from bridges.torch._api import save
 
 __all__ = ["CkptfmtStorageWriter"]
 
@@ -166,7 +166,7 @@ class CkptfmtStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         state = _nested(planner)
-        self.manifest = torch_save(self.url, state, step=int(self.step), extra=self.extra, save_rng=False,  # type: ignore[arg-type]
+        self.manifest = save(self.url, state, step=int(self.step), extra=self.extra, save_rng=False,  # type: ignore[arg-type]
                              metadata=self.metadata, options=self.options)
         results = [WriteResult(index=item.index, size_in_bytes=0,
                                storage_data={"step": int(self.step), "fqn": item.index.fqn}) for item in plan.items]

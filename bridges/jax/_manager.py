@@ -24,7 +24,7 @@ from ckptfmt.manager import TierHooks, distinct_boxes
 from ckptfmt.manifest import Manifest
 
 from bridges.jax import _peer as _jaxpeer
-from bridges.jax._api import _save, _shards_of, _stage_items, _stage_leaves, restore
+from bridges.jax._api import _save, _stage_snapshot, restore
 from bridges.jax._coord import JaxCoordinator
 
 __all__ = ["CheckpointManager"]
@@ -50,10 +50,9 @@ class JaxTierHooks(TierHooks):
         return _jaxpeer.JaxPeerExchange() if world > 1 else None
 
     def snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
-        leaves = _stage_leaves(state, copy=True)  # the host copies, kept for this call's persistent save
-        _, global_state, _, _ = _stage_items(state, extra, rank_state, None, blocking=False, staged=leaves)
-        self.staged = (state, leaves)
-        return distinct_boxes(_shards_of(leaves[0])), global_state
+        leaves, global_state, shards = _stage_snapshot(state, extra, rank_state)
+        self.staged = (state, leaves)  # the host copies, kept for this call's persistent save
+        return distinct_boxes(shards), global_state
 
     def take_staged(self, state: Any) -> Any:
         """The staged leaves of ``state`` if the snapshot of this call made them, else None; clears them."""
