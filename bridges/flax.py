@@ -25,7 +25,10 @@ require("bridges.flax", "jax", "jax", "flax")  # before the framework imports: n
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from flax import nnx
+
+from bridges.jax import abstract_target
 
 __all__ = ["nnx_state", "nnx_target", "nnx_load", "tree_equal_bits"]
 
@@ -43,8 +46,6 @@ def nnx_target(obj: Any, sharding: Callable[[str, Any], Any] | Any = None) -> di
     placement (an uncommitted leaf, such as optax's ``count``, comes back uncommitted:
     :func:`bridges.jax.abstract_target`).
     """
-    from bridges.jax._api import abstract_target
-
     return abstract_target(nnx_state(obj), sharding)
 
 
@@ -60,8 +61,6 @@ def nnx_load(obj: Any, pure: dict[str, Any]) -> None:
 
 def tree_equal_bits(a: Any, b: Any) -> bool:
     """True when two pytrees have the same structure and bit-identical leaves (host-side)."""
-    import numpy as np
-
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
     if ta != tb:

@@ -4,8 +4,8 @@ The core imports numpy, tensorstore, msgpack, crc32c and ml_dtypes only; framewo
 ``bridges``.
 
 Layout: the floor, the top-level modules every module may import (``_boxcols``, ``_types``,
-``_version``, ``agree``, ``checksum``, ``coord``, ``dtypes``, ``errors``, ``layout``, ``plan``,
-``rankstate``, ``restoreplan``, ``state``), and eight subpackages by concern (``manifest``, ``storage``, ``shard``,
+``_version``, ``agree``, ``checksum``, ``coord``, ``dtypes``, ``errors``, ``geometry``, ``layout``,
+``plan``, ``rankstate``, ``readplan``, ``restoreplan``, ``state``), and eight subpackages by concern (``manifest``, ``storage``, ``shard``,
 ``reader``, ``repository``, ``session``, ``interop``, ``manager``), each saying in its docstring
 what it owns and what it may import (tests/test_layering.py enforces the table).
 """

@@ -1,24 +1,30 @@
-"""Pure planning: global boxes in, write and read items out. No I/O, no framework imports.
+"""Save planning: global boxes in, write items out. No I/O, no framework imports.
 
-Save planning (:func:`plan_save`) picks, for each tensor, the shard grid (the zarr
-regular chunk grid), the inner chunk shape, and which writer writes each shard.
-Read planning (:func:`plan_reads`) maps requested global boxes onto the stored inner
-chunks and the byte ranges that hold them.
+:func:`plan_save` picks, for each tensor, the shard grid (the zarr regular chunk grid), the inner
+chunk shape (its :class:`TensorGeometry`, :mod:`ckptfmt.geometry`), and which writer writes each
+shard. Read planning, requested boxes onto stored inner chunks, is :mod:`ckptfmt.readplan`; this
+module re-exports its names and the geometry's, the import path the core has used.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property, lru_cache, partial
+from functools import lru_cache
 from itertools import chain
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ._boxcols import Held, _padded, gather, unpack_held
 from ._types import Box
-from .errors import ShapeMismatchError, StepMismatchError
+from .errors import StepMismatchError
+from .geometry import TensorGeometry as TensorGeometry
+from .geometry import chunk_count_table as chunk_count_table
+from .geometry import grid_cells
+from .geometry import stored_chunk_counts as stored_chunk_counts
 from .layout import cell_key as cell_key
+from .readplan import ReadItem as ReadItem
+from .readplan import plan_reads as plan_reads
 
 __all__ = [
     "TensorGeometry", "WriteItem", "TensorWritePlan", "ReadItem", "shard_grid", "chunk_shape_for",
@@ -29,30 +35,6 @@ __all__ = [
 DEFAULT_CHUNK_TARGET_BYTES = 4 << 20
 #: A chunk is never chosen smaller than the target divided by this, unless the shard is (14.1).
 CHUNK_FLOOR_DIVISOR = 64
-
-
-@dataclass(frozen=True)
-class TensorGeometry:
-    """The storage geometry of one tensor: global shape, shard shape, inner chunk shape."""
-
-    shape: tuple[int, ...]
-    shard_shape: tuple[int, ...]
-    chunk_shape: tuple[int, ...]
-    itemsize: int
-
-    @cached_property
-    def grid(self) -> tuple[int, ...]:
-        """Number of shards along each dimension (0 along a zero-length dimension)."""
-        return tuple(-(-n // s) for n, s in zip(self.shape, self.shard_shape))
-
-    @cached_property
-    def inner(self) -> tuple[int, ...]:
-        """Inner chunks per shard along each dimension (the shard index covers all of them)."""
-        return tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
-
-    def shard_box(self, cell: tuple[int, ...]) -> Box:
-        off = tuple(c * s for c, s in zip(cell, self.shard_shape))
-        return Box(off, tuple(min(s, n - o) for s, n, o in zip(self.shard_shape, self.shape, off)))
 
 
 @dataclass(frozen=True)
@@ -102,25 +84,6 @@ class TensorWritePlan:
     def _item(self, i: int) -> WriteItem:
         cell = tuple(int(c) for c in self.cells[i])
         return WriteItem(cell, self.geometry.shard_box(cell), int(self.writers[i]))
-
-
-class ReadItem(NamedTuple):
-    """Read one stored inner chunk and copy part of it into a requested box.
-
-    ``shard`` indexes the tensor's shard table, ``chunk`` its chunk table.
-    ``src`` selects inside the decoded chunk (full chunk_shape); ``dst`` inside the request.
-    A named tuple, not a dataclass: a large restore plans millions of them.
-    """
-
-    request: int
-    shard: int
-    chunk: int
-    src: tuple[slice, ...]
-    dst: tuple[slice, ...]
-
-
-# ReadItem from a tuple of its five fields, without the keyword-handling constructor (hot loop).
-_read_item = partial(tuple.__new__, ReadItem)
 
 
 def shard_grid(shape: tuple[int, ...], boxes: Iterable[Box]) -> tuple[int, ...]:
@@ -244,7 +207,7 @@ def _plan(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], keys: list[
         if like is None:
             shard_shape = tuple(int(g) if g else max(n, 1) for g, n in zip(gcds[index], shape))
             geom = TensorGeometry(shape, shard_shape, chunk_shape_for(shard_shape, itemsize, chunk_target_bytes), itemsize)
-            like = shared[shape, gcds[index], itemsize] = (geom, _cells(geom.grid))
+            like = shared[shape, gcds[index], itemsize] = (geom, grid_cells(geom.grid))
             like[1].flags.writeable = False
         geom, cells = like
         plans.append(TensorWritePlan(key, index, dtype, geom, cells, writers[base[index]:base[index] + len(cells)]))
@@ -334,14 +297,6 @@ def _deal(cell: np.ndarray, rank: np.ndarray, rep: np.ndarray, writable: np.ndar
     return owner
 
 
-def _cells(grid: tuple[int, ...]) -> np.ndarray:
-    """(N, ndim) int64 grid cells in C order."""
-    nd = len(grid)
-    if not nd:
-        return np.zeros((math.prod(grid), 0), np.int64)
-    return np.ascontiguousarray(np.indices(grid, dtype=np.int64).reshape(nd, -1).T)
-
-
 def _plan_tensor(index: int, key: str, shape: tuple[int, ...], dtype: str, itemsize: int,
                  held: Sequence[tuple], world: int, chunk_target_bytes: int) -> TensorWritePlan:
     """The general plan of one tensor from its (rank, box, replica_id[, writable]) list; raises
@@ -392,7 +347,7 @@ def _plan_tensor(index: int, key: str, shape: tuple[int, ...], dtype: str, items
         cell = tuple(int(c) for c in np.unravel_index(int(missing[0]), grid)) if nd else ()
         raise StepMismatchError("part of a tensor is held by no rank", key=key, expected="every shard held",
                                 found=f"{len(missing)} unheld shard(s), first {geom.shard_box(cell)}")
-    return TensorWritePlan(key, index, dtype, geom, _cells(grid), owner)
+    return TensorWritePlan(key, index, dtype, geom, grid_cells(grid), owner)
 
 
 def _grid_from_arrays(shape: tuple[int, ...], offs: np.ndarray, shps: np.ndarray) -> tuple[int, ...]:
@@ -403,129 +358,3 @@ def _grid_from_arrays(shape: tuple[int, ...], offs: np.ndarray, shps: np.ndarray
         interior = b[(b > 0) & (b < n)]
         out.append(int(np.gcd.reduce(interior)) if interior.size else max(n, 1))
     return tuple(out)
-
-
-def stored_chunk_counts(geom: TensorGeometry, shard_offset: tuple[int, ...]) -> tuple[int, ...]:
-    """Per dimension, how many inner chunks of the shard at ``shard_offset`` intersect the array
-    (one row of :func:`chunk_count_table`, in plain integers: a save asks once per shard)."""
-    return tuple(-(-min(s, n - int(o)) // c) for s, n, o, c in zip(geom.shard_shape, geom.shape, shard_offset,
-                                                                     geom.chunk_shape))
-
-
-def chunk_count_table(geom: TensorGeometry, shard_offsets: np.ndarray) -> np.ndarray:
-    """(S, ndim) table of :func:`stored_chunk_counts` for every shard, vectorized."""
-    off = np.asarray(shard_offsets, np.int64)
-    if not len(geom.shape):
-        return np.zeros((len(off), 0), np.int64)
-    off = off.reshape(-1, len(geom.shape))
-    shape = np.asarray(geom.shape, np.int64)
-    return -(-np.minimum(np.asarray(geom.shard_shape, np.int64), shape - off) // np.asarray(geom.chunk_shape, np.int64))
-
-
-def plan_reads(geom: TensorGeometry, shard_offsets: np.ndarray, chunk_start: np.ndarray,
-               requests: Sequence[Box]) -> list[ReadItem]:
-    """Map requested boxes to stored inner chunks.
-
-    ``shard_offsets`` is the (S, ndim) table of shard offsets; ``chunk_start[s]`` is where
-    shard s's entries begin in the chunk table. Raises ShapeMismatchError for a request
-    outside the tensor. Pure: no I/O.
-    """
-    shape = geom.shape
-    nd = len(shape)
-    grid, dims = _read_dims(tuple(shape), tuple(geom.shard_shape), tuple(geom.chunk_shape))
-    shard_of = _shard_lookup(geom, shard_offsets, grid)
-    items: list[ReadItem] = []
-    for ri, req in enumerate(requests):
-        ro, rs = req.offset, req.shape
-        if len(rs) != nd or any(o < 0 or o + s > n for o, s, n in zip(ro, rs, shape)):
-            raise ShapeMismatchError("requested box lies outside the tensor", expected=f"inside {shape}", found=str(req))
-        if 0 in rs:  # empty
-            continue
-        if not nd:
-            items.append(ReadItem(ri, 0, int(chunk_start[0]), (), ()))
-            continue
-        # Models repeat a few (geometry, box) pairs over and over: memoize the small ones.
-        chunks = math.prod(-(-(o + n) // c) - o // c for (c, *_), o, n in zip(dims, ro, rs))
-        touched = (_touched_memo if chunks <= _MEMO_CHUNKS else _touched)(dims, ro, rs)
-        if shard_of is None:  # shard s is flat cell s
-            items += [_read_item((ri, t, int(chunk_start[t]) + f, s, d)) for t, f, s, d in touched]
-        else:
-            for t, f, s, d in touched:
-                shard = int(shard_of[t])
-                items.append(ReadItem(ri, shard, int(chunk_start[shard]) + f, s, d))
-    return items
-
-
-_MEMO_CHUNKS = 64  # memoize boxes touching at most this many chunks (bounds the memo's size)
-
-
-@lru_cache(maxsize=256)
-def _read_dims(shape: tuple[int, ...], shard_shape: tuple[int, ...],
-               chunk_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """The shard grid, and per dimension (chunk, shard, size, inner chunks per full shard,
-    stored chunks of a full shard, flat-cell stride), all Python ints."""
-    shape, shard_shape, chunk_shape = (tuple(map(int, x)) for x in (shape, shard_shape, chunk_shape))
-    grid = tuple(-(-n // s) for n, s in zip(shape, shard_shape))
-    strides, acc = [], 1
-    for g in reversed(grid):
-        strides.append(acc)
-        acc *= g
-    return grid, tuple(zip(chunk_shape, shard_shape, shape, (s // c for s, c in zip(shard_shape, chunk_shape)),
-                           (-(-s // c) for s, c in zip(shard_shape, chunk_shape)), reversed(strides)))
-
-
-def _touched(dims: tuple[tuple[int, ...], ...], offset: tuple[int, ...],
-             shape: tuple[int, ...]) -> list[tuple[int, int, tuple[slice, ...], tuple[slice, ...]]]:
-    """Every inner chunk a non-empty box inside the tensor touches, in C order, as (flat shard
-    cell, flat chunk index within that shard, src slices, dst slices)."""
-    # Fold the dimensions in C order; per dimension, each chunk touched and its shard's chunk count.
-    acc: list[tuple[int, int, tuple[slice, ...], tuple[slice, ...]]] = [(0, 0, (), ())]
-    for (c, sh, n, inner, full, stride), o, ln in zip(dims, offset, shape):
-        end = o + ln
-        opts = []
-        for g in range(o // c, -(-end // c)):
-            start = g * c
-            lo, hi = (o if o > start else start), (end if end < start + c else start + c)
-            cell = start // sh
-            left = n - cell * sh
-            opts.append((cell * stride, g - cell * inner, full if left >= sh else -(-left // c),
-                         slice(lo - start, hi - start), slice(lo - o, hi - o)))
-        acc = [(t + dt, f * k + x, s + (ds,), d + (dd,)) for t, f, s, d in acc for dt, x, k, ds, dd in opts]
-    return acc
-
-
-@lru_cache(maxsize=256)
-def _touched_memo(dims: tuple[tuple[int, ...], ...], offset: tuple[int, ...],
-                  shape: tuple[int, ...]) -> tuple[tuple[int, int, tuple[slice, ...], tuple[slice, ...]], ...]:
-    """:func:`_touched`, memoized; its result is immutable, so callers may share it."""
-    return tuple(_touched(dims, offset, shape))
-
-
-def _shard_lookup(geom: TensorGeometry, shard_offsets: np.ndarray, grid: tuple[int, ...]) -> np.ndarray | None:
-    """Shard index per flat grid cell (-1: none), or None when shard s is cell s in C order (the
-    layout every save writes)."""
-    nd = len(geom.shape)
-    offs = np.asarray(shard_offsets, np.int64)
-    offs = offs.reshape(-1, nd) if nd else np.zeros((len(offs), 0), np.int64)
-    canon = _canonical_offsets(tuple(geom.shape), tuple(geom.shard_shape)) if nd else None
-    if canon is not None and offs.shape == canon.shape and (offs == canon).all():
-        return None
-    shard_of = np.full(max(1, math.prod(grid)), -1, np.int64)
-    if len(offs):
-        if nd:
-            cells = offs // np.asarray(geom.shard_shape, np.int64)
-            shard_of[np.ravel_multi_index(tuple(cells.T), grid)] = np.arange(len(offs))
-        else:
-            shard_of[0] = 0
-    return shard_of
-
-
-@lru_cache(maxsize=64)
-def _canonical_offsets(shape: tuple[int, ...], shard_shape: tuple[int, ...]) -> np.ndarray | None:
-    """Every shard's offset in C order over the grid (read-only), or None for a grid too large to cache."""
-    grid = tuple(-(-n // s) for n, s in zip(shape, shard_shape))
-    if math.prod(grid) > 1 << 16:
-        return None
-    out = _cells(grid) * np.asarray(shard_shape, np.int64)
-    out.flags.writeable = False
-    return out

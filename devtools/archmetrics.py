@@ -3,8 +3,9 @@
 Reads the source with the standard library's ``ast`` only (nothing of the project is imported or
 run), so it measures any tree, before or after a reorganisation, with one command:
 
-- the import graph inside ``ckptfmt/``: its layers, its cycles and the imports that run back up;
-- the function-level imports in ``ckptfmt``;
+- the import graph inside ``ckptfmt/`` (or ``bridges/``, ``--package bridges``): its layers, its
+  cycles and the imports that run back up;
+- the function-level imports in that package;
 - the longest functions and the modules at or over 500 lines in ``ckptfmt/`` and ``bridges/``;
 - for a tree with subpackages, which subpackage imports which.
 
@@ -12,7 +13,7 @@ An import is *eager* (module level, run at import), *type-only* (under ``if TYPE
 *deferred* (inside a function). Layer 1 holds the modules that eagerly import no other module of
 the package; a module's layer is one above the highest it imports eagerly (the members of an eager
 cycle share one layer). An import runs back up when it reaches a module on the importer's layer or
-above. ``ckptfmt/__init__.py`` (the package's face) and ``__main__.py`` are left out of the graph.
+above. The package's own ``__init__.py`` (its face) and ``__main__.py`` are left out of the graph.
 """
 from __future__ import annotations
 
@@ -212,21 +213,23 @@ def module_lines(root: Path, package: str) -> list[tuple[str, int]]:
     return [(str(p.relative_to(root)), len(p.read_text().splitlines())) for p in sorted((root / package).rglob("*.py"))]
 
 
-def _short(mod: str) -> str:
-    return mod[len(PACKAGE) + 1:] if mod.startswith(PACKAGE + ".") else mod
+def _short(mod: str, package: str = PACKAGE) -> str:
+    return mod[len(package) + 1:] if mod.startswith(package + ".") else mod
 
 
-def report(root: Path) -> str:
-    mods, edges, deferred = imports_of(root, PACKAGE)
-    graph_nodes = [m for m in mods if m not in (PACKAGE, f"{PACKAGE}.__main__")]
+def report(root: Path, package: str = PACKAGE) -> str:
+    """The figures of ``root/package`` (``ckptfmt``, or ``bridges``: the same graph, layers and
+    function-level imports; the longest functions and modules cover both packages either way)."""
+    mods, edges, deferred = imports_of(root, package)
+    graph_nodes = [m for m in mods if m not in (package, f"{package}.__main__")]
     edges = [e for e in edges if e.src in graph_nodes and e.dst in graph_nodes]
     layer = layers(graph_nodes, edges)
-    subpackages = sorted(m for m, p in mods.items() if p.name == "__init__.py" and m != PACKAGE)
+    subpackages = sorted(m for m, p in mods.items() if p.name == "__init__.py" and m != package)
     out: list[str] = [f"# Architecture figures of `{root.name}`", ""]
-    out.append(f"`{PACKAGE}/`: {len(mods)} modules ({len(subpackages)} subpackages"
-               + (": " + ", ".join(f"`{_short(s)}/`" for s in subpackages) if subpackages else "") + "), "
-               f"{sum(n for _, n in module_lines(root, PACKAGE))} lines.")
-    out += ["", "## Import graph inside `ckptfmt/`", ""]
+    out.append(f"`{package}/`: {len(mods)} modules ({len(subpackages)} subpackages"
+               + (": " + ", ".join(f"`{_short(s, package)}/`" for s in subpackages) if subpackages else "") + "), "
+               f"{sum(n for _, n in module_lines(root, package))} lines.")
+    out += ["", f"## Import graph inside `{package}/`", ""]
     kinds = defaultdict(int)
     for e in edges:
         kinds[e.kind] += 1
@@ -238,27 +241,27 @@ def report(root: Path) -> str:
         cs = cycles(graph_nodes, edges, ks)
         out.append(f"- {title}: **{len(cs)}**")
         for c in cs:
-            out.append(f"  - {len(c)} modules: " + ", ".join(f"`{_short(m)}`" for m in c))
+            out.append(f"  - {len(c)} modules: " + ", ".join(f"`{_short(m, package)}`" for m in c))
     up = sorted((e for e in edges if layer[e.dst] >= layer[e.src]), key=lambda e: (e.kind, e.src, e.line))
     out.append(f"- imports that run back up (to the importer's layer or above): **{len(up)}** "
                f"({', '.join(f'{k} {sum(1 for e in up if e.kind == k)}' for k in ('deferred', 'type-only', 'eager'))})")
     for e in up:
-        out.append(f"  - `{_short(e.src)}` (layer {layer[e.src]}) -> `{_short(e.dst)}` (layer {layer[e.dst]}), "
+        out.append(f"  - `{_short(e.src, package)}` (layer {layer[e.src]}) -> `{_short(e.dst, package)}` (layer {layer[e.dst]}), "
                    f"{e.kind}, line {e.line}")
     out += ["", "<details><summary>layer of each module</summary>", ""]
     by_layer: dict[int, list[str]] = defaultdict(list)
     for m, n in layer.items():
-        by_layer[n].append(_short(m))
+        by_layer[n].append(_short(m, package))
     for n in sorted(by_layer, reverse=True):
         out.append(f"- {n}: " + ", ".join(f"`{m}`" for m in sorted(by_layer[n])))
     out += ["", "</details>", ""]
 
     if subpackages:
         out += ["## Imports between subpackages", "",
-                "Rows import columns (number of import statements; `.` = the top level of `ckptfmt`).", ""]
+                f"Rows import columns (number of import statements; `.` = the top level of `{package}`).", ""]
 
         def group(m: str) -> str:
-            rest = m[len(PACKAGE) + 1:].split(".")
+            rest = m[len(package) + 1:].split(".")
             return rest[0] if len(rest) > 1 or f"{m}" in subpackages else "."
         groups = sorted({group(m) for m in graph_nodes})
         counts: dict[tuple[str, str], int] = defaultdict(int)
@@ -277,9 +280,9 @@ def report(root: Path) -> str:
                    + "".join(f"; {' <-> '.join(c)}" for c in gcycles))
         out.append("")
 
-    internal = [d for d in deferred if d[2].startswith(PACKAGE)]
-    out += ["## Function-level imports in `ckptfmt`", "",
-            f"**{len(deferred)}** import statements inside functions: {len(internal)} of the package's own modules, "
+    internal = [d for d in deferred if d[2].split(".")[0] in LIBRARY]
+    out += [f"## Function-level imports in `{package}`", "",
+            f"**{len(deferred)}** import statements inside functions: {len(internal)} of the library's own modules (ckptfmt, bridges), "
             f"{len(deferred) - len(internal)} of other packages.", ""]
     for mod, line, what in sorted(deferred):
         out.append(f"- `{mods[mod].relative_to(root)}:{line}` imports `{what}`")
@@ -308,8 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m devtools.archmetrics", description=__doc__.split("\n")[0])
     ap.add_argument("root", nargs="?", default=str(Path(__file__).resolve().parent.parent),
                     help="the checkout to measure (default: the one this file lies in)")
+    ap.add_argument("--package", choices=LIBRARY, default=PACKAGE, help="the package to draw (default: ckptfmt)")
     args = ap.parse_args(argv)
-    sys.stdout.write(report(Path(args.root).resolve()) + "\n")
+    sys.stdout.write(report(Path(args.root).resolve(), args.package) + "\n")
 
 
 if __name__ == "__main__":

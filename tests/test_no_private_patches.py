@@ -7,13 +7,16 @@ subclass given to ``Repository(..., checks=...)``, a weaker last look given to g
 The scan reads every test file's AST and finds ``setattr(X, "_name", ...)``,
 ``monkeypatch.setattr(X, "_name", ...)``, ``monkeypatch.setattr("pkg.X._name", ...)`` and
 ``patch.object(X, "_name", ...)`` where ``X`` resolves, through the file's imports, to a class
-defined under ``ckptfmt`` or to a ckptfmt module.
+defined under ``ckptfmt`` or to a ckptfmt module; and a dotted path ``"ckptfmt.x.Y._name"`` held in
+a table (a tuple or list, such as a parametrize list whose targets a loop hands to
+``monkeypatch.setattr``) as a pair ``(path, value)``: the same patch, one step removed.
 """
 from __future__ import annotations
 
 import ast
 import importlib
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +75,28 @@ def _is_ckptfmt_class(path: str | None) -> bool:
     return inspect.isclass(obj) and obj.__module__.split(".")[0] == "ckptfmt"
 
 
+_DOTTED = re.compile(r"ckptfmt(\.[A-Za-z_]\w*)+")
+
+
+def _private_target(path: str) -> bool:
+    """``path`` names a private attribute of a ckptfmt class or module."""
+    owner, _, attr = path.rpartition(".")
+    return attr.startswith("_") and not attr.startswith("__") and _is_ckptfmt_class(owner)
+
+
 def private_patches(source: str, filename: str = "<test>") -> list[tuple[str, int, str]]:
-    """Every place in ``source`` that sets a private attribute on a ckptfmt class."""
+    """Every place in ``source`` that sets a private attribute on a ckptfmt class, or holds the
+    dotted path of one in a table."""
     tree = ast.parse(source, filename)
     names = _imports(tree)
     found = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 2:  # ("ckptfmt.x._y", value): a patch by table
+            e = node.elts[0]
+            if (isinstance(e, ast.Constant) and isinstance(e.value, str) and _DOTTED.fullmatch(e.value)
+                    and not inspect.ismodule(_resolve(e.value)) and _private_target(e.value)):
+                found.append((filename, e.lineno, e.value))
+            continue
         if not isinstance(node, ast.Call):
             continue
         f = node.func
@@ -89,8 +108,7 @@ def private_patches(source: str, filename: str = "<test>") -> list[tuple[str, in
             continue
         first = node.args[0]
         if isinstance(first, ast.Constant) and isinstance(first.value, str):  # monkeypatch.setattr("a.B._c", v)
-            owner, _, attr = first.value.rpartition(".")
-            if attr.startswith("_") and not attr.startswith("__") and _is_ckptfmt_class(owner):
+            if _private_target(first.value):
                 found.append((filename, node.lineno, first.value))
             continue
         if len(node.args) < 2 or not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
@@ -134,8 +152,31 @@ def test_x(monkeypatch):
     monkeypatch.setattr("ckptfmt.session.excluded", None)
     monkeypatch.setattr(_gc, "collect", None)
 '''
-    got = [(line, what) for _, line, what in private_patches(src)]
+    got = sorted((line, what) for _, line, what in private_patches(src))
     assert got == [(9, "ckptfmt.reader.Checkpoint._check_chunk"), (10, "ckptfmt.reader.Checkpoint._starts"),
                    (11, "ckptfmt.repository.Repository._read_manifest_bytes"),
                    (12, "ckptfmt.reader.Checkpoint._plain_dirs"), (13, "ckptfmt.reader.Checkpoint._threads"),
                    (14, "ckptfmt.repository._gc._settle"), (16, "ckptfmt.plan._regular_owners")]
+
+
+def test_control_the_scan_finds_a_patch_through_a_table():
+    """The gc controls of before named their targets in a parametrize table and patched them in a
+    loop: each private target in the table is found; a public one, and a private name that is not
+    a ckptfmt path, are not."""
+    src = '''
+import pytest
+
+@pytest.mark.parametrize("name, patches", [
+    ("gc-not-a-repository", [("ckptfmt.repository._gc._recognise", lambda *a: None)]),
+    ("gc-shared-save-id", [("ckptfmt.repository._gc._mentions", lambda data, candidates: set()),
+                           ("ckptfmt.repository._gc._DECLARED", None)]),
+    ("gc-symlink-escape", [("ckptfmt.storage._filestore.LocalFileStorage.delete_prefix", None)]),
+    ("other", [("numpy._core", None), ("ckptfmt.repository._gc.GcChecks", None)]),
+])
+def test_x(name, patches, monkeypatch):
+    for target, value in patches:
+        monkeypatch.setattr(target, value)
+'''
+    got = sorted((line, what) for _, line, what in private_patches(src))
+    assert got == [(5, "ckptfmt.repository._gc._recognise"), (6, "ckptfmt.repository._gc._mentions"),
+                   (7, "ckptfmt.repository._gc._DECLARED")]

@@ -48,6 +48,8 @@ from torch.futures import Future
 import ckptfmt
 from ckptfmt.errors import CheckpointError, IncompleteSaveError, InvalidOptionError
 
+from bridges.torch._api import save
+
 __all__ = ["CkptfmtStorageWriter"]
 
 #: What a pickled writer carries to DCP's checkpoint process: its destination and options.
@@ -163,8 +165,6 @@ class CkptfmtStorageWriter(StorageWriter):
         return plans  # ckptfmt plans the shards itself, from every rank's global boxes
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        from bridges.torch._api import save
-
         state = _nested(planner)
         self.manifest = save(self.url, state, step=int(self.step), extra=self.extra, save_rng=False,  # type: ignore[arg-type]
                              metadata=self.metadata, options=self.options)

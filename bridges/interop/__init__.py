@@ -16,12 +16,14 @@ Verbs:
   import only checkpoints you trust (the CLI asks for ``--trust-pickle``).
 * the safetensors import and the direct restore are in the core: :mod:`ckptfmt.interop`.
 
-This module imports no framework; the importers import jax / orbax / torch when called.
+This module imports no framework: ``import_orbax`` and ``import_dcp`` import their importer
+(``_orbax``, which needs jax and Orbax; ``_dcp``, which needs torch) when called.
 
 Subpackage ``bridges.interop`` owns export and import: safetensors export through a mapping
 (``_api``, ``_export_map``, ``_export_worker``), PEFT adapters (``_peft``), Orbax and DCP imports
 (``_orbax``, ``_dcp``). May import: ``bridges.mapping``, ``bridges.presets``, and ``bridges.jax`` /
-``bridges.torch`` inside functions only, where a framework is needed (tests/test_layering.py).
+``bridges.torch`` from ``_orbax`` / ``_dcp`` only, the two modules that need a framework
+(tests/test_layering.py).
 """
 from __future__ import annotations
 

@@ -251,16 +251,18 @@ def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "
                  max_tensors: int | None = None) -> ImportReport:
     """Import an Orbax checkpoint (see :func:`bridges.interop._orbax.import_orbax`; ``max_leaf_bytes``
     None: its default cap, ``MAX_LEAF_BYTES``)."""
-    from bridges.interop._orbax import MAX_LEAF_BYTES, import_orbax as run
-    return run(src, url, step=step, prefix=prefix, progress=progress,
-               max_leaf_bytes=MAX_LEAF_BYTES if max_leaf_bytes is None else int(max_leaf_bytes), max_tensors=max_tensors)
+    from bridges.interop._orbax import import_orbax as run  # needs jax: imported when an import runs
+
+    return run(src, url, step=step, prefix=prefix, progress=progress, max_leaf_bytes=max_leaf_bytes,
+               max_tensors=max_tensors)
 
 
 def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
                progress: Progress | None = None, max_tensors: int | None = None) -> ImportReport:
     """Import a torch DCP checkpoint; its ``.metadata`` is a pickle: trusted sources only (see
     :func:`bridges.interop._dcp.import_dcp`)."""
-    from bridges.interop._dcp import import_dcp as run
+    from bridges.interop._dcp import import_dcp as run  # needs torch: imported when an import runs
+
     return run(src, url, step=step, prefix=prefix, progress=progress, max_tensors=max_tensors)
 
 

@@ -24,11 +24,24 @@ from typing import Any, Callable
 
 import numpy as np
 
+from bridges._requires import require
+
+# This module is the DCP import, and needs torch: bridges.interop imports it when an import runs.
+require("bridges.interop.import_dcp", "torch", "torch")  # before the framework imports: names the extra
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, load
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
 from ckptfmt import Box
 from ckptfmt.dtypes import DTYPES
 from ckptfmt.errors import CheckpointError, InvalidSourceError, MissingShardError, SizeMismatchError
 from ckptfmt.interop import ImportReport, ImportTensor, import_tensors
 from ckptfmt.interop import BatchReader
+
+from bridges.torch._conv import dtype_name, to_numpy
 
 __all__ = ["import_dcp", "BATCH_BYTES"]
 
@@ -59,12 +72,6 @@ def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
     MissingShardError / SizeMismatchError (a data file missing or shorter than the metadata says,
     found before anything is written), StepAlreadyCommittedError; nothing committed.
     """
-    import torch
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
-    from bridges.torch._api import dtype_name
-
     path = os.path.abspath(os.fspath(src))
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise InvalidSourceError("not a DCP checkpoint (no .metadata)", object=path, expected=".metadata",
@@ -106,7 +113,7 @@ def import_dcp(src: str, url: str, *, step: int | None = None, prefix: str = "",
         except (AttributeError, TypeError, ValueError) as e:
             raise InvalidSourceError("DCP .metadata describes a tensor in a form torch does not write", key=key,
                                      object=os.path.join(path, ".metadata"), found=f"{type(e).__name__}: {e}"[:300]) from None
-    reader = _DcpBatchReader(path, tensors, torch)
+    reader = _DcpBatchReader(path, tensors)
     items = [ImportTensor(prefix + k, shape, dt, (lambda box, k=k: reader.read(k, box)))
              for k, (_, shape, dt, _) in sorted(tensors.items())]
     provenance = {"format": "dcp", "source": path, "trusted_pickle": True, "dcp_version": str(getattr(md, "version", "")),
@@ -133,8 +140,8 @@ def _files_needed(md: Any) -> dict[str, int]:
 class _DcpBatchReader:
     """Loads tensors through ``dcp.load`` (a partial load), a batch at a time (:class:`BatchReader`)."""
 
-    def __init__(self, path: str, tensors: dict[str, tuple[str, tuple[int, ...], str, Any]], torch: Any) -> None:
-        self.path, self.tensors, self.torch = path, tensors, torch
+    def __init__(self, path: str, tensors: dict[str, tuple[str, tuple[int, ...], str, Any]]) -> None:
+        self.path, self.tensors = path, tensors
         sizes = {k: int(np.prod(shape, dtype=np.int64)) * DTYPES[dt] for k, (_, shape, dt, _) in tensors.items()}
         self.batches = BatchReader(sizes, self._load, BATCH_BYTES)
 
@@ -142,13 +149,7 @@ class _DcpBatchReader:
         return self.batches.read(key, box)
 
     def _load(self, keys: list[str]) -> dict[str, np.ndarray]:
-        from torch.distributed.checkpoint import FileSystemReader, load
-        from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        from bridges.torch._api import to_numpy
-
-        state = {self.tensors[k][0]: self.torch.empty(self.tensors[k][1], dtype=self.tensors[k][3]) for k in keys}
+        state = {self.tensors[k][0]: torch.empty(self.tensors[k][1], dtype=self.tensors[k][3]) for k in keys}
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")

@@ -19,9 +19,17 @@ committed.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
+
+from bridges._requires import require
+
+# This module is the Orbax import, and needs jax and Orbax: bridges.interop imports it when an import runs.
+require("bridges.interop.import_orbax", "jax", "jax", "orbax.checkpoint")  # before the framework imports
+
+import jax
+import orbax.checkpoint as ocp
 
 from ckptfmt import Box
 from ckptfmt.dtypes import DTYPES, dtype_name
@@ -29,8 +37,8 @@ from ckptfmt.errors import CheckpointError, InvalidSourceError, MissingShardErro
 from ckptfmt.interop import ImportReport, ImportTensor, import_tensors
 from ckptfmt.interop import BatchReader
 
-if TYPE_CHECKING:  # Orbax is imported when an import runs, never with this module
-    import orbax.checkpoint as ocp
+from bridges.jax._restore import BRIDGE_VERSION
+from bridges.jax._tree import flatten_with_keys
 
 __all__ = ["import_orbax", "BATCH_BYTES", "MAX_LEAF_BYTES"]
 
@@ -46,7 +54,6 @@ BATCH_BYTES = 64 << 20
 #: cap bounds an import's memory to about 2 x ``max_leaf_bytes`` plus one batch; set it from the
 #: memory the import may use.
 MAX_LEAF_BYTES = 512 << 20
-_BRIDGE_VERSION = 1  # the JAX profile's record (spec/FORMAT.md 13.2)
 
 
 def _typed(e: BaseException, what: str, key: str | None, path: str) -> CheckpointError:
@@ -79,21 +86,16 @@ def _item_dir(src: str, step: int | None) -> str:
 
 def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "",
                  progress: Callable[[int, int], None] | None = None,
-                 max_leaf_bytes: int = MAX_LEAF_BYTES, max_tensors: int | None = None) -> ImportReport:
+                 max_leaf_bytes: int | None = None, max_tensors: int | None = None) -> ImportReport:
     """Import the Orbax checkpoint at ``src`` (``step``: a ``CheckpointManager`` root's step) as step
     ``step`` (default 0) of ``url``; key paths are ``prefix`` + the pytree path rendered with ``/``.
 
     Fails closed: InvalidSourceError (not an Orbax checkpoint, an unfinished save, a tree Orbax
-    cannot read, an array leaf declaring more than ``max_leaf_bytes``: checked from the metadata
+    cannot read, an array leaf declaring more than ``max_leaf_bytes`` (None: :data:`MAX_LEAF_BYTES`): checked from the metadata
     before any leaf is read), MissingShardError / SizeMismatchError (a missing or truncated file,
     as Orbax reports it), StepAlreadyCommittedError; nothing committed. Host memory is bounded by
     about one batch of :data:`BATCH_BYTES` or the largest leaf, whichever is larger.
     """
-    import jax
-    import orbax.checkpoint as ocp
-
-    from bridges.jax._tree import flatten_with_keys
-
     path = _item_dir(src, step)
     checkpointer = ocp.PyTreeCheckpointer()
     try:
@@ -111,7 +113,7 @@ def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "
             arrays[key] = (tuple(int(n) for n in m.shape), dtype_name(np.dtype(m.dtype), key=key))
         else:
             leaves[key] = m
-    _check_leaf_sizes(arrays, int(max_leaf_bytes), path)
+    _check_leaf_sizes(arrays, MAX_LEAF_BYTES if max_leaf_bytes is None else int(max_leaf_bytes), path)
     paths = {key: p for (key, _), (p, _) in zip(flat, jax.tree_util.tree_flatten_with_path(tree)[0])}
     reader = _OrbaxBatchReader(checkpointer, path, tree, paths, arrays)
     scalars = reader.scalars(sorted(leaves)) if leaves else {}
@@ -123,7 +125,7 @@ def import_orbax(src: str, url: str, *, step: int | None = None, prefix: str = "
                   "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors), "scalar_leaves": sorted(scalars),
                   "source_checksums": "Orbax's own (crc32c on shard indexes with OCDBT/zarr3; none on chunk data); "
                                       "shapes and dtypes checked against Orbax's metadata"}
-    state = {"bridge": {"name": "jax", "version": _BRIDGE_VERSION, "prng_impls": {},
+    state = {"bridge": {"name": "jax", "version": BRIDGE_VERSION, "prng_impls": {},
                         "leaves": {prefix + k: v for k, v in scalars.items()}}, "extra": None}
     return import_tensors(url, 0 if step is None else int(step), tensors, provenance=provenance, progress=progress,
                           state=state, max_tensors=max_tensors)
@@ -156,9 +158,6 @@ class _OrbaxBatchReader:
         return self.batches.read(key, box)
 
     def _restore(self, keys: list[str], as_numpy: bool) -> dict[str, Any]:
-        import jax
-        import orbax.checkpoint as ocp
-
         want = {self.paths[k]: k for k in keys}
         item = jax.tree_util.tree_map_with_path(lambda p, m: 0 if p in want else None, self.tree)
         args = jax.tree_util.tree_map(

@@ -315,11 +315,25 @@ def _stage_items(state: Any, extra: Any, rank_state: Any, metadata: Mapping[str,
     keeps copies and snapshots (numpy arrays in extra / rank_state, the metadata), not references."""
     items, bridge_state = (_stage_leaves(state, copy=not blocking, budget=budget, hand_back=hand_back)
                            if staged is None else staged)
+    return (items, *_stage_state(bridge_state, extra, rank_state, metadata, blocking=blocking))
+
+
+def _stage_snapshot(state: Any, extra: Any, rank_state: Any) -> tuple[tuple[list[Any], dict[str, Any]], Any, list[LocalShard]]:
+    """The manager's local-tier snapshot of ``state`` (FORMAT.md 8.5), staged here in one call: its
+    leaves with host copies (kept for the persistent save of the same manager call), the global
+    state, and the shards of this process."""
+    leaves = _stage_leaves(state, copy=True)
+    global_state, _, _ = _stage_state(leaves[1], extra, rank_state, None, blocking=False)
+    return leaves, global_state, _shards_of(leaves[0])
+
+
+def _stage_state(bridge_state: Any, extra: Any, rank_state: Any, metadata: Mapping[str, Any] | None, *,
+                 blocking: bool) -> tuple[Any, Any, Any]:
+    """The save's non-tensor state (global state, per-rank state, metadata) from the leaves' bridge
+    record, staged as :func:`_stage_items` says; the state itself is not needed again."""
     global_state = {"bridge": bridge_state, "extra": json_keys(extra, "extra")}
     per_rank = json_keys(rank_state, "rank_state")
-    global_state, per_rank, md = stage_state(global_state, per_rank,
-                                             dict(metadata) if metadata is not None else None, blocking=blocking)
-    return items, global_state, per_rank, md
+    return stage_state(global_state, per_rank, dict(metadata) if metadata is not None else None, blocking=blocking)
 
 
 def _commit(url: "str | Repository", step: int, shards: list[LocalShard], global_state: Any, per_rank: Any, metadata: Any,

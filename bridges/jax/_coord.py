@@ -26,9 +26,11 @@ import threading
 import time
 from typing import Any
 
+import jax
 import msgpack
+from jax._src import distributed  # the coordination client is not public API in jax 0.10
 
-from ckptfmt.coord import as_bytes
+from ckptfmt.coord import LocalCoordinator, as_bytes
 from ckptfmt.errors import (CheckpointError, CoordinatorLostError, CoordinatorTimeoutError,
                             StepMismatchError)
 
@@ -49,8 +51,6 @@ def _alive_key(rank: int) -> str:
 
 
 def _client_is_current(client: Any) -> bool:
-    from jax._src import distributed
-
     return distributed.global_state.client is client
 
 
@@ -122,8 +122,6 @@ class _PeerWatch:
 
 
 def _client() -> Any:
-    from jax._src import distributed  # the client is not public API in jax 0.10
-
     client = distributed.global_state.client
     if client is None:
         raise CoordinatorLostError("jax.distributed is not initialized; call jax.distributed.initialize() "
@@ -150,8 +148,6 @@ class JaxCoordinator:
 
     def __init__(self, *, timeout_s: float = 300.0, prefix: str | None = None,
                  dead_after_s: float | None = DEAD_AFTER_S) -> None:
-        import jax
-
         self._client = _client()
         self.rank = int(jax.process_index())
         self.world = int(jax.process_count())
@@ -300,10 +296,6 @@ class JaxCoordinator:
 
 def default_coordinator() -> Any:
     """JaxCoordinator when ``jax.process_count() > 1``, else ckptfmt's LocalCoordinator."""
-    import jax
-
     if jax.process_count() > 1:
         return JaxCoordinator()
-    from ckptfmt import LocalCoordinator
-
     return LocalCoordinator()

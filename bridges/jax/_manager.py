@@ -14,6 +14,8 @@ import itertools
 from typing import Any, Callable, Mapping
 
 import jax
+from jax._src import distributed  # the preemption sync manager is not public API in jax 0.10
+from jax.experimental import multihost_utils
 
 from ckptfmt import LocalCoordinator
 from ckptfmt.asyncsave import RetrySchedule
@@ -22,6 +24,8 @@ from ckptfmt.manager import TierHooks, distinct_boxes
 from ckptfmt.manifest import Manifest
 
 from bridges.jax import _peer as _jaxpeer
+from bridges.jax._api import _save, _stage_snapshot, restore
+from bridges.jax._coord import JaxCoordinator
 
 __all__ = ["CheckpointManager"]
 
@@ -29,8 +33,6 @@ _instances = itertools.count()  # every process constructs its managers in the s
 
 
 def _sync_manager() -> Any:
-    from jax._src import distributed  # the preemption sync manager is not public API in jax 0.10
-
     if distributed.global_state.client is None:
         return None
     return distributed.global_state.preemption_sync_manager
@@ -48,12 +50,9 @@ class JaxTierHooks(TierHooks):
         return _jaxpeer.JaxPeerExchange() if world > 1 else None
 
     def snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
-        from bridges.jax._api import _shards_of, _stage_items, _stage_leaves
-
-        leaves = _stage_leaves(state, copy=True)  # the host copies, kept for this call's persistent save
-        _, global_state, _, _ = _stage_items(state, extra, rank_state, None, blocking=False, staged=leaves)
-        self.staged = (state, leaves)
-        return distinct_boxes(_shards_of(leaves[0])), global_state
+        leaves, global_state, shards = _stage_snapshot(state, extra, rank_state)
+        self.staged = (state, leaves)  # the host copies, kept for this call's persistent save
+        return distinct_boxes(shards), global_state
 
     def take_staged(self, state: Any) -> Any:
         """The staged leaves of ``state`` if the snapshot of this call made them, else None; clears them."""
@@ -89,15 +88,11 @@ class CheckpointManager(_CoreManager):
         n = next(_instances)
         if self.world == 1:
             return LocalCoordinator()
-        from bridges.jax._coord import JaxCoordinator
-
         return JaxCoordinator(prefix=f"manager-{n}", timeout_s=self.options.timeout_s if self.options else 300.0)
 
     # The only two calls into the bridge's verbs (the bridge contract: bridges/README.md).
     def _save_verb(self, step: int, state: Any, *, extra: Any, metadata: Mapping[str, Any], rank_state: Any,
                    blocking: bool, retry: RetrySchedule | None = None) -> Callable[[], Manifest]:
-        from bridges.jax._api import _save
-
         # The local tier's host copies of this very state, made in this save() call: the persistent
         # save writes from them too (both only read them), so the state is copied once.
         staged = self._jax_hooks.take_staged(state) if self._jax_hooks is not None else None
@@ -107,8 +102,6 @@ class CheckpointManager(_CoreManager):
 
     def _restore_verb(self, target: Any, step: int, rank_state_policy: str | None = None
                       ) -> tuple[Any, Any, Mapping[str, Any]]:
-        from bridges.jax._api import restore
-
         stats: dict[str, Any] = {}  # the restore's own extra: the step is opened once, as in torch
         state = restore(self.url, target, step=step, rank_state_policy=rank_state_policy, stats=stats)
         return state, stats["extra"], stats
@@ -138,6 +131,4 @@ class CheckpointManager(_CoreManager):
     def _agree_preemption(self, step: int, local: bool) -> bool:
         if not self._jax_sync:
             return super()._agree_preemption(step, local)
-        from jax.experimental import multihost_utils
-
         return bool(multihost_utils.reached_preemption_sync_point(step))

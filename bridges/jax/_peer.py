@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import jax
 import msgpack
 import numpy as np
+from jax._src import distributed  # the coordinator address is not public API in jax 0.10
 from jax.sharding import SingleDeviceSharding
 
 from ckptfmt import Box
@@ -27,6 +28,7 @@ from ckptfmt.checksum import crc32c
 from ckptfmt.errors import CheckpointError, KeyMismatchError, ShapeMismatchError
 from ckptfmt.manager import as_bytes_view, check_payload
 
+from bridges.jax._coord import JaxCoordinator
 from bridges.jax._tree import flatten_with_keys, index_to_box, is_prng_key, physical_sharding, placement
 
 __all__ = ["JaxPeerExchange", "requests", "build"]
@@ -49,8 +51,6 @@ def _reachable_host() -> str:
     the jax.distributed coordinator (no packet is sent), else loopback."""
     if os.environ.get(ADDRESS_ENV):
         return os.environ[ADDRESS_ENV]
-    from jax._src import distributed  # the coordinator address is not public API in jax 0.10
-
     coordinator = getattr(distributed.global_state, "coordinator_address", None) or ""
     host = coordinator.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
     try:
@@ -71,9 +71,7 @@ class JaxPeerExchange:
     background = True
 
     def __init__(self, timeout_s: float = 300.0) -> None:
-        from jax.experimental import transfer
-
-        from bridges.jax._coord import JaxCoordinator
+        from jax.experimental import transfer  # experimental, and needed by a multi-process local tier only
 
         self.rank, self.world = int(jax.process_index()), int(jax.process_count())
         self.timeout_s = float(timeout_s)

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 
 import jax
 import numpy as np
+from jax._src import sharding_impls  # physical_sharding has no public equivalent in jax 0.10
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ckptfmt import Box, TensorSharding
@@ -204,8 +205,6 @@ def physical_sharding(sharding: Any, logical_shape: tuple[int, ...], dtype: Any)
 
     The trailing key-data dimensions are never split.
     """
-    from jax._src import sharding_impls  # no public equivalent in jax 0.10
-
     return sharding_impls.physical_sharding(jax.core.ShapedArray(tuple(logical_shape), dtype), sharding)
 
 

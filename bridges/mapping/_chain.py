@@ -16,7 +16,7 @@ from ckptfmt import Box
 from ckptfmt.errors import CheckpointError, ShapeMismatchError
 
 from bridges.mapping._joins import Concat, ConcatStacks, Join, Stack, Stacks
-from bridges.mapping._transforms import Cast, NotApplicable, NotExact, Transform
+from bridges.mapping._transforms import Cast, NotApplicable, NotExact, Transform, _np_dtype
 from bridges.mapping._joins import Select
 
 __all__ = ["Chain", "MappingError", "InvalidRuleError", "split_chain"]
@@ -246,7 +246,6 @@ class Chain:
 
 def _in_dtype(op: Transform, dtype: np.dtype) -> np.dtype:
     if isinstance(op, Cast) and op.source_dtype is not None:
-        from bridges.mapping._transforms import _np_dtype
         return _np_dtype(op.source_dtype)
     return dtype
 

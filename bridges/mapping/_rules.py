@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping as TMapping, Sequence
 
 import numpy as np
 
+from ckptfmt import Box
 from ckptfmt.restoreplan import RestoreReport
 
 from bridges.mapping._chain import Chain, InvalidRuleError, split_chain, with_select_size
@@ -273,7 +274,6 @@ class Resolved:
 
     def source_box(self, offset: Sequence[int], shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The source-coordinate box holding exactly the target box ``(offset, shape)``."""
-        from ckptfmt import Box
         self._transpose_only()
         box = Box(tuple(offset), tuple(shape))
         for op in reversed(self.transforms):

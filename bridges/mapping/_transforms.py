@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ckptfmt import Box
+from ckptfmt.dtypes import numpy_dtype
 
 __all__ = [
     "NotApplicable", "NotExact", "Transform", "Transpose", "Reorder", "Scale", "Shift", "Cast",
@@ -356,6 +357,5 @@ class Cast(_Elementwise):
 
 
 def _np_dtype(name: str) -> np.dtype:
-    from ckptfmt.dtypes import numpy_dtype
     return numpy_dtype(str(name))
 

@@ -20,6 +20,7 @@ from bridges.torch._conv import _flatten, _local_parts, _materialized, _rank, _w
 from bridges.torch._conv import (dtype_name as dtype_name, from_numpy as from_numpy, layer_kinds as layer_kinds,
                          local_box as local_box, rng_state as rng_state, set_rng_state as set_rng_state,
                          to_numpy as to_numpy)
+from bridges.torch._coord import for_group
 from bridges.torch._load import Loaded as Loaded, load as load, load_extra as load_extra, load_rank_state as load_rank_state
 from bridges.mapping._mapping import Mapping, Resolved
 
@@ -34,7 +35,6 @@ def _coordinator(coordinator: Any) -> Any:
     if coordinator is not None:
         return coordinator
     if _world() > 1:
-        from bridges.torch._coord import for_group
         return for_group()
     return ckptfmt.LocalCoordinator()
 

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 import msgpack
+import torch.distributed as dist
 
 from ckptfmt.coord import as_bytes
 from ckptfmt.errors import CheckpointError, CoordinatorLostError, CoordinatorTimeoutError
@@ -40,8 +41,6 @@ def for_group(group: Any = None, *, timeout_s: float = 300.0) -> "TorchCoordinat
     Reusing one coordinator per group keeps its operation counter monotonic, so keys never
     collide across saves. Every rank must create coordinators in the same order.
     """
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first "
                            "or pass a ckptfmt coordinator explicitly")
@@ -63,13 +62,10 @@ class TorchCoordinator:
 
     def __init__(self, group: Any = None, *, store: Any = None, timeout_s: float = 300.0,
                  namespace: str | None = None) -> None:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
-
         self._group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self._store = store if store is not None else c10d._get_default_store()
+        self._store = store if store is not None else dist.distributed_c10d._get_default_store()
         gname = "default" if group is None else getattr(group, "group_name", str(id(group)))
         self._ns = namespace or f"ckptfmt/coord/{gname}/{next(_instances)}"
         self._timeout_s = float(timeout_s)

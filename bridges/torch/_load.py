@@ -26,6 +26,7 @@ from bridges._contract import (UNSET, caller_rank_state, check_topology, effecti
                         restore_stats)
 from bridges.torch._conv import (_OBJECTS, _flatten, _local, _rank, _rebuild, _target_boxes, _world, _wrap_like, dtype_name,
                          from_numpy)
+from bridges.torch._coord import for_group
 from bridges.torch._share import TorchExchange, collectives_pay, replicated_over_ranks
 from bridges.mapping._mapping import KeptValuesWarning, Mapping
 
@@ -40,7 +41,6 @@ def _open(url: str, step: int | None) -> RestoreSource:
 
 def _step_everyone_opens(repo: Repository, step: int | None) -> int | None:
     if step is None and _world() > 1:
-        from bridges.torch._coord import for_group
         return agree_step(repo, None, for_group())
     return step
 

@@ -24,6 +24,8 @@ from ckptfmt.manifest import Manifest
 from ckptfmt.rankstate import RankStatePolicy
 
 from bridges.torch import _peer as _torchpeer
+from bridges.torch._api import _save, load
+from bridges.torch._coord import TorchCoordinator
 
 __all__ = ["CheckpointManager"]
 
@@ -92,24 +94,18 @@ class CheckpointManager(_CoreManager):
         n = next(_instances)
         if self.world == 1:
             return LocalCoordinator()
-        from bridges.torch._coord import TorchCoordinator
-
         return TorchCoordinator(namespace=f"ckptfmt/manager/{n}",
                                 timeout_s=self.options.timeout_s if self.options else 300.0)
 
     # The only two calls into the bridge's verbs (the bridge contract: bridges/README.md).
     def _save_verb(self, step: int, state: Any, *, extra: Any, metadata: Mapping[str, Any], rank_state: Any,
                    blocking: bool, retry: RetrySchedule | None = None) -> Callable[[], Manifest]:
-        from bridges.torch._api import _save
-
         out = _save(self.repository, state, step=step, extra=extra, rank_state=rank_state, blocking=blocking,
                     metadata=metadata, options=self.options, mapping=self.mapping, retry=retry)
         return (lambda: out) if blocking else out.result
 
     def _restore_verb(self, target: Any, step: int, rank_state_policy: RankStatePolicy | None = None
                       ) -> tuple[Any, Any, Mapping[str, Any]]:
-        from bridges.torch._api import load
-
         if target is None:
             raise TypeError("bridges.torch.CheckpointManager.restore needs a target state dict")
         loaded = load(self.url, target, step=step, rank_state_policy=rank_state_policy, mapping=self.mapping)

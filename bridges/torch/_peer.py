@@ -26,6 +26,7 @@ from ckptfmt.manager import as_bytes_view, check_payload, distinct_boxes
 
 from bridges._contract import stage_state
 from bridges._extra import json_keys
+from bridges.torch._api import _shards
 from bridges.torch._conv import _flatten, _local, _rebuild, _target_boxes, _wrap_like, dtype_name, from_numpy, rng_state
 from bridges.torch._load import Loaded, _leaf, _saved_objects
 
@@ -65,8 +66,6 @@ def snapshot(state: Any, extra: Any, rank_state: Any, mapping: Any = None) -> tu
     """This rank's boxes as host copies (each distinct box once; through ``mapping`` in the
     checkpoint's layout, as ``bridges.torch.save`` writes them), and the global state as the
     bridge's save stages it, with this rank's per-rank state under ``rank`` (FORMAT.md 8.5)."""
-    from bridges.torch._api import _shards  # bridges.torch imports this module's manager at its end
-
     shards, objects = _shards(state, copy=True, mapping=mapping)
     global_state = {"torch": {"objects": objects, "rank_state": rank_state is not None},
                     "extra": json_keys(extra, "extra"),

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
 
 import ckptfmt
@@ -75,8 +76,6 @@ class CkptfmtCheckpointManager(CheckpointManager):
             if async_mode == AsyncMode.ASYNC:
                 return dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
             if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
                 return dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,
                                       async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
             try:

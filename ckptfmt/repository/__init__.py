@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from ckptfmt.repository import _gc, _recognise, _verified
 from ckptfmt.repository._gc import DEFAULT_LEASE_GRACE_S as DEFAULT_LEASE_GRACE_S
+from ckptfmt.repository._gc import GcChecks as GcChecks
 from ckptfmt.repository._gc import GcReport as GcReport
 from ckptfmt.errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, StepNotFoundError
 from ckptfmt.layout import MANIFESTS, manifest_key, step_of_manifest_key
@@ -24,7 +25,7 @@ from ckptfmt.reader import BlockChecks, Checkpoint, Progress, ReadStats
 from ckptfmt.reader._verifylocal import ReadBuffers
 from ckptfmt.storage import Storage, StorageOptions, open_storage
 
-__all__ = ["Repository", "GcReport"]
+__all__ = ["Repository", "GcReport", "GcChecks"]
 
 #: Parsed manifests a Repository keeps (the newest used), and the most manifest bytes they may hold.
 MANIFEST_CACHE_ENTRIES = 8
@@ -197,7 +198,7 @@ class Repository:
             _gc.remove_unreferenced(self, save_id, but=step)
 
     def gc(self, *, grace_s: float | None = None, keep_last: int | None = None,
-           keep_every: int | None = None, dry_run: bool = False) -> GcReport:
+           keep_every: int | None = None, dry_run: bool = False, checks: GcChecks | None = None) -> GcReport:
         """Apply retention, then remove the objects of abandoned saves (FORMAT.md 10).
 
         Retention keeps the newest ``keep_last`` restorable steps (and every step divisible by
@@ -213,9 +214,12 @@ class Repository:
         4.5), and StorageError when ``manifests/`` cannot be listed. Anything else that gc cannot
         decide is kept and reported in the GcReport (``uncertain``, ``problems``); committed steps
         with a damaged manifest are listed in ``damaged_steps``. ``dry_run=True`` deletes and
-        claims nothing and reports what a run would remove (``GcReport.dry_run``).
+        claims nothing and reports what a run would remove (``GcReport.dry_run``). ``checks``: the
+        checks gc decides with (default :class:`GcChecks`); a test passes a weakened one to build a
+        broken control.
         """
-        return _gc.collect(self, grace_s=grace_s, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run)
+        return _gc.collect(self, grace_s=grace_s, keep_last=keep_last, keep_every=keep_every, dry_run=dry_run,
+                           checks=checks)
 
 
 def _steps_text(steps: list[int], most: int = 8) -> str:

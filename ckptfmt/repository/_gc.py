@@ -116,10 +116,11 @@ class _Scan:
     why: str = ""
 
 
-def _scan_manifest(repo: Repository, step: int, watch: set[str]) -> _Scan:
+def _scan_manifest(repo: Repository, step: int, watch: set[str], checks: GcChecks | None = None) -> _Scan:
     # Pieces of SCAN_PIECE bytes with an overlap: memory stays small whatever the manifest's size
     # (a whole read of a 256 MiB object costs tensorstore three copies).
     st, cap, key = repo.storage, repo.max_manifest_bytes, manifest_key(step)
+    checks = checks or GcChecks()
     declared: set[str] = set()
     mentions: set[str] = set()
     try:
@@ -132,8 +133,9 @@ def _scan_manifest(repo: Repository, step: int, watch: set[str]) -> _Scan:
             if piece is None:
                 return _Scan("absent") if off == 0 else _Scan("unreadable", why="unreadable: removed while read")
             buf = tail + piece
-            declared |= {m.group(1).decode("ascii") for m in _DECLARED.finditer(buf)}
-            mentions |= _mentions(buf, watch - mentions)
+            named, mentioned = checks.save_ids_in(buf, watch - mentions)
+            declared |= named
+            mentions |= mentioned
             off += len(piece)
             if off > cap:  # grew since the probe
                 return _Scan("over_cap", why=f"larger than the {cap}-byte cap; not read")
@@ -154,14 +156,15 @@ def _listed_steps(repo: Repository) -> tuple[list[int], list[str]]:
     return sorted(steps), foreign
 
 
-def referenced_elsewhere(repo: Repository, save_id: str, *, but: int | None) -> bool:
-    """Whether a committed manifest other than step ``but``'s names or mentions ``save_id``.
-    A manifest that cannot be read is assumed to (FORMAT.md 4.4)."""
+def referenced_elsewhere(repo: Repository, save_id: str, *, but: int | None, checks: GcChecks | None = None) -> bool:
+    """Whether a committed manifest other than step ``but``'s names or mentions ``save_id`` (read
+    with ``checks``, default :class:`GcChecks`). A manifest that cannot be read is assumed to
+    (FORMAT.md 4.4)."""
     steps, _ = _listed_steps(repo)
     for s in steps:
         if s == but:
             continue
-        scan = _scan_manifest(repo, s, {save_id})
+        scan = _scan_manifest(repo, s, {save_id}, checks)
         if scan.status == "unreadable" or save_id in scan.declared or save_id in scan.mentions:
             return True
     return False
@@ -212,14 +215,23 @@ def unrestorable(repo: Repository, step: int) -> str | None:
     return "; ".join(faults[:3]) if faults else None
 
 
-_recognise = recognise  # gc asks through this name (the fault fixture takes the check out by it)
-
-
 class GcChecks:
-    """The checks gc decides with, each the module's own function: retention's
-    :meth:`unrestorable` and :meth:`unverified` (FORMAT.md 10.4), and step 6's :meth:`last_look`
-    (10.3). :func:`collect` takes one (``checks``; this one by default). A fault test's broken
-    control passes a subclass with one check replaced by a weaker one, and shows what it loses."""
+    """The checks gc decides with, each the module's own function: that the URL holds a
+    repository (:meth:`recognise`, FORMAT.md 4.5), what a manifest names (:meth:`save_ids_in`,
+    10.2), retention's :meth:`unrestorable` and :meth:`unverified` (10.4), and step 6's
+    :meth:`last_look` (10.3). :func:`collect` takes one (``checks``; this one by default). A fault
+    test's broken control passes a subclass with one check replaced by a weaker one, and shows
+    what it loses."""
+
+    def recognise(self, repo: Repository, steps: list[int], done: str) -> None:
+        """:func:`ckptfmt.repository._recognise.recognise`: NotARepositoryError (saying ``done``)
+        unless the URL holds a repository."""
+        recognise(repo, steps, done)
+
+    def save_ids_in(self, data: bytes, watch: set[str]) -> tuple[set[str], set[str]]:
+        """In ``data`` (a piece of a manifest's text): the save ids its ``"save_id"`` members name,
+        and those of ``watch`` that occur anywhere in it (FORMAT.md 10.2)."""
+        return {m.group(1).decode("ascii") for m in _DECLARED.finditer(data)}, _mentions(data, watch)
 
     def unrestorable(self, repo: Repository, step: int) -> str | None:
         """:func:`unrestorable`: why ``step`` cannot be restored, or None."""
@@ -232,7 +244,7 @@ class GcChecks:
     def last_look(self, repo: Repository, names: SaveNames, claimed: set[str], retired: dict[str, int],
                   report: GcReport) -> None:
         """:func:`last_look`: delete the claimed saves that nothing pins or names, keep the others."""
-        last_look(repo, names, claimed, retired, report)
+        last_look(repo, names, claimed, retired, report, checks=self)
 
 
 def _retention(repo: Repository, steps: list[int], keep_last: int, keep_every: int | None, report: GcReport,
@@ -286,7 +298,7 @@ def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, k
     checks = checks or GcChecks()
     foreign: list[str] = []
     steps, _ = _listed_steps(repo)
-    _recognise(repo, steps, "gc deleted nothing")
+    checks.recognise(repo, steps, "gc deleted nothing")
     retired: dict[str, int] = {}
     if keep_last is not None and keep_last >= 1:
         if st.plain_dir(MANIFESTS):
@@ -298,7 +310,7 @@ def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, k
         return report
     now = time.time()
     live = _read_leases(st, names, retired, report, now, grace_s)
-    committed = _scan_committed(repo, names, live, foreign)
+    committed = _scan_committed(repo, names, live, foreign, checks)
     report.damaged_steps = sorted(s for s in committed.damaged if s not in report.removed_steps)
     report.in_progress += sorted(live.fresh - committed.referenced)
     pinned = set(live.pins)
@@ -309,20 +321,21 @@ def collect(repo: Repository, *, grace_s: float | None, keep_last: int | None, k
     held = (live.pending - committed.referenced) & pinned
     if dry_run:  # what step 5 would claim, without the claim (a write) and without step 6's last look
         would = _collect_pending(repo, names, replace(live, pending=live.pending - pinned), committed, retired,
-                                 report, now, grace_s, dry_run=True)
+                                 report, now, grace_s, checks, dry_run=True)
         report.removed_saves = sorted(sid for sid in would if sid not in retired)
         report.objects_removed = sum(names.candidates[sid].objects for sid in would)
         report.pinned = sorted(held)
         return _finish(report, foreign)
     _tidy_committed(st, committed.referenced, report, now, grace_s)
     claimed = _collect_pending(repo, names, replace(live, pending=live.pending - pinned), committed, retired,
-                               report, now, grace_s)
+                               report, now, grace_s, checks)
     # A lease this run claimed can no longer commit, so its pins are released (FORMAT.md 10.3):
     # the saves only such leases pinned are decided now, not left to the next run.
     freed = set() if live.unreadable else held - live.custom_pins - pinned_by_leases(
         lease for sid, lease in live.leases.items() if sid not in claimed)
     if freed:
-        claimed |= _collect_pending(repo, names, replace(live, pending=freed), committed, retired, report, now, grace_s)
+        claimed |= _collect_pending(repo, names, replace(live, pending=freed), committed, retired, report, now, grace_s,
+                                    checks)
     report.pinned = sorted(held - freed)
     checks.last_look(repo, names, claimed, retired, report)
     return _finish(report, foreign)
@@ -409,7 +422,8 @@ class _Committed:
     blind: list[str]
 
 
-def _scan_committed(repo: Repository, names: SaveNames, live: _Liveness, foreign: list[str]) -> _Committed:
+def _scan_committed(repo: Repository, names: SaveNames, live: _Liveness, foreign: list[str],
+                    checks: GcChecks) -> _Committed:
     """Only after the leases, the manifests: every save id they name or mention is committed."""
     steps, foreign_manifests = _listed_steps(repo)
     foreign += foreign_manifests
@@ -418,7 +432,7 @@ def _scan_committed(repo: Repository, names: SaveNames, live: _Liveness, foreign
     blind: list[str] = []
     watch = set(names.candidates) | set(names.custom)
     for s in steps:
-        scan = _scan_manifest(repo, s, (live.pending | set(names.custom)) - referenced)
+        scan = _scan_manifest(repo, s, (live.pending | set(names.custom)) - referenced, checks)
         if scan.status == "unreadable":
             blind.append(f"step {s}: {scan.why}")
         elif scan.status == "over_cap" or (scan.status == "ok" and not scan.declared):
@@ -439,7 +453,7 @@ def _tidy_committed(st: Any, referenced: set[str], report: GcReport, now: float,
 
 
 def _collect_pending(repo: Repository, names: SaveNames, live: _Liveness, committed: _Committed, retired: dict[str, int],
-                     report: GcReport, now: float, grace_s: float, dry_run: bool = False) -> set[str]:
+                     report: GcReport, now: float, grace_s: float, checks: GcChecks, dry_run: bool = False) -> set[str]:
     """Step 5: decide each save left, and claim it. Returns the saves whose lease this run holds
     as ``collected`` (claimed here, or found so); step 6 deletes them."""
     claimed: set[str] = set()
@@ -449,7 +463,7 @@ def _collect_pending(repo: Repository, names: SaveNames, live: _Liveness, commit
             report.problems.append(f"{SAVES}{sid}: its LEASE is not a file and cannot be claimed; kept")
             continue
         why = _decide(repo, sid, live.leases.get(sid), retired, committed.damaged, committed.blind, now, grace_s,
-                      dry_run)
+                      checks, dry_run)
         if why == "in progress":
             report.in_progress.append(sid)
         elif why == "committed":
@@ -462,10 +476,12 @@ def _collect_pending(repo: Repository, names: SaveNames, live: _Liveness, commit
     return claimed
 
 
-def last_look(repo: Repository, names: SaveNames, claimed: set[str], retired: dict[str, int], report: GcReport) -> None:
-    """Step 6, the last look (FORMAT.md 10.3): after every claim, every lease, then every manifest;
-    a claimed save that one pins or names is kept (and stays claimed), the others are deleted
-    (``report`` says which). ``retired``: the save ids retention un-committed, by step."""
+def last_look(repo: Repository, names: SaveNames, claimed: set[str], retired: dict[str, int], report: GcReport,
+              checks: GcChecks | None = None) -> None:
+    """Step 6, the last look (FORMAT.md 10.3): after every claim, every lease, then every manifest
+    (read with ``checks``, default :class:`GcChecks`); a claimed save that one pins or names is
+    kept (and stays claimed), the others are deleted (``report`` says which). ``retired``: the
+    save ids retention un-committed, by step."""
     if not claimed:
         return
     pins = lease_pins(repo.storage)
@@ -473,7 +489,7 @@ def last_look(repo: Repository, names: SaveNames, claimed: set[str], retired: di
     blind = None if pins is not None else "a lease could not be read"
     if blind is None:
         for s in _listed_steps(repo)[0]:
-            scan = _scan_manifest(repo, s, claimed - pins - named)
+            scan = _scan_manifest(repo, s, claimed - pins - named, checks)
             if scan.status == "unreadable":
                 blind = f"step {s}: {scan.why}"
                 break
@@ -496,7 +512,8 @@ def last_look(repo: Repository, names: SaveNames, claimed: set[str], retired: di
 
 
 def _decide(repo: Repository, sid: str, lease: _StoredLease | None, retired: dict[str, int],
-            damaged: dict[int, str], blind: list[str], now: float, grace_s: float, dry_run: bool = False) -> str | None:
+            damaged: dict[int, str], blind: list[str], now: float, grace_s: float, checks: GcChecks,
+            dry_run: bool = False) -> str | None:
     """None to collect ``sid`` (its lease, if any, is claimed here unless ``dry_run``); otherwise
     "in progress", "committed", or why it is kept."""
     st = repo.storage
@@ -510,7 +527,7 @@ def _decide(repo: Repository, sid: str, lease: _StoredLease | None, retired: dic
         return f"the manifest of step {step} is damaged ({damaged[step]}) and may be this save's"
     slot = _Scan("absent")
     if step is not None:  # the point read: a save that committed a moment ago, on a lagging list
-        slot = _scan_manifest(repo, step, {sid})
+        slot = _scan_manifest(repo, step, {sid}, checks)
         if slot.status in ("unreadable", "over_cap"):
             return f"the manifest of step {step} cannot be judged ({slot.why})"
         if sid in slot.declared or sid in slot.mentions:

@@ -36,6 +36,7 @@ from ckptfmt_tools.faults._scene import Scene
 
 if TYPE_CHECKING:
     from ckptfmt.reader import BlockChecks
+    from ckptfmt.repository import GcChecks
 
 __all__ = ["Outcome", "Context", "build_base", "run_fault", "run_all", "OutcomeTable"]
 
@@ -59,6 +60,7 @@ class Context:
     restore_clean: bool = False       # "coop"/"tier": the same run with nothing injected
     restore_weaken: str | None = None  # "coop": "receiver_trusts" (see _restorejudge)
     checks: BlockChecks | None = None  # the scene's repositories read with these BlockChecks (_controls.NoChecksums)
+    gc_checks: GcChecks | None = None  # "gc": the checks gc decides with (a weakened GcChecks; None: gc's own)
 
 
 @dataclass

@@ -223,7 +223,7 @@ def judge(fault: Any, scene: Scene, ctx: Any, out: Any, run_within: Any) -> None
     inv_before = inventory(scene.root)
     peak_grown = peak_meter()
     done, report, exc = run_within(ctx.check_timeout_s, attempt.operation or (lambda: Repository(url, **kw).gc(
-        grace_s=attempt.grace_s, keep_last=attempt.keep_last)))
+        grace_s=attempt.grace_s, keep_last=attempt.keep_last, checks=ctx.gc_checks)))
     grown = peak_grown()
     if not done:
         out.hung = True

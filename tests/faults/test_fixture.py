@@ -2,11 +2,11 @@
 broken control (a deliberately weakened check) under which the same judgement FAILS."""
 from __future__ import annotations
 
-import re
 
 import pytest
 
 from ckptfmt import errors as E
+from ckptfmt.repository import GcChecks
 from ckptfmt_tools import faults
 from ckptfmt_tools.faults import _controls
 
@@ -188,7 +188,31 @@ def _links_as_saves():
                                        for e in scan(self, prefix, **kw)]
 
 
-_NO_ID = re.compile(rb"(?!)(x)")  # a pattern that never matches
+class _Unrecognising(GcChecks):
+    # gc before it recognised a repository: it collects wherever it is pointed.
+    def recognise(self, repo, steps, done):
+        return None
+
+
+class _TrustingRetention(GcChecks):
+    # Retention before it checked the newest step it keeps: neither restorable nor verified asked.
+    def unrestorable(self, repo, step):
+        return None
+
+    def unverified(self, repo, step, **kw):
+        return None
+
+
+class _UnverifiedTrusted(GcChecks):
+    # Retention that checks the objects' sizes but never reads the newest step it keeps.
+    def unverified(self, repo, step, **kw):
+        return None
+
+
+class _SaveIdsUnseen(GcChecks):
+    # A manifest read without finding the save ids it names or mentions.
+    def save_ids_in(self, data, watch):
+        return set(), set()
 
 
 def _delete_in_the_old_order(repo, save_id, *, but):
@@ -202,25 +226,22 @@ def _delete_in_the_old_order(repo, save_id, *, but):
     return False
 
 
-@pytest.mark.parametrize("name, patches", [
+@pytest.mark.parametrize("name, patches, checks", [
     ("gc-symlink-escape", [("ckptfmt.storage._filestore.LocalFileStorage.delete_prefix", _tensorstore_delete_prefix),
-                           ("ckptfmt.storage._filestore.LocalFileStorage.scan_children", "links-as-saves")]),
-    ("gc-not-a-repository", [("ckptfmt.repository._gc._recognise", lambda *a: None)]),
-    ("gc-retention-newest-truncated", [("ckptfmt.repository._gc.GcChecks.unrestorable", lambda *a: None),
-                                       ("ckptfmt.repository._gc.GcChecks.unverified", lambda *a, **k: None)]),
-    ("gc-retention-newest-data-missing", [("ckptfmt.repository._gc.GcChecks.unrestorable", lambda *a: None),
-                                          ("ckptfmt.repository._gc.GcChecks.unverified", lambda *a, **k: None)]),
-    ("gc-shared-save-id", [("ckptfmt.repository._gc._mentions", lambda data, candidates: set()),
-                           ("ckptfmt.repository._gc._DECLARED", _NO_ID)]),
-    ("gc-retention-newest-flipped", [("ckptfmt.repository._gc.GcChecks.unverified", lambda *a, **k: None)]),
-    ("gc-delete-racing-a-save", [("ckptfmt.repository._gc.remove_unreferenced", _delete_in_the_old_order)]),
+                           ("ckptfmt.storage._filestore.LocalFileStorage.scan_children", "links-as-saves")], None),
+    ("gc-not-a-repository", [], _Unrecognising()),
+    ("gc-retention-newest-truncated", [], _TrustingRetention()),
+    ("gc-retention-newest-data-missing", [], _TrustingRetention()),
+    ("gc-shared-save-id", [], _SaveIdsUnseen()),
+    ("gc-retention-newest-flipped", [], _UnverifiedTrusted()),
+    ("gc-delete-racing-a-save", [("ckptfmt.repository._gc.remove_unreferenced", _delete_in_the_old_order)], None),
 ])
-def test_control_gc_without_its_check(name, patches, base, tmp_path, monkeypatch):
-    """Each gc fault, with the check that stops it taken out, destroys something or loses the
-    last restorable step."""
+def test_control_gc_without_its_check(name, patches, checks, base, tmp_path, monkeypatch):
+    """Each gc fault, with the check that stops it taken out (a weakened GcChecks passed to gc, or
+    a storage method of before), destroys something or loses the last restorable step."""
     for target, value in patches:
         monkeypatch.setattr(target, _links_as_saves() if value == "links-as-saves" else value)
-    o = faults.run_fault(name, base, tmp_path, _ctx())
+    o = faults.run_fault(name, base, tmp_path, _ctx(gc_checks=checks))
     assert not o.passed and not o.hung and not any(n.startswith("fixture error") for n in o.notes), _explain(o)
     assert o.exposed or not o.prior_intact, _explain(o)
 
