@@ -19,15 +19,17 @@ import numpy as np
 __all__ = ["place_many"]
 
 
+try:  # JAX's internals: where they moved, the public path alone
+    from jax._src import core as _core
+    from jax._src.interpreters import pxla as _pxla
+except ImportError:
+    _core = _pxla = None
+
+
 def _runtime_put() -> Any:
     """JAX's one-call placement of a sharded array's device shards, or None."""
-    try:
-        from jax._src import core
-        from jax._src.interpreters import pxla
-    except ImportError:  # another JAX layout: the public path
-        return None
-    put = getattr(pxla, "batched_device_put", None)
-    shaped = getattr(core, "ShapedArray", None)
+    put = getattr(_pxla, "batched_device_put", None)
+    shaped = getattr(_core, "ShapedArray", None)
     if put is None or shaped is None:
         return None
     return lambda shape, dtype, sharding, xs, devices: put(shaped(tuple(shape), np.dtype(dtype)), sharding, xs, devices)
