@@ -38,6 +38,9 @@ _IOV_MAX = 1024
 #: Pool tasks per reader thread: enough that threads finish together, few enough that handing
 #: them out costs nothing beside the reads.
 _GROUPS_PER_THREAD = 8
+#: Small whole shards lying back to back in one object are read in runs of at most this many
+#: bytes (one positional read each, then checked shard by shard in memory).
+_RUN_BYTES = 1 << 20
 
 
 class PositionalReads:
@@ -126,16 +129,96 @@ class PositionalReads:
 
     def _read_local_group(self, group: list[tuple[tuple[str, int], list[ReadItem]]], outs: list[np.ndarray | None],
                           uncached: bool, files: "ThreadFiles") -> "_ShardStats":
-        """The shards of one group, in order; their counts summed. The first fault raises."""
+        """The shards of one group, in order; their counts summed. Small whole shards that lie back
+        to back in one object go as runs (:meth:`_read_run`), the others one by one. The first
+        fault raises."""
         nbytes = requests = 0
         phases: dict[str, float] = {}
-        for (key, s), items in group:
-            done = self._read_local_shard(key, s, items, outs, uncached, files)
+
+        def add(done: _ShardStats) -> None:
+            nonlocal nbytes, requests
             nbytes += done.nbytes
             requests += done.requests
             for phase, seconds in done.phases.items():
                 phases[phase] = phases.get(phase, 0.0) + seconds
+
+        run: list[_Whole] = []
+        runs = not uncached and not self.storage.options.mapped_reads  # (mapped reads map each shard)
+        for (key, s), items in group:
+            whole = self._small_whole(key, s, items, outs) if runs else None
+            if whole is not None and run and (whole.obj != run[-1].obj or whole.lo != run[-1].hi
+                                              or whole.hi - run[0].lo > _RUN_BYTES):
+                add(self._read_run(run, files))
+                run = []
+            if whole is not None:
+                run.append(whole)
+                continue
+            if run:
+                add(self._read_run(run, files))
+                run = []
+            add(self._read_local_shard(key, s, items, outs, uncached, files))
+        if run:
+            add(self._read_run(run, files))
         return _ShardStats(nbytes, requests, phases, len(group))
+
+    def _small_whole(self, key: str, s: int, items: list[ReadItem], outs: list[np.ndarray | None]) -> "_Whole | None":
+        """Shard ``s`` of ``key`` as a :class:`_Whole` when it is small, raw, stored back to back,
+        and every stored chunk of it is needed whole by exactly one output region; else None (it
+        is read by :meth:`_read_local_shard`)."""
+        t = self.manifest.tensors[key]
+        if t.array.codec != "raw":
+            return None
+        want = int(t.shards.nbytes[s])
+        if want > _RUN_BYTES:
+            return None
+        starts = self._starts(t)
+        c0, c1 = int(starts[s]), int(starts[s + 1])
+        if len(items) != c1 - c0:
+            return None
+        g = t.geometry
+        full = tuple(slice(0, c) for c in g.chunk_shape)
+        shape = tuple(g.chunk_shape)
+        dests: list[np.ndarray] = [None] * (c1 - c0)  # type: ignore[list-item]
+        for it in items:
+            if (it.src or ()) != full or not c0 <= it.chunk < c1 or dests[it.chunk - c0] is not None:
+                return None
+            view = outs[it.request][it.dst or ...]  # type: ignore[index]
+            if view.shape != shape:
+                return None
+            dests[it.chunk - c0] = view
+        if not back_to_back(t, c0, c1, want):
+            return None
+        lo = t.shard_start(s)
+        return _Whole(t, s, t.object_key(s), lo, lo + want, c0, dests)
+
+    def _read_run(self, run: list["_Whole"], files: "ThreadFiles") -> "_ShardStats":
+        """Shards that lie back to back in one object, read with one positional read into a
+        scratch buffer; then each shard's index and each chunk checked against the manifest
+        (as :meth:`_read_whole_direct` checks them) before its chunks are copied into the outputs."""
+        tr = time.perf_counter()
+        first = run[0]
+        t0, obj = first.t, first.obj
+        self.storage.check_no_links(obj, self._plain_dirs, tensor=t0.key)
+        buf = np.empty(run[-1].hi - first.lo, np.uint8)
+        with files.open(obj, t0.key) as f:
+            if f.size != t0.object_nbytes(first.s):
+                raise SizeMismatchError("shard object size differs from the manifest", key=t0.key, object=obj,
+                                        expected=t0.object_nbytes(first.s), found=f.size)
+            f.read_into([buf], first.lo)
+        tv = time.perf_counter()
+        mv = memoryview(buf)
+        for w in run:
+            t, base = w.t, w.lo - first.lo
+            sb = shard_bytes(t, w.s)
+            ilo, ihi = sb.index
+            self.checks.index(t, w.s, obj, mv[base + ilo - sb.start:base + ihi - sb.start])
+            for i, dest in enumerate(w.dests):
+                off, mid, end = sb.chunk_bounds(w.c0 + i)
+                a, b, e = base + off - sb.start, base + mid - sb.start, base + end - sb.start
+                self.checks.chunk(t, w.c0 + i, obj, buf[a:b], mv[b:e])
+                dest[...] = buf[a:b].view(dest.dtype).reshape(dest.shape)
+        phases = {"read": tv - tr, "verify": time.perf_counter() - tv, "assemble": 0.0}
+        return _ShardStats(len(buf), 1, phases, 0)
 
     def _read_local_shard(self, key: str, s: int, items: list[ReadItem], outs: list[np.ndarray | None],
                           uncached: bool = False, files: "ThreadFiles | None" = None) -> "_ShardStats":
@@ -253,6 +336,20 @@ class PositionalReads:
             self.checks.chunk(t, c0 + i, obj, direct[c0 + i], tails[i])
         phases["verify"] += time.perf_counter() - tv
         return _ShardStats(int(t.shards.nbytes[s]), 1, phases)
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """A small shard read whole in a run: its bytes [lo, hi) of ``obj``, and each stored chunk's
+    output region (a view of chunk shape), chunk rows from ``c0``."""
+
+    t: TensorEntry
+    s: int
+    obj: str
+    lo: int
+    hi: int
+    c0: int
+    dests: list[np.ndarray]
 
 
 @dataclass(frozen=True)

@@ -95,10 +95,19 @@ class ShardSizes:
         return nbytes - self.index
 
 
-@functools.lru_cache(maxsize=4096)  # asked per shard on the save path; tensors alike share a geometry
 def shard_sizes(g: TensorGeometry) -> ShardSizes:
     """The :class:`ShardSizes` of geometry ``g``, in exact integer arithmetic (a hostile geometry
-    gives large numbers, never an overflow)."""
+    gives large numbers, never an overflow). Asked per shard by saves and reads: kept on the
+    geometry object once computed (a derived value; equality and hashing use the fields alone)."""
+    kept = g.__dict__.get("_shard_sizes")
+    if kept is None:
+        kept = _sizes_of(g)
+        object.__setattr__(g, "_shard_sizes", kept)  # a frozen dataclass: its fields stay as they are
+    return kept
+
+
+@functools.lru_cache(maxsize=4096)  # tensors alike share a geometry
+def _sizes_of(g: TensorGeometry) -> ShardSizes:
     data = math.prod(g.chunk_shape) * g.itemsize
     inner = math.prod(g.inner)
     index = inner * INDEX_ENTRY_BYTES + TRAILER_BYTES
