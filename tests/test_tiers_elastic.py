@@ -152,3 +152,25 @@ def test_a_box_no_survivor_holds_is_read_from_persistent_storage_and_counted(sav
     # w rows 12..18 (6 x 6 float32) and u [6, 9) (3 int64) were held only by the lost hosts
     assert t["persistent"] == 6 * 6 * 4 + 3 * 8 and t["persistent_held"] == 0, rs
     assert t["local"] + t["peer"] > 0
+
+
+def test_a_jax_job_on_more_processes_than_the_save_restores_through_the_tiers(tmp_path):
+    """JAX: 2 processes x 2 devices save; 3 processes x 1 device restore (another mesh; each needs
+    rows of two hosts' boxes; the third finds no tier of its own and reads all from its peers)."""
+    def job(mode: str, world: int) -> list[dict]:
+        port = _port()
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "jaxproc" / "elastic_job.py"), mode, "--dir",
+                                   str(tmp_path), "--port", str(port), "--rank", str(r), "--world", str(world), "--out",
+                                   str(tmp_path / f"{mode}-{r}.json")], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(world)]
+        logs = [p.communicate(timeout=180)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * world, logs
+        return [json.loads((tmp_path / f"{mode}-{r}.json").read_text()) for r in range(world)]
+
+    assert job("save", 2)[0]["local_saves"] == [2, 4]
+    rs = job("restore", 3)
+    assert all(r["exact"] and r["step"] == 4 and r["extra"] == {"step": 4} and r["n"] == 4 for r in rs), rs
+    assert rs[0]["elastic"]["hosts"] == 2 and rs[0]["elastic"]["world"] == 3 and len({r["token"] for r in rs}) == 1
+    assert all(r["tiers"]["persistent"] == 0 and r["tiers"]["persistent_held"] == 0 for r in rs), rs
+    assert rs[2]["tiers"]["local"] == 0 and rs[2]["tiers"]["peer"] == 4 * 4 * 4 + 12, rs  # rows 8..12 and b
