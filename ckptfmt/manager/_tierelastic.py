@@ -97,7 +97,7 @@ def elastic_feasible(rank: int, requests: Sequence[Request], held_by: Mapping[in
     out = []
     for s in steps:
         token = step_token(s, [inv for _, inv in (held_by[h] for h in sorted(held_by))], persistent.get(s))
-        sources, hosts = elastic_sources(s, token, held_by)
+        sources, _ = elastic_sources(s, token, held_by)
         if not sources:
             continue
         mix = s in persistent and persistent[s] == token
@@ -311,7 +311,8 @@ def _accept(answer: Any, peer: int, *, step: int, token: str, hosts: int, digest
         plan = [((reads[i].key, reads[i].part), [(reads[i].source, reads[i].part)]) for i in idx]
         try:
             values, g = accept_replica(answers[h], step=step, token=token, holder=h, world=hosts,
-                                       digest=digests.get(h), plan=plan or [(("", Box((), ())), [])])
+                                       digest=digests.get(h), plan=plan or [(("", Box((), ())), [])],
+                                       sender=f"rank {peer} (host {h}'s local tier)")
         except CheckpointError as e:
             _log.warning("local tier: the answer of rank %d for host %d of step %d is refused: %s: %s", peer, h, step,
                          type(e).__name__, e)

@@ -269,7 +269,8 @@ def answer_parts(repo: Repository, step: int, reqs: Sequence[tuple[str, Box]]) -
 
 
 def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: int, digest: str | None,
-                   plan: Sequence[tuple[Request, Cover]]) -> tuple[dict[Request, np.ndarray], Any]:
+                   plan: Sequence[tuple[Request, Cover]], sender: str | None = None
+                   ) -> tuple[dict[Request, np.ndarray], Any]:
     """The requests a holder's answer serves, each checked by this process (FORMAT.md 8.5, the
     receiver verifies): the answer's manifest must be the one the holder listed in its inventory
     (``digest``: its SHA-256) and must record ``step``, ``token``, host ``holder`` of ``world``
@@ -277,7 +278,8 @@ def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: in
     storage (``Checkpoint.read_boxes(supplied=...)``); the global state against its crc32c.
     Raises StepMismatchError when the answer is of another step, save, token or host (nothing of
     it is used); a request whose chunks are missing or fail their checks is left out (logged):
-    the next tier serves it. Returns the served values and the holder's global state (or None)."""
+    the next tier serves it. Returns the served values and the holder's global state (or None).
+    ``sender``: who sent it, for the errors (default: rank ``holder``)."""
     what = f"the replica host {holder} holds of step {step}"
     try:
         doc = msgpack.unpackb(answer, raw=False, **ask_limits(len(memoryview(answer).cast("B"))))
@@ -302,7 +304,7 @@ def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: in
         raise StepMismatchError("the holder answered for another step, save or host", object=what,
                                 expected=str(want), found=str(got))
     ckpt = Checkpoint(None, manifest)  # type: ignore[arg-type]  # every chunk comes from the answer
-    sender = f"rank {holder} (its local tier)"
+    sender = sender or f"rank {holder} (its local tier)"
     supplied = {(str(k), int(c)): (np.frombuffer(b, dtype=np.uint8), sender)
                 for (k, c), b in zip(doc.get("refs") or [], doc.get("chunks") or [])}
     values: dict[Request, np.ndarray] = {}
