@@ -129,6 +129,25 @@ def test_restore_on_three_processes_reads_no_box_a_survivor_holds_from_persisten
     assert all(sum(r["tiers"][k] for k in ("local", "peer", "persistent")) == r["needed"] for r in rs), rs
 
 
+def test_an_own_copy_that_fails_is_asked_of_a_peer_s_copy(saved):
+    """Host 1's own first box flipped: rank 1 rejects it and asks the other copy (host 0's replica,
+    held by rank 0) in the second round; nothing from the persistent tier. The intact run above is
+    the control."""
+    sys.path.insert(0, str(ROOT / "tests" / "jaxproc"))
+    from tiers_job_damage import corrupt_own_box
+
+    shutil.copytree(saved / "local" / "host-1", saved / "host-1-clean")
+    try:
+        corrupt_own_box(str(saved / "local"), 1, 8)
+        rs = _job(saved, "restore", 3, tag="own")
+    finally:
+        shutil.rmtree(saved / "local" / "host-1")
+        os.rename(saved / "host-1-clean", saved / "local" / "host-1")
+    assert all(r["exact"] and r["step"] == 8 for r in rs), rs
+    assert _totals(rs)["persistent"] == 0 and rs[1]["tiers"]["peer"] > 0, rs
+    assert all(sum(r["tiers"][k] for k in ("local", "peer", "persistent")) == r["needed"] for r in rs), rs
+
+
 @pytest.mark.parametrize("tamper", ["corrupt", "other-step"])
 def test_a_peer_answering_with_other_bytes_is_refused_and_only_those_pieces_come_from_persistent(saved, tamper):
     rs = _job(saved, "restore", 3, "--tamper", tamper, "--tamper-rank", "0", tag=tamper)

@@ -6,12 +6,9 @@ Call order (every rank, after :meth:`LocalTiers.restore` gathered the inventorie
 repositories each process finds under its tier path, and the processes agreed on the step with
 :func:`elastic_sources` and :func:`~ckptfmt.manager._tierplan.plan_tier_reads`):
 
-1. Own reads: every piece this process's own host repositories serve, verified by the core
-   reader against the local step whose manifest digest the inventory listed; a piece that fails
-   is planned again against the peers' copies.
-2. ``allgather("tiers/restore/<n>/asks")``: which process asks which; then, for each offset
-   ``d`` some process asks over, ``shift(+d)`` carries each ask (step, token, per host repository
-   the parts of its local tensors) and ``shift(-d)`` the answers: per host repository the
+1. Every process plans every process's reads (the requests were gathered with the step vote),
+   so the planned round needs no asks: for each offset ``d`` some process reads over,
+   ``shift(-d)`` carries each holder's answer to its asker ``rank - d``: per host repository the
    manifest as stored, the stored chunks of the parts and the global state as stored
    (:func:`~ckptfmt.manager._tierrestore.answer_parts`). The receiving process checks each
    answer itself (:func:`~ckptfmt.manager._tierrestore.accept_replica`: the manifest is the one
@@ -20,6 +17,11 @@ repositories each process finds under its tier path, and the processes agreed on
    (StepMismatchError, counted in ``refused``) and its pieces, like any piece that fails, go to the
    persistent tier when it holds the step with the same token; otherwise the restore through the
    tiers fails on every process and the ordinary restore runs.
+2. Own reads: every piece this process's own host repositories serve, verified by the core
+   reader against the local step whose manifest digest the inventory listed; a piece that fails
+   is planned again against the peers' copies, asked for in a second round
+   (``allgather("tiers/restore/<n>/again")``, then ``shift(+d)`` asks and ``shift(-d)`` answers)
+   only when some process has such a piece.
 3. The persistent tier reads the rest; each request is assembled from its pieces.
 """
 from __future__ import annotations
@@ -185,64 +187,110 @@ def _read_own(repos: Mapping[int, Repository], step: int, digests: Mapping[int, 
     return failed
 
 
+def _state_holder(asker: int, sources: Sequence[TierSource]) -> int | None:
+    """The process that sends ``asker`` the global state in the planned round: None when ``asker``
+    holds a copy itself, else the first other holder (every process computes the same)."""
+    if any(s.rank == asker for s in sources):
+        return None
+    return next((s.rank for s in sources if s.rank != asker), None)
+
+
 def elastic_read(*, rank: int, world: int, exchange: PeerExchange | None, gather: Callable[[str, Any], list[Any]],
-                 url: str, n: int, step: int, token: str, hosts: int, mix: bool, requests: Sequence[Request],
-                 sources: Sequence[TierSource], repos: Mapping[int, Repository], digests: Mapping[int, str | None],
+                 url: str, n: int, step: int, token: str, hosts: int, mix: bool,
+                 requests: Sequence[Sequence[Request]], sources: Sequence[TierSource],
+                 repos: Mapping[int, Repository], digests: Mapping[int, str | None],
                  stats: dict[str, Any]) -> tuple[dict[Request, np.ndarray], Any]:
-    """Read ``requests`` of ``step`` (token ``token``, saved by ``hosts`` hosts) through the tiers:
-    own host repositories (``repos``), then peers' (``sources`` held by other processes, over
-    ``exchange``), then the persistent tier at ``url`` (only when ``mix``: it recorded ``token``).
-    Every rank calls it (the same collectives in the same order); ``stats`` gets the bytes each
-    tier served (``local``, ``peer``, ``persistent``, ``persistent_held``: persistent bytes of
-    pieces some survivor held but whose copy was refused) and ``refused`` answers. Raises
-    MissingShardError when a piece no tier serves remains."""
-    plan: TierPlan = plan_tier_reads(rank, requests, sources)
+    """Read this process's requests (``requests[rank]``; ``requests`` holds every process's) of
+    ``step`` (token ``token``, saved by ``hosts`` hosts) through the tiers: own host repositories
+    (``repos``), peers' (``sources`` held by other processes, over ``exchange``), then the
+    persistent tier at ``url`` (only when ``mix``: it recorded ``token``).
+
+    Every process plans every process's reads (the planner is pure), so the planned round needs no
+    asks: for each offset ``d`` some process reads over, each holder sends what its asker
+    ``rank - d`` planned to read from it (``shift(-d)``). Then the own reads; pieces whose own copy
+    failed are asked of the other copies in a second round (one gather, then asks and answers per
+    offset) only when some process has any. Every rank calls it (the same collectives in the same
+    order); ``stats`` gets the bytes each tier served (``local``, ``peer``, ``persistent``,
+    ``persistent_held``: persistent bytes of pieces some survivor held but whose copy was refused)
+    and ``refused`` answers. Raises MissingShardError when a piece no tier serves remains."""
+    plans = [plan_tier_reads(r, requests[r], sources) for r in range(world)]
+    plan: TierPlan = plans[rank]
+    mine_reqs = requests[rank]
     reads = list(plan.reads)
     got: dict[int, np.ndarray] = {}
+    fallback: list[int] = []
+    stats.setdefault("refused", [])
+    peer_of = {i: r.rank for i, r in enumerate(reads) if r.rank is not None and r.rank != rank}
+    gstate: Any = None
+    gstate_peer: Any = None
+    # Round 1, planned: what each process reads from its peers, without asks.
+    if world > 1 and exchange is not None:
+        offsets = {(int(x.rank) - r) % world for r, p in enumerate(plans) for x in p.reads
+                   if x.rank is not None and x.rank != r}
+        offsets |= {(h - r) % world for r in range(world) if (h := _state_holder(r, sources)) is not None}
+        for d in sorted(offsets - {0}):
+            asker, holder = (rank - d) % world, (rank + d) % world
+            theirs = [x for x in plans[asker].reads if x.rank == rank]
+            payload = serve_hosts(repos, _pack_ask(step, token, theirs, _state_holder(asker, sources) == rank)) \
+                if theirs or _state_holder(asker, sources) == rank else msgpack.packb({"answers": []})
+            answer = exchange.shift(f"tiers/restore/{n}/serve/{d}", payload, -d)
+            mine = [i for i, p in peer_of.items() if p == holder]
+            if not mine and _state_holder(rank, sources) != holder:
+                continue
+            served, peer_state = _accept(answer, holder, step=step, token=token, hosts=hosts, digests=digests,
+                                         reads=reads, mine=mine, stats=stats)
+            got.update(served)
+            fallback += [i for i in mine if i not in served]
+            gstate_peer = peer_state if gstate_peer is None else gstate_peer
+    else:
+        fallback += list(peer_of)
+    # The own copies; a piece one fails is planned again against the peers' copies.
     own = [i for i, r in enumerate(reads) if r.rank == rank]
     failed: list[int] = []
-    try:  # nothing before the exchanges may raise: every rank must reach them
+    try:
         local: dict[int, np.ndarray] = {}
         bad = _read_own(repos, step, digests, [reads[i] for i in own], local)
         for j, i in enumerate(own):
             if j in local:
                 got[i] = local[j]
         failed = [own[j] for j in bad]
-    except Exception as e:  # noqa: BLE001 - the own tier is then not used
+    except Exception as e:  # noqa: BLE001 - the own tier is then not used; every rank still reaches the gather below
         _log.warning("local tier: own copies unusable for step %d: %s: %s", step, type(e).__name__, e)
         failed = [i for i in own if i not in got]
     stats["local"] = sum(int(got[i].nbytes) for i in own if i in got)
-    # A piece the own copy failed: planned again against the peers' copies (never the own again).
+    gstate = _own_state(repos, step, [s.host for s in sources if s.rank == rank])
+    if gstate is None and isinstance(gstate_peer, dict):
+        gstate = {k: v for k, v in gstate_peer.items() if k != "rank"}  # another process's per-rank state
+    elif gstate is None:
+        gstate = gstate_peer
+    again: list[int] = []
     if failed:
-        again = plan_tier_reads(rank, [(reads[i].key, reads[i].part) for i in failed],
-                                [s for s in sources if s.rank != rank])
-        for r in again.reads:
+        replan = plan_tier_reads(rank, [(reads[i].key, reads[i].part) for i in failed],
+                                 [s for s in sources if s.rank != rank])
+        for r in replan.reads:
             base = reads[failed[r.request]]
+            again.append(len(reads))
             reads.append(TierRead(base.request, r.key, r.part, r.rank, r.host, r.source, True, r.nbytes))
         for i in failed:
             reads[i] = TierRead(reads[i].request, reads[i].key, reads[i].part, -1)  # replaced by the pieces above
-    gstate = _own_state(repos, step, [s.host for s in sources if s.rank == rank])
-    peer_of = {i: r.rank for i, r in enumerate(reads) if r.rank is not None and r.rank >= 0 and r.rank != rank}
     asks: dict[int, list[int]] = {}
-    for i, p in peer_of.items():
-        asks.setdefault(int(p), []).append(i)  # type: ignore[arg-type]
-    state_from = None
+    for i in again:
+        if reads[i].rank is not None:
+            asks.setdefault(int(reads[i].rank), []).append(i)  # type: ignore[arg-type]
     if gstate is None and not asks:
-        state_from = next((s.rank for s in sources if s.rank != rank), None)
-        if state_from is not None:
-            asks[state_from] = []
-    fallback: list[int] = []
-    stats.setdefault("refused", [])
+        holder = next((s.rank for s in sources if s.rank != rank), None)
+        if holder is not None:
+            asks[holder] = []
+    # Round 2, asked: only when some process has pieces its own copy failed (or lacks the state).
     if world > 1 and exchange is not None:
-        wants = gather(f"tiers/restore/{n}/asks", {"to": sorted(asks)})
-        offsets = sorted({(int(p) - r) % world for r, g in enumerate(wants) for p in g["to"]} - {0})
-        for d in offsets:
+        wants = gather(f"tiers/restore/{n}/again", {"to": sorted(asks)})
+        for d in sorted({(int(p) - r) % world for r, g in enumerate(wants) for p in g["to"]} - {0}):
             to = (rank + d) % world
             mine = asks.get(to)
             ask = _pack_ask(step, token, [reads[i] for i in mine or []], gstate is None) if mine is not None else \
                 msgpack.packb({"step": int(step), "token": str(token), "hosts": [], "state": False})
             asked = exchange.shift(f"tiers/restore/{n}/ask/{d}", ask, +d)
-            answer = exchange.shift(f"tiers/restore/{n}/serve/{d}", serve_hosts(repos, asked), -d)
+            answer = exchange.shift(f"tiers/restore/{n}/reserve/{d}", serve_hosts(repos, asked), -d)
             if mine is None:
                 continue
             served, peer_state = _accept(answer, to, step=step, token=token, hosts=hosts, digests=digests,
@@ -250,13 +298,14 @@ def elastic_read(*, rank: int, world: int, exchange: PeerExchange | None, gather
             got.update(served)
             fallback += [i for i in mine if i not in served]
             if gstate is None and isinstance(peer_state, dict):
-                gstate = {k: v for k, v in peer_state.items() if k != "rank"}  # another process's per-rank state
+                gstate = {k: v for k, v in peer_state.items() if k != "rank"}
             elif gstate is None and peer_state is not None:
                 gstate = peer_state
     else:
-        fallback += list(peer_of)
-    stats["peer"] = sum(int(got[i].nbytes) for i in peer_of if i in got)
-    left = [i for i, r in enumerate(reads) if r.rank is None] + fallback
+        fallback += [i for i in again if reads[i].rank is not None]
+    stats["peer"] = sum(int(got[i].nbytes) for i, r in enumerate(reads)
+                        if r.rank is not None and r.rank >= 0 and r.rank != rank and i in got)
+    left = [i for i, r in enumerate(reads) if r.rank is None] + sorted(set(fallback))
     if left or gstate is None:
         if not mix:
             i = left[0] if left else None
@@ -271,20 +320,19 @@ def elastic_read(*, rank: int, world: int, exchange: PeerExchange | None, gather
         stats["persistent"] = sum(int(got[i].nbytes) for i in left)
         stats["persistent_held"] = sum(int(got[i].nbytes) for i in left if i in fallback or reads[i].held)
         if gstate is None:
-            gs = ckpt.state()
-            gstate = gs
+            gstate = ckpt.state()
     values: dict[Request, np.ndarray] = {}
     pieces: dict[int, list[tuple[Box, np.ndarray]]] = {}
     for i, r in enumerate(reads):
         if r.rank == -1:
             continue  # replaced
         pieces.setdefault(r.request, []).append((r.part, got[i]))
-    for q, (key, box) in enumerate(requests):
+    for q, (key, box) in enumerate(mine_reqs):
         if q in pieces:
             ps = pieces[q]
             values[(key, box)] = assemble(box, ps[0][1].dtype, ps, key)
     for q, dt in plan.empty:
-        values[requests[q]] = np.empty(requests[q][1].shape, dtype=numpy_dtype(dt))
+        values[mine_reqs[q]] = np.empty(mine_reqs[q][1].shape, dtype=numpy_dtype(dt))
     return values, gstate
 
 

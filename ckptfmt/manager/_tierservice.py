@@ -198,11 +198,14 @@ class LocalTiers:
         persistent = {s: persistent_token(self.persistent, s) for s in steps if s in psteps}
         feasible = elastic_feasible(self.rank, requests or [], held_by, persistent)
         ordered = [held_by[h][1] for h in sorted(held_by)]
+        # The requests go with the vote: every process then plans every process's reads (pure), and
+        # the holders send what their peers planned to read without being asked.
         plan = self._gather(f"tiers/restore/{n}/feasible", {
             "steps": feasible, "newest": max(psteps, default=-1), "ok": requests is not None,
             "tokens": {str(s): [step_token(s, ordered, persistent.get(s)),
                                 s in persistent and persistent[s] == step_token(s, ordered, persistent.get(s))]
-                       for s in feasible}})
+                       for s in feasible},
+            "requests": [[k, list(b.offset), list(b.shape)] for k, b in requests or []]})
         if not all(p["ok"] for p in plan):
             return None
         common = set.intersection(*(set(p["steps"]) for p in plan))
@@ -213,12 +216,13 @@ class LocalTiers:
         if any(p["tokens"][str(step)] != [token, mix] for p in plan):
             return None
         sources, hosts = elastic_sources(step, token, held_by)
+        everyone = [[(str(k), Box(tuple(o), tuple(sh))) for k, o, sh in p["requests"]] for p in plan]
         digests = {h: (inv.get(step) or {}).get("digest") for h, (_, inv) in held_by.items()}
 
         def read(served: dict[str, Any]) -> tuple[Any, Any]:
             return elastic_read(rank=self.rank, world=self.world, exchange=self.writer.exchange,
                                 gather=self._gather, url=self.url, n=n, step=step, token=token, hosts=int(hosts or 0),
-                                mix=bool(mix), requests=requests or [], sources=sources, repos=repos, digests=digests,
+                                mix=bool(mix), requests=everyone, sources=sources, repos=repos, digests=digests,
                                 stats=served)
 
         return self._finish(target, n, step, token, read,
