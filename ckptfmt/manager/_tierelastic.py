@@ -10,7 +10,7 @@ repositories each process finds under its tier path, and the processes agreed on
    so the planned round needs no asks: for each offset ``d`` some process reads over,
    ``shift(-d)`` carries each holder's answer to its asker ``rank - d``: per host repository the
    manifest as stored, the stored chunks of the parts and the global state as stored
-   (:func:`~ckptfmt.manager._tierrestore.answer_parts`). The receiving process checks each
+   (:func:`~ckptfmt.manager._tierrestore.answer_doc`). The receiving process checks each
    answer itself (:func:`~ckptfmt.manager._tierrestore.accept_replica`: the manifest is the one
    listed, it records the asked step, token, host and host count, every chunk passes the reader's
    checks against it). An answer of another step, save or host is refused whole
@@ -39,7 +39,7 @@ from ckptfmt._types import Box
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import CheckpointError, InvalidStateError, MissingShardError, StepMismatchError
 from ckptfmt.manager._tierplan import TierPlan, TierRead, TierSource, assemble, plan_tier_reads
-from ckptfmt.manager._tierrestore import (MAX_ASK_BYTES, accept_replica, answer_parts, ask_limits, inventory,
+from ckptfmt.manager._tierrestore import (MAX_ASK_BYTES, accept_replica, answer_doc, ask_limits, inventory,
                                          step_token)
 from ckptfmt.manager._tiers import HeldBox, PeerExchange
 from ckptfmt.repository import Repository
@@ -119,7 +119,7 @@ def _pack_ask(step: int, token: str, reads: Sequence[TierRead], state: bool) -> 
 
 def serve_hosts(repos: Mapping[int, Repository], payload: Any) -> bytes:
     """This process's answer to one peer's ask: one answer per asked host repository it holds
-    (:func:`~ckptfmt.manager._tierrestore.answer_parts`), a repository it does not hold left
+    (:func:`~ckptfmt.manager._tierrestore.answer_doc`, all packed in one message), a repository it does not hold left
     out. Never raises: a holder that fails answers with what it has (the asker checks everything
     and asks the next tier for the rest)."""
     out: list[Any] = []
@@ -136,14 +136,14 @@ def serve_hosts(repos: Mapping[int, Repository], payload: Any) -> bytes:
                 continue
             reqs = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in parts]
             try:
-                out.append([int(h), answer_parts(repo, step, reqs)])
+                out.append([int(h), answer_doc(repo, step, reqs)])  # packed once, with the others
             except Exception as e:  # noqa: BLE001 - the asker then reads the persistent tier
                 _log.warning("local tier: %s cannot serve step %d to a peer: %s: %s", repo.url, step,
                              type(e).__name__, e)
         if want_state and not out:  # only the global state was asked: any held repository's
             for h in sorted(repos):
                 try:
-                    out.append([int(h), answer_parts(repos[h], step, [])])
+                    out.append([int(h), answer_doc(repos[h], step, [])])
                     break
                 except Exception:  # noqa: BLE001 - try the next
                     continue
