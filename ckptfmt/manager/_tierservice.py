@@ -125,7 +125,8 @@ class LocalTiers:
     def restore(self, target: Any) -> RestoreResult | None:
         """Restore the newest step some tier holds for every box, if it is a local step no older
         than the newest persistent step; None (on every rank) otherwise, or when any rank fails:
-        the ordinary restore then runs. Every rank calls it."""
+        the ordinary restore then runs. A step saved by another number of hosts than this job's
+        processes is restored elastically (:meth:`_restore_elastic`). Every rank calls it."""
         n = self.restores
         self.restores += 1
         own = inventory(self.writer.repository)
