@@ -302,3 +302,45 @@ def test_a_tier_job_that_validates_after_its_first_step_is_timed_in_that_order()
     old_order = {k: x for k, x in after.items() if k != "validated_after_step"}
     q = judge_tiers({**tiers, "scenarios": {**tiers["scenarios"], "killed": old_order}}, ref)["verdicts"]["killed"]["phases"]
     assert q["first_step_s"] < 0 and abs(q["recovery_s"] - 1.8) > 0.1  # what the flag prevents
+
+
+def test_the_elastic_scenarios_are_judged_on_bytes_by_tier():
+    """drill --tiers --elastic: a restart on fewer processes passes when every byte of a box some
+    survivor held came from the tiers (and, when every box had a surviving copy, no byte from the
+    persistent tier), with one token and the elastic record; its pair from the persistent tier
+    alone passes when every byte came from there. Controls: a persistent read of a held piece
+    (column 4), any persistent byte when every box was held, no elastic record, another token."""
+    from ckptfmt_tools.drill._tiers import judge_tiers
+
+    ref = _fake_receipt()["ref"]
+
+    def elastic(scenario: str, per: list, restore_s: float = 0.2, pair: int | None = None) -> dict:
+        r = dict(_tier_result("killed", 3, restore_s), scenario=scenario, tiers_per_process=per, nproc=3,
+                 elastic={"hosts": 4, "world": 3, "held_by": {"0": 0, "1": 1, "2": 2}})
+        return r if pair is None else dict(r, pair=pair)
+
+    held = [[80, 20, 0, 0]] * 3
+    tiers = {"local_step": 3, "local_token": "n-3", "persistent_steps": [3], "pairs": [],
+             "elastic": {"elastic": {"step": 3, "token": "n-3", "covered": True},
+                         "elastic-only-copy": {"step": 3, "token": "n-3", "covered": False},
+                         "elastic-persistent": {"step": 3}},
+             "scenarios": {"elastic": elastic("elastic", held),
+                           "elastic-only-copy": elastic("elastic-only-copy", [[80, 20, 0, 0], [60, 0, 40, 0]])}}
+    tiers["pairs"] = [elastic("elastic", held, 0.2, 0), elastic("elastic-persistent", [[0, 0, 100, 0]] * 3, 0.9, 0)]
+    v = judge_tiers(tiers, ref)
+    assert v["ok"], v
+    assert v["pairs_summary"]["pairs"] == 1 and v["pairs"][0]["recovery_diff_s"] < 0
+
+    def broken(scenario: str, **change) -> dict:
+        bad = copy.deepcopy(tiers)
+        bad["scenarios"][scenario].update(change)
+        return judge_tiers(bad, ref)
+
+    assert not broken("elastic", tiers_per_process=[[80, 20, 0, 0], [80, 0, 20, 0], [80, 20, 0, 0]])["ok"]
+    assert not broken("elastic-only-copy", tiers_per_process=[[80, 20, 0, 0], [60, 0, 40, 10]])["ok"]
+    assert not broken("elastic-only-copy", tiers_per_process=[[80, 20, 0, 0], [80, 20, 0, 0]])["ok"]
+    assert not broken("elastic", elastic=None)["ok"]
+    assert not broken("elastic", tokens_per_process=["n-2"])["ok"]
+    bad = copy.deepcopy(tiers)
+    bad["pairs"][1]["tiers_per_process"] = [[10, 0, 90, 0]] * 3  # the "persistent alone" job used a tier
+    assert not judge_tiers(bad, ref)["ok"]

@@ -72,6 +72,13 @@ PATHS: dict[str, DeliveryPath] = {
         ("bridges.jax._peer.JaxPeerExchange", "bridges.torch._peer.TorchPeerExchange"),
         {"stale-step": StepMismatchError, "another-host": StepMismatchError, "flip-in-transit": FALLBACK,
          "another-owner": FALLBACK}),
+    "elastic-peer": DeliveryPath(
+        "pieces of boxes another process's surviving tier copy holds, sent at an elastic restore "
+        "(FORMAT.md 8.5, \"Elastic restore\")",
+        ("bridges.jax._peer.JaxPeerExchange", "bridges.torch._peer.TorchPeerExchange"),
+        {"stale-step": FALLBACK, "another-host": FALLBACK, "flip-in-transit": FALLBACK, "another-box": FALLBACK},
+        note="a refused answer (StepMismatchError, listed in stats['tiers']['refused']) or a failing chunk is "
+             "read from the persistent tier when it holds the same save, else the ordinary restore runs"),
     "save-replica": DeliveryPath(
         "a peer's boxes received by a local save, to be kept as its replica (FORMAT.md 8.5)",
         ("bridges.jax._peer.JaxPeerExchange", "bridges.torch._peer.TorchPeerExchange"),
@@ -229,6 +236,50 @@ def _peer_replica(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.nda
     return {"a[8:]": values[reqs[0]]}
 
 
+def _elastic_peer(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndarray]:
+    """Host 0's local step (its own rows 0..8 and host 1's 8..16 as the replica) served by the
+    process holding it to a process of a job with another process count that needs rows 4..12:
+    two pieces of two held boxes, checked by the receiver (``_accept``)."""
+    import msgpack
+
+    from ckptfmt.manager._tierelastic import _accept, _pack_ask, serve_hosts
+    from ckptfmt.manager._tierplan import TierSource, assemble, plan_tier_reads
+    from ckptfmt.manager._tiers import HeldBox, write_local_step
+
+    repo, inv, _, _ = _tier_holder(tmp)
+    box = Box((4, 0), (8, 8))
+    sources = [TierSource(0, 0, tuple(HeldBox.from_wire(w) for w in inv[6]["boxes"]))]
+    reads = list(plan_tier_reads(1, [("a", box)], sources).reads)
+    assert len(reads) == 2 and all(r.rank == 0 for r in reads)  # assembled from two held boxes
+    repos = {0: repo}
+    if fault == "another-host":  # host 1's own tier answers in host 0's place
+        other = Repository(str(tmp / "host-1"))
+        a = _a(6)
+        write_local_step(other, 6, 1, 2, "tok-6", [(1, ("a", a.shape, a.dtype, Box((8, 0), (8, 8)), a[8:])),
+                                                  (0, ("a", a.shape, a.dtype, Box((0, 0), (8, 8)), a[:8]))],
+                         {"step": 6}, None)
+        repos = {0: other}
+    ask_step = 4 if fault == "stale-step" else 6
+    answer = serve_hosts(repos, _pack_ask(ask_step, f"tok-{ask_step}", reads, False))
+    if fault in ("flip-in-transit", "another-box"):
+        doc = msgpack.unpackb(answer, raw=False)
+        chunks = doc["answers"][0][1]["chunks"]
+        if fault == "flip-in-transit":
+            chunks[0] = bytes([chunks[0][0] ^ 1]) + bytes(chunks[0][1:])
+        else:  # each piece's stored chunk sent under the other's reference
+            chunks[0], chunks[1] = chunks[1], chunks[0]
+        answer = msgpack.packb(doc, use_bin_type=True)
+    probe["effective"] = fault is not None
+    stats: dict = {"refused": []}
+    served, _ = _accept(answer, 0, step=6, token="tok-6", hosts=2, digests={0: inv[6]["digest"]}, reads=reads,
+                        mine=list(range(len(reads))), stats=stats)
+    if len(served) < len(reads):
+        probe["fallback"] = True  # not served here: the persistent tier (same token) serves those pieces
+        assert fault not in ("stale-step", "another-host") or stats["refused"], stats  # refused whole
+        return {}
+    return {"a[4:12]": assemble(box, np.dtype(np.float32), [(r.part, served[i]) for i, r in enumerate(reads)], "a")}
+
+
 def _save_replica(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndarray]:
     from ckptfmt.checksum import crc32c
     from ckptfmt.manager._payload import check_payload, pack_payload, unpack_payload
@@ -346,10 +397,12 @@ def _import(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndarray]:
 
 
 RUNNERS: dict[str, Callable[[Path, str | None, dict], dict[str, np.ndarray]]] = {
-    "storage": _storage, "cooperative": _cooperative, "peer-replica": _peer_replica, "save-replica": _save_replica,
+    "storage": _storage, "cooperative": _cooperative, "peer-replica": _peer_replica, "elastic-peer": _elastic_peer,
+    "save-replica": _save_replica,
     "own-tier": _own_tier, "safetensors": _safetensors, "dcp-reader": _dcp_reader, "import": _import,
 }
 WANT = {"storage": {"a": _a(1)}, "cooperative": {"a": _a(1)}, "peer-replica": {"a[8:]": _a(6)[8:]},
+        "elastic-peer": {"a[4:12]": _a(6)[4:12]},
         "save-replica": {"a": _a(1)}, "own-tier": {"a": _a(1)}, "safetensors": {"a": _a(1)}, "dcp-reader": {"a": _a(1)},
         "import": {"a": _a(1)}}
 CASES = [(p, None) for p in PATHS] + [(p, f) for p, d in PATHS.items() for f in d.faults]

@@ -46,7 +46,7 @@ from ckptfmt.repository import Repository
 from ckptfmt.state import decode_state
 
 __all__ = ["inventory", "feasible_steps", "tiered_read", "cover", "by_key", "held_tensors", "serve_replica",
-           "accept_replica"]
+           "accept_replica", "answer_parts", "answer_doc", "persistent_token", "step_token", "ask_limits"]
 
 _log = logging.getLogger("ckptfmt.manager")
 Request = tuple[str, Box]
@@ -208,7 +208,7 @@ def _read_own(repo: Repository, step: int, boxes: Sequence[HeldBox], reqs: Seque
     return left
 
 
-def _limits(n: int) -> dict[str, int]:
+def ask_limits(n: int) -> dict[str, int]:
     """msgpack decoding limits for a peer's ask or answer of ``n`` bytes: containers and strings no
     longer than the bytes could describe, so a hostile document costs about its own size (the
     decoder's defaults scale each limit with the buffer; a list of empty lists cost 75x its bytes)."""
@@ -236,33 +236,46 @@ def serve_replica(repo: Repository, asker: int, payload: Any) -> bytes:
         if size > MAX_ASK_BYTES:  # msgpack's own limits scale with the buffer
             raise InvalidStateError("a peer's ask is larger than the cap", object="tiers ask",
                                     expected=f"<= {MAX_ASK_BYTES} bytes", found=size)
-        ask = msgpack.unpackb(payload, raw=False, **_limits(size))
+        ask = msgpack.unpackb(payload, raw=False, **ask_limits(size))
         reqs = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in ask["reqs"]]
         if not reqs:
             return empty
-        step = int(ask["step"])
-        ckpt = repo.open(step)  # one read of the manifest: the bytes sent are the ones its chunks are checked against
-        refs: dict[tuple[str, int], None] = {}
-        chunks: list[Any] = []
-        for req in reqs:
-            if not req[0].startswith(f"h{int(asker)}/"):
-                continue  # not the asker's box: never served
-            try:
-                mine = [r for r in ckpt.chunk_refs([req]) if r not in refs]
-                chunks += [memoryview(c) for c in ckpt.read_chunks(mine)]
-                refs.update(dict.fromkeys(mine))
-            except CheckpointError as e:
-                _log.warning("local tier: %s does not serve %s of step %d to its peer: %s: %s", repo.url, req[0], step,
-                             type(e).__name__, e)
-        return msgpack.packb({"manifest": ckpt.manifest_bytes, "refs": [[k, c] for k, c in refs], "chunks": chunks,
-                              "state": ckpt.state_bytes("global")}, use_bin_type=True)
+        # Not the asker's boxes: never served on this (same host count) path.
+        return answer_parts(repo, int(ask["step"]), [r for r in reqs if r[0].startswith(f"h{int(asker)}/")])
     except Exception as e:  # noqa: BLE001 - the peer then asks the persistent tier
         _log.warning("local tier: %s cannot serve its peer: %s: %s", repo.url, type(e).__name__, e)
         return empty
 
 
+def answer_parts(repo: Repository, step: int, reqs: Sequence[tuple[str, Box]]) -> bytes:
+    """:func:`answer_doc`, packed."""
+    return msgpack.packb(answer_doc(repo, step, reqs), use_bin_type=True)
+
+
+def answer_doc(repo: Repository, step: int, reqs: Sequence[tuple[str, Box]]) -> dict[str, Any]:
+    """A holder's answer for the parts ``reqs`` (local key path, box within it) of its local step
+    ``step``: the manifest as stored, the stored chunks the parts touch (each read and checked
+    against that manifest) and the stored bytes of the global state. A part that does not read is
+    left out (logged): the asker's own checks then send it to the next tier. Raises the
+    CheckpointError of opening the step."""
+    ckpt = repo.open(step)  # one read of the manifest: the bytes sent are the ones its chunks are checked against
+    refs: dict[tuple[str, int], None] = {}
+    chunks: list[Any] = []
+    for req in reqs:
+        try:
+            mine = [r for r in ckpt.chunk_refs([req]) if r not in refs]
+            chunks += [memoryview(c) for c in ckpt.read_chunks(mine)]
+            refs.update(dict.fromkeys(mine))
+        except CheckpointError as e:
+            _log.warning("local tier: %s does not serve %s of step %d to its peer: %s: %s", repo.url, req[0], step,
+                         type(e).__name__, e)
+    return {"manifest": ckpt.manifest_bytes, "refs": [[k, c] for k, c in refs], "chunks": chunks,
+            "state": ckpt.state_bytes("global")}
+
+
 def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: int, digest: str | None,
-                   plan: Sequence[tuple[Request, Cover]]) -> tuple[dict[Request, np.ndarray], Any]:
+                   plan: Sequence[tuple[Request, Cover]], sender: str | None = None
+                   ) -> tuple[dict[Request, np.ndarray], Any]:
     """The requests a holder's answer serves, each checked by this process (FORMAT.md 8.5, the
     receiver verifies): the answer's manifest must be the one the holder listed in its inventory
     (``digest``: its SHA-256) and must record ``step``, ``token``, host ``holder`` of ``world``
@@ -270,10 +283,12 @@ def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: in
     storage (``Checkpoint.read_boxes(supplied=...)``); the global state against its crc32c.
     Raises StepMismatchError when the answer is of another step, save, token or host (nothing of
     it is used); a request whose chunks are missing or fail their checks is left out (logged):
-    the next tier serves it. Returns the served values and the holder's global state (or None)."""
+    the next tier serves it. Returns the served values and the holder's global state (or None).
+    ``sender``: who sent it, for the errors (default: rank ``holder``)."""
     what = f"the replica host {holder} holds of step {step}"
-    try:
-        doc = msgpack.unpackb(answer, raw=False, **_limits(len(memoryview(answer).cast("B"))))
+    try:  # a dict: one answer of several that one message carried, decoded with it (same limits)
+        doc = answer if isinstance(answer, dict) else \
+            msgpack.unpackb(answer, raw=False, **ask_limits(len(memoryview(answer).cast("B"))))
         if not isinstance(doc, dict):
             raise TypeError(f"a {type(doc).__name__}")
     except Exception as e:  # noqa: BLE001 - another process's bytes: untrusted input
@@ -295,11 +310,13 @@ def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: in
         raise StepMismatchError("the holder answered for another step, save or host", object=what,
                                 expected=str(want), found=str(got))
     ckpt = Checkpoint(None, manifest)  # type: ignore[arg-type]  # every chunk comes from the answer
-    sender = f"rank {holder} (its local tier)"
+    sender = sender or f"rank {holder} (its local tier)"
     supplied = {(str(k), int(c)): (np.frombuffer(b, dtype=np.uint8), sender)
                 for (k, c), b in zip(doc.get("refs") or [], doc.get("chunks") or [])}
     values: dict[Request, np.ndarray] = {}
     for req, parts in plan:
+        if not parts:
+            continue  # nothing asked of this request (an ask for the global state only)
         local = [(h.local, h.within(p)) for h, p in parts]
         try:
             if any(r not in supplied for r in ckpt.chunk_refs(local)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 import numpy as np
@@ -19,6 +19,8 @@ import numpy as np
 from ckptfmt._types import Box
 from ckptfmt.coord import Coordinator
 from ckptfmt.errors import CheckpointError
+from ckptfmt.manager._tierelastic import elastic_feasible, elastic_read, elastic_sources, host_dirs
+from ckptfmt.manager._tierplan import assign_hosts
 from ckptfmt.manager._tierrestore import (feasible_steps, held_tensors, inventory, persistent_token, step_token,
                                          tiered_read)
 from ckptfmt.manager._tiers import TIERS_KEY, LocalTier, PeerExchange, TierSave, TierWriter
@@ -123,12 +125,17 @@ class LocalTiers:
     def restore(self, target: Any) -> RestoreResult | None:
         """Restore the newest step some tier holds for every box, if it is a local step no older
         than the newest persistent step; None (on every rank) otherwise, or when any rank fails:
-        the ordinary restore then runs. Every rank calls it."""
+        the ordinary restore then runs. A step saved by another number of hosts than this job's
+        processes is restored elastically (:meth:`_restore_elastic`). Every rank calls it."""
         n = self.restores
         self.restores += 1
-        invs = [{int(s): e for s, e in g["inv"].items()} for g in self._gather(
-            f"tiers/restore/{n}/inventory", {"inv": {str(s): e for s, e in inventory(self.writer.repository).items()}})]
+        own = inventory(self.writer.repository)
+        got = self._gather(f"tiers/restore/{n}/inventory", {"inv": {str(s): e for s, e in own.items()},
+                                                            "dirs": host_dirs(self.local.path)})
+        invs = [{int(s): e for s, e in g["inv"].items()} for g in got]
         invs = [self._of_this_run(r, inv) for r, inv in enumerate(invs)]
+        if self._elastic(invs, [g["dirs"] for g in got]):
+            return self._restore_elastic(target, n, own, [[int(h) for h in g["dirs"]] for g in got])
         requests = self.hooks.requests(target, held_tensors(invs))
         try:
             psteps = set(self.persistent.steps())
@@ -149,7 +156,78 @@ class LocalTiers:
         token, mix = plan[0]["tokens"][str(step)]
         if any(p["tokens"][str(step)] != [token, mix] for p in plan):
             return None  # the ranks see the persistent tier differently: the ordinary restore decides
-        return self._finish(target, n, step, token, bool(mix), requests or [], invs)
+        def read(served: dict[str, Any]) -> tuple[Any, Any]:
+            return tiered_read(self.writer, self._gather, self.url, n, step, token, requests or [], invs, bool(mix),
+                               served)
+
+        return self._finish(target, n, step, token, read)
+
+    def _elastic(self, invs: Sequence[Mapping[int, Any]], dirs: Sequence[Sequence[int]]) -> bool:
+        """Whether this restore is elastic (FORMAT.md 8.5): the newest local step some process
+        holds as its own was saved by another number of hosts than this job's processes, or no
+        process holds its own host repository's steps but some process finds another host's."""
+        newest = max(((s, e) for inv in invs for s, e in inv.items()), key=lambda se: se[0], default=None)
+        if newest is not None:
+            return int(newest[1]["hosts"]) != self.world
+        return any(int(h) != r for r, hs in enumerate(dirs) for h in hs)
+
+    def _restore_elastic(self, target: Any, n: int, own: Mapping[int, Any], dirs: list[list[int]]
+                         ) -> RestoreResult | None:
+        """The elastic restore (FORMAT.md 8.5, "Elastic restore"; :mod:`ckptfmt.manager._tierelastic`):
+        the host repositories each process finds are assigned to one process each, every process
+        plans its boxes against all of them, and all agree on the newest step every process can
+        restore from surviving copies (plus the persistent tier for pieces no survivor holds)."""
+        held = assign_hosts(dirs)
+        mine = sorted(h for h, r in held.items() if r == self.rank)
+        opts = {"mapped_reads": self.local.mapped}
+        repos = {h: (self.writer.repository if h == self.rank else Repository(self.local.url(h), options=opts))
+                 for h in mine}
+        invs = {h: (dict(own) if h == self.rank else inventory(repos[h])) for h in mine}
+        got = self._gather(f"tiers/restore/{n}/hosts", {"hosts": [[h, {str(s): e for s, e in inv.items()}]
+                                                                  for h, inv in invs.items()]})
+        held_by: dict[int, tuple[int, dict[int, Any]]] = {}
+        for r, g in enumerate(got):
+            for h, inv in g["hosts"]:
+                if held.get(int(h)) == r:
+                    held_by[int(h)] = (r, self._of_this_run(int(h), {int(s): e for s, e in inv.items()}))
+        requests = self.hooks.requests(target, held_tensors([inv for _, inv in held_by.values()]))
+        try:
+            psteps = set(self.persistent.steps())
+        except CheckpointError:
+            psteps = set()
+        steps = {s for _, inv in held_by.values() for s in inv}
+        persistent = {s: persistent_token(self.persistent, s) for s in steps if s in psteps}
+        feasible = elastic_feasible(self.rank, requests or [], held_by, persistent)
+        ordered = [held_by[h][1] for h in sorted(held_by)]
+        # The requests go with the vote: every process then plans every process's reads (pure), and
+        # the holders send what their peers planned to read without being asked.
+        plan = self._gather(f"tiers/restore/{n}/feasible", {
+            "steps": feasible, "newest": max(psteps, default=-1), "ok": requests is not None,
+            "tokens": {str(s): [step_token(s, ordered, persistent.get(s)),
+                                s in persistent and persistent[s] == step_token(s, ordered, persistent.get(s))]
+                       for s in feasible},
+            "requests": [[k, list(b.offset), list(b.shape)] for k, b in requests or []]})
+        if not all(p["ok"] for p in plan):
+            return None
+        common = set.intersection(*(set(p["steps"]) for p in plan))
+        if not common or max(p["newest"] for p in plan) > max(common):
+            return None
+        step = max(common)
+        token, mix = plan[0]["tokens"][str(step)]
+        if any(p["tokens"][str(step)] != [token, mix] for p in plan):
+            return None
+        sources, hosts = elastic_sources(step, token, held_by)
+        everyone = [[(str(k), Box(tuple(o), tuple(sh))) for k, o, sh in p["requests"]] for p in plan]
+        digests = {h: (inv.get(step) or {}).get("digest") for h, (_, inv) in held_by.items()}
+
+        def read(served: dict[str, Any]) -> tuple[Any, Any]:
+            return elastic_read(rank=self.rank, world=self.world, exchange=self.writer.exchange,
+                                gather=self._gather, url=self.url, n=n, step=step, token=token, hosts=int(hosts or 0),
+                                mix=bool(mix), requests=everyone, sources=sources, repos=repos, digests=digests,
+                                stats=served)
+
+        return self._finish(target, n, step, token, read,
+                            elastic={"hosts": hosts, "world": self.world, "held_by": {str(h): r for h, r in held.items()}})
 
     def _of_this_run(self, host: int, inv: dict[int, Any]) -> dict[int, Any]:
         """The local steps of one host's inventory that a restore may use: those recording this
@@ -166,14 +244,15 @@ class LocalTiers:
                              self.url, writer.run)
         return kept
 
-    def _finish(self, target: Any, n: int, step: int, token: str, mix: bool, requests: list,
-                invs: list) -> RestoreResult | None:
+    def _finish(self, target: Any, n: int, step: int, token: str, read: Callable[[dict[str, Any]], tuple[Any, Any]],
+                elastic: dict[str, Any] | None = None) -> RestoreResult | None:
         t0 = time.perf_counter()
-        served: dict[str, int] = {"local": 0, "peer": 0, "persistent": 0}
+        served: dict[str, Any] = {"local": 0, "peer": 0, "persistent": 0}
+        if elastic is not None:
+            served.update(persistent_held=0, refused=[])
         err: BaseException | None = None
         try:
-            values, gstate = tiered_read(self.writer, self._gather, self.url, n, step, token, requests, invs, mix,
-                                         served)
+            values, gstate = read(served)
             state, extra = self.hooks.build(target, values, gstate, step)
         except Exception as e:  # noqa: BLE001 - agreed on below
             err = e
@@ -185,9 +264,12 @@ class LocalTiers:
             return None
         _log.info("restored step %d through the tiers: %s bytes by tier (%.1f ms)", step, served,
                   (time.perf_counter() - t0) * 1e3)
-        self._emit({"event": "restore", "step": step, "tiers": served, "unix": time.time()})
-        return RestoreResult(state, step, (), extra, {"tiers": dict(served), "tier_token": token,
-                                                       "restore_s": time.perf_counter() - t0})
+        record: dict[str, Any] = {"event": "restore", "step": step, "tiers": served, "unix": time.time()}
+        stats: dict[str, Any] = {"tiers": dict(served), "tier_token": token, "restore_s": time.perf_counter() - t0}
+        if elastic is not None:
+            record["elastic"] = stats["elastic"] = elastic
+        self._emit(record)
+        return RestoreResult(state, step, (), extra, stats)
 
     def _gather(self, name: str, obj: Any) -> list[Any]:
         raw = msgpack.packb(obj, use_bin_type=True)

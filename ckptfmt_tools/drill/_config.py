@@ -40,6 +40,11 @@ class DrillConfig:
     cold_cache: bool = False           # --tiers: drop the page cache before each failure's restore job (root)
     tier_pairs: int = 0                # --tiers: then this many (own local copy, persistent) restore pairs
     local_parent: str = ""             # --tiers: the local tiers go in a new directory here ("" = <out>)
+    elastic: bool = False              # --tiers: lost hosts, no spare: restart on fewer processes (FORMAT.md 8.5)
+
+    def elastic_mesh(self, nproc: int) -> str:
+        """The mesh of an elastic restart on ``nproc`` processes: model parallel over every device."""
+        return f"1x{nproc * self.devices_per_process}"
 
     @property
     def train_devices(self) -> int:
@@ -69,6 +74,17 @@ class DrillConfig:
             raise ValueError("--cadence must be >= 1")
         if self.tier_pairs < 0 or (self.tier_pairs and not self.tiers):
             raise ValueError("--tier-pairs takes a count >= 0, with --tiers")
+        if self.elastic and not self.tiers:
+            raise ValueError("--elastic goes with --tiers")
+        if self.elastic and self.replacement != "jax":
+            raise ValueError("--elastic runs JAX jobs (--replacement jax); torch's elastic restore: tests/test_tiers_elastic.py")
+        if self.elastic and self.processes < 3:
+            raise ValueError("--elastic needs --processes >= 3 (one host lost, then two, and a job left)")
+        if self.elastic:
+            for n in (self.processes - 1, self.processes - 2):
+                if self.hidden % (n * self.devices_per_process):
+                    raise ValueError(f"--elastic: --hidden {self.hidden} must split over {n * self.devices_per_process} "
+                                     f"devices (the restart on {n} processes, mesh {self.elastic_mesh(n)})")
         if self.local_parent and not self.tiers:
             raise ValueError("--local-dir goes with --tiers")
         if self.local_parent and not os.path.isdir(self.local_parent):
@@ -141,6 +157,11 @@ def parser() -> argparse.ArgumentParser:
                     help="--tiers: keep the local tiers in a new directory under this one, removed at the end "
                          "(for example /dev/shm, host memory, as a production local tier; default: the output "
                          "directory, on the same file system as the default persistent tier)")
+    ap.add_argument("--elastic", action="store_true",
+                    help="--tiers: instead of the four same-topology failures, the killed process's host is lost and "
+                         "the job restarts on one process fewer with no spare (mesh 1 x devices), then with two hosts "
+                         "lost on two fewer (the boxes only they held from the persistent tier); --tier-pairs then pair "
+                         "the elastic recovery through the tiers with one from the persistent tier alone")
     ap.add_argument("--json", action="store_true", help="print the receipt as JSON instead of tables")
     return ap
 
@@ -158,6 +179,6 @@ def from_args(ns: argparse.Namespace) -> DrillConfig:
                       d_in=ns.d_in, hidden=ns.hidden,
                       timeout_s=ns.timeout, control=not ns.no_control, tiers=ns.tiers,
                       cold_cache=ns.cold_cache, tier_pairs=ns.tier_pairs,
-                      local_parent=ns.local_dir)
+                      local_parent=ns.local_dir, elastic=ns.elastic)
     cfg.check()
     return cfg

@@ -140,7 +140,8 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
     if "reader" not in stats:  # served through the tiers (drill --tiers): no reader of one repository
         stats = {**stats, "open_s": 0.0, "plan_s": 0.0, "build_s": 0.0,
                  "reader": {"timings": {"read": stats.get("restore_s", 0.0)},
-                            "bytes_read": sum((stats.get("tiers") or {}).values())}}
+                            "bytes_read": sum(int((stats.get("tiers") or {}).get(k, 0))
+                                                  for k in ("local", "peer", "persistent"))}}
 
     # Validation: the reconstructed state hashes against the hashes saved with the step. A tier job
     # (--local) takes them after its first step, from the restored arrays the step left as they were
@@ -199,8 +200,11 @@ def _restore(args: argparse.Namespace, times: dict[str, float]) -> dict[str, Any
         out["bytes_read_per_process"] = [int(x) for x in np.asarray(per).reshape(-1)]
         if local is not None:  # which tier served how many bytes, on every process, and its token
             t = stats.get("tiers") or {}
-            mine = np.array([t.get("local", 0), t.get("peer", 0), t.get("persistent", 0)], dtype=np.int64)
-            out["tiers_per_process"] = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3).tolist()
+            # [local, peer, persistent, persistent bytes of pieces a surviving copy held (elastic)]
+            mine = np.array([t.get("local", 0), t.get("peer", 0), t.get("persistent", 0), t.get("persistent_held", 0)],
+                            dtype=np.int64)
+            out["tiers_per_process"] = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 4).tolist()
+            out["elastic"] = stats.get("elastic")
             tok = np.frombuffer(str(stats.get("tier_token") or "").ljust(40)[:40].encode(), dtype=np.uint8)
             out["tokens_per_process"] = [bytes(r).decode().strip() for r in
                                          np.asarray(multihost_utils.process_allgather(tok)).reshape(-1, 40)]
@@ -267,9 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--rejected-control", default="")
     ap.add_argument("--victim", type=int, default=0)
-    ap.add_argument("--local", default="", help="local tier directory (drill --tiers)")
+    ap.add_argument("--local", default="", help="local tier directory (drill --tiers; {rank}: this process's rank)")
     ap.add_argument("--local-every", type=int, default=5)
     args = ap.parse_args(argv)
+    # drill --elastic: one local tier directory per simulated machine, "{rank}" naming this process's
+    args.local = args.local.replace("{rank}", str(args.rank))
     times = _framework(args)
     import jax
 

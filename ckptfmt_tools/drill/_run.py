@@ -282,13 +282,14 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
             ctrl["t_launch"] = t_launch
             receipt["control"] = ctrl
         if cfg.tiers:
-            def tier_job(name: str, local: str) -> tuple[dict[str, Any], float]:
+            def tier_job(name: str, local: str, nproc: int = 0) -> tuple[dict[str, Any], float]:
                 if cfg.replacement == "torch":  # one gloo rank per training process, the torch manager
                     from ._torch_launch import run_torch_tier_job
 
                     return run_torch_tier_job(cfg, work, url, name, local)
-                return _restore_job(name, cfg, work, url, nproc=cfg.processes, devices=cfg.devices_per_process,
-                                    mesh=cfg.mesh, dropout=dropout, local=local)
+                # elastic (nproc given): fewer processes, no spare, model parallel over their devices
+                return _restore_job(name, cfg, work, url, nproc=nproc or cfg.processes, devices=cfg.devices_per_process,
+                                    mesh=cfg.elastic_mesh(nproc) if nproc else cfg.mesh, dropout=dropout, local=local)
 
             receipt["tiers"] = run_tiers(cfg, work, url, victim, tier_job, say, tier_root=tier_root)
     except Exception as exc:

@@ -28,10 +28,16 @@ from ckptfmt.repository import Repository
 
 from ._judge import continuation
 
-__all__ = ["SCENARIOS", "run_tiers", "judge_tiers", "local_dir"]
+__all__ = ["SCENARIOS", "ELASTIC", "run_tiers", "judge_tiers", "local_dir"]
 
 SCENARIOS = ("killed", "corrupt", "lost-host", "all-lost")
+#: drill --tiers --elastic: the victim's host lost and no spare (restart on one process fewer); the
+#: victim's and its holder's hosts lost (two fewer: the boxes only they held come from the
+#: persistent tier); and, for the pairs, the first with every local tier lost.
+ELASTIC = ("elastic", "elastic-only-copy")
 _SERVED = {"killed": "local", "corrupt": "peer", "lost-host": "peer", "all-lost": "persistent"}
+#: The pairs: (through the tiers, from the persistent tier alone) for each mode.
+_PAIRS = {False: ("killed", "all-lost"), True: ("elastic", "elastic-persistent")}
 
 
 def local_dir(root: str) -> str:
@@ -115,14 +121,108 @@ def _damage(scenario: str, root: str, victim: int, step: int) -> dict[str, Any]:
     return {"damage": "every local tier deleted"}
 
 
+def _lost(scenario: str, victim: int, hosts: int) -> list[int]:
+    """The hosts an elastic scenario loses: the victim's; with ``-only-copy`` its holder's too."""
+    return sorted({victim, (victim - 1) % hosts}) if scenario == "elastic-only-copy" else [victim]
+
+
+def _persistent_tokens(url: str) -> dict[int, str | None]:
+    repo, out = Repository(url), {}
+    for s in repo.steps():
+        try:
+            meta = repo.manifest(s).metadata.get("ckptfmt.tiers")
+            out[s] = str(meta["token"]) if isinstance(meta, dict) and "token" in meta else None
+        except (CheckpointError, KeyError, TypeError):
+            out[s] = None
+    return out
+
+
+def elastic_expectation(local: str, hosts: int, lost: list[int], url: str) -> dict[str, Any]:
+    """The step an elastic restart after losing ``lost`` must restore (FORMAT.md 8.5, "Elastic
+    restore"): the newest step, no older than the newest persistent one, whose every host's boxes
+    a surviving copy holds with one token (the host's own tier, or its holder ``h - 1``'s replica),
+    or whose missing boxes the persistent tier holds with that token; else the newest persistent
+    step. ``covered``: every box had a surviving copy (then no persistent byte may be read)."""
+    tokens: list[dict[int, str]] = []
+    for h in range(hosts):
+        mine: dict[int, str] = {}
+        if h not in lost:
+            repo = Repository(os.path.join(local, f"host-{h}"))
+            try:
+                steps = repo.steps()
+            except CheckpointError:
+                steps = []
+            for s in steps:
+                try:
+                    mine[s] = str(repo.open(s).state()["tiers"]["token"])
+                except (CheckpointError, KeyError, TypeError):
+                    continue
+        tokens.append(mine)
+    ptok = _persistent_tokens(url)
+    newest_p = max(ptok, default=-1)
+    for s in sorted({s for t in tokens for s in t}, reverse=True):
+        if s < newest_p:
+            break
+        token = ptok.get(s) or next((t[s] for t in tokens if s in t), None)
+        covered = all(tokens[h].get(s) == token or tokens[(h - 1) % hosts].get(s) == token for h in range(hosts))
+        if covered or (s in ptok and ptok[s] == token):
+            return {"step": s, "token": token, "covered": covered, "lost": lost}
+    return {"step": newest_p, "token": None, "covered": False, "lost": lost, "persistent_only": True}
+
+
+def _elastic_nodes(root: str, hosts: int, lost: list[int], keep_tiers: bool) -> tuple[str, int]:
+    """One directory per surviving machine (``node-<i>``, the new job's rank ``i``) holding the host
+    repository that machine kept (none with ``keep_tiers`` False: every local tier lost); the
+    ``--local`` template and the new job's process count."""
+    nodes = os.path.join(root, "elastic-nodes")
+    shutil.rmtree(nodes, ignore_errors=True)
+    survivors = [h for h in range(hosts) if h not in lost]
+    for i, h in enumerate(survivors):
+        os.makedirs(os.path.join(nodes, f"node-{i}"))
+        src = os.path.join(local_dir(root), f"host-{h}")
+        if keep_tiers and os.path.isdir(src):
+            shutil.copytree(src, os.path.join(nodes, f"node-{i}", f"host-{h}"))
+    return os.path.join(nodes, "node-{rank}"), len(survivors)
+
+
+def _run_elastic(cfg: Any, root: str, url: str, victim: int, restore_job: Callable[..., tuple[dict[str, Any], float]],
+                 say: Callable[[str], None], out: dict[str, Any]) -> None:
+    """drill --tiers --elastic: the two elastic scenarios, then the pairs (tiers, persistent alone)."""
+    out["elastic"] = {}
+    for scenario in ELASTIC:
+        lost = _lost(scenario, victim, cfg.processes)
+        expect = elastic_expectation(local_dir(root), cfg.processes, lost, url)
+        out["elastic"][scenario] = expect
+        template, nproc = _elastic_nodes(root, cfg.processes, lost, keep_tiers=True)
+        note = {"damage": f"host(s) {lost} lost with their local tiers; no spare: restart on {nproc} processes "
+                          f"(mesh {cfg.elastic_mesh(nproc)})", "lost": lost, "nproc": nproc}
+        out["scenarios"][scenario] = _tier_job(cfg, scenario, f"tiers-{scenario}", note, root, restore_job, say,
+                                               local=template, nproc=nproc)
+    lost = _lost("elastic", victim, cfg.processes)
+    out["elastic"]["elastic-persistent"] = {"step": max(_persistent_tokens(url), default=-1), "lost": lost}
+    for i in range(int(getattr(cfg, "tier_pairs", 0))):
+        for scenario in (_PAIRS[True] if i % 2 == 0 else _PAIRS[True][::-1]):
+            template, nproc = _elastic_nodes(root, cfg.processes, lost, keep_tiers=scenario == "elastic")
+            note = {"damage": f"host {lost} lost, no spare, restart on {nproc} processes"
+                    + ("" if scenario == "elastic" else "; every local tier lost"), "pair": i, "lost": lost,
+                    "nproc": nproc}
+            out["pairs"].append(_tier_job(cfg, scenario, f"tiers-pair{i}-{scenario}", note, root, restore_job, say,
+                                          local=template, nproc=nproc))
+    shutil.rmtree(os.path.join(root, "elastic-nodes"), ignore_errors=True)
+
+
 def run_tiers(cfg: Any, work: str, url: str, victim: int, restore_job: Callable[..., tuple[dict[str, Any], float]],
               say: Callable[[str], None], *, tier_root: str = "") -> dict[str, Any]:
-    """Run the four scenarios; return their raw results (judged by :func:`judge_tiers`). The local
-    tiers are under ``tier_root`` (default ``work``), as the training job kept them."""
+    """Run the four scenarios (with ``cfg.elastic``: the elastic ones); return their raw results
+    (judged by :func:`judge_tiers`). The local tiers are under ``tier_root`` (default ``work``), as
+    the training job kept them."""
     root = tier_root or work
     step, token = _newest_local(local_dir(root), cfg.processes)
     out: dict[str, Any] = {"local_step": step, "local_token": token, "persistent_steps": Repository(url).steps(),
-                           "scenarios": {}}
+                           "scenarios": {}, "pairs": []}
+    if getattr(cfg, "elastic", False):
+        _run_elastic(cfg, root, url, victim, restore_job, say, out)
+        return out
     pairs = int(getattr(cfg, "tier_pairs", 0)) if step is not None else 0
     backup = os.path.join(root, "local-pairs")
     if pairs:  # the local tiers as the kill left them, for the pairs after the four scenarios
@@ -150,12 +250,14 @@ def run_tiers(cfg: Any, work: str, url: str, victim: int, restore_job: Callable[
 
 
 def _tier_job(cfg: Any, scenario: str, name: str, note: dict[str, Any], root: str,
-              restore_job: Callable[..., tuple[dict[str, Any], float]], say: Callable[[str], None]) -> dict[str, Any]:
-    """One replacement job restoring after ``note``'s damage (the local tiers under ``root``); its raw result."""
+              restore_job: Callable[..., tuple[dict[str, Any], float]], say: Callable[[str], None], *,
+              local: str = "", nproc: int = 0) -> dict[str, Any]:
+    """One replacement job restoring after ``note``'s damage (the local tiers under ``root``, or
+    ``local``: a per-rank template, on ``nproc`` processes); its raw result."""
     if getattr(cfg, "cold_cache", False):
         note["cache_dropped"] = drop_page_cache()
     say(f"{name}: {note['damage']}" + (f"; page cache dropped: {note['cache_dropped']}" if "cache_dropped" in note else ""))
-    res, t_launch = restore_job(name, local=local_dir(root))
+    res, t_launch = restore_job(name, local=local or local_dir(root), **({"nproc": nproc} if nproc else {}))
     res.update(note, scenario=scenario, t_launch=t_launch)
     return res
 
@@ -184,11 +286,12 @@ def judge_tiers(tiers: dict[str, Any], reference: dict[str, Any], train: dict[st
     for res in tiers.get("pairs") or []:
         pairs.setdefault(int(res["pair"]), {})[res["scenario"]] = _verdict(tiers, res["scenario"], res, reference, dt, train)
     rows = []
+    tiered, alone = _PAIRS["elastic" in tiers]
     for i, got in sorted(pairs.items()):
-        if {"killed", "all-lost"} <= got.keys():
-            local, pers = got["killed"]["phases"], got["all-lost"]["phases"]
-            first = "local" if next(iter(got)) == "killed" else "persistent"
-            rows.append({"pair": i, "first": first, "ok": got["killed"]["ok"] and got["all-lost"]["ok"],
+        if {tiered, alone} <= got.keys():
+            local, pers = got[tiered]["phases"], got[alone]["phases"]
+            first = "local" if next(iter(got)) == tiered else "persistent"
+            rows.append({"pair": i, "first": first, "ok": got[tiered]["ok"] and got[alone]["ok"],
                          "local": local, "persistent": pers, "recovery_diff_s": local["recovery_s"] - pers["recovery_s"],
                          "restore_diff_s": local["restore_s"] - pers["restore_s"],
                          "end_to_end_diff_s": local["end_to_end_s"] - pers["end_to_end_s"], "checks": got})
@@ -208,13 +311,16 @@ def _verdict(tiers: dict[str, Any], scenario: str, res: dict[str, Any], referenc
     if "skipped" in res:  # reported, not run: nothing to judge (see _damage)
         return {"ok": True, "skipped": res["skipped"], "checks": {"skipped": [True, res["skipped"]]}}
     persistent = tiers["persistent_steps"]
-    expect = persistent[-1] if scenario == "all-lost" else tiers["local_step"]
-    v = continuation(res, reference, expect)
-    per = res.get("tiers_per_process") or []
-    col = {"local": 0, "peer": 1, "persistent": 2}[_SERVED[scenario]]
-    ok_tier = bool(per) and any(p[col] > 0 for p in per) and (scenario == "all-lost" or all(p[2] == 0 for p in per))
-    v["checks"]["tier_served"] = [ok_tier, f"bytes [local, peer, persistent] per process: {per}"]
-    if scenario != "all-lost":
+    if scenario in tiers.get("elastic", {}):
+        v = _elastic_checks(tiers["elastic"][scenario], scenario, res, reference)
+    else:
+        expect = persistent[-1] if scenario == "all-lost" else tiers["local_step"]
+        v = continuation(res, reference, expect)
+        per = res.get("tiers_per_process") or []
+        col = {"local": 0, "peer": 1, "persistent": 2}[_SERVED[scenario]]
+        ok_tier = bool(per) and any(p[col] > 0 for p in per) and (scenario == "all-lost" or all(p[2] == 0 for p in per))
+        v["checks"]["tier_served"] = [ok_tier, f"bytes [local, peer, persistent] per process: {per}"]
+    if scenario not in ("all-lost", "elastic-persistent", "elastic", "elastic-only-copy"):
         tokens = set(res.get("tokens_per_process") or [])
         one = tokens == {tiers["local_token"]}
         v["checks"]["one_save"] = [one, f"tokens {sorted(tokens)}; local manifests' {tiers['local_token']}"]
@@ -234,4 +340,30 @@ def _verdict(tiers: dict[str, Any], scenario: str, res: dict[str, Any], referenc
     if dt is not None and at_kill is not None:
         redo = max(0, int(at_kill) - int(res["restored_step"]))
         v["phases"].update(steps_redone=redo, back_at_kill_step_s=v["phases"]["recovery_s"] + redo * dt)
+    return v
+
+
+def _elastic_checks(expect: dict[str, Any], scenario: str, res: dict[str, Any], reference: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """An elastic scenario's verdict: the continuation of the step it must restore, and where the
+    bytes came from: through the tiers, the persistent tier read for no piece a surviving copy held
+    (column 4: persistent bytes of held pieces), and for nothing at all when every box had a
+    surviving copy; one token on every process; alone (every local tier lost), all persistent."""
+    v = continuation(res, reference, expect["step"])
+    per = res.get("tiers_per_process") or []
+    if scenario == "elastic-persistent":
+        ok = bool(per) and all(p[0] == p[1] == 0 for p in per) and any(p[2] > 0 for p in per)
+        v["checks"]["tier_served"] = [ok, f"bytes [local, peer, persistent, held] per process: {per}"]
+        return v
+    held = all(len(p) > 3 and p[3] == 0 for p in per)
+    unheld = all(p[2] == 0 for p in per) if expect.get("covered") else any(p[2] > 0 for p in per)
+    tiers = any(p[0] + p[1] > 0 for p in per)
+    v["checks"]["tier_served"] = [bool(per) and held and unheld and tiers,
+                                  f"bytes [local, peer, persistent, persistent of held pieces] per process: {per}; "
+                                  f"every box had a surviving copy: {expect.get('covered')}"]
+    tokens = set(res.get("tokens_per_process") or [])
+    v["checks"]["one_save"] = [tokens == {expect.get("token")}, f"tokens {sorted(tokens)}; expected {expect.get('token')}"]
+    el = res.get("elastic") or {}
+    v["checks"]["elastic"] = [el.get("world") == res.get("nproc") and el.get("hosts") is not None,
+                              f"restored through the tiers elastically: {el}"]
     return v
