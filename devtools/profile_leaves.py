@@ -147,6 +147,8 @@ def _cell(seconds: float | None, n: int) -> str:
 def table(results: dict[str, dict], imported: dict | None) -> str:
     """The Markdown table of every state's phases: microseconds per leaf and milliseconds in all."""
     names = list(results)
+    if not names:
+        return table_import(imported)
     head = "| phase | " + " | ".join(f"{k}: µs/leaf | {k}: ms" for k in names) + " |"
     out = [head, "|---|" + "---|---|" * len(names)]
 
@@ -164,13 +166,18 @@ def table(results: dict[str, dict], imported: dict | None) -> str:
     lines = ["", " ".join(f"{k}: {v['describe']}, {v['bytes'] / 2**20:,.1f} MiB, {v['leaves']:,} leaves, manifest "
                           f"{v['manifest_bytes'] / 1e6:,.2f} MB, {v['files_in_repository']:,} files in the repository "
                           f"after {len(v['saves'])} saves." for k, v in results.items())]
-    if imported:
-        n = imported["n"]
-        lines += ["", "| import (empty safetensors tensors) | tensors | µs/tensor | s | peak RSS rise MB | KB/tensor |",
-                  "|---|---|---|---|---|---|",
-                  f"| `import_safetensors` | {n:,} | {imported['wall_s'] / n * 1e6:,.1f} | {imported['wall_s']:,.2f} | "
-                  f"{imported['peak_rise'] / 1e6:,.1f} | {imported['peak_rise'] / n / 1e3:,.2f} |"]
-    return "\n".join(out + lines)
+    return "\n".join(out + lines + ["", table_import(imported)] if imported else out + lines)
+
+
+def table_import(imported: dict | None) -> str:
+    """The import's line: wall time and peak RSS rise, in all and per tensor."""
+    if not imported:
+        return ""
+    n = imported["n"]
+    return "\n".join(["| import (empty safetensors tensors) | tensors | µs/tensor | s | peak RSS rise MB | KB/tensor |",
+                      "|---|---|---|---|---|---|",
+                      f"| `import_safetensors` | {n:,} | {imported['wall_s'] / n * 1e6:,.1f} | {imported['wall_s']:,.2f} | "
+                      f"{imported['peak_rise'] / 1e6:,.1f} | {imported['peak_rise'] / n / 1e3:,.2f} |"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-size", default="8MiB", help="the Llama-style state's bytes (874 leaves; default 8MiB)")
     p.add_argument("--moe-leaves", type=int, default=2000, help="the MoE state's leaves, about (default 2000)")
     p.add_argument("--import-tensors", type=int, default=10_000, help="empty tensors to import (default 10000; 0: none)")
-    p.add_argument("--states", default="llama,moe", help="comma list among llama,moe")
+    p.add_argument("--states", default="llama,moe", help="comma list among llama,moe, or none (the import only)")
     p.add_argument("--saves", type=int, default=3, help="saves per state (default 3; the first reported apart)")
     p.add_argument("--restores", type=int, default=3, help="restores per state (default 3)")
     p.add_argument("--devices", type=int, default=8)
@@ -193,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     root = a.dir or tempfile.mkdtemp(prefix="ckptfmt-leaves-")
     recipes = {"llama": lambda: llama(parse_size(a.llama_size)), "moe": lambda: moe(a.moe_leaves)}
     results: dict[str, dict] = {}
-    for name in [s.strip() for s in a.states.split(",") if s.strip()]:
+    for name in [s.strip() for s in a.states.split(",") if s.strip() and s.strip() != "none"]:
         r = recipes[name]()
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {r.describe}", file=sys.stderr, flush=True)
         results[f"{name} ({len(r.leaves):,} leaves)"] = run_child(
