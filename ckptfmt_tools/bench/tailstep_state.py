@@ -57,7 +57,7 @@ _TASK = "ckptfmt_tools.bench.tailstep_state:run"
 class StateTrainer(Trainer):
     """A recipe's state on ``devices`` JAX CPU devices, and one jitted update of every leaf per step."""
 
-    def __init__(self, r: Recipe, devices: int) -> None:  # noqa: super().__init__ builds the MLP's state
+    def __init__(self, r: Recipe, devices: int) -> None:  # not Trainer's: that builds the MLP
         import jax
         import jax.numpy as jnp
 
