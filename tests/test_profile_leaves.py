@@ -5,9 +5,8 @@ No timing is asserted: the harness measures, docs/profile-save.md keeps the figu
 """
 from __future__ import annotations
 
-from devtools.profile_leaves import empty_safetensors, table
-
 from ckptfmt.interop import SafetensorsSource
+from devtools.profile_leaves import empty_safetensors, table
 
 
 def test_the_empty_tensors_file_is_read_by_the_library(tmp_path):

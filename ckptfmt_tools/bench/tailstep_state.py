@@ -40,7 +40,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .child import ChildFailed, run_child
 from .jaxstate import xla_env
