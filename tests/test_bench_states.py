@@ -102,7 +102,7 @@ def test_cli_state_options_parse():
 
 def _run_recipe(tmp_path, **kw) -> dict:
     opts = BenchOptions(repetitions=1, output_dir=str(tmp_path / "out"), storage=str(tmp_path / "repo"), peers=PEERS,
-                        metadata=False, tailstep=False, plot=False, **{"safety": False} | kw)
+                        metadata=False, plot=False, **{"safety": False, "tailstep": False} | kw)
     result = run_bench(opts, log=None)
     assert result.errors == {}, result.errors
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
@@ -135,8 +135,15 @@ def _run_recipe(tmp_path, **kw) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_bench_llama_recipe_end_to_end(tmp_path):
-    doc = _run_recipe(tmp_path, state="llama", layers=2, size=4 << 20)
+    doc = _run_recipe(tmp_path, state="llama", layers=2, size=4 << 20, tailstep=True, tailstep_every=3, tailstep_saves=2)
     assert doc["layout"]["leaves"] == 64 and doc["layout"]["parameters"] == 21
+    # The cadence on the same state: every system, 2 saves 3 steps apart, the host copy beside them.
+    rows = doc["cadence"]
+    assert {r["system"] for r in rows} == set(doc["summary"]) - {"raw"}
+    for r in rows:
+        assert "error" not in r, r
+        assert (r["every"], r["saves"], r["committed"]) == (3, 2, 2) and r["copy_bytes"] == doc["layout"]["nbytes"]
+    assert "caller blocked / host copy of the state" in doc["table"]
     raw = doc["summary"]["raw"]["save"]["bytes_on_disk"]  # the raw limit writes about the state's bytes
     assert abs(raw - doc["layout"]["nbytes"]) / doc["layout"]["nbytes"] < 0.05
 

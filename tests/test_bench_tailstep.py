@@ -51,3 +51,21 @@ def test_table_and_cli_options(tmp_path):
         tailstep_peers.compare(("ckptfmt", "tensorflow"), log=None)
     with pytest.raises(ValueError, match="tail-step systems"):
         tailstep_peers.main(["--tailstep-systems", "orbax,nope", "--steps", "2"])
+
+
+def test_cadence_on_a_recipe_state_reports_blocked_time_beside_the_host_copy(tmp_path):
+    from ckptfmt_tools.bench import states, tailstep_state
+
+    r = states.llama(1 << 20, 1)  # 37 leaves on the (2, 4) mesh of 8 CPU devices
+    rows = tailstep_state.compare(("ckptfmt",), r.to_json(), devices=8, every=3, saves=2, storage=str(tmp_path),
+                                  log=None)
+    row = rows[0]
+    assert "error" not in row, row
+    assert (row["every"], row["saves"], row["committed"], len(row["blocked_ms"])) == (3, 2, 2, 2)
+    assert row["copy_bytes"] == r.nbytes  # every distinct box once: the state's bytes
+    assert row["blocked_over_copy"] == pytest.approx(row["blocked_ms_median"] / row["copy_ms_median"])
+    assert any(line.startswith("| ckptfmt | 0 | 3 (") for line in tailstep_state.lines(rows))
+    # The interval: twice the save time over the step time, at least 2 steps (broken control: a tiny save).
+    assert tailstep_state.choose_every(1.0, 0.01) == 200 and tailstep_state.choose_every(1e-4, 1.0) == 2
+    with pytest.raises(ValueError, match="cadence systems"):
+        tailstep_state.compare(("ckptfmt", "tensorflow"), r.to_json(), log=None)

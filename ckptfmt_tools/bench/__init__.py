@@ -18,7 +18,8 @@ before every read where the OS allows it (root on Linux), and the result says
 whether reads were cold or warm. A peer that is not installed is skipped and
 named in ``result.skipped``. Modules: ``raw`` (the disk limit), ``ours``
 (ckptfmt), ``peers`` (Orbax, DCP), ``safety`` (a 64-byte flip, who notices),
-``metadata_scale``, ``tailstep`` (async saves in a training loop), ``report``
+``metadata_scale``, ``tailstep`` (async saves in a training loop; ``tailstep_state``: on a
+recipe state, beside the host copy), ``report``
 (medians, ratios, targets, JSON, PNG), ``layout``/``jaxstate`` (the state),
 ``child`` (fresh processes and per-phase meters), ``args`` (command line).
 

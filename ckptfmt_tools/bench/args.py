@@ -80,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time DCP's pickled metadata up to this many entries (640k takes ~30 s)")
     p.add_argument("--no-tailstep", dest="tailstep", action="store_false", help="skip the training-loop tail-step run")
     p.add_argument("--tailstep-steps", type=int, default=d.tailstep_steps, help="training steps per loop (default 200)")
-    p.add_argument("--tailstep-every", type=int, default=d.tailstep_every, help="save every N steps (default 10)")
+    p.add_argument("--tailstep-every", type=int, default=d.tailstep_every,
+                   help="save every N steps (default 10; a recipe state: 2x the slowest median save over the step time)")
+    p.add_argument("--tailstep-saves", type=int, default=d.tailstep_saves,
+                   help="a recipe state's cadence: saves per system (default 10)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="no bench.png")
     p.add_argument("--keep-data", action="store_true", help="leave the checkpoints on storage")
     p.add_argument("--incremental", action="store_true",

@@ -180,6 +180,12 @@ def ratios_and_targets(result: Any) -> tuple[dict[str, Any], list[dict[str, Any]
         from . import scaling
 
         scaling.targets(result.scaling, target)
+    ours = [r for r in getattr(result, "cadence", None) or [] if r.get("system") == "ckptfmt" and r.get("blocked_over_copy")]
+    if ours:
+        x = statistics.median(r["blocked_over_copy"] for r in ours)
+        b, c = (statistics.median(r[k] for r in ours) for k in ("blocked_ms_median", "copy_ms_median"))
+        target("async save under the cadence: caller blocked / host copy of the state", "<= 2x",
+               f"{x:.2f}x ({b:.1f} ms / {c:.1f} ms)", x <= 2.0)
     ts_ = result.tailstep or {}
     if ts_.get("blocked_fraction") is not None:
         f = ts_["blocked_fraction"]
@@ -283,6 +289,10 @@ def table(result: Any) -> str:
         lines += ["", *metadata_lines(result.metadata)]
     if result.tailstep:
         lines += ["", *tailstep_lines(result.tailstep)]
+    if getattr(result, "cadence", None):
+        from . import tailstep_state
+
+        lines += ["", *tailstep_state.lines(result.cadence)]
     if getattr(result, "scaling", None):
         from . import scaling
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -62,7 +63,8 @@ class BenchOptions:
     dcp_metadata_max_entries: int = 100_000
     tailstep: bool = True
     tailstep_steps: int = 200
-    tailstep_every: int = 10
+    tailstep_every: int | None = None  # the 16-tensor state: 10; a recipe: from the measured save time
+    tailstep_saves: int = 10  # a recipe's cadence: saves per system
     plot: bool = True
     keep_data: bool = False
     rotate: bool = False  # the rotated harness (ckptfmt_tools/bench/rotate.py) instead of the interleaved repetitions
@@ -86,6 +88,7 @@ class BenchResult:
     errors: dict[str, str]
     metadata: dict[str, Any] | None = None
     tailstep: dict[str, Any] | None = None
+    cadence: list[dict[str, Any]] | None = None  # a recipe's cadence, every system (tailstep_state.py)
     safety: dict[str, Any] = field(default_factory=dict)
     scaling: list[dict[str, Any]] | None = None
     rotated: dict[str, Any] | None = None
@@ -325,6 +328,25 @@ class _Session:
                 self.notes.append(f"could not remove {url}: {e}")
 
 
+def _cadence(s: _Session) -> list[dict[str, Any]]:
+    """A recipe's training cadence for ckptfmt and every peer (:mod:`.tailstep_state`), the interval
+    chosen from the slowest median save of the rotated harness unless ``tailstep_every`` is given."""
+    from . import tailstep_state
+
+    medians = [statistics.median(r["wall_s"] for r in s.runs[x]["save"])
+               for x in s.systems if x != "raw" and s.runs.get(x, {}).get("save")]
+    systems = tuple(x for x in s.systems if x in tailstep_state.SYSTEMS)
+    s.log(f"cadence on the state: {', '.join(systems)}")
+    rows = tailstep_state.compare(
+        systems, s.layout.to_json(), devices=s.o.save_devices, save_s=max(medians) if medians else None,
+        every=s.o.tailstep_every, saves=s.o.tailstep_saves, storage=os.path.join(os.path.dirname(s.paths["raw"]), "cadence"),
+        url=s.urls["tailstep"], log=lambda line: s.log("cadence " + line), timeout_s=s.o.child_timeout_s)
+    for r in rows:
+        if "error" in r:
+            s.errors[f"cadence {r['system']}"] = r["error"]
+    return rows
+
+
 def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], None] | None = _say) -> BenchResult:
     """Run the whole benchmark; write ``bench.json``, ``bench.md`` and ``bench.png`` into ``options.output_dir``.
 
@@ -362,16 +384,21 @@ def run_bench(options: BenchOptions = BenchOptions(), *, log: Callable[[str], No
         metadata = s.optional("metadata", "ckptfmt_tools.bench.metadata_scale:run", {
             "entries": list(options.metadata_entries), "dcp_max_entries": options.dcp_metadata_max_entries,
             "peers": "dcp" in s.systems})
+    cadence = None
     if options.tailstep and importlib.util.find_spec("jax") is None:
         s.notes.append("tail-step slowdown skipped: jax is not installed")
+    elif options.tailstep and isinstance(L, Recipe):
+        cadence = _cadence(s)
     elif options.tailstep:
         tailstep = s.optional("tailstep", "ckptfmt_tools.bench.tailstep:run", {
-            "steps": options.tailstep_steps, "every": options.tailstep_every, "url": s.urls["tailstep"]}, xla_env(1))
+            "steps": options.tailstep_steps, "every": options.tailstep_every or 10, "url": s.urls["tailstep"]},
+            xla_env(1))
     if not options.keep_data:
         s.cleanup()
     result = BenchResult(
         options=asdict(options), layout=L.to_json(), cache=s.cache, runs=s.runs, summary={}, ratios={}, targets=[],
-        notes=s.notes, skipped=s.skipped, errors=s.errors, metadata=metadata, tailstep=tailstep, safety=safety,
+        notes=s.notes, skipped=s.skipped, errors=s.errors, metadata=metadata, tailstep=tailstep, cadence=cadence,
+        safety=safety,
         scaling=scaling_rows,
         environment=_environment(),
     )

@@ -122,16 +122,20 @@ class Trainer:
     def state(self) -> dict:
         return {"params": self.p, "momentum": self.m}
 
+    def advance(self) -> None:
+        """One training step, waited for."""
+        import jax
+
+        self.p, self.m = self._step(self.p, self.m)
+        jax.block_until_ready(self.p)
+
     def timed(self, saver: Saver | None, first_step: int, n: int, saves: Saves | None = None
               ) -> tuple[list[float], list[int]]:
         """Step times (s) and, per step, the steps not yet in a finished save (with ``saves``)."""
-        import jax
-
         times, at_risk = [], []
         for t in range(first_step + 1, first_step + n + 1):
             t0 = time.perf_counter()
-            self.p, self.m = self._step(self.p, self.m)
-            jax.block_until_ready(self.p)
+            self.advance()
             if saver is not None:
                 saver.step(t, self.state())
             times.append(time.perf_counter() - t0)
@@ -147,14 +151,17 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def cadence(trainer: Trainer, saver: Saver, saves: Saves, steps: int) -> dict[str, Any]:
+def cadence(trainer: Trainer, saver: Saver, saves: Saves, steps: int, baseline_steps: int | None = None
+            ) -> dict[str, Any]:
     """Baseline halves around the loop with saves; the shared part of every system's result.
+    ``baseline_steps``: steps of the loop without saves, in two halves (default ``steps``).
 
     ``save_cpu_ms``: the process's CPU time (user + system, every thread) of the loop with saves
     (until its last save finished) less that of as many steps without saves, per save: what a
     save takes from the cores training runs on, and less noisy than wall time on a shared machine."""
+    nb = steps if baseline_steps is None else max(2, baseline_steps)
     c0 = _cpu_s()
-    base, _ = trainer.timed(None, 0, steps // 2)
+    base, _ = trainer.timed(None, 0, nb // 2)
     c1 = _cpu_s()
     rss0 = rss_bytes()
     try:
@@ -162,8 +169,8 @@ def cadence(trainer: Trainer, saver: Saver, saves: Saves, steps: int) -> dict[st
     finally:
         saver.close()
     c2 = _cpu_s()
-    base += trainer.timed(None, 0, steps - steps // 2)[0]
-    base_cpu = (c1 - c0 + _cpu_s() - c2) / steps
+    base += trainer.timed(None, 0, nb - nb // 2)[0]
+    base_cpu = (c1 - c0 + _cpu_s() - c2) / nb
     b, s = stat(base), stat(with_saves)
     out = {"steps": steps, "state_bytes": trainer.state_bytes, "model": trainer.model,
            "baseline": b, "with_saves": s,

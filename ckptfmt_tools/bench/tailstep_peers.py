@@ -65,13 +65,20 @@ class _Orbax:
 
 
 def torch_view(state: dict) -> dict:
-    """DCP's state dict of a JAX state: each leaf's key path to a torch view (no copy) of its host buffer."""
+    """DCP's state dict of a JAX state: each leaf's key path to a torch view (no copy) of its host buffer
+    (a sharded leaf is gathered into one host array first; bfloat16 is viewed through its bits)."""
     import jax
     import numpy as np
     import torch
 
+    def view(a: Any) -> Any:
+        h = np.asarray(a)
+        if h.dtype.name == "bfloat16":  # numpy has no bfloat16 of its own: torch takes the bits
+            return torch.from_numpy(h.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(h)
+
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    return {jax.tree_util.keystr(k): torch.from_numpy(np.asarray(a)) for k, a in flat}
+    return {jax.tree_util.keystr(k): view(a) for k, a in flat}
 
 
 class _Dcp:

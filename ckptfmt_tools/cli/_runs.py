@@ -93,7 +93,10 @@ def bench_cmd(size: Optional[str] = _opt("State bytes, e.g. 1GiB, 64MiB (default
                                                              "--dcp-metadata-max-entries"),
               no_tailstep: bool = _flag("Skip the training-loop tail-step run.", "--no-tailstep"),
               tailstep_steps: Optional[int] = _opt("Training steps per loop (default 200).", "--tailstep-steps"),
-              tailstep_every: Optional[int] = _opt("Save every N steps (default 10).", "--tailstep-every"),
+              tailstep_every: Optional[int] = _opt("Save every N steps (default 10; a recipe state: 2x the "
+                                                   "slowest median save over the step time).", "--tailstep-every"),
+              tailstep_saves: Optional[int] = _opt("A recipe state's cadence: saves per system (default 10).",
+                                                   "--tailstep-saves"),
               no_plot: bool = _flag("No bench.png.", "--no-plot"),
               keep_data: bool = _flag("Leave the checkpoints on storage.", "--keep-data"),
               rotate: bool = _flag("The rotated harness: per repetition every system saves back to back (fresh "
@@ -131,7 +134,8 @@ def bench_cmd(size: Optional[str] = _opt("State bytes, e.g. 1GiB, 64MiB (default
         ("--ckptfmt-api", ckptfmt_api), ("--no-check", no_check), ("--warm", warm), ("--no-safety", no_safety),
         ("--no-metadata", no_metadata), ("--metadata-entries", metadata_entries),
         ("--dcp-metadata-max-entries", dcp_metadata_max_entries), ("--no-tailstep", no_tailstep),
-        ("--tailstep-steps", tailstep_steps), ("--tailstep-every", tailstep_every), ("--no-plot", no_plot),
+        ("--tailstep-steps", tailstep_steps), ("--tailstep-every", tailstep_every),
+        ("--tailstep-saves", tailstep_saves), ("--no-plot", no_plot),
         ("--keep-data", keep_data), ("--rotate", rotate), ("--save-cache", save_cache), *only.items(), ("--levels", levels), ("--json", as_json)])
 
 
