@@ -73,7 +73,7 @@ FORMAT_VERSION = 1
 #: checks they agree): format version 1 with the
 #: extensions of revision 1.1 (``ckptfmt.references``, ``ckptfmt.zstd``), 1.2 (``ckptfmt.derived``) and 1.3
 #: (``ckptfmt.packs``).
-FORMAT_REVISION = "1.3"
+FORMAT_REVISION = "1.3.1"
 
 
 @dataclass(frozen=True, eq=False)

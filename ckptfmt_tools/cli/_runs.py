@@ -177,6 +177,11 @@ def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (de
               local_dir: Optional[str] = _opt("--tiers: keep the local tiers in a new directory under this one, "
                                               "removed at the end (for example /dev/shm; default: OUT).",
                                               "--local-dir"),
+              elastic: bool = _flag("--tiers: instead of the four same-topology failures, lose the killed "
+                                    "process's host and restart on one process fewer with no spare, then on two "
+                                    "fewer (the boxes only the lost hosts held from the persistent tier); "
+                                    "--tier-pairs pairs it with a recovery from the persistent tier alone.",
+                                    "--elastic"),
               as_json: bool = _flag("Print the receipt as one JSON document; no progress on stderr.",
                                     "--json")) -> None:
     """The restore drill: SIGKILL one process of a training job, restore on a new topology, check one step."""
@@ -187,7 +192,7 @@ def drill_cmd(processes: Optional[int] = _opt("Processes of the training job (de
         ("--kill-window", kill_window), ("--capacity-delay", capacity_delay), ("--monitor-interval", monitor_interval),
         ("--storage", storage), ("--out", out), ("--seed", seed), ("--d-in", d_in), ("--hidden", hidden),
         ("--timeout", timeout), ("--no-control", no_control), ("--tiers", tiers), ("--cold-cache", cold_cache),
-        ("--tier-pairs", tier_pairs), ("--local-dir", local_dir), ("--json", as_json)])
+        ("--tier-pairs", tier_pairs), ("--local-dir", local_dir), ("--elastic", elastic), ("--json", as_json)])
 
 
 def register(app: typer.Typer) -> None:
