@@ -4,9 +4,9 @@ every block against the manifest, and hand nothing back until everything is veri
 Subpackage ``ckptfmt.reader``. The restore side: a committed step opened for reading, planned by
 global coordinates, read by byte range (positionally on local files), verified, and the memory the
 outputs are read into (FORMAT.md 9), and the cooperative restore (FORMAT.md 9.1). Its modules:
-``_alloc``, ``_positional``, ``_verifylocal``, ``_cooperative``. May import: floor, manifest, storage, shard. The
-floor: the top-level modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the
-rules and enforces them). Subpackages that may import it:
+``_alloc``, ``_positional``, ``_verifylocal``, ``_cooperative``. May import: floor, manifest,
+storage, shard. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
+(tests/test_layering.py holds the rules and enforces them). Subpackages that may import it:
 repository, interop, manager.
 """
 from __future__ import annotations
@@ -80,8 +80,9 @@ class Checkpoint:
 
     On local files (``storage.positional_reads``) reads go through a
     :class:`~ckptfmt.reader._positional.LocalReader` and ``verify`` through a
-    :class:`~ckptfmt.reader._verifylocal.LocalVerifier`, both created here with the same storage,
-    manifest, stats, checks and caches."""
+    :class:`~ckptfmt.reader._verifylocal.LocalVerifier`, both created here with this checkpoint's
+    storage, manifest, ``stats``, ``checks`` and caches (so ``stats`` and ``checks`` are the ones
+    given at open; ``max_inflight_bytes`` is read at each call)."""
 
     def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = DEFAULT_READ_WINDOW,
                  stats: ReadStats | None = None, checks: BlockChecks | None = None,
@@ -97,7 +98,7 @@ class Checkpoint:
         self._plain_dirs: set[str] = set()
         self._local = LocalReader(storage, manifest, self.stats, self.checks, self._plain_dirs, self._chunk_starts)
         self._local_verify = LocalVerifier(storage, manifest, self.stats, self.checks, self._plain_dirs,
-                                           self._chunk_starts, max_inflight_bytes)
+                                           self._chunk_starts)
 
     @property
     def step(self) -> int:
@@ -410,7 +411,7 @@ class Checkpoint:
 
         keys = self.keys()
         if self.storage.positional_reads:  # local files: ckptfmt.reader._verifylocal
-            self._local_verify.verify(keys, report, buffers, self._verify_in_parts)
+            self._local_verify.verify(keys, report, buffers, self.max_inflight_bytes, self._verify_in_parts)
             keys = []
         for key in keys:
             t = self.manifest.tensors[key]

@@ -88,36 +88,35 @@ class LocalVerifier:
     the checkpoint's :class:`~ckptfmt.reader._positional.ChunkStarts`."""
 
     def __init__(self, storage: Storage, manifest: Manifest, stats: ReadStats, checks: BlockChecks,
-                 plain_dirs: set[str], starts: ChunkStarts, max_inflight_bytes: int) -> None:
+                 plain_dirs: set[str], starts: ChunkStarts) -> None:
         self.storage = storage
         self.manifest = manifest
         self.stats = stats
         self.checks = checks
-        self.max_inflight_bytes = max_inflight_bytes
         self._plain_dirs = plain_dirs
         self._starts = starts.of
 
     def verify(self, keys: list[str], report: Callable[[int], None], buffers: ReadBuffers | None,
-               in_parts: Callable[[TensorEntry, int], int]) -> None:
+               max_inflight_bytes: int, in_parts: Callable[[TensorEntry, int], int]) -> None:
         """Verify every shard object of ``keys``, at most :data:`VERIFY_THREADS` at once and at most
         ``max_inflight_bytes`` of them held; an object larger than that goes to ``in_parts``
         (which verifies it a window at a time and returns its bytes). The objects are read into
         ``buffers`` (a new set, dropped afterwards, when None)."""
         jobs = [(self.manifest.tensors[k], s) for k in keys for s in range(len(self.manifest.tensors[k].shards))]
         if buffers is None:  # the threads keep at most one window between them
-            buffers = ReadBuffers(self.max_inflight_bytes)
+            buffers = ReadBuffers(max_inflight_bytes)
         pool = verify_pool()
         pending: deque[Any] = deque()
         try:
             held = 0
             for t, s in jobs:
                 n = int(t.shards.nbytes[s])
-                if n > self.max_inflight_bytes:  # in order: what is pending first, then this in parts
+                if n > max_inflight_bytes:  # in order: what is pending first, then this in parts
                     while pending:
                         held -= self._verified(pending.popleft(), report)
                     report(in_parts(t, s))
                     continue
-                while pending and (held + n > self.max_inflight_bytes or len(pending) >= 2 * VERIFY_THREADS):
+                while pending and (held + n > max_inflight_bytes or len(pending) >= 2 * VERIFY_THREADS):
                     held -= self._verified(pending.popleft(), report)
                 pending.append(pool.submit(self._verify_object, t, s, buffers))
                 held += n
