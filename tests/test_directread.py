@@ -2,6 +2,7 @@
 ``direct_reads``): the same bytes as reads through the page cache, no page-cache pages for the
 aligned spans they take, and the same typed errors."""
 import ctypes
+import errno
 import mmap
 import os
 import shutil
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 
 from ckptfmt import Repository
-from ckptfmt.errors import SizeMismatchError
+from ckptfmt.errors import SizeMismatchError, StorageError
 from ckptfmt.storage import _durable
+from ckptfmt.storage._directread import read_split
 from ckptfmt.storage._directread import split_direct as _split_direct
 
 _BLOCK = _durable.DIRECT_ALIGN
@@ -226,3 +228,49 @@ def test_unaligned_stretches_of_a_large_read_leave_no_page_cache_pages(tmp_path,
         assert resident <= 8, f"{resident} pages cached: the unaligned stretch stayed in the page cache"
     else:
         assert resident >= n // mmap.PAGESIZE - 8
+
+
+def _preadv(fd: int, refuse: int | None = None):
+    """A file's read function for :func:`read_split`: reads ``fd``, or fails every ``O_DIRECT``
+    read (``raw``) with ``refuse``, as a device with larger blocks than ours answers (EINVAL)."""
+    def read(views, offset, raw=False, uncached=False):
+        if raw and refuse is not None:
+            raise OSError(refuse, os.strerror(refuse))
+        want = sum(v.nbytes for v in views)
+        assert os.preadv(fd, views, offset) == want
+    return read
+
+
+@pytest.mark.parametrize("refuse", [None, errno.EINVAL])
+def test_read_split_falls_back_where_the_device_refuses_direct_reads(tmp_path, refuse):
+    """A device that refuses an ``O_DIRECT`` read (EINVAL) gets the same bytes through the page
+    cache, and read_split says the file takes no more direct reads; the control (a device that
+    takes them) says it still does. Both return the file's bytes."""
+    n = (2 << 20) + 4
+    path, data = _file(tmp_path, n)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if not _durable.set_direct(fd, True):
+            pytest.skip("this file system refuses O_DIRECT")
+        _durable.set_direct(fd, False)
+        out, tail = _aligned(n - 4), bytearray(4)
+        taken = read_split(fd, [out, memoryview(tail)], 0, _preadv(fd, refuse), key="obj", tensor="w")
+    finally:
+        os.close(fd)
+    assert bytes(out) + bytes(tail) == data
+    assert taken is (refuse is None)
+
+
+def test_read_split_names_the_object_when_a_direct_read_fails(tmp_path):
+    """Any other failure of an ``O_DIRECT`` read is a StorageError naming the tensor and object."""
+    path, _ = _file(tmp_path, 1 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if not _durable.set_direct(fd, True):
+            pytest.skip("this file system refuses O_DIRECT")
+        _durable.set_direct(fd, False)
+        with pytest.raises(StorageError) as e:
+            read_split(fd, [_aligned(1 << 20)], 0, _preadv(fd, errno.EIO), key="obj", tensor="w")
+    finally:
+        os.close(fd)
+    assert e.value.key == "w" and "obj" in str(e.value)

@@ -3,6 +3,7 @@ what it cannot read safely it refuses with a typed error. Every case has its con
 read of the undamaged object succeeds."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -658,3 +660,22 @@ def test_a_link_swapped_in_after_the_check_is_refused_by_the_open(tmp_path, swap
         with pytest.raises(StorageError) as e:
             op()
         assert e.value.object == key and "symbolic link" in str(e.value.found)
+
+
+def test_a_checkpoint_is_freed_when_its_last_reference_goes(tmp_path):
+    """The local read and verify objects a Checkpoint holds take its storage, manifest, stats,
+    checks and caches, never the checkpoint itself: after a read and a verify, dropping the
+    checkpoint frees it (and its manifest) at once, without waiting for the cycle collector."""
+    url = str(tmp_path / "r")
+    v = _one_vector(url)
+    ck = Repository(url).open(1)
+    assert np.array_equal(ck.read("v"), v) and ck.verify() > 0
+    gone = weakref.ref(ck)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del ck
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()

@@ -4,9 +4,9 @@ every block against the manifest, and hand nothing back until everything is veri
 Subpackage ``ckptfmt.reader``. The restore side: a committed step opened for reading, planned by
 global coordinates, read by byte range (positionally on local files), verified, and the memory the
 outputs are read into (FORMAT.md 9), and the cooperative restore (FORMAT.md 9.1). Its modules:
-``_alloc``, ``_positional``, ``_cooperative``. May import: floor, manifest, storage, shard. The
-floor: the top-level modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the
-rules and enforces them). Subpackages that may import it:
+``_alloc``, ``_positional``, ``_verifylocal``, ``_cooperative``. May import: floor, manifest,
+storage, shard. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
+(tests/test_layering.py holds the rules and enforces them). Subpackages that may import it:
 repository, interop, manager.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -29,8 +28,8 @@ from ckptfmt.reader._cooperative import RoundPlan as RoundPlan
 from ckptfmt.reader._cooperative import cooperative_reads as cooperative_reads
 from ckptfmt.reader._cooperative import plan_cooperative as plan_cooperative
 from ckptfmt.reader._positional import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
-from ckptfmt.reader._positional import PositionalReads, ThreadFiles, _Batch
-from ckptfmt.reader._verifylocal import LocalVerify, ReadBuffers
+from ckptfmt.reader._positional import ChunkStarts, LocalReader
+from ckptfmt.reader._verifylocal import LocalVerifier, ReadBuffers
 from ckptfmt._types import Box
 from ckptfmt.checksum import crc32c
 from ckptfmt.dtypes import numpy_dtype
@@ -71,13 +70,19 @@ class ReadStats:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
 
-class Checkpoint(PositionalReads, LocalVerify):
+class Checkpoint:
     """One committed step, opened for reading. Create it with :meth:`Repository.open`.
 
     ``checks``: the checks of the bytes read against the manifest that every read path calls
     (default: a new :class:`~ckptfmt.reader.BlockChecks`); a test passes a weakened one to build a
     broken control. ``manifest_bytes``: the stored bytes ``manifest`` was validated from, when the
-    opener has them (:meth:`Repository.open` does; what a local tier's holder sends its peer)."""
+    opener has them (:meth:`Repository.open` does; what a local tier's holder sends its peer).
+
+    On local files (``storage.positional_reads``) reads go through a
+    :class:`~ckptfmt.reader._positional.LocalReader` and ``verify`` through a
+    :class:`~ckptfmt.reader._verifylocal.LocalVerifier`, both created here with this checkpoint's
+    storage, manifest, ``stats``, ``checks`` and caches (so ``stats`` and ``checks`` are the ones
+    given at open; ``max_inflight_bytes`` is read at each call)."""
 
     def __init__(self, storage: Storage, manifest: Manifest, *, max_inflight_bytes: int = DEFAULT_READ_WINDOW,
                  stats: ReadStats | None = None, checks: BlockChecks | None = None,
@@ -88,9 +93,12 @@ class Checkpoint(PositionalReads, LocalVerify):
         self.checks = checks if checks is not None else BlockChecks()
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = stats or ReadStats()
-        self._chunk_start: dict[str, np.ndarray] = {}
+        self._chunk_starts = ChunkStarts()
         # Directories found to be no symbolic link while this step is open (FORMAT.md 9 step 4).
         self._plain_dirs: set[str] = set()
+        self._local = LocalReader(storage, manifest, self.stats, self.checks, self._plain_dirs, self._chunk_starts)
+        self._local_verify = LocalVerifier(storage, manifest, self.stats, self.checks, self._plain_dirs,
+                                           self._chunk_starts)
 
     @property
     def step(self) -> int:
@@ -141,7 +149,7 @@ class Checkpoint(PositionalReads, LocalVerify):
                 self.stats.add_time("total", time.perf_counter() - t0)
                 return outs  # type: ignore[return-value]
         if self.storage.positional_reads:
-            self._read_local(work, outs)
+            self._local.read(work, outs)
             self.stats.add_time("total", time.perf_counter() - t0)
             return outs  # type: ignore[return-value]
         # A sliding window: keep up to max_inflight_bytes of reads issued while earlier ones are
@@ -172,29 +180,7 @@ class Checkpoint(PositionalReads, LocalVerify):
             for batch in batches:
                 yield self.read_boxes(batch)
             return
-        pool = ThreadPoolExecutor(max_workers=self._threads(), thread_name_prefix="ckptfmt-read")
-        files = ThreadFiles(self.storage)
-        try:
-            pending: deque[_Batch] = deque()
-            inflight = 0
-            for batch in batches:
-                outs, work = self._plan(batch)
-                nbytes = sum(int(o.nbytes) for o in outs if o is not None)
-                # Keep the window: hand out the oldest batch before issuing past it.
-                while len(pending) >= 2 and inflight + nbytes > self.max_inflight_bytes:
-                    done = pending.popleft()
-                    inflight -= done.nbytes
-                    yield self._collect(done)
-                started = time.perf_counter()
-                futures = [pool.submit(self._read_local_group, group, outs, False, files)
-                           for group in self._groups(list(work.items()), self._threads())]
-                pending.append(_Batch(outs, futures, started, nbytes))
-                inflight += nbytes
-            while pending:
-                yield self._collect(pending.popleft())
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            files.close()
+        yield from self._local.read_batches(batches, self._plan, self.max_inflight_bytes)
 
     # ------------------------------------------------------------------ stored chunks (cooperative restore)
     def chunk_refs(self, requests: Sequence[tuple[str, Box]]) -> list[ChunkRef]:
@@ -206,7 +192,7 @@ class Checkpoint(PositionalReads, LocalVerify):
             by_key.setdefault(key, []).append(box)
         for key, boxes in by_key.items():
             t = self.tensor(key)
-            for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
+            for item in plan_reads(t.geometry, t.shards.offset, self._chunk_starts.of(t), boxes):
                 out.setdefault((key, int(item.chunk)), None)
         return list(out)
 
@@ -256,7 +242,7 @@ class Checkpoint(PositionalReads, LocalVerify):
 
     def _shard_of(self, t: TensorEntry, c: int) -> int:
         """The shard row that holds chunk row ``c`` of ``t``."""
-        return int(np.searchsorted(self._starts(t), c, side="right")) - 1
+        return int(np.searchsorted(self._chunk_starts.of(t), c, side="right")) - 1
 
     def _take_supplied(self, work: dict[tuple[str, int], list[ReadItem]], outs: list[np.ndarray | None],
                        supplied: Mapping[ChunkRef, SuppliedChunk]) -> dict[tuple[str, int], list[ReadItem]]:
@@ -299,23 +285,17 @@ class Checkpoint(PositionalReads, LocalVerify):
         for key, idxs in by_key.items():
             t = self.tensor(key)
             boxes = [requests[i][1] for i in idxs]
-            for item in plan_reads(t.geometry, t.shards.offset, self._starts(t), boxes):
+            for item in plan_reads(t.geometry, t.shards.offset, self._chunk_starts.of(t), boxes):
                 work.setdefault((key, item.shard), []).append(
                     ReadItem(idxs[item.request], item.shard, item.chunk, item.src, item.dst))
         self.stats.add_time("plan", time.perf_counter() - t0)
         return outs, work
 
-    def _starts(self, t: TensorEntry) -> np.ndarray:
-        cs = self._chunk_start.get(t.key)
-        if cs is None:
-            cs = self._chunk_start[t.key] = t.chunk_start
-        return cs
-
     def _issue(self, key: str, s: int, items: list[ReadItem]) -> "_ShardRead":
         """Start the reads one shard needs: the whole object, or its index plus the needed chunks."""
         t = self.manifest.tensors[key]
         obj, sb = t.object_key(s), shard_bytes(t, s)
-        starts = self._starts(t)
+        starts = self._chunk_starts.of(t)
         chunks = sorted({it.chunk for it in items})
         nbytes = sb.nbytes
         self.stats.objects += 1
@@ -431,11 +411,11 @@ class Checkpoint(PositionalReads, LocalVerify):
 
         keys = self.keys()
         if self.storage.positional_reads:  # local files: ckptfmt.reader._verifylocal
-            self._verify_positional(keys, report, buffers)
+            self._local_verify.verify(keys, report, buffers, self.max_inflight_bytes, self._verify_in_parts)
             keys = []
         for key in keys:
             t = self.manifest.tensors[key]
-            starts = self._starts(t)
+            starts = self._chunk_starts.of(t)
             reads: list[_WholeRead] = []
             held = 0
             for s in range(len(t.shards)):

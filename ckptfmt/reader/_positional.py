@@ -1,4 +1,5 @@
-"""The positional read path of a :class:`ckptfmt.reader.Checkpoint` on local files (FORMAT.md 14.4).
+"""The positional read path of a :class:`ckptfmt.reader.Checkpoint` on local files (FORMAT.md 14.4):
+:class:`LocalReader`, an object the checkpoint creates and holds.
 
 Shards are read by a thread pool with ``preadv`` (through the storage's ``open_positional``)
 straight into the outputs where a chunk maps onto a contiguous region of one, else into a small
@@ -11,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ckptfmt.reader._alloc import require_memory
 from ckptfmt.shard._blockcheck import BlockChecks
+from ckptfmt._types import Box
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import SizeMismatchError
 from ckptfmt.shard import TRAILER_BYTES, ShardBytes, back_to_back, shard_bytes
@@ -27,7 +30,10 @@ from ckptfmt.plan import ReadItem
 from ckptfmt.storage import PositionalFile, Storage
 from ckptfmt.storage._options import DEFAULT_READ_THREADS as DEFAULT_READ_THREADS
 
-__all__ = ["PositionalReads", "ThreadFiles", "DEFAULT_READ_THREADS", "UNCACHED_READ_BYTES"]
+if TYPE_CHECKING:  # the package's face imports this module
+    from ckptfmt.reader import ReadStats
+
+__all__ = ["ChunkStarts", "LocalReader", "ThreadFiles", "DEFAULT_READ_THREADS", "UNCACHED_READ_BYTES"]
 
 #: A read whose outputs hold at least this many bytes asks the store to keep what it reads
 #: through the page cache out of it (:meth:`ckptfmt.storage.PositionalFile.prefer_uncached`):
@@ -42,21 +48,45 @@ _GROUPS_PER_THREAD = 8
 #: bytes (one positional read each, then checked shard by shard in memory).
 _RUN_BYTES = 1 << 20
 
+#: One batch of requests: (key path, box) each.
+_Requests = Sequence[tuple[str, Box]]
+#: A planned batch: its fresh outputs, and its read items by (key path, shard row).
+_Planned = tuple[list["np.ndarray | None"], dict[tuple[str, int], list[ReadItem]]]
 
-class PositionalReads:
-    """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats``,
-    ``checks``, ``_plain_dirs`` and ``_starts``."""
 
-    storage: Storage
-    manifest: Manifest
-    stats: Any
-    checks: BlockChecks
-    _plain_dirs: set[str]
+class ChunkStarts:
+    """Each tensor's first chunk row per shard (``TensorEntry.chunk_start``, one more entry than
+    shards), computed once per tensor while a step is open: the read paths ask for it per shard."""
 
-    def _starts(self, t: TensorEntry) -> np.ndarray:
-        raise NotImplementedError
+    def __init__(self) -> None:
+        self._by_key: dict[str, np.ndarray] = {}
 
-    def _threads(self) -> int:
+    def of(self, t: TensorEntry) -> np.ndarray:
+        cs = self._by_key.get(t.key)
+        if cs is None:
+            cs = self._by_key[t.key] = t.chunk_start
+        return cs
+
+
+class LocalReader:
+    """The positional read path of one opened step, held by its :class:`ckptfmt.reader.Checkpoint`:
+    reads shards of ``manifest`` from ``storage`` (which offers positional reads) into the outputs,
+    checks every index and chunk with ``checks``, and counts what it did in ``stats``.
+
+    ``plain_dirs``: the checkpoint's set of directories found to be no symbolic link (shared, and
+    grown, while the step is open). ``starts``: the checkpoint's :class:`ChunkStarts`."""
+
+    def __init__(self, storage: Storage, manifest: Manifest, stats: ReadStats, checks: BlockChecks,
+                 plain_dirs: set[str], starts: ChunkStarts) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self.stats = stats
+        self.checks = checks
+        self._plain_dirs = plain_dirs
+        self._starts = starts.of
+
+    def threads(self) -> int:
+        """Reader threads (the repository option ``read_threads``, at least one)."""
         return max(1, self.storage.options.read_threads)
 
     def _collect(self, batch: "_Batch") -> list[np.ndarray]:
@@ -74,7 +104,7 @@ class PositionalReads:
             self.stats.add_time(phase, seconds * min(1.0, wall / total) if total else 0.0)
         return batch.outs  # type: ignore[return-value]
 
-    def _read_local(self, work: dict[tuple[str, int], list[ReadItem]], outs: list[np.ndarray | None]) -> None:
+    def read(self, work: dict[tuple[str, int], list[ReadItem]], outs: list[np.ndarray | None]) -> None:
         """Local files: positional reads straight into the outputs where a chunk maps onto a
         contiguous region, else into a small scratch buffer; every chunk is checked against the
         manifest's crc32c and every object's size against the manifest. Shards run in a thread
@@ -82,7 +112,7 @@ class PositionalReads:
         jobs = list(work.items())
         if not jobs:
             return
-        threads = min(len(jobs), self._threads())
+        threads = min(len(jobs), self.threads())
         uncached = sum(o.nbytes for o in outs if o is not None) >= UNCACHED_READ_BYTES
         pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckptfmt-read")
         files = ThreadFiles(self.storage)
@@ -90,6 +120,35 @@ class PositionalReads:
             started = time.perf_counter()
             self._collect(_Batch(outs, [pool.submit(self._read_local_group, group, outs, uncached, files)
                                         for group in self._groups(jobs, threads)], started, 0))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            files.close()
+
+    def read_batches(self, batches: Iterable[_Requests], plan: Callable[[_Requests], _Planned],
+                     max_inflight_bytes: int) -> Iterator[list[np.ndarray]]:
+        """Each batch's outputs in order, every byte of it checked; ``plan`` allocates a batch's
+        outputs and groups its read items by shard. Later batches are read while the caller
+        consumes one, up to ``max_inflight_bytes`` of them (at least the next one)."""
+        pool = ThreadPoolExecutor(max_workers=self.threads(), thread_name_prefix="ckptfmt-read")
+        files = ThreadFiles(self.storage)
+        try:
+            pending: deque[_Batch] = deque()
+            inflight = 0
+            for batch in batches:
+                outs, work = plan(batch)
+                nbytes = sum(int(o.nbytes) for o in outs if o is not None)
+                # Keep the window: hand out the oldest batch before issuing past it.
+                while len(pending) >= 2 and inflight + nbytes > max_inflight_bytes:
+                    done = pending.popleft()
+                    inflight -= done.nbytes
+                    yield self._collect(done)
+                started = time.perf_counter()
+                futures = [pool.submit(self._read_local_group, group, outs, False, files)
+                           for group in self._groups(list(work.items()), self.threads())]
+                pending.append(_Batch(outs, futures, started, nbytes))
+                inflight += nbytes
+            while pending:
+                yield self._collect(pending.popleft())
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             files.close()

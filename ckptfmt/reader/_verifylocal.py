@@ -16,19 +16,23 @@ import mmap
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ckptfmt.errors import SizeMismatchError
 from ckptfmt.manifest import Manifest, TensorEntry
 from ckptfmt.reader._alloc import require_memory
+from ckptfmt.reader._positional import ChunkStarts
 from ckptfmt.shard import shard_bytes
 from ckptfmt.shard._blockcheck import BlockChecks
 from ckptfmt.storage import Storage
 from ckptfmt.storage._durable import kept_pool
 
-__all__ = ["LocalVerify", "ReadBuffers", "VERIFY_THREADS"]
+if TYPE_CHECKING:  # the package's face imports this module
+    from ckptfmt.reader import ReadStats
+
+__all__ = ["LocalVerifier", "ReadBuffers", "VERIFY_THREADS"]
 
 #: Objects verified at once (each held whole while it is checked).
 VERIFY_THREADS = 16
@@ -75,37 +79,44 @@ class ReadBuffers:
             return self._kept
 
 
-class LocalVerify:
-    """Mixed into :class:`ckptfmt.reader.Checkpoint`: needs ``storage``, ``manifest``, ``stats``,
-    ``max_inflight_bytes``, ``checks``, ``_plain_dirs``, ``_starts`` and ``_verify_in_parts``."""
+class LocalVerifier:
+    """``Checkpoint.verify`` on local files, held by its :class:`ckptfmt.reader.Checkpoint`: every
+    shard object of ``manifest`` read whole from ``storage`` and checked with ``checks``; bytes
+    read counted in ``stats``.
 
-    storage: Storage
-    manifest: Manifest
-    stats: Any
-    checks: BlockChecks
-    max_inflight_bytes: int
-    _plain_dirs: set[str]
+    ``plain_dirs``: the checkpoint's set of directories found to be no symbolic link. ``starts``:
+    the checkpoint's :class:`~ckptfmt.reader._positional.ChunkStarts`."""
 
-    def _verify_positional(self, keys: list[str], report: Callable[[int], None],
-                           buffers: ReadBuffers | None = None) -> None:
+    def __init__(self, storage: Storage, manifest: Manifest, stats: ReadStats, checks: BlockChecks,
+                 plain_dirs: set[str], starts: ChunkStarts) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self.stats = stats
+        self.checks = checks
+        self._plain_dirs = plain_dirs
+        self._starts = starts.of
+
+    def verify(self, keys: list[str], report: Callable[[int], None], buffers: ReadBuffers | None,
+               max_inflight_bytes: int, in_parts: Callable[[TensorEntry, int], int]) -> None:
         """Verify every shard object of ``keys``, at most :data:`VERIFY_THREADS` at once and at most
-        ``max_inflight_bytes`` of them held; an object larger than that goes in parts. The objects
-        are read into ``buffers`` (a new set, dropped afterwards, when None)."""
+        ``max_inflight_bytes`` of them held; an object larger than that goes to ``in_parts``
+        (which verifies it a window at a time and returns its bytes). The objects are read into
+        ``buffers`` (a new set, dropped afterwards, when None)."""
         jobs = [(self.manifest.tensors[k], s) for k in keys for s in range(len(self.manifest.tensors[k].shards))]
         if buffers is None:  # the threads keep at most one window between them
-            buffers = ReadBuffers(self.max_inflight_bytes)
+            buffers = ReadBuffers(max_inflight_bytes)
         pool = verify_pool()
         pending: deque[Any] = deque()
         try:
             held = 0
             for t, s in jobs:
                 n = int(t.shards.nbytes[s])
-                if n > self.max_inflight_bytes:  # in order: what is pending first, then this in parts
+                if n > max_inflight_bytes:  # in order: what is pending first, then this in parts
                     while pending:
                         held -= self._verified(pending.popleft(), report)
-                    report(self._verify_in_parts(t, s))  # type: ignore[attr-defined]
+                    report(in_parts(t, s))
                     continue
-                while pending and (held + n > self.max_inflight_bytes or len(pending) >= 2 * VERIFY_THREADS):
+                while pending and (held + n > max_inflight_bytes or len(pending) >= 2 * VERIFY_THREADS):
                     held -= self._verified(pending.popleft(), report)
                 pending.append(pool.submit(self._verify_object, t, s, buffers))
                 held += n
@@ -134,7 +145,7 @@ class LocalVerify:
             try:
                 buf = have[:n]
                 f.read_into([buf], shard_bytes(t, s).start)
-                starts = self._starts(t)  # type: ignore[attr-defined]
+                starts = self._starts(t)
                 checked = self.checks.whole(t, s, obj, memoryview(buf), range(int(starts[s]), int(starts[s + 1])))
                 if t.array.codec != "raw":  # an encoded chunk must also decode (FORMAT.md 6.3)
                     for c, mv in checked.items():

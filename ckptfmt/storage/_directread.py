@@ -18,14 +18,14 @@ at 8 GiB, 15-25 % slower at 1 GiB; ``docs/profile-save.md`` 7.)
 from __future__ import annotations
 
 import errno
-from typing import Callable
+from typing import Protocol
 
 import numpy as np
 
 from ckptfmt.errors import StorageError
 from ckptfmt.storage import _durable
 
-__all__ = ["DIRECT_MIN_BYTES", "DirectReads", "split_direct", "runs"]
+__all__ = ["DIRECT_MIN_BYTES", "Preadv", "read_split", "split_direct", "runs"]
 
 #: Stretches smaller than this are read through the page cache.
 DIRECT_MIN_BYTES = 256 << 10
@@ -74,42 +74,43 @@ def runs(spans: list[Span]) -> list[tuple[int, list[memoryview]]]:
     return out
 
 
-class DirectReads:
-    """Mixed into the local-file positional reader: needs ``fd``, ``key``, ``tensor``, ``direct``
-    (cleared once the file system refuses ``O_DIRECT``) and ``_preadv_all``."""
+class Preadv(Protocol):
+    """Fills ``views`` from ``offset`` of one open file (``uncached``: with ``RWF_DONTCACHE`` where
+    the file takes it); ``raw``: the OSError of a failed read itself, not a StorageError."""
 
-    fd: int
-    key: str
-    tensor: str | None
-    direct: bool
-    _preadv_all: Callable[..., None]
+    def __call__(self, views: list[memoryview], offset: int, raw: bool = False, uncached: bool = False) -> None: ...
 
-    def _read_split(self, views: list[memoryview], offset: int) -> None:
-        """Fill ``views`` from ``offset``: aligned spans through ``O_DIRECT``, the rest (and
-        everything where the file system refuses ``O_DIRECT``) through the page cache."""
-        direct, rest = split_direct(views, offset)
-        if direct and _durable.set_direct(self.fd, True):
-            try:
-                rest += [(view, at) for view, at in direct
-                         if not self._direct_ok(lambda: self._preadv_all([view], at, raw=True))]
-            finally:
-                _durable.set_direct(self.fd, False)
-        elif direct:
-            self.direct = False  # the file system refuses O_DIRECT: no more tries on this file
-            rest += direct
-        for at, run in runs(rest):
-            self._preadv_all(run, at, uncached=True)
 
-    def _direct_ok(self, read: Callable[[], None]) -> bool:
-        """Run one ``O_DIRECT`` read; False (and no more direct reads of this file) where the
-        device wants larger blocks than ours (EINVAL)."""
-        if not self.direct:
-            return False
+def read_split(fd: int, views: list[memoryview], offset: int, preadv: Preadv, *, key: str, tensor: str | None) -> bool:
+    """Fill ``views`` from ``offset`` of the file open as ``fd`` (object ``key`` of tensor
+    ``tensor``): aligned spans through ``O_DIRECT``, the rest (and everything where the file system
+    refuses ``O_DIRECT``) through the page cache, with ``preadv``. Returns whether the file still
+    takes ``O_DIRECT``: False once the file system or the device refused it (the caller then
+    makes no more tries on this file). A failed read raises StorageError."""
+    direct, rest = split_direct(views, offset)
+    taken = True
+    if direct and _durable.set_direct(fd, True):
         try:
-            read()
-            return True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise StorageError("read failed", key=self.tensor, object=self.key, found=str(e)) from None
-            self.direct = False
-            return False
+            for view, at in direct:
+                taken = taken and _read_direct(preadv, view, at, key, tensor)
+                if not taken:
+                    rest.append((view, at))
+        finally:
+            _durable.set_direct(fd, False)
+    elif direct:
+        taken = False  # the file system refuses O_DIRECT
+        rest += direct
+    for at, run in runs(rest):
+        preadv(run, at, uncached=True)
+    return taken
+
+
+def _read_direct(preadv: Preadv, view: memoryview, at: int, key: str, tensor: str | None) -> bool:
+    """One ``O_DIRECT`` read; False where the device wants larger blocks than ours (EINVAL)."""
+    try:
+        preadv([view], at, raw=True)
+        return True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise StorageError("read failed", key=tensor, object=key, found=str(e)) from None
+        return False

@@ -369,7 +369,7 @@ class LocalFileStorage(KvStoreStorage):
         return removed
 
 
-class _LocalFile(_directread.DirectReads, PositionalFile):
+class _LocalFile(PositionalFile):
     def __init__(self, fd: int, size: int, key: str, tensor: str | None, direct: bool = False) -> None:
         self.fd, self.size, self.key, self.tensor = fd, size, key, tensor
         self.direct = direct  # option direct_reads: large aligned spans through O_DIRECT
@@ -387,7 +387,7 @@ class _LocalFile(_directread.DirectReads, PositionalFile):
         that no page-cache pages are allocated for them."""
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
         if self.direct and sum(v.nbytes for v in views) >= _directread.DIRECT_MIN_BYTES:
-            self._read_split(views, offset)
+            self.direct = _directread.read_split(self.fd, views, offset, self._preadv_all, key=self.key, tensor=self.tensor)
         else:
             self._preadv_all(views, offset)
 
