@@ -23,7 +23,7 @@ import numpy as np
 
 from ckptfmt._types import Box
 from ckptfmt.dtypes import numpy_dtype
-from ckptfmt.errors import CheckpointError
+from ckptfmt.errors import CheckpointError, InvalidStateError
 from ckptfmt.manager._tiers import HeldBox
 
 __all__ = ["TierSource", "TierRead", "TierPlan", "plan_tier_reads", "assign_hosts", "assemble"]
@@ -197,8 +197,6 @@ def assemble(box: Box, dtype: np.dtype, pieces: Sequence[tuple[Box, np.ndarray]]
     """The request ``box`` from its verified pieces (global ``part``, array): the array itself when
     one piece is the whole box, else one fresh array. Pieces that differ from their part in shape,
     or from each other in dtype, raise (the receiver verifies: nothing is cast or padded)."""
-    from ckptfmt.errors import InvalidStateError
-
     if len(pieces) == 1 and pieces[0][0] == box and tuple(pieces[0][1].shape) == box.shape:
         return pieces[0][1]
     out = np.empty(box.shape, dtype=dtype)
