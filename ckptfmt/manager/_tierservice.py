@@ -137,30 +137,30 @@ class LocalTiers:
         if self._elastic(invs, [g["dirs"] for g in got]):
             return self._restore_elastic(target, n, own, [[int(h) for h in g["dirs"]] for g in got])
         requests = self.hooks.requests(target, held_tensors(invs))
-        try:
-            psteps = set(self.persistent.steps())
-        except CheckpointError:
-            psteps = set()
+        psteps = self._persistent_steps()
         persistent = {s: persistent_token(self.persistent, s) for s in {s for inv in invs for s in inv} if s in psteps}
         mine = feasible_steps(self.rank, self.world, invs, requests or [], persistent)
         plan = self._gather(f"tiers/restore/{n}/feasible", {
             "steps": mine, "newest": max(psteps, default=-1), "ok": requests is not None,
             "tokens": {str(s): [step_token(s, invs, persistent.get(s)), s in persistent and persistent[s] ==
                                 step_token(s, invs, persistent.get(s))] for s in mine}})
-        if not all(p["ok"] for p in plan):
-            return None  # some rank's target is not one the tiers serve
-        common = set.intersection(*(set(p["steps"]) for p in plan))
-        if not common or max(p["newest"] for p in plan) > max(common):
+        agreed = _agreed(plan)
+        if agreed is None:
             return None
-        step = max(common)
-        token, mix = plan[0]["tokens"][str(step)]
-        if any(p["tokens"][str(step)] != [token, mix] for p in plan):
-            return None  # the ranks see the persistent tier differently: the ordinary restore decides
+        step, token, mix = agreed
+
         def read(served: dict[str, Any]) -> tuple[Any, Any]:
             return tiered_read(self.writer, self._gather, self.url, n, step, token, requests or [], invs, bool(mix),
                                served)
 
         return self._finish(target, n, step, token, read)
+
+    def _persistent_steps(self) -> set[int]:
+        """The steps the persistent tier lists (none where it cannot be listed)."""
+        try:
+            return set(self.persistent.steps())
+        except CheckpointError:
+            return set()
 
     def _elastic(self, invs: Sequence[Mapping[int, Any]], dirs: Sequence[Sequence[int]]) -> bool:
         """Whether this restore is elastic (FORMAT.md 8.5): the newest local step some process
@@ -191,10 +191,7 @@ class LocalTiers:
                 if held.get(int(h)) == r:
                     held_by[int(h)] = (r, self._of_this_run(int(h), {int(s): e for s, e in inv.items()}))
         requests = self.hooks.requests(target, held_tensors([inv for _, inv in held_by.values()]))
-        try:
-            psteps = set(self.persistent.steps())
-        except CheckpointError:
-            psteps = set()
+        psteps = self._persistent_steps()
         steps = {s for _, inv in held_by.values() for s in inv}
         persistent = {s: persistent_token(self.persistent, s) for s in steps if s in psteps}
         feasible = elastic_feasible(self.rank, requests or [], held_by, persistent)
@@ -207,15 +204,10 @@ class LocalTiers:
                                 s in persistent and persistent[s] == step_token(s, ordered, persistent.get(s))]
                        for s in feasible},
             "requests": [[k, list(b.offset), list(b.shape)] for k, b in requests or []]})
-        if not all(p["ok"] for p in plan):
+        agreed = _agreed(plan)
+        if agreed is None:
             return None
-        common = set.intersection(*(set(p["steps"]) for p in plan))
-        if not common or max(p["newest"] for p in plan) > max(common):
-            return None
-        step = max(common)
-        token, mix = plan[0]["tokens"][str(step)]
-        if any(p["tokens"][str(step)] != [token, mix] for p in plan):
-            return None
+        step, token, mix = agreed
         sources, hosts = elastic_sources(step, token, held_by)
         everyone = [[(str(k), Box(tuple(o), tuple(sh))) for k, o, sh in p["requests"]] for p in plan]
         digests = {h: (inv.get(step) or {}).get("digest") for h, (_, inv) in held_by.items()}
@@ -275,3 +267,20 @@ class LocalTiers:
         raw = msgpack.packb(obj, use_bin_type=True)
         got = [raw] if self.world == 1 else self.coord.allgather(name, raw)
         return [msgpack.unpackb(b, raw=False, strict_map_key=False) for b in got]
+
+
+def _agreed(plan: Sequence[Mapping[str, Any]]) -> tuple[int, str, bool] | None:
+    """(step, token, whether the persistent tier holds that save) every rank's vote agrees on:
+    the newest step every rank can restore from the tiers, when no rank's persistent tier lists a
+    newer one; None when some rank's target is not one the tiers serve, there is no such step,
+    or the ranks see the persistent tier differently (the ordinary restore then decides)."""
+    if not all(p["ok"] for p in plan):
+        return None
+    common = set.intersection(*(set(p["steps"]) for p in plan))
+    if not common or max(p["newest"] for p in plan) > max(common):
+        return None
+    step = max(common)
+    token, mix = plan[0]["tokens"][str(step)]
+    if any(p["tokens"][str(step)] != [token, mix] for p in plan):
+        return None
+    return step, token, mix

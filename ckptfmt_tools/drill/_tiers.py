@@ -45,25 +45,28 @@ def local_dir(root: str) -> str:
     return os.path.join(root, "local")
 
 
+
+def _host_tokens(local: str, h: int) -> dict[int, str]:
+    """Each step host ``h``'s local repository lists, with its save token (unreadable ones left out)."""
+    repo, out = Repository(os.path.join(local, f"host-{h}")), {}
+    try:
+        steps = repo.steps()
+    except CheckpointError:
+        steps = []
+    for s in steps:
+        try:
+            out[s] = str(repo.open(s).state()["tiers"]["token"])
+        except (CheckpointError, KeyError, TypeError):
+            continue
+    return out
+
 def _newest_local(local: str, hosts: int) -> tuple[int | None, str | None]:
     """The newest step the local tiers can restore, and its token: every host's boxes held, with
     one token, by the host's own tier or by its holder's replica (host ``h - 1`` keeps host
     ``h``'s boxes). A host killed before its own local save of a step committed still leaves
     that step restorable when its holder committed it (the restore then serves its boxes from
     the replica), so the newest step every tier lists is not the answer."""
-    tokens: list[dict[int, str]] = []
-    for h in range(hosts):
-        repo, mine = Repository(os.path.join(local, f"host-{h}")), {}
-        try:
-            steps = repo.steps()
-        except CheckpointError:
-            steps = []
-        for s in steps:
-            try:
-                mine[s] = str(repo.open(s).state()["tiers"]["token"])
-            except (CheckpointError, KeyError, TypeError):
-                continue
-        tokens.append(mine)
+    tokens = [_host_tokens(local, h) for h in range(hosts)]
     for s in sorted({s for t in tokens for s in t}, reverse=True):
         seen = {t[s] for t in tokens if s in t}
         if len(seen) == 1 and all(s in tokens[h] or (hosts > 1 and s in tokens[(h - 1) % hosts])
@@ -143,21 +146,7 @@ def elastic_expectation(local: str, hosts: int, lost: list[int], url: str) -> di
     a surviving copy holds with one token (the host's own tier, or its holder ``h - 1``'s replica),
     or whose missing boxes the persistent tier holds with that token; else the newest persistent
     step. ``covered``: every box had a surviving copy (then no persistent byte may be read)."""
-    tokens: list[dict[int, str]] = []
-    for h in range(hosts):
-        mine: dict[int, str] = {}
-        if h not in lost:
-            repo = Repository(os.path.join(local, f"host-{h}"))
-            try:
-                steps = repo.steps()
-            except CheckpointError:
-                steps = []
-            for s in steps:
-                try:
-                    mine[s] = str(repo.open(s).state()["tiers"]["token"])
-                except (CheckpointError, KeyError, TypeError):
-                    continue
-        tokens.append(mine)
+    tokens = [{} if h in lost else _host_tokens(local, h) for h in range(hosts)]
     ptok = _persistent_tokens(url)
     newest_p = max(ptok, default=-1)
     for s in sorted({s for t in tokens for s in t}, reverse=True):
