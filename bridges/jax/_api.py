@@ -58,6 +58,7 @@ class _ArrayLayout:
     offered: tuple[int, ...]
     sharding: Any
     on_host: bool = True
+    offered_nbytes: int = 0  # the bytes of the offered shards (what a host copy of them holds)
 
 
 # A job saves the same shapes and shardings at every step: their layouts are computed once. Keyed
@@ -83,7 +84,8 @@ def _layout(arr: jax.Array) -> _ArrayLayout:
         lowest[b] = min(lowest.get(b, r), r)
     offered = tuple(i for i, (b, r) in enumerate(zip(boxes, replicas)) if r == lowest[b])
     on_host = all(d.platform == "cpu" for d in arr.sharding.device_set)
-    found = _ArrayLayout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim), on_host)
+    nbytes = sum(boxes[i].size for i in offered) * np.dtype(arr.dtype).itemsize
+    found = _ArrayLayout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim), on_host, nbytes)
     if cache_key is not None:
         if len(_LAYOUTS) >= _LAYOUTS_MAX:
             _LAYOUTS.clear()
@@ -108,6 +110,7 @@ class _Staged(NamedTuple):
     arr: jax.Array
     layout: _ArrayLayout
     data: tuple[Any, ...]
+    nbytes: int = 0  # of the host arrays in ``data`` (none when they are lazy or the writer's)
 
 
 def _start_copies(arr: jax.Array, lay: _ArrayLayout) -> list[jax.Array] | None:
@@ -145,12 +148,14 @@ def _stage_array(key: str, arr: jax.Array, copy: bool, started: list[jax.Array] 
             tuple(np.asarray(arr.addressable_data(i)) for i in lay.offered)
         for d in data:  # shared by a manager's local tier and persistent save: neither may write it
             d.flags.writeable = False
-        _HOST_COPIES.bytes += sum(int(d.nbytes) for d in data)
+        _HOST_COPIES.bytes += lay.offered_nbytes
+        return _Staged(key, arr, lay, data, lay.offered_nbytes)
     elif copy:  # beyond the budget: copied by the writer, while the caller waits (ckptfmt.asyncsave.HandBack)
         data = tuple(hand_back.source(lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
     elif lay.on_host:  # a view of each buffer (no copy), taken here: in the writer's scheduling
         # thread, 8 per leaf, these waited for the GIL behind busy writer threads (docs/profile-save.md)
         data = tuple(np.asarray(arr.addressable_data(i)) for i in lay.offered)
+        return _Staged(key, arr, lay, data, lay.offered_nbytes)
     else:  # lazy: a copy not picked by the plan is never made
         data = tuple((lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
     return _Staged(key, arr, lay, data)
@@ -219,8 +224,7 @@ def _offered_bytes(a: Any, lay: _ArrayLayout | None) -> int:
     """The host bytes this process stages of a leaf (its offered shards; a numpy leaf whole)."""
     if lay is None:
         return int(a.nbytes)
-    itemsize = np.dtype(a.dtype).itemsize
-    return sum(lay.boxes[i].size for i in lay.offered) * itemsize
+    return lay.offered_nbytes
 
 
 def _shards_of(items: list[Any]) -> list[LocalShard]:
@@ -241,8 +245,8 @@ def _to_shards(state: Any, *, copy: bool) -> tuple[list[LocalShard], dict[str, A
 
 
 def _staged_bytes(items: list[Any]) -> int:
-    return sum(int(d.nbytes) for it in items for d in (it.data if isinstance(it, _Staged) else (it.data,))
-               if isinstance(d, np.ndarray))
+    return sum(it.nbytes if isinstance(it, _Staged) else int(it.data.nbytes) if isinstance(it.data, np.ndarray) else 0
+               for it in items)
 
 
 def save(url: "str | Repository", state: Any, *, step: int, extra: Any = None, rank_state: Mapping[str, Any] | None = None,

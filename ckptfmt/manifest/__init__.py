@@ -16,13 +16,12 @@ Subpackages that may import it: reader, repository, session, interop, manager.
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
+from ckptfmt.gcpause import paused_gc
 from ckptfmt.errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, UnsupportedVersionError
 from ckptfmt.manifest._caps import MAX_CHUNK_ROWS as MAX_CHUNK_ROWS
 from ckptfmt.manifest._caps import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
@@ -138,7 +137,7 @@ class Manifest:
         Byte for byte ``json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"),
         ensure_ascii=False, allow_nan=False) + "\n"``; the tensors member is encoded by
         :func:`encode_tensors`, which reuses the text of repeated columns."""
-        with _no_gc():
+        with paused_gc():
             try:
                 text = json.dumps(self._head() | {"tensors": {}}, sort_keys=True, separators=(",", ":"),
                                   ensure_ascii=False, allow_nan=False)
@@ -155,7 +154,7 @@ class Manifest:
         """Re-check every rule of format v1 on this manifest. Returns self; raises InvalidManifestError.
 
         (The commit itself parses the exact bytes it publishes with :func:`parse_manifest`.)"""
-        with _no_gc():
+        with paused_gc():
             try:
                 _from_doc(self.to_json())
             except CheckpointError:
@@ -185,20 +184,8 @@ def parse_manifest(data: bytes, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manif
     if structural > caps.structural:  # before json.loads builds anything
         raise ManifestTooLargeError("manifest holds too many JSON values", found=structural,
                                     expected=f"<= {caps.structural} structural bytes ({{ [ ,)")
-    with _no_gc():
+    with paused_gc():
         return _parse(data, caps.after_counting(structural))
-
-
-@contextmanager
-def _no_gc() -> Iterator[None]:
-    """Millions of small containers (no cycles): cyclic GC passes would dominate encode and parse."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _parse(data: bytes, caps: CountCaps) -> Manifest:

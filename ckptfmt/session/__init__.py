@@ -56,6 +56,7 @@ from ckptfmt.session._shardwriter import (PhaseClock, WriteSettings, state_from_
 from ckptfmt._types import LocalShard
 from ckptfmt.coord import Coordinator, LocalCoordinator
 from ckptfmt.dtypes import dtype_name, numpy_dtype
+from ckptfmt.gcpause import paused_gc
 from ckptfmt.errors import (CheckpointError, IncompleteSaveError, InvalidManifestError, StepAlreadyCommittedError,
                             StepMismatchError)
 from ckptfmt.layout import (MARKER_BYTES, MARKER_KEY, MAX_STEP, array_path, cell_key, lease_bytes, manifest_key,
@@ -177,10 +178,17 @@ def save(repo: Repository | str | os.PathLike[str], step: int, shards: Iterable[
     to the previous committed step's is referenced there instead of written (FORMAT.md 8.4).
     ``options`` were checked when built (:class:`SaveOptions` raises ValueError then).
     """
+    opts = options or SaveOptions()
+    with paused_gc(opts.pause_gc):  # its per-leaf objects are acyclic (ckptfmt.gcpause)
+        return _save(repo, step, shards, state, rank_state, metadata, coordinator, versions, opts)
+
+
+def _save(repo: Repository | str | os.PathLike[str], step: int, shards: Iterable[LocalShard], state: Any, rank_state: Any,
+          metadata: Mapping[str, Any] | None, coordinator: Coordinator | None, versions: Mapping[str, str] | None,
+          opts: SaveOptions) -> Manifest:
     repository = repo if isinstance(repo, Repository) else Repository(str(repo))
     storage = repository.storage
     coord = coordinator or LocalCoordinator()
-    opts = options or SaveOptions()
     rank, world = coord.rank, coord.world
     # Inputs are checked on every rank before anything is written. A rank whose inputs are bad
     # still joins the collectives and reports its error there, so that every rank fails the same

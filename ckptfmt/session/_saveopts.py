@@ -70,6 +70,10 @@ class SaveOptions:
     #: it, and the writer copies the rest from the caller's live arrays while the caller waits. A
     #: single source block larger than a quarter of the budget is still copied whole.
     max_staging_bytes: int | None = None
+    #: Pause Python's cyclic garbage collector while the save runs (:mod:`ckptfmt.gcpause`): a
+    #: save's many small objects are acyclic, and the full collections they triggered walked every
+    #: object of the process. False leaves the collector alone.
+    pause_gc: bool = True
     #: If given, this rank adds the seconds of each save phase into it ("plan", "stage", "write",
     #: "fsync", "verify", "state", "commit"), for profiles and the bench; never changes the save.
     timings: dict[str, float] | None = None

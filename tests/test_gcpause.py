@@ -1,0 +1,125 @@
+"""Python's cyclic collector is paused while a save runs (ckptfmt.gcpause, SaveOptions.pause_gc):
+the pause nests, spans threads, restores what it found, and a save under it starts no automatic
+collection, where the same save with ``pause_gc=False`` (the control) starts several."""
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+import ckptfmt
+from ckptfmt.gcpause import paused_gc
+
+
+@contextmanager
+def _collector(enabled: bool) -> Iterator[None]:
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        yield
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_the_pause_nests_and_resumes_the_collector_it_found_enabled():
+    with _collector(True):
+        with paused_gc():
+            assert not gc.isenabled()
+            with paused_gc():
+                assert not gc.isenabled()
+            assert not gc.isenabled(), "the inner pause's end must not resume the collector"
+        assert gc.isenabled()
+
+
+def test_a_collector_disabled_before_stays_disabled():
+    with _collector(False):
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+
+
+def test_enabled_false_leaves_the_collector_alone():
+    with _collector(True):
+        with paused_gc(False):
+            assert gc.isenabled()
+        assert gc.isenabled()
+
+
+def test_overlapping_pauses_on_two_threads_resume_once_the_last_ends():
+    inside, leave_a, a_left = threading.Event(), threading.Event(), threading.Event()
+
+    def a() -> None:
+        with paused_gc():
+            inside.set()
+            leave_a.wait(10)
+        a_left.set()
+
+    with _collector(True):
+        t = threading.Thread(target=a)
+        t.start()
+        assert inside.wait(10)
+        with paused_gc():
+            leave_a.set()
+            assert a_left.wait(10)
+            assert not gc.isenabled(), "another thread's pause ended while this one is open"
+        t.join(10)
+        assert gc.isenabled()
+
+
+def _shards(n: int) -> list[ckptfmt.LocalShard]:
+    out = []
+    for i in range(n):
+        a = np.full((4, 2), i, np.float32)
+        for r in range(2):
+            out.append(ckptfmt.LocalShard(f"t{i:04d}", (8, 2), a.dtype, ckptfmt.Box((4 * r, 0), (4, 2)), a))
+    return out
+
+
+def _collections_during_save(tmp_path, name: str, pause: bool) -> tuple[int, bool]:
+    """Automatic collections started while a save of 300 small tensors runs (a low threshold makes
+    them certain without a pause), and whether the collector was enabled after it."""
+    seen: list[int] = []
+
+    def cb(phase: str, info: dict) -> None:
+        # A collection counts when the save's work triggered it: not at the pause's end (the first
+        # allocation after the collector resumes collects, in ckptfmt.save's own frame or the pause's).
+        f = sys._getframe(1)
+        while f is not None and "/ckptfmt/" not in f.f_code.co_filename.replace("\\", "/"):
+            f = f.f_back
+        if phase == "start" and f is not None and f.f_code.co_name not in ("paused_gc", "save"):
+            seen.append(info["generation"])
+
+    shards = _shards(300)
+    old = gc.get_threshold()
+    with _collector(True):
+        gc.set_threshold(50, 2, 2)
+        gc.callbacks.append(cb)
+        try:
+            ckptfmt.save(str(tmp_path / name), 1, shards, options=ckptfmt.SaveOptions(pause_gc=pause))
+        finally:
+            gc.callbacks.remove(cb)
+            gc.set_threshold(*old)
+        after = gc.isenabled()
+    return len(seen), after
+
+
+def test_a_save_starts_no_collection_and_resumes_the_collector(tmp_path):
+    paused, after = _collections_during_save(tmp_path, "paused", True)
+    assert paused == 0 and after, (paused, after)
+    # Control: the same save without the pause starts collections (the check can fail).
+    unpaused, after = _collections_during_save(tmp_path, "unpaused", False)
+    assert unpaused > 0 and after, (unpaused, after)
+    assert ckptfmt.Repository(str(tmp_path / "paused")).steps() == [1]
+
+
+def test_a_failing_save_resumes_the_collector(tmp_path):
+    bad = [ckptfmt.LocalShard("x", (4,), np.dtype(np.float32), ckptfmt.Box((0,), (4,)), np.zeros(4, np.float64))]
+    with _collector(True):
+        with pytest.raises(ckptfmt.CheckpointError):
+            ckptfmt.save(str(tmp_path / "bad"), 1, bad)
+        assert gc.isenabled()
