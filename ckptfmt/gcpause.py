@@ -12,17 +12,22 @@ enter from several threads at once (a save on a background thread while a manife
 another): the collector is paused while at least one block is open, and resumed when the last one
 closes, only if it was enabled when the first one opened. Cyclic garbage the process makes
 meanwhile is collected at the next collection after that. ``SaveOptions(pause_gc=False)`` keeps a
-save from pausing it; a process that calls ``gc.disable()`` itself while a pause is open has it
+save from pausing it. The bridges' restores and the core's ``read_boxes`` pause it too
+(:func:`pausing_gc`): a restore of thousands of leaves builds as many plans and arrays; a process that calls ``gc.disable()`` itself while a pause is open has it
 enabled again when the pause ends.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, ParamSpec, TypeVar
 
-__all__ = ["paused_gc"]
+__all__ = ["paused_gc", "pausing_gc"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class _Pauses:
@@ -55,3 +60,12 @@ def paused_gc(enabled: bool = True) -> Iterator[None]:
             _PAUSES.open -= 1
             if _PAUSES.open == 0 and _PAUSES.resume:
                 gc.enable()
+
+
+def pausing_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` run inside :func:`paused_gc` (a restore entry point: a bridge's restore, a read)."""
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with paused_gc():
+            return fn(*args, **kwargs)
+    return run

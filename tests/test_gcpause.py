@@ -123,3 +123,35 @@ def test_a_failing_save_resumes_the_collector(tmp_path):
         with pytest.raises(ckptfmt.CheckpointError):
             ckptfmt.save(str(tmp_path / "bad"), 1, bad)
         assert gc.isenabled()
+
+
+def test_a_read_starts_no_collection(tmp_path):
+    """The core's read_boxes runs paused; the control runs the same read unpaused (``__wrapped__``)
+    and starts collections, so the check can fail."""
+    ckptfmt.save(str(tmp_path / "r"), 1, _shards(300))
+    ck = ckptfmt.Repository(str(tmp_path / "r")).open(1)
+    requests = [(f"t{i:04d}", ckptfmt.Box((0, 0), (8, 2))) for i in range(300)]
+    counts = []
+    for read in (ck.read_boxes, lambda r: type(ck).read_boxes.__wrapped__(ck, r)):
+        seen: list[int] = []
+
+        def cb(phase: str, info: dict) -> None:
+            f = sys._getframe(1)
+            while f is not None and "/ckptfmt/" not in f.f_code.co_filename.replace("\\", "/"):
+                f = f.f_back
+            if phase == "start" and f is not None and f.f_code.co_name not in ("paused_gc", "run"):
+                seen.append(info["generation"])
+
+        old = gc.get_threshold()
+        with _collector(True):
+            gc.set_threshold(20, 2, 2)
+            gc.callbacks.append(cb)
+            try:
+                out = read(requests)
+            finally:
+                gc.callbacks.remove(cb)
+                gc.set_threshold(*old)
+            assert gc.isenabled()
+        assert all(np.array_equal(o, np.full((8, 2), i, np.float32)) for i, o in enumerate(out))
+        counts.append(len(seen))
+    assert counts[0] == 0 and counts[1] > 0, counts

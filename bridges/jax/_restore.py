@@ -19,6 +19,7 @@ from numpy.lib.array_utils import byte_bounds
 
 from ckptfmt import Box, Repository, agree_step
 from ckptfmt.dtypes import numpy_dtype
+from ckptfmt.gcpause import pausing_gc
 from ckptfmt.errors import CheckpointError, InvalidStateError, ShapeMismatchError
 from ckptfmt.interop import open_source
 from ckptfmt.rankstate import RankStatePolicy
@@ -298,6 +299,7 @@ def _empty(plan: _ArrayPlan, box: Box) -> np.ndarray:
     return np.empty(box.shape, dtype=plan.tp.dtype)
 
 
+@pausing_gc
 def restore(url: str, target: Any = None, *, step: int | None = None, rank_state_policy: str | None = None,
             mapping: KeyMapping | None = None, strict: bool | None = None, stats: dict[str, Any] | None = None,
             cooperative: bool | None = None) -> Any:

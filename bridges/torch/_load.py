@@ -15,6 +15,7 @@ import torch
 
 from ckptfmt import agree_step
 from ckptfmt.dtypes import numpy_dtype
+from ckptfmt.gcpause import pausing_gc
 from ckptfmt.errors import InvalidStateError
 from ckptfmt.interop import open_source
 from ckptfmt.rankstate import RankStatePolicy
@@ -86,6 +87,7 @@ def _leaf(key: str, v: Any) -> TargetLeaf:
     return TargetLeaf(key, "object")
 
 
+@pausing_gc
 def load(url: str, target: TMapping[str, Any], *, step: int | None = None, rank_state_policy: str | None = None,
          mapping: Mapping | None = None, strict: bool | None = None, rank_policy: Any = UNSET,
          stats: dict[str, Any] | None = None, cooperative: bool | None = None) -> Loaded:

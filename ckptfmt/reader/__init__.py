@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from ckptfmt.restoreplan import closest_key
+from ckptfmt.gcpause import pausing_gc
 from ckptfmt.reader._alloc import allocate_many, check_outputs_fit, require_memory
 from ckptfmt.reader._cooperative import CoopPlan as CoopPlan
 from ckptfmt.reader._cooperative import CoopStats as CoopStats
@@ -126,6 +127,7 @@ class Checkpoint:
         t = self.tensor(key)
         return self.read_boxes([(key, box if box is not None else Box.full(t.shape))])[0]
 
+    @pausing_gc
     def read_boxes(self, requests: Sequence[tuple[str, Box]], *,
                    supplied: Mapping[ChunkRef, SuppliedChunk] | None = None) -> list[np.ndarray]:
         """Read many boxes of many tensors at once.
