@@ -434,6 +434,7 @@ def _commit(repository: Repository, storage: Storage, heartbeat: "_Heartbeat | N
         shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
         manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
         data = manifest.to_bytes()
+        del manifest  # the parse of its bytes below is what the commit returns: one copy at a time
         checked = parse_manifest(data, max_bytes=repository.max_manifest_bytes)
         # The fence (FORMAT.md 8.3): only a lease switched to "committing" may commit. A
         # gc that claimed the stale lease first makes this conditional write fail.
