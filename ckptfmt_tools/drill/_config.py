@@ -76,8 +76,6 @@ class DrillConfig:
             raise ValueError("--tier-pairs takes a count >= 0, with --tiers")
         if self.elastic and not self.tiers:
             raise ValueError("--elastic goes with --tiers")
-        if self.elastic and self.replacement != "jax":
-            raise ValueError("--elastic runs JAX jobs (--replacement jax); torch's elastic restore: tests/test_tiers_elastic.py")
         if self.elastic and self.processes < 3:
             raise ValueError("--elastic needs --processes >= 3 (one host lost, then two, and a job left)")
         if self.elastic:
