@@ -328,10 +328,9 @@ def elastic_read(*, rank: int, world: int, exchange: PeerExchange | None, gather
                 continue
             peer_state.clear()
             accept(answer, to, mine)
-            if gstate is None and isinstance(peer_state[:1] and peer_state[0], dict):
-                gstate = {k: v for k, v in peer_state[0].items() if k != "rank"}
-            elif gstate is None and peer_state:
-                gstate = peer_state[0]
+            if gstate is None and peer_state:
+                g = peer_state[0]
+                gstate = {k: v for k, v in g.items() if k != "rank"} if isinstance(g, dict) else g
     else:
         fallback += [i for i in again if reads[i].rank is not None]
     stats["peer"] = sum(int(got[i].nbytes) for i, r in enumerate(reads)
