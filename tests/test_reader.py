@@ -708,11 +708,13 @@ def test_read_boxes_into_views_of_one_output_checks_every_byte(tmp_path, where):
         repo.open(1).read_boxes(reqs[1:], out=views[1:])
 
 
-def test_read_chunks_into_buffers_checks_what_it_read(tmp_path):
-    """``read_chunks(into=...)`` reads each stored chunk into the caller's buffer and checks it
-    there: the same bytes as a fresh read (the control); a flipped byte raises; a buffer of
-    another length is refused before anything is read."""
-    repo, url = _repo("positional", tmp_path)
+@pytest.mark.parametrize("where", ["positional", "tensorstore"])
+def test_read_chunks_into_buffers_checks_what_it_read(tmp_path, where):
+    """``read_chunks(into=...)`` reads each stored chunk into the caller's buffer (straight from
+    the file, or copied from a store's read) and checks it there: the same bytes as a fresh read
+    (the control); a flipped byte raises; a buffer of another length is refused before anything
+    is read."""
+    repo, url = _repo(where, tmp_path)
     ckpt = repo.open(1)
     refs = ckpt.chunk_refs([("x", Box((0, 0), (64, 32)))])
     fresh = ckpt.read_chunks(refs)
@@ -729,4 +731,4 @@ def test_read_chunks_into_buffers_checks_what_it_read(tmp_path):
     with open(os.path.join(url, t.array.path, t.shards.key[0]), "r+b") as f:
         f.write(bytes([f.read(1)[0] ^ 0x01]))
     with pytest.raises(ChecksumMismatchError):
-        repo.open(1).read_chunks(refs, into=bufs)
+        Repository(url, options={"positional_reads": where != "tensorstore"}).open(1).read_chunks(refs, into=bufs)
