@@ -240,9 +240,8 @@ def _elastic_peer(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.nda
     """Host 0's local step (its own rows 0..8 and host 1's 8..16 as the replica) served by the
     process holding it to a process of a job with another process count that needs rows 4..12:
     two pieces of two held boxes, checked by the receiver (``_accept``)."""
-    import msgpack
-
-    from ckptfmt.manager._tierelastic import _accept, _pack_ask, serve_hosts
+    from ckptfmt.manager._tieranswer import pack_answers, serve_hosts, unpack_answers
+    from ckptfmt.manager._tierelastic import _accept, _pack_ask
     from ckptfmt.manager._tierplan import TierSource, assemble, plan_tier_reads
     from ckptfmt.manager._tiers import HeldBox, write_local_step
 
@@ -262,13 +261,13 @@ def _elastic_peer(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.nda
     ask_step = 4 if fault == "stale-step" else 6
     answer = serve_hosts(repos, _pack_ask(ask_step, f"tok-{ask_step}", reads, False))
     if fault in ("flip-in-transit", "another-box"):
-        doc = msgpack.unpackb(answer, raw=False)
-        chunks = doc["answers"][0][1]["chunks"]
+        docs = unpack_answers(answer)
+        chunks = docs[0]["chunks"] = [bytes(c) for c in docs[0]["chunks"]]
         if fault == "flip-in-transit":
             chunks[0] = bytes([chunks[0][0] ^ 1]) + bytes(chunks[0][1:])
         else:  # each piece's stored chunk sent under the other's reference
             chunks[0], chunks[1] = chunks[1], chunks[0]
-        answer = msgpack.packb(doc, use_bin_type=True)
+        answer = pack_answers(sorted(docs.items()))
     probe["effective"] = fault is not None
     stats: dict = {"refused": []}
     served, _ = _accept(answer, 0, step=6, token="tok-6", hosts=2, digests={0: inv[6]["digest"]}, reads=reads,

@@ -679,3 +679,56 @@ def test_a_checkpoint_is_freed_when_its_last_reference_goes(tmp_path):
     finally:
         if was:
             gc.enable()
+
+
+# ------------------------------------------------------------------ reading into the caller's arrays (issue 50)
+
+
+@pytest.mark.parametrize("where", ["positional", "tensorstore", "mapped"])
+def test_read_boxes_into_views_of_one_output_checks_every_byte(tmp_path, where):
+    """``read_boxes(out=...)`` fills views of one larger array (a column cut: not contiguous), each
+    checked as a fresh read is; a flipped byte raises; an output of another shape is refused."""
+    url = _whole_chunk_repo(tmp_path) if where == "mapped" else _repo(where, tmp_path)[1]
+    repo = Repository(url, options={"mapped_reads": True} if where == "mapped" else
+                      {"positional_reads": where != "tensorstore"})
+    whole = np.full((64, 32), -1.0, dtype=np.float32)
+    reqs = [("x", Box((0, 0), (32, 32))), ("x", Box((32, 0), (32, 16))), ("x", Box((32, 16), (32, 16)))]
+    views = [whole[:32], whole[32:, :16], whole[32:, 16:]]
+    got = repo.open(1).read_boxes(reqs, out=views)
+    assert all(g is v for g, v in zip(got, views)) and np.array_equal(whole, X)
+    with pytest.raises(ckptfmt.errors.InvalidStateError):  # an output that is not the request's shape
+        repo.open(1).read_boxes(reqs[:1], out=[whole[:16]])
+    t = repo.manifest(1).tensors["x"]
+    path = os.path.join(url, t.array.path, t.shards.key[1])
+    with open(path, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(ChecksumMismatchError):
+        repo.open(1).read_boxes(reqs[1:], out=views[1:])
+
+
+@pytest.mark.parametrize("where", ["positional", "tensorstore"])
+def test_read_chunks_into_buffers_checks_what_it_read(tmp_path, where):
+    """``read_chunks(into=...)`` reads each stored chunk into the caller's buffer (straight from
+    the file, or copied from a store's read) and checks it there: the same bytes as a fresh read
+    (the control); a flipped byte raises; a buffer of another length is refused before anything
+    is read."""
+    repo, url = _repo(where, tmp_path)
+    ckpt = repo.open(1)
+    refs = ckpt.chunk_refs([("x", Box((0, 0), (64, 32)))])
+    fresh = ckpt.read_chunks(refs)
+    body = np.zeros(sum(ckpt.chunk_nbytes(r) for r in refs), dtype=np.uint8)
+    bufs, at = [], 0
+    for r in refs:
+        bufs.append(body[at:at + ckpt.chunk_nbytes(r)])
+        at += ckpt.chunk_nbytes(r)
+    got = ckpt.read_chunks(refs, into=bufs)
+    assert all(np.shares_memory(g, body) and np.array_equal(g, f) for g, f in zip(got, fresh))
+    with pytest.raises(ckptfmt.errors.InvalidStateError):
+        ckpt.read_chunks(refs[:1], into=[bufs[0][:-1]])
+    t = repo.manifest(1).tensors["x"]
+    with open(os.path.join(url, t.array.path, t.shards.key[0]), "r+b") as f:
+        f.write(bytes([f.read(1)[0] ^ 0x01]))
+    with pytest.raises(ChecksumMismatchError):
+        Repository(url, options={"positional_reads": where != "tensorstore"}).open(1).read_chunks(refs, into=bufs)

@@ -120,6 +120,48 @@ class JaxPeerExchange:
             raise CheckpointError.from_json(doc, prefix="" if r == self.rank else f"rank {r}: ")
         return got
 
+    def shift_all(self, name: str, payloads: Mapping[int, Any]) -> dict[int, np.ndarray]:
+        """Several shifts at once, one per offset (every rank passes the same offsets): every offer
+        is made, the sizes gathered once, every pull started before any is waited on, and the
+        outcomes gathered once, so the transfers overlap and the coordinator is asked twice, not
+        twice per offset. Returns offset -> what rank ``rank - offset`` sent; raises as :meth:`shift`."""
+        offsets = sorted(int(d) for d in payloads)
+        bufs = [as_bytes_view(payloads[d]) for d in offsets]
+        first = self._calls
+        self._calls += len(offsets)
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
+        offered = []
+        for j, buf in enumerate(bufs):
+            offered.append(jax.device_put(buf if buf.size else np.zeros(1, dtype=np.uint8), self.device))
+            self._server.await_pull((first + j) * self.world + self.rank, [offered[-1]], timeout=deadline)
+        sizes = [msgpack.unpackb(m) for m in self._coord.allgather(
+            f"{name}/offer", msgpack.packb([[int(b.size), crc32c(b)] for b in bufs]))]
+        got: dict[int, np.ndarray] = {}
+        error = None
+        try:
+            pulls = []
+            for j, d in enumerate(offsets):
+                src = (self.rank - d) % self.world
+                size, crc = int(sizes[src][j][0]), int(sizes[src][j][1])
+                spec = jax.ShapeDtypeStruct((max(size, 1),), np.uint8, sharding=SingleDeviceSharding(self.device))
+                pulls.append((d, src, size, crc, self._connection(src).pull((first + j) * self.world + src, [spec],
+                                                                           timeout=deadline)[0]))
+            for d, src, size, crc, pulled in pulls:
+                got[d] = check_payload(np.asarray(pulled)[:size], crc, f"{name} from rank {src}")
+        except CheckpointError as e:  # agreed on below, so every rank raises
+            error = e.to_json()
+        except Exception as e:  # noqa: BLE001 - the transfer service's own error type
+            error = CheckpointError(f"pulling failed: {type(e).__name__}: {e}", object=name,
+                                    expected="the peers' offers", found="an error").to_json()
+        outcome = [msgpack.unpackb(m, raw=False) for m in self._coord.allgather(f"{name}/pulled",
+                                                                                 msgpack.packb(error))]
+        del offered  # every receiver has pulled (or failed): the offers may go
+        failed = [(r, e) for r, e in enumerate(outcome) if e is not None]
+        if failed:
+            r, doc = failed[0]
+            raise CheckpointError.from_json(doc, prefix="" if r == self.rank else f"rank {r}: ")
+        return got
+
     def close(self) -> None:
         """Forget the connections and the server (its sockets close when it is collected)."""
         self._connections.clear()

@@ -28,7 +28,7 @@ nor a step this process is reading, and logs every deletion with its reason (log
 
 Subpackage ``ckptfmt.manager``. The checkpoint manager for training loops: cadence, one save in
 flight, retention, preemption, resume, the local tier (FORMAT.md 8.5), and the values it hands out.
-Its modules: ``_failures``, ``_query``, ``_values``, ``_tiers``, ``_tierplan`` (the elastic planner, pure), ``_tierrestore``, ``_tierelastic``, ``_tierservice``. May import: floor, manifest, reader, repository, session. The floor: the top-level
+Its modules: ``_failures``, ``_query``, ``_values``, ``_tiers``, ``_tierplan`` (the elastic planner, pure), ``_tierrestore``, ``_tierelastic``, ``_tieranswer`` (the holder's answers at an elastic restore), ``_tierservice``. May import: floor, manifest, reader, repository, session. The floor: the top-level
 modules listed in ``ckptfmt/__init__.py`` (tests/test_layering.py holds the rules and enforces
 them). No other subpackage may import it.
 """

@@ -6,23 +6,31 @@ Call order (every rank, after :meth:`LocalTiers.restore` gathered the inventorie
 repositories each process finds under its tier path, and the processes agreed on the step with
 :func:`elastic_sources` and :func:`~ckptfmt.manager._tierplan.plan_tier_reads`):
 
+0. Every request gets one output (64-byte aligned, so XLA on CPU adopts it), allocated once;
+   every piece, whichever tier serves it, is read and checked straight into its place there
+   (a view), so no piece is copied again to assemble its box.
 1. Every process plans every process's reads (the requests were gathered with the step vote),
-   so the planned round needs no asks: for each offset ``d`` some process reads over,
-   ``shift(-d)`` carries each holder's answer to its asker ``rank - d``: per host repository the
-   manifest as stored, the stored chunks of the parts and the global state as stored
-   (:func:`~ckptfmt.manager._tierrestore.answer_doc`). The receiving process checks each
-   answer itself (:func:`~ckptfmt.manager._tierrestore.accept_replica`: the manifest is the one
-   listed, it records the asked step, token, host and host count, every chunk passes the reader's
-   checks against it). An answer of another step, save or host is refused whole
-   (StepMismatchError, counted in ``refused``) and its pieces, like any piece that fails, go to the
-   persistent tier when it holds the step with the same token; otherwise the restore through the
-   tiers fails on every process and the ordinary restore runs.
-2. Own reads: every piece this process's own host repositories serve, verified by the core
-   reader against the local step whose manifest digest the inventory listed; a piece that fails
-   is planned again against the peers' copies, asked for in a second round
+   so the planned round needs no asks: each holder packs, for every offset ``d`` some process
+   reads over, what its asker ``rank - d`` planned to read from it (:func:`serve_hosts`, one
+   message per asker: per host repository the manifest as stored, the stored chunks of the parts
+   and the global state as stored) and the messages move at once (the exchange's ``shift_all``
+   where it has one: one offer round for every offset; else ``shift(-d)`` per offset). With an
+   exchange that may run in the background (JAX's transfer service, torch's own process group)
+   this round runs in a thread while the caller's thread reads the own pieces (step 2). The
+   receiving process checks each answer itself (:func:`~ckptfmt.manager._tierrestore.accept_replica`:
+   the manifest is the one listed, it records the asked step, token, host and host count, every
+   chunk passes the reader's checks against it, then is copied once into its place). An answer of
+   another step, save or host is refused whole (StepMismatchError, counted in ``refused``) and its
+   pieces, like any piece that fails, go to the persistent tier when it holds the step with the
+   same token; otherwise the restore through the tiers fails on every process and the ordinary
+   restore runs.
+2. Own reads: every piece this process's own host repositories serve, read by the core reader
+   into its place, verified against the local step whose manifest digest the inventory listed; a
+   piece that fails is planned again against the peers' copies, asked for in a second round
    (``allgather("tiers/restore/<n>/again")``, then ``shift(+d)`` asks and ``shift(-d)`` answers)
    only when some process has such a piece.
-3. The persistent tier reads the rest; each request is assembled from its pieces.
+3. The persistent tier reads the rest, into the same places (a request no copy holds any of is
+   read whole into an array of its own).
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ import hashlib
 import logging
 import os
 import re
+import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
@@ -38,13 +47,14 @@ import numpy as np
 from ckptfmt._types import Box
 from ckptfmt.dtypes import numpy_dtype
 from ckptfmt.errors import CheckpointError, InvalidStateError, MissingShardError, StepMismatchError
-from ckptfmt.manager._tierplan import TierPlan, TierRead, TierSource, assemble, plan_tier_reads
-from ckptfmt.manager._tierrestore import (MAX_ASK_BYTES, accept_replica, answer_doc, ask_limits, inventory,
-                                         step_token)
+from ckptfmt.manager._tierplan import TierPlan, TierRead, TierSource, plan_tier_reads
+from ckptfmt.manager._tieranswer import pack_answers, serve_hosts, unpack_answers
+from ckptfmt.manager._tierrestore import accept_replica, inventory, step_token
 from ckptfmt.manager._tiers import HeldBox, PeerExchange
+from ckptfmt.reader._alloc import aligned_empty
 from ckptfmt.repository import Repository
 
-__all__ = ["host_dirs", "host_inventories", "elastic_sources", "elastic_feasible", "elastic_read", "serve_hosts"]
+__all__ = ["host_dirs", "host_inventories", "elastic_sources", "elastic_feasible", "elastic_read"]
 
 _log = logging.getLogger("ckptfmt.manager")
 Request = tuple[str, Box]
@@ -117,45 +127,11 @@ def _pack_ask(step: int, token: str, reads: Sequence[TierRead], state: bool) -> 
                           "state": bool(state)})
 
 
-def serve_hosts(repos: Mapping[int, Repository], payload: Any) -> bytes:
-    """This process's answer to one peer's ask: one answer per asked host repository it holds
-    (:func:`~ckptfmt.manager._tierrestore.answer_doc`, all packed in one message), a repository it does not hold left
-    out. Never raises: a holder that fails answers with what it has (the asker checks everything
-    and asks the next tier for the rest)."""
-    out: list[Any] = []
-    try:
-        size = len(memoryview(payload).cast("B"))
-        if size > MAX_ASK_BYTES:
-            raise InvalidStateError("a peer's ask is larger than the cap", object="tiers ask",
-                                    expected=f"<= {MAX_ASK_BYTES} bytes", found=size)
-        ask = msgpack.unpackb(payload, raw=False, **ask_limits(size))
-        step, want_state = int(ask["step"]), bool(ask.get("state"))
-        for h, parts in ask["hosts"]:
-            repo = repos.get(int(h))
-            if repo is None:
-                continue
-            reqs = [(str(k), Box(tuple(o), tuple(n))) for k, o, n in parts]
-            try:
-                out.append([int(h), answer_doc(repo, step, reqs)])  # packed once, with the others
-            except Exception as e:  # noqa: BLE001 - the asker then reads the persistent tier
-                _log.warning("local tier: %s cannot serve step %d to a peer: %s: %s", repo.url, step,
-                             type(e).__name__, e)
-        if want_state and not out:  # only the global state was asked: any held repository's
-            for h in sorted(repos):
-                try:
-                    out.append([int(h), answer_doc(repos[h], step, [])])
-                    break
-                except Exception:  # noqa: BLE001 - try the next
-                    continue
-    except Exception as e:  # noqa: BLE001 - an ask that does not decode: answer with nothing
-        _log.warning("local tier: a peer's ask is refused: %s: %s", type(e).__name__, e)
-    return msgpack.packb({"answers": out}, use_bin_type=True)
-
-
 def _read_own(repos: Mapping[int, Repository], step: int, digests: Mapping[int, str | None],
-              reads: Sequence[TierRead], got: dict[int, np.ndarray]) -> list[int]:
-    """Read the own pieces ``reads`` (indices into ``got``'s key space are positions in ``reads``)
-    verified; return the positions that failed."""
+              reads: Sequence[TierRead], into: Sequence[np.ndarray]) -> list[int]:
+    """Read the own pieces ``reads`` verified, each into its place ``into[i]`` (the core reader,
+    against the local step whose manifest digest the inventory listed); return the positions
+    that failed (their places may be partly written: the next copy overwrites them)."""
     failed: list[int] = []
     by_host: dict[int, list[int]] = {}
     for i, r in enumerate(reads):
@@ -172,14 +148,13 @@ def _read_own(repos: Mapping[int, Repository], step: int, digests: Mapping[int, 
             failed += idx
             continue
         try:
-            for i, a in zip(idx, ckpt.read_boxes([reads[i].local for i in idx])):
-                got[i] = a
+            ckpt.read_boxes([reads[i].local for i in idx], out=[into[i] for i in idx])
             continue
         except CheckpointError:
             pass  # one at a time: the others are still served here
         for i in idx:
             try:
-                got[i] = ckpt.read_boxes([reads[i].local])[0]
+                ckpt.read_boxes([reads[i].local], out=[into[i]])
             except CheckpointError as e:
                 _log.warning("local tier: box %s %s of step %d rejected on %s (%s: %s); the next copy serves it",
                              reads[i].key, list(reads[i].part.offset), step, repos[h].url, type(e).__name__, e)
@@ -195,6 +170,26 @@ def _state_holder(asker: int, sources: Sequence[TierSource]) -> int | None:
     return next((s.rank for s in sources if s.rank != asker), None)
 
 
+class _Places:
+    """Where each piece of this process's requests goes: one output per request, allocated once,
+    each piece read straight into its place (a view); a request no source holds any of is read
+    whole from the persistent tier into an array of its own."""
+
+    def __init__(self, requests: Sequence[Request], reads: Sequence[TierRead]) -> None:
+        self.requests = requests
+        dts: dict[int, np.dtype] = {}
+        for r in reads:
+            if r.source is not None and r.request not in dts:
+                dts[r.request] = numpy_dtype(r.source.dtype)
+        # Aligned, as the core reader's: XLA on CPU adopts the restored arrays without a copy.
+        self.outputs: dict[int, np.ndarray] = {q: aligned_empty(requests[q][1].shape, dts[q]) for q in sorted(dts)}
+
+    def of(self, r: TierRead) -> np.ndarray | None:
+        """The place of piece ``r``, or None (its request has no output: read it whole)."""
+        out = self.outputs.get(r.request)
+        return None if out is None else out[(*r.part.slices(self.requests[r.request][1].offset), ...)]  # a view, 0-d too
+
+
 def elastic_read(*, rank: int, world: int, exchange: PeerExchange | None, gather: Callable[[str, Any], list[Any]],
                  url: str, n: int, step: int, token: str, hosts: int, mix: bool,
                  requests: Sequence[Sequence[Request]], sources: Sequence[TierSource],
@@ -207,58 +202,96 @@ def elastic_read(*, rank: int, world: int, exchange: PeerExchange | None, gather
 
     Every process plans every process's reads (the planner is pure), so the planned round needs no
     asks: for each offset ``d`` some process reads over, each holder sends what its asker
-    ``rank - d`` planned to read from it (``shift(-d)``). Then the own reads; pieces whose own copy
-    failed are asked of the other copies in a second round (one gather, then asks and answers per
-    offset) only when some process has any. Every rank calls it (the same collectives in the same
-    order); ``stats`` gets the bytes each tier served (``local``, ``peer``, ``persistent``,
+    ``rank - d`` planned to read from it (``shift(-d)``), every piece for that asker in one
+    message. With a background exchange that round runs in a thread while this one reads the own
+    pieces; every piece, own, peer's or persistent, is read straight into its place in the
+    request's one output (checked there by the core reader). Then pieces whose own copy failed are
+    asked of the other copies in a second round (one gather, then asks and answers per offset)
+    only when some process has any. Every rank calls it (the same collectives in the same order);
+    ``stats`` gets the bytes each tier served (``local``, ``peer``, ``persistent``,
     ``persistent_held``: persistent bytes of pieces some survivor held but whose copy was refused)
     and ``refused`` answers. Raises MissingShardError when a piece no tier serves remains."""
     plans = [plan_tier_reads(r, requests[r], sources) for r in range(world)]
     plan: TierPlan = plans[rank]
     mine_reqs = requests[rank]
     reads = list(plan.reads)
+    places = _Places(mine_reqs, reads)
     got: dict[int, np.ndarray] = {}
     fallback: list[int] = []
     stats.setdefault("refused", [])
     peer_of = {i: r.rank for i, r in enumerate(reads) if r.rank is not None and r.rank != rank}
-    gstate: Any = None
-    gstate_peer: Any = None
-    # Round 1, planned: what each process reads from its peers, without asks.
-    if world > 1 and exchange is not None:
+    peer_state: list[Any] = []
+
+    def accept(answer: Any, peer: int, mine: Sequence[int]) -> None:
+        served, state = _accept(answer, peer, step=step, token=token, hosts=hosts, digests=digests, reads=reads,
+                                mine=mine, stats=stats, places=places)
+        got.update(served)
+        fallback.extend(i for i in mine if i not in served)
+        if state is not None:
+            peer_state.append(state)
+
+    def planned_round() -> None:
+        """Round 1, planned: what each process reads from its peers, without asks."""
         offsets = {(int(x.rank) - r) % world for r, p in enumerate(plans) for x in p.reads
                    if x.rank is not None and x.rank != r}
         offsets |= {(h - r) % world for r in range(world) if (h := _state_holder(r, sources)) is not None}
+        payloads = {}
         for d in sorted(offsets - {0}):
-            asker, holder = (rank - d) % world, (rank + d) % world
+            asker = (rank - d) % world
             theirs = [x for x in plans[asker].reads if x.rank == rank]
-            payload = serve_hosts(repos, _pack_ask(step, token, theirs, _state_holder(asker, sources) == rank)) \
-                if theirs or _state_holder(asker, sources) == rank else msgpack.packb({"answers": []})
-            answer = exchange.shift(f"tiers/restore/{n}/serve/{d}", payload, -d)
+            state = _state_holder(asker, sources) == rank
+            payloads[d] = serve_hosts(repos, _pack_ask(step, token, theirs, state)) if theirs or state \
+                else pack_answers([])
+        name = f"tiers/restore/{n}/serve"
+        if not payloads:
+            return
+        if callable(getattr(exchange, "shift_all", None)):  # the transfers at once (JAX: one offer round)
+            answers = exchange.shift_all(name, {-d: p for d, p in payloads.items()})  # type: ignore[union-attr]
+            answers = {-d: a for d, a in answers.items()}
+        else:
+            answers = {d: exchange.shift(f"{name}/{d}", p, -d) for d, p in payloads.items()}  # type: ignore[union-attr]
+        del payloads
+        for d, answer in sorted(answers.items()):
+            holder = (rank + d) % world
             mine = [i for i, p in peer_of.items() if p == holder]
-            if not mine and _state_holder(rank, sources) != holder:
-                continue
-            served, peer_state = _accept(answer, holder, step=step, token=token, hosts=hosts, digests=digests,
-                                         reads=reads, mine=mine, stats=stats)
-            got.update(served)
-            fallback += [i for i in mine if i not in served]
-            gstate_peer = peer_state if gstate_peer is None else gstate_peer
+            if mine or _state_holder(rank, sources) == holder:
+                accept(answer, holder, mine)
+
+    background: threading.Thread | None = None
+    failure: list[BaseException] = []
+    if world > 1 and exchange is not None:
+        if getattr(exchange, "background", False):
+            def run() -> None:
+                try:
+                    planned_round()
+                except BaseException as e:  # noqa: BLE001 - raised in the caller's thread after the join
+                    failure.append(e)
+            background = threading.Thread(target=run, name="ckptfmt-tiers-restore", daemon=True)
+            background.start()
+        else:
+            planned_round()
     else:
         fallback += list(peer_of)
-    # The own copies; a piece one fails is planned again against the peers' copies.
+    # The own copies (meanwhile the planned round runs); a piece one fails is planned again
+    # against the peers' copies.
     own = [i for i, r in enumerate(reads) if r.rank == rank]
     failed: list[int] = []
     try:
-        local: dict[int, np.ndarray] = {}
-        bad = _read_own(repos, step, digests, [reads[i] for i in own], local)
-        for j, i in enumerate(own):
-            if j in local:
-                got[i] = local[j]
+        bad = _read_own(repos, step, digests, [reads[i] for i in own], [_place(places, reads[i]) for i in own])
         failed = [own[j] for j in bad]
+        bad_set = set(failed)
+        own_got = {i: _place(places, reads[i]) for i in own if i not in bad_set}
     except Exception as e:  # noqa: BLE001 - the own tier is then not used; every rank still reaches the gather below
         _log.warning("local tier: own copies unusable for step %d: %s: %s", step, type(e).__name__, e)
-        failed = [i for i in own if i not in got]
+        failed, own_got = list(own), {}
+    if background is not None:
+        background.join()
+    if failure:
+        raise failure[0]
+    got.update(own_got)
     stats["local"] = sum(int(got[i].nbytes) for i in own if i in got)
     gstate = _own_state(repos, step, [s.host for s in sources if s.rank == rank])
+    gstate_peer = peer_state[0] if peer_state else None
     if gstate is None and isinstance(gstate_peer, dict):
         gstate = {k: v for k, v in gstate_peer.items() if k != "rank"}  # another process's per-rank state
     elif gstate is None:
@@ -293,14 +326,11 @@ def elastic_read(*, rank: int, world: int, exchange: PeerExchange | None, gather
             answer = exchange.shift(f"tiers/restore/{n}/reserve/{d}", serve_hosts(repos, asked), -d)
             if mine is None:
                 continue
-            served, peer_state = _accept(answer, to, step=step, token=token, hosts=hosts, digests=digests,
-                                         reads=reads, mine=mine, stats=stats)
-            got.update(served)
-            fallback += [i for i in mine if i not in served]
-            if gstate is None and isinstance(peer_state, dict):
-                gstate = {k: v for k, v in peer_state.items() if k != "rank"}
-            elif gstate is None and peer_state is not None:
-                gstate = peer_state
+            peer_state.clear()
+            accept(answer, to, mine)
+            if gstate is None and peer_state:
+                g = peer_state[0]
+                gstate = {k: v for k, v in g.items() if k != "rank"} if isinstance(g, dict) else g
     else:
         fallback += [i for i in again if reads[i].rank is not None]
     stats["peer"] = sum(int(got[i].nbytes) for i, r in enumerate(reads)
@@ -315,35 +345,54 @@ def elastic_read(*, rank: int, world: int, exchange: PeerExchange | None, gather
                                     expected="a surviving local copy or the persistent tier with the same token",
                                     found=f"box at {list(reads[i].part.offset)}" if i is not None else "none")
         ckpt = Repository(url).open(step)
-        for i, a in zip(left, ckpt.read_boxes([(reads[i].key, reads[i].part) for i in left])):
-            got[i] = a
+        into = [i for i in left if places.of(reads[i]) is not None]
+        whole = [i for i in left if i not in set(into)]
+        if into:
+            ckpt.read_boxes([(reads[i].key, reads[i].part) for i in into], out=[_place(places, reads[i]) for i in into])
+            got.update((i, _place(places, reads[i])) for i in into)
+        if whole:
+            got.update(zip(whole, ckpt.read_boxes([(reads[i].key, reads[i].part) for i in whole])))
         stats["persistent"] = sum(int(got[i].nbytes) for i in left)
         stats["persistent_held"] = sum(int(got[i].nbytes) for i in left if i in fallback or reads[i].held)
         if gstate is None:
             gstate = ckpt.state()
     values: dict[Request, np.ndarray] = {}
-    pieces: dict[int, list[tuple[Box, np.ndarray]]] = {}
+    filled: dict[int, int] = {}
     for i, r in enumerate(reads):
         if r.rank == -1:
             continue  # replaced
-        pieces.setdefault(r.request, []).append((r.part, got[i]))
-    for q, (key, box) in enumerate(mine_reqs):
-        if q in pieces:
-            ps = pieces[q]
-            values[(key, box)] = assemble(box, ps[0][1].dtype, ps, key)
+        if i not in got:
+            raise MissingShardError("a planned piece was not read", key=r.key, object=f"step {step}",
+                                    expected=f"box at {list(r.part.offset)} read", found="none")
+        filled[r.request] = filled.get(r.request, 0) + r.part.size
+        if r.request not in places.outputs:
+            values[mine_reqs[r.request]] = got[i]  # a request read whole from the persistent tier
+    for q, out in places.outputs.items():
+        key, box = mine_reqs[q]
+        if filled.get(q) != box.size:  # the planner's cells tile the box; nothing is left unwritten
+            raise InvalidStateError("the pieces of a box do not cover it", key=key, object=f"box at {list(box.offset)}",
+                                    expected=f"{box.size} elements", found=f"{filled.get(q, 0)} elements")
+        values[(key, box)] = out
     for q, dt in plan.empty:
         values[mine_reqs[q]] = np.empty(mine_reqs[q][1].shape, dtype=numpy_dtype(dt))
     return values, gstate
 
 
+def _place(places: _Places, r: TierRead) -> np.ndarray:
+    out = places.of(r)
+    assert out is not None  # a piece some source holds: its request has an output
+    return out
+
+
 def _accept(answer: Any, peer: int, *, step: int, token: str, hosts: int, digests: Mapping[int, str | None],
-            reads: Sequence[TierRead], mine: Sequence[int], stats: dict[str, Any]) -> tuple[dict[int, np.ndarray], Any]:
+            reads: Sequence[TierRead], mine: Sequence[int], stats: dict[str, Any], places: _Places | None = None
+            ) -> tuple[dict[int, np.ndarray], Any]:
     """The pieces ``mine`` (positions in ``reads``) that process ``peer``'s answer serves, each checked
-    here. An answer of another step, save or host is refused whole (StepMismatchError, logged and
-    listed in ``stats["refused"]``); its pieces are then left to the persistent tier."""
+    here and copied once into its place (``places``; else fresh arrays). An answer of another step,
+    save or host is refused whole (StepMismatchError, logged and listed in ``stats["refused"]``);
+    its pieces are then left to the persistent tier."""
     try:
-        doc = msgpack.unpackb(answer, raw=False, **ask_limits(len(memoryview(answer).cast("B"))))
-        answers = {int(h): a for h, a in doc["answers"]}
+        answers = unpack_answers(answer)
     except Exception as e:  # noqa: BLE001 - another process's bytes: untrusted input
         stats["refused"].append({"rank": peer, "error": f"InvalidStateError: the answer does not decode: {e}"})
         return {}, None
@@ -357,10 +406,12 @@ def _accept(answer: Any, peer: int, *, step: int, token: str, hosts: int, digest
             continue
         idx = by_host.get(h, [])
         plan = [((reads[i].key, reads[i].part), [(reads[i].source, reads[i].part)]) for i in idx]
+        into = {(reads[i].key, reads[i].part): p for i in idx if (p := places.of(reads[i]) if places else None)
+                is not None}
         try:
             values, g = accept_replica(answers[h], step=step, token=token, holder=h, world=hosts,
                                        digest=digests.get(h), plan=plan or [(("", Box((), ())), [])],
-                                       sender=f"rank {peer} (host {h}'s local tier)")
+                                       sender=f"rank {peer} (host {h}'s local tier)", out=into)
         except CheckpointError as e:
             _log.warning("local tier: the answer of rank %d for host %d of step %d is refused: %s: %s", peer, h, step,
                          type(e).__name__, e)

@@ -274,8 +274,8 @@ def answer_doc(repo: Repository, step: int, reqs: Sequence[tuple[str, Box]]) -> 
 
 
 def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: int, digest: str | None,
-                   plan: Sequence[tuple[Request, Cover]], sender: str | None = None
-                   ) -> tuple[dict[Request, np.ndarray], Any]:
+                   plan: Sequence[tuple[Request, Cover]], sender: str | None = None,
+                   out: Mapping[Request, np.ndarray] | None = None) -> tuple[dict[Request, np.ndarray], Any]:
     """The requests a holder's answer serves, each checked by this process (FORMAT.md 8.5, the
     receiver verifies): the answer's manifest must be the one the holder listed in its inventory
     (``digest``: its SHA-256) and must record ``step``, ``token``, host ``holder`` of ``world``
@@ -284,7 +284,9 @@ def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: in
     Raises StepMismatchError when the answer is of another step, save, token or host (nothing of
     it is used); a request whose chunks are missing or fail their checks is left out (logged):
     the next tier serves it. Returns the served values and the holder's global state (or None).
-    ``sender``: who sent it, for the errors (default: rank ``holder``)."""
+    ``sender``: who sent it, for the errors (default: rank ``holder``). ``out``: arrays (views
+    included) to read requests into, each checked chunk copied once into place; a request that
+    fails may leave its array partly written (it is not among the values returned)."""
     what = f"the replica host {holder} holds of step {step}"
     try:  # a dict: one answer of several that one message carried, decoded with it (same limits)
         doc = answer if isinstance(answer, dict) else \
@@ -321,7 +323,12 @@ def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: in
         try:
             if any(r not in supplied for r in ckpt.chunk_refs(local)):
                 continue
-            values[req] = _assemble(req[1], parts, ckpt.read_boxes(local, supplied=supplied))
+            dst = out.get(req) if out is not None else None
+            if dst is None:
+                values[req] = _assemble(req[1], parts, ckpt.read_boxes(local, supplied=supplied))
+            else:
+                ckpt.read_boxes(local, supplied=supplied, out=[dst[(*p.slices(req[1].offset), ...)] for _, p in parts])
+                values[req] = dst
         except CheckpointError as e:
             _log.warning("local tier: box %s %s of step %d from %s rejected (%s: %s); the next tier serves it",
                          req[0], list(req[1].offset), step, sender, type(e).__name__, e)

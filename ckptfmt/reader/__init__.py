@@ -129,7 +129,8 @@ class Checkpoint:
 
     @pausing_gc
     def read_boxes(self, requests: Sequence[tuple[str, Box]], *,
-                   supplied: Mapping[ChunkRef, SuppliedChunk] | None = None) -> list[np.ndarray]:
+                   supplied: Mapping[ChunkRef, SuppliedChunk] | None = None,
+                   out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """Read many boxes of many tensors at once.
 
         Reads only the inner chunks each box touches, verifies each against the manifest's crc32c
@@ -142,9 +143,23 @@ class Checkpoint:
         read from storage (its length and its crc32c, recomputed and in its trailer, against this
         process's manifest); one that fails raises SizeMismatchError or ChecksumMismatchError
         naming the sender, and nothing is returned.
+
+        ``out``: one array per request to read into (a view of a larger array included), of the
+        request's shape and the tensor's dtype, instead of fresh ones; the same arrays are returned.
+        On a fault they may hold part of the bytes read (the caller must not use them then).
         """
         t0 = time.perf_counter()
-        outs, work = self._plan(requests)
+        outs, work = self._plan(requests, out)
+        got = self._read_planned(outs, work, supplied, t0)
+        if out is None:
+            return got
+        for dst, a in zip(out, got):
+            if a is not dst:  # a mapped read hands back its mapping: its bytes go where the caller asked
+                dst[...] = a
+        return list(out)
+
+    def _read_planned(self, outs: list[np.ndarray | None], work: dict[tuple[str, int], list[ReadItem]],
+                      supplied: Mapping[ChunkRef, SuppliedChunk] | None, t0: float) -> list[np.ndarray]:
         if supplied:
             work = self._take_supplied(work, outs, supplied)
             if not work:  # every chunk came from another process (and passed every check here)
@@ -202,13 +217,27 @@ class Checkpoint:
         """The stored length of chunk ``ref`` (data and its crc32c trailer), from the manifest."""
         return int(self.tensor(ref[0]).chunks.nbytes[ref[1]])
 
-    def read_chunks(self, refs: Sequence[ChunkRef]) -> list[np.ndarray]:
+    def read_chunks(self, refs: Sequence[ChunkRef], *, into: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
         """The stored bytes (data and trailer, as a uint8 array) of each chunk ``refs`` names, read
         from storage and checked as :meth:`read_boxes` checks them (FORMAT.md 9 steps 4-6: the
         object's presence, size and links, its index's crc32c and entries, the chunk's crc32c).
         What a cooperative restore sends to the processes that need a chunk; each of them checks
         the bytes again against its own manifest (``read_boxes(supplied=...)``). Raises the first
-        fault; returns nothing then."""
+        fault; returns nothing then. ``into``: one uint8 array per ref, of its stored length
+        (:meth:`chunk_nbytes`), to read into instead of fresh ones (straight from the file where
+        the storage reads positionally); partly written on a fault."""
+        dst: dict[ChunkRef, np.ndarray] = {}
+        if into is not None:
+            if len(into) != len(refs):
+                raise InvalidStateError("the buffers given to read chunks into do not match the refs",
+                                        object=f"step {self.step}", expected=f"{len(refs)} buffers", found=len(into))
+            for (key, c), b in zip(refs, into):
+                want = self.chunk_nbytes((key, int(c)))
+                if b.dtype != np.uint8 or b.ndim != 1 or b.size != want:
+                    raise InvalidStateError("a buffer given to read a chunk into differs from its length", key=key,
+                                            object=f"chunk {c}", expected=f"uint8 ({want},)",
+                                            found=f"{b.dtype} {tuple(b.shape)}")
+                dst.setdefault((key, int(c)), b)
         by_shard: dict[tuple[str, int], list[int]] = {}
         for key, c in refs:
             t = self.tensor(key)
@@ -226,7 +255,14 @@ class Checkpoint:
             ilo, ihi = sb.index
             require_memory(int(t.chunks.nbytes[need].sum()) + (ihi - ilo), key, obj, "the chunks to share")
             index = self.storage.read_range(obj, ilo, ihi, tensor=key)
-            reads = [(c, self.storage.read_range(obj, *sb.chunk(c), tensor=key)) for c in need]
+            direct = bool(dst) and self.storage.positional_reads
+            reads: list[tuple[int, Pending | None]] = [] if direct else [
+                (c, self.storage.read_range(obj, *sb.chunk(c), tensor=key)) for c in need]
+            if direct:  # straight into the caller's buffers, no intermediate copy
+                with self.storage.open_positional(obj, tensor=key) as f:
+                    for c in need:
+                        f.read_into([dst[(key, c)]], sb.chunk(c)[0])
+                        reads.append((c, None))
             probe.result()
             mv = memoryview(index.result())
             if len(mv) != ihi - ilo:
@@ -236,7 +272,10 @@ class Checkpoint:
             self.stats.bytes_read += len(mv)
             self.stats.requests += 1 + len(reads) + probe.requests
             for c, fut in reads:
-                data = np.frombuffer(fut.result(), dtype=np.uint8)
+                data = dst[(key, c)] if fut is None else np.frombuffer(fut.result(), dtype=np.uint8)
+                if fut is not None and (key, c) in dst:
+                    dst[(key, c)][...] = data
+                    data = dst[(key, c)]
                 self.checks.chunk(t, c, obj, memoryview(data))
                 self.stats.bytes_read += int(data.size)
                 got[(key, c)] = data
@@ -274,16 +313,31 @@ class Checkpoint:
                 outs[it.request][it.dst or ...] = decoded[ref][it.src or ...]  # type: ignore[index]
         return left
 
-    def _plan(self, requests: Sequence[tuple[str, Box]]) -> tuple[list[np.ndarray | None], dict[tuple[str, int], list[ReadItem]]]:
-        """Allocate fresh outputs and group the read items by (tensor, shard). Pure except allocation."""
+    def _plan(self, requests: Sequence[tuple[str, Box]], out: Sequence[np.ndarray] | None = None
+              ) -> tuple[list[np.ndarray | None], dict[tuple[str, int], list[ReadItem]]]:
+        """Allocate fresh outputs (or take ``out``'s, checked against the requests) and group the
+        read items by (tensor, shard). Pure except allocation."""
         t0 = time.perf_counter()
         by_key: dict[str, list[int]] = {}
         for i, (key, box) in enumerate(requests):
             by_key.setdefault(key, []).append(i)
         work: dict[tuple[str, int], list[ReadItem]] = {}
-        check_outputs_fit([(k, math.prod(b.shape) * numpy_dtype(self.tensor(k).dtype).itemsize) for k, b in requests],
-                          f"step {self.step}")
-        outs: list[np.ndarray | None] = list(allocate_many([(k, b, numpy_dtype(self.tensor(k).dtype)) for k, b in requests]))
+        if out is None:
+            check_outputs_fit([(k, math.prod(b.shape) * numpy_dtype(self.tensor(k).dtype).itemsize)
+                               for k, b in requests], f"step {self.step}")
+            outs: list[np.ndarray | None] = list(allocate_many([(k, b, numpy_dtype(self.tensor(k).dtype))
+                                                                for k, b in requests]))
+        else:
+            outs = list(out)
+            if len(outs) != len(requests):
+                raise InvalidStateError("the outputs given to read into do not match the requests", object=f"step {self.step}",
+                                        expected=f"{len(requests)} arrays", found=f"{len(outs)} arrays")
+            for (k, b), a in zip(requests, outs):
+                dt = numpy_dtype(self.tensor(k).dtype)
+                if tuple(a.shape) != b.shape or a.dtype != dt:
+                    raise InvalidStateError("an output given to read into differs from its request", key=k,
+                                            object=f"step {self.step}", expected=f"{dt} {b.shape}",
+                                            found=f"{a.dtype} {tuple(a.shape)}")
         for key, idxs in by_key.items():
             t = self.tensor(key)
             boxes = [requests[i][1] for i in idxs]

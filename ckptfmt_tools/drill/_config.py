@@ -76,8 +76,6 @@ class DrillConfig:
             raise ValueError("--tier-pairs takes a count >= 0, with --tiers")
         if self.elastic and not self.tiers:
             raise ValueError("--elastic goes with --tiers")
-        if self.elastic and self.replacement != "jax":
-            raise ValueError("--elastic runs JAX jobs (--replacement jax); torch's elastic restore: tests/test_tiers_elastic.py")
         if self.elastic and self.processes < 3:
             raise ValueError("--elastic needs --processes >= 3 (one host lost, then two, and a job left)")
         if self.elastic:
@@ -161,7 +159,8 @@ def parser() -> argparse.ArgumentParser:
                     help="--tiers: instead of the four same-topology failures, the killed process's host is lost and "
                          "the job restarts on one process fewer with no spare (mesh 1 x devices), then with two hosts "
                          "lost on two fewer (the boxes only they held from the persistent tier); --tier-pairs then pair "
-                         "the elastic recovery through the tiers with one from the persistent tier alone")
+                         "the elastic recovery through the tiers with one from the persistent tier alone "
+                         "(--replacement torch: the restarts are torch gloo ranks)")
     ap.add_argument("--json", action="store_true", help="print the receipt as JSON instead of tables")
     return ap
 

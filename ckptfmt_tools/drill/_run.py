@@ -283,10 +283,10 @@ def run_drill(cfg: DrillConfig, *, progress: Any = None) -> dict[str, Any]:
             receipt["control"] = ctrl
         if cfg.tiers:
             def tier_job(name: str, local: str, nproc: int = 0) -> tuple[dict[str, Any], float]:
-                if cfg.replacement == "torch":  # one gloo rank per training process, the torch manager
+                if cfg.replacement == "torch":  # one gloo rank per (surviving) training process, the torch manager
                     from ._torch_launch import run_torch_tier_job
 
-                    return run_torch_tier_job(cfg, work, url, name, local)
+                    return run_torch_tier_job(cfg, work, url, name, local, nproc)
                 # elastic (nproc given): fewer processes, no spare, model parallel over their devices
                 return _restore_job(name, cfg, work, url, nproc=nproc or cfg.processes, devices=cfg.devices_per_process,
                                     mesh=cfg.elastic_mesh(nproc) if nproc else cfg.mesh, dropout=dropout, local=local)

@@ -109,6 +109,8 @@ def _rank_main(args: argparse.Namespace, rank: int, times: dict[str, float]) -> 
     from ckptfmt import Repository
 
     torch.set_num_threads(1)
+    # drill --tiers --elastic: one local tier directory per surviving machine ("{rank}": this rank's)
+    args.local = args.local.replace("{rank}", str(rank))
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     world = dist.get_world_size()
     t_ready = time.time()
@@ -294,12 +296,14 @@ def _restore_tiers(args: argparse.Namespace, target: Any, mapping: Any) -> tuple
     with bt.CheckpointManager(args.url, local=tier, mapping=mapping) as mgr:
         res = mgr.restore(target)
     t = res.stats.get("tiers") or {}
-    per = torch.zeros((dist.get_world_size(), 3), dtype=torch.int64)
-    per[dist.get_rank()] = torch.tensor([t.get("local", 0), t.get("peer", 0), t.get("persistent", 0)])
+    # [local, peer, persistent, persistent bytes of pieces a surviving copy held (elastic)]
+    per = torch.zeros((dist.get_world_size(), 4), dtype=torch.int64)
+    per[dist.get_rank()] = torch.tensor([t.get("local", 0), t.get("peer", 0), t.get("persistent", 0),
+                                         t.get("persistent_held", 0)])
     dist.all_reduce(per)
     tokens: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(tokens, str(res.stats.get("tier_token") or ""))
-    return res.state, {"tiers_per_process": per.tolist(), "tokens_per_process": tokens,
+    return res.state, {"tiers_per_process": per.tolist(), "tokens_per_process": tokens, "elastic": res.stats.get("elastic"),
                        "restore_stats": {k: v for k, v in res.stats.items() if k in ("tiers", "tier_token", "restore_s")}}
 
 
@@ -386,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rejected-control", default="")
     ap.add_argument("--victim", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--local", default="", help="the JAX job's local tier (drill --tiers): restore through it")
+    ap.add_argument("--local", default="", help="the JAX job's local tier (drill --tiers): restore through it "
+                                                "({rank}: this rank's, drill --tiers --elastic)")
     ap.add_argument("--local-every", type=int, default=5)
     args = ap.parse_args(argv)
     import torch  # noqa: F401  (imported once, shared by the forked ranks)

@@ -29,7 +29,9 @@ def run_torch_replacement(cfg: DrillConfig, work: str, url: str, rejected_contro
     return res, t_launch
 
 
-def run_torch_tier_job(cfg: DrillConfig, work: str, url: str, name: str, local: str) -> tuple[dict[str, Any], float]:
-    """One gloo rank per training process, restoring through ``bridges.torch.CheckpointManager``
+def run_torch_tier_job(cfg: DrillConfig, work: str, url: str, name: str, local: str,
+                       nproc: int = 0) -> tuple[dict[str, Any], float]:
+    """One gloo rank per training process (``nproc`` ranks for an elastic restart: ``local`` then
+    names each rank's tier with ``{rank}``), restoring through ``bridges.torch.CheckpointManager``
     with the local tier ``local`` (the JAX job's)."""
-    return _run(cfg, work, name, url, cfg.processes, ["--local", local, "--local-every", str(cfg.cadence)])
+    return _run(cfg, work, name, url, nproc or cfg.processes, ["--local", local, "--local-every", str(cfg.cadence)])

@@ -472,6 +472,10 @@ CATALOGUE: list[Fault] = [
           T.peer_other_step),
     Fault("tier-peer-flipped-chunk", "local tier, host 0's replica answer", "tier", (E.ChecksumMismatchError,),
           T.peer_flipped_chunk),
+    Fault("tier-elastic-peer-flipped-chunk", "elastic restore, rank 0's answer", "tier", (E.ChecksumMismatchError,),
+          T.elastic_peer_flipped_chunk),
+    Fault("tier-elastic-peer-other-step", "elastic restore, rank 0's answer", "tier", (E.StepMismatchError,),
+          T.elastic_peer_other_step),
     Fault("tier-mapped-rewrite", "local tier file, after a restore", "tier", (), T.mapped_rewrite),
 ]
 

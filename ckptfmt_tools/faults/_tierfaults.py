@@ -7,6 +7,12 @@ steps 1-6 to the local tier (every 2, keep 2; each host holds its own boxes and 
 next host's); rank 0 saves steps 4 and 6 to the persistent tier with the same tier tokens. Host
 1's local tier is then lost, so its restore of step 6 asks host 0 for the replica.
 
+Elastic (FORMAT.md 8.5, "Elastic restore"): three ranks save rows of ``a`` to their local tiers
+(each host also keeping the next host's rows); host 1 is lost with no spare, and two ranks
+restore, each on the machine that kept host 0's or host 2's tier: rank 1 needs rows 3..6, of
+which rows 3..4 only rank 0 holds (host 0's replica of host 1), so rank 0 answers it in the
+planned round, where the fault is injected.
+
 The mapped tier: one rank saves with the default :class:`LocalTier`, restores, and then a byte of
 the tier's file is rewritten in place; the restored state must not change. Judged by
 :func:`_restorejudge.judge`.
@@ -26,7 +32,8 @@ import numpy as np
 from ckptfmt.manager import CheckpointManager, LocalTier, PeerExchange, TierHooks
 from ckptfmt_tools.faults._restorejudge import LogTap, RestoreAttempt, run_ranks
 
-__all__ = ["ThreadShift", "peer_other_step", "peer_flipped_chunk", "mapped_rewrite", "default_mapped"]
+__all__ = ["ThreadShift", "peer_other_step", "peer_flipped_chunk", "elastic_peer_other_step",
+           "elastic_peer_flipped_chunk", "mapped_rewrite", "default_mapped"]
 
 _WORLD = 2
 
@@ -188,6 +195,141 @@ def peer_flipped_chunk(run_dir: Path, ctx: Any) -> RestoreAttempt:
         return data
     return _restore(run_dir, ctx, tamper, "local tier, 2 hosts, host 1's tier lost: one byte of a chunk of host 0's "
                     "replica answer flipped on its way to host 1")
+
+
+def _rows_state(step: int) -> dict[str, np.ndarray]:
+    return {"a": np.arange(24, dtype=np.float32).reshape(6, 4) + step, "b": np.full(5, step, np.int64)}
+
+
+class _RowHooks(_Hooks):
+    """Rank ``r`` of ``world`` holds rows ``[6r/world, 6(r+1)/world)`` of ``a`` (and all of ``b``):
+    another process count cuts ``a`` along other rows, so an elastic restore reads pieces of
+    several hosts' boxes."""
+
+    def __init__(self, exchange: PeerExchange, rank: int, world: int) -> None:
+        super().__init__(exchange)
+        self.rank, self.world = rank, world
+
+    def rows(self) -> Any:
+        from ckptfmt import Box
+
+        n = 6 // self.world
+        return Box((n * self.rank, 0), (n, 4))
+
+    def snapshot(self, state: Any, extra: Any, rank_state: Any) -> tuple[list[Any], Any]:
+        from ckptfmt import Box
+
+        r = self.rows()
+        a, b = state["a"], state["b"]
+        return ([("a", a.shape, a.dtype, r, np.array(a[r.slices()])), ("b", b.shape, b.dtype, Box.full(b.shape),
+                                                                       np.array(b))], {"extra": extra})
+
+    def requests(self, target: Any, tensors: Any = None) -> Any:
+        from ckptfmt import Box
+
+        return [("a", self.rows()), ("b", Box.full(np.shape(target["b"])))]
+
+    def build(self, target: Any, values: Any, global_state: Any, step: int) -> tuple[Any, Any]:
+        from ckptfmt import Box
+
+        return ({"a": values[("a", self.rows())], "b": values[("b", Box.full(np.shape(target["b"])))]},
+                (global_state or {}).get("extra"))
+
+
+class _RowRank(_Rank):
+    def _new_tier_hooks(self) -> TierHooks:
+        rank, world, _, exchange = self._where
+        return _RowHooks(exchange.at(rank), rank, world)
+
+
+def _elastic_restore(run_dir: Path, ctx: Any, tamper: Any, where: str) -> RestoreAttempt:
+    """Three hosts save steps 2, 4, 6 locally (4 and 6 also persistent, same tokens); host 1 is
+    lost; two ranks restore elastically, each on the machine that kept host 0's or host 2's tier."""
+    import ckptfmt
+    from ckptfmt import Box, LocalShard
+    from ckptfmt.coord import free_port
+    from ckptfmt.manager._tiers import TIERS_KEY
+
+    persistent, saved = str(run_dir / "persistent"), LocalTier(str(run_dir / "local"), every=2, keep=3)
+
+    def managers(world: int, tier_of: Any, exchange: ThreadShift, fn: Any) -> list[Any]:
+        address = f"127.0.0.1:{free_port()}"
+
+        def rank(r: int) -> Any:
+            with _RowRank(persistent, r, world, address, exchange, local=tier_of(r), async_save=False) as m:
+                return fn(r, m)
+        return run_ranks(world, rank)
+
+    def save(r: int, m: Any) -> dict[int, str]:
+        for step in range(1, 7):
+            m.save(step, _rows_state(step), extra={"step": step})
+            m.wait()
+        return {t.step: t.token for t in m.tier_history if t.committed}
+    tokens = managers(3, lambda r: saved, ThreadShift(3), save)
+    if not all(isinstance(t, dict) and sorted(t) == [2, 4, 6] for t in tokens):
+        raise RuntimeError(f"fixture error: the local saves failed: {tokens}")
+    for step in (4, 6):
+        st = _rows_state(step)
+        ckptfmt.save(persistent, step, [LocalShard(k, v.shape, v.dtype, Box.full(v.shape), v) for k, v in st.items()],
+                     state={"extra": {"step": step}}, metadata={TIERS_KEY: {"token": tokens[0][step]}})
+    for i, h in enumerate((0, 2)):  # host 1 lost, no spare: the machines of hosts 0 and 2 restart
+        shutil.copytree(saved.url(h), str(run_dir / f"node-{i}" / f"host-{h}"))
+    hits: list[str] = []
+
+    def fault(name: str, sender: int, data: bytes) -> bytes:
+        if ctx.restore_clean or "/serve/" not in name or sender != 0:
+            return data
+        changed = tamper(run_dir, data)
+        if changed != data:
+            hits.append(f"{name} from rank {sender} changed on its way")
+        return changed
+
+    def restore(r: int, m: Any) -> Any:
+        got = m.restore(_rows_state(0))
+        return {"step": got.step, "state": got.state, "tiers": got.stats.get("tiers")}
+    with LogTap() as tap:
+        ranks = managers(2, lambda r: LocalTier(str(run_dir / f"node-{r}"), every=2, keep=3), ThreadShift(2, fault),
+                         restore)
+    truth = [{"a": _rows_state(6)["a"][3 * r:3 * r + 3], "b": _rows_state(6)["b"]} for r in range(2)]
+    notes = [f"rank {r}: step {g['step']}, bytes by tier {g['tiers']}" for r, g in enumerate(ranks) if isinstance(g, dict)]
+    values = [g["state"] if isinstance(g, dict) and g["step"] == 6 else ({"a": None} if isinstance(g, dict) else g)
+              for g in ranks]
+    return RestoreAttempt(where, values, truth, prior=(persistent, 6, _rows_state(6), {"extra": {"step": 6}}),
+                          repos=(persistent, *(saved.url(h) for h in range(3))), fallback=True,
+                          detected=tap.named(["StepMismatchError", "ChecksumMismatchError"]),
+                          reached=ctx.restore_clean or bool(hits), notes=hits + notes)
+
+
+def _retell(data: bytes, change: Any) -> bytes:
+    """A planned-round answer message with ``change(host, answer)`` applied to each answer."""
+    from ckptfmt.manager._tieranswer import pack_answers, unpack_answers
+
+    docs = unpack_answers(data)
+    for h, doc in docs.items():
+        doc["chunks"] = [bytes(c) for c in doc["chunks"]]
+        change(h, doc)
+    return bytes(memoryview(pack_answers(sorted(docs.items()))).cast("B"))
+
+
+def elastic_peer_flipped_chunk(run_dir: Path, ctx: Any) -> RestoreAttempt:
+    def tamper(_: Path, data: bytes) -> bytes:
+        def flip(h: int, doc: dict[str, Any]) -> None:
+            if doc["chunks"]:
+                doc["chunks"][0] = bytes([doc["chunks"][0][0] ^ 0xFF]) + doc["chunks"][0][1:]
+        return _retell(data, flip)
+    return _elastic_restore(run_dir, ctx, tamper, "elastic restore (3 hosts saved, host 1 lost, 2 processes): one "
+                            "byte of a chunk of rank 0's answer (host 0's replica of host 1) flipped on its way")
+
+
+def elastic_peer_other_step(run_dir: Path, ctx: Any) -> RestoreAttempt:
+    def tamper(root: Path, data: bytes) -> bytes:
+        from ckptfmt import Repository
+
+        def stale(h: int, doc: dict[str, Any]) -> None:
+            doc["manifest"] = Repository(str(root / "node-0" / f"host-{h}")).open(4).manifest_bytes
+        return _retell(data, stale)
+    return _elastic_restore(run_dir, ctx, tamper, "elastic restore (3 hosts saved, host 1 lost, 2 processes): rank 0 "
+                            "answers for step 6 with its step 4's manifest (asked 6, serves 4)")
 
 
 def default_mapped() -> bool:

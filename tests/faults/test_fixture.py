@@ -64,7 +64,9 @@ def test_catalogue_covers_the_issue():
                      "aliased-array-mutated", "gc-retention-newest-flipped", "gc-delete-racing-a-save",
                      # issue 47
                      "coop-transit-flip", "coop-sender-other-step", "coop-peer-lost", "tier-peer-other-step",
-                     "tier-peer-flipped-chunk", "tier-mapped-rewrite"):
+                     "tier-peer-flipped-chunk", "tier-mapped-rewrite",
+                     # issue 50
+                     "tier-elastic-peer-flipped-chunk", "tier-elastic-peer-other-step"):
         assert required in names
     for f in faults.CATALOGUE:
         assert f.expect or f.kind in ("gc", "reuse", "tier")  # without errors: gc / the saves / the restore must not raise
@@ -153,8 +155,11 @@ def test_control_restore_across_processes_without_the_fault(name, base, tmp_path
     fallbacks came from. Through the tiers, host 1's bytes then all come from host 0's replica."""
     o = faults.run_fault(name, base, tmp_path, _ctx(restore_clean=True))
     assert _failed_for_real(o) and not o.exposed and o.raised == ["no error"] and o.gc_clean, _explain(o)
-    if name.startswith("tier-"):
+    if name in ("tier-peer-other-step", "tier-peer-flipped-chunk"):
         assert "rank 1: step 6, bytes by tier {'local': 0, 'peer': 88, 'persistent': 0}" in o.notes, _explain(o)
+    if name.startswith("tier-elastic-"):  # rows 3..4 from rank 0's copy, rows 4..6 and b from its own
+        assert any(n.startswith("rank 1: step 6, bytes by tier {'local': 72, 'peer': 16, 'persistent': 0, "
+                                "'persistent_held': 0") for n in o.notes), _explain(o)
 
 
 def test_mapped_rewrite_reports_the_default_and_both_settings(base, tmp_path):

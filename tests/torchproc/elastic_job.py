@@ -22,7 +22,6 @@ from datetime import timedelta
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE))]
 
-import msgpack  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -46,20 +45,19 @@ class Tampering:
 
     def _tamper(self, payload) -> bytes:
         from ckptfmt import Repository
+        from ckptfmt.manager._tieranswer import pack_answers, unpack_answers
 
-        doc = msgpack.unpackb(bytes(payload), raw=False)
-        for entry in doc["answers"]:
-            h, one = entry
-            if self.mode == "corrupt" and one["chunks"]:
+        docs = unpack_answers(payload)
+        for h, one in sorted(docs.items()):
+            if self.mode == "corrupt" and len(one["chunks"]):
                 c = bytearray(one["chunks"][0])
                 c[0] ^= 0xFF
-                one["chunks"][0] = bytes(c)
+                one["chunks"] = [bytes(c)] + [bytes(x) for x in one["chunks"][1:]]
             elif self.mode == "other-step":
                 repo = Repository(os.path.join(self.local_dir, f"host-{h}"))
                 one["manifest"] = repo.open(min(repo.steps())).manifest_bytes  # step 6's manifest for a step-8 ask
-            entry[1] = one
             self.tampered += 1
-        return msgpack.packb(doc, use_bin_type=True)
+        return pack_answers(sorted(docs.items()))
 
     def shift(self, name, payload, offset):
         if "/serve/" in name and dist.get_rank() == self.rank:
