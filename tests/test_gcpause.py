@@ -80,30 +80,38 @@ def _shards(n: int) -> list[ckptfmt.LocalShard]:
     return out
 
 
-def _collections_during_save(tmp_path, name: str, pause: bool) -> tuple[int, bool]:
-    """Automatic collections started while a save of 300 small tensors runs (a low threshold makes
-    them certain without a pause), and whether the collector was enabled after it."""
+@contextmanager
+def _collections(ends: tuple[str, ...], threshold: tuple[int, int, int]) -> Iterator[list[int]]:
+    """The generations of the automatic collections that ckptfmt's work starts inside the block,
+    under a low ``threshold`` (which makes them certain without a pause). A collection counts when
+    its innermost ckptfmt frame is not one of ``ends``: where the pause ends, the first allocation
+    after the collector resumes collects."""
     seen: list[int] = []
 
     def cb(phase: str, info: dict) -> None:
-        # A collection counts when the save's work triggered it: not at the pause's end (the first
-        # allocation after the collector resumes collects, in ckptfmt.save's own frame or the pause's).
         f = sys._getframe(1)
         while f is not None and "/ckptfmt/" not in f.f_code.co_filename.replace("\\", "/"):
             f = f.f_back
-        if phase == "start" and f is not None and f.f_code.co_name not in ("paused_gc", "save"):
+        if phase == "start" and f is not None and f.f_code.co_name not in ends:
             seen.append(info["generation"])
 
-    shards = _shards(300)
     old = gc.get_threshold()
+    gc.set_threshold(*threshold)
+    gc.callbacks.append(cb)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(cb)
+        gc.set_threshold(*old)
+
+
+def _collections_during_save(tmp_path, name: str, pause: bool) -> tuple[int, bool]:
+    """Automatic collections started while a save of 300 small tensors runs, and whether the
+    collector was enabled after it."""
+    shards = _shards(300)
     with _collector(True):
-        gc.set_threshold(50, 2, 2)
-        gc.callbacks.append(cb)
-        try:
+        with _collections(("paused_gc", "save"), (50, 2, 2)) as seen:
             ckptfmt.save(str(tmp_path / name), 1, shards, options=ckptfmt.SaveOptions(pause_gc=pause))
-        finally:
-            gc.callbacks.remove(cb)
-            gc.set_threshold(*old)
         after = gc.isenabled()
     return len(seen), after
 
@@ -133,24 +141,9 @@ def test_a_read_starts_no_collection(tmp_path):
     requests = [(f"t{i:04d}", ckptfmt.Box((0, 0), (8, 2))) for i in range(300)]
     counts = []
     for read in (ck.read_boxes, lambda r: type(ck).read_boxes.__wrapped__(ck, r)):
-        seen: list[int] = []
-
-        def cb(phase: str, info: dict) -> None:
-            f = sys._getframe(1)
-            while f is not None and "/ckptfmt/" not in f.f_code.co_filename.replace("\\", "/"):
-                f = f.f_back
-            if phase == "start" and f is not None and f.f_code.co_name not in ("paused_gc", "run"):
-                seen.append(info["generation"])
-
-        old = gc.get_threshold()
         with _collector(True):
-            gc.set_threshold(20, 2, 2)
-            gc.callbacks.append(cb)
-            try:
+            with _collections(("paused_gc", "run"), (20, 2, 2)) as seen:
                 out = read(requests)
-            finally:
-                gc.callbacks.remove(cb)
-                gc.set_threshold(*old)
             assert gc.isenabled()
         assert all(np.array_equal(o, np.full((8, 2), i, np.float32)) for i, o in enumerate(out))
         counts.append(len(seen))

@@ -241,8 +241,8 @@ def _elastic_peer(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.nda
     process holding it to a process of a job with another process count that needs rows 4..12:
     two pieces of two held boxes, checked by the receiver (``_accept``)."""
     from ckptfmt.manager._tieranswer import pack_answers, serve_hosts, unpack_answers
-    from ckptfmt.manager._tierelastic import _accept, _pack_ask
-    from ckptfmt.manager._tierplan import TierSource, assemble, plan_tier_reads
+    from ckptfmt.manager._tierelastic import _accept, _pack_ask, _Places
+    from ckptfmt.manager._tierplan import TierSource, plan_tier_reads
     from ckptfmt.manager._tiers import HeldBox, write_local_step
 
     repo, inv, _, _ = _tier_holder(tmp)
@@ -270,13 +270,14 @@ def _elastic_peer(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.nda
         answer = pack_answers(sorted(docs.items()))
     probe["effective"] = fault is not None
     stats: dict = {"refused": []}
+    places = _Places([("a", box)], reads)  # each checked piece copied into its place, as elastic_read does
     served, _ = _accept(answer, 0, step=6, token="tok-6", hosts=2, digests={0: inv[6]["digest"]}, reads=reads,
-                        mine=list(range(len(reads))), stats=stats)
+                        mine=list(range(len(reads))), stats=stats, places=places)
     if len(served) < len(reads):
         probe["fallback"] = True  # not served here: the persistent tier (same token) serves those pieces
         assert fault not in ("stale-step", "another-host") or stats["refused"], stats  # refused whole
         return {}
-    return {"a[4:12]": assemble(box, np.dtype(np.float32), [(r.part, served[i]) for i, r in enumerate(reads)], "a")}
+    return {"a[4:12]": places.outputs[0]}
 
 
 def _save_replica(tmp: Path, fault: str | None, probe: dict) -> dict[str, np.ndarray]:

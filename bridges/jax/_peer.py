@@ -90,41 +90,17 @@ class JaxPeerExchange:
         return self._connections[rank]
 
     def shift(self, name: str, payload: Any, offset: int) -> np.ndarray:
-        """Returns the received bytes as a uint8 array: a view of the pulled buffer, no copy."""
-        buf = as_bytes_view(payload)
-        n, call = int(buf.size), self._calls
-        self._calls += 1
-        src = (self.rank - offset) % self.world
-        # The offer: one uint8 array (at least one element), pulled once by rank + offset.
-        offered = jax.device_put(buf if n else np.zeros(1, dtype=np.uint8), self.device)
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
-        self._server.await_pull(call * self.world + self.rank, [offered], timeout=deadline)
-        sizes = [msgpack.unpackb(m) for m in self._coord.allgather(f"{name}/offer", msgpack.packb([n, crc32c(buf)]))]
-        got, error = np.zeros(0, dtype=np.uint8), None
-        try:
-            size, crc = int(sizes[src][0]), int(sizes[src][1])
-            spec = jax.ShapeDtypeStruct((max(size, 1),), np.uint8, sharding=SingleDeviceSharding(self.device))
-            pulled = self._connection(src).pull(call * self.world + src, [spec], timeout=deadline)[0]
-            got = check_payload(np.asarray(pulled)[:size], crc, f"{name} from rank {src}")
-        except CheckpointError as e:  # agreed on below, so every rank raises
-            error = e.to_json()
-        except Exception as e:  # noqa: BLE001 - the transfer service's own error type
-            error = CheckpointError(f"pulling from rank {src} failed: {type(e).__name__}: {e}", object=name,
-                                    expected="the peer's offer", found="an error").to_json()
-        outcome = [msgpack.unpackb(m, raw=False) for m in self._coord.allgather(f"{name}/pulled",
-                                                                                 msgpack.packb(error))]
-        del offered  # every receiver has pulled (or failed): the offer may go
-        failed = [(r, e) for r, e in enumerate(outcome) if e is not None]
-        if failed:  # the lowest failed rank's error, on every rank (one typed error everywhere)
-            r, doc = failed[0]
-            raise CheckpointError.from_json(doc, prefix="" if r == self.rank else f"rank {r}: ")
-        return got
+        """Returns the received bytes as a uint8 array: a view of the pulled buffer, no copy
+        (:meth:`shift_all` of one offset)."""
+        return self.shift_all(name, {offset: payload})[offset]
 
     def shift_all(self, name: str, payloads: Mapping[int, Any]) -> dict[int, np.ndarray]:
         """Several shifts at once, one per offset (every rank passes the same offsets): every offer
         is made, the sizes gathered once, every pull started before any is waited on, and the
         outcomes gathered once, so the transfers overlap and the coordinator is asked twice, not
-        twice per offset. Returns offset -> what rank ``rank - offset`` sent; raises as :meth:`shift`."""
+        twice per offset. Returns offset -> what rank ``rank - offset`` sent (a view of the pulled
+        buffer, its crc32c checked). A failed pull or check on any rank raises the lowest failed
+        rank's CheckpointError on every rank."""
         offsets = sorted(int(d) for d in payloads)
         bufs = [as_bytes_view(payloads[d]) for d in offsets]
         first = self._calls
@@ -137,7 +113,7 @@ class JaxPeerExchange:
         sizes = [msgpack.unpackb(m) for m in self._coord.allgather(
             f"{name}/offer", msgpack.packb([[int(b.size), crc32c(b)] for b in bufs]))]
         got: dict[int, np.ndarray] = {}
-        error = None
+        error, src = None, None
         try:
             pulls = []
             for j, d in enumerate(offsets):
@@ -146,18 +122,18 @@ class JaxPeerExchange:
                 spec = jax.ShapeDtypeStruct((max(size, 1),), np.uint8, sharding=SingleDeviceSharding(self.device))
                 pulls.append((d, src, size, crc, self._connection(src).pull((first + j) * self.world + src, [spec],
                                                                            timeout=deadline)[0]))
-            for d, src, size, crc, pulled in pulls:
+            for d, src, size, crc, pulled in pulls:  # (an offer is at least one element: sliced to its size)
                 got[d] = check_payload(np.asarray(pulled)[:size], crc, f"{name} from rank {src}")
         except CheckpointError as e:  # agreed on below, so every rank raises
             error = e.to_json()
         except Exception as e:  # noqa: BLE001 - the transfer service's own error type
-            error = CheckpointError(f"pulling failed: {type(e).__name__}: {e}", object=name,
-                                    expected="the peers' offers", found="an error").to_json()
+            error = CheckpointError(f"pulling from rank {src} failed: {type(e).__name__}: {e}", object=name,
+                                    expected="the peer's offer", found="an error").to_json()
         outcome = [msgpack.unpackb(m, raw=False) for m in self._coord.allgather(f"{name}/pulled",
                                                                                  msgpack.packb(error))]
         del offered  # every receiver has pulled (or failed): the offers may go
         failed = [(r, e) for r, e in enumerate(outcome) if e is not None]
-        if failed:
+        if failed:  # the lowest failed rank's error, on every rank (one typed error everywhere)
             r, doc = failed[0]
             raise CheckpointError.from_json(doc, prefix="" if r == self.rank else f"rank {r}: ")
         return got

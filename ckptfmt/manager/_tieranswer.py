@@ -59,7 +59,7 @@ def _message(heads: Sequence[tuple[int, Mapping[str, Any], Sequence[int]]]) -> t
 
 
 def pack_answers(answers: Sequence[tuple[int, Mapping[str, Any]]]) -> np.ndarray:
-    """One message of answers ``(host, answer_doc)``, each chunk copied once into its place
+    """One message of answers ``(host, answer)`` (``manifest``, ``refs``, ``chunks``, ``state``), each chunk copied once into its place
     (``numpy.copyto`` releases the GIL)."""
     chunks = [[np.frombuffer(c, dtype=np.uint8) for c in doc.get("chunks") or []] for _, doc in answers]
     buf, places = _message([(h, doc, [c.size for c in cs]) for (h, doc), cs in zip(answers, chunks)])

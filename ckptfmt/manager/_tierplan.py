@@ -23,10 +23,10 @@ import numpy as np
 
 from ckptfmt._types import Box
 from ckptfmt.dtypes import numpy_dtype
-from ckptfmt.errors import CheckpointError, InvalidStateError
+from ckptfmt.errors import CheckpointError
 from ckptfmt.manager._tiers import HeldBox
 
-__all__ = ["TierSource", "TierRead", "TierPlan", "plan_tier_reads", "assign_hosts", "assemble"]
+__all__ = ["TierSource", "TierRead", "TierPlan", "plan_tier_reads", "assign_hosts"]
 
 Request = tuple[str, Box]
 #: A request cut into more cells than this is read from its sources cell by cell only up to here;
@@ -191,24 +191,3 @@ def plan_tier_reads(me: int, requests: Sequence[Request], sources: Sequence[Tier
         else:
             reads.extend(TierRead(i, key, c) for c in unheld)
     return TierPlan(tuple(reads), tuple(empty))
-
-
-def assemble(box: Box, dtype: np.dtype, pieces: Sequence[tuple[Box, np.ndarray]], key: str) -> np.ndarray:
-    """The request ``box`` from its verified pieces (global ``part``, array): the array itself when
-    one piece is the whole box, else one fresh array. Pieces that differ from their part in shape,
-    or from each other in dtype, raise (the receiver verifies: nothing is cast or padded)."""
-    if len(pieces) == 1 and pieces[0][0] == box and tuple(pieces[0][1].shape) == box.shape:
-        return pieces[0][1]
-    out = np.empty(box.shape, dtype=dtype)
-    covered = 0
-    for part, a in pieces:
-        if a.dtype != out.dtype or tuple(a.shape) != part.shape:
-            raise InvalidStateError("the pieces of one box differ", key=key, object=f"box at {list(box.offset)}",
-                                    expected=f"{out.dtype} {part.shape}", found=f"{a.dtype} {tuple(a.shape)}")
-        out[part.slices(box.offset)] = a
-        covered += part.size
-    if covered != box.size:
-        raise InvalidStateError("the pieces of a box do not cover it", key=key, object=f"box at {list(box.offset)}",
-                                expected=f"{box.size} elements", found=f"{covered} elements")
-    return out
-

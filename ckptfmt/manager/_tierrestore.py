@@ -46,7 +46,7 @@ from ckptfmt.repository import Repository
 from ckptfmt.state import decode_state
 
 __all__ = ["inventory", "feasible_steps", "tiered_read", "cover", "by_key", "held_tensors", "serve_replica",
-           "accept_replica", "answer_parts", "answer_doc", "persistent_token", "step_token", "ask_limits"]
+           "accept_replica", "answer_parts", "persistent_token", "step_token", "ask_limits"]
 
 _log = logging.getLogger("ckptfmt.manager")
 Request = tuple[str, Box]
@@ -248,11 +248,6 @@ def serve_replica(repo: Repository, asker: int, payload: Any) -> bytes:
 
 
 def answer_parts(repo: Repository, step: int, reqs: Sequence[tuple[str, Box]]) -> bytes:
-    """:func:`answer_doc`, packed."""
-    return msgpack.packb(answer_doc(repo, step, reqs), use_bin_type=True)
-
-
-def answer_doc(repo: Repository, step: int, reqs: Sequence[tuple[str, Box]]) -> dict[str, Any]:
     """A holder's answer for the parts ``reqs`` (local key path, box within it) of its local step
     ``step``: the manifest as stored, the stored chunks the parts touch (each read and checked
     against that manifest) and the stored bytes of the global state. A part that does not read is
@@ -269,8 +264,8 @@ def answer_doc(repo: Repository, step: int, reqs: Sequence[tuple[str, Box]]) -> 
         except CheckpointError as e:
             _log.warning("local tier: %s does not serve %s of step %d to its peer: %s: %s", repo.url, req[0], step,
                          type(e).__name__, e)
-    return {"manifest": ckpt.manifest_bytes, "refs": [[k, c] for k, c in refs], "chunks": chunks,
-            "state": ckpt.state_bytes("global")}
+    return msgpack.packb({"manifest": ckpt.manifest_bytes, "refs": [[k, c] for k, c in refs], "chunks": chunks,
+                          "state": ckpt.state_bytes("global")}, use_bin_type=True)
 
 
 def accept_replica(answer: Any, *, step: int, token: str, holder: int, world: int, digest: str | None,
