@@ -10,7 +10,7 @@ import numpy as np
 __all__ = ["Box", "TensorSharding", "LocalShard"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Box:
     """A rectangular region of a tensor in global coordinates: ``offset`` and ``shape`` per dimension."""
 
@@ -18,8 +18,8 @@ class Box:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "offset", tuple(int(x) for x in self.offset))
-        object.__setattr__(self, "shape", tuple(int(x) for x in self.shape))
+        object.__setattr__(self, "offset", _int_tuple(self.offset))
+        object.__setattr__(self, "shape", _int_tuple(self.shape))
         if len(self.offset) != len(self.shape):
             raise ValueError(f"box offset {self.offset} and shape {self.shape} differ in rank")
 
@@ -83,7 +83,7 @@ class TensorSharding:
 ArrayLike = Union[np.ndarray, Callable[[], np.ndarray]]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class LocalShard:
     """One block of a global tensor held by this process.
 
@@ -107,7 +107,7 @@ class LocalShard:
     source: object = field(default=None, compare=False, repr=False)  # a framework's array: the core never names its type
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "global_shape", tuple(int(x) for x in self.global_shape))
+        object.__setattr__(self, "global_shape", _int_tuple(self.global_shape))
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
     def materialize(self) -> np.ndarray:
@@ -115,3 +115,11 @@ class LocalShard:
         if d is None:
             raise ValueError(f"shard of {self.key!r} at {self.box} has no data")
         return np.asarray(d)
+
+
+def _int_tuple(values: Any) -> tuple[int, ...]:
+    """``values`` as a tuple of Python ints: the very tuple when it is one already (a save of many
+    tensors then keeps one shape tuple per tensor, not one per object that names it)."""
+    if type(values) is tuple and all(type(x) is int for x in values):
+        return values
+    return tuple(int(x) for x in values)

@@ -8,7 +8,7 @@ module re-exports its names and the geometry's, the import path the core has use
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -37,7 +37,7 @@ DEFAULT_CHUNK_TARGET_BYTES = 4 << 20
 CHUNK_FLOOR_DIVISOR = 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WriteItem:
     """One shard object to write: the grid cell, its global box and its writer."""
 
@@ -46,7 +46,7 @@ class WriteItem:
     writer: int
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class TensorWritePlan:
     """Which writer writes each shard of one tensor: grid cells in C order and their writers."""
 
@@ -56,6 +56,9 @@ class TensorWritePlan:
     geometry: TensorGeometry
     cells: np.ndarray    # (N, ndim) int64, C order over the shard grid
     writers: np.ndarray  # (N,) int64
+    # Items built so far, by rank (None: all of them): a save reuses the plan of an earlier save of
+    # the same layout (ckptfmt.session), and its items too. Not a field of the plan's value.
+    _items: dict[int | None, tuple[WriteItem, ...]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def items(self) -> tuple[WriteItem, ...]:
@@ -68,14 +71,18 @@ class TensorWritePlan:
             rows = np.flatnonzero(self.writers == rank)
             if len(rows) == len(self.writers):  # the only writer (one process): the items themselves
                 return self.items
-            built = self.__dict__.get("_items", {}).get(None)
+            built = self._items.get(None) if self._items is not None else None
             return tuple(built[int(i)] if built is not None else self._item(int(i)) for i in rows)
 
         return list(self._memo(rank, build))
 
     def _memo(self, rank: int | None, build: Any) -> tuple[WriteItem, ...]:
-        # A save reuses the plan of an earlier save of the same layout (ckptfmt.session): its items too.
-        memo = self.__dict__.setdefault("_items", {})
+        if not len(self.writers):  # no shard (an empty tensor): nothing to build or keep
+            return ()
+        memo = self._items
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_items", memo)
         got = memo.get(rank)
         if got is None:
             got = memo[rank] = build()
@@ -194,6 +201,7 @@ def _plan(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], keys: list[
     order: np.ndarray | None = None  # held boxes sorted by tensor, for the per-tensor path
     bounds: list[int] = []
     plans: list[TensorWritePlan] = []
+    none: np.ndarray | None = None
     for index, (key, shape, (_, dtype, itemsize), is_slow) in enumerate(zip(keys, shapes, specs, slow.tolist())):
         if is_slow:
             if order is None:
@@ -210,7 +218,11 @@ def _plan(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], keys: list[
             like = shared[shape, gcds[index], itemsize] = (geom, grid_cells(geom.grid))
             like[1].flags.writeable = False
         geom, cells = like
-        plans.append(TensorWritePlan(key, index, dtype, geom, cells, writers[base[index]:base[index] + len(cells)]))
+        if len(cells):
+            plans.append(TensorWritePlan(key, index, dtype, geom, cells, writers[base[index]:base[index] + len(cells)]))
+        else:  # an empty tensor: the plans of every one share one empty writer column
+            none = none if none is not None else writers[:0]
+            plans.append(TensorWritePlan(key, index, dtype, geom, cells, none))
     return plans
 
 
@@ -227,21 +239,27 @@ class Owners:
 
 def regular_owners(shapes: Sequence[tuple[int, ...]], held: Held, world: int) -> Owners:
     """Vectorized plan of every tensor whose boxes all lie inside it, are non-empty, have its
-    rank and cover exactly one grid cell each, and whose every cell is held: the writers
+    rank and cover exactly one grid cell each, and whose every cell is held, and of every empty
+    tensor (a zero dimension: no cell) that some rank holds with boxes of its rank inside it: the writers
     :func:`plan_save`'s per-tensor path would choose, for all of them at once. Pure."""
     t, offs, shps = held.tensor, held.offs, held.shps
     T, D = len(shapes), offs.shape[1]
     tndim = np.fromiter(map(len, shapes), np.int64, count=T)
     tshape = _padded(np.fromiter(chain.from_iterable(shapes), np.int64, count=int(tndim.sum())), tndim, D, 1).T  # (D, T)
+    # An empty tensor (a zero dimension) has no shard: its held boxes need only its rank and to
+    # lie inside it; any other tensor's boxes must each be non-empty as well.
+    empty = np.any(tshape <= 0, axis=0)
+    in_empty = empty.take(t)
     bad = held.ndim != tndim[t]
     gcds = np.zeros((D, T), np.int64)
     for d in range(D):  # column by column: D is small, the box count large
         a, n = offs[:, d], tshape[d].take(t)
         b = a + shps[:, d]
-        bad |= (a < 0) | (b <= a) | (b > n)
+        bad |= (a < 0) | np.where(in_empty, b < a, b <= a) | (b > n)
         # The gcd of interior boundaries (for a box inside its tensor, a == n or b == 0 only when empty).
         np.gcd.at(gcds[d], t, np.gcd(np.where(a < n, a, 0), np.where(b < n, b, 0)))
-    slow = (np.bincount(t[bad], minlength=T) > 0) | (np.bincount(t, minlength=T) == 0) | np.any(tshape <= 0, axis=0)
+    gcds[:, empty] = 0  # no interior boundary: one shard spanning each dimension, as plan_save has it
+    slow = (np.bincount(t[bad], minlength=T) > 0) | (np.bincount(t, minlength=T) == 0)
     ss = np.where(gcds > 0, gcds, np.maximum(tshape, 1))
     grid = -(-tshape // ss)
     # Offsets are multiples of the shard shape, so a box is one cell iff no wider than one shard.
@@ -252,10 +270,10 @@ def regular_owners(shapes: Sequence[tuple[int, ...]], held: Held, world: int) ->
         multi |= shps[:, d] > sd
         cell *= grid[d].take(t)
         cell += offs[:, d] // sd
-    slow |= np.bincount(t[multi], minlength=T) > 0
-    ncells = np.where(slow, 0, np.prod(grid, axis=0))
+    slow |= np.bincount(t[multi & ~in_empty], minlength=T) > 0
+    ncells = np.where(slow, 0, np.prod(grid, axis=0))  # 0 for an empty tensor: nothing to deal
     base = np.cumsum(ncells) - ncells
-    good = ~slow[t]
+    good = ~slow[t] & ~in_empty
     total = int(ncells.sum())
     of_cell = np.repeat(np.arange(T), ncells)
     # Each cell's turn: its tensor's position in key order plus its flat index in the tensor.

@@ -179,9 +179,20 @@ def _layouts(draw):
     for t in range(draw(st.integers(1, 4))):
         nd = draw(st.integers(0, 3))
         shape = tuple(draw(st.integers(1, 9)) for _ in range(nd))
-        block = tuple(draw(st.integers(1, n)) for n in shape)
         key = f"t{t}"
         inventory[key] = (shape, draw(st.sampled_from(["float32", "int8", "float64"])), 4)
+        if nd and draw(st.integers(0, 4)) == 0:  # an empty tensor: held whole (an empty box) by some ranks
+            shape = tuple(0 if d == draw(st.integers(0, nd - 1)) else n for d, n in enumerate(shape))
+            inventory[key] = (shape,) + inventory[key][1:]
+            for r in draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=3)):
+                rank_boxes[r].setdefault(key, []).append((Box((0,) * nd, shape), draw(st.integers(0, 2))))
+            if draw(st.booleans()):
+                regular.add(key)
+            else:  # a box of another rank, or outside it: the general path raises
+                bad = Box((0,) * (nd + 1), (0,) * (nd + 1)) if draw(st.booleans()) else Box((0,) * nd, tuple(n + 1 for n in shape))
+                rank_boxes[0].setdefault(key, []).append((bad, 0))
+            continue
+        block = tuple(draw(st.integers(1, n)) for n in shape)
         grid = [range(0, n, b) for n, b in zip(shape, block)]
         twist = draw(st.sampled_from(["regular"] * 4 + ["gap", "span", "outside", "empty"]))
         if twist == "regular" and nd:

@@ -199,12 +199,22 @@ def import_safetensors(src: str, url: str, *, step: int | None = None, prefix: s
     MissingShardError, ChecksumMismatchError, StepAlreadyCommittedError ...; nothing committed.
     """
     source = SafetensorsSource(str(src), options=options)
-
-    def reader(name: str) -> Callable[[Box], Any]:
-        return lambda box: source.read_boxes([(name, box)])[0]
-
-    tensors = [ImportTensor(prefix + k, tuple(source.tensor(k).shape), source.tensor(k).dtype, reader(k))
-               for k in sorted(source.keys(), key=natural_key)]
+    tensors = []
+    for k in sorted(source.keys(), key=natural_key):
+        t = source.tensor(k)
+        tensors.append(ImportTensor(prefix + k, tuple(t.shape), t.dtype, _SourceBlock(source, k)))
     return import_tensors(url, source.step if step is None else step, tensors,
                           provenance=safetensors_provenance(source, str(src)), progress=progress,
                           max_tensors=max_tensors)
+
+
+class _SourceBlock:
+    """``read(box)`` of one tensor of a safetensors source (a small object per tensor)."""
+
+    __slots__ = ("source", "name")
+
+    def __init__(self, source: SafetensorsSource, name: str) -> None:
+        self.source, self.name = source, name
+
+    def __call__(self, box: Box) -> Any:
+        return self.source.read_boxes([(self.name, box)])[0]

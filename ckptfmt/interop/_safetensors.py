@@ -69,7 +69,7 @@ META_CRC = "ckptfmt.crc32c"          # JSON: name -> concatenated 8-hex-digit cr
 META_TABLE_CRC = "ckptfmt.table_crc32c"  # 8 hex digits: crc32c of the canonical tensor table
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StEntry:
     """One tensor of a safetensors file: absolute byte range ``[begin, end)`` in the file."""
 

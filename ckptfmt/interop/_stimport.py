@@ -45,7 +45,7 @@ BATCH_BYTES = 64 << 20
 Progress = Callable[[int, int], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ImportTensor:
     """One tensor of a source: the key it gets, its global shape and format dtype, and ``read(box)``,
     which returns that block (C order, that dtype), raising a CheckpointError when it cannot."""
@@ -110,40 +110,59 @@ def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, prov
     if len(set(keys)) != len(keys):
         dup = sorted(k for k in set(keys) if keys.count(k) > 1)
         raise InvalidSourceError("two source tensors map to one key", key=dup[0], expected="distinct keys", found=dup[:5])
-    total = sum(t.nbytes for t in tensors)
-    done = [0]
-    failures: list[CheckpointError] = []
+    del keys
+    run = _Run(sum(t.nbytes for t in tensors), progress)
     shards: list[LocalShard] = []
+    dtypes: dict[str, np.dtype] = {}  # one dtype object per name, shared by every shard
     for t in tensors:
-        dt = numpy_dtype(dtype_name(numpy_dtype(t.dtype), key=t.key))
-        for box in row_boxes(tuple(t.shape), dt.itemsize, block_bytes):
-            shards.append(LocalShard(t.key, tuple(t.shape), dt, box, _producer(t, box, dt, failures, done, total, progress)))
+        dt = dtypes.get(t.dtype)
+        if dt is None:
+            dt = dtypes[t.dtype] = numpy_dtype(dtype_name(numpy_dtype(t.dtype), key=t.key))
+        for box in row_boxes(t.shape, dt.itemsize, block_bytes):
+            shards.append(LocalShard(t.key, t.shape, dt, box, _Block(t, box, dt, run)))
     opts = options if options is not None else SaveOptions(max_inflight_bytes=SAVE_WINDOW)
     try:
         save(url, step, shards, state=state, metadata={"import": dict(provenance)}, options=opts)
     except CheckpointError as e:
-        if failures:
-            raise failures[0] from e
+        if run.failures:
+            raise run.failures[0] from e
         raise
-    return ImportReport(str(url), int(step), len(tensors), total, time.perf_counter() - t0, dict(provenance))
+    return ImportReport(str(url), int(step), len(tensors), run.total, time.perf_counter() - t0, dict(provenance))
 
 
-def _producer(t: ImportTensor, box: Box, dt: np.dtype, failures: list[CheckpointError], done: list[int],
-              total: int, progress: Progress | None) -> Callable[[], np.ndarray]:
-    def produce() -> np.ndarray:
+class _Run:
+    """What every block of one import shares: the bytes read so far, the first failures, progress."""
+
+    __slots__ = ("total", "done", "failures", "progress")
+
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.total, self.done, self.progress = total, 0, progress
+        self.failures: list[CheckpointError] = []
+
+
+class _Block:
+    """A shard's data: reads ``box`` of ``tensor`` when the save writes it and checks its shape and
+    dtype (a small object per shard: an import of 100,000 tensors holds 100,000 of them)."""
+
+    __slots__ = ("tensor", "box", "dtype", "run")
+
+    def __init__(self, tensor: ImportTensor, box: Box, dtype: np.dtype, run: _Run) -> None:
+        self.tensor, self.box, self.dtype, self.run = tensor, box, dtype, run
+
+    def __call__(self) -> np.ndarray:
+        t, box, dt, run = self.tensor, self.box, self.dtype, self.run
         try:
             arr = t.read(box)
             if tuple(arr.shape) != box.shape or arr.dtype != dt:
                 raise ShapeMismatchError("a source block does not have the shape and dtype its header declares",
                                          key=t.key, expected=(box.shape, dt.name), found=(tuple(arr.shape), arr.dtype.name))
         except CheckpointError as e:
-            failures.append(e)
+            run.failures.append(e)
             raise
-        done[0] += int(arr.nbytes)
-        if progress:
-            progress(done[0], total)
+        run.done += int(arr.nbytes)
+        if run.progress:
+            run.progress(run.done, run.total)
         return arr
-    return produce
 
 
 class BatchReader:

@@ -50,7 +50,7 @@ READ_WINDOW = 16 << 20
 REMOTE_GAP = 64 << 10
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourceTensor:
     """One tensor of the source, as :meth:`SafetensorsSource.tensor` returns it (``key``, ``shape``,
     ``dtype`` as a manifest's TensorEntry has them) plus where its bytes lie."""
