@@ -25,7 +25,7 @@ class Box:
 
     @classmethod
     def full(cls, shape: tuple[int, ...]) -> "Box":
-        return cls((0,) * len(shape), tuple(shape))
+        return cls(_ZEROS[len(shape)] if len(shape) < len(_ZEROS) else (0,) * len(shape), tuple(shape))
 
     @property
     def stop(self) -> tuple[int, ...]:
@@ -115,6 +115,10 @@ class LocalShard:
         if d is None:
             raise ValueError(f"shard of {self.key!r} at {self.box} has no data")
         return np.asarray(d)
+
+
+#: The origin of each rank up to 8: every whole box of that rank shares it (a constant).
+_ZEROS: tuple[tuple[int, ...], ...] = tuple((0,) * n for n in range(9))
 
 
 def _int_tuple(values: Any) -> tuple[int, ...]:
