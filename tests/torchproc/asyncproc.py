@@ -12,6 +12,8 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,21 @@ def _expect(args: dict[str, Any], name: str, net: Any, opt: Any) -> None:
     expect = full_np(dict(zip(("model", "optim"), train_state(net, opt))))
     if dist.get_rank() == 0:
         np.savez(Path(args["workdir"]) / f"{name}.npz", **{k.replace("/", "|"): v for k, v in expect.items()})
+
+
+def _wait_request_sent(timeout: float) -> None:
+    """DCP sends the staged state to its checkpoint process from a thread of its own once the
+    staging completes, and then waits for the answer (``_wait_for_response``, torch 2.13). A kill
+    before that send loses the request, which is not what this scenario kills: wait for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for frame in sys._current_frames().values():
+            while frame is not None:
+                if frame.f_code.co_name == "_wait_for_response":
+                    return
+                frame = frame.f_back
+        time.sleep(0.02)
+    raise RuntimeError(f"DCP did not send the save request to its checkpoint process within {timeout} s")
 
 
 def train_and_kill(args: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +76,8 @@ def train_and_kill(args: dict[str, Any]) -> dict[str, Any]:
     second = save(2, ckptfmt.SaveOptions(max_write_bytes_per_s=float(args["write_bytes_per_s"])))
     if isinstance(second, AsyncSaveResponse):
         second.staging_completion.result(timeout=120)
+    if not kill_checkpointer:
+        _wait_request_sent(timeout=60)
     fake_step(net, opt, world)  # the training goes on; the staged copy must not change
     _expect(args, "after", net, opt)
     dist.barrier()  # both ranks staged before either dies
