@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -121,13 +121,21 @@ def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, prov
         for box in row_boxes(t.shape, dt.itemsize, block_bytes):
             shards.append(LocalShard(t.key, t.shape, dt, box, _Block(t, box, dt, run)))
     opts = options if options is not None else SaveOptions(max_inflight_bytes=SAVE_WINDOW)
-    try:
-        save(url, step, shards, state=state, metadata={"import": dict(provenance)}, options=opts)
+    try:  # the save takes the blocks one by one and lets go of them once written
+        save(url, step, _drain(shards), state=state, metadata={"import": dict(provenance)}, options=opts)
     except CheckpointError as e:
         if run.failures:
             raise run.failures[0] from e
         raise
     return ImportReport(str(url), int(step), len(tensors), run.total, time.perf_counter() - t0, dict(provenance))
+
+
+def _drain(items: list[LocalShard]) -> Iterator[LocalShard]:
+    """``items`` in order, each taken out of the list as it is handed over (the list is this
+    module's own): the caller then holds no block that the save has let go of."""
+    items.reverse()
+    while items:
+        yield items.pop()
 
 
 class _Run:

@@ -215,7 +215,12 @@ def _save(repo: Repository | str | os.PathLike[str], step: int, shards: Iterable
         if "error" in begin:
             raise CheckpointError.from_json(begin["error"])
         save_id = begin["save_id"]
-        manifest = _run(repository, storage, coord, opts, step, save_id, local_error or local, state, rank_state,
+        # _run holds the only reference to this rank's blocks, and lets go of them once they are
+        # written: the commit of a large state does not keep its inputs (a caller that passed an
+        # iterator holds none either).
+        inputs: list[dict[str, list[LocalShard]] | CheckpointError] = [local_error or local]
+        del local
+        manifest = _run(repository, storage, coord, opts, step, save_id, inputs, state, rank_state,
                         metadata, versions, heartbeat, begin.get("previous"))
         committed = True
         return manifest
@@ -320,10 +325,13 @@ def _index_shards(shards: Iterable[LocalShard]) -> dict[str, list[LocalShard]]:
 
 
 def _run(repository: Repository, storage: Storage, coord: Coordinator, opts: SaveOptions, step: int, save_id: str,
-         local: dict[str, list[LocalShard]] | CheckpointError, state: Any, rank_state: Any,
+         inputs: list[dict[str, list[LocalShard]] | CheckpointError], state: Any, rank_state: Any,
          metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None,
          heartbeat: "_Heartbeat | None", pinned: Any = None) -> Manifest:
+    """Steps 2 to 5 of a save. ``inputs`` holds this rank's blocks by key (or the error its inputs
+    raised), taken out of it here: they are let go of once written."""
     rank, world = coord.rank, coord.world
+    local = inputs.pop()
     if isinstance(local, CheckpointError):  # this rank's inputs were bad: say so in the freeze, then fail
         coord.allgather("save/freeze", _pack({"error": _err_json(local)}), opts.timeout_s)
         raise local
@@ -338,10 +346,12 @@ def _run(repository: Repository, storage: Storage, coord: Coordinator, opts: Sav
                                 codec=opts.codec, exclude=frozenset(pinned[2]) if pinned else frozenset(),
                                 packed=opts.layout == "packed" and opts.codec == "raw")
     records: list[ShardRecord] = []
+    shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
     try:
         settings = WriteSettings(opts.write_window_bytes, opts.max_write_bytes_per_s, opts.jitter_s, opts.codec,
                                  opts.codec_level, opts.layout == "packed" and opts.codec == "raw", opts.pack_bytes)
         records = write_and_verify(storage, plans, local, save_id, rank, settings, clock, reuse=reuse)
+        del local  # written and verified: the blocks are not needed again
         t = time.perf_counter()
         state_entries = write_state(storage, save_id, rank, state, rank_state)
         t = clock.add("state", t)
@@ -363,7 +373,7 @@ def _run(repository: Repository, storage: Storage, coord: Coordinator, opts: Sav
     # 5. commit (rank 0), then tell everyone.
     outcome: dict[str, Any] = {}
     if rank == 0:
-        outcome = _commit(repository, storage, heartbeat, save_id, step, world, plans, acks, local, metadata, versions, opts)
+        outcome = _commit(repository, storage, heartbeat, save_id, step, world, plans, acks, shardings, metadata, versions, opts)
     checked = outcome.pop("parsed", None)  # rank 0 validated the manifest it created: not parsed twice
     # The other ranks learn the outcome (and the manifest's bytes) from rank 0; rank 0 keeps its own
     # and a single process sends nothing: a manifest of 100,000 tensors is 30 MB, and its packed
@@ -440,7 +450,7 @@ def _plan_key(inventory_digest: str, chunk_target_bytes: int, packed: list[Any])
 
 
 def _commit(repository: Repository, storage: Storage, heartbeat: "_Heartbeat | None", save_id: str, step: int, world: int,
-            plans: list[TensorWritePlan], acks: list[dict[str, Any]], local: dict[str, list[LocalShard]],
+            plans: list[TensorWritePlan], acks: list[dict[str, Any]], shardings: Mapping[str, Any],
             metadata: Mapping[str, Any] | None, versions: Mapping[str, str] | None, opts: SaveOptions) -> dict[str, Any]:
     """Step 5 on rank 0: build and check the manifest, pass the fence, create it; the outcome message."""
     failed = [(r, a["error"]) for r, a in enumerate(acks) if "error" in a]
@@ -450,7 +460,6 @@ def _commit(repository: Repository, storage: Storage, heartbeat: "_Heartbeat | N
             f"writer rank {r} failed ({e['error']}: {e['message']}); nothing was committed",
             key=e.get("key"), object=e.get("object"), expected=e.get("expected"), found=e.get("found")))}
     try:
-        shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
         manifest = _build_manifest(save_id, step, world, plans, acks, shardings, metadata, versions, opts)
         data = manifest.to_bytes()
         del manifest  # the parse of its bytes below is what the commit returns: one copy at a time
