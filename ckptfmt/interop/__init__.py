@@ -26,7 +26,7 @@ other subpackage may import it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ckptfmt.interop._safetensors import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from ckptfmt.interop._stexport import (BLOCK_BYTES, CRC_BLOCK, READ_WINDOW, BlockSource, ExportFile, ExportPlan,
@@ -199,13 +199,18 @@ def import_safetensors(src: str, url: str, *, step: int | None = None, prefix: s
     MissingShardError, ChecksumMismatchError, StepAlreadyCommittedError ...; nothing committed.
     """
     source = SafetensorsSource(str(src), options=options)
-    tensors = []
+    provenance = safetensors_provenance(source, str(src))
+    at = source.step if step is None else step
+    tensors = _source_tensors(source, prefix)
+    del source  # its readers hold it, and go once their blocks are written: the commit does not keep it
+    return import_tensors(url, at, tensors, provenance=provenance, progress=progress, max_tensors=max_tensors)
+
+
+def _source_tensors(source: SafetensorsSource, prefix: str) -> Iterator[ImportTensor]:
+    """The tensors of ``source`` in natural key order, each read through a :class:`_SourceBlock`."""
     for k in sorted(source.keys(), key=natural_key):
         t = source.tensor(k)
-        tensors.append(ImportTensor(prefix + k, tuple(t.shape), t.dtype, _SourceBlock(source, k)))
-    return import_tensors(url, source.step if step is None else step, tensors,
-                          provenance=safetensors_provenance(source, str(src)), progress=progress,
-                          max_tensors=max_tensors)
+        yield ImportTensor(prefix + k, tuple(t.shape), t.dtype, _SourceBlock(source, k))
 
 
 class _SourceBlock:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -84,7 +85,7 @@ def row_boxes(shape: tuple[int, ...], itemsize: int, block_bytes: int = BLOCK_BY
             for lo in range(0, shape[0], per)]
 
 
-def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, provenance: Mapping[str, Any],
+def import_tensors(url: str, step: int, tensors: Iterable[ImportTensor], *, provenance: Mapping[str, Any],
                    progress: Progress | None = None, block_bytes: int = BLOCK_BYTES,
                    options: Any = None, state: Any = None, max_tensors: int | None = None) -> ImportReport:
     """Save ``tensors`` as step ``step`` of the repository at ``url`` (one process), streaming.
@@ -95,9 +96,12 @@ def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, prov
     A source with no tensors is InvalidSourceError (nothing committed), never an empty step; so is
     one with more than ``max_tensors`` (default :data:`MAX_IMPORT_TENSORS`), before anything is read.
     ``provenance`` (plain JSON) becomes ``metadata["import"]``; ``state`` the global non-tensor
-    state (e.g. the JAX profile's record of scalar leaves).
+    state (e.g. the JAX profile's record of scalar leaves). ``tensors`` may be any iterable: from
+    an iterator (that the caller keeps no list of) each tensor, its reader included, is let go of
+    once its blocks are written, before the commit.
     """
     t0 = time.perf_counter()
+    tensors = list(tensors)
     if not tensors:  # an empty step would look like a successful import of nothing
         raise InvalidSourceError("the source holds no tensors: nothing to import", object=str(provenance.get("source")),
                                  expected="at least one tensor", found="none")
@@ -106,9 +110,9 @@ def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, prov
         raise InvalidSourceError(f"the source holds {len(tensors):,} tensors, over the import cap of {cap:,}; pass "
                                  "max_tensors= (ckptfmt import --max-tensors) to import it anyway",
                                  object=str(provenance.get("source")), expected=f"<= {cap} tensors", found=len(tensors))
-    keys = [t.key for t in tensors]
-    if len(set(keys)) != len(keys):
-        dup = sorted(k for k in set(keys) if keys.count(k) > 1)
+    keys = Counter(t.key for t in tensors)
+    if len(keys) != len(tensors):
+        dup = sorted(k for k, n in keys.items() if n > 1)
         raise InvalidSourceError("two source tensors map to one key", key=dup[0], expected="distinct keys", found=dup[:5])
     del keys
     run = _Run(sum(t.nbytes for t in tensors), progress)
@@ -120,6 +124,8 @@ def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, prov
             dt = dtypes[t.dtype] = numpy_dtype(dtype_name(numpy_dtype(t.dtype), key=t.key))
         for box in row_boxes(t.shape, dt.itemsize, block_bytes):
             shards.append(LocalShard(t.key, t.shape, dt, box, _Block(t, box, dt, run)))
+    count = len(tensors)
+    del tensors, t  # each tensor lives on in its blocks only, which the save lets go of once written
     opts = options if options is not None else SaveOptions(max_inflight_bytes=SAVE_WINDOW)
     try:  # the save takes the blocks one by one and lets go of them once written
         save(url, step, _drain(shards), state=state, metadata={"import": dict(provenance)}, options=opts)
@@ -127,7 +133,7 @@ def import_tensors(url: str, step: int, tensors: Sequence[ImportTensor], *, prov
         if run.failures:
             raise run.failures[0] from e
         raise
-    return ImportReport(str(url), int(step), len(tensors), run.total, time.perf_counter() - t0, dict(provenance))
+    return ImportReport(str(url), int(step), count, run.total, time.perf_counter() - t0, dict(provenance))
 
 
 def _drain(items: list[LocalShard]) -> Iterator[LocalShard]:
