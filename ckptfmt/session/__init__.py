@@ -346,8 +346,9 @@ def _run(repository: Repository, storage: Storage, coord: Coordinator, opts: Sav
                                 codec=opts.codec, exclude=frozenset(pinned[2]) if pinned else frozenset(),
                                 packed=opts.layout == "packed" and opts.codec == "raw")
     records: list[ShardRecord] = []
-    shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
+    shardings: dict[str, Any] = {}  # what the commit records of the blocks' sharding (rank 0's)
     try:
+        shardings = {k: (v[0].sharding.to_json() if v[0].sharding is not None else None) for k, v in local.items()}
         settings = WriteSettings(opts.write_window_bytes, opts.max_write_bytes_per_s, opts.jitter_s, opts.codec,
                                  opts.codec_level, opts.layout == "packed" and opts.codec == "raw", opts.pack_bytes)
         records = write_and_verify(storage, plans, local, save_id, rank, settings, clock, reuse=reuse)
@@ -378,7 +379,7 @@ def _run(repository: Repository, storage: Storage, coord: Coordinator, opts: Sav
     # The other ranks learn the outcome (and the manifest's bytes) from rank 0; rank 0 keeps its own
     # and a single process sends nothing: a manifest of 100,000 tensors is 30 MB, and its packed
     # message and the copy unpacked from it were two more.
-    message = _pack(outcome) if rank == 0 and world > 1 else b"" if rank == 0 else None
+    message = None if rank != 0 else _pack(outcome) if world > 1 else b""
     got = coord.broadcast("save/commit", message, 0, opts.timeout_s)
     del message
     if rank != 0:
