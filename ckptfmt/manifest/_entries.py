@@ -4,13 +4,15 @@ parses the whole document; :mod:`ckptfmt.manifest._fast` checks the common case 
 once and falls back on :func:`_tensors_exact` here."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -23,7 +25,7 @@ from ckptfmt.shard import shard_sizes
 _CONTROL = re.compile("[\x00-\x1f\x7f]")  # C0 controls and DEL
 
 __all__ = ["ArraySpec", "PackedRows", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key", "CODECS",
-           "DerivedColumns", "derived_columns"]
+           "DerivedColumns", "derived_columns", "empty_tables", "replace_entry"]
 
 MAX_KEY_LEN = 4096
 MAX_OBJECT_KEY_LEN = 1024
@@ -133,7 +135,9 @@ def derived_columns(geom: TensorGeometry, max_chunks: int | None = None) -> Deri
     return DerivedColumns(arrays[0], keys, *arrays[1:])
 
 
-@dataclass(frozen=True)
+# Entries, specs and tables are slotted: a manifest holds one of each per tensor (100,000 tensors
+# and more), and a per-object __dict__ would be most of an empty tensor's cost.
+@dataclass(frozen=True, slots=True)
 class ArraySpec:
     path: str
     shard_shape: tuple[int, ...]
@@ -141,7 +145,7 @@ class ArraySpec:
     codec: str = "raw"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class ShardTable:
     offset: np.ndarray        # (S, ndim) int64
     writer: np.ndarray        # (S,) int64
@@ -153,14 +157,24 @@ class ShardTable:
         return len(self.key)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class ChunkTable:
     offset: np.ndarray  # (C,) int64, byte offset inside the shard object
     nbytes: np.ndarray  # (C,) int64, includes the 4-byte crc32c trailer
     crc32c: np.ndarray  # (C,) uint32, crc32c of the chunk's data bytes
 
 
-@dataclass(frozen=True, eq=False)
+@functools.cache
+def empty_tables(ndim: int) -> tuple[ShardTable, ChunkTable]:
+    """The shard and chunk tables of a tensor with no shards (a zero-length dimension), of rank
+    ``ndim``: read-only, and one pair per rank shared by every such entry (they are values)."""
+    i64, u32, off = np.zeros(0, np.int64), np.zeros(0, np.uint32), np.zeros((0, ndim), np.int64)
+    for a in (i64, u32, off):
+        a.flags.writeable = False
+    return ShardTable(off, i64, (), i64, u32), ChunkTable(i64, i64, u32)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class PackedRows:
     """Where a packed tensor's shard rows lie (FORMAT.md 5.15, ``ckptfmt.packs``): row ``j``'s
     bytes are ``[start[j], start[j] + shards.nbytes[j])`` of object ``keys[object[j]]``, which
@@ -173,7 +187,36 @@ class PackedRows:
     start: np.ndarray   # (S,) int64, the object offset of the shard's first byte
 
 
-@dataclass(frozen=True, eq=False)
+class _NoObjects(Mapping[int, str]):
+    """The ``objects`` of an entry that references nothing: an empty read-only map, one for all
+    of them (a dict per entry is 64 bytes per tensor)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, row: int) -> str:
+        raise KeyError(row)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "{}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _no_objects, ()
+
+
+_NO_OBJECTS = _NoObjects()
+
+
+def _no_objects() -> Mapping[int, str]:
+    return _NO_OBJECTS
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class TensorEntry:
     key: str
     shape: tuple[int, ...]
@@ -184,24 +227,36 @@ class TensorEntry:
     chunks: ChunkTable
     #: Shard rows whose object belongs to an earlier save (FORMAT.md 5.13, ckptfmt.references):
     #: row -> that save's array path. Every other row's object lies under ``array.path``.
-    objects: Mapping[int, str] = field(default_factory=dict)
+    objects: Mapping[int, str] = field(default_factory=_no_objects)
     #: Revision 1.3 (FORMAT.md 5.15, ckptfmt.packs): where each row lies in the save's pack
     #: objects; None for a tensor whose rows are shard objects of their own.
     packed: PackedRows | None = None
+    # What geometry and chunk_start computed, or what the parser already knew (shared by the
+    # tensors of one geometry); not part of the value.
+    _geometry: TensorGeometry | None = field(default=None, init=False, repr=False)
+    _chunk_start: np.ndarray | None = field(default=None, init=False, repr=False)
 
-    @functools.cached_property
+    @property
     def geometry(self) -> TensorGeometry:
-        return TensorGeometry(self.shape, self.array.shard_shape, self.array.chunk_shape, itemsize_of(self.dtype))
+        g = self._geometry
+        if g is None:
+            g = TensorGeometry(self.shape, self.array.shard_shape, self.array.chunk_shape, itemsize_of(self.dtype))
+            object.__setattr__(self, "_geometry", g)
+        return g
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize_of(self.dtype)
 
-    @functools.cached_property
+    @property
     def chunk_start(self) -> np.ndarray:
         """Where each shard's entries begin in the chunk table (length S + 1)."""
-        counts = np.prod(chunk_count_table(self.geometry, self.shards.offset), axis=1, dtype=np.int64)
-        return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        c = self._chunk_start
+        if c is None:
+            counts = np.prod(chunk_count_table(self.geometry, self.shards.offset), axis=1, dtype=np.int64)
+            c = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+            object.__setattr__(self, "_chunk_start", c)
+        return c
 
     def object_key(self, s: int) -> str:
         """The key of the object that holds shard row ``s``: its pack (FORMAT.md 5.15), or its
@@ -256,7 +311,24 @@ class TensorEntry:
         }
 
 
-@dataclass(frozen=True)
+def replace_entry(t: TensorEntry, **changes: Any) -> TensorEntry:
+    """``dataclasses.replace(t, **changes)`` that keeps what ``t`` already knows of its geometry
+    and chunk table when only its references, packed rows or sharding change."""
+    e = dataclasses.replace(t, **changes)
+    if not set(changes) - {"objects", "packed", "sharding"}:
+        object.__setattr__(e, "_geometry", t._geometry)
+        object.__setattr__(e, "_chunk_start", t._chunk_start)
+    return e
+
+
+def _known(e: TensorEntry, geom: TensorGeometry, chunk_start: np.ndarray) -> TensorEntry:
+    """``e`` with its geometry and chunk starts set to what the parser already built."""
+    object.__setattr__(e, "_geometry", geom)
+    object.__setattr__(e, "_chunk_start", chunk_start)
+    return e
+
+
+@dataclass(frozen=True, slots=True)
 class StateEntry:
     name: str
     key: str
@@ -337,12 +409,14 @@ def _tensors_exact(tensors_doc: dict[str, Any], prefix: str, writers: int,
     return tensors
 
 
-def _make_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[str, Any] | None, path: str,
-                geom: TensorGeometry, offset: np.ndarray, keys: tuple[str, ...], writer: np.ndarray,
-                nbytes: np.ndarray, icrc: np.ndarray, coff: np.ndarray, cnb: np.ndarray, ccrc: np.ndarray,
-                codec: str = "raw") -> TensorEntry:
-    return TensorEntry(k, shape, dtype, sharding, ArraySpec(path, geom.shard_shape, geom.chunk_shape, codec),
-                       ShardTable(offset, writer, keys, nbytes, icrc), ChunkTable(coff, cnb, ccrc))
+def _make_entry(k: str, dtype: str, sharding: dict[str, Any] | None, path: str, geom: TensorGeometry,
+                shards: ShardTable, chunks: ChunkTable, codec: str = "raw",
+                chunk_start: np.ndarray | None = None) -> TensorEntry:
+    """A checked entry. Its shape is ``geom.shape`` and its dtype the interned name (both shared
+    by the tensors of a model); with ``chunk_start`` the entry keeps ``geom`` and it as known."""
+    e = TensorEntry(k, geom.shape, sys.intern(dtype), sharding, ArraySpec(path, geom.shard_shape, geom.chunk_shape, codec),
+                    shards, chunks)
+    return e if chunk_start is None else _known(e, geom, chunk_start)
 
 
 _SHARD_DERIVED = ("offset", "key", "nbytes")
@@ -432,10 +506,13 @@ def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] =
     ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)
     if total:
         _check_chunk_ranges(k, geom, path, keys, nbytes, counts, coff, cnb)
+    if not n:  # no shard, no chunk: the shared empty tables
+        return _make_entry(k, dtype, sharding, path, geom, *empty_tables(nd), codec=codec)
     tables = (offset, writer, nbytes, icrc.astype(np.uint32), coff, cnb, ccrc.astype(np.uint32))
     for a in tables:  # a parsed manifest is immutable, whichever path checked it
         a.flags.writeable = False
-    return _make_entry(k, shape_t, dtype, sharding, path, geom, *tables[:1], tuple(keys), *tables[1:], codec=codec)
+    return _make_entry(k, dtype, sharding, path, geom, ShardTable(offset, writer, tuple(keys), nbytes, tables[3]),
+                       ChunkTable(*tables[4:]), codec=codec)
 
 
 def _derived_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[str, Any] | None, path: str,
@@ -456,11 +533,8 @@ def _derived_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[st
     tables = (writer, icrc.astype(np.uint32), ccrc.astype(np.uint32))
     for a in tables:
         a.flags.writeable = False
-    e = _make_entry(k, shape, dtype, sharding, path, geom, cols.offset, cols.key, tables[0], cols.nbytes, tables[1],
-                    cols.chunk_offset, cols.chunk_nbytes, tables[2])
-    e.__dict__["geometry"] = geom  # functools.cached_property slots: already known
-    e.__dict__["chunk_start"] = cols.chunk_start
-    return e
+    return _make_entry(k, dtype, sharding, path, geom, ShardTable(cols.offset, tables[0], cols.key, cols.nbytes, tables[1]),
+                       ChunkTable(cols.chunk_offset, cols.chunk_nbytes, tables[2]), chunk_start=cols.chunk_start)
 
 
 def _fill_derived(k: str, sh: dict[str, Any], ch: dict[str, Any], geom: TensorGeometry, codec: str,

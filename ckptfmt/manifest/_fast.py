@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ckptfmt.manifest._entries import derived_columns
+from ckptfmt.manifest._entries import ChunkTable, ShardTable, derived_columns, empty_tables
 from ckptfmt.errors import InvalidManifestError
 from ckptfmt.plan import TensorGeometry
 
@@ -104,8 +104,8 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
     """Validate and build every tensor entry of ``doc`` (the manifest's "tensors" member).
 
     ``prefix`` is the save's arrays prefix (``saves/<save_id>/t/``, :func:`ckptfmt.layout.arrays_prefix`).
-    ``exact(k, t, prefix, writers)`` is the exact per-tensor parser and ``make(...)`` builds a
-    TensorEntry from checked parts. ``no_float_or_bool`` is the caller's word (from counting
+    ``exact(k, t, prefix, writers)`` is the exact per-tensor parser and ``make(key, dtype, sharding,
+    path, geometry, shards, chunks, chunk_start=...)`` builds a TensorEntry from checked parts. ``no_float_or_bool`` is the caller's word (from counting
     the JSON literals) that no tensor entry holds a float or a boolean; without it the columns
     compared by value are also type-checked. ``derived``: the manifest lists ckptfmt.derived, so
     entries may be in the derived form (FORMAT.md 5.14); ``exact`` must then accept that form too.
@@ -163,7 +163,7 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
                         ic += ic_
                         cc += cc_
                         out.append(len(recs))
-                        recs.append((k, tuple(shape), t["dtype"], sharding, path, lay))
+                        recs.append((k, t["dtype"], sharding, path, lay))
                         continue
         _take(_exact(exact, k, t, prefix, writers), paths, out)
     return _finish(doc, out, recs, (header, by_value), (w, ic, cc), writers, make)
@@ -192,15 +192,21 @@ def _finish(doc: dict[str, Any], out: list[Any], recs: list[tuple], compared: tu
         if type(o) is not int:
             result[k] = o
             continue
-        key, shape, dtype, sharding, path, lay = recs[o]
-        s1, c1 = s0 + lay.n, c0 + lay.total
-        e = make(key, shape, dtype, sharding, path, lay.geom, lay.offsets, lay.keys_t, w_a[s0:s1], lay.nbytes,
-                 ic_a[s0:s1], lay.coff, lay.cnb, cc_a[c0:c1])
-        e.__dict__["geometry"] = lay.geom  # functools.cached_property slots: already known
-        e.__dict__["chunk_start"] = lay.chunk_start
-        result[k] = e
-        s0, c0 = s1, c1
+        key, dtype, sharding, path, lay = recs[o]
+        if lay.n:  # the layout's columns, and views of the manifest-wide writer and crc columns
+            s1, c1 = s0 + lay.n, c0 + lay.total
+            shards = ShardTable(lay.offsets, _rows(w_a, s0, s1), lay.keys_t, lay.nbytes, _rows(ic_a, s0, s1))
+            chunks = ChunkTable(lay.coff, lay.cnb, _rows(cc_a, c0, c1))
+            s0, c0 = s1, c1
+        else:  # a tensor with no shards: the tables every such tensor of its rank shares
+            shards, chunks = empty_tables(len(lay.geom.shape))
+        result[k] = make(key, dtype, sharding, path, lay.geom, shards, chunks, chunk_start=lay.chunk_start)
     return result
+
+
+def _rows(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Rows ``[lo, hi)`` of a read-only column: the column itself when that is all of it."""
+    return a if lo == 0 and hi == len(a) else a[lo:hi]
 
 
 def _exact(exact: Callable[..., Any], *args: Any) -> Any:
