@@ -16,6 +16,7 @@ Subpackages that may import it: reader, repository, session, interop, manager.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -138,7 +139,8 @@ class Manifest:
 
         Byte for byte ``json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"),
         ensure_ascii=False, allow_nan=False) + "\n"``; the tensors member is encoded by
-        :func:`encode_tensors`, which reuses the text of repeated columns."""
+        :func:`encode_tensors`, which reuses the text of repeated columns, and written a member at
+        a time (the bytes are built once: no whole text beside them)."""
         with paused_gc():
             try:
                 text = json.dumps(self._head() | {"tensors": {}}, sort_keys=True, separators=(",", ":"),
@@ -147,7 +149,18 @@ class Manifest:
                 # '"tensors":{}' is the top-level member (metadata may hold one of its own).
                 before, sep, after = text.rpartition('"tensors":{}')
                 assert sep, "the tensors member is missing from the encoded head"
-                return (before + '"tensors":' + encode_tensors(self.tensors, DERIVED in self.must_understand) + after + "\n").encode()
+                out = io.BytesIO()
+                out.write(before.encode())
+                out.write(b'"tensors":{')
+                comma = b""
+                for member in encode_tensors(self.tensors, DERIVED in self.must_understand):
+                    out.write(comma)
+                    out.write(member.encode())
+                    comma = b","
+                out.write(b"}")
+                out.write(after.encode())
+                out.write(b"\n")
+                return out.getvalue()
             except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as e:  # NaN, a lone surrogate, a non-JSON value
                 raise InvalidManifestError("manifest cannot be encoded as canonical JSON",
                                            found=f"{type(e).__name__}: {str(e)[:200]}") from None

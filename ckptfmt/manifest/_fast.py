@@ -23,7 +23,7 @@ import re
 from json.encoder import encode_basestring as _jstr  # type: ignore[attr-defined]
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -254,10 +254,11 @@ def _dump(v: Any) -> str:
     return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> str:
-    """The canonical JSON text of the manifest's "tensors" member: exactly what ``json.dumps``
-    (sorted keys, compact separators, no ASCII escaping) gives for ``{k: t.to_json(cols)}``, built
-    from per-column pieces. The columns a geometry determines (shard keys, offsets and sizes,
+def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> Iterator[str]:
+    """The canonical JSON text of the manifest's "tensors" member, a member (``"key":{...}``) at a
+    time in key order: joined with "," inside "{" and "}", exactly what ``json.dumps`` (sorted
+    keys, compact separators, no ASCII escaping) gives for ``{k: t.to_json(cols)}``, built
+    from per-column pieces (a member at a time: the caller need not hold the whole text twice). The columns a geometry determines (shard keys, offsets and sizes,
     chunk offsets and sizes) repeat across the tensors of a model and are encoded once each; with
     ``derived`` (the manifest lists ckptfmt.derived) they are left out of every entry that holds
     exactly the derived columns (FORMAT.md 5.14; ``cols`` is then that entry's
@@ -282,7 +283,6 @@ def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> str:
         return text
 
     keys_memo: dict[tuple[str, ...], str] = {}
-    parts = []
     for k in sorted(tensors):
         t = tensors[k]
         sh, ch, ar = t.shards, t.chunks, t.array
@@ -299,19 +299,17 @@ def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> str:
             if cols is None:
                 cols = derived_of[t.geometry] = derived_columns(t.geometry)
             if cols.matches(t):
-                parts.append(f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)}}},{mid}'
-                             f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},{obj}'
-                             f'{start}"writer":{_ints_text(sh.writer)}}}}}')
+                yield (f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)}}},{mid}'
+                       f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},{obj}'
+                       f'{start}"writer":{_ints_text(sh.writer)}}}}}')
                 continue
         keys = keys_memo.get(sh.key)
         if keys is None:
             keys = keys_memo[sh.key] = dump(list(sh.key))
         offset = col(np.ascontiguousarray(sh.offset).reshape(len(sh), len(t.shape)))
-        parts.append(
-            f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)},"nbytes":{col(ch.nbytes)},"offset":{col(ch.offset)}}},{mid}'
-            f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},"key":{keys},"nbytes":{col(sh.nbytes)},'
-            f'{obj}"offset":{offset},{start}"writer":{_ints_text(sh.writer)}}}}}')
-    return "{" + ",".join(parts) + "}"
+        yield (f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)},"nbytes":{col(ch.nbytes)},"offset":{col(ch.offset)}}},{mid}'
+               f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},"key":{keys},"nbytes":{col(sh.nbytes)},'
+               f'{obj}"offset":{offset},{start}"writer":{_ints_text(sh.writer)}}}}}')
 
 
 def _ints_text(a: np.ndarray) -> str:
