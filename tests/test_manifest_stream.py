@@ -20,6 +20,7 @@ from ckptfmt import (Box, CheckpointError, DuplicateShardError, InvalidManifestE
 from ckptfmt import manifest as mf
 from ckptfmt.manifest import CountCaps, MAX_MANIFEST_BYTES
 from ckptfmt.manifest._caps import count_structural
+from ckptfmt.layout import arrays_prefix
 from ckptfmt.manifest._stream import split_document
 from manifest_common import same_tables
 from test_manifest import BROKEN
@@ -203,3 +204,36 @@ def test_random_edits_agree(docs, data):
     edited = (text[:i] + c + text[i:] if op == "insert" else text[:i] + text[i + 1:] if op == "delete"
               else text[:i] + c + text[i + 1:])
     agree(edited)
+
+
+def _peak_and_retained(parse):
+    """(peak, retained) bytes above the start while ``parse()`` runs and once it returns."""
+    import gc
+    import tracemalloc
+    gc.collect()
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        m = parse()
+        gc.collect()
+        now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert m is not None
+    return peak - start, now - start
+
+
+def test_a_large_manifest_is_parsed_in_pieces(docs):
+    """A manifest past mf._PIECES_FROM (about 18,000 empty tensors, as an import writes them) parses
+    with a peak under twice what the parsed manifest keeps. The control: parsed whole, the same
+    text peaks above three times (the JSON of every tensor at once), so the measure can fail."""
+    d = copy.deepcopy(docs["arrays"])
+    proto, prefix = d["tensors"]["e"], arrays_prefix(d["save_id"])
+    d["tensors"] = {f"t{i:06d}": dict(proto, array=dict(proto["array"], path=f"{prefix}{i:06d}")) for i in range(18_000)}
+    data = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+    assert len(data) >= mf._PIECES_FROM
+    peak, kept = _peak_and_retained(lambda: parse_manifest(data))
+    assert peak < 2 * kept, (peak, kept)
+    whole_peak, whole_kept = _peak_and_retained(lambda: mf._parse_whole(data, caps(data)))
+    assert whole_peak > 3 * whole_kept, (whole_peak, whole_kept)

@@ -219,9 +219,10 @@ def _float_counter() -> tuple[list[int], Callable[[str], float]]:
 
 
 def _parse(data: bytes, caps: CountCaps) -> Manifest:
-    """The document in pieces where that applies and accepts (the common case: the JSON of every
-    tensor is never held at once), else whole (which names the error of a broken one)."""
-    streamed = _parse_in_pieces(data, caps)
+    """A large document in pieces where that applies and accepts (the JSON of every tensor is
+    never held at once), else whole (which names the error of a broken one). A small one whole:
+    its JSON is small, and finding the pieces costs a few milliseconds per megabyte."""
+    streamed = _parse_in_pieces(data, caps) if len(data) >= _PIECES_FROM else None
     return streamed if streamed is not None else _parse_whole(data, caps)
 
 
@@ -379,8 +380,11 @@ def _manifest(h: _Head, tensors: dict[str, TensorEntry], pack_columns: Mapping[s
                     must_understand=h.mu, extensions=h.extensions)
 
 
-#: Tensor entries decoded at once by :func:`_parse_in_pieces` (about 2 KB of JSON objects each).
-_BATCH = 4096
+#: Tensor entries decoded at once by :func:`_parse_in_pieces` (an empty tensor's entry is about 2 KB of JSON objects).
+_BATCH = 2048
+#: Manifests from this size on are parsed in pieces (a few batches of entries: below it the whole JSON
+#: is a few tens of megabytes at most).
+_PIECES_FROM = 4 << 20
 
 
 class _NotInPieces(Exception):
@@ -453,10 +457,8 @@ def _from_pieces(data: bytes, split: Split, decode: Callable[[str], Any], floats
             pack_columns.update(take_pack_columns(batch))
         tensors.update(_tensors(batch, h, clean))
         del batch
-    paths = sorted(t.array.path for t in tensors.values())  # two tensors of different batches on one array
-    if any(a == b for a, b in zip(paths, paths[1:])):
+    if len({t.array.path for t in tensors.values()}) != len(tensors):  # two tensors of different batches on one array
         raise _NotInPieces
-    del paths
     return _manifest(h, tensors, pack_columns, doc["state"])
 
 

@@ -21,7 +21,8 @@ __all__ = ["Split", "split_document"]
 
 _BLOCK = 1 << 20             # bytes scanned at once (the scan's own memory is a few times this)
 _WS = b" \t\n\r"             # JSON's whitespace
-_OPEN, _CLOSE, _COMMA, _QUOTE = (np.frombuffer(c, np.uint8) for c in (b"{[", b"}]", b",", b'"'))
+_KIND = np.zeros(256, np.int8)  # byte -> 1 for "{" and "[", -1 for "}" and "]", 2 for ","
+_KIND[[ord("{"), ord("[")]], _KIND[[ord("}"), ord("]")]], _KIND[ord(",")] = 1, -1, 2
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,16 @@ def split_document(data: bytes) -> Split | None:
     kinds: list[np.ndarray] = []
     for off in range(0, n, _BLOCK):
         b = np.frombuffer(data, np.uint8, min(_BLOCK, n - off), off)
-        q = np.flatnonzero(b == _QUOTE[0])
-        s = np.flatnonzero(np.isin(b, (123, 125, 91, 93, 44)))
+        q = np.flatnonzero(b == 34)  # '"'
+        s = np.flatnonzero((b == 44) | (b == 123) | (b == 125) | (b == 91) | (b == 93))
         s = s[((np.searchsorted(q, s) + quotes) & 1) == 0]  # outside strings: an even count of quotes before
         c = b[s]
-        opens, closes = np.isin(c, _OPEN), np.isin(c, _CLOSE)
-        d = np.cumsum(opens.astype(np.int64) - closes, dtype=np.int64) + depth  # depth after each character
+        k = _KIND[c]
+        opens, closes, commas = k == 1, k == -1, k == 2
+        d = np.cumsum(np.where(commas, 0, k), dtype=np.int64) + depth  # depth after each character
         if d.size and d.min() < 0:
             return None
         pos = s + off
-        commas = c == _COMMA[0]
         picks["top_comma"].append(pos[commas & (d == 1)])
         picks["top_open"].append(pos[opens & (d == 1)])
         picks["top_close"].append(pos[closes & (d == 0)])
