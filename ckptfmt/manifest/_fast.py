@@ -105,8 +105,9 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
 
     ``prefix`` is the save's arrays prefix (``saves/<save_id>/t/``, :func:`ckptfmt.layout.arrays_prefix`).
     ``exact(k, t, prefix, writers)`` is the exact per-tensor parser and ``make(key, dtype, sharding,
-    path, geometry, shards, chunks, chunk_start=...)`` builds a TensorEntry from checked parts. ``no_float_or_bool`` is the caller's word (from counting
-    the JSON literals) that no tensor entry holds a float or a boolean; without it the columns
+    path, geometry, shards, chunks, chunk_start=...)`` builds a TensorEntry from checked parts.
+    ``no_float_or_bool`` is the caller's word (from counting the JSON literals) that no tensor
+    entry holds a float or a boolean; without it the columns
     compared by value are also type-checked. ``derived``: the manifest lists ckptfmt.derived, so
     entries may be in the derived form (FORMAT.md 5.14); ``exact`` must then accept that form too.
     Raises :class:`Fallback` on anything it cannot accept.
@@ -257,12 +258,12 @@ def _dump(v: Any) -> str:
 def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> Iterator[str]:
     """The canonical JSON text of the manifest's "tensors" member, a member (``"key":{...}``) at a
     time in key order: joined with "," inside "{" and "}", exactly what ``json.dumps`` (sorted
-    keys, compact separators, no ASCII escaping) gives for ``{k: t.to_json(cols)}``, built
-    from per-column pieces (a member at a time: the caller need not hold the whole text twice). The columns a geometry determines (shard keys, offsets and sizes,
-    chunk offsets and sizes) repeat across the tensors of a model and are encoded once each; with
-    ``derived`` (the manifest lists ckptfmt.derived) they are left out of every entry that holds
-    exactly the derived columns (FORMAT.md 5.14; ``cols`` is then that entry's
-    :func:`derived_columns`, else None)."""
+    keys, compact separators, no ASCII escaping) gives for ``{k: t.to_json(cols)}``, built from
+    per-column pieces (a member at a time: the caller need not hold the whole text twice). The
+    columns a geometry determines (shard keys, offsets and sizes, chunk offsets and sizes) repeat
+    across the tensors of a model and are encoded once each; with ``derived`` (the manifest lists
+    ckptfmt.derived) they are left out of every entry that holds exactly the derived columns
+    (FORMAT.md 5.14; ``cols`` is then that entry's :func:`derived_columns`, else None)."""
     dump = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
     memo: dict[bytes, str] = {}
     small: dict[Any, str] = {}  # shapes, dtypes and codecs repeat across tensors
