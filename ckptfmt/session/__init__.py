@@ -473,7 +473,9 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
     table_sizes: list[int] = []
     for p in plans:
         g = p.geometry
-        nd, raw_chunk = len(g.shape), shard_sizes(g).chunk
+        nd = len(g.shape)
+        # Only a tensor with shards needs its sizes (kept on the plan's geometry once asked).
+        raw_chunk = shard_sizes(g).chunk if p.items else 0
         offsets, writers, keys, nbytes, icrcs, coff, cnb, ccrc = [], [], [], [], [], [], [], []
         objs, starts = [], []
         for row, it in enumerate(p.items):
