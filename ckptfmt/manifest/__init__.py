@@ -7,7 +7,7 @@ The tensor and state entries, and the exact checks of one entry, are in
 
 Subpackage ``ckptfmt.manifest``. The manifest: its frozen dataclasses <-> JSON, every validation
 rule of the format, its caps, the fast validation path and the references and derived-column
-extensions (FORMAT.md 5). Pure: no storage, no I/O. Its modules: ``_caps``, ``_entries``, ``_fast``,
+extensions (FORMAT.md 5). Pure: no storage, no I/O. Its modules: ``_caps``, ``_derived``, ``_entries``, ``_fast``,
 ``_packs``, ``_refs``, ``_stream``. May import: floor, shard. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
 (tests/test_layering.py holds the rules and enforces them). The lengths a shard's parts may take,
 which the checks and the derived columns compare with, are :func:`ckptfmt.shard.shard_sizes`'s.
@@ -44,7 +44,7 @@ from ckptfmt.manifest._entries import _make_entry as _make_entry
 from ckptfmt.manifest._entries import _tensor as _tensor
 from ckptfmt.manifest._entries import _tensors_exact as _tensors_exact
 from ckptfmt.manifest._entries import check_object_key as check_object_key
-from ckptfmt.manifest._entries import derived_columns
+from ckptfmt.manifest._derived import derived_columns
 from ckptfmt.manifest._fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
 from ckptfmt.manifest._refs import KNOWN_EXTENSIONS as KNOWN_EXTENSIONS
 from ckptfmt.manifest._refs import REFERENCES as REFERENCES

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from ckptfmt.manifest._entries import ChunkTable, ShardTable, derived_columns, empty_tables
+from ckptfmt.manifest._derived import derived_columns
+from ckptfmt.manifest._entries import ChunkTable, ShardTable, empty_tables
 from ckptfmt.errors import InvalidManifestError
 from ckptfmt.plan import TensorGeometry
 

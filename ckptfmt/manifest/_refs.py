@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ckptfmt.manifest._entries import (DerivedColumns, TensorEntry, _fail, _typed, check_object_key, derived_columns,
-                                       replace_entry)
+from ckptfmt.manifest._derived import DerivedColumns, derived_columns
+from ckptfmt.manifest._entries import TensorEntry, _fail, _typed, check_object_key, replace_entry
 from ckptfmt.layout import arrays_prefix, is_save_id
 from ckptfmt.manifest._packs import PACKS
 
