@@ -237,3 +237,20 @@ def test_a_large_manifest_is_parsed_in_pieces(docs):
     assert peak < 2 * kept, (peak, kept)
     whole_peak, whole_kept = _peak_and_retained(lambda: mf._parse_whole(data, caps(data)))
     assert whole_peak > 3 * whole_kept, (whole_peak, whole_kept)
+
+
+@pytest.mark.parametrize("value", [False, 0.0])
+def test_a_literal_in_a_column_beside_one_in_a_sharding_is_rejected(docs, value):
+    """``False`` or ``0.0`` as a shard offset of the second tensor of a later batch (the fast path
+    compares it by value with the first's 0, which it equals: only a type check refuses it),
+    beside a literal of the same kind in that tensor's sharding: the batch's literals are then not
+    all in shardings, so its columns are type-checked. The control: the sharding's literal alone
+    is accepted in pieces. (With the batch taken as free of literals, this test fails.)"""
+    d = copy.deepcopy(docs["arrays"])
+    d["tensors"]["b/3"]["sharding"] = {"flag": value}
+    pieces, whole = agree(_text(d))
+    assert pieces is not None and pieces.tensors["b/3"].sharding == {"flag": value}
+    assert d["tensors"]["b/3"]["shards"]["offset"][0] == [0, 0]
+    d["tensors"]["b/3"]["shards"]["offset"][0][0] = value
+    pieces, whole = agree(_text(d))
+    assert pieces is None and isinstance(whole, InvalidManifestError)
