@@ -7,8 +7,8 @@ The tensor and state entries, and the exact checks of one entry, are in
 
 Subpackage ``ckptfmt.manifest``. The manifest: its frozen dataclasses <-> JSON, every validation
 rule of the format, its caps, the fast validation path and the references and derived-column
-extensions (FORMAT.md 5). Pure: no storage, no I/O. Its modules: ``_caps``, ``_entries``, ``_fast``,
-``_refs``. May import: floor, shard. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
+extensions (FORMAT.md 5). Pure: no storage, no I/O. Its modules: ``_caps``, ``_derived``, ``_entries``, ``_fast``,
+``_packs``, ``_refs``, ``_stream``. May import: floor, shard. The floor: the top-level modules listed in ``ckptfmt/__init__.py``
 (tests/test_layering.py holds the rules and enforces them). The lengths a shard's parts may take,
 which the checks and the derived columns compare with, are :func:`ckptfmt.shard.shard_sizes`'s.
 Subpackages that may import it: reader, repository, session, interop, manager.
@@ -16,10 +16,11 @@ Subpackages that may import it: reader, repository, session, interop, manager.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ckptfmt.gcpause import paused_gc
 from ckptfmt.errors import CheckpointError, InvalidManifestError, ManifestTooLargeError, UnsupportedVersionError
@@ -30,8 +31,9 @@ from ckptfmt.manifest._caps import MAX_OFFSET_ELEMENTS as MAX_OFFSET_ELEMENTS
 from ckptfmt.manifest._caps import MAX_SHARD_ROWS as MAX_SHARD_ROWS
 from ckptfmt.manifest._caps import MAX_STRUCTURAL_BYTES as MAX_STRUCTURAL_BYTES
 from ckptfmt.manifest._caps import MAX_TENSORS as MAX_TENSORS
-from ckptfmt.manifest._caps import CountCaps, check_nesting, count_structural
-from ckptfmt.manifest._entries import (MAX_KEY_LEN, MAX_NDIM, MAX_OBJECT_KEY_LEN, MAX_TENSOR_BYTES, _U32, _fail, _int,
+from ckptfmt.manifest._caps import (CountCaps, check_nesting, check_offset_elements, check_rows, count_structural,
+                                    offset_elements, row_counts)
+from ckptfmt.manifest._entries import (MAX_KEY_LEN, MAX_OBJECT_KEY_LEN, MAX_TENSOR_BYTES, _U32, _fail, _int,
                                        _members, _typed)
 from ckptfmt.manifest._entries import ArraySpec as ArraySpec
 from ckptfmt.manifest._entries import ChunkTable as ChunkTable
@@ -42,7 +44,7 @@ from ckptfmt.manifest._entries import _make_entry as _make_entry
 from ckptfmt.manifest._entries import _tensor as _tensor
 from ckptfmt.manifest._entries import _tensors_exact as _tensors_exact
 from ckptfmt.manifest._entries import check_object_key as check_object_key
-from ckptfmt.manifest._entries import derived_columns
+from ckptfmt.manifest._derived import derived_columns
 from ckptfmt.manifest._fast import Fallback, check_encodable, count_literals, encode_tensors, tensors_fast
 from ckptfmt.manifest._refs import KNOWN_EXTENSIONS as KNOWN_EXTENSIONS
 from ckptfmt.manifest._refs import REFERENCES as REFERENCES
@@ -51,6 +53,7 @@ from ckptfmt.manifest._refs import DERIVED as DERIVED
 from ckptfmt.manifest._refs import apply_references, referenced_saves
 from ckptfmt.manifest._packs import PACKS as PACKS
 from ckptfmt.manifest._packs import apply_packs, packs_payload, take_pack_columns
+from ckptfmt.manifest._stream import Split, split_document
 from ckptfmt.manifest._entries import PackedRows as PackedRows
 from ckptfmt.layout import MARKER_BYTES as MARKER_BYTES
 from ckptfmt.layout import MARKER_KEY as MARKER_KEY
@@ -136,7 +139,8 @@ class Manifest:
 
         Byte for byte ``json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"),
         ensure_ascii=False, allow_nan=False) + "\n"``; the tensors member is encoded by
-        :func:`encode_tensors`, which reuses the text of repeated columns."""
+        :func:`encode_tensors`, which reuses the text of repeated columns, and written a member at
+        a time (the bytes are built once: no whole text beside them)."""
         with paused_gc():
             try:
                 text = json.dumps(self._head() | {"tensors": {}}, sort_keys=True, separators=(",", ":"),
@@ -145,7 +149,18 @@ class Manifest:
                 # '"tensors":{}' is the top-level member (metadata may hold one of its own).
                 before, sep, after = text.rpartition('"tensors":{}')
                 assert sep, "the tensors member is missing from the encoded head"
-                return (before + '"tensors":' + encode_tensors(self.tensors, DERIVED in self.must_understand) + after + "\n").encode()
+                out = io.BytesIO()
+                out.write(before.encode())
+                out.write(b'"tensors":{')
+                comma = b""
+                for member in encode_tensors(self.tensors, DERIVED in self.must_understand):
+                    out.write(comma)
+                    out.write(member.encode())
+                    comma = b","
+                out.write(b"}")
+                out.write(after.encode())
+                out.write(b"\n")
+                return out.getvalue()
             except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as e:  # NaN, a lone surrogate, a non-JSON value
                 raise InvalidManifestError("manifest cannot be encoded as canonical JSON",
                                            found=f"{type(e).__name__}: {str(e)[:200]}") from None
@@ -188,18 +203,31 @@ def parse_manifest(data: bytes, *, max_bytes: int = MAX_MANIFEST_BYTES) -> Manif
         return _parse(data, caps.after_counting(structural))
 
 
-def _parse(data: bytes, caps: CountCaps) -> Manifest:
-    floats = [0]
+def _float_counter() -> tuple[list[int], Callable[[str], float]]:
+    """A ``parse_float`` hook that counts the float literals it decodes (in ``count[0]``) and
+    refuses one out of float range."""
+    count = [0]
 
     def _float(text: str) -> float:
-        floats[0] += 1
+        count[0] += 1
         value = float(text)
         if not math.isfinite(value):  # 1e400: JSON allows the literal, the canonical encoding cannot hold it
             raise InvalidManifestError("manifest holds a number out of float range", expected="a finite number",
                                        found=text[:40])
         return value
+    return count, _float
 
-    data = bytes(data)
+
+def _parse(data: bytes, caps: CountCaps) -> Manifest:
+    """A large document in pieces where that applies and accepts (the JSON of every tensor is
+    never held at once), else whole (which names the error of a broken one). A small one whole:
+    its JSON is small, and finding the pieces costs a few milliseconds per megabyte."""
+    streamed = _parse_in_pieces(data, caps) if len(data) >= _PIECES_FROM else None
+    return streamed if streamed is not None else _parse_whole(data, caps)
+
+
+def _parse_whole(data: bytes, caps: CountCaps) -> Manifest:
+    floats, _float = _float_counter()
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates,
                          parse_float=_float)
@@ -235,10 +263,27 @@ _TOP = {"format", "format_version", "must_understand", "extensions", "save_id", 
         "writers", "versions", "metadata", "tensors", "state"}
 
 
-def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps = CountCaps()) -> Manifest:
-    """Build and check a manifest from its parsed JSON. ``literals``: the document's float count
-    and an upper bound of its boolean count, which lets the fast path skip type checks when
-    neither occurs inside a tensor entry's tables."""
+@dataclass(frozen=True)
+class _Head:
+    """The checked members of a manifest other than its tensors and state."""
+
+    version: int
+    mu: tuple[str, ...]
+    save_id: str
+    step: int
+    created: float
+    writers: int
+    versions: dict[str, str]
+    metadata: dict[str, Any]
+    extensions: dict[str, Any]
+
+    @property
+    def prefix(self) -> str:
+        return arrays_prefix(self.save_id)
+
+
+def _head(doc: Any) -> _Head:
+    """Every check of the manifest's members but its tensors and state, in order."""
     _typed(doc, dict, "manifest")
     if doc.get("format") != FORMAT_NAME:
         _fail("not a ckptfmt manifest", expected=FORMAT_NAME, found=repr(doc.get("format"))[:80])
@@ -269,45 +314,152 @@ def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps
     metadata = _typed(doc["metadata"], dict, "metadata")
     extensions = _typed(doc.get("extensions", {}), dict, "extensions")
     _check_declared(mu, extensions)
-    prefix = arrays_prefix(save_id)
+    return _Head(version, tuple(mu), save_id, step, float(created), writers, versions, metadata, extensions)
+
+
+def _from_doc(doc: Any, literals: tuple[int, int] | None = None, caps: CountCaps = CountCaps()) -> Manifest:
+    """Build and check a manifest from its parsed JSON. ``literals``: the document's float count
+    and an upper bound of its boolean count, which lets the fast path skip type checks when
+    neither occurs inside a tensor entry's tables."""
+    h = _head(doc)
     tensors_doc = _typed(doc["tensors"], dict, "tensors")
     if len(tensors_doc) > caps.tensors:
         raise ManifestTooLargeError("manifest holds too many tensors", expected=f"<= {caps.tensors}", found=len(tensors_doc))
     # The free-form members are the only ones that can nest deeply (the rest is at most 6 levels).
-    check_nesting(metadata, 2, "metadata")
-    check_nesting(extensions, 2, "extensions")
-    for k, t in tensors_doc.items():
-        if type(t) is dict and type(sd := t.get("sharding")) is dict:
-            check_nesting(sd, 4, "sharding", key=k)
+    check_nesting(h.metadata, 2, "metadata")
+    check_nesting(h.extensions, 2, "extensions")
+    _check_sharding_nesting(tensors_doc)
     if caps.count_rows:  # else the structural count already keeps every column below the row caps
-        _check_rows(tensors_doc, caps)
-    if DERIVED in mu:  # only a derived entry expands: an explicit entry's offsets are values of the text
-        _check_offset_elements(tensors_doc, caps)
+        check_rows(tensors_doc, caps)
+    if DERIVED in h.mu:  # only a derived entry expands: an explicit entry's offsets are values of the text
+        check_offset_elements(tensors_doc, caps)
     clean = False
     if literals is not None:
         f0, b0 = count_literals([v for m, v in doc.items() if m != "tensors"])
-        f1, b1 = count_literals([t.get("sharding") for t in tensors_doc.values() if type(t) is dict])
+        f1, b1 = _sharding_literals(tensors_doc)
         clean = literals == (f0 + f1, b0 + b1)
     # Revision 1.3 (FORMAT.md 5.15): a packed entry's two extra shard columns are checked apart,
     # once every entry is built; without the extension they stay and are unknown members.
-    pack_columns = take_pack_columns(tensors_doc) if PACKS in mu else {}
-    codecs = ("raw", "zstd") if ZSTD in mu else ("raw",)
-    derived = DERIVED in mu
+    pack_columns = take_pack_columns(tensors_doc) if PACKS in h.mu else {}
+    return _manifest(h, _tensors(tensors_doc, h, clean), pack_columns, doc["state"])
+
+
+def _check_sharding_nesting(tensors_doc: dict[str, Any]) -> None:
+    for k, t in tensors_doc.items():
+        if type(t) is dict and type(sd := t.get("sharding")) is dict:
+            check_nesting(sd, 4, "sharding", key=k)
+
+
+def _sharding_literals(tensors_doc: dict[str, Any]) -> tuple[int, int]:
+    return count_literals([t.get("sharding") for t in tensors_doc.values() if type(t) is dict])
+
+
+def _tensors(tensors_doc: dict[str, Any], h: _Head, clean: bool) -> dict[str, TensorEntry]:
+    """The checked entries of ``tensors_doc``: through the fast path, else the exact checks."""
+    codecs = ("raw", "zstd") if ZSTD in h.mu else ("raw",)
+    derived = DERIVED in h.mu
     try:
-        tensors = tensors_fast(tensors_doc, prefix, writers, exact=functools.partial(_tensor, codecs=codecs, derived=derived),
-                               make=_make_entry, max_key_len=MAX_KEY_LEN, max_object_key_len=MAX_OBJECT_KEY_LEN,
-                               no_float_or_bool=clean, derived=derived)
+        return tensors_fast(tensors_doc, h.prefix, h.writers, exact=functools.partial(_tensor, codecs=codecs, derived=derived),
+                            make=_make_entry, max_key_len=MAX_KEY_LEN, max_object_key_len=MAX_OBJECT_KEY_LEN,
+                            no_float_or_bool=clean, derived=derived)
     except Fallback:  # something is off: the exact checks find it and name it
-        tensors = _tensors_exact(tensors_doc, prefix, writers, codecs, derived)
-    if REFERENCES in mu:
-        tensors = apply_references(extensions[REFERENCES], tensors, save_id)
-    if PACKS in mu:
+        return _tensors_exact(tensors_doc, h.prefix, h.writers, codecs, derived)
+
+
+def _manifest(h: _Head, tensors: dict[str, TensorEntry], pack_columns: Mapping[str, tuple[Any, Any]],
+              state_doc: Any) -> Manifest:
+    """The manifest of checked entries, once the extensions that span tensors are checked and applied."""
+    if REFERENCES in h.mu:
+        tensors = apply_references(h.extensions[REFERENCES], tensors, h.save_id)
+    if PACKS in h.mu:
         referenced = frozenset(k for k, t in tensors.items() if t.objects)
-        tensors = apply_packs(extensions[PACKS], pack_columns, tensors, save_id, referenced)
-    state = _state_entries(_typed(doc["state"], dict, "state"), save_id, writers)
-    return Manifest(save_id=save_id, step=step, created_unix=float(created), writers=writers, tensors=tensors,
-                    state=state, versions=versions, metadata=metadata, format_version=version,
-                    must_understand=tuple(mu), extensions=extensions)
+        tensors = apply_packs(h.extensions[PACKS], pack_columns, tensors, h.save_id, referenced)
+    state = _state_entries(_typed(state_doc, dict, "state"), h.save_id, h.writers)
+    return Manifest(save_id=h.save_id, step=h.step, created_unix=h.created, writers=h.writers, tensors=tensors,
+                    state=state, versions=h.versions, metadata=h.metadata, format_version=h.version,
+                    must_understand=h.mu, extensions=h.extensions)
+
+
+#: Tensor entries decoded at once by :func:`_parse_in_pieces` (an empty tensor's entry is about 2 KB of JSON objects).
+_BATCH = 2048
+#: Manifests from this size on are parsed in pieces (a few batches of entries: below it the whole JSON
+#: is a few tens of megabytes at most).
+_PIECES_FROM = 4 << 20
+
+
+class _NotInPieces(Exception):
+    """The piecewise parse does not vouch for this manifest: parse it whole."""
+
+
+def _parse_in_pieces(data: bytes, caps: CountCaps, batch: int = _BATCH) -> Manifest | None:
+    """The manifest decoded a top-level member at a time and its tensor entries a batch at a time
+    (:mod:`ckptfmt.manifest._stream`), each batch checked and built before the next is decoded, so
+    that the JSON of every tensor is never held at once. Every check of :func:`_from_doc` runs,
+    on running totals where it spans tensors. It only ever accepts: None where the split does not
+    apply or anything at all is wrong, and the caller then parses the document whole, which
+    accepts or raises the precise error (tests/test_manifest_stream.py holds both to the same
+    answers)."""
+    split = split_document(data)
+    if split is None:
+        return None
+    floats, _float = _float_counter()
+    decode = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_float=_float, parse_constant=_reject_constant).decode
+    try:
+        return _from_pieces(data, split, decode, floats, caps, batch)
+    except Exception:  # any broken rule, or a text the split cut wrongly: the whole parse names it
+        return None
+
+
+def _one_member(decode: Callable[[str], Any], piece: bytes) -> tuple[str, Any]:
+    d = decode("{" + piece.decode("utf-8") + "}")
+    if len(d) != 1:
+        raise _NotInPieces
+    return next(iter(d.items()))
+
+
+def _from_pieces(data: bytes, split: Split, decode: Callable[[str], Any], floats: list[int], caps: CountCaps,
+                 size: int) -> Manifest:
+    doc: dict[str, Any] = {}
+    for i, (s, e) in enumerate(split.members):
+        k, v = _one_member(decode, split.skeleton(data) if i == split.tensors else data[s:e])
+        if k in doc or (i == split.tensors) != (k == "tensors") or (k == "tensors" and (type(v) is not dict or v)):
+            raise _NotInPieces
+        doc[k] = v
+    h = _head(doc)
+    if split.entries > caps.tensors:
+        raise _NotInPieces
+    check_nesting(h.metadata, 2, "metadata")
+    check_nesting(h.extensions, 2, "extensions")
+    tensors: dict[str, TensorEntry] = {}
+    pack_columns: dict[str, tuple[Any, Any]] = {}
+    shard_rows = chunk_rows = elements = 0
+    for s, e, count in split.batches(size):
+        raw = data[s:e]
+        before = floats[0]
+        batch = decode("{" + raw.decode("utf-8") + "}")
+        if len(batch) != count or any(k in tensors for k in batch):
+            raise _NotInPieces  # a batch cut wrongly, or a tensor key repeated across batches
+        _check_sharding_nesting(batch)
+        if caps.count_rows:
+            rows = row_counts(batch)
+            shard_rows, chunk_rows = shard_rows + rows[0], chunk_rows + rows[1]
+            if shard_rows > caps.shard_rows or chunk_rows > caps.chunk_rows:
+                raise _NotInPieces
+        if DERIVED in h.mu:
+            elements += offset_elements(batch)[0]
+            if elements > caps.offset_elements:
+                raise _NotInPieces
+        # No float and no boolean in the batch's entries but in their shardings: every float was
+        # counted as it was decoded, and every boolean is a "true" or "false" of the batch's text.
+        clean = (floats[0] - before, raw.count(b"true") + raw.count(b"false")) == _sharding_literals(batch)
+        del raw
+        if PACKS in h.mu:
+            pack_columns.update(take_pack_columns(batch))
+        tensors.update(_tensors(batch, h, clean))
+        del batch
+    if len({t.array.path for t in tensors.values()}) != len(tensors):  # two tensors of different batches on one array
+        raise _NotInPieces
+    return _manifest(h, tensors, pack_columns, doc["state"])
 
 
 def _check_declared(mu: list[str], extensions: dict[str, Any]) -> None:
@@ -321,44 +473,6 @@ def _check_declared(mu: list[str], extensions: dict[str, Any]) -> None:
     for name in (ZSTD, DERIVED):
         if name in mu and extensions[name] != {}:
             _fail(f"{name} takes an empty object", object=name, expected={}, found=repr(extensions[name])[:80])
-
-
-def _check_rows(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
-    """ManifestTooLargeError, before any table is built, past the shard or chunk row caps."""
-    shard_rows = chunk_rows = 0
-    for t in tensors_doc.values():
-        sh, ch = (t.get("shards"), t.get("chunks")) if type(t) is dict else (None, None)
-        # An entry in the derived form (FORMAT.md 5.14) is counted by the columns it still holds:
-        # its derived tables are checked against their lengths before they are built.
-        rows = sh.get("key", sh.get("writer")) if type(sh) is dict else None
-        if type(rows) is list:
-            shard_rows += len(rows)
-        rows = ch.get("offset", ch.get("crc32c")) if type(ch) is dict else None
-        if type(rows) is list:
-            chunk_rows += len(rows)
-    for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
-        if rows > cap:
-            raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)
-
-
-def _check_offset_elements(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
-    """ManifestTooLargeError, before any table is derived, when the shard offset tables would hold
-    more than the cap of elements (FORMAT.md 5.10): rows x rank summed over every tensor, the rows
-    of a derived entry counted by its writer column (its derived table has exactly that many)."""
-    elements, top, largest = 0, 0, None
-    for k, t in tensors_doc.items():
-        if type(t) is not dict or type(sh := t.get("shards")) is not dict or type(shape := t.get("shape")) is not list:
-            continue
-        rows = sh.get("key", sh.get("writer"))
-        if type(rows) is list and len(shape) <= MAX_NDIM:  # a deeper shape is refused before anything is built
-            n = len(rows) * len(shape)
-            elements += n
-            if n > top:
-                top, largest = n, k
-    if elements > caps.offset_elements:
-        raise ManifestTooLargeError("manifest's shard offset tables would hold too many elements (shard rows x rank, "
-                                    "summed over the tensors; the key named holds the most)", key=largest,
-                                    expected=f"<= {caps.offset_elements}", found=elements)
 
 
 def _state_entries(state_doc: dict[str, Any], save_id: str, writers: int) -> dict[str, StateEntry]:

@@ -9,10 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from ckptfmt.errors import InvalidManifestError
+from ckptfmt.errors import InvalidManifestError, ManifestTooLargeError
+from ckptfmt.layout import MAX_NDIM
 
 __all__ = ["MAX_MANIFEST_BYTES", "MAX_NESTING", "MAX_STRUCTURAL_BYTES", "MAX_TENSORS", "MAX_SHARD_ROWS",
-           "MAX_CHUNK_ROWS", "MAX_OFFSET_ELEMENTS", "CountCaps", "count_structural", "check_nesting"]
+           "MAX_CHUNK_ROWS", "MAX_OFFSET_ELEMENTS", "CountCaps", "count_structural", "check_nesting", "row_counts",
+           "check_rows", "offset_elements", "check_offset_elements"]
 
 MAX_MANIFEST_BYTES = 256 << 20
 #: Nesting of arrays and objects in a manifest: the top-level object is level 1.
@@ -76,3 +78,53 @@ def check_nesting(value: Any, level: int, what: str, *, key: str | None = None) 
         for c in (v.values() if type(v) is dict else v):
             if type(c) is dict or type(c) is list:
                 stack.append((c, d + 1))
+
+
+def row_counts(tensors_doc: dict[str, Any]) -> tuple[int, int]:
+    """Shard and chunk rows of the tensor entries, each counted by a column it holds."""
+    shard_rows = chunk_rows = 0
+    for t in tensors_doc.values():
+        sh, ch = (t.get("shards"), t.get("chunks")) if type(t) is dict else (None, None)
+        # An entry in the derived form (FORMAT.md 5.14) is counted by the columns it still holds:
+        # its derived tables are checked against their lengths before they are built.
+        rows = sh.get("key", sh.get("writer")) if type(sh) is dict else None
+        if type(rows) is list:
+            shard_rows += len(rows)
+        rows = ch.get("offset", ch.get("crc32c")) if type(ch) is dict else None
+        if type(rows) is list:
+            chunk_rows += len(rows)
+    return shard_rows, chunk_rows
+
+
+def check_rows(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
+    """ManifestTooLargeError, before any table is built, past the shard or chunk row caps."""
+    shard_rows, chunk_rows = row_counts(tensors_doc)
+    for what, rows, cap in (("shard", shard_rows, caps.shard_rows), ("chunk", chunk_rows, caps.chunk_rows)):
+        if rows > cap:
+            raise ManifestTooLargeError(f"manifest holds too many {what} rows", expected=f"<= {cap}", found=rows)
+
+
+def offset_elements(tensors_doc: dict[str, Any]) -> tuple[int, int, str | None]:
+    """Shard offset elements (rows x rank) summed over the entries, the largest count and its key;
+    the rows of a derived entry counted by its writer column (its derived table has exactly that many)."""
+    elements, top, largest = 0, 0, None
+    for k, t in tensors_doc.items():
+        if type(t) is not dict or type(sh := t.get("shards")) is not dict or type(shape := t.get("shape")) is not list:
+            continue
+        rows = sh.get("key", sh.get("writer"))
+        if type(rows) is list and len(shape) <= MAX_NDIM:  # a deeper shape is refused before anything is built
+            n = len(rows) * len(shape)
+            elements += n
+            if n > top:
+                top, largest = n, k
+    return elements, top, largest
+
+
+def check_offset_elements(tensors_doc: dict[str, Any], caps: CountCaps) -> None:
+    """ManifestTooLargeError, before any table is derived, when the shard offset tables would hold
+    more than the cap of elements (FORMAT.md 5.10): rows x rank summed over every tensor."""
+    elements, _, largest = offset_elements(tensors_doc)
+    if elements > caps.offset_elements:
+        raise ManifestTooLargeError("manifest's shard offset tables would hold too many elements (shard rows x rank, "
+                                    "summed over the tensors; the key named holds the most)", key=largest,
+                                    expected=f"<= {caps.offset_elements}", found=elements)

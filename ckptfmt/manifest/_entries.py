@@ -4,26 +4,28 @@ parses the whole document; :mod:`ckptfmt.manifest._fast` checks the common case 
 once and falls back on :func:`_tensors_exact` here."""
 from __future__ import annotations
 
+import dataclasses
 import functools
-import itertools
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from ckptfmt.dtypes import DTYPES, itemsize_of
 from ckptfmt.errors import DuplicateShardError, InvalidManifestError, UnsupportedVersionError
 from ckptfmt.layout import MAX_DIM, MAX_NDIM, MAX_TENSOR_BYTES, shard_key
+from ckptfmt.manifest._derived import DerivedColumns, TooManyChunks, derived_columns
 from ckptfmt.plan import TensorGeometry, chunk_count_table
 from ckptfmt.shard import shard_sizes
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]")  # C0 controls and DEL
 
 __all__ = ["ArraySpec", "PackedRows", "ShardTable", "ChunkTable", "TensorEntry", "StateEntry", "check_object_key", "CODECS",
-           "DerivedColumns", "derived_columns"]
+           "empty_tables", "replace_entry"]
 
 MAX_KEY_LEN = 4096
 MAX_OBJECT_KEY_LEN = 1024
@@ -57,83 +59,9 @@ def check_object_key(k: Any, *, prefix: str = "", key: str | None = None) -> str
     return k
 
 
-@dataclass(frozen=True, eq=False)
-class DerivedColumns:
-    """The five columns of a tensor in the written layout, which its geometry determines
-    (FORMAT.md 5.14): what a manifest in the derived form leaves out. Arrays are read-only."""
-
-    offset: np.ndarray       # (S, ndim) shard offsets, grid cells in C order
-    key: tuple[str, ...]     # shard keys derived from the offsets
-    nbytes: np.ndarray       # (S,) shard object sizes
-    chunk_offset: np.ndarray  # (C,) chunk offsets, back to back from 0 inside each shard
-    chunk_nbytes: np.ndarray  # (C,) all chunk_nbytes
-    chunk_start: np.ndarray  # (S + 1,) where each shard's rows begin in the chunk table
-
-    @functools.cached_property
-    def _raw(self) -> tuple[bytes, ...]:
-        return tuple(a.tobytes() for a in (self.offset, self.nbytes, self.chunk_offset, self.chunk_nbytes))
-
-    def matches(self, entry: "TensorEntry") -> bool:
-        """Whether ``entry`` holds exactly these columns (and may therefore leave them out). Compared
-        as int64 bytes: a table of another dtype or shape simply keeps the explicit form."""
-        sh, ch = entry.shards, entry.chunks
-        cols = (sh.offset, sh.nbytes, ch.offset, ch.nbytes)
-        last = self.__dict__.get("_last")  # the very arrays of the last match: a parsed manifest's tensors share them
-        if last is not None and sh.key is last[0] and all(a is b for a, b in zip(cols, last[1])):
-            return entry.array.codec == "raw"
-        same = (entry.array.codec == "raw" and all(type(a) is np.ndarray and a.dtype == np.int64 for a in cols)
-                and sh.offset.shape == self.offset.shape and ch.offset.shape == self.chunk_offset.shape
-                and tuple(a.tobytes() for a in cols) == self._raw and (sh.key is self.key or sh.key == self.key))
-        if same and not any(a.flags.writeable for a in cols):  # read-only: they cannot change under us
-            self.__dict__["_last"] = (sh.key, cols)
-        return same
-
-
-class TooManyChunks(ValueError):
-    """A geometry stores more chunks than the caller allows (``total``, the number it stores)."""
-
-    def __init__(self, total: int, limit: int):
-        super().__init__(f"{total} stored chunks, more than {limit}")
-        self.total = total
-
-
-def derived_columns(geom: TensorGeometry, max_chunks: int | None = None) -> DerivedColumns:
-    """The columns FORMAT.md 5.14 derives from ``geom`` (pure; callers memoize by geometry).
-    :class:`TooManyChunks` when the tensor stores more than ``max_chunks`` chunks (checked before
-    the chunk columns are built: a hostile geometry must not size them).
-
-    Built from per-dimension pieces, with no Python object per row but the shard keys: the
-    offset table is written in place one dimension at a time, and the chunk counts are an outer
-    product of per-dimension counts (what a shard stores along a dimension depends on its cell
-    along that dimension only). Memory: the returned arrays plus one column."""
-    nd, grid, n = len(geom.shape), geom.grid, math.prod(geom.grid)
-    offsets = np.empty((n, nd), np.int64)
-    counts = np.ones(n, np.int64) if nd == 0 else np.zeros(0, np.int64)
-    if nd and n:
-        cube = offsets.reshape(*grid, nd)
-        per_dim = []
-        for d, (g, s, c, size) in enumerate(zip(grid, geom.shard_shape, geom.chunk_shape, geom.shape)):
-            cell = np.arange(g, dtype=np.int64)
-            cube[..., d] = (cell * s).reshape((1,) * d + (g,) + (1,) * (nd - d - 1))
-            per_dim.append(-(-np.minimum(s, size - cell * s) // c))
-        counts = functools.reduce(np.multiply.outer, per_dim).reshape(n)
-    # An empty tensor has no shards, however long its other dimensions are.
-    keys = tuple(map("/".join, itertools.product(("c",), *(list(map(str, range(g))) for g in grid)))) if n else ()
-    start = np.zeros(n + 1, np.int64)
-    np.cumsum(counts, out=start[1:])
-    total = int(start[-1])
-    if max_chunks is not None and total > max_chunks:
-        raise TooManyChunks(total, max_chunks)
-    sizes = shard_sizes(geom)
-    cn = sizes.chunk
-    coff = (np.arange(total, dtype=np.int64) - np.repeat(start[:-1], counts)) * cn
-    arrays = (offsets, sizes.shard(counts), coff, np.full(total, cn, np.int64), start)
-    for a in arrays:
-        a.flags.writeable = False
-    return DerivedColumns(arrays[0], keys, *arrays[1:])
-
-
-@dataclass(frozen=True)
+# Entries, specs and tables are slotted: a manifest holds one of each per tensor (100,000 tensors
+# and more), and a per-object __dict__ would be most of an empty tensor's cost.
+@dataclass(frozen=True, slots=True)
 class ArraySpec:
     path: str
     shard_shape: tuple[int, ...]
@@ -141,7 +69,7 @@ class ArraySpec:
     codec: str = "raw"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class ShardTable:
     offset: np.ndarray        # (S, ndim) int64
     writer: np.ndarray        # (S,) int64
@@ -153,14 +81,24 @@ class ShardTable:
         return len(self.key)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class ChunkTable:
     offset: np.ndarray  # (C,) int64, byte offset inside the shard object
     nbytes: np.ndarray  # (C,) int64, includes the 4-byte crc32c trailer
     crc32c: np.ndarray  # (C,) uint32, crc32c of the chunk's data bytes
 
 
-@dataclass(frozen=True, eq=False)
+@functools.cache
+def empty_tables(ndim: int) -> tuple[ShardTable, ChunkTable]:
+    """The shard and chunk tables of a tensor with no shards (a zero-length dimension), of rank
+    ``ndim``: read-only, and one pair per rank shared by every such entry (they are values)."""
+    i64, u32, off = np.zeros(0, np.int64), np.zeros(0, np.uint32), np.zeros((0, ndim), np.int64)
+    for a in (i64, u32, off):
+        a.flags.writeable = False
+    return ShardTable(off, i64, (), i64, u32), ChunkTable(i64, i64, u32)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class PackedRows:
     """Where a packed tensor's shard rows lie (FORMAT.md 5.15, ``ckptfmt.packs``): row ``j``'s
     bytes are ``[start[j], start[j] + shards.nbytes[j])`` of object ``keys[object[j]]``, which
@@ -173,7 +111,36 @@ class PackedRows:
     start: np.ndarray   # (S,) int64, the object offset of the shard's first byte
 
 
-@dataclass(frozen=True, eq=False)
+class _NoObjects(Mapping[int, str]):
+    """The ``objects`` of an entry that references nothing: an empty read-only map, one for all
+    of them (a dict per entry is 64 bytes per tensor)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, row: int) -> str:
+        raise KeyError(row)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "{}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _no_objects, ()
+
+
+_NO_OBJECTS = _NoObjects()
+
+
+def _no_objects() -> Mapping[int, str]:
+    return _NO_OBJECTS
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class TensorEntry:
     key: str
     shape: tuple[int, ...]
@@ -184,24 +151,36 @@ class TensorEntry:
     chunks: ChunkTable
     #: Shard rows whose object belongs to an earlier save (FORMAT.md 5.13, ckptfmt.references):
     #: row -> that save's array path. Every other row's object lies under ``array.path``.
-    objects: Mapping[int, str] = field(default_factory=dict)
+    objects: Mapping[int, str] = field(default_factory=_no_objects)
     #: Revision 1.3 (FORMAT.md 5.15, ckptfmt.packs): where each row lies in the save's pack
     #: objects; None for a tensor whose rows are shard objects of their own.
     packed: PackedRows | None = None
+    # What geometry and chunk_start computed, or what the parser already knew (shared by the
+    # tensors of one geometry); not part of the value.
+    _geometry: TensorGeometry | None = field(default=None, init=False, repr=False)
+    _chunk_start: np.ndarray | None = field(default=None, init=False, repr=False)
 
-    @functools.cached_property
+    @property
     def geometry(self) -> TensorGeometry:
-        return TensorGeometry(self.shape, self.array.shard_shape, self.array.chunk_shape, itemsize_of(self.dtype))
+        g = self._geometry
+        if g is None:
+            g = TensorGeometry(self.shape, self.array.shard_shape, self.array.chunk_shape, itemsize_of(self.dtype))
+            object.__setattr__(self, "_geometry", g)
+        return g
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize_of(self.dtype)
 
-    @functools.cached_property
+    @property
     def chunk_start(self) -> np.ndarray:
         """Where each shard's entries begin in the chunk table (length S + 1)."""
-        counts = np.prod(chunk_count_table(self.geometry, self.shards.offset), axis=1, dtype=np.int64)
-        return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        c = self._chunk_start
+        if c is None:
+            counts = np.prod(chunk_count_table(self.geometry, self.shards.offset), axis=1, dtype=np.int64)
+            c = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+            object.__setattr__(self, "_chunk_start", c)
+        return c
 
     def object_key(self, s: int) -> str:
         """The key of the object that holds shard row ``s``: its pack (FORMAT.md 5.15), or its
@@ -256,7 +235,24 @@ class TensorEntry:
         }
 
 
-@dataclass(frozen=True)
+def replace_entry(t: TensorEntry, **changes: Any) -> TensorEntry:
+    """``dataclasses.replace(t, **changes)`` that keeps what ``t`` already knows of its geometry
+    and chunk table when only its references, packed rows or sharding change."""
+    e = dataclasses.replace(t, **changes)
+    if not set(changes) - {"objects", "packed", "sharding"}:
+        object.__setattr__(e, "_geometry", t._geometry)
+        object.__setattr__(e, "_chunk_start", t._chunk_start)
+    return e
+
+
+def _known(e: TensorEntry, geom: TensorGeometry, chunk_start: np.ndarray) -> TensorEntry:
+    """``e`` with its geometry and chunk starts set to what the parser already built."""
+    object.__setattr__(e, "_geometry", geom)
+    object.__setattr__(e, "_chunk_start", chunk_start)
+    return e
+
+
+@dataclass(frozen=True, slots=True)
 class StateEntry:
     name: str
     key: str
@@ -337,12 +333,14 @@ def _tensors_exact(tensors_doc: dict[str, Any], prefix: str, writers: int,
     return tensors
 
 
-def _make_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[str, Any] | None, path: str,
-                geom: TensorGeometry, offset: np.ndarray, keys: tuple[str, ...], writer: np.ndarray,
-                nbytes: np.ndarray, icrc: np.ndarray, coff: np.ndarray, cnb: np.ndarray, ccrc: np.ndarray,
-                codec: str = "raw") -> TensorEntry:
-    return TensorEntry(k, shape, dtype, sharding, ArraySpec(path, geom.shard_shape, geom.chunk_shape, codec),
-                       ShardTable(offset, writer, keys, nbytes, icrc), ChunkTable(coff, cnb, ccrc))
+def _make_entry(k: str, dtype: str, sharding: dict[str, Any] | None, path: str, geom: TensorGeometry,
+                shards: ShardTable, chunks: ChunkTable, codec: str = "raw",
+                chunk_start: np.ndarray | None = None) -> TensorEntry:
+    """A checked entry. Its shape is ``geom.shape`` and its dtype the interned name (both shared
+    by the tensors of a model); with ``chunk_start`` the entry keeps ``geom`` and it as known."""
+    e = TensorEntry(k, geom.shape, sys.intern(dtype), sharding, ArraySpec(path, geom.shard_shape, geom.chunk_shape, codec),
+                    shards, chunks)
+    return e if chunk_start is None else _known(e, geom, chunk_start)
 
 
 _SHARD_DERIVED = ("offset", "key", "nbytes")
@@ -432,10 +430,13 @@ def _tensor(k: str, t: Any, prefix: str, writers: int, codecs: tuple[str, ...] =
     ccrc = _int_array(ch.get("crc32c"), total, 0, _U32 - 1, "chunks.crc32c", k)
     if total:
         _check_chunk_ranges(k, geom, path, keys, nbytes, counts, coff, cnb)
+    if not n:  # no shard, no chunk: the shared empty tables
+        return _make_entry(k, dtype, sharding, path, geom, *empty_tables(nd), codec=codec)
     tables = (offset, writer, nbytes, icrc.astype(np.uint32), coff, cnb, ccrc.astype(np.uint32))
     for a in tables:  # a parsed manifest is immutable, whichever path checked it
         a.flags.writeable = False
-    return _make_entry(k, shape_t, dtype, sharding, path, geom, *tables[:1], tuple(keys), *tables[1:], codec=codec)
+    return _make_entry(k, dtype, sharding, path, geom, ShardTable(offset, writer, tuple(keys), nbytes, tables[3]),
+                       ChunkTable(*tables[4:]), codec=codec)
 
 
 def _derived_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[str, Any] | None, path: str,
@@ -456,11 +457,8 @@ def _derived_entry(k: str, shape: tuple[int, ...], dtype: str, sharding: dict[st
     tables = (writer, icrc.astype(np.uint32), ccrc.astype(np.uint32))
     for a in tables:
         a.flags.writeable = False
-    e = _make_entry(k, shape, dtype, sharding, path, geom, cols.offset, cols.key, tables[0], cols.nbytes, tables[1],
-                    cols.chunk_offset, cols.chunk_nbytes, tables[2])
-    e.__dict__["geometry"] = geom  # functools.cached_property slots: already known
-    e.__dict__["chunk_start"] = cols.chunk_start
-    return e
+    return _make_entry(k, dtype, sharding, path, geom, ShardTable(cols.offset, tables[0], cols.key, cols.nbytes, tables[1]),
+                       ChunkTable(cols.chunk_offset, cols.chunk_nbytes, tables[2]), chunk_start=cols.chunk_start)
 
 
 def _fill_derived(k: str, sh: dict[str, Any], ch: dict[str, Any], geom: TensorGeometry, codec: str,

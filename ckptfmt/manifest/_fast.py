@@ -23,11 +23,12 @@ import re
 from json.encoder import encode_basestring as _jstr  # type: ignore[attr-defined]
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from ckptfmt.manifest._entries import derived_columns
+from ckptfmt.manifest._derived import derived_columns
+from ckptfmt.manifest._entries import ChunkTable, ShardTable, empty_tables
 from ckptfmt.errors import InvalidManifestError
 from ckptfmt.plan import TensorGeometry
 
@@ -104,9 +105,10 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
     """Validate and build every tensor entry of ``doc`` (the manifest's "tensors" member).
 
     ``prefix`` is the save's arrays prefix (``saves/<save_id>/t/``, :func:`ckptfmt.layout.arrays_prefix`).
-    ``exact(k, t, prefix, writers)`` is the exact per-tensor parser and ``make(...)`` builds a
-    TensorEntry from checked parts. ``no_float_or_bool`` is the caller's word (from counting
-    the JSON literals) that no tensor entry holds a float or a boolean; without it the columns
+    ``exact(k, t, prefix, writers)`` is the exact per-tensor parser and ``make(key, dtype, sharding,
+    path, geometry, shards, chunks, chunk_start=...)`` builds a TensorEntry from checked parts.
+    ``no_float_or_bool`` is the caller's word (from counting the JSON literals) that no tensor
+    entry holds a float or a boolean; without it the columns
     compared by value are also type-checked. ``derived``: the manifest lists ckptfmt.derived, so
     entries may be in the derived form (FORMAT.md 5.14); ``exact`` must then accept that form too.
     Raises :class:`Fallback` on anything it cannot accept.
@@ -163,7 +165,7 @@ def tensors_fast(doc: dict[str, Any], prefix: str, writers: int, *, exact: Calla
                         ic += ic_
                         cc += cc_
                         out.append(len(recs))
-                        recs.append((k, tuple(shape), t["dtype"], sharding, path, lay))
+                        recs.append((k, t["dtype"], sharding, path, lay))
                         continue
         _take(_exact(exact, k, t, prefix, writers), paths, out)
     return _finish(doc, out, recs, (header, by_value), (w, ic, cc), writers, make)
@@ -192,15 +194,21 @@ def _finish(doc: dict[str, Any], out: list[Any], recs: list[tuple], compared: tu
         if type(o) is not int:
             result[k] = o
             continue
-        key, shape, dtype, sharding, path, lay = recs[o]
-        s1, c1 = s0 + lay.n, c0 + lay.total
-        e = make(key, shape, dtype, sharding, path, lay.geom, lay.offsets, lay.keys_t, w_a[s0:s1], lay.nbytes,
-                 ic_a[s0:s1], lay.coff, lay.cnb, cc_a[c0:c1])
-        e.__dict__["geometry"] = lay.geom  # functools.cached_property slots: already known
-        e.__dict__["chunk_start"] = lay.chunk_start
-        result[k] = e
-        s0, c0 = s1, c1
+        key, dtype, sharding, path, lay = recs[o]
+        if lay.n:  # the layout's columns, and views of the manifest-wide writer and crc columns
+            s1, c1 = s0 + lay.n, c0 + lay.total
+            shards = ShardTable(lay.offsets, _rows(w_a, s0, s1), lay.keys_t, lay.nbytes, _rows(ic_a, s0, s1))
+            chunks = ChunkTable(lay.coff, lay.cnb, _rows(cc_a, c0, c1))
+            s0, c0 = s1, c1
+        else:  # a tensor with no shards: the tables every such tensor of its rank shares
+            shards, chunks = empty_tables(len(lay.geom.shape))
+        result[k] = make(key, dtype, sharding, path, lay.geom, shards, chunks, chunk_start=lay.chunk_start)
     return result
+
+
+def _rows(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Rows ``[lo, hi)`` of a read-only column: the column itself when that is all of it."""
+    return a if lo == 0 and hi == len(a) else a[lo:hi]
 
 
 def _exact(exact: Callable[..., Any], *args: Any) -> Any:
@@ -248,14 +256,15 @@ def _dump(v: Any) -> str:
     return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> str:
-    """The canonical JSON text of the manifest's "tensors" member: exactly what ``json.dumps``
-    (sorted keys, compact separators, no ASCII escaping) gives for ``{k: t.to_json(cols)}``, built
-    from per-column pieces. The columns a geometry determines (shard keys, offsets and sizes,
-    chunk offsets and sizes) repeat across the tensors of a model and are encoded once each; with
-    ``derived`` (the manifest lists ckptfmt.derived) they are left out of every entry that holds
-    exactly the derived columns (FORMAT.md 5.14; ``cols`` is then that entry's
-    :func:`derived_columns`, else None)."""
+def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> Iterator[str]:
+    """The canonical JSON text of the manifest's "tensors" member, a member (``"key":{...}``) at a
+    time in key order: joined with "," inside "{" and "}", exactly what ``json.dumps`` (sorted
+    keys, compact separators, no ASCII escaping) gives for ``{k: t.to_json(cols)}``, built from
+    per-column pieces (a member at a time: the caller need not hold the whole text twice). The
+    columns a geometry determines (shard keys, offsets and sizes, chunk offsets and sizes) repeat
+    across the tensors of a model and are encoded once each; with ``derived`` (the manifest lists
+    ckptfmt.derived) they are left out of every entry that holds exactly the derived columns
+    (FORMAT.md 5.14; ``cols`` is then that entry's :func:`derived_columns`, else None)."""
     dump = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
     memo: dict[bytes, str] = {}
     small: dict[Any, str] = {}  # shapes, dtypes and codecs repeat across tensors
@@ -276,7 +285,6 @@ def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> str:
         return text
 
     keys_memo: dict[tuple[str, ...], str] = {}
-    parts = []
     for k in sorted(tensors):
         t = tensors[k]
         sh, ch, ar = t.shards, t.chunks, t.array
@@ -293,19 +301,17 @@ def encode_tensors(tensors: Mapping[str, Any], derived: bool = False) -> str:
             if cols is None:
                 cols = derived_of[t.geometry] = derived_columns(t.geometry)
             if cols.matches(t):
-                parts.append(f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)}}},{mid}'
-                             f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},{obj}'
-                             f'{start}"writer":{_ints_text(sh.writer)}}}}}')
+                yield (f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)}}},{mid}'
+                       f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},{obj}'
+                       f'{start}"writer":{_ints_text(sh.writer)}}}}}')
                 continue
         keys = keys_memo.get(sh.key)
         if keys is None:
             keys = keys_memo[sh.key] = dump(list(sh.key))
         offset = col(np.ascontiguousarray(sh.offset).reshape(len(sh), len(t.shape)))
-        parts.append(
-            f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)},"nbytes":{col(ch.nbytes)},"offset":{col(ch.offset)}}},{mid}'
-            f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},"key":{keys},"nbytes":{col(sh.nbytes)},'
-            f'{obj}"offset":{offset},{start}"writer":{_ints_text(sh.writer)}}}}}')
-    return "{" + ",".join(parts) + "}"
+        yield (f'{head}"chunks":{{"crc32c":{_ints_text(ch.crc32c)},"nbytes":{col(ch.nbytes)},"offset":{col(ch.offset)}}},{mid}'
+               f'"shards":{{"index_crc32c":{_ints_text(sh.index_crc32c)},"key":{keys},"nbytes":{col(sh.nbytes)},'
+               f'{obj}"offset":{offset},{start}"writer":{_ints_text(sh.writer)}}}}}')
 
 
 def _ints_text(a: np.ndarray) -> str:

@@ -11,13 +11,12 @@ building only, no I/O.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ckptfmt.layout import MAX_TENSOR_BYTES, is_save_id
-from ckptfmt.manifest._entries import PackedRows, TensorEntry, _fail, _int_array, _typed, check_object_key
+from ckptfmt.manifest._entries import PackedRows, TensorEntry, _fail, _int_array, _typed, check_object_key, replace_entry
 
 __all__ = ["PACKS", "PACK_COLUMNS", "take_pack_columns", "apply_packs", "packs_payload"]
 
@@ -98,7 +97,7 @@ def apply_packs(payload: Any, columns: Mapping[str, tuple[Any, Any]], tensors: d
                   expected=f"start + nbytes <= {sizes[int(obj[j])]}", found=f"row {j}: {int(start[j])} + {int(t.shards.nbytes[j])}")
         for a in (obj, start):
             a.flags.writeable = False
-        out[k] = dataclasses.replace(t, packed=PackedRows(shared_keys, shared_sizes, obj, start))
+        out[k] = replace_entry(t, packed=PackedRows(shared_keys, shared_sizes, obj, start))
         all_obj.append(obj)
         all_lo.append(start)
         all_hi.append(hi)

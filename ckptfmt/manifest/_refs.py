@@ -15,10 +15,10 @@ own objects. Pure: parsing and building only, no I/O.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
-from ckptfmt.manifest._entries import DerivedColumns, TensorEntry, _fail, _typed, check_object_key, derived_columns
+from ckptfmt.manifest._derived import DerivedColumns, derived_columns
+from ckptfmt.manifest._entries import TensorEntry, _fail, _typed, check_object_key, replace_entry
 from ckptfmt.layout import arrays_prefix, is_save_id
 from ckptfmt.manifest._packs import PACKS
 
@@ -106,7 +106,7 @@ def apply_references(payload: Any, tensors: dict[str, TensorEntry], save_id: str
                 if j in rows:
                     _fail("a shard row is referenced twice", key=key, object=path, expected="each row once", found=j)
                 rows[j] = path
-        out[key] = dataclasses.replace(t, objects=rows)
+        out[key] = replace_entry(t, objects=rows)
     return out
 
 

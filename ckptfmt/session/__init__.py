@@ -49,7 +49,7 @@ from ckptfmt._boxcols import check_held, pack_boxes
 from ckptfmt.repository._gcfence import excluded
 from ckptfmt.manifest._refs import DERIVED, REFERENCES, ZSTD, any_in_derived_form, references_payload, wants_derived
 from ckptfmt.manifest._packs import PACKS, packs_payload
-from ckptfmt.manifest._entries import PackedRows
+from ckptfmt.manifest._entries import PackedRows, empty_tables
 from ckptfmt.session._saveopts import SaveOptions as SaveOptions
 from ckptfmt.session._shardwriter import (PhaseClock, WriteSettings, state_from_wire, state_to_wire, write_and_verify,
                                           write_state)
@@ -502,7 +502,9 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
     table_sizes: list[int] = []
     for p in plans:
         g = p.geometry
-        nd, raw_chunk = len(g.shape), shard_sizes(g).chunk
+        nd = len(g.shape)
+        # Only a tensor with shards needs its sizes (kept on the plan's geometry once asked).
+        raw_chunk = shard_sizes(g).chunk if p.items else 0
         offsets, writers, keys, nbytes, icrcs, coff, cnb, ccrc = [], [], [], [], [], [], [], []
         objs, starts = [], []
         for row, it in enumerate(p.items):
@@ -530,12 +532,15 @@ def _build_manifest(save_id: str, step: int, world: int, plans: list[TensorWrite
             coff.extend(rec.chunk_offsets)
             cnb.extend(rec.chunk_nbytes or [raw_chunk] * len(rec.chunk_offsets))
             ccrc.extend(rec.chunk_crc32c)
+        if p.items:
+            shards = ShardTable(np.asarray(offsets, np.int64).reshape(len(offsets), nd), np.asarray(writers, np.int64),
+                                tuple(keys), np.asarray(nbytes, np.int64), np.asarray(icrcs, np.uint32))
+            chunks = ChunkTable(np.asarray(coff, np.int64), np.asarray(cnb, np.int64), np.asarray(ccrc, np.uint32))
+        else:  # no shard (an empty tensor): the read-only tables every such entry of its rank shares
+            shards, chunks = empty_tables(nd)
         tensors[p.key] = TensorEntry(
             p.key, g.shape, p.dtype, shardings.get(p.key),
-            ArraySpec(array_path(save_id, p.index), g.shard_shape, g.chunk_shape, opts.codec),
-            ShardTable(np.asarray(offsets, np.int64).reshape(len(offsets), nd), np.asarray(writers, np.int64), tuple(keys),
-                       np.asarray(nbytes, np.int64), np.asarray(icrcs, np.uint32)),
-            ChunkTable(np.asarray(coff, np.int64), np.asarray(cnb, np.int64), np.asarray(ccrc, np.uint32)),
+            ArraySpec(array_path(save_id, p.index), g.shard_shape, g.chunk_shape, opts.codec), shards, chunks,
             packed=PackedRows((), (), np.asarray(objs, np.int64), np.asarray(starts, np.int64)) if packed and objs else None)
     if table:  # every packed entry shares the one object table
         keys_t, sizes_t = tuple(table), tuple(table_sizes)
