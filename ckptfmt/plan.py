@@ -201,7 +201,7 @@ def _plan(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], keys: list[
     order: np.ndarray | None = None  # held boxes sorted by tensor, for the per-tensor path
     bounds: list[int] = []
     plans: list[TensorWritePlan] = []
-    none: np.ndarray | None = None
+    no_writers = writers[:0]  # the writer column every empty tensor's plan shares
     for index, (key, shape, (_, dtype, itemsize), is_slow) in enumerate(zip(keys, shapes, specs, slow.tolist())):
         if is_slow:
             if order is None:
@@ -218,11 +218,8 @@ def _plan(inventory: Mapping[str, tuple[tuple[int, ...], str, int]], keys: list[
             like = shared[shape, gcds[index], itemsize] = (geom, grid_cells(geom.grid))
             like[1].flags.writeable = False
         geom, cells = like
-        if len(cells):
-            plans.append(TensorWritePlan(key, index, dtype, geom, cells, writers[base[index]:base[index] + len(cells)]))
-        else:  # an empty tensor: the plans of every one share one empty writer column
-            none = none if none is not None else writers[:0]
-            plans.append(TensorWritePlan(key, index, dtype, geom, cells, none))
+        mine = writers[base[index]:base[index] + len(cells)] if len(cells) else no_writers
+        plans.append(TensorWritePlan(key, index, dtype, geom, cells, mine))
     return plans
 
 
