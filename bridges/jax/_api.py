@@ -59,6 +59,7 @@ class _ArrayLayout:
     sharding: Any
     on_host: bool = True
     offered_nbytes: int = 0  # the bytes of the offered shards (what a host copy of them holds)
+    whole: bool = False  # fully replicated: every shard is the whole array
 
 
 # A job saves the same shapes and shardings at every step: their layouts are computed once. Keyed
@@ -85,7 +86,8 @@ def _layout(arr: jax.Array) -> _ArrayLayout:
     offered = tuple(i for i, (b, r) in enumerate(zip(boxes, replicas)) if r == lowest[b])
     on_host = all(d.platform == "cpu" for d in arr.sharding.device_set)
     nbytes = sum(boxes[i].size for i in offered) * np.dtype(arr.dtype).itemsize
-    found = _ArrayLayout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim), on_host, nbytes)
+    found = _ArrayLayout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim), on_host, nbytes,
+                         bool(arr.is_fully_replicated))
     if cache_key is not None:
         if len(_LAYOUTS) >= _LAYOUTS_MAX:
             _LAYOUTS.clear()
@@ -119,10 +121,26 @@ def _start_copies(arr: jax.Array, lay: _ArrayLayout) -> list[jax.Array] | None:
     there is nothing to start and nothing is done."""
     if lay.on_host:
         return None
-    shards = [arr.addressable_data(i) for i in lay.offered]
+    shards = _offered_data(arr, lay)
     for sh in shards:
         sh.copy_to_host_async()
     return shards
+
+
+def _offered_data(arr: jax.Array, lay: _ArrayLayout) -> list[jax.Array]:
+    """The single-device arrays of ``arr``'s offered shards (the lowest replica of each box).
+    jax's list of an array's per-device arrays (``_arrays``: what ``addressable_data`` indexes;
+    tests/jaxproc/bridge_checks.py ``offered_shards_are_addressable_data`` holds the two equal) is
+    taken once, not once per shard: ``addressable_data`` checks the array and builds that list on
+    every call (1.3 ms a save of the 874-leaf state, docs/profile-save.md). A fully replicated or
+    deleted array, a layout of another shard count, or a jax without ``_arrays`` goes through
+    ``addressable_data`` (which raises jax's own error for a deleted array)."""
+    every = None if lay.whole else getattr(arr, "_arrays", None)
+    if every is None or len(every) != len(lay.boxes):
+        return [arr.addressable_data(i) for i in lay.offered]
+    if len(lay.offered) == len(every):
+        return list(every)
+    return [every[i] for i in lay.offered]
 
 
 def _uncached_host_copy(arr: jax.Array, i: int, on_host: bool) -> np.ndarray:
@@ -144,8 +162,7 @@ def _stage_array(key: str, arr: jax.Array, copy: bool, started: list[jax.Array] 
     copies (a blocking save)."""
     lay = lay if lay is not None else _layout(arr)
     if copy and hand_back is None:  # the device-to-host copies: the only per-shard work in the caller's thread
-        data: tuple[Any, ...] = tuple(np.asarray(sh) for sh in started) if started is not None else \
-            tuple(np.asarray(arr.addressable_data(i)) for i in lay.offered)
+        data: tuple[Any, ...] = tuple(np.asarray(sh) for sh in (started if started is not None else _offered_data(arr, lay)))
         for d in data:  # shared by a manager's local tier and persistent save: neither may write it
             d.flags.writeable = False
         _HOST_COPIES.bytes += lay.offered_nbytes
@@ -154,7 +171,7 @@ def _stage_array(key: str, arr: jax.Array, copy: bool, started: list[jax.Array] 
         data = tuple(hand_back.source(lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
     elif lay.on_host:  # a view of each buffer (no copy), taken here: in the writer's scheduling
         # thread, 8 per leaf, these waited for the GIL behind busy writer threads (docs/profile-save.md)
-        data = tuple(np.asarray(arr.addressable_data(i)) for i in lay.offered)
+        data = tuple(np.asarray(sh) for sh in _offered_data(arr, lay))
         return _Staged(key, arr, lay, data, lay.offered_nbytes)
     else:  # lazy: a copy not picked by the plan is never made
         data = tuple((lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)

@@ -661,6 +661,101 @@ def manager_tier_and_persistent_copy_once(d):
     same(got["r"], state["r"])
 
 
+@check
+def key_path_cache_is_exact(d):
+    """flatten_with_keys renders a structure's key paths once (bridges/jax/_tree.py _KEYS): a tree
+    of an equal structure takes them from the cache, and one the treedef calls equal but renders
+    differently is rendered anew: ``{True: x}`` equals ``{1: x}`` as a treedef and must still be
+    refused. Control: ``{1: x}`` renders ``1`` both times, and a refused tree is refused again."""
+    from bridges.jax import _tree
+
+    x = jnp.ones(2)
+    first = _tree.flatten_with_keys({"a": {1: x}, "b": [x, x]})[0]
+    again = _tree.flatten_with_keys({"a": {1: x + 1}, "b": [x, x]})[0]
+    assert [k for k, _ in first] == [k for k, _ in again] == ["a/1", "b/0", "b/1"], (first, again)
+    assert float(again[0][1][0]) == 2.0, again  # the leaves are the new tree's
+    assert jax.tree_util.tree_structure({"a": {True: x}}) == jax.tree_util.tree_structure({"a": {1: x}})
+    _tree.flatten_with_keys({"a": {1: x}})
+    for _ in range(2):
+        try:
+            _tree.flatten_with_keys({"a": {True: x}})
+            raise AssertionError("a bool dict key was accepted from the cache of an int key")
+        except ValueError as e:
+            assert "only str and int keys" in str(e), e
+    cached = len(_tree._KEYS)
+    for _ in range(3):
+        _tree.flatten_with_keys({"a": {1: x}})
+    assert len(_tree._KEYS) == cached, (len(_tree._KEYS), cached)
+
+
+@check
+def offered_shards_are_addressable_data(d):
+    """The caller's copy takes the offered shards from jax's per-device list in one call
+    (bridges/jax/_api.py _offered_data): each is the array ``addressable_data`` gives for that
+    position (same device, same values), for sharded, partially and fully replicated and
+    one-device arrays; a deleted array still raises jax's own error. Control: a layout of
+    another sharding (a different shard count) falls back to ``addressable_data``."""
+    from bridges.jax import _api
+
+    m = mesh((2, 4), ("data", "model"))
+    x = jnp.arange(16 * 8, dtype=jnp.bfloat16).reshape(16, 8)
+    cases = [put(x, m, P("data", "model")), put(x, m, P("data")), put(x, m, P()),
+             jax.device_put(x, SingleDeviceSharding(DEV[3]))]
+    for arr in cases:
+        lay = _api._layout(arr)
+        got = _api._offered_data(arr, lay)
+        assert len(got) == len(lay.offered) >= 1, (arr.sharding, len(got), lay.offered)
+        for i, g in zip(lay.offered, got):
+            want = arr.addressable_data(i)
+            assert g.devices() == want.devices(), (arr.sharding, i, g.devices(), want.devices())
+            same(g, want)
+    other = _api._layout(put(x, mesh((2,), ("data",)), P("data")))
+    fallback = _api._offered_data(cases[0], other)
+    assert [g.devices() for g in fallback] == [cases[0].addressable_data(i).devices() for i in other.offered]
+    gone = put(x, m, P("data", "model"))
+    lay = _api._layout(gone)
+    gone.delete()
+    try:
+        _api._offered_data(gone, lay)
+        raise AssertionError("a deleted array was staged")
+    except RuntimeError as e:
+        assert "deleted" in str(e), e
+
+
+@check
+def async_save_survives_a_donating_step(d):
+    """An asynchronous save, then at once a jitted step that donates the saved state (the usual
+    ``donate_argnums`` training step): the save holds views of the buffers taken at the call, so
+    the donation is refused for those buffers and the checkpoint holds the values at the call.
+    Control: jax's per-device arrays alone (a copy deferred past the call) are deleted by the
+    same donation on this backend, so the check would catch a save that deferred them."""
+    m = mesh((2, 4), ("data", "model"))
+    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2 + 1, t), donate_argnums=0)
+    state = step({"w": put(jnp.arange(64.0 * 32).reshape(64, 32), m, P("data", "model")),
+                  "b": put(jnp.arange(32.0, dtype=jnp.bfloat16), m, P("model")), "r": put(jnp.arange(8.0), m, P())})
+    want = {k: np.asarray(v).copy() for k, v in state.items()}
+    h = bj.save(d, state, step=1, blocking=False)
+    nxt = step(state)
+    jax.block_until_ready(nxt)
+    h.result(60)
+    got = bj.restore(d, bj.abstract_target(nxt), step=1)
+    for k in want:
+        assert np.array_equal(np.asarray(got[k]), want[k]), k
+    with bj.CheckpointManager(d + "-mgr", save_every_steps=1) as mgr:
+        cur = step(nxt)
+        want = {k: np.asarray(v).copy() for k, v in cur.items()}
+        assert mgr.save(2, cur)
+        cur = step(cur)
+        mgr.wait()
+        got = mgr.restore(bj.abstract_target(cur)).state
+        for k in want:
+            assert np.array_equal(np.asarray(got[k]), want[k]), k
+    control = step(cur)
+    held = control["w"].addressable_data(0)
+    step(control)
+    assert control["w"].is_deleted() and held.is_deleted(), "the donation did not delete the buffers"
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:] or list(CHECKS)
     results = {}
