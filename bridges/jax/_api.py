@@ -60,6 +60,7 @@ class _ArrayLayout:
     on_host: bool = True
     offered_nbytes: int = 0  # the bytes of the offered shards (what a host copy of them holds)
     whole: bool = False  # fully replicated: every shard is the whole array
+    unbuffered: bool = False  # an ml_dtypes dtype (bfloat16, float8, int4): no buffer protocol on host
 
 
 # A job saves the same shapes and shardings at every step: their layouts are computed once. Keyed
@@ -87,7 +88,7 @@ def _layout(arr: jax.Array) -> _ArrayLayout:
     on_host = all(d.platform == "cpu" for d in arr.sharding.device_set)
     nbytes = sum(boxes[i].size for i in offered) * np.dtype(arr.dtype).itemsize
     found = _ArrayLayout(boxes, replicas, offered, describe_sharding(arr.sharding, arr.ndim), on_host, nbytes,
-                         bool(arr.is_fully_replicated))
+                         bool(arr.is_fully_replicated), np.dtype(arr.dtype).kind == "V")
     if cache_key is not None:
         if len(_LAYOUTS) >= _LAYOUTS_MAX:
             _LAYOUTS.clear()
@@ -143,6 +144,23 @@ def _offered_data(arr: jax.Array, lay: _ArrayLayout) -> list[jax.Array]:
     return [every[i] for i in lay.offered]
 
 
+def _host_views(arr: jax.Array, lay: _ArrayLayout) -> tuple[np.ndarray, ...]:
+    """Numpy views of the buffers of ``arr``'s offered shards on the host (CPU), taken in the
+    caller's thread: each holds an external reference to its buffer, so a later step that donates
+    the array cannot reuse the buffer while the save reads it (tests/jaxproc/bridge_checks.py
+    ``async_save_survives_a_donating_step``). A dtype with a buffer protocol (float32, ...) is
+    viewed by ``np.asarray``; an ml_dtypes one (bfloat16, ...), which ``np.asarray`` reaches through
+    ``jax.Array.__array__`` and ``_value``, by the method ``_value`` ends in, called directly (4 ms a
+    save of the 874-leaf state's 1,873 bfloat16 shards, docs/profile-save.md)."""
+    shards = _offered_data(arr, lay)
+    if lay.unbuffered and shards and hasattr(shards[0], "_single_device_array_to_np_array_did_copy"):
+        views = tuple(sh._single_device_array_to_np_array_did_copy()[0] for sh in shards)
+        for v in views:  # read-only, as _value leaves it
+            v.flags.writeable = False
+        return views
+    return tuple(np.asarray(sh) for sh in shards)
+
+
 def _uncached_host_copy(arr: jax.Array, i: int, on_host: bool) -> np.ndarray:
     """Shard ``i`` of ``arr`` in host memory, held by the returned array only. ``np.asarray`` of a
     device array keeps its host copy in the array (jax's host-value cache) for as long as the
@@ -162,7 +180,7 @@ def _stage_array(key: str, arr: jax.Array, copy: bool, started: list[jax.Array] 
     copies (a blocking save)."""
     lay = lay if lay is not None else _layout(arr)
     if copy and hand_back is None:  # the device-to-host copies: the only per-shard work in the caller's thread
-        data: tuple[Any, ...] = tuple(np.asarray(sh) for sh in (started if started is not None else _offered_data(arr, lay)))
+        data: tuple[Any, ...] = tuple(np.asarray(sh) for sh in started) if started is not None else _host_views(arr, lay)
         for d in data:  # shared by a manager's local tier and persistent save: neither may write it
             d.flags.writeable = False
         _HOST_COPIES.bytes += lay.offered_nbytes
@@ -171,7 +189,7 @@ def _stage_array(key: str, arr: jax.Array, copy: bool, started: list[jax.Array] 
         data = tuple(hand_back.source(lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)
     elif lay.on_host:  # a view of each buffer (no copy), taken here: in the writer's scheduling
         # thread, 8 per leaf, these waited for the GIL behind busy writer threads (docs/profile-save.md)
-        data = tuple(np.asarray(sh) for sh in _offered_data(arr, lay))
+        data = _host_views(arr, lay)
         return _Staged(key, arr, lay, data, lay.offered_nbytes)
     else:  # lazy: a copy not picked by the plan is never made
         data = tuple((lambda i=i: _uncached_host_copy(arr, i, lay.on_host)) for i in lay.offered)

@@ -693,22 +693,28 @@ def offered_shards_are_addressable_data(d):
     """The caller's copy takes the offered shards from jax's per-device list in one call
     (bridges/jax/_api.py _offered_data): each is the array ``addressable_data`` gives for that
     position (same device, same values), for sharded, partially and fully replicated and
-    one-device arrays; a deleted array still raises jax's own error. Control: a layout of
-    another sharding (a different shard count) falls back to ``addressable_data``."""
+    one-device arrays, and its host view (_host_views: the direct path for ml_dtypes, numpy's
+    otherwise) is read-only and holds the shard's values; a deleted array still raises jax's own
+    error. Control: a layout of another sharding (a different shard count) falls back to
+    ``addressable_data``."""
     from bridges.jax import _api
 
     m = mesh((2, 4), ("data", "model"))
-    x = jnp.arange(16 * 8, dtype=jnp.bfloat16).reshape(16, 8)
-    cases = [put(x, m, P("data", "model")), put(x, m, P("data")), put(x, m, P()),
-             jax.device_put(x, SingleDeviceSharding(DEV[3]))]
-    for arr in cases:
-        lay = _api._layout(arr)
-        got = _api._offered_data(arr, lay)
-        assert len(got) == len(lay.offered) >= 1, (arr.sharding, len(got), lay.offered)
-        for i, g in zip(lay.offered, got):
-            want = arr.addressable_data(i)
-            assert g.devices() == want.devices(), (arr.sharding, i, g.devices(), want.devices())
-            same(g, want)
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.int8):
+        x = jnp.arange(16 * 8).reshape(16, 8).astype(dtype)
+        cases = [put(x, m, P("data", "model")), put(x, m, P("data")), put(x, m, P()),
+                 jax.device_put(x, SingleDeviceSharding(DEV[3]))]
+        for arr in cases:
+            lay = _api._layout(arr)
+            assert lay.unbuffered == (np.dtype(dtype).kind == "V"), (dtype, lay.unbuffered)
+            got, views = _api._offered_data(arr, lay), _api._host_views(arr, lay)
+            assert len(got) == len(views) == len(lay.offered) >= 1, (arr.sharding, len(got), lay.offered)
+            for i, g, v in zip(lay.offered, got, views):
+                want = arr.addressable_data(i)
+                assert g.devices() == want.devices(), (arr.sharding, i, g.devices(), want.devices())
+                same(g, want)
+                assert v.dtype == np.dtype(dtype) and not v.flags.writeable, (dtype, v.dtype, v.flags)
+                assert v.tobytes() == np.asarray(want).tobytes(), (dtype, arr.sharding, i)
     other = _api._layout(put(x, mesh((2,), ("data",)), P("data")))
     fallback = _api._offered_data(cases[0], other)
     assert [g.devices() for g in fallback] == [cases[0].addressable_data(i).devices() for i in other.offered]
