@@ -73,6 +73,46 @@ def test_write_rate_limit_and_jitter_pace_the_writes(tmp_path):
     assert np.array_equal(Repository(str(tmp_path / "paced")).open().read("x"), x)
 
 
+def test_background_worker_lets_go_of_a_finished_job_while_it_waits_for_the_next():
+    """A job holds what its save staged (a whole state's host copies): once it has run, the idle
+    worker must not keep it alive until the next job or its idle timeout. The worker thread is
+    still waiting when the job is gone (the release is not the thread's exit). Control: a job that
+    something else still holds is seen alive by the same check."""
+    import threading
+    import time
+    import weakref
+
+    from ckptfmt.session.asyncsave import BackgroundWorker
+
+    class Job:
+        def __init__(self) -> None:
+            self.staged = np.ones(1 << 16)
+            self.ran = threading.Event()
+
+        def __call__(self) -> None:
+            self.ran.set()
+
+    def gone_after_run(w: BackgroundWorker, *, held_elsewhere: bool, wait_s: float) -> bool:
+        job = Job()
+        ref, ran = weakref.ref(job), job.ran
+        holder = job if held_elsewhere else None
+        w.submit(job)
+        del job
+        assert ran.wait(10)
+        deadline = time.monotonic() + wait_s
+        while ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gone = ref() is None
+        del holder
+        return gone
+
+    w = BackgroundWorker("ckptfmt-test-release", idle_s=60)
+    assert gone_after_run(w, held_elsewhere=False, wait_s=10), "the idle worker still holds its last job"
+    assert w._thread is not None and w._thread.is_alive()
+    assert not gone_after_run(w, held_elsewhere=True, wait_s=0.5)  # control: held elsewhere, seen alive
+    w.stop()
+
+
 def test_background_worker_reuses_one_thread_and_restarts_after_idle_or_stop():
     import threading
     import time

@@ -29,6 +29,7 @@ CHECKS = [
     "reference_cycles", "default_placement", "empty_arrays", "empty_arrays_targetless",
     "empty_arrays_manager", "layout_cache_follows_sharding", "manager_tier_and_persistent_copy_once",
     "key_path_cache_is_exact", "offered_shards_are_addressable_data", "async_save_survives_a_donating_step",
+    "finished_async_save_lets_go_of_the_state",
 ]
 
 

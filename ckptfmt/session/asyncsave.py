@@ -102,6 +102,10 @@ class BackgroundWorker:
             if job is None:
                 return
             job()
+            # Let go of the finished job before waiting for the next: it holds what its save
+            # staged (host copies of a whole state), which would otherwise live until the next
+            # submit or the idle timeout (tests/test_asyncsave.py, the worker's last job).
+            job = None
 
 
 def _process_worker() -> BackgroundWorker:

@@ -762,6 +762,33 @@ def async_save_survives_a_donating_step(d):
     assert control["w"].is_deleted() and held.is_deleted(), "the donation did not delete the buffers"
 
 
+@check
+def finished_async_save_lets_go_of_the_state(d):
+    """Once an asynchronous save has committed, nothing of it holds the saved state's buffers: a
+    donating step can reuse them (the save's worker let go of its finished job, whose host views
+    of the state would otherwise pin a second copy of the state until the next save). Control:
+    one view of a buffer, held, makes the same donation be refused (the array stays alive)."""
+    import gc
+    import time
+
+    from bridges.jax import _api
+
+    m = mesh((2, 4), ("data", "model"))
+    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2 + 1, t), donate_argnums=0)
+    state = step({"w": put(jnp.arange(64.0 * 32).reshape(64, 32), m, P("data", "model")),
+                  "b": put(jnp.arange(32.0, dtype=jnp.bfloat16), m, P("model"))})
+    bj.save(d, state, step=1, blocking=False).result(60)
+    deadline = time.monotonic() + 10
+    while any(isinstance(o, _api._Staged) for o in gc.get_objects()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    step(state)
+    assert state["w"].is_deleted() and state["b"].is_deleted(), "a finished save still pins the state's buffers"
+    kept = step({"w": put(jnp.arange(64.0 * 32).reshape(64, 32), m, P("data", "model"))})
+    view = np.asarray(kept["w"].addressable_data(0))
+    step(kept)
+    assert not kept["w"].is_deleted() and view.shape == (32, 8), "a held view did not stop the donation"
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:] or list(CHECKS)
     results = {}
