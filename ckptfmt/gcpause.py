@@ -24,7 +24,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, ParamSpec, TypeVar
 
-__all__ = ["paused_gc", "pausing_gc"]
+__all__ = ["paused_gc", "pausing_gc", "HeldPause"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -42,24 +42,56 @@ class _Pauses:
 _PAUSES = _Pauses()
 
 
+def _open() -> None:
+    with _PAUSES.lock:
+        if _PAUSES.open == 0:
+            _PAUSES.resume = gc.isenabled()
+            gc.disable()
+        _PAUSES.open += 1
+
+
+def _close() -> None:
+    with _PAUSES.lock:
+        _PAUSES.open -= 1
+        if _PAUSES.open == 0 and _PAUSES.resume:
+            gc.enable()
+
+
 @contextmanager
 def paused_gc(enabled: bool = True) -> Iterator[None]:
     """Pause automatic cyclic collection inside the block (nothing when ``enabled`` is False)."""
     if not enabled:
         yield
         return
-    with _PAUSES.lock:
-        if _PAUSES.open == 0:
-            _PAUSES.resume = gc.isenabled()
-            gc.disable()
-        _PAUSES.open += 1
+    _open()
     try:
         yield
     finally:
-        with _PAUSES.lock:
-            _PAUSES.open -= 1
-            if _PAUSES.open == 0 and _PAUSES.resume:
-                gc.enable()
+        _close()
+
+
+class HeldPause:
+    """A pause opened by one thread and closed by another: an asynchronous save's, opened in the
+    caller's thread before it stages the state and closed by the background thread when the save
+    ends, so that what the stage makes (a few objects per shard, most of them JAX's) is freed by
+    reference counting when the save ends instead of being promoted to the oldest generation by
+    the collections the stage itself would trigger (docs/profile-save.md). :meth:`close` is
+    idempotent and safe from any thread; nothing is paused when ``enabled`` is False."""
+
+    __slots__ = ("_lock", "_held")
+
+    def __init__(self, enabled: bool = True) -> None:
+        self._lock = threading.Lock()
+        self._held = False
+        if enabled:
+            _open()
+            self._held = True
+
+    def close(self) -> None:
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            _close()
 
 
 def pausing_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:

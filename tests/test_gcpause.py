@@ -148,3 +148,81 @@ def test_a_read_starts_no_collection(tmp_path):
         assert all(np.array_equal(o, np.full((8, 2), i, np.float32)) for i, o in enumerate(out))
         counts.append(len(seen))
     assert counts[0] == 0 and counts[1] > 0, counts
+
+
+def test_a_held_pause_opened_on_one_thread_is_closed_on_another_once():
+    """An asynchronous save's pause (HeldPause) is opened by the caller's thread and closed by the
+    save's: the collector stays paused until then, a second close does nothing (it must not end
+    another pause), and ``enabled=False`` pauses nothing. Control: the collector is enabled
+    before and after, so each check of 'paused' can fail."""
+    from ckptfmt.gcpause import HeldPause
+
+    with _collector(True):
+        held = HeldPause()
+        assert not gc.isenabled()
+        with paused_gc():
+            t = threading.Thread(target=held.close)
+            t.start()
+            t.join(10)
+            assert not gc.isenabled(), "the held pause's close ended the open block's pause"
+            held.close()
+            assert not gc.isenabled(), "a second close ended another pause"
+        assert gc.isenabled()
+        HeldPause(False).close()
+        assert gc.isenabled()
+
+
+def _async_save(tmp_path, name: str, pause: bool, fail: bool = False) -> dict:
+    """An asynchronous core save (ckptfmt.save_async) of 300 small tensors: whether the collector
+    was enabled when the stage ran (the caller's thread), while the background save ran, when
+    what the save staged was freed, and after the save ended."""
+    import time
+    import weakref
+
+    seen: dict = {}
+    shards = _shards(300)
+
+    class Marker:  # freed with what the save staged
+        pass
+
+    def stage():
+        seen["stage_enabled"] = gc.isenabled()
+        if fail:
+            raise ValueError("staging failed")
+        held = Marker()  # only the save's closure holds it
+        weakref.finalize(held, lambda: seen.setdefault("freed_enabled", gc.isenabled()))
+
+        def run():
+            seen["run_enabled"] = gc.isenabled()
+            assert held is not None
+            return ckptfmt.save(str(tmp_path / name), 1, shards, options=ckptfmt.SaveOptions(pause_gc=pause))
+        return run, 0
+
+    from ckptfmt.session.asyncsave import start_async
+
+    with _collector(True):
+        try:
+            h = start_async(stage, step=1, pause_gc=pause)
+        except ValueError:
+            seen["raised"] = True
+        else:
+            h.result(60)
+        deadline = time.monotonic() + 10
+        while not fail and "freed_enabled" not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["after_enabled"] = gc.isenabled()
+    return seen
+
+
+def test_an_async_save_pauses_the_collector_from_its_stage_to_its_end(tmp_path):
+    """From before the caller's stage until the background save ends, and what the save staged is
+    freed while still paused (so the collections the stage would start cannot promote it to the
+    oldest generation: docs/profile-save.md); then the collector is enabled again, also after a
+    stage that raises. Control: with ``pause_gc=False`` the collector is enabled throughout."""
+    got = _async_save(tmp_path, "paused", True)
+    assert got == {"stage_enabled": False, "run_enabled": False, "freed_enabled": False, "after_enabled": True}, got
+    failed = _async_save(tmp_path, "failed", True, fail=True)
+    assert failed["raised"] and failed["after_enabled"] and not failed["stage_enabled"], failed
+    control = _async_save(tmp_path, "unpaused", False)
+    assert control == {"stage_enabled": True, "run_enabled": True, "freed_enabled": True, "after_enabled": True}, control
+    assert ckptfmt.Repository(str(tmp_path / "paused")).steps() == [1]

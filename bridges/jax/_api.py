@@ -342,7 +342,8 @@ def _save(url: "str | Repository", state: Any, *, step: int, extra: Any, rank_st
         return (lambda: _commit(url, step, _shards_of(items), global_state, per_rank, md, coord, options, release),
                 _staged_bytes(items))
 
-    handle: SaveHandle = start_async(stage, step=step, wait=False, retry=retry, hand_back=hand_back)
+    handle: SaveHandle = start_async(stage, step=step, wait=False, retry=retry, hand_back=hand_back,
+                                     pause_gc=options.pause_gc)
     return handle
 
 

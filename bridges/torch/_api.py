@@ -249,7 +249,8 @@ def _save(url: "str | ckptfmt.Repository", state: TMapping[str, Any], *, step: i
 
     if blocking:
         return run_attempts(stage()[0], retry)
-    handle: SaveHandle = start_async(stage, step=step, wait=False, retry=retry, hand_back=hand_back)
+    handle: SaveHandle = start_async(stage, step=step, wait=False, retry=retry, hand_back=hand_back,
+                                     pause_gc=getattr(options, "pause_gc", True))
     return handle
 
 

@@ -72,7 +72,9 @@ class SaveOptions:
     max_staging_bytes: int | None = None
     #: Pause Python's cyclic garbage collector while the save runs (:mod:`ckptfmt.gcpause`): a
     #: save's many small objects are acyclic, and the full collections they triggered walked every
-    #: object of the process. False leaves the collector alone.
+    #: object of the process. An asynchronous save pauses it from before the caller's stage until
+    #: the background save ends, and frees what it staged before resuming it. False leaves the
+    #: collector alone.
     pause_gc: bool = True
     #: If given, this rank adds the seconds of each save phase into it ("plan", "stage", "write",
     #: "fsync", "verify", "state", "commit"), for profiles and the bench; never changes the save.

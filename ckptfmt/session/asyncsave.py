@@ -38,6 +38,7 @@ import numpy as np
 
 from ckptfmt._types import LocalShard
 from ckptfmt.errors import InvalidStateError, SaveInProgressError
+from ckptfmt.gcpause import HeldPause
 from ckptfmt.manifest import Manifest
 from ckptfmt.repository import Repository
 from ckptfmt.session import save
@@ -273,7 +274,8 @@ def save_in_flight() -> bool:
 
 
 def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step: int, wait: bool = True,
-                retry: RetrySchedule | None = None, hand_back: HandBack | None = None) -> SaveHandle:
+                retry: RetrySchedule | None = None, hand_back: HandBack | None = None,
+                pause_gc: bool = True) -> SaveHandle:
     """Run a save in a background thread and return its :class:`SaveHandle`.
 
     Takes this process's save slot (one asynchronous save at a time: with ``wait`` it waits for
@@ -285,20 +287,25 @@ def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step
     save is run again in the background (:func:`run_attempts`), holding the slot and its staged data.
     With ``hand_back`` (the sources ``stage`` left to the writer, beyond the host-memory budget),
     this returns only once each has been read, or the save has ended; ``blocked_s`` includes that.
+    With ``pause_gc`` (``SaveOptions.pause_gc``), Python's cyclic collector is paused from before
+    ``stage()`` until the save ends (:class:`ckptfmt.gcpause.HeldPause`).
     """
     t0 = time.perf_counter()
     lock = _process_lock()
     if not lock.acquire(blocking=wait):
         raise SaveInProgressError("an earlier asynchronous save is still in flight", expected="no save in flight",
                                   found=f"save of another step running; requested step {step}")
+    pause = HeldPause(pause_gc)
     try:
         run, nbytes = stage()
     except BaseException:
+        pause.close()
         lock.release()
         raise
     handle = SaveHandle(time.perf_counter() - t0, nbytes)
 
     def background() -> None:
+        nonlocal run
         try:
             handle._manifest = run_attempts(run, retry)
         except BaseException as e:  # delivered through handle.result()
@@ -307,10 +314,17 @@ def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step
             if hand_back is not None:
                 hand_back.seal()
             handle.finished_unix = time.time()
+            run = None  # what the save staged is freed here, while the collector is still paused
+            pause.close()
             lock.release()
             handle._done.set()
 
-    _process_worker().submit(background)
+    try:
+        _process_worker().submit(background)
+    except BaseException:
+        pause.close()
+        lock.release()
+        raise
     if hand_back is not None and hand_back.pending():
         hand_back.released.wait()
         handle.blocked_s = time.perf_counter() - t0
@@ -341,4 +355,5 @@ def save_async(repo: Repository | str | os.PathLike[str], step: int, shards: Ite
 
         return run, nbytes
 
-    return start_async(stage, step=step, wait=wait, hand_back=hand_back)
+    return start_async(stage, step=step, wait=wait, hand_back=hand_back,
+                       pause_gc=options.pause_gc if options is not None else True)
