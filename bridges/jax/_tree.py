@@ -121,9 +121,9 @@ def check_acyclic(tree: Any) -> None:
 # so its paths are rendered and checked once, not once per leaf per save (2.5 ms a save of the
 # 874-leaf state, docs/profile-save.md). Keyed by the treedef and its text: treedefs compare dict
 # keys by ``==`` (``{1: x}`` equals ``{True: x}``, which must raise), their texts by ``repr``.
-# Bounded; a structure that cannot be hashed is rendered every time.
+# Bounded (a job saves and restores a few structures); one that cannot be hashed is rendered every time.
 _KEYS: dict[tuple[Any, str], tuple[str, ...]] = {}
-_KEYS_MAX = 256
+_KEYS_MAX = 32
 
 
 def _render_keys(tree: Any) -> tuple[str, ...]:
@@ -162,8 +162,8 @@ def flatten_with_keys(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
                 _KEYS.clear()
             _KEYS[cache_key] = keys
     if len(keys) != len(leaves):  # the tree changed between the two flattens (another thread)
-        raise ValueError(f"the tree has {len(leaves)} leaves but its key paths name {len(keys)}; was it "
-                         "modified while it was being saved?")
+        raise ValueError(f"the tree has {len(leaves)} leaves but its key paths name {len(keys)}: was it "
+                         "modified by another thread while it was being flattened?")
     return list(zip(keys, leaves)), treedef
 
 
