@@ -173,7 +173,7 @@ def test_a_held_pause_opened_on_one_thread_is_closed_on_another_once():
 
 
 def _async_save(tmp_path, name: str, pause: bool, fail: bool = False) -> dict:
-    """An asynchronous core save (ckptfmt.save_async) of 300 small tensors: whether the collector
+    """An asynchronous save through ``start_async`` of 300 small tensors: whether the collector
     was enabled when the stage ran (the caller's thread), while the background save ran, when
     what the save staged was freed, and after the save ended."""
     import time

@@ -296,11 +296,15 @@ def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step
         raise SaveInProgressError("an earlier asynchronous save is still in flight", expected="no save in flight",
                                   found=f"save of another step running; requested step {step}")
     pause = HeldPause(pause_gc)
+
+    def release() -> None:  # the collector's pause and the save slot, given back together
+        pause.close()
+        lock.release()
+
     try:
         run, nbytes = stage()
     except BaseException:
-        pause.close()
-        lock.release()
+        release()
         raise
     handle = SaveHandle(time.perf_counter() - t0, nbytes)
 
@@ -315,15 +319,13 @@ def start_async(stage: Callable[[], tuple[Callable[[], Manifest], int]], *, step
                 hand_back.seal()
             handle.finished_unix = time.time()
             run = None  # what the save staged is freed here, while the collector is still paused
-            pause.close()
-            lock.release()
+            release()
             handle._done.set()
 
     try:
         _process_worker().submit(background)
     except BaseException:
-        pause.close()
-        lock.release()
+        release()
         raise
     if hand_back is not None and hand_back.pending():
         hand_back.released.wait()

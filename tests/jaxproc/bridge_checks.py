@@ -728,6 +728,11 @@ def offered_shards_are_addressable_data(d):
         assert "deleted" in str(e), e
 
 
+def _donating_step():
+    """A jitted training step that donates its state (``donate_argnums=0``)."""
+    return jax.jit(lambda t: jax.tree.map(lambda a: a * 2 + 1, t), donate_argnums=0)
+
+
 @check
 def async_save_survives_a_donating_step(d):
     """An asynchronous save, then at once a jitted step that donates the saved state (the usual
@@ -736,7 +741,7 @@ def async_save_survives_a_donating_step(d):
     Control: jax's per-device arrays alone (a copy deferred past the call) are deleted by the
     same donation on this backend, so the check would catch a save that deferred them."""
     m = mesh((2, 4), ("data", "model"))
-    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2 + 1, t), donate_argnums=0)
+    step = _donating_step()
     state = step({"w": put(jnp.arange(64.0 * 32).reshape(64, 32), m, P("data", "model")),
                   "b": put(jnp.arange(32.0, dtype=jnp.bfloat16), m, P("model")), "r": put(jnp.arange(8.0), m, P())})
     want = {k: np.asarray(v).copy() for k, v in state.items()}
@@ -774,7 +779,7 @@ def finished_async_save_lets_go_of_the_state(d):
     from bridges.jax import _api
 
     m = mesh((2, 4), ("data", "model"))
-    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2 + 1, t), donate_argnums=0)
+    step = _donating_step()
     state = step({"w": put(jnp.arange(64.0 * 32).reshape(64, 32), m, P("data", "model")),
                   "b": put(jnp.arange(32.0, dtype=jnp.bfloat16), m, P("model"))})
     bj.save(d, state, step=1, blocking=False).result(60)
